@@ -1,0 +1,211 @@
+"""The ckptd command: serve, status, ls, restore, verify, gc.
+
+Exit codes: 0 success, 1 failure (not found, verification failed, daemon
+error), 2 usage or config error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import sys
+from pathlib import Path
+
+from ckpt.errors import CheckpointError, InvalidArgument
+from ckpt.format import validate_job, validate_step
+from ckpt.transport import DaemonClient
+from ckpt.wire.v1 import ckptd_pb2 as pb
+from ckptd import __version__
+from ckptd.config import Config, ConfigError, load_config
+
+EXAMPLES = """\
+examples:
+  ckptd serve --config /etc/ckptd/ckptd.toml
+  ckptd ls --job llama-7b
+  ckptd restore --job llama-7b --step latest --from auto --to /mnt/restore
+  ckptd verify --job llama-7b --step 1200
+  ckptd gc --dry-run
+"""
+
+
+def _parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--config", metavar="PATH", help="TOML config file (default: $CKPTD_CONFIG, else built-in defaults)")
+    daemon = argparse.ArgumentParser(add_help=False)
+    daemon.add_argument("--address", help="the daemon's socket path or unix:PATH (default: $CKPTD_ADDRESS, else the configured socket)")
+
+    p = argparse.ArgumentParser(
+        prog="ckptd",
+        description="Asynchronous multilevel checkpointing daemon for PyTorch training.",
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--version", action="version", version=f"ckptd {__version__}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    s = sub.add_parser("serve", parents=[common], help="run the daemon in the foreground",
+                       description="Run the daemon in the foreground. SIGTERM or SIGINT drains in-flight work, then exits 0.")
+    s.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+
+    s = sub.add_parser("status", parents=[common, daemon], help="show the running daemon's state")
+    s.add_argument("--json", action="store_true", help="print one JSON document")
+
+    s = sub.add_parser("ls", parents=[common, daemon], help="list complete steps and the tiers holding them")
+    s.add_argument("--job", help="only this job")
+    s.add_argument("--json", action="store_true", help="print one JSON list")
+
+    s = sub.add_parser("restore", parents=[common], help="copy a step out of a tier into a directory (no daemon needed)",
+                       description="Copy every shard of a step, verified, into DIR/<job>/<step>/, readable by ckpt.load_local.")
+    s.add_argument("--job", required=True)
+    s.add_argument("--step", default="latest", help="a step number, or latest (default)")
+    s.add_argument("--from", dest="source", default="auto", help="auto (fastest good copy), memory or nvme")
+    s.add_argument("--to", required=True, metavar="DIR", type=Path)
+
+    s = sub.add_parser("verify", parents=[common], help="check every byte of a job's steps against their checksums")
+    s.add_argument("--job", required=True)
+    s.add_argument("--step", type=int, help="only this step (default: every complete step)")
+    s.add_argument("--tier", help="only this tier (default: every tier this node can read)")
+
+    s = sub.add_parser("gc", parents=[common, daemon], help="apply retention now")
+    s.add_argument("--dry-run", action="store_true", help="show what would be removed and why, remove nothing")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one ckptd command and return its exit code."""
+    args = _parser().parse_args(argv)
+    try:
+        config = load_config(args.config)
+    except ConfigError as e:
+        print(f"ckptd: config error: {e}", file=sys.stderr)
+        return 2
+    try:
+        return COMMANDS[args.command](args, config)
+    except InvalidArgument as e:
+        print(f"ckptd: {e}", file=sys.stderr)
+        return 2
+    except (CheckpointError, OSError) as e:
+        print(f"ckptd: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+def _client(args: argparse.Namespace, config: Config) -> DaemonClient:
+    return DaemonClient(args.address or str(config.socket_path))
+
+
+def cmd_serve(args: argparse.Namespace, config: Config) -> int:
+    from ckptd.daemon import AlreadyServing, serve
+
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    try:
+        asyncio.run(serve(config))
+    except AlreadyServing as e:
+        print(f"ckptd: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def cmd_status(args: argparse.Namespace, config: Config) -> int:
+    doc = json.loads(_client(args, config).call("Status", pb.StatusRequest()).json)
+    if args.json:
+        print(json.dumps(doc, indent=2))
+        return 0
+    st = doc["staging"]
+    print(f"ckptd {doc['version']} on {doc['node']}, up {doc['uptime_s']:.0f} s, socket {doc['socket']}")
+    print(f"nvme root   {doc['tiers']['nvme']['root']}")
+    print(f"staging     {doc['tiers']['memory']['dir']}: {st['in_use_bytes']} bytes in {st['slots']} slots, "
+          f"{st['pending_flushes']} flushes pending, policy {st['policy']}")
+    print("counters    " + ", ".join(f"{k} {v}" for k, v in doc["counters"].items()))
+    for err in doc["recent_errors"]:
+        print(f"error       {err['tier']}: {err['error']}")
+    return 0
+
+
+def cmd_ls(args: argparse.Namespace, config: Config) -> int:
+    job = validate_job(args.job) if args.job else ""
+    reply = _client(args, config).call("List", pb.ListRequest(job=job))
+    steps = [
+        {"job": s.job, "step": s.step, "world_size": s.world_size, "size_bytes": s.size_bytes, "tiers": list(s.tiers)}
+        for s in reply.steps
+    ]
+    if args.json:
+        print(json.dumps(steps))
+        return 0
+    if not steps:
+        print("no complete steps")
+        return 0
+    width = max(len("JOB"), *(len(s["job"]) for s in steps))
+    print(f"{'JOB':<{width}}  {'STEP':>10}  {'RANKS':>5}  {'SIZE':>10}  TIERS")
+    for s in steps:
+        print(f"{s['job']:<{width}}  {s['step']:>10}  {s['world_size']:>5}  {_human(s['size_bytes']):>10}  {','.join(s['tiers'])}")
+    return 0
+
+
+def cmd_restore(args: argparse.Namespace, config: Config) -> int:
+    from ckptd.restore import latest_step, local_tiers, restore
+
+    job = validate_job(args.job)
+    tiers = local_tiers(config, args.source)
+    step = latest_step(tiers, job) if args.step == "latest" else _parse_step(args.step)
+    step_dir = restore(tiers, job, step, args.to, progress=lambda line: print(line, file=sys.stderr))
+    print(step_dir)
+    return 0
+
+
+def cmd_verify(args: argparse.Namespace, config: Config) -> int:
+    from ckptd.restore import local_tiers, verify
+
+    job = validate_job(args.job)
+    step = None if args.step is None else validate_step(args.step)
+    checked = bad = 0
+    for check in verify(local_tiers(config, args.tier or "auto"), job, step):
+        checked += 1
+        where = f"{check.tier} {check.job} step {check.step} rank {check.rank}"
+        if check.ok:
+            print(f"ok   {where}")
+        else:
+            bad += 1
+            print(f"BAD  {where}: {check.error}")
+    if checked == 0:
+        print(f"ckptd: nothing to verify for job {job}" + (f" step {step}" if step is not None else ""), file=sys.stderr)
+        return 1
+    print(f"{checked - bad} of {checked} shards check", file=sys.stderr)
+    return 1 if bad else 0
+
+
+def cmd_gc(args: argparse.Namespace, config: Config) -> int:
+    reply = _client(args, config).call("Collect", pb.CollectRequest(dry_run=args.dry_run))
+    verb = "would remove" if args.dry_run else "removed"
+    for r in reply.removals:
+        print(f"{verb} {r.tier} {r.job} step {r.step}: {r.reason}")
+    if not reply.removals:
+        print("nothing to remove")
+    return 0
+
+
+def _parse_step(text: str) -> int:
+    if not text.isdigit():
+        raise InvalidArgument(f"invalid step {text!r}: a number or latest")
+    return validate_step(int(text))
+
+
+def _human(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024  # type: ignore[assignment]
+    raise AssertionError
+
+
+COMMANDS = {
+    "serve": cmd_serve,
+    "status": cmd_status,
+    "ls": cmd_ls,
+    "restore": cmd_restore,
+    "verify": cmd_verify,
+    "gc": cmd_gc,
+}

@@ -1,0 +1,213 @@
+"""Load the daemon's configuration: embedded defaults, then TOML, then environment, then flags."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+import socket
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ckpt.transport import default_socket_path
+
+
+class ConfigError(Exception):
+    """A config file, environment override or flag is unknown or has a bad value."""
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    name: str = ""
+    root: str = ""
+    socket: str = ""
+    listen: str = ""
+
+
+@dataclass(frozen=True)
+class StagingConfig:
+    budget_bytes: int = 0
+    policy: str = "block"
+    dir: str = ""
+
+
+@dataclass(frozen=True)
+class PeerConfig:
+    addresses: tuple[str, ...] = ()
+    replicas: int = 1
+
+
+@dataclass(frozen=True)
+class ObjectConfig:
+    url: str = ""
+    every: int = 1
+    compression: str = "none"
+    storage_options: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class RetentionConfig:
+    nvme: int = 3
+    peer: int = 3
+    object: int = 0
+
+
+@dataclass(frozen=True)
+class MetricsConfig:
+    listen: str = ""
+
+
+@dataclass(frozen=True)
+class Config:
+    """Hold every setting, resolved: paths are absolute and defaults filled in."""
+
+    node: NodeConfig = NodeConfig()
+    staging: StagingConfig = StagingConfig()
+    peer: PeerConfig = PeerConfig()
+    object: ObjectConfig = ObjectConfig()
+    retention: RetentionConfig = RetentionConfig()
+    metrics: MetricsConfig = MetricsConfig()
+
+    @property
+    def root(self) -> Path:
+        return Path(self.node.root)
+
+    @property
+    def socket_path(self) -> Path:
+        return Path(self.node.socket)
+
+    @property
+    def staging_dir(self) -> Path:
+        return Path(self.staging.dir)
+
+
+_SECTION_TYPES = {
+    "node": NodeConfig,
+    "staging": StagingConfig,
+    "peer": PeerConfig,
+    "object": ObjectConfig,
+    "retention": RetentionConfig,
+    "metrics": MetricsConfig,
+}
+
+
+def load_config(path: str | None = None, env: dict[str, str] | None = None) -> Config:
+    """Build the config from a TOML file (or $CKPTD_CONFIG) and CKPTD_<SECTION>__<KEY> overrides."""
+    env = dict(os.environ if env is None else env)
+    path = path or env.get("CKPTD_CONFIG") or None
+    raw: dict[str, dict[str, Any]] = {}
+    if path:
+        try:
+            with open(path, "rb") as f:
+                data = tomllib.load(f)
+        except FileNotFoundError:
+            raise ConfigError(f"config file {path} does not exist") from None
+        except (OSError, tomllib.TOMLDecodeError) as e:
+            raise ConfigError(f"config file {path}: {e}") from None
+        for section, values in data.items():
+            if section not in _SECTION_TYPES:
+                raise ConfigError(f"unknown config section [{section}] in {path}")
+            if not isinstance(values, dict):
+                raise ConfigError(f"[{section}] in {path} must be a table")
+            raw[section] = dict(values)
+    for name, value in env.items():
+        if not name.startswith("CKPTD_") or "__" not in name:
+            continue
+        section, _, key = name[len("CKPTD_") :].lower().partition("__")
+        if section not in _SECTION_TYPES:
+            raise ConfigError(f"unknown config section in environment variable {name}")
+        raw.setdefault(section, {})[key] = _parse_env_value(value)
+    return _resolve(_build(raw))
+
+
+def with_overrides(config: Config, section: str, **values: Any) -> Config:
+    """Return config with some keys of one section replaced (command-line flags), checked again."""
+    current = dataclasses.asdict(getattr(config, section))
+    current.update({k: v for k, v in values.items() if v is not None})
+    raw = {s: dataclasses.asdict(getattr(config, s)) for s in _SECTION_TYPES}
+    raw[section] = current
+    return _resolve(_build(raw))
+
+
+def _parse_env_value(value: str) -> Any:
+    try:
+        return tomllib.loads(f"v = {value}")["v"]
+    except tomllib.TOMLDecodeError:
+        return value
+
+
+def _build(raw: dict[str, dict[str, Any]]) -> Config:
+    sections = {}
+    for section, cls in _SECTION_TYPES.items():
+        values = raw.get(section, {})
+        known = {f.name: f for f in dataclasses.fields(cls)}
+        for key, value in values.items():
+            if key not in known:
+                raise ConfigError(f"unknown config key {section}.{key}")
+            values[key] = _check_type(f"{section}.{key}", known[key], value)
+        sections[section] = cls(**values)
+    config = Config(**sections)
+    _check_values(config)
+    return config
+
+
+def _check_type(name: str, f: dataclasses.Field[Any], value: Any) -> Any:
+    default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+    if isinstance(default, bool) or isinstance(default, int):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"config key {name} must be an integer, not {value!r}")
+    elif isinstance(default, str):
+        if not isinstance(value, str):
+            raise ConfigError(f"config key {name} must be a string, not {value!r}")
+    elif isinstance(default, tuple):
+        if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+            raise ConfigError(f"config key {name} must be a list of strings, not {value!r}")
+        value = tuple(value)
+    elif isinstance(default, dict):
+        if not isinstance(value, dict):
+            raise ConfigError(f"config key {name} must be a table, not {value!r}")
+    return value
+
+
+def _check_values(c: Config) -> None:
+    def require(ok: bool, name: str, why: str) -> None:
+        if not ok:
+            raise ConfigError(f"config key {name}: {why}")
+
+    require(c.staging.budget_bytes >= 0, "staging.budget_bytes", "must be 0 (on demand) or positive")
+    require(c.staging.policy in ("block", "skip"), "staging.policy", f"must be block or skip, not {c.staging.policy!r}")
+    require(c.peer.replicas >= 0, "peer.replicas", "must not be negative")
+    require(c.object.every >= 1, "object.every", "must be at least 1")
+    require(c.object.compression in ("none", "zstd"), "object.compression", "must be none or zstd")
+    for tier in ("nvme", "peer", "object"):
+        require(getattr(c.retention, tier) >= 0, f"retention.{tier}", "must be 0 (keep all) or positive")
+    for key, value in (("node.listen", c.node.listen), ("metrics.listen", c.metrics.listen)):
+        require(value == "" or _is_host_port(value), key, f"must be host:port, not {value!r}")
+    for address in c.peer.addresses:
+        require(_is_host_port(address), "peer.addresses", f"{address!r} is not host:port")
+
+
+def _is_host_port(value: str) -> bool:
+    host, sep, port = value.rpartition(":")
+    return bool(sep and host and port.isdigit() and 0 <= int(port) < 65536)
+
+
+def _resolve(c: Config) -> Config:
+    """Fill in the defaults that depend on the machine: name, root, socket, staging dir."""
+    home = Path.home()
+    data_home = Path(os.environ.get("XDG_DATA_HOME") or home / ".local" / "share")
+    root = Path(c.node.root or data_home / "ckptd").expanduser().absolute()
+    node = dataclasses.replace(
+        c.node,
+        name=c.node.name or socket.gethostname(),
+        root=str(root),
+        socket=str(Path(c.node.socket or default_socket_path()).expanduser().absolute()),
+    )
+    staging_dir = c.staging.dir
+    if not staging_dir:
+        shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(os.environ.get("TMPDIR", "/tmp"))
+        staging_dir = str(shm / f"ckptd-{os.getuid()}-{hashlib.sha1(str(root).encode()).hexdigest()[:12]}")
+    staging = dataclasses.replace(c.staging, dir=str(Path(staging_dir).expanduser().absolute()))
+    return dataclasses.replace(c, node=node, staging=staging)

@@ -1,0 +1,91 @@
+"""Run the daemon: bind the unix socket, serve RPCs, stop cleanly on SIGTERM/SIGINT."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import socket
+from pathlib import Path
+
+import grpc
+
+from ckpt.transport import MAX_MESSAGE_BYTES
+from ckpt.wire.v1 import ckptd_pb2_grpc
+from ckptd import sd_notify
+from ckptd.config import Config
+from ckptd.pipeline import Pipeline
+from ckptd.server import CkptdServicer
+
+log = logging.getLogger(__name__)
+
+STOP_GRACE_S = 5.0
+
+
+class AlreadyServing(Exception):
+    """Another daemon answers on the configured socket."""
+
+
+async def serve(config: Config) -> None:
+    """Serve until SIGTERM or SIGINT, then drain in-flight flushes and return."""
+    _claim_socket(config.socket_path)
+    pipeline = Pipeline(config)
+    await pipeline.start()
+    server = grpc.aio.server(
+        options=[
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ]
+    )
+    ckptd_pb2_grpc.add_CkptdServicer_to_server(CkptdServicer(pipeline), server)
+    server.add_insecure_port(f"unix:{config.socket_path}")
+    await server.start()
+    os.chmod(config.socket_path, 0o660)
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    watchdog = loop.create_task(_watchdog(stop))
+    log.info("ckptd serving on %s, root %s, staging %s", config.socket_path, config.root, config.staging_dir)
+    sd_notify.notify(f"READY=1\nSTATUS=serving on {config.socket_path}\nMAINPID={os.getpid()}")
+    await stop.wait()
+
+    log.info("stopping: draining in-flight work")
+    sd_notify.notify("STOPPING=1")
+    watchdog.cancel()
+    await server.stop(STOP_GRACE_S)
+    await pipeline.drain()
+    _unlink(config.socket_path)
+    log.info("stopped")
+
+
+async def _watchdog(stop: asyncio.Event) -> None:
+    # Sent from the event loop itself, so a stuck loop stops the pings and systemd restarts us.
+    interval_s = sd_notify.watchdog_interval_s()
+    if interval_s is None:
+        return
+    while not stop.is_set():
+        sd_notify.notify("WATCHDOG=1")
+        await asyncio.sleep(interval_s)
+
+
+def _claim_socket(path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o750)
+    if not path.exists():
+        return
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        try:
+            probe.connect(str(path))
+        except OSError:
+            path.unlink()  # left by a daemon that died
+            return
+    raise AlreadyServing(f"another ckptd is already serving on {path}")
+
+
+def _unlink(path: Path) -> None:
+    try:
+        path.unlink()
+    except FileNotFoundError:
+        pass

@@ -1,0 +1,290 @@
+"""Move each committed snapshot down the tiers: staging slot -> NVMe, then retention.
+
+One Pipeline per daemon, driven from the event loop: the servicer calls
+start() once, then reserve/commit/wait_shard/locate/list_steps/collect as RPCs
+arrive, and drain() on shutdown. Flushes of one rank run in commit order; the
+byte work runs on worker threads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import mmap
+import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from ckpt.errors import InvalidArgument, NotFound
+from ckpt.format import CHUNK_SIZE_BYTES, ShardMeta, validate_tier
+from ckpt.shard_io import ShardSource
+from ckptd import __version__
+from ckptd.config import Config
+from ckptd.retention import plan_removals
+from ckptd.staging import ShardKey, Slot, SlotPool
+from ckptd.tiers.memory import MemoryTier
+from ckptd.tiers.nvme import LocalDirTier, ShardWriteError
+
+log = logging.getLogger(__name__)
+
+FLUSH_THREADS = 2
+RECENT_ERRORS = 20
+
+
+@dataclass(frozen=True)
+class StepInfo:
+    """One complete step as `ckptd ls` shows it."""
+
+    job: str
+    step: int
+    world_size: int
+    size_bytes: int
+    tiers: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Removal:
+    """One step that gc removes (or would remove) from a tier, and why."""
+
+    tier: str
+    job: str
+    step: int
+    reason: str
+
+
+class Pipeline:
+    """Own the staging slots and the tiers of one node."""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.pool = SlotPool(config.staging_dir, config.staging.budget_bytes, config.staging.policy)
+        self.memory = MemoryTier(self.pool.slots)
+        self.nvme = LocalDirTier(config.root)
+        self._flush_threads = ThreadPoolExecutor(max_workers=FLUSH_THREADS, thread_name_prefix="flush")
+        self._rank_locks: dict[tuple[str, int], asyncio.Lock] = {}
+        self._flushes: set[asyncio.Task[None]] = set()
+        self._failures: dict[ShardKey, str] = {}
+        self._changed = asyncio.Condition()
+        self._errors: deque[dict[str, Any]] = deque(maxlen=RECENT_ERRORS)
+        self._started_unix_s = time.time()
+        self._counters = {"saves": 0, "skipped": 0, "flushed": 0, "flush_failures": 0, "bytes_flushed": 0}
+
+    # -- lifecycle ---------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Clean up after an interrupted run and resume the flushes it left."""
+        self.config.root.mkdir(parents=True, exist_ok=True)
+        for path in self.nvme.remove_leftovers():
+            log.info("removed leftover %s", path)
+        held = self.pool.recover()
+        for slot in sorted(held, key=lambda s: s.shard.step if s.shard else 0):
+            assert slot.shard is not None
+            if self.nvme.has_shard(slot.shard.job, slot.shard.step, slot.shard.rank):
+                await self.pool.settle(slot)
+                await self._after_flush(slot.shard)
+            else:
+                log.info("resuming flush of %s", slot.shard)
+                self._start_flush(slot)
+        await self._finish_interrupted_commits()
+
+    async def drain(self) -> None:
+        """Wait for every queued flush to finish."""
+        while self._flushes:
+            await asyncio.gather(*list(self._flushes), return_exceptions=True)
+        self._flush_threads.shutdown(wait=True)
+        self.nvme.close()
+
+    # -- the save path -------------------------------------------------------------
+
+    async def reserve(self, key: ShardKey, size_bytes: int) -> tuple[Slot | None, float, str]:
+        """Find staging room for a shard (see SlotPool.reserve)."""
+        if size_bytes < 0:
+            raise InvalidArgument(f"{key}: negative size_bytes {size_bytes}")
+        slot, blocked_s, reason = await self.pool.reserve(key.job, key.rank, size_bytes)
+        if slot is None:
+            self._counters["skipped"] += 1
+            log.warning("skipped %s: %s (staging.policy = skip)", key, reason)
+        elif blocked_s > 0.5:
+            log.warning("%s waited %.1f s for staging room", key, blocked_s)
+        return slot, blocked_s, reason
+
+    async def commit(self, key: ShardKey, slot_path: str, data_size_bytes: int, layout: dict[str, Any]) -> None:
+        """Take over a filled slot and queue its flush."""
+        if self.nvme.has_shard(key.job, key.step, key.rank) or key.step in self.nvme.complete_steps(key.job):
+            raise InvalidArgument(f"{key} is already saved; steps are written once")
+        slot = self.pool.commit(key, slot_path, data_size_bytes, layout)
+        self._failures.pop(key, None)
+        self._counters["saves"] += 1
+        self._start_flush(slot)
+
+    def _start_flush(self, slot: Slot) -> None:
+        task = asyncio.get_running_loop().create_task(self._flush(slot))
+        self._flushes.add(task)
+        task.add_done_callback(self._flushes.discard)
+
+    async def _flush(self, slot: Slot) -> None:
+        key = slot.shard
+        assert key is not None
+        lock = self._rank_locks.setdefault((key.job, key.rank), asyncio.Lock())
+        async with lock:
+            loop = asyncio.get_running_loop()
+            try:
+                await loop.run_in_executor(self._flush_threads, self._flush_to_nvme, slot, key)
+                self._counters["flushed"] += 1
+                self._counters["bytes_flushed"] += slot.data_size_bytes
+            except (ShardWriteError, OSError, ValueError) as e:
+                self._counters["flush_failures"] += 1
+                self._record_failure(key, "nvme", str(e))
+            finally:
+                await self.pool.settle(slot)
+            await self._after_flush(key)
+
+    def _flush_to_nvme(self, slot: Slot, key: ShardKey) -> None:
+        meta = slot.meta or ShardMeta(
+            key.job, key.step, key.rank, key.world_size, slot.data_size_bytes, CHUNK_SIZE_BYTES, (), slot.layout or {}
+        )
+        with open(slot.path, "rb") as f, mmap.mmap(f.fileno(), slot.size_bytes, prot=mmap.PROT_READ) as m:
+            view = memoryview(m)
+            try:
+                self.nvme.write_shard(meta, view, on_hashed=lambda full: self.pool.record_hashed(slot, full))
+            finally:
+                view.release()
+
+    async def _after_flush(self, key: ShardKey) -> None:
+        try:
+            record = await asyncio.to_thread(self.nvme.try_commit, key.job, key.step, key.world_size)
+        except (ShardWriteError, OSError, ValueError) as e:
+            self._record_failure(key, "nvme", f"commit of {key.job} step {key.step} failed: {e}")
+            record = None
+        if record is not None:
+            log.info("%s step %d is complete on nvme (%d bytes)", key.job, key.step, record.size_bytes)
+            await self.collect(dry_run=False, job=key.job)
+        async with self._changed:
+            self._changed.notify_all()
+
+    async def _finish_interrupted_commits(self) -> None:
+        # A crash between the last shard's rename and the commit record leaves a
+        # step with every shard in place: commit it now.
+        for job in self.nvme.jobs():
+            complete = set(self.nvme.complete_steps(job))
+            for step in self.nvme.all_steps(job):
+                world_size = None if step in complete else self.nvme.saved_world_size(job, step)
+                if world_size:
+                    await self._after_flush(ShardKey(job, step, 0, world_size))
+            await self.collect(dry_run=False, job=job)
+
+    def _record_failure(self, key: ShardKey, tier: str, message: str) -> None:
+        log.error("%s", message)
+        self._failures[key] = message
+        self._errors.append({"time_unix_s": time.time(), "tier": tier, "shard": str(key), "error": message})
+
+    # -- queries ---------------------------------------------------------------------
+
+    def _shard_on(self, key: ShardKey, tier: str) -> bool:
+        if tier == "memory":
+            return any(s.shard == key and s.state != "writing" for s in self.pool.slots())
+        return self.nvme.has_shard(key.job, key.step, key.rank) or key.step in self.nvme.complete_steps(key.job)
+
+    async def wait_shard(self, key: ShardKey, tier: str, timeout_s: float) -> tuple[bool, str]:
+        """Return (done, error) for a shard on a tier, waiting up to timeout_s for it."""
+        validate_tier(tier)
+        if tier in ("peer", "object"):
+            return False, f"tier {tier} is not configured on node {self.config.node.name}"
+        deadline = time.monotonic() + timeout_s
+        async with self._changed:
+            while True:
+                if self._shard_on(key, tier):
+                    return True, ""
+                if key in self._failures:
+                    return False, self._failures[key]
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return False, ""
+                try:
+                    await asyncio.wait_for(self._changed.wait(), remaining)
+                except TimeoutError:
+                    return False, ""
+
+    def _tiers(self, tier: str) -> list[Any]:
+        tiers = [self.memory, self.nvme]
+        return tiers if tier in ("", "auto") else [t for t in tiers if t.name == validate_tier(tier)]
+
+    def locate(self, job: str, step: int | None, rank: int, tier: str = "auto") -> tuple[int, int, list[ShardSource]]:
+        """Return (step, world_size, sources fastest first) for a rank's shard of a complete step."""
+        tiers = self._tiers(tier)
+        complete = {t.name: set(t.complete_steps(job)) for t in tiers}
+        steps = set().union(*complete.values())
+        if step is None:
+            if not steps:
+                raise NotFound(f"job {job} has no complete step on tier {tier or 'auto'}")
+            step = max(steps)
+        if step not in steps:
+            raise NotFound(f"{job} step {step} is not complete on tier {tier or 'auto'}")
+        sources, world_size = [], 0
+        for t in tiers:
+            if step in complete[t.name]:
+                world_size = t.commit_record(job, step).world_size
+                if rank < world_size:
+                    sources.append(t.shard_source(job, step, rank))
+        if not sources:
+            raise NotFound(f"{job} step {step} has no rank {rank} (world_size {world_size})")
+        return step, world_size, sources
+
+    def list_steps(self, job: str = "") -> list[StepInfo]:
+        """Return every complete step on any tier, by job and step."""
+        found: dict[tuple[str, int], StepInfo] = {}
+        for t in (self.memory, self.nvme):
+            for j in [job] if job else t.jobs():
+                for step in t.complete_steps(j):
+                    prev = found.get((j, step))
+                    if prev is None:
+                        rec = t.commit_record(j, step)
+                        found[(j, step)] = StepInfo(j, step, rec.world_size, rec.size_bytes, (t.name,))
+                    else:
+                        found[(j, step)] = StepInfo(j, step, prev.world_size, prev.size_bytes, prev.tiers + (t.name,))
+        return [found[k] for k in sorted(found)]
+
+    async def collect(self, dry_run: bool, job: str = "") -> list[Removal]:
+        """Apply retention: remove what the config says not to keep; with dry_run only report it."""
+        busy = {(s.shard.job, s.shard.step) for s in self.pool.slots() if s.state == "pending" and s.shard}
+        removals: list[Removal] = []
+        for j in [job] if job else self.nvme.jobs():
+            plan = plan_removals(
+                all_steps=self.nvme.all_steps(j),
+                complete_steps=self.nvme.complete_steps(j),
+                keep=self.config.retention.nvme,
+                busy={s for bj, s in busy if bj == j},
+            )
+            for step, reason in plan:
+                removals.append(Removal("nvme", j, step, reason))
+                if not dry_run:
+                    await asyncio.to_thread(self.nvme.remove_step, j, step)
+                    log.info("removed %s step %d from nvme: %s", j, step, reason)
+        return removals
+
+    def status(self) -> dict[str, Any]:
+        """Return the status document of `ckptd status --json`."""
+        slots = self.pool.slots()
+        return {
+            "version": __version__,
+            "node": self.config.node.name,
+            "uptime_s": round(time.time() - self._started_unix_s, 3),
+            "socket": str(self.config.socket_path),
+            "tiers": {
+                "memory": {"dir": str(self.config.staging_dir), "jobs": self.memory.jobs()},
+                "nvme": {"root": str(self.config.root), "jobs": self.nvme.jobs()},
+                "peer": {"enabled": False},
+                "object": {"enabled": False},
+            },
+            "staging": {
+                "policy": self.config.staging.policy,
+                "budget_bytes": self.config.staging.budget_bytes,
+                "in_use_bytes": self.pool.in_use_bytes(),
+                "slots": len(slots),
+                "pending_flushes": sum(1 for s in slots if s.state == "pending"),
+            },
+            "counters": dict(self._counters),
+            "recent_errors": list(self._errors),
+        }

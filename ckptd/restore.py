@@ -1,0 +1,120 @@
+"""Copy a step out of a tier into a directory, or check every byte of it, with no daemon."""
+
+from __future__ import annotations
+
+import mmap
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from ckpt.errors import CheckpointError, CorruptCheckpoint, NotFound
+from ckpt.format import DIRECT_IO_ALIGN_BYTES, round_up
+from ckpt.shard_io import read_meta, read_shard_into
+from ckptd.config import Config
+from ckptd.tiers.base import Tier
+from ckptd.tiers.memory import MemoryTier
+from ckptd.tiers.nvme import LocalDirTier
+
+Progress = Callable[[str], None]
+
+
+def local_tiers(config: Config, source: str = "auto") -> list[Tier]:
+    """Return the tiers this node can read without a daemon, fastest first, for --from/--tier."""
+    tiers: list[Tier] = [MemoryTier.from_directory(config.staging_dir), LocalDirTier(config.root)]
+    if source in ("", "auto"):
+        return tiers
+    chosen = [t for t in tiers if t.name == source]
+    if not chosen:
+        raise NotFound(f"tier {source} cannot be read on this node without a daemon")
+    return chosen
+
+
+def latest_step(tiers: list[Tier], job: str) -> int:
+    """Return the newest step of job complete on any of the tiers."""
+    steps = [s for t in tiers for s in t.complete_steps(job)]
+    if not steps:
+        raise NotFound(f"job {job} has no complete step on tier(s) {', '.join(t.name for t in tiers)}")
+    return max(steps)
+
+
+@contextmanager
+def _aligned_buffer(size_bytes: int) -> Iterator[memoryview]:
+    with mmap.mmap(-1, max(round_up(size_bytes, DIRECT_IO_ALIGN_BYTES), DIRECT_IO_ALIGN_BYTES)) as m:
+        view = memoryview(m)
+        try:
+            yield view
+        finally:
+            view.release()
+
+
+def restore(tiers: list[Tier], job: str, step: int, target: Path, progress: Progress) -> Path:
+    """Copy every shard of a complete step from the first tier holding a good copy into target/<job>/<step>/."""
+    out = LocalDirTier(target, name="restore")
+    step_dir = out.step_dir(job, step)
+    if step_dir.exists():
+        raise CheckpointError(f"{step_dir} already exists; restore into an empty place")
+    holders = [t for t in tiers if step in t.complete_steps(job)]
+    if not holders:
+        raise NotFound(f"{job} step {step} is not complete on tier(s) {', '.join(t.name for t in tiers)}")
+    world_size = holders[0].commit_record(job, step).world_size
+    try:
+        for rank in range(world_size):
+            errors = []
+            for tier in holders:
+                try:
+                    source = tier.shard_source(job, step, rank)
+                    meta = read_meta(source, rank)
+                    with _aligned_buffer(meta.data_size_bytes) as buf:
+                        read_shard_into(source, meta, buf)
+                        out.write_shard(meta, buf)
+                    progress(f"rank {rank}/{world_size}: {meta.data_size_bytes} bytes from {tier.name}, verified")
+                    break
+                except CheckpointError as e:
+                    progress(f"rank {rank}/{world_size}: {e}; trying the next tier")
+                    errors.append(str(e))
+            else:
+                raise CorruptCheckpoint(f"no good copy of rank {rank} of {job} step {step}: " + "; ".join(errors))
+        if out.try_commit(job, step, world_size) is None:
+            raise CheckpointError(f"{step_dir}: not every shard was written")
+    finally:
+        out.close()
+    return step_dir
+
+
+@dataclass(frozen=True)
+class ShardCheck:
+    """The outcome of checking one shard on one tier."""
+
+    tier: str
+    job: str
+    step: int
+    rank: int
+    error: str  # "" when every byte checks
+
+    @property
+    def ok(self) -> bool:
+        return not self.error
+
+
+def verify(tiers: list[Tier], job: str, step: int | None) -> Iterator[ShardCheck]:
+    """Check every shard of step (or of every complete step) of job on each tier."""
+    for tier in tiers:
+        steps = tier.complete_steps(job) if step is None else [step]
+        if step is not None and len(tiers) > 1 and step not in tier.complete_steps(job):
+            continue  # checking every tier that holds the step; this one does not
+        for s in steps:
+            try:
+                world_size = tier.commit_record(job, s).world_size
+            except CheckpointError as e:
+                yield ShardCheck(tier.name, job, s, -1, str(e))
+                continue
+            for rank in range(world_size):
+                try:
+                    source = tier.shard_source(job, s, rank)
+                    meta = read_meta(source, rank)
+                    with _aligned_buffer(meta.data_size_bytes) as buf:
+                        read_shard_into(source, meta, buf)
+                    yield ShardCheck(tier.name, job, s, rank, "")
+                except CheckpointError as e:
+                    yield ShardCheck(tier.name, job, s, rank, str(e))

@@ -1,0 +1,125 @@
+"""Translate gRPC messages to Pipeline calls and back; no logic of its own lives here."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import grpc
+
+from ckpt.errors import CheckpointError, InvalidArgument, NotFound
+from ckpt.format import validate_job, validate_rank, validate_step
+from ckpt.wire.v1 import ckptd_pb2 as pb
+from ckpt.wire.v1 import ckptd_pb2_grpc
+from ckptd.pipeline import Pipeline
+from ckptd.staging import ShardKey
+
+T = TypeVar("T")
+MAX_LAYOUT_BYTES = 128 << 20
+MAX_WAIT_S = 24 * 3600.0
+
+
+def _shard_key(shard: pb.ShardId) -> ShardKey:
+    rank, world_size = validate_rank(shard.rank, shard.world_size)
+    return ShardKey(validate_job(shard.job), validate_step(shard.step), rank, world_size)
+
+
+async def _answer(context: grpc.aio.ServicerContext, work: Callable[[], Awaitable[T]]) -> T:
+    try:
+        return await work()
+    except InvalidArgument as e:
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+    except NotFound as e:
+        await context.abort(grpc.StatusCode.NOT_FOUND, str(e))
+    except (CheckpointError, OSError) as e:
+        await context.abort(grpc.StatusCode.INTERNAL, str(e))
+    raise AssertionError("unreachable")
+
+
+class CkptdServicer(ckptd_pb2_grpc.CkptdServicer):
+    """Serve the local-client protocol of ckpt/wire/v1/ckptd.proto."""
+
+    def __init__(self, pipeline: Pipeline) -> None:
+        self.pipeline = pipeline
+
+    async def Reserve(self, request: pb.ReserveRequest, context: Any) -> pb.ReserveReply:
+        async def work() -> pb.ReserveReply:
+            key = _shard_key(request.shard)
+            slot, blocked_s, reason = await self.pipeline.reserve(key, request.size_bytes)
+            if slot is None:
+                return pb.ReserveReply(skipped=True, reason=reason)
+            return pb.ReserveReply(
+                slot_path=str(slot.path), slot_size_bytes=slot.size_bytes, blocked_s=blocked_s, reason=reason
+            )
+
+        return await _answer(context, work)
+
+    async def Commit(self, request: pb.CommitRequest, context: Any) -> pb.CommitReply:
+        async def work() -> pb.CommitReply:
+            key = _shard_key(request.shard)
+            if len(request.layout_json) > MAX_LAYOUT_BYTES:
+                raise InvalidArgument(f"{key}: layout of {len(request.layout_json)} bytes is too large")
+            try:
+                layout = json.loads(request.layout_json)
+            except ValueError as e:
+                raise InvalidArgument(f"{key}: layout is not JSON ({e})") from None
+            if not isinstance(layout, dict):
+                raise InvalidArgument(f"{key}: layout must be a JSON object")
+            await self.pipeline.commit(key, request.slot_path, request.data_size_bytes, layout)
+            return pb.CommitReply()
+
+        return await _answer(context, work)
+
+    async def WaitShard(self, request: pb.WaitShardRequest, context: Any) -> pb.WaitShardReply:
+        async def work() -> pb.WaitShardReply:
+            key = _shard_key(request.shard)
+            timeout_s = min(max(request.timeout_s, 0.0), MAX_WAIT_S)
+            done, error = await self.pipeline.wait_shard(key, request.tier, timeout_s)
+            return pb.WaitShardReply(done=done, error=error)
+
+        return await _answer(context, work)
+
+    async def Locate(self, request: pb.LocateRequest, context: Any) -> pb.LocateReply:
+        async def work() -> pb.LocateReply:
+            job = validate_job(request.job)
+            step = None if request.step == -1 else validate_step(request.step)
+            if request.rank < 0:
+                raise InvalidArgument(f"invalid rank {request.rank}")
+            step, world_size, sources = self.pipeline.locate(job, step, request.rank, request.tier)
+            return pb.LocateReply(
+                found=True,
+                step=step,
+                world_size=world_size,
+                sources=[pb.Source(tier=s.tier, kind=s.kind, path=s.path) for s in sources],
+            )
+
+        return await _answer(context, work)
+
+    async def List(self, request: pb.ListRequest, context: Any) -> pb.ListReply:
+        async def work() -> pb.ListReply:
+            job = validate_job(request.job) if request.job else ""
+            steps = self.pipeline.list_steps(job)
+            return pb.ListReply(
+                steps=[
+                    pb.StepInfo(job=s.job, step=s.step, world_size=s.world_size, size_bytes=s.size_bytes, tiers=s.tiers)
+                    for s in steps
+                ]
+            )
+
+        return await _answer(context, work)
+
+    async def Status(self, request: pb.StatusRequest, context: Any) -> pb.StatusReply:
+        async def work() -> pb.StatusReply:
+            return pb.StatusReply(json=json.dumps(self.pipeline.status()))
+
+        return await _answer(context, work)
+
+    async def Collect(self, request: pb.CollectRequest, context: Any) -> pb.CollectReply:
+        async def work() -> pb.CollectReply:
+            removals = await self.pipeline.collect(dry_run=request.dry_run)
+            return pb.CollectReply(
+                removals=[pb.Removal(tier=r.tier, job=r.job, step=r.step, reason=r.reason) for r in removals]
+            )
+
+        return await _answer(context, work)

@@ -1,0 +1,281 @@
+"""Hand out shared-memory staging slots to training ranks and track what they hold.
+
+Each (job, rank) owns at most two slots: one holds its newest snapshot (the
+memory tier), the other receives the next save while the first is still being
+flushed. A slot's state is kept beside it on disk, so a restarted daemon knows
+which snapshots still need flushing:
+
+    <dir>/<job>/rank-00000.slot-0               the bytes, mapped by client and daemon
+    <dir>/<job>/rank-00000.slot-0.pending.json  written at commit: which shard, its layout
+    <dir>/<job>/rank-00000.slot-0.meta.json     written once checksummed: the shard's metadata
+
+All methods run on the daemon's event loop thread, except record_hashed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ckpt.errors import CheckpointError, InvalidArgument
+from ckpt.format import ShardMeta, round_up, seal, unseal, validate_job, validate_rank, validate_step
+
+log = logging.getLogger(__name__)
+
+SLOTS_PER_RANK = 2
+SLOT_GRANULE_BYTES = 1 << 20
+_SLOT_NAME = re.compile(r"rank-(\d{5})\.slot-(\d+)")
+
+
+@dataclass(frozen=True)
+class ShardKey:
+    """Name one rank's shard of one step of a job."""
+
+    job: str
+    step: int
+    rank: int
+    world_size: int
+
+    def __str__(self) -> str:
+        return f"rank {self.rank}/{self.world_size} shard of {self.job} step {self.step}"
+
+
+@dataclass
+class Slot:
+    """One shared-memory file and the snapshot it holds, if any."""
+
+    path: Path
+    job: str
+    rank: int
+    index: int
+    size_bytes: int
+    state: str = "free"  # free | writing | pending (flush queued or running) | settled
+    shard: ShardKey | None = None
+    data_size_bytes: int = 0
+    layout: dict[str, Any] | None = None
+    meta: ShardMeta | None = None  # set once checksummed: the memory tier can serve it
+
+    @property
+    def pending_path(self) -> Path:
+        return self.path.with_name(self.path.name + ".pending.json")
+
+    @property
+    def meta_path(self) -> Path:
+        return self.path.with_name(self.path.name + ".meta.json")
+
+
+class SlotPool:
+    """Allocate, reuse and bound the staging slots of one node."""
+
+    def __init__(self, directory: Path, budget_bytes: int, policy: str) -> None:
+        self.directory = directory
+        self.budget_bytes = budget_bytes
+        self.policy = policy
+        self._slots: dict[tuple[str, int], list[Slot]] = {}
+        self._changed = asyncio.Condition()
+
+    # -- queries ---------------------------------------------------------------
+
+    def slots(self) -> list[Slot]:
+        """Return every slot."""
+        return [s for group in self._slots.values() for s in group]
+
+    def in_use_bytes(self) -> int:
+        """Return the bytes of shared memory the slots take."""
+        return sum(s.size_bytes for s in self.slots())
+
+    def newest(self, job: str, rank: int) -> Slot | None:
+        """Return the slot holding the rank's newest committed snapshot."""
+        held = [s for s in self._slots.get((job, rank), []) if s.shard is not None and s.state != "writing"]
+        return max(held, key=lambda s: s.shard.step if s.shard else -1, default=None)
+
+    # -- the save path -----------------------------------------------------------
+
+    async def reserve(self, job: str, rank: int, size_bytes: int) -> tuple[Slot | None, float, str]:
+        """Return a slot of at least size_bytes for the rank, the seconds waited and why.
+
+        Under policy "block" this waits until a slot is free; under "skip" it
+        returns (None, 0, reason) at once when none is.
+        """
+        need = round_up(max(size_bytes, 1), SLOT_GRANULE_BYTES)
+        if self.budget_bytes and need > self.budget_bytes:
+            raise InvalidArgument(
+                f"a shard of {size_bytes} bytes cannot fit in staging.budget_bytes = {self.budget_bytes}"
+            )
+        started = time.monotonic()
+        reason = ""
+        async with self._changed:
+            while True:
+                self._abandon_unfinished(job, rank)
+                slot, reason = self._take(job, rank, need)
+                if slot is not None:
+                    return slot, time.monotonic() - started, reason
+                if self.policy == "skip":
+                    return None, 0.0, reason
+                await self._changed.wait()
+
+    def commit(self, key: ShardKey, slot_path: str, data_size_bytes: int, layout: dict[str, Any]) -> Slot:
+        """Record that a slot now holds a whole snapshot; the caller flushes it next."""
+        slot = self._find(key.job, key.rank, slot_path)
+        if slot is None or slot.state != "writing":
+            raise InvalidArgument(f"{key}: {slot_path} is not a slot reserved for this rank")
+        if not 0 <= data_size_bytes <= slot.size_bytes:
+            raise InvalidArgument(f"{key}: data_size_bytes {data_size_bytes} does not fit the slot")
+        slot.shard, slot.data_size_bytes, slot.layout, slot.meta = key, data_size_bytes, layout, None
+        record = {"shard": key.__dict__, "data_size_bytes": data_size_bytes, "layout": layout}
+        _write_replace(slot.pending_path, seal(record))
+        slot.state = "pending"
+        return slot
+
+    def record_hashed(self, slot: Slot, meta: ShardMeta) -> None:
+        """Record a slot's checksums: from now on the memory tier serves it. Any thread."""
+        _write_replace(slot.meta_path, meta.to_bytes())
+        slot.meta = meta
+
+    async def settle(self, slot: Slot) -> None:
+        """Mark a slot's flush finished (durable or failed): it may be reused once not newest."""
+        async with self._changed:
+            slot.state = "settled"
+            self._changed.notify_all()
+
+    async def drop_snapshot(self, slot: Slot) -> None:
+        """Forget a slot's snapshot (the memory tier stops serving it) and free the slot."""
+        async with self._changed:
+            _unlink(slot.meta_path)
+            _unlink(slot.pending_path)
+            slot.shard, slot.meta, slot.layout, slot.state = None, None, None, "free"
+            self._changed.notify_all()
+
+    # -- recovery ------------------------------------------------------------------
+
+    def recover(self) -> list[Slot]:
+        """Load the slots found on disk; return those holding a snapshot not yet settled."""
+        self.directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+        held = []
+        for slot in scan_slots(self.directory):
+            self._slots.setdefault((slot.job, slot.rank), []).append(slot)
+            if slot.shard is not None:
+                slot.state = "pending"
+                held.append(slot)
+        return held
+
+    # -- internals -------------------------------------------------------------------
+
+    def _find(self, job: str, rank: int, path: str) -> Slot | None:
+        return next((s for s in self._slots.get((job, rank), []) if str(s.path) == path), None)
+
+    def _abandon_unfinished(self, job: str, rank: int) -> None:
+        # A rank saves one snapshot at a time: a slot it reserved and never
+        # committed belongs to a save that died half-way.
+        for slot in self._slots.get((job, rank), []):
+            if slot.state == "writing":
+                slot.state = "free"
+
+    def _reusable(self, job: str, rank: int) -> list[Slot]:
+        newest = self.newest(job, rank)
+        return [s for s in self._slots.get((job, rank), []) if s.state in ("free", "settled") and s is not newest]
+
+    def _take(self, job: str, rank: int, need: int) -> tuple[Slot | None, str]:
+        group = self._slots.setdefault((job, rank), [])
+        reusable = sorted(self._reusable(job, rank), key=lambda s: s.size_bytes, reverse=True)
+        if reusable and reusable[0].size_bytes >= need:
+            return self._hand_out(reusable[0], reusable[0].size_bytes), ""
+        grow = need - reusable[0].size_bytes if reusable else need
+        if not reusable and len(group) >= SLOTS_PER_RANK:
+            return None, f"both staging slots of {job} rank {rank} are still being flushed"
+        if self.budget_bytes and self.in_use_bytes() + grow > self.budget_bytes:
+            self._evict_others(job, rank, self.in_use_bytes() + grow - self.budget_bytes)
+            if self.in_use_bytes() + grow > self.budget_bytes:
+                return None, f"staging.budget_bytes ({self.budget_bytes}) is in use by snapshots being flushed"
+        if reusable:
+            return self._hand_out(reusable[0], need), "grew a slot"
+        index = min(set(range(SLOTS_PER_RANK)) - {s.index for s in group})
+        slot = Slot(self.directory / job / f"rank-{rank:05d}.slot-{index}", job, rank, index, 0)
+        group.append(slot)
+        return self._hand_out(slot, need), "new slot"
+
+    def _evict_others(self, job: str, rank: int, want_bytes: int) -> None:
+        for (other_job, other_rank), group in self._slots.items():
+            if (other_job, other_rank) == (job, rank):
+                continue
+            for slot in self._reusable(other_job, other_rank):
+                if want_bytes <= 0:
+                    return
+                want_bytes -= slot.size_bytes
+                group.remove(slot)
+                for p in (slot.path, slot.meta_path, slot.pending_path):
+                    _unlink(p)
+
+    def _hand_out(self, slot: Slot, size_bytes: int) -> Slot:
+        _unlink(slot.meta_path)  # the old snapshot stops being served before it is overwritten
+        _unlink(slot.pending_path)
+        slot.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        if size_bytes != slot.size_bytes or not slot.path.exists():
+            fd = os.open(slot.path, os.O_RDWR | os.O_CREAT, 0o600)
+            try:
+                os.ftruncate(fd, size_bytes)
+                os.posix_fallocate(fd, 0, size_bytes)
+            except OSError as e:
+                raise CheckpointError(f"cannot allocate {size_bytes} bytes of staging memory in {slot.path}: {e}") from e
+            finally:
+                os.close(fd)
+        slot.size_bytes = size_bytes
+        slot.shard, slot.meta, slot.layout, slot.state = None, None, None, "writing"
+        return slot
+
+
+def scan_slots(directory: Path) -> list[Slot]:
+    """Read the slots under a staging directory with what each holds; damaged markers count as empty."""
+    found: list[Slot] = []
+    if not directory.is_dir():
+        return found
+    for job_dir in sorted(directory.iterdir()):
+        for path in sorted(job_dir.iterdir()) if job_dir.is_dir() else []:
+            m = _SLOT_NAME.fullmatch(path.name)
+            if not m:
+                continue
+            slot = Slot(path, job_dir.name, int(m[1]), int(m[2]), path.stat().st_size)
+            try:
+                _load_markers(slot)
+            except (CheckpointError, OSError, KeyError, TypeError, ValueError) as e:
+                log.warning("ignoring damaged staging record of %s: %s", path, e)
+                slot.shard, slot.meta, slot.layout = None, None, None
+            found.append(slot)
+    return found
+
+
+def _load_markers(slot: Slot) -> None:
+    if slot.meta_path.exists():
+        meta = ShardMeta.from_bytes(slot.meta_path.read_bytes(), str(slot.meta_path))
+        slot.meta = meta
+        slot.shard = ShardKey(meta.job, meta.step, meta.rank, meta.world_size)
+        slot.data_size_bytes, slot.layout = meta.data_size_bytes, meta.layout
+    elif slot.pending_path.exists():
+        record = unseal(slot.pending_path.read_bytes(), str(slot.pending_path))
+        s = record["shard"]
+        validate_rank(s["rank"], s["world_size"])
+        slot.shard = ShardKey(validate_job(s["job"]), validate_step(s["step"]), s["rank"], s["world_size"])
+        slot.data_size_bytes, slot.layout = int(record["data_size_bytes"]), dict(record["layout"])
+    if slot.shard is not None and (slot.shard.job != slot.job or slot.shard.rank != slot.rank):
+        raise ValueError("record names another job or rank")
+    if slot.data_size_bytes > slot.size_bytes:
+        raise ValueError("record is larger than the slot")
+
+
+def _write_replace(path: Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def _unlink(path: Path) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass

@@ -1,0 +1,1 @@
+"""The storage tiers, one module each, behind the Tier interface in base.py."""

@@ -1,0 +1,63 @@
+"""Serve the newest snapshot of each rank from the shared-memory staging slots."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+from ckpt.errors import NotFound
+from ckpt.format import CommitRecord, digest
+from ckpt.shard_io import ShardSource
+from ckptd.staging import Slot, scan_slots
+from ckptd.tiers.base import Tier
+
+
+class MemoryTier(Tier):
+    """List a step as complete in memory when every rank's checksummed snapshot of it is in a slot."""
+
+    name = "memory"
+
+    def __init__(self, slots: Callable[[], list[Slot]]) -> None:
+        self._slots = slots
+
+    @classmethod
+    def from_directory(cls, directory: Path) -> MemoryTier:
+        """Read a staging directory directly, with no daemon (for restore and verify)."""
+        return cls(lambda: scan_slots(directory))
+
+    def _held(self, job: str, step: int) -> dict[int, Slot]:
+        return {
+            s.rank: s
+            for s in self._slots()
+            if s.job == job and s.meta is not None and s.shard is not None and s.shard.step == step
+        }
+
+    def jobs(self) -> list[str]:
+        return sorted({s.job for s in self._slots() if s.meta is not None})
+
+    def complete_steps(self, job: str) -> list[int]:
+        steps = {s.shard.step: s.shard.world_size for s in self._slots() if s.job == job and s.meta and s.shard}
+        return sorted(step for step, world_size in steps.items() if len(self._held(job, step)) == world_size)
+
+    def has_shard(self, job: str, step: int, rank: int) -> bool:
+        return rank in self._held(job, step)
+
+    def commit_record(self, job: str, step: int) -> CommitRecord:
+        held = self._held(job, step)
+        world_size = next(iter(held.values())).shard.world_size if held else 0  # type: ignore[union-attr]
+        if not held or len(held) != world_size:
+            raise NotFound(f"{job} step {step} is not complete in memory")
+        metas = [held[r].meta for r in range(world_size)]
+        return CommitRecord(
+            job,
+            step,
+            world_size,
+            tuple(digest(m.to_bytes()) for m in metas if m),
+            sum(m.data_size_bytes for m in metas if m),
+        )
+
+    def shard_source(self, job: str, step: int, rank: int) -> ShardSource:
+        slot = self._held(job, step).get(rank)
+        if slot is None:
+            raise NotFound(f"rank {rank} shard of {job} step {step} is not in memory")
+        return ShardSource(self.name, "slot", str(slot.path))

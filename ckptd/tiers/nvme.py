@@ -1,0 +1,264 @@
+"""Keep checkpoints in a local directory tree: the node's NVMe tier, and restore targets.
+
+Shards are written with large aligned direct-I/O writes from page-aligned memory,
+under a temporary name, fsynced, then renamed; the step's commit record is
+written last, once every rank's shard is in. Layout: <root>/<job>/<step>/.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from pathlib import Path
+from typing import Any
+
+from ckpt.errors import NotFound
+from ckpt.format import (
+    CHUNK_SIZE_BYTES,
+    COMMIT_NAME,
+    DIRECT_IO_ALIGN_BYTES,
+    PARTIAL_SUFFIX,
+    CommitRecord,
+    ShardMeta,
+    chunk_ranges,
+    data_name,
+    digest,
+    meta_name,
+    round_up,
+    validate_job,
+)
+from ckpt.shard_io import ShardSource, read_commit
+from ckptd.tiers.base import Tier
+
+WRITE_BLOCK_BYTES = 32 << 20
+WRITE_THREADS = 4
+DELETING_PREFIX = ".deleting-"
+
+
+class ShardWriteError(Exception):
+    """Writing a shard failed; the message names the shard and the cause."""
+
+
+class LocalDirTier(Tier):
+    """Store steps under a root directory with the atomic commit protocol."""
+
+    def __init__(self, root: Path, name: str = "nvme") -> None:
+        self.root = root
+        self.name = name
+        self._io = ThreadPoolExecutor(max_workers=WRITE_THREADS, thread_name_prefix=f"{name}-io")
+
+    def close(self) -> None:
+        """Stop the writer threads."""
+        self._io.shutdown(wait=True)
+
+    def step_dir(self, job: str, step: int) -> Path:
+        """Return the directory of a job's step."""
+        return self.root / validate_job(job) / str(step)
+
+    # -- listing -----------------------------------------------------------
+
+    def jobs(self) -> list[str]:
+        """Return the jobs with a directory under the root."""
+        try:
+            return sorted(p.name for p in self.root.iterdir() if p.is_dir() and not p.name.startswith("."))
+        except FileNotFoundError:
+            return []
+
+    def all_steps(self, job: str) -> list[int]:
+        """Return every step directory of the job, complete or not, oldest first."""
+        try:
+            names = [p.name for p in (self.root / job).iterdir()]
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+        return sorted(int(n) for n in names if n.isdigit())
+
+    def complete_steps(self, job: str) -> list[int]:
+        """Return the steps whose commit record is in place."""
+        return [s for s in self.all_steps(job) if (self.root / job / str(s) / COMMIT_NAME).exists()]
+
+    def commit_record(self, job: str, step: int) -> CommitRecord:
+        """Read a complete step's commit record."""
+        return read_commit(self.step_dir(job, step))
+
+    def shard_source(self, job: str, step: int, rank: int) -> ShardSource:
+        """Point at a step directory."""
+        return ShardSource(self.name, "dir", str(self.step_dir(job, step)))
+
+    def has_shard(self, job: str, step: int, rank: int) -> bool:
+        """Say whether a rank's shard is fully written (its metadata is renamed last)."""
+        return (self.step_dir(job, step) / meta_name(rank)).exists()
+
+    def saved_world_size(self, job: str, step: int) -> int | None:
+        """Return the world_size recorded by any shard of a step, or None if none is written."""
+        for path in sorted(self.step_dir(job, step).glob("rank-*.meta.json")):
+            return ShardMeta.from_bytes(path.read_bytes(), str(path)).world_size
+        return None
+
+    # -- writing -----------------------------------------------------------
+
+    def write_shard(
+        self,
+        meta: ShardMeta,
+        data: memoryview,
+        on_hashed: Callable[[ShardMeta], None] | None = None,
+    ) -> ShardMeta:
+        """Write a shard's bytes and metadata durably; return the metadata with checksums.
+
+        data must be page-aligned and at least the data size rounded up to 4 KiB.
+        If meta carries chunk checksums the bytes are checked against them as they
+        are written; if not, they are computed here, once, and on_hashed is called
+        with the completed metadata as soon as they are known (before the writes
+        are durable).
+        """
+        step_dir = self.step_dir(meta.job, meta.step)
+        what = f"rank {meta.rank} shard of {meta.job} step {meta.step} on tier {self.name}"
+        step_dir.mkdir(parents=True, exist_ok=True)
+        _fsync_dir(step_dir.parent)
+        final = step_dir / data_name(meta.rank)
+        partial = final.with_name(final.name + PARTIAL_SUFFIX)
+        try:
+            meta = self._write_data(partial, meta, data, on_hashed, what)
+            meta_path = step_dir / meta_name(meta.rank)
+            write_file_durably(meta_path.with_name(meta_path.name + PARTIAL_SUFFIX), meta.to_bytes())
+            os.replace(partial, final)
+            os.replace(meta_path.with_name(meta_path.name + PARTIAL_SUFFIX), meta_path)
+            _fsync_dir(step_dir)
+        except OSError as e:
+            _remove_quietly(partial)
+            raise ShardWriteError(f"{what}: {e.strerror or e}") from e
+        return meta
+
+    def _write_data(
+        self,
+        path: Path,
+        meta: ShardMeta,
+        data: memoryview,
+        on_hashed: Callable[[ShardMeta], None] | None,
+        what: str,
+    ) -> ShardMeta:
+        size = meta.data_size_bytes
+        if len(data) < round_up(size, DIRECT_IO_ALIGN_BYTES):
+            raise ValueError(f"{what}: buffer of {len(data)} bytes is short of {size} rounded to 4 KiB")
+        expected = meta.chunk_xxh3_128 or None
+        digests: list[str] = []
+        fd, direct = _open_for_write(path)
+        writes: list[Future[Any]] = []
+        try:
+            block_bytes = max(1, WRITE_BLOCK_BYTES // CHUNK_SIZE_BYTES) * CHUNK_SIZE_BYTES
+            for offset, length in chunk_ranges(size, block_bytes):
+                for start, n in chunk_ranges(length, meta.chunk_size_bytes):
+                    digests.append(digest(data[offset + start : offset + start + n]))
+                    index = len(digests) - 1
+                    if expected is not None and digests[index] != expected[index]:
+                        lo = offset + start
+                        raise ShardWriteError(f"{what}: chunk {index} (bytes {lo}-{lo + n - 1}) checksum mismatch")
+                padded = round_up(length, DIRECT_IO_ALIGN_BYTES) if direct else length
+                writes.append(self._io.submit(_pwrite_all, fd, data[offset : offset + padded], offset))
+            if expected is None:
+                meta = ShardMeta(**{**meta.__dict__, "chunk_xxh3_128": tuple(digests)})
+                if on_hashed is not None:
+                    on_hashed(meta)
+            for w in writes:
+                w.result()
+            os.ftruncate(fd, size)
+            os.fsync(fd)
+        finally:
+            wait(writes)  # never close the descriptor under a write still running
+            os.close(fd)
+        return meta
+
+    def try_commit(self, job: str, step: int, world_size: int) -> CommitRecord | None:
+        """Write the step's commit record if every rank's shard is in; return it, or None."""
+        step_dir = self.step_dir(job, step)
+        if (step_dir / COMMIT_NAME).exists():
+            return self.commit_record(job, step)
+        metas: list[bytes] = []
+        size_bytes = 0
+        for rank in range(world_size):
+            try:
+                raw = (step_dir / meta_name(rank)).read_bytes()
+            except FileNotFoundError:
+                return None
+            meta = ShardMeta.from_bytes(raw, str(step_dir / meta_name(rank)))
+            if meta.world_size != world_size:
+                raise ShardWriteError(f"{job} step {step}: rank {rank} was saved with world_size {meta.world_size}")
+            metas.append(raw)
+            size_bytes += meta.data_size_bytes
+        record = CommitRecord(job, step, world_size, tuple(digest(m) for m in metas), size_bytes)
+        commit = step_dir / COMMIT_NAME
+        write_file_durably(commit.with_name(COMMIT_NAME + PARTIAL_SUFFIX), record.to_bytes())
+        os.replace(commit.with_name(COMMIT_NAME + PARTIAL_SUFFIX), commit)
+        _fsync_dir(step_dir)
+        return record
+
+    def remove_step(self, job: str, step: int) -> None:
+        """Unlist the step (commit record first), then delete its directory."""
+        step_dir = self.step_dir(job, step)
+        if not step_dir.exists():
+            raise NotFound(f"{job} step {step} is not on tier {self.name}")
+        doomed = step_dir.parent / f"{DELETING_PREFIX}{step}"
+        _remove_quietly(step_dir / COMMIT_NAME)
+        os.replace(step_dir, doomed)
+        _fsync_dir(step_dir.parent)
+        shutil.rmtree(doomed, ignore_errors=True)
+
+    def remove_leftovers(self) -> list[Path]:
+        """Delete temporary files and half-deleted steps that an interrupted run left; return them."""
+        removed: list[Path] = []
+        for job in self.jobs():
+            for entry in (self.root / job).iterdir():
+                if entry.name.startswith(DELETING_PREFIX):
+                    shutil.rmtree(entry, ignore_errors=True)
+                    removed.append(entry)
+                elif entry.name.isdigit() and entry.is_dir():
+                    for f in entry.iterdir():
+                        if f.name.endswith(PARTIAL_SUFFIX):
+                            _remove_quietly(f)
+                            removed.append(f)
+        return removed
+
+
+def write_file_durably(path: Path, data: bytes) -> None:
+    """Write a small file and fsync it."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _open_for_write(path: Path) -> tuple[int, bool]:
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+    try:
+        return os.open(path, flags | os.O_DIRECT, 0o644), True
+    except OSError as e:
+        if e.errno != errno.EINVAL:
+            raise
+        return os.open(path, flags, 0o644), False
+
+
+def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
+    while view:
+        n = os.pwrite(fd, view, offset)
+        view, offset = view[n:], offset + n
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _remove_quietly(path: Path) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass

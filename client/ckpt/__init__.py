@@ -1,0 +1,74 @@
+"""ckpt: asynchronous multilevel checkpoints for PyTorch training, through the local ckptd.
+
+    c = ckpt.Checkpointer(job="llama", rank=rank, world_size=world_size)
+    h = c.save_async(state)        # returns after one copy into shared memory
+    h.wait("nvme")                 # optional: block until durable on local NVMe
+    state = c.load()               # latest complete step, fastest verified tier
+
+The module-level functions use one default Checkpointer built from the
+environment (CKPT_JOB, RANK, WORLD_SIZE, CKPTD_ADDRESS) on first use.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ckpt.checkpointer import Checkpointer, SaveHandle, load_local
+from ckpt.errors import (
+    CheckpointError,
+    CorruptCheckpoint,
+    DaemonUnavailable,
+    InvalidArgument,
+    NotFound,
+    SaveFailed,
+    SaveSkipped,
+)
+
+__all__ = [
+    "CheckpointError",
+    "Checkpointer",
+    "CorruptCheckpoint",
+    "DaemonUnavailable",
+    "InvalidArgument",
+    "NotFound",
+    "SaveFailed",
+    "SaveHandle",
+    "SaveSkipped",
+    "init",
+    "latest_step",
+    "load",
+    "load_local",
+    "save_async",
+]
+
+_default: Checkpointer | None = None
+
+
+def init(
+    job: str | None = None, rank: int | None = None, world_size: int | None = None, address: str | None = None
+) -> Checkpointer:
+    """Create (or replace) the default Checkpointer used by the module-level functions."""
+    global _default
+    if _default is not None:
+        _default.close()
+    _default = Checkpointer(job=job, rank=rank, world_size=world_size, address=address)
+    return _default
+
+
+def _checkpointer() -> Checkpointer:
+    return _default if _default is not None else init()
+
+
+def save_async(state: Any, step: int | None = None) -> SaveHandle:
+    """Snapshot state with the default Checkpointer; see Checkpointer.save_async."""
+    return _checkpointer().save_async(state, step)
+
+
+def load(step: int | None = None, map_location: Any = "cpu", tier: str = "auto") -> Any:
+    """Load with the default Checkpointer; see Checkpointer.load."""
+    return _checkpointer().load(step, map_location, tier)
+
+
+def latest_step() -> int | None:
+    """Return the default Checkpointer's latest complete step; see Checkpointer.latest_step."""
+    return _checkpointer().latest_step()

@@ -1,0 +1,233 @@
+"""Checkpointer and SaveHandle: the training rank's side of ckpt."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ckpt.errors import CheckpointError, CorruptCheckpoint, InvalidArgument, NotFound, SaveFailed, SaveSkipped
+from ckpt.flatten import flatten, unflatten
+from ckpt.format import DIRECT_IO_ALIGN_BYTES, round_up, validate_job, validate_rank, validate_step, validate_tier
+from ckpt.shard_io import ShardSource, read_meta, read_shard_into
+from ckpt.staging import SlotMappings, copy_into
+from ckpt.transport import DaemonClient
+from ckpt.wire.v1 import ckptd_pb2 as pb
+
+log = logging.getLogger("ckpt")
+
+# How long a blocked wait may sit in one RPC before asking again (keeps RPCs short-lived).
+WAIT_SLICE_S = 30.0
+
+
+class SaveHandle:
+    """Follow one rank's shard of one save down the tiers.
+
+    done(tier) asks whether the shard has reached a tier; wait(tier) blocks until
+    it has, raising SaveFailed if it cannot, TimeoutError after timeout seconds,
+    or SaveSkipped if the save was skipped for lack of staging room.
+    """
+
+    def __init__(self, checkpointer: Checkpointer, step: int, skipped: bool, blocked_s: float, reason: str) -> None:
+        self._c = checkpointer
+        self.step = step
+        self.skipped = skipped
+        self.blocked_s = blocked_s
+        self.reason = reason
+
+    def __repr__(self) -> str:
+        state = "skipped" if self.skipped else "staged"
+        return f"SaveHandle(job={self._c.job!r}, step={self.step}, rank={self._c.rank}, {state})"
+
+    def _shard(self) -> pb.ShardId:
+        return pb.ShardId(job=self._c.job, step=self.step, rank=self._c.rank, world_size=self._c.world_size)
+
+    def done(self, tier: str = "nvme") -> bool:
+        """Return whether this rank's shard has reached tier."""
+        validate_tier(tier)
+        if self.skipped:
+            return False
+        reply = self._c._daemon.call("WaitShard", pb.WaitShardRequest(shard=self._shard(), tier=tier, timeout_s=0))
+        if reply.error:
+            raise SaveFailed(reply.error)
+        return bool(reply.done)
+
+    def wait(self, tier: str = "nvme", timeout: float | None = None) -> None:
+        """Block until this rank's shard has reached tier."""
+        validate_tier(tier)
+        if self.skipped:
+            raise SaveSkipped(f"step {self.step} of job {self._c.job} was skipped: {self.reason}")
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            slice_s = WAIT_SLICE_S if deadline is None else max(0.0, min(WAIT_SLICE_S, deadline - time.monotonic()))
+            reply = self._c._daemon.call(
+                "WaitShard",
+                pb.WaitShardRequest(shard=self._shard(), tier=tier, timeout_s=slice_s),
+                timeout_s=slice_s + 30,
+            )
+            if reply.error:
+                raise SaveFailed(reply.error)
+            if reply.done:
+                return
+            if deadline is not None and time.monotonic() >= deadline:
+                raise TimeoutError(f"step {self.step} of job {self._c.job} did not reach {tier} in {timeout} s")
+
+
+class Checkpointer:
+    """Save and load one rank's share of a job's checkpoints through the local daemon.
+
+    save_async() returns once the state is copied into shared memory; the daemon
+    makes it durable afterwards. load() reads the fastest tier holding a verified
+    copy. One Checkpointer per rank; its methods are not meant for concurrent use.
+    """
+
+    def __init__(
+        self,
+        job: str | None = None,
+        rank: int | None = None,
+        world_size: int | None = None,
+        address: str | None = None,
+    ) -> None:
+        self.job = validate_job(job if job is not None else os.environ.get("CKPT_JOB", ""))
+        self.rank, self.world_size = validate_rank(
+            rank if rank is not None else _env_int("RANK", 0),
+            world_size if world_size is not None else _env_int("WORLD_SIZE", 1),
+        )
+        self._daemon = DaemonClient(address)
+        self._slots = SlotMappings()
+        self._copy_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="ckpt-copy")
+        self._last_step: int | None = None
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Release the staging mappings and the connection; saves already made go on in the daemon."""
+        self._slots.close()
+        self._copy_pool.shutdown(wait=True)
+        self._daemon.close()
+
+    def _shard(self, step: int) -> pb.ShardId:
+        return pb.ShardId(job=self.job, step=step, rank=self.rank, world_size=self.world_size)
+
+    def save_async(self, state: Any, step: int | None = None) -> SaveHandle:
+        """Snapshot state into shared memory and return; the caller may change it at once."""
+        if step is None:
+            latest = self._last_step if self._last_step is not None else self.latest_step()
+            step = 0 if latest is None else latest + 1
+        validate_step(step)
+        flat = flatten(state)
+        reserved = self._daemon.call(
+            "Reserve", pb.ReserveRequest(shard=self._shard(step), size_bytes=flat.data_size_bytes), timeout_s=None
+        )
+        if reserved.skipped:
+            log.warning("ckpt: save of %s step %d skipped: %s", self.job, step, reserved.reason)
+            return SaveHandle(self, step, True, 0.0, reserved.reason)
+        if reserved.blocked_s > 0.1:
+            log.info("ckpt: save of %s step %d waited %.2f s for staging room", self.job, step, reserved.blocked_s)
+        slot = self._slots.get(reserved.slot_path, reserved.slot_size_bytes)
+        copy_into(flat, slot, self._copy_pool)
+        self._daemon.call(
+            "Commit",
+            pb.CommitRequest(
+                shard=self._shard(step),
+                slot_path=reserved.slot_path,
+                data_size_bytes=flat.data_size_bytes,
+                layout_json=json.dumps(flat.layout()).encode(),
+            ),
+        )
+        self._last_step = step
+        return SaveHandle(self, step, False, reserved.blocked_s, reserved.reason)
+
+    def latest_step(self) -> int | None:
+        """Return the newest step of this job complete on any tier, or None."""
+        try:
+            reply = self._daemon.call("Locate", pb.LocateRequest(job=self.job, step=-1, rank=self.rank))
+        except NotFound:
+            return None
+        return int(reply.step)
+
+    def load(self, step: int | None = None, map_location: Any = "cpu", tier: str = "auto") -> Any:
+        """Return this rank's state at step (default: the latest complete step), bit for bit as saved.
+
+        tier picks one tier instead of the fastest verified copy ("auto"). Loaded
+        tensors of one shard share one buffer, as with torch.load(mmap=True).
+        """
+        if step is not None:
+            validate_step(step)
+        if tier != "auto":
+            validate_tier(tier)
+        reply = self._daemon.call(
+            "Locate", pb.LocateRequest(job=self.job, step=-1 if step is None else step, rank=self.rank, tier=tier)
+        )
+        sources = [ShardSource(s.tier, s.kind, s.path) for s in reply.sources]
+        return _load_first_good(sources, self.rank, map_location)
+
+
+def load_local(path: str | os.PathLike[str], rank: int = 0, map_location: Any = "cpu") -> Any:
+    """Read one rank's state from a step directory on a local filesystem, with no daemon."""
+    step_dir = Path(path)
+    if not step_dir.is_dir():
+        raise NotFound(f"{step_dir} is not a directory")
+    return _load_first_good([ShardSource("local", "dir", str(step_dir))], rank, map_location)
+
+
+def _load_first_good(sources: list[ShardSource], rank: int, map_location: Any) -> Any:
+    errors = []
+    for source in sources:
+        try:
+            return _load_shard(source, rank, map_location)
+        except (CorruptCheckpoint, NotFound) as e:
+            if len(sources) > 1:
+                log.warning("ckpt: %s; trying the next tier", e)
+            errors.append(str(e))
+    if len(errors) == 1:
+        raise CorruptCheckpoint(errors[0]) if "mismatch" in errors[0] else NotFound(errors[0])
+    raise CorruptCheckpoint("no tier holds a good copy: " + "; ".join(errors))
+
+
+def _load_shard(source: ShardSource, rank: int, map_location: Any) -> Any:
+    meta = read_meta(source, rank)
+    padded = round_up(meta.data_size_bytes, DIRECT_IO_ALIGN_BYTES)
+    raw = torch.empty(padded + DIRECT_IO_ALIGN_BYTES, dtype=torch.uint8)
+    skip = -raw.data_ptr() % DIRECT_IO_ALIGN_BYTES
+    buffer = raw[skip : skip + padded]
+    read_shard_into(source, meta, memoryview(buffer.numpy()))
+    try:
+        state = unflatten(meta.layout, buffer[: meta.data_size_bytes])
+    except (KeyError, TypeError, ValueError) as e:
+        raise CorruptCheckpoint(f"rank {rank} shard on tier {source.tier}: bad layout ({e})") from None
+    if map_location in (None, "cpu") or map_location == torch.device("cpu"):
+        return state
+    return _to_device(state, torch.device(map_location))
+
+
+def _to_device(obj: Any, device: torch.device) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if isinstance(obj, dict):
+        return type(obj)((k, _to_device(v, device)) for k, v in obj.items())
+    if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
+        return type(obj)(_to_device(v, device) for v in obj)
+    return obj
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise InvalidArgument(f"environment variable {name}={value!r} is not an integer") from None
+
+

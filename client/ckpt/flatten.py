@@ -1,0 +1,134 @@
+"""Split a state into a table of tensors plus a pickled skeleton, and put it back together.
+
+The skeleton is the state pickled with every tensor and numpy array replaced by
+a reference into the table, so any nesting of dicts, lists, tuples and picklable
+objects round-trips exactly, and a tensor that appears twice comes back as one.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import pickle
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from ckpt.errors import InvalidArgument
+from ckpt.format import TENSOR_ALIGN_BYTES, round_up
+
+PICKLE_PROTOCOL = 5
+
+
+@dataclass(frozen=True)
+class Flattened:
+    """A state ready for staging: its arrays, where each goes, and the skeleton."""
+
+    arrays: list[torch.Tensor | np.ndarray]
+    entries: list[dict[str, Any]]  # one per array: kind, dtype, shape, offset, nbytes
+    skeleton: bytes
+    data_size_bytes: int
+
+    def layout(self) -> dict[str, Any]:
+        """Return the JSON-able layout stored in the shard metadata."""
+        return {"tensors": self.entries, "skeleton_pickle_b64": base64.b64encode(self.skeleton).decode()}
+
+
+def _entry(obj: torch.Tensor | np.ndarray, offset: int) -> dict[str, Any]:
+    if isinstance(obj, torch.Tensor):
+        if obj.layout != torch.strided:
+            raise InvalidArgument(f"cannot checkpoint a {obj.layout} tensor; convert it to dense first")
+        if obj.is_quantized:
+            raise InvalidArgument("cannot checkpoint a quantized tensor")
+        if obj.device.type not in ("cpu", "cuda"):
+            raise InvalidArgument(f"cannot checkpoint a tensor on device {obj.device}")
+        entry = {
+            "kind": "torch",
+            "dtype": str(obj.dtype).removeprefix("torch."),
+            "shape": list(obj.shape),
+            "nbytes": obj.numel() * obj.element_size(),
+            "requires_grad": bool(obj.requires_grad),
+            "parameter": isinstance(obj, torch.nn.Parameter),
+        }
+    else:
+        entry = {
+            "kind": "numpy",
+            "dtype": np.lib.format.dtype_to_descr(obj.dtype),
+            "shape": list(obj.shape),
+            "nbytes": int(obj.nbytes),
+        }
+    entry["offset"] = offset
+    return entry
+
+
+def flatten(state: Any) -> Flattened:
+    """Flatten state; raise InvalidArgument if it holds something that cannot be checkpointed."""
+    arrays: list[torch.Tensor | np.ndarray] = []
+    entries: list[dict[str, Any]] = []
+    index_of: dict[int, int] = {}
+    offset = 0
+
+    class Pickler(pickle.Pickler):
+        def persistent_id(self, obj: Any) -> Any:
+            nonlocal offset
+            is_array = isinstance(obj, np.ndarray) and not obj.dtype.hasobject
+            if not (isinstance(obj, torch.Tensor) or is_array):
+                return None
+            if id(obj) not in index_of:
+                entry = _entry(obj, offset)
+                offset = round_up(offset + entry["nbytes"], TENSOR_ALIGN_BYTES)
+                index_of[id(obj)] = len(arrays)
+                arrays.append(obj)
+                entries.append(entry)
+            return ("ckpt", index_of[id(obj)])
+
+    buf = io.BytesIO()
+    try:
+        Pickler(buf, protocol=PICKLE_PROTOCOL).dump(state)
+    except InvalidArgument:
+        raise
+    except Exception as e:  # pickle raises many types for unpicklable objects
+        raise InvalidArgument(f"the state holds an object that cannot be checkpointed: {type(e).__name__}: {e}") from None
+    return Flattened(arrays, entries, buf.getvalue(), offset)
+
+
+def unflatten(layout: dict[str, Any], data: torch.Tensor) -> Any:
+    """Rebuild a state from its layout and a uint8 tensor of its shard bytes (tensors view data)."""
+    entries = layout["tensors"]
+    built: list[Any] = [None] * len(entries)
+    data_np = data.numpy()
+
+    def build(i: int) -> Any:
+        e = entries[i]
+        start, nbytes, shape = e["offset"], e["nbytes"], tuple(e["shape"])
+        if e["kind"] == "numpy":
+            dtype = np.lib.format.descr_to_dtype(_descr(e["dtype"]))
+            return np.ndarray(shape, dtype=dtype, buffer=data_np, offset=start) if nbytes else np.empty(shape, dtype)
+        dtype = getattr(torch, e["dtype"], None)
+        if not isinstance(dtype, torch.dtype):
+            raise InvalidArgument(f"this torch has no dtype {e['dtype']}; load with a newer torch")
+        t = data[start : start + nbytes].view(dtype).view(shape) if nbytes else torch.empty(shape, dtype=dtype)
+        if e.get("parameter"):
+            return torch.nn.Parameter(t, requires_grad=e["requires_grad"])
+        return t.requires_grad_(True) if e["requires_grad"] else t
+
+    class Unpickler(pickle.Unpickler):
+        def persistent_load(self, pid: Any) -> Any:
+            tag, i = pid
+            if tag != "ckpt" or not 0 <= i < len(entries):
+                raise pickle.UnpicklingError(f"unknown reference {pid!r}")
+            if built[i] is None:
+                built[i] = build(i)
+            return built[i]
+
+    skeleton = base64.b64decode(layout["skeleton_pickle_b64"])
+    return Unpickler(io.BytesIO(skeleton)).load()
+
+
+def _descr(d: Any) -> Any:
+    # JSON turns the tuples of a structured dtype's descr into lists.
+    if isinstance(d, list):
+        return [tuple(_descr(x) for x in f) if isinstance(f, list) else f for f in d]
+    return d

@@ -1,0 +1,210 @@
+"""Describe the on-disk format: names, validation, sealed records and checksums.
+
+No torch here: the daemon imports this module to write and check shards.
+See docs/FORMAT.md for the byte-level description.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import xxhash
+
+from ckpt.errors import CorruptCheckpoint, InvalidArgument
+
+FORMAT_VERSION = 1
+CHUNK_SIZE_BYTES = 4 << 20
+TENSOR_ALIGN_BYTES = 64
+DIRECT_IO_ALIGN_BYTES = 4096
+COMMIT_NAME = "COMMIT.json"
+PARTIAL_SUFFIX = ".partial"
+TIERS = ("memory", "nvme", "peer", "object")
+
+_JOB_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+_MAX_STEP = 2**62
+
+
+def validate_job(job: object) -> str:
+    """Return job if it is a valid job name, else raise InvalidArgument."""
+    if not isinstance(job, str) or not _JOB_RE.fullmatch(job):
+        raise InvalidArgument(
+            f"invalid job name {job!r}: use 1 to 128 characters from A-Z a-z 0-9 . _ -, "
+            "starting with a letter or digit"
+        )
+    return job
+
+
+def validate_step(step: object) -> int:
+    """Return step if it is a non-negative integer, else raise InvalidArgument."""
+    if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step < _MAX_STEP:
+        raise InvalidArgument(f"invalid step {step!r}: a step is an integer from 0 to 2**62-1")
+    return step
+
+
+def validate_rank(rank: object, world_size: object) -> tuple[int, int]:
+    """Return (rank, world_size) if 0 <= rank < world_size, else raise InvalidArgument."""
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or not 1 <= world_size <= 1 << 20:
+        raise InvalidArgument(f"invalid world_size {world_size!r}: an integer from 1 to 2**20")
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
+        raise InvalidArgument(f"invalid rank {rank!r}: an integer from 0 to world_size-1 ({world_size - 1})")
+    return rank, world_size
+
+
+def validate_tier(tier: object) -> str:
+    """Return tier if it names a tier, else raise InvalidArgument."""
+    if tier not in TIERS:
+        raise InvalidArgument(f"invalid tier {tier!r}: one of {', '.join(TIERS)}")
+    return str(tier)
+
+
+def data_name(rank: int) -> str:
+    """Name the file that holds a rank's tensor bytes."""
+    return f"rank-{rank:05d}.data"
+
+
+def meta_name(rank: int) -> str:
+    """Name the file that holds a rank's shard metadata."""
+    return f"rank-{rank:05d}.meta.json"
+
+
+def round_up(n: int, multiple: int) -> int:
+    """Round n up to a multiple of multiple."""
+    return -(-n // multiple) * multiple
+
+
+def digest(data: Any) -> str:
+    """Return the xxh3-128 digest of a bytes-like object, as 32 hex digits."""
+    return xxhash.xxh3_128_hexdigest(data)
+
+
+def chunk_ranges(size_bytes: int, chunk_size_bytes: int = CHUNK_SIZE_BYTES) -> Iterator[tuple[int, int]]:
+    """Yield (offset, length) of each checksum chunk of a shard of size_bytes."""
+    for offset in range(0, size_bytes, chunk_size_bytes):
+        yield offset, min(chunk_size_bytes, size_bytes - offset)
+
+
+def seal(record: dict[str, Any]) -> bytes:
+    """Serialise a record as JSON carrying the xxh3-128 of its own canonical body."""
+    body = json.dumps(record, sort_keys=True, separators=(",", ":"))
+    return json.dumps({"xxh3_128": digest(body.encode()), "record": record}, indent=1, sort_keys=True).encode()
+
+
+def unseal(data: bytes, what: str) -> dict[str, Any]:
+    """Parse a sealed record, raising CorruptCheckpoint naming what if it does not check."""
+    try:
+        outer = json.loads(data)
+        record = outer["record"]
+        expected = outer["xxh3_128"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise CorruptCheckpoint(f"{what}: unreadable record ({e})") from None
+    body = json.dumps(record, sort_keys=True, separators=(",", ":"))
+    if digest(body.encode()) != expected:
+        raise CorruptCheckpoint(f"{what}: record checksum mismatch")
+    if not isinstance(record, dict):
+        raise CorruptCheckpoint(f"{what}: record is not an object")
+    return record
+
+
+@dataclass(frozen=True)
+class ShardMeta:
+    """Describe one rank's shard of one step: its size, checksums and tensor layout."""
+
+    job: str
+    step: int
+    rank: int
+    world_size: int
+    data_size_bytes: int
+    chunk_size_bytes: int
+    chunk_xxh3_128: tuple[str, ...]
+    layout: dict[str, Any]
+
+    def to_bytes(self) -> bytes:
+        """Serialise as a sealed record."""
+        return seal(
+            {
+                "format": "ckpt-shard",
+                "version": FORMAT_VERSION,
+                "job": self.job,
+                "step": self.step,
+                "rank": self.rank,
+                "world_size": self.world_size,
+                "data_size_bytes": self.data_size_bytes,
+                "chunk_size_bytes": self.chunk_size_bytes,
+                "chunk_xxh3_128": list(self.chunk_xxh3_128),
+                "layout": self.layout,
+            }
+        )
+
+    @classmethod
+    def from_bytes(cls, data: bytes, what: str) -> ShardMeta:
+        """Parse a sealed shard record, raising CorruptCheckpoint if it does not check."""
+        r = unseal(data, what)
+        try:
+            if r["format"] != "ckpt-shard" or r["version"] != FORMAT_VERSION:
+                raise CorruptCheckpoint(f"{what}: not a version {FORMAT_VERSION} shard record")
+            meta = cls(
+                job=validate_job(r["job"]),
+                step=validate_step(r["step"]),
+                rank=r["rank"],
+                world_size=r["world_size"],
+                data_size_bytes=int(r["data_size_bytes"]),
+                chunk_size_bytes=int(r["chunk_size_bytes"]),
+                chunk_xxh3_128=tuple(r["chunk_xxh3_128"]),
+                layout=dict(r["layout"]),
+            )
+            validate_rank(meta.rank, meta.world_size)
+        except (KeyError, TypeError, ValueError) as e:
+            raise CorruptCheckpoint(f"{what}: malformed shard record ({e})") from None
+        expected_chunks = len(list(chunk_ranges(meta.data_size_bytes, meta.chunk_size_bytes)))
+        if meta.chunk_size_bytes <= 0 or len(meta.chunk_xxh3_128) != expected_chunks:
+            raise CorruptCheckpoint(f"{what}: chunk checksums do not cover the data")
+        return meta
+
+
+@dataclass(frozen=True)
+class CommitRecord:
+    """Mark a step complete on a tier: every rank's shard is there and checks."""
+
+    job: str
+    step: int
+    world_size: int
+    shard_meta_xxh3_128: tuple[str, ...]  # by rank
+    size_bytes: int
+
+    def to_bytes(self) -> bytes:
+        """Serialise as a sealed record."""
+        return seal(
+            {
+                "format": "ckpt-commit",
+                "version": FORMAT_VERSION,
+                "job": self.job,
+                "step": self.step,
+                "world_size": self.world_size,
+                "shard_meta_xxh3_128": list(self.shard_meta_xxh3_128),
+                "size_bytes": self.size_bytes,
+            }
+        )
+
+    @classmethod
+    def from_bytes(cls, data: bytes, what: str) -> CommitRecord:
+        """Parse a sealed commit record, raising CorruptCheckpoint if it does not check."""
+        r = unseal(data, what)
+        try:
+            if r["format"] != "ckpt-commit" or r["version"] != FORMAT_VERSION:
+                raise CorruptCheckpoint(f"{what}: not a version {FORMAT_VERSION} commit record")
+            rec = cls(
+                job=validate_job(r["job"]),
+                step=validate_step(r["step"]),
+                world_size=int(r["world_size"]),
+                shard_meta_xxh3_128=tuple(r["shard_meta_xxh3_128"]),
+                size_bytes=int(r["size_bytes"]),
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise CorruptCheckpoint(f"{what}: malformed commit record ({e})") from None
+        if len(rec.shard_meta_xxh3_128) != rec.world_size:
+            raise CorruptCheckpoint(f"{what}: commit record does not list every rank")
+        return rec

@@ -1,0 +1,135 @@
+"""Read one rank's shard from a tier into memory, checking every chunk.
+
+No torch here: the client loads through this module and the daemon's restore and
+verify use it too. A shard lives either in a step directory (any tier's layout)
+or in a shared-memory staging slot (the memory tier).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+from ckpt.errors import CorruptCheckpoint, NotFound
+from ckpt.format import (
+    COMMIT_NAME,
+    DIRECT_IO_ALIGN_BYTES,
+    CommitRecord,
+    ShardMeta,
+    chunk_ranges,
+    data_name,
+    digest,
+    meta_name,
+)
+
+READ_BLOCK_BYTES = 64 << 20
+READ_THREADS = 4
+
+
+@dataclass(frozen=True)
+class ShardSource:
+    """Say where a shard can be read: a step directory or a staging slot, on a tier."""
+
+    tier: str
+    kind: str  # "dir" or "slot"
+    path: str
+
+    def data_path(self, rank: int) -> Path:
+        """Return the file holding the shard's tensor bytes."""
+        return Path(self.path) / data_name(rank) if self.kind == "dir" else Path(self.path)
+
+    def meta_path(self, rank: int) -> Path:
+        """Return the file holding the shard's sealed metadata."""
+        return Path(self.path) / meta_name(rank) if self.kind == "dir" else Path(self.path + ".meta.json")
+
+
+def read_commit(step_dir: Path) -> CommitRecord:
+    """Read a step directory's commit record; raise NotFound if the step is not complete."""
+    path = step_dir / COMMIT_NAME
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise NotFound(f"{step_dir} holds no complete step (no {COMMIT_NAME})") from None
+    return CommitRecord.from_bytes(data, str(path))
+
+
+def read_meta(source: ShardSource, rank: int) -> ShardMeta:
+    """Read and check a shard's metadata; for a step directory, check it against the commit."""
+    path = source.meta_path(rank)
+    what = f"rank {rank} shard metadata on tier {source.tier} ({path})"
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise NotFound(f"{what}: missing") from None
+    meta = ShardMeta.from_bytes(data, what)
+    if source.kind == "dir":
+        commit = read_commit(Path(source.path))
+        if meta.rank >= commit.world_size or commit.shard_meta_xxh3_128[meta.rank] != digest(data):
+            raise CorruptCheckpoint(f"{what}: does not match the step's commit record")
+    if meta.rank != rank:
+        raise CorruptCheckpoint(f"{what}: holds rank {meta.rank}")
+    return meta
+
+
+def read_shard_into(source: ShardSource, meta: ShardMeta, buffer: memoryview) -> None:
+    """Fill buffer with the shard's bytes, checking each chunk against meta.
+
+    buffer must be writable and hold at least the data size rounded up to 4 KiB;
+    where it is 4 KiB aligned the read uses direct I/O. Raises CorruptCheckpoint
+    naming the shard, the tier and the first bad chunk.
+    """
+    path = source.data_path(meta.rank)
+    what = f"rank {meta.rank} shard of {meta.job} step {meta.step} on tier {source.tier} ({path})"
+    try:
+        size = os.stat(path).st_size
+    except FileNotFoundError:
+        raise NotFound(f"{what}: data file missing") from None
+    if size < meta.data_size_bytes or (source.kind == "dir" and size != meta.data_size_bytes):
+        raise CorruptCheckpoint(f"{what}: {size} bytes on disk, expected {meta.data_size_bytes}")
+    fd = _open_for_read(path)
+    try:
+        block_bytes = max(1, READ_BLOCK_BYTES // meta.chunk_size_bytes) * meta.chunk_size_bytes
+        blocks = list(chunk_ranges(meta.data_size_bytes, block_bytes))
+        with ThreadPoolExecutor(max_workers=min(READ_THREADS, max(1, len(blocks)))) as pool:
+            for bad in pool.map(lambda b: _read_block(fd, meta, buffer, *b), blocks):
+                if bad is not None:
+                    raise CorruptCheckpoint(f"{what}: {bad}")
+    finally:
+        os.close(fd)
+
+
+def _open_for_read(path: Path) -> int:
+    try:
+        return os.open(path, os.O_RDONLY | os.O_DIRECT)
+    except OSError as e:
+        if e.errno != errno.EINVAL:
+            raise
+        return os.open(path, os.O_RDONLY)
+
+
+def _read_block(fd: int, meta: ShardMeta, buffer: memoryview, offset: int, length: int) -> str | None:
+    """Read one block and check its chunks; return a description of a bad chunk, or None."""
+    want = min(-(-length // DIRECT_IO_ALIGN_BYTES) * DIRECT_IO_ALIGN_BYTES, len(buffer) - offset)
+    done = 0
+    while done < length:
+        try:
+            n = os.preadv(fd, [buffer[offset + done : offset + want]], offset + done)
+        except OSError as e:
+            if e.errno != errno.EINVAL:
+                raise
+            n = os.pread(fd, length - done, offset + done)  # unaligned: no direct I/O here
+            buffer[offset + done : offset + done + len(n)] = n
+            n = len(n)
+        if n == 0:
+            return f"short read at byte {offset + done}"
+        done += n
+    first = offset // meta.chunk_size_bytes
+    for i, (start, n) in enumerate(chunk_ranges(length, meta.chunk_size_bytes)):
+        index = first + i
+        if digest(buffer[offset + start : offset + start + n]) != meta.chunk_xxh3_128[index]:
+            lo = offset + start
+            return f"chunk {index} (bytes {lo}-{lo + n - 1}) checksum mismatch"
+    return None

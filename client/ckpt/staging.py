@@ -1,0 +1,98 @@
+"""Copy a flattened state into a shared-memory staging slot: the one copy save_async waits for.
+
+Slots are files the daemon hands out; each is mapped once (pages populated up
+front) and reused by later saves. CUDA tensors go through ckpt.cuda_staging.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+import torch
+
+from ckpt.flatten import Flattened
+
+PARALLEL_MIN_BYTES = 64 << 20
+COPY_THREADS = 2
+
+
+class SlotMappings:
+    """Keep each staging slot mapped across saves, so its pages are faulted in only once."""
+
+    def __init__(self) -> None:
+        self._maps: dict[str, tuple[mmap.mmap, torch.Tensor]] = {}
+
+    def get(self, path: str, size_bytes: int) -> torch.Tensor:
+        """Return a uint8 tensor over the whole slot file."""
+        held = self._maps.get(path)
+        if held is not None and len(held[0]) == size_bytes:
+            return held[1]
+        self.drop(path)
+        fd = os.open(path, os.O_RDWR)
+        try:
+            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+            m = mmap.mmap(fd, size_bytes, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        tensor = torch.frombuffer(m, dtype=torch.uint8, count=size_bytes)
+        self._maps[path] = (m, tensor)
+        return tensor
+
+    def drop(self, path: str) -> None:
+        """Unmap one slot."""
+        held = self._maps.pop(path, None)
+        if held is not None:
+            del held  # the tensor keeps the mapping alive until it is gone
+
+    def close(self) -> None:
+        """Unmap every slot."""
+        self._maps.clear()
+
+
+def copy_into(flat: Flattened, slot: torch.Tensor, pool: ThreadPoolExecutor) -> None:
+    """Copy every array of flat into slot at its offset; return once all bytes are there."""
+    cuda: list[tuple[torch.Tensor, torch.Tensor]] = []
+    host: list[tuple[Any, Any]] = []
+    for array, entry in zip(flat.arrays, flat.entries, strict=True):
+        nbytes = entry["nbytes"]
+        if nbytes == 0:
+            continue
+        dst_bytes = slot[entry["offset"] : entry["offset"] + nbytes]
+        if isinstance(array, np.ndarray):
+            dst = np.ndarray(array.shape, dtype=array.dtype, buffer=dst_bytes.numpy())
+            host.append((dst, array))
+        else:
+            dst = dst_bytes.view(array.dtype).view(array.shape)
+            (cuda if array.is_cuda else host).append((dst, array))
+    if cuda:
+        from ckpt import cuda_staging
+
+        cuda_staging.copy_from_device(cuda, slot)
+    if flat.data_size_bytes >= PARALLEL_MIN_BYTES and len(host) > 1:
+        # Two streams of copies keep both memory channels busy; each copy_ drops the GIL.
+        halves: list[list[tuple[Any, Any]]] = [[], []]
+        sizes = [0, 0]
+        for pair in sorted(host, key=lambda p: -_nbytes(p[1])):
+            i = 0 if sizes[0] <= sizes[1] else 1
+            halves[i].append(pair)
+            sizes[i] += _nbytes(pair[1])
+        for f in [pool.submit(_copy_all, h) for h in halves]:
+            f.result()
+    else:
+        _copy_all(host)
+
+
+def _nbytes(a: Any) -> int:
+    return int(a.nbytes) if isinstance(a, np.ndarray) else a.numel() * a.element_size()
+
+
+def _copy_all(pairs: list[tuple[Any, Any]]) -> None:
+    for dst, src in pairs:
+        if isinstance(dst, np.ndarray):
+            np.copyto(dst, src, casting="no")
+        else:
+            dst.copy_(src.detach())

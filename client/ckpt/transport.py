@@ -1,0 +1,72 @@
+"""Talk to the local ckptd over gRPC on its unix socket."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from ckpt.errors import CheckpointError, DaemonUnavailable, InvalidArgument, NotFound
+from ckpt.wire.v1 import ckptd_pb2_grpc
+
+MAX_MESSAGE_BYTES = 256 << 20
+
+
+def default_socket_path() -> Path:
+    """Return the socket a daemon with no configured socket listens on."""
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    if runtime:
+        return Path(runtime) / "ckptd" / "ckptd.sock"
+    return Path(tempfile.gettempdir()) / f"ckptd-{os.getuid()}" / "ckptd.sock"
+
+
+def resolve_address(address: str | None) -> str:
+    """Turn an address (a socket path, unix:PATH or host:port) into a gRPC target."""
+    address = address or os.environ.get("CKPTD_ADDRESS") or str(default_socket_path())
+    if address.startswith(("unix:", "dns:", "ipv4:", "ipv6:")):
+        return address
+    if "/" in address or address.endswith(".sock"):
+        return "unix:" + os.path.abspath(address)
+    return address
+
+
+class DaemonClient:
+    """Call the daemon's RPCs, turning transport failures into ckpt errors."""
+
+    def __init__(self, address: str | None = None) -> None:
+        self.target = resolve_address(address)
+        self._channel = grpc.insecure_channel(
+            self.target,
+            options=[
+                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ],
+        )
+        self._stub = ckptd_pb2_grpc.CkptdStub(self._channel)
+
+    def call(self, method: str, request: Any, timeout_s: float | None = 60.0) -> Any:
+        """Call one RPC by name and return its reply."""
+        try:
+            return getattr(self._stub, method)(request, timeout=timeout_s)
+        except grpc.RpcError as e:
+            code = e.code()
+            detail = e.details() or str(code)
+            if code == grpc.StatusCode.UNAVAILABLE:
+                raise DaemonUnavailable(
+                    f"ckptd is not reachable at {self.target} ({detail}); "
+                    "start it with `ckptd serve` or set CKPTD_ADDRESS"
+                ) from None
+            if code == grpc.StatusCode.INVALID_ARGUMENT:
+                raise InvalidArgument(detail) from None
+            if code == grpc.StatusCode.NOT_FOUND:
+                raise NotFound(detail) from None
+            if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+                raise TimeoutError(f"ckptd at {self.target} did not answer {method} in time") from None
+            raise CheckpointError(f"ckptd {method} failed: {detail}") from None
+
+    def close(self) -> None:
+        """Close the channel."""
+        self._channel.close()

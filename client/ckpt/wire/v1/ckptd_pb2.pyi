@@ -1,0 +1,169 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class ShardId(_message.Message):
+    __slots__ = ("job", "step", "rank", "world_size")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    step: int
+    rank: int
+    world_size: int
+    def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ...) -> None: ...
+
+class ReserveRequest(_message.Message):
+    __slots__ = ("shard", "size_bytes")
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    shard: ShardId
+    size_bytes: int
+    def __init__(self, shard: _Optional[_Union[ShardId, _Mapping]] = ..., size_bytes: _Optional[int] = ...) -> None: ...
+
+class ReserveReply(_message.Message):
+    __slots__ = ("skipped", "slot_path", "slot_size_bytes", "blocked_s", "reason")
+    SKIPPED_FIELD_NUMBER: _ClassVar[int]
+    SLOT_PATH_FIELD_NUMBER: _ClassVar[int]
+    SLOT_SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    BLOCKED_S_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    skipped: bool
+    slot_path: str
+    slot_size_bytes: int
+    blocked_s: float
+    reason: str
+    def __init__(self, skipped: _Optional[bool] = ..., slot_path: _Optional[str] = ..., slot_size_bytes: _Optional[int] = ..., blocked_s: _Optional[float] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class CommitRequest(_message.Message):
+    __slots__ = ("shard", "slot_path", "data_size_bytes", "layout_json")
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    SLOT_PATH_FIELD_NUMBER: _ClassVar[int]
+    DATA_SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_JSON_FIELD_NUMBER: _ClassVar[int]
+    shard: ShardId
+    slot_path: str
+    data_size_bytes: int
+    layout_json: bytes
+    def __init__(self, shard: _Optional[_Union[ShardId, _Mapping]] = ..., slot_path: _Optional[str] = ..., data_size_bytes: _Optional[int] = ..., layout_json: _Optional[bytes] = ...) -> None: ...
+
+class CommitReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class WaitShardRequest(_message.Message):
+    __slots__ = ("shard", "tier", "timeout_s")
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    shard: ShardId
+    tier: str
+    timeout_s: float
+    def __init__(self, shard: _Optional[_Union[ShardId, _Mapping]] = ..., tier: _Optional[str] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+
+class WaitShardReply(_message.Message):
+    __slots__ = ("done", "error")
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    done: bool
+    error: str
+    def __init__(self, done: _Optional[bool] = ..., error: _Optional[str] = ...) -> None: ...
+
+class LocateRequest(_message.Message):
+    __slots__ = ("job", "step", "rank", "tier")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    step: int
+    rank: int
+    tier: str
+    def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., rank: _Optional[int] = ..., tier: _Optional[str] = ...) -> None: ...
+
+class Source(_message.Message):
+    __slots__ = ("tier", "kind", "path")
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    tier: str
+    kind: str
+    path: str
+    def __init__(self, tier: _Optional[str] = ..., kind: _Optional[str] = ..., path: _Optional[str] = ...) -> None: ...
+
+class LocateReply(_message.Message):
+    __slots__ = ("found", "step", "world_size", "sources")
+    FOUND_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    SOURCES_FIELD_NUMBER: _ClassVar[int]
+    found: bool
+    step: int
+    world_size: int
+    sources: _containers.RepeatedCompositeFieldContainer[Source]
+    def __init__(self, found: _Optional[bool] = ..., step: _Optional[int] = ..., world_size: _Optional[int] = ..., sources: _Optional[_Iterable[_Union[Source, _Mapping]]] = ...) -> None: ...
+
+class ListRequest(_message.Message):
+    __slots__ = ("job",)
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    def __init__(self, job: _Optional[str] = ...) -> None: ...
+
+class StepInfo(_message.Message):
+    __slots__ = ("job", "step", "world_size", "size_bytes", "tiers")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    step: int
+    world_size: int
+    size_bytes: int
+    tiers: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., world_size: _Optional[int] = ..., size_bytes: _Optional[int] = ..., tiers: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ListReply(_message.Message):
+    __slots__ = ("steps",)
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    steps: _containers.RepeatedCompositeFieldContainer[StepInfo]
+    def __init__(self, steps: _Optional[_Iterable[_Union[StepInfo, _Mapping]]] = ...) -> None: ...
+
+class StatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StatusReply(_message.Message):
+    __slots__ = ("json",)
+    JSON_FIELD_NUMBER: _ClassVar[int]
+    json: str
+    def __init__(self, json: _Optional[str] = ...) -> None: ...
+
+class CollectRequest(_message.Message):
+    __slots__ = ("dry_run",)
+    DRY_RUN_FIELD_NUMBER: _ClassVar[int]
+    dry_run: bool
+    def __init__(self, dry_run: _Optional[bool] = ...) -> None: ...
+
+class Removal(_message.Message):
+    __slots__ = ("tier", "job", "step", "reason")
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    tier: str
+    job: str
+    step: int
+    reason: str
+    def __init__(self, tier: _Optional[str] = ..., job: _Optional[str] = ..., step: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class CollectReply(_message.Message):
+    __slots__ = ("removals",)
+    REMOVALS_FIELD_NUMBER: _ClassVar[int]
+    removals: _containers.RepeatedCompositeFieldContainer[Removal]
+    def __init__(self, removals: _Optional[_Iterable[_Union[Removal, _Mapping]]] = ...) -> None: ...
