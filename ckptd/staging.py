@@ -136,6 +136,7 @@ class SlotPool:
     def record_hashed(self, slot: Slot, meta: ShardMeta) -> None:
         """Record a slot's checksums: from now on the memory tier serves it. Any thread."""
         _write_replace(slot.meta_path, meta.to_bytes())
+        _unlink(slot.pending_path)
         slot.meta = meta
 
     async def settle(self, slot: Slot) -> None:
@@ -178,33 +179,46 @@ class SlotPool:
                 slot.state = "free"
 
     def _reusable(self, job: str, rank: int) -> list[Slot]:
+        """Return the rank's slots that may be overwritten: settled or free, newest snapshot last."""
         newest = self.newest(job, rank)
-        return [s for s in self._slots.get((job, rank), []) if s.state in ("free", "settled") and s is not newest]
+        free = [s for s in self._slots.get((job, rank), []) if s.state in ("free", "settled") and s is not newest]
+        free.sort(key=lambda s: s.size_bytes, reverse=True)
+        # The newest snapshot is the memory tier's copy: give it up only when nothing else
+        # fits, and only once it is settled (durable, or its flush failed).
+        return free + ([newest] if newest is not None and newest.state == "settled" else [])
 
     def _take(self, job: str, rank: int, need: int) -> tuple[Slot | None, str]:
         group = self._slots.setdefault((job, rank), [])
-        reusable = sorted(self._reusable(job, rank), key=lambda s: s.size_bytes, reverse=True)
-        if reusable and reusable[0].size_bytes >= need:
-            return self._hand_out(reusable[0], reusable[0].size_bytes), ""
-        grow = need - reusable[0].size_bytes if reusable else need
-        if not reusable and len(group) >= SLOTS_PER_RANK:
-            return None, f"both staging slots of {job} rank {rank} are still being flushed"
-        if self.budget_bytes and self.in_use_bytes() + grow > self.budget_bytes:
-            self._evict_others(job, rank, self.in_use_bytes() + grow - self.budget_bytes)
-            if self.in_use_bytes() + grow > self.budget_bytes:
-                return None, f"staging.budget_bytes ({self.budget_bytes}) is in use by snapshots being flushed"
-        if reusable:
-            return self._hand_out(reusable[0], need), "grew a slot"
-        index = min(set(range(SLOTS_PER_RANK)) - {s.index for s in group})
-        slot = Slot(self.directory / job / f"rank-{rank:05d}.slot-{index}", job, rank, index, 0)
-        group.append(slot)
-        return self._hand_out(slot, need), "new slot"
+        reusable = self._reusable(job, rank)
+        for slot in reusable:
+            if slot.size_bytes >= need:
+                return self._hand_out(slot, slot.size_bytes), ""
+        if len(group) < SLOTS_PER_RANK and self._room_for(job, rank, need):
+            index = min(set(range(SLOTS_PER_RANK)) - {s.index for s in group})
+            slot = Slot(self.directory / job / f"rank-{rank:05d}.slot-{index}", job, rank, index, 0)
+            group.append(slot)
+            return self._hand_out(slot, need), "new slot"
+        for slot in reusable:
+            if self._room_for(job, rank, need - slot.size_bytes):
+                return self._hand_out(slot, need), "grew a slot"
+        if not reusable:
+            return None, f"every staging slot of {job} rank {rank} holds a snapshot still being flushed"
+        return None, f"staging.budget_bytes ({self.budget_bytes}) is taken by snapshots still being flushed"
+
+    def _room_for(self, job: str, rank: int, extra_bytes: int) -> bool:
+        if not self.budget_bytes:
+            return True
+        over = self.in_use_bytes() + extra_bytes - self.budget_bytes
+        if over > 0:
+            self._evict_others(job, rank, over)
+        return self.in_use_bytes() + extra_bytes <= self.budget_bytes
 
     def _evict_others(self, job: str, rank: int, want_bytes: int) -> None:
         for (other_job, other_rank), group in self._slots.items():
             if (other_job, other_rank) == (job, rank):
                 continue
-            for slot in self._reusable(other_job, other_rank):
+            newest = self.newest(other_job, other_rank)
+            for slot in [s for s in self._reusable(other_job, other_rank) if s is not newest]:
                 if want_bytes <= 0:
                     return
                 want_bytes -= slot.size_bytes

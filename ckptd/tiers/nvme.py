@@ -119,16 +119,20 @@ class LocalDirTier(Tier):
         _fsync_dir(step_dir.parent)
         final = step_dir / data_name(meta.rank)
         partial = final.with_name(final.name + PARTIAL_SUFFIX)
+        meta_path = step_dir / meta_name(meta.rank)
+        meta_partial = meta_path.with_name(meta_path.name + PARTIAL_SUFFIX)
         try:
             meta = self._write_data(partial, meta, data, on_hashed, what)
-            meta_path = step_dir / meta_name(meta.rank)
-            write_file_durably(meta_path.with_name(meta_path.name + PARTIAL_SUFFIX), meta.to_bytes())
+            write_file_durably(meta_partial, meta.to_bytes())
             os.replace(partial, final)
-            os.replace(meta_path.with_name(meta_path.name + PARTIAL_SUFFIX), meta_path)
+            os.replace(meta_partial, meta_path)  # the shard counts as written from here on
             _fsync_dir(step_dir)
-        except OSError as e:
+        except BaseException as e:
             _remove_quietly(partial)
-            raise ShardWriteError(f"{what}: {e.strerror or e}") from e
+            _remove_quietly(meta_partial)
+            if isinstance(e, OSError):
+                raise ShardWriteError(f"{what}: {e.strerror or e}") from e
+            raise
         return meta
 
     def _write_data(

@@ -1,0 +1,69 @@
+"""Configuration: defaults, TOML, CKPTD_<SECTION>__<KEY> overrides, and errors naming the key."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from ckptd.config import ConfigError, load_config
+
+
+def test_defaults_need_no_root(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.delenv("XDG_DATA_HOME", raising=False)
+    c = load_config(None, env={})
+    assert c.root == tmp_path / ".local" / "share" / "ckptd"
+    assert c.staging.policy == "block" and c.retention.nvme == 3 and c.object.url == ""
+    assert c.staging_dir.is_absolute()
+
+
+def test_toml_then_environment(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text('[node]\nroot = "/data/a"\n[retention]\nnvme = 5\n[object]\nstorage_options = {endpoint_url = "x"}\n')
+    c = load_config(str(path), env={"CKPTD_NODE__ROOT": "/data/b", "CKPTD_STAGING__POLICY": "skip"})
+    assert str(c.root) == "/data/b"
+    assert c.retention.nvme == 5
+    assert c.staging.policy == "skip"
+    assert c.object.storage_options == {"endpoint_url": "x"}
+
+
+def test_env_values_are_parsed_as_toml():
+    c = load_config(None, env={"CKPTD_STAGING__BUDGET_BYTES": "1024", "CKPTD_PEER__ADDRESSES": '["h:1", "g:2"]'})
+    assert c.staging.budget_bytes == 1024
+    assert c.peer.addresses == ("h:1", "g:2")
+
+
+@pytest.mark.parametrize(
+    "toml, env, message",
+    [
+        ("[node]\nrooot = 1\n", {}, "node.rooot"),
+        ("[nodes]\n", {}, r"\[nodes\]"),
+        ("", {"CKPTD_STAGING__POLICY": "drop"}, "staging.policy"),
+        ("[retention]\nnvme = -1\n", {}, "retention.nvme"),
+        ("[staging]\nbudget_bytes = \"lots\"\n", {}, "staging.budget_bytes"),
+        ("[peer]\naddresses = [\"nohost\"]\n", {}, "peer.addresses"),
+        ("", {"CKPTD_NODE__FOO": "1"}, "node.foo"),
+        ("[node\n", {}, "c.toml"),
+    ],
+)
+def test_bad_config_names_the_key(tmp_path, toml, env, message):
+    path = tmp_path / "c.toml"
+    path.write_text(toml)
+    with pytest.raises(ConfigError, match=message):
+        load_config(str(path), env=env)
+
+
+def test_cli_exits_2_naming_the_bad_key(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text("[staging]\npolicy = \"sometimes\"\n")
+    r = subprocess.run([sys.executable, "-m", "ckptd", "ls", "--config", str(path)], capture_output=True, text=True)
+    assert r.returncode == 2
+    assert "staging.policy" in r.stderr
+
+
+def test_cli_usage_error_exits_2():
+    r = subprocess.run([sys.executable, "-m", "ckptd", "restore", "--job", "x"], capture_output=True, text=True)
+    assert r.returncode == 2
+    assert "--to" in r.stderr

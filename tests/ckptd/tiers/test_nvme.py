@@ -1,0 +1,109 @@
+"""The NVMe tier writes shards atomically and durably, and lists a step only once committed."""
+
+from __future__ import annotations
+
+import mmap
+import os
+
+import pytest
+
+from ckpt.errors import CorruptCheckpoint, NotFound
+from ckpt.format import CHUNK_SIZE_BYTES, COMMIT_NAME, ShardMeta, data_name, round_up
+from ckpt.shard_io import read_meta, read_shard_into
+from ckptd.tiers.nvme import LocalDirTier, ShardWriteError
+
+
+def _buffer(payload: bytes) -> memoryview:
+    m = mmap.mmap(-1, round_up(max(len(payload), 1), 4096))
+    m[: len(payload)] = payload
+    return memoryview(m)
+
+
+def _meta(job="j", step=1, rank=0, world_size=2, size=0):
+    return ShardMeta(job, step, rank, world_size, size, CHUNK_SIZE_BYTES, (), {"tensors": []})
+
+
+@pytest.fixture
+def tier(tmp_path):
+    t = LocalDirTier(tmp_path / "root")
+    yield t
+    t.close()
+
+
+def _write(tier, rank, payload, world_size=2, step=1):
+    return tier.write_shard(_meta(rank=rank, world_size=world_size, step=step, size=len(payload)), _buffer(payload))
+
+
+def test_step_is_listed_only_when_every_rank_is_committed(tier):
+    payload = os.urandom(3 * CHUNK_SIZE_BYTES + 123)
+    _write(tier, 0, payload)
+    assert tier.try_commit("j", 1, 2) is None
+    assert tier.complete_steps("j") == []
+    _write(tier, 1, payload[::-1])
+    record = tier.try_commit("j", 1, 2)
+    assert record is not None and record.size_bytes == 2 * len(payload)
+    assert tier.complete_steps("j") == [1]
+    assert (tier.step_dir("j", 1) / data_name(0)).stat().st_size == len(payload)
+
+
+def test_written_bytes_read_back_verified(tier):
+    payload = os.urandom(CHUNK_SIZE_BYTES + 7)
+    meta = _write(tier, 0, payload, world_size=1)
+    assert len(meta.chunk_xxh3_128) == 2
+    tier.try_commit("j", 1, 1)
+    source = tier.shard_source("j", 1, 0)
+    back = _buffer(b"\0" * len(payload))
+    read_shard_into(source, read_meta(source, 0), back)
+    assert bytes(back[: len(payload)]) == payload
+
+
+def test_flipped_byte_is_caught_naming_shard_tier_and_chunk(tier):
+    payload = os.urandom(2 * CHUNK_SIZE_BYTES)
+    _write(tier, 0, payload, world_size=1)
+    tier.try_commit("j", 1, 1)
+    path = tier.step_dir("j", 1) / data_name(0)
+    with open(path, "r+b") as f:
+        f.seek(CHUNK_SIZE_BYTES + 5)
+        byte = f.read(1)
+        f.seek(CHUNK_SIZE_BYTES + 5)
+        f.write(bytes([byte[0] ^ 1]))
+    source = tier.shard_source("j", 1, 0)
+    with pytest.raises(CorruptCheckpoint, match=r"rank 0 shard of j step 1 on tier nvme.*chunk 1 .*mismatch"):
+        read_shard_into(source, read_meta(source, 0), _buffer(b"\0" * len(payload)))
+
+
+def test_expected_checksums_are_checked_while_writing(tier):
+    payload = os.urandom(100)
+    meta = _write(tier, 0, payload, world_size=1)
+    other = ShardMeta(**{**meta.__dict__, "step": 2})
+    with pytest.raises(ShardWriteError, match="checksum mismatch"):
+        tier.write_shard(other, _buffer(b"x" * 100))
+    assert not any(tier.step_dir("j", 2).iterdir())  # the partial file is gone
+
+
+def test_remove_step_unlists_first_and_leftovers_are_cleaned(tier):
+    _write(tier, 0, b"abc", world_size=1)
+    tier.try_commit("j", 1, 1)
+    tier.remove_step("j", 1)
+    assert tier.complete_steps("j") == [] and tier.all_steps("j") == []
+    with pytest.raises(NotFound):
+        tier.remove_step("j", 1)
+    step_dir = tier.step_dir("j", 5)
+    step_dir.mkdir(parents=True)
+    (step_dir / "rank-00000.data.partial").write_bytes(b"x")
+    (tier.root / "j" / ".deleting-4").mkdir()
+    removed = tier.remove_leftovers()
+    assert len(removed) == 2 and list(step_dir.iterdir()) == []
+
+
+def test_commit_record_is_checked_against_the_metadata(tier):
+    _write(tier, 0, b"abc", world_size=1)
+    tier.try_commit("j", 1, 1)
+    meta_path = tier.step_dir("j", 1) / "rank-00000.meta.json"
+    other = ShardMeta.from_bytes(meta_path.read_bytes(), "m")
+    meta_path.write_bytes(ShardMeta(**{**other.__dict__, "layout": {"tensors": [], "x": 1}}).to_bytes())
+    with pytest.raises(CorruptCheckpoint, match="commit record"):
+        read_meta(tier.shard_source("j", 1, 0), 0)
+    (tier.step_dir("j", 1) / COMMIT_NAME).unlink()
+    with pytest.raises(NotFound):
+        read_meta(tier.shard_source("j", 1, 0), 0)

@@ -1,0 +1,55 @@
+"""Names, validation and sealed records of the on-disk format."""
+
+from __future__ import annotations
+
+import pytest
+
+from ckpt.errors import CorruptCheckpoint, InvalidArgument
+from ckpt.format import CommitRecord, ShardMeta, seal, unseal, validate_job, validate_rank, validate_step
+
+
+@pytest.mark.parametrize("job", ["a", "llama-7b", "run_1.2", "A" * 128])
+def test_valid_job_names(job):
+    assert validate_job(job) == job
+
+
+@pytest.mark.parametrize("job", ["", "../x", "a/b", ".hidden", "-x", "A" * 129, "x" * 200, "naïve", None, 3])
+def test_invalid_job_names(job):
+    with pytest.raises(InvalidArgument, match="invalid job name"):
+        validate_job(job)
+
+
+@pytest.mark.parametrize("step", [-1, 1.5, "3", True, 2**62])
+def test_invalid_steps(step):
+    with pytest.raises(InvalidArgument, match="invalid step"):
+        validate_step(step)
+
+
+@pytest.mark.parametrize("rank, world_size", [(-1, 2), (2, 2), (0, 0), ("0", 1)])
+def test_invalid_ranks(rank, world_size):
+    with pytest.raises(InvalidArgument):
+        validate_rank(rank, world_size)
+
+
+def test_sealed_record_detects_any_changed_value():
+    data = seal({"world_size": 4, "step": 10})
+    assert unseal(data, "x") == {"world_size": 4, "step": 10}
+    with pytest.raises(CorruptCheckpoint, match="record checksum mismatch"):
+        unseal(data.replace(b'"world_size": 4', b'"world_size": 5'), "x")
+    with pytest.raises(CorruptCheckpoint, match="unreadable"):
+        unseal(data[:-3], "x")
+
+
+def test_shard_meta_round_trip_and_chunk_coverage():
+    meta = ShardMeta("j", 3, 1, 2, 10 << 20, 4 << 20, ("a" * 32, "b" * 32, "c" * 32), {"tensors": []})
+    assert ShardMeta.from_bytes(meta.to_bytes(), "m") == meta
+    short = ShardMeta("j", 3, 1, 2, 10 << 20, 4 << 20, ("a" * 32,), {"tensors": []})
+    with pytest.raises(CorruptCheckpoint, match="do not cover"):
+        ShardMeta.from_bytes(short.to_bytes(), "m")
+
+
+def test_commit_record_must_list_every_rank():
+    rec = CommitRecord("j", 3, 2, ("a" * 32, "b" * 32), 100)
+    assert CommitRecord.from_bytes(rec.to_bytes(), "c") == rec
+    with pytest.raises(CorruptCheckpoint, match="every rank"):
+        CommitRecord.from_bytes(CommitRecord("j", 3, 2, ("a" * 32,), 100).to_bytes(), "c")

@@ -1,0 +1,118 @@
+"""Fixtures shared by every test: real ckptd processes in temporary places."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+READY_TIMEOUT_S = 30.0
+CKPTD = [sys.executable, "-m", "ckptd"]
+
+
+class Daemon:
+    """One real `ckptd serve` process with its own root, staging dir and socket."""
+
+    def __init__(self, base: Path, extra_toml: str = "") -> None:
+        self.base = base
+        self.root = base / "nvme"
+        self.socket = base / "d.sock"
+        self.staging_dir = Path("/dev/shm") / f"ckptd-test-{uuid.uuid4().hex[:12]}"
+        self.config_path = base / "ckptd.toml"
+        self.config_path.write_text(
+            f'[node]\nroot = "{self.root}"\nsocket = "{self.socket}"\n'
+            f'[staging]\ndir = "{self.staging_dir}"\n' + extra_toml
+        )
+        self.log_path = base / "ckptd.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def address(self) -> str:
+        return str(self.socket)
+
+    def start(self) -> Daemon:
+        """Start serving and return once the daemon has said READY=1 over the notify protocol."""
+        notify_path = self.base / "notify.sock"
+        notify_path.unlink(missing_ok=True)
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as notify:
+            notify.bind(str(notify_path))
+            notify.settimeout(READY_TIMEOUT_S)
+            env = {**os.environ, "NOTIFY_SOCKET": str(notify_path)}
+            env.pop("CKPTD_ADDRESS", None)
+            log = open(self.log_path, "ab")  # noqa: SIM115 - handed to the child
+            self.proc = subprocess.Popen([*CKPTD, "serve", "--config", str(self.config_path)], stderr=log, env=env)
+            log.close()
+            while True:
+                try:
+                    message = notify.recv(4096).decode()
+                except TimeoutError:
+                    raise AssertionError(f"ckptd did not become ready:\n{self.log()}") from None
+                if "READY=1" in message.split("\n"):
+                    return self
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def kill(self) -> None:
+        """SIGKILL the daemon, as a crash would."""
+        assert self.proc is not None
+        self.proc.kill()
+        self.proc.wait()
+
+    def stop(self) -> int:
+        """SIGTERM the daemon and return its exit code."""
+        assert self.proc is not None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout=60)
+
+    def cli(self, *args: str) -> subprocess.CompletedProcess[str]:
+        """Run a ckptd command against this daemon's config."""
+        return subprocess.run(
+            [*CKPTD, *args, "--config", str(self.config_path)], capture_output=True, text=True, timeout=120
+        )
+
+    def cleanup(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        shutil.rmtree(self.staging_dir, ignore_errors=True)
+
+
+@pytest.fixture
+def short_tmp() -> Iterator[Path]:
+    """Yield a short temporary directory (unix socket paths must stay under 108 bytes)."""
+    path = Path(tempfile.mkdtemp(prefix="ckt-"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def make_daemon(short_tmp: Path) -> Iterator:
+    """Return a factory of daemons (not started), each in its own directory, all killed at the end."""
+    daemons: list[Daemon] = []
+
+    def make(extra_toml: str = "", name: str = "") -> Daemon:
+        base = short_tmp / (name or f"d{len(daemons)}")
+        base.mkdir()
+        daemons.append(Daemon(base, extra_toml))
+        return daemons[-1]
+
+    yield make
+    for d in daemons:
+        d.cleanup()
+
+
+@pytest.fixture
+def daemon(make_daemon) -> Daemon:
+    """Yield one started daemon."""
+    return make_daemon().start()

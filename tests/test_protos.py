@@ -1,0 +1,25 @@
+"""The committed gRPC stubs are exactly what protoc makes of protos/ today."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+PROTO = "ckpt/wire/v1/ckptd.proto"
+
+
+def test_generated_stubs_are_fresh(tmp_path):
+    subprocess.run(
+        [sys.executable, "-m", "grpc_tools.protoc", f"-I{REPO / 'protos'}", f"--python_out={tmp_path}",
+         f"--pyi_out={tmp_path}", f"--grpc_python_out={tmp_path}", str(REPO / "protos" / PROTO)],
+        check=True,
+    )
+    generated = sorted((tmp_path / "ckpt" / "wire" / "v1").glob("*.py*"))
+    assert [p.name for p in generated] == ["ckptd_pb2.py", "ckptd_pb2.pyi", "ckptd_pb2_grpc.py"]
+    for fresh in generated:
+        committed = REPO / "client" / "ckpt" / "wire" / "v1" / fresh.name
+        assert committed.read_text() == fresh.read_text(), (
+            f"{committed} is stale: run scripts/gen_protos.sh and commit the result"
+        )
