@@ -11,9 +11,8 @@ environment (CKPT_JOB, RANK, WORLD_SIZE, CKPTD_ADDRESS) on first use.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ckpt.checkpointer import Checkpointer, SaveHandle, load_local
 from ckpt.errors import (
     CheckpointError,
     CorruptCheckpoint,
@@ -41,7 +40,21 @@ __all__ = [
     "save_async",
 ]
 
+if TYPE_CHECKING:
+    from ckpt.checkpointer import Checkpointer, SaveHandle, load_local
+
+_LAZY = {"Checkpointer", "SaveHandle", "load_local"}
 _default: Checkpointer | None = None
+
+
+def __getattr__(name: str) -> Any:
+    # torch is imported only when the training-side API is used, so the daemon can
+    # import ckpt.format and ckpt.shard_io without it.
+    if name in _LAZY:
+        from ckpt import checkpointer
+
+        return getattr(checkpointer, name)
+    raise AttributeError(f"module 'ckpt' has no attribute {name!r}")
 
 
 def init(
@@ -49,6 +62,8 @@ def init(
 ) -> Checkpointer:
     """Create (or replace) the default Checkpointer used by the module-level functions."""
     global _default
+    from ckpt.checkpointer import Checkpointer
+
     if _default is not None:
         _default.close()
     _default = Checkpointer(job=job, rank=rank, world_size=world_size, address=address)

@@ -1,0 +1,315 @@
+"""Benchmark ckptd's local path against its limits and against PyTorch's own checkpointers, in one run.
+
+For one model-like state it measures save_async's blocking time against a plain copy_, the time
+from save_async to durable on NVMe against a dd direct write, loads from NVMe and from memory
+against a dd direct read and a plain copy_, and beside them torch.save, torch.distributed.checkpoint
+save and async_save on the same disk. It prints a table and writes JSON; it is not a test.
+
+    .venv/bin/python benchmarks/bench_local.py --size-gib 2 --repeats 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import ckpt
+import torch
+import torch.distributed.checkpoint as dcp
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+DD_BLOCK_BYTES = 64 << 20
+WARMUP_SAVES = 2
+READY_TIMEOUT_S = 60.0
+WAIT_TIMEOUT_S = 600.0
+JOB = "bench"
+
+
+@dataclass
+class Row:
+    """Hold one line of the table: a measurement, and the limit it is held against if any."""
+
+    what: str
+    time_s: float
+    size_bytes: int
+    limit: str = ""
+    ratio: float | None = None
+    target: str = ""
+    ok: bool | None = None
+
+    @property
+    def gb_per_s(self) -> float:
+        """Return the bandwidth in GB/s (10**9 bytes per second)."""
+        return self.size_bytes / self.time_s / 1e9
+
+
+def make_state(size_bytes: int, layers: int = 6) -> dict[str, torch.Tensor]:
+    """Build a flat, model-like state of about size_bytes: bf16 weights, fp32 optimizer moments, small norms."""
+    generator = torch.Generator().manual_seed(0)
+    # (name, relative size in bytes, dtype) per layer; the two embeddings take a quarter of the state.
+    per_layer = [
+        ("attn.qkv", 3, torch.bfloat16),
+        ("attn.out", 1, torch.bfloat16),
+        ("mlp.up", 4, torch.bfloat16),
+        ("mlp.down", 4, torch.bfloat16),
+        ("attn.qkv.exp_avg", 6, torch.float32),
+        ("mlp.up.exp_avg", 8, torch.float32),
+    ]
+    unit_bytes = 0.76 * size_bytes / (layers * sum(units for _, units, _ in per_layer))
+    specs = [("embed", 0.12 * size_bytes, torch.bfloat16), ("lm_head", 0.12 * size_bytes, torch.bfloat16)]
+    for i in range(layers):
+        specs += [(f"layers.{i}.{name}", units * unit_bytes, dtype) for name, units, dtype in per_layer]
+        specs += [(f"layers.{i}.norm.{j}", 16384, torch.float32) for j in (1, 2)]
+    state = {}
+    for name, nbytes, dtype in specs:
+        element_size = torch.empty(0, dtype=dtype).element_size()
+        rows = max(1, int(nbytes) // (1024 * element_size))
+        state[name] = torch.randn(rows, 1024, dtype=dtype, generator=generator)
+    return state
+
+
+def nbytes_of(state: dict[str, torch.Tensor]) -> int:
+    """Return the bytes of tensor data in a flat state."""
+    return sum(t.numel() * t.element_size() for t in state.values())
+
+
+def timed(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> float:
+    """Call fn(*args, **kwargs) once and return its wall time in seconds; its result is freed after the clock stops."""
+    start = time.perf_counter()
+    result = fn(*args, **kwargs)
+    elapsed = time.perf_counter() - start
+    del result
+    return elapsed
+
+
+def run_dd(*operands: str) -> float:
+    """Run dd with operands and return its wall time in seconds."""
+    return timed(subprocess.run, ["dd", *operands], check=True, capture_output=True)
+
+
+def bench_plain_copy(state: dict[str, torch.Tensor], repeats: int) -> list[float]:
+    """Time copy_ of every tensor into preallocated tensors whose pages are already touched."""
+    dst = {name: torch.empty_like(t) for name, t in state.items()}
+    for name, t in state.items():
+        dst[name].copy_(t)
+    return [timed(lambda: [dst[name].copy_(t) for name, t in state.items()]) for _ in range(repeats)]
+
+
+def start_daemon(work: Path, staging: Path) -> tuple[subprocess.Popen[bytes], Path, Path]:
+    """Write a config under work and start `ckptd serve` on it; return the process, its socket and its log."""
+    sock, config, log_path = work / "d.sock", work / "ckptd.toml", work / "ckptd.log"
+    # json.dumps quotes a path the way a TOML basic string wants it.
+    config.write_text(
+        f"[node]\nroot = {json.dumps(str(work / 'root'))}\nsocket = {json.dumps(str(sock))}\n\n"
+        f"[staging]\ndir = {json.dumps(str(staging))}\n\n[retention]\nnvme = 2\n"
+    )
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "ckptd", "serve", "--config", str(config)], stdout=log, stderr=subprocess.STDOUT
+        )
+    return proc, sock, log_path
+
+
+def wait_ready(proc: subprocess.Popen[bytes], sock: Path, log_path: Path) -> None:
+    """Poll until the daemon answers latest_step() on its socket; raise if it exits or never answers."""
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"ckptd exited with {proc.returncode}:\n{log_path.read_text()[-3000:]}")
+        if sock.exists():
+            try:
+                with ckpt.Checkpointer(job=JOB, rank=0, world_size=1, address=str(sock)) as c:
+                    c.latest_step()
+                return
+            except ckpt.DaemonUnavailable:
+                pass
+        time.sleep(0.05)
+    raise TimeoutError(f"ckptd did not answer on {sock} within {READY_TIMEOUT_S} s")
+
+
+def stop_daemon(proc: subprocess.Popen[bytes], log_path: Path) -> None:
+    """Send SIGTERM, wait for the daemon to drain and exit, and complain if it did not exit 0."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=WAIT_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    if proc.returncode != 0:
+        print(f"warning: ckptd exited with {proc.returncode}:\n{log_path.read_text()[-3000:]}", file=sys.stderr)
+
+
+def bench_ckpt(state: dict[str, torch.Tensor], sock: Path, root: Path, repeats: int) -> dict[str, list[float]]:
+    """Save through the daemon (interleaved with dd runs on the same disk), then load; return raw timings."""
+    raw: dict[str, list[float]] = {k: [] for k in ("save_block", "durable", "blocked_in_daemon", "dd_write")}
+    raw.update({k: [] for k in ("dd_read", "load_nvme", "load_memory")})
+    dd_file = root / "dd-write.bin"
+    count = -(-nbytes_of(state) // DD_BLOCK_BYTES)
+    with ckpt.Checkpointer(job=JOB, rank=0, world_size=1, address=str(sock)) as c:
+        for step in range(WARMUP_SAVES):
+            c.save_async(state, step=step).wait("nvme", timeout=WAIT_TIMEOUT_S)
+        for step in range(WARMUP_SAVES, WARMUP_SAVES + repeats):
+            raw["dd_write"].append(
+                run_dd("if=/dev/zero", f"of={dd_file}", "bs=64M", f"count={count}", "oflag=direct", "conv=fsync")
+            )
+            dd_file.unlink()
+            start = time.perf_counter()
+            handle = c.save_async(state, step=step)
+            returned = time.perf_counter()
+            handle.wait("nvme", timeout=WAIT_TIMEOUT_S)
+            raw["save_block"].append(returned - start)
+            raw["durable"].append(time.perf_counter() - start)
+            raw["blocked_in_daemon"].append(handle.blocked_s)
+        last = WARMUP_SAVES + repeats - 1
+        shard_file = root / JOB / str(last) / "rank-00000.data"
+        for _ in range(repeats):
+            raw["dd_read"].append(run_dd(f"if={shard_file}", "of=/dev/null", "bs=64M", "iflag=direct"))
+            raw["load_nvme"].append(timed(c.load, step=last, tier="nvme"))
+            raw["load_memory"].append(timed(c.load, step=last, tier="memory"))
+        for tier in ("nvme", "memory"):
+            loaded = c.load(step=last, tier=tier)
+            if loaded.keys() != state.keys() or not all(torch.equal(loaded[k], state[k]) for k in state):
+                raise RuntimeError(f"load from {tier} did not return the saved state bit for bit")
+    return raw
+
+
+def bench_peers(state: dict[str, torch.Tensor], work: Path, repeats: int) -> dict[str, list[float]]:
+    """Time torch.save + fsync, dcp.save and dcp.async_save of the same state on the same disk."""
+    raw: dict[str, list[float]] = {k: [] for k in ("torch_save", "dcp_save", "dcp_async_block", "dcp_async_durable")}
+
+    def torch_save(path: Path) -> None:
+        with open(path, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+
+    for i in range(repeats):
+        raw["torch_save"].append(timed(torch_save, work / f"torch-{i}.pt"))
+        (work / f"torch-{i}.pt").unlink()
+        raw["dcp_save"].append(timed(dcp.save, state, checkpoint_id=work / f"dcp-{i}", no_dist=True))
+        shutil.rmtree(work / f"dcp-{i}")
+        start = time.perf_counter()
+        future = dcp.async_save(state, checkpoint_id=work / f"dcp-async-{i}", no_dist=True)
+        raw["dcp_async_block"].append(time.perf_counter() - start)
+        future.result()
+        raw["dcp_async_durable"].append(time.perf_counter() - start)
+        shutil.rmtree(work / f"dcp-async-{i}")
+    return raw
+
+
+def build_rows(size: int, dd_bytes: int, raw: dict[str, list[float]]) -> tuple[list[Row], list[Row]]:
+    """Turn raw timings into table rows: ours held against the limits, and the peers beside ours."""
+    best = {k: min(v) for k, v in raw.items()}
+    median = {k: statistics.median(v) for k, v in raw.items()}
+
+    def held(what: str, time_s: float, limit: str, ratio: float, target: str, ok: bool) -> Row:
+        return Row(what, time_s, size, limit, ratio, target, ok)
+
+    copy_s, dd_w, dd_r = best["plain_copy"], dd_bytes / best["dd_write"], size / best["dd_read"]
+    rows = [Row("plain copy_ (limit)", copy_s, size)]
+    for label, t in (("best", best["save_block"]), ("median", median["save_block"])):
+        rows.append(held(f"save_async blocking ({label})", t, "plain copy_", t / copy_s, "<= 1.2", t / copy_s <= 1.2))
+    rows.append(Row("dd write direct+fsync (limit)", best["dd_write"], dd_bytes))
+    for label, t in (("best", best["durable"]), ("median", median["durable"])):
+        ratio = size / t / dd_w
+        rows.append(held(f"save -> durable on nvme ({label})", t, "dd write", ratio, ">= 0.9", ratio >= 0.9))
+    rows.append(Row("dd read direct (limit)", best["dd_read"], size))
+    ratio = size / best["load_nvme"] / dd_r
+    rows.append(held("load tier=nvme (best)", best["load_nvme"], "dd read", ratio, ">= 0.8", ratio >= 0.8))
+    ratio = copy_s / best["load_memory"]
+    rows.append(held("load tier=memory (best)", best["load_memory"], "plain copy_", ratio, ">= 0.8", ratio >= 0.8))
+
+    peers = []
+    for what, key, ours in (
+        ("torch.save + fsync (durable)", "torch_save", "durable"),
+        ("dcp.save (durable)", "dcp_save", "durable"),
+        ("dcp.async_save (blocking)", "dcp_async_block", "save_block"),
+        ("dcp.async_save (durable)", "dcp_async_durable", "durable"),
+    ):
+        peers.append(Row(what, best[key], size, f"ckpt {ours}", best[key] / best[ours]))
+    return rows, peers
+
+
+def print_table(rows: list[Row], peers: list[Row]) -> None:
+    """Print ours against the limits, then the peers with their time as a multiple of ours."""
+    header = f"{'what':<36} {'time_s':>8} {'GB/s':>7}  {'limit':<16} {'ratio':>7} {'target':>7} {'ok':>4}"
+
+    def line(r: Row) -> str:
+        ratio = "" if r.ratio is None else f"{r.ratio:.2f}"
+        ok = "" if r.ok is None else ("yes" if r.ok else "NO")
+        return f"{r.what:<36} {r.time_s:>8.3f} {r.gb_per_s:>7.2f}  {r.limit:<16} {ratio:>7} {r.target:>7} {ok:>4}"
+
+    print(header, "-" * len(header), *map(line, rows), sep="\n")
+    print("\npeers (ratio = their best time / ckpt's best time for the same thing; > 1 means slower than ckpt)")
+    print(header, "-" * len(header), *map(line, peers), sep="\n")
+
+
+def parse_args() -> argparse.Namespace:
+    """Parse the command line."""
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--size-gib", type=float, default=2.0, help="size of the state in GiB (default 2)")
+    p.add_argument("--repeats", type=int, default=3, help="timed runs of each measurement (default 3)")
+    p.add_argument("--dir", type=Path, default=RESULTS_DIR / "tmp", help="where to write, on the disk under test")
+    p.add_argument("--json", type=Path, default=RESULTS_DIR / "local.json", help="where to write the results")
+    return p.parse_args()
+
+
+def main() -> int:
+    """Run every measurement, print the table and write the JSON."""
+    args = parse_args()
+    args.dir.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="bench-", dir=args.dir))
+    staging = Path(tempfile.mkdtemp(prefix="ckptd-bench-", dir="/dev/shm"))
+    print(f"building a {args.size_gib} GiB state ...", flush=True)
+    state = make_state(int(args.size_gib * (1 << 30)))
+    size = nbytes_of(state)
+    print(f"{len(state)} tensors, {size / 1e9:.3f} GB; working in {work}, staging in {staging}", flush=True)
+    raw = {"plain_copy": bench_plain_copy(state, args.repeats)}
+    proc, sock, log_path = start_daemon(work, staging)
+    try:
+        wait_ready(proc, sock, log_path)
+        raw.update(bench_ckpt(state, sock, work / "root", args.repeats))
+    finally:
+        stop_daemon(proc, log_path)
+        shutil.rmtree(staging, ignore_errors=True)
+    try:
+        raw.update(bench_peers(state, work, args.repeats))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    dd_bytes = -(-size // DD_BLOCK_BYTES) * DD_BLOCK_BYTES
+    rows, peers = build_rows(size, dd_bytes, raw)
+    print()
+    print_table(rows, peers)
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    result = {
+        "argv": sys.argv,
+        "size_bytes": size,
+        "tensors": len(state),
+        "repeats": args.repeats,
+        "dir": str(args.dir.resolve()),
+        "env": {"torch": torch.__version__, "python": platform.python_version(), "cpus": os.cpu_count()},
+        "rows": [{**asdict(r), "gb_per_s": r.gb_per_s} for r in rows],
+        "peers": [{**asdict(r), "gb_per_s": r.gb_per_s} for r in peers],
+        "raw_s": raw,
+    }
+    args.json.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"\nwrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
