@@ -13,8 +13,11 @@ def notify(message: str) -> bool:
         return False
     if address.startswith("@"):
         address = "\0" + address[1:]
-    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as sock:
-        sock.sendto(message.encode(), address)
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as sock:
+            sock.sendto(message.encode(), address)
+    except OSError:
+        return False  # the service manager went away; serving goes on regardless
     return True
 
 

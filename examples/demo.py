@@ -21,6 +21,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -110,43 +111,54 @@ def wait_until_answering(daemon: subprocess.Popen[bytes], socket_path: Path) -> 
 
 
 def train(args: list[str], *, kill_after_step: int | None = None) -> int | None:
-    """Run the training script, echoing checkpoints and progress; SIGKILL it after kill_after_step if given.
+    """Run the training script, echoing its progress; SIGKILL it once it reports kill_after_step, if given.
 
     Return the step after which the process was killed, or None when it ran to the end.
     """
     command = [sys.executable, "-u", str(TRAIN_SCRIPT), "--steps", str(STEPS), *args]
     proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + TRAIN_TIMEOUT_S
+    watchdog = threading.Timer(TRAIN_TIMEOUT_S, proc.kill)
+    watchdog.start()
     killed_after = None
+    pending = ""  # a shown step's line, held back until we know whether a checkpoint follows it
     assert proc.stdout is not None
     try:
         for line in proc.stdout:
-            if time.monotonic() > deadline:
-                raise DemoFailed(f"training did not finish within {TRAIN_TIMEOUT_S:.0f} s")
-            words = line.split()
-            if line.startswith("step "):
+            words = line.split() or [""]
+            if words[0] == "checkpoint" and pending:
+                print(f"{pending}   checkpoint saved, save_async returned in {words[4]} ms")
+                pending = ""
+                continue
+            if pending:
+                print(pending)
+                pending = ""
+            if words[0] == "step":
                 step, loss = int(words[1]), float(words[3])
+                shown = f"  step {step:>3}  loss {loss:.4f}"
                 if kill_after_step is not None and step >= kill_after_step:
                     proc.send_signal(signal.SIGKILL)
                     killed_after = step
-                    print(f"  step {step:>3}  loss {loss:.4f}   SIGKILL -> training process {proc.pid}")
+                    print(f"{shown}   SIGKILL -> training process {proc.pid}")
                     break
                 if step % CKPT_EVERY == 0 or step == 1:
-                    print(f"  step {step:>3}  loss {loss:.4f}", end="" if "--ckpt-every" in args else "\n")
-            elif line.startswith("checkpoint "):
-                print(f"   save_async({words[2]}) returned in {words[4]} ms")
-            elif line.startswith("resumed "):
+                    pending = shown
+            elif words[0] == "resumed":
                 print(f"  {line.strip()}: model, AdamW and RNG state loaded from ckptd")
-            elif line.startswith("done "):
+            elif words[0] == "done":
                 print(f"  {line.strip()}")
     finally:
         proc.stdout.close()
         status = proc.wait()
+        watchdog.cancel()
+    if pending:
+        print(pending)
     if killed_after is not None:
         if status != -signal.SIGKILL:
             raise DemoFailed(f"training exited with status {status} before SIGKILL reached it")
         print(f"  training process died: {signal.Signals(-status).name}, exit status {status}")
         return killed_after
+    if watchdog.finished.is_set() and status == -signal.SIGKILL:
+        raise DemoFailed(f"training did not finish within {TRAIN_TIMEOUT_S:.0f} s")
     if status != 0:
         raise DemoFailed(f"training exited with status {status}")
     return None

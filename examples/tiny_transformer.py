@@ -24,10 +24,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+import ckpt
 import torch
 from torch import nn
-
-import ckpt
 
 TEXT = """\
 Shall I compare thee to a summer's day?
@@ -106,7 +105,9 @@ def restore(state: dict[str, Any], model: nn.Module, optimizer: torch.optim.Opti
     """Load a checkpoint's state into model, optimizer and RNG; return its number of completed steps."""
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
-    torch.set_rng_state(state["torch_rng"])
+    # clone(): loaded tensors are views into one shared buffer, and set_rng_state misreads a view that starts
+    # inside a larger storage ("Invalid mt19937 state", or a segfault, with torch 2.13).
+    torch.set_rng_state(state["torch_rng"].clone())
     return int(state["step"])
 
 
