@@ -17,6 +17,7 @@ from ckpt.errors import CheckpointError, InvalidArgument
 from ckpt.format import validate_job, validate_step
 from ckpt.transport import DaemonClient
 from ckpt.wire.v1 import ckptd_pb2 as pb
+
 from ckptd import __version__
 from ckptd.config import Config, ConfigError, load_config
 
@@ -32,9 +33,13 @@ examples:
 
 def _parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--config", metavar="PATH", help="TOML config file (default: $CKPTD_CONFIG, else built-in defaults)")
+    common.add_argument(
+        "--config", metavar="PATH", help="TOML config file (default: $CKPTD_CONFIG, else built-in defaults)"
+    )
     daemon = argparse.ArgumentParser(add_help=False)
-    daemon.add_argument("--address", help="the daemon's socket path or unix:PATH (default: $CKPTD_ADDRESS, else the configured socket)")
+    daemon.add_argument(
+        "--address", help="the daemon's socket path or unix:PATH (default: $CKPTD_ADDRESS, else the configured socket)"
+    )
 
     p = argparse.ArgumentParser(
         prog="ckptd",
@@ -45,8 +50,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"ckptd {__version__}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    s = sub.add_parser("serve", parents=[common], help="run the daemon in the foreground",
-                       description="Run the daemon in the foreground. SIGTERM or SIGINT drains in-flight work, then exits 0.")
+    s = sub.add_parser(
+        "serve",
+        parents=[common],
+        help="run the daemon in the foreground",
+        description="Run the daemon in the foreground. SIGTERM or SIGINT drains in-flight work, then exits 0.",
+    )
     s.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
 
     s = sub.add_parser("status", parents=[common, daemon], help="show the running daemon's state")
@@ -56,8 +65,12 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--job", help="only this job")
     s.add_argument("--json", action="store_true", help="print one JSON list")
 
-    s = sub.add_parser("restore", parents=[common], help="copy a step out of a tier into a directory (no daemon needed)",
-                       description="Copy every shard of a step, verified, into DIR/<job>/<step>/, readable by ckpt.load_local.")
+    s = sub.add_parser(
+        "restore",
+        parents=[common],
+        help="copy a step out of a tier into a directory (no daemon needed)",
+        description="Copy every shard of a step, verified, into DIR/<job>/<step>/, readable by ckpt.load_local.",
+    )
     s.add_argument("--job", required=True)
     s.add_argument("--step", default="latest", help="a step number, or latest (default)")
     s.add_argument("--from", dest="source", default="auto", help="auto (fastest good copy), memory or nvme")
@@ -100,7 +113,9 @@ def _client(args: argparse.Namespace, config: Config) -> DaemonClient:
 def cmd_serve(args: argparse.Namespace, config: Config) -> int:
     from ckptd.daemon import AlreadyServing, serve
 
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    logging.basicConfig(
+        level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
+    )
     try:
         asyncio.run(serve(config))
     except AlreadyServing as e:
@@ -117,8 +132,10 @@ def cmd_status(args: argparse.Namespace, config: Config) -> int:
     st = doc["staging"]
     print(f"ckptd {doc['version']} on {doc['node']}, up {doc['uptime_s']:.0f} s, socket {doc['socket']}")
     print(f"nvme root   {doc['tiers']['nvme']['root']}")
-    print(f"staging     {doc['tiers']['memory']['dir']}: {st['in_use_bytes']} bytes in {st['slots']} slots, "
-          f"{st['pending_flushes']} flushes pending, policy {st['policy']}")
+    print(
+        f"staging     {doc['tiers']['memory']['dir']}: {st['in_use_bytes']} bytes in {st['slots']} slots, "
+        f"{st['pending_flushes']} flushes pending, policy {st['policy']}"
+    )
     print("counters    " + ", ".join(f"{k} {v}" for k, v in doc["counters"].items()))
     for err in doc["recent_errors"]:
         print(f"error       {err['tier']}: {err['error']}")
@@ -141,7 +158,8 @@ def cmd_ls(args: argparse.Namespace, config: Config) -> int:
     width = max(len("JOB"), *(len(s["job"]) for s in steps))
     print(f"{'JOB':<{width}}  {'STEP':>10}  {'RANKS':>5}  {'SIZE':>10}  TIERS")
     for s in steps:
-        print(f"{s['job']:<{width}}  {s['step']:>10}  {s['world_size']:>5}  {_human(s['size_bytes']):>10}  {','.join(s['tiers'])}")
+        size = _human(s["size_bytes"])
+        print(f"{s['job']:<{width}}  {s['step']:>10}  {s['world_size']:>5}  {size:>10}  {','.join(s['tiers'])}")
     return 0
 
 
@@ -171,7 +189,9 @@ def cmd_verify(args: argparse.Namespace, config: Config) -> int:
             bad += 1
             print(f"BAD  {where}: {check.error}")
     if checked == 0:
-        print(f"ckptd: nothing to verify for job {job}" + (f" step {step}" if step is not None else ""), file=sys.stderr)
+        print(
+            f"ckptd: nothing to verify for job {job}" + (f" step {step}" if step is not None else ""), file=sys.stderr
+        )
         return 1
     print(f"{checked - bad} of {checked} shards check", file=sys.stderr)
     return 1 if bad else 0

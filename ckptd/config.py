@@ -155,7 +155,7 @@ def _build(raw: dict[str, dict[str, Any]]) -> Config:
 
 def _check_type(name: str, f: dataclasses.Field[Any], value: Any) -> Any:
     default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-    if isinstance(default, bool) or isinstance(default, int):
+    if isinstance(default, (bool, int)):
         if isinstance(value, bool) or not isinstance(value, int):
             raise ConfigError(f"config key {name} must be an integer, not {value!r}")
     elif isinstance(default, str):
@@ -165,9 +165,8 @@ def _check_type(name: str, f: dataclasses.Field[Any], value: Any) -> Any:
         if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
             raise ConfigError(f"config key {name} must be a list of strings, not {value!r}")
         value = tuple(value)
-    elif isinstance(default, dict):
-        if not isinstance(value, dict):
-            raise ConfigError(f"config key {name} must be a table, not {value!r}")
+    elif isinstance(default, dict) and not isinstance(value, dict):
+        raise ConfigError(f"config key {name} must be a table, not {value!r}")
     return value
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import signal
@@ -10,9 +11,9 @@ import socket
 from pathlib import Path
 
 import grpc
-
 from ckpt.transport import MAX_MESSAGE_BYTES
 from ckpt.wire.v1 import ckptd_pb2_grpc
+
 from ckptd import sd_notify
 from ckptd.config import Config
 from ckptd.pipeline import Pipeline
@@ -85,7 +86,5 @@ def _claim_socket(path: Path) -> None:
 
 
 def _unlink(path: Path) -> None:
-    try:
+    with contextlib.suppress(FileNotFoundError):
         path.unlink()
-    except FileNotFoundError:
-        pass

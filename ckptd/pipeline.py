@@ -9,6 +9,7 @@ byte work runs on worker threads.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import mmap
 import time
@@ -20,6 +21,7 @@ from typing import Any
 from ckpt.errors import InvalidArgument, NotFound
 from ckpt.format import CHUNK_SIZE_BYTES, ShardMeta, validate_tier
 from ckpt.shard_io import ShardSource
+
 from ckptd import __version__
 from ckptd.config import Config
 from ckptd.retention import plan_removals
@@ -134,8 +136,10 @@ class Pipeline:
                 await loop.run_in_executor(self._flush_threads, self._flush_to_nvme, slot, key)
                 self._counters["flushed"] += 1
                 self._counters["bytes_flushed"] += slot.data_size_bytes
-            except (ShardWriteError, OSError, ValueError) as e:
+            except Exception as e:  # a flush must never fail silently, whatever broke
                 self._counters["flush_failures"] += 1
+                if not isinstance(e, (ShardWriteError, OSError)):
+                    log.exception("flush of %s failed unexpectedly", key)
                 self._record_failure(key, "nvme", str(e))
             finally:
                 await self.pool.settle(slot)
@@ -145,12 +149,13 @@ class Pipeline:
         meta = slot.meta or ShardMeta(
             key.job, key.step, key.rank, key.world_size, slot.data_size_bytes, CHUNK_SIZE_BYTES, (), slot.layout or {}
         )
-        with open(slot.path, "rb") as f, mmap.mmap(f.fileno(), slot.size_bytes, prot=mmap.PROT_READ) as m:
-            view = memoryview(m)
-            try:
-                self.nvme.write_shard(meta, view, on_hashed=lambda full: self.pool.record_hashed(slot, full))
-            finally:
-                view.release()
+        with open(slot.path, "rb") as f:
+            m = mmap.mmap(f.fileno(), slot.size_bytes, prot=mmap.PROT_READ)
+        try:
+            self.nvme.write_shard(meta, memoryview(m), on_hashed=lambda full: self.pool.record_hashed(slot, full))
+        finally:
+            with contextlib.suppress(BufferError):  # a traceback may still hold a view; then GC unmaps it
+                m.close()
 
     async def _after_flush(self, key: ShardKey) -> None:
         try:
@@ -243,7 +248,7 @@ class Pipeline:
                         rec = t.commit_record(j, step)
                         found[(j, step)] = StepInfo(j, step, rec.world_size, rec.size_bytes, (t.name,))
                     else:
-                        found[(j, step)] = StepInfo(j, step, prev.world_size, prev.size_bytes, prev.tiers + (t.name,))
+                        found[(j, step)] = StepInfo(j, step, prev.world_size, prev.size_bytes, (*prev.tiers, t.name))
         return [found[k] for k in sorted(found)]
 
     async def collect(self, dry_run: bool, job: str = "") -> list[Removal]:

@@ -11,6 +11,7 @@ from pathlib import Path
 from ckpt.errors import CheckpointError, CorruptCheckpoint, NotFound
 from ckpt.format import DIRECT_IO_ALIGN_BYTES, round_up
 from ckpt.shard_io import read_meta, read_shard_into
+
 from ckptd.config import Config
 from ckptd.tiers.base import Tier
 from ckptd.tiers.memory import MemoryTier

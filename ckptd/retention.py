@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 
-def plan_removals(
-    all_steps: list[int], complete_steps: list[int], keep: int, busy: set[int]
-) -> list[tuple[int, str]]:
+def plan_removals(all_steps: list[int], complete_steps: list[int], keep: int, busy: set[int]) -> list[tuple[int, str]]:
     """Return (step, reason) for each step to remove from a tier, oldest first.
 
     keep is the number of newest complete steps to keep (0 keeps all). An

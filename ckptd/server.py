@@ -7,11 +7,11 @@ from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 import grpc
-
 from ckpt.errors import CheckpointError, InvalidArgument, NotFound
 from ckpt.format import validate_job, validate_rank, validate_step
 from ckpt.wire.v1 import ckptd_pb2 as pb
 from ckpt.wire.v1 import ckptd_pb2_grpc
+
 from ckptd.pipeline import Pipeline
 from ckptd.staging import ShardKey
 

@@ -15,6 +15,7 @@ All methods run on the daemon's event loop thread, except record_hashed.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import re
@@ -201,9 +202,9 @@ class SlotPool:
         for slot in reusable:
             if self._room_for(job, rank, need - slot.size_bytes):
                 return self._hand_out(slot, need), "grew a slot"
-        if not reusable:
-            return None, f"every staging slot of {job} rank {rank} holds a snapshot still being flushed"
-        return None, f"staging.budget_bytes ({self.budget_bytes}) is taken by snapshots still being flushed"
+        if reusable or len(group) < SLOTS_PER_RANK:
+            return None, f"staging.budget_bytes ({self.budget_bytes}) is taken by snapshots still being flushed"
+        return None, f"both staging slots of {job} rank {rank} hold snapshots still being flushed"
 
     def _room_for(self, job: str, rank: int, extra_bytes: int) -> bool:
         if not self.budget_bytes:
@@ -236,7 +237,9 @@ class SlotPool:
                 os.ftruncate(fd, size_bytes)
                 os.posix_fallocate(fd, 0, size_bytes)
             except OSError as e:
-                raise CheckpointError(f"cannot allocate {size_bytes} bytes of staging memory in {slot.path}: {e}") from e
+                raise CheckpointError(
+                    f"cannot allocate {size_bytes} bytes of staging memory in {slot.path}: {e}"
+                ) from e
             finally:
                 os.close(fd)
         slot.size_bytes = size_bytes
@@ -289,7 +292,5 @@ def _write_replace(path: Path, data: bytes) -> None:
 
 
 def _unlink(path: Path) -> None:
-    try:
+    with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
-    except FileNotFoundError:
-        pass

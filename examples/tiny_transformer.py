@@ -105,9 +105,7 @@ def restore(state: dict[str, Any], model: nn.Module, optimizer: torch.optim.Opti
     """Load a checkpoint's state into model, optimizer and RNG; return its number of completed steps."""
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
-    # clone(): loaded tensors are views into one shared buffer, and set_rng_state misreads a view that starts
-    # inside a larger storage ("Invalid mt19937 state", or a segfault, with torch 2.13).
-    torch.set_rng_state(state["torch_rng"].clone())
+    torch.set_rng_state(state["torch_rng"])
     return int(state["step"])
 
 

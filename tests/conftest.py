@@ -22,9 +22,9 @@ CKPTD = [sys.executable, "-m", "ckptd"]
 class Daemon:
     """One real `ckptd serve` process with its own root, staging dir and socket."""
 
-    def __init__(self, base: Path, extra_toml: str = "") -> None:
+    def __init__(self, base: Path, extra_toml: str = "", root: Path | None = None) -> None:
         self.base = base
-        self.root = base / "nvme"
+        self.root = root or base / "nvme"
         self.socket = base / "d.sock"
         self.staging_dir = Path("/dev/shm") / f"ckptd-test-{uuid.uuid4().hex[:12]}"
         self.config_path = base / "ckptd.toml"
@@ -101,10 +101,10 @@ def make_daemon(short_tmp: Path) -> Iterator:
     """Return a factory of daemons (not started), each in its own directory, all killed at the end."""
     daemons: list[Daemon] = []
 
-    def make(extra_toml: str = "", name: str = "") -> Daemon:
+    def make(extra_toml: str = "", name: str = "", root: Path | None = None) -> Daemon:
         base = short_tmp / (name or f"d{len(daemons)}")
         base.mkdir()
-        daemons.append(Daemon(base, extra_toml))
+        daemons.append(Daemon(base, extra_toml, root))
         return daemons[-1]
 
     yield make

@@ -17,9 +17,21 @@ def every_kind_state(seed: int = 0) -> dict[str, Any]:
     base = torch.randn(6, 8, generator=g)
     dtypes = {}
     for dtype in (
-        torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64, torch.complex128,
-        torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8, torch.bool,
-        torch.uint16, torch.uint32, torch.uint64,
+        torch.float32,
+        torch.float64,
+        torch.float16,
+        torch.bfloat16,
+        torch.complex64,
+        torch.complex128,
+        torch.int8,
+        torch.int16,
+        torch.int32,
+        torch.int64,
+        torch.uint8,
+        torch.bool,
+        torch.uint16,
+        torch.uint32,
+        torch.uint64,
     ):
         dtypes[str(dtype)] = (base * 7).to(dtype) if dtype != torch.bool else base > 0
     for name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu"):

@@ -12,8 +12,16 @@ PROTO = "ckpt/wire/v1/ckptd.proto"
 
 def test_generated_stubs_are_fresh(tmp_path):
     subprocess.run(
-        [sys.executable, "-m", "grpc_tools.protoc", f"-I{REPO / 'protos'}", f"--python_out={tmp_path}",
-         f"--pyi_out={tmp_path}", f"--grpc_python_out={tmp_path}", str(REPO / "protos" / PROTO)],
+        [
+            sys.executable,
+            "-m",
+            "grpc_tools.protoc",
+            f"-I{REPO / 'protos'}",
+            f"--python_out={tmp_path}",
+            f"--pyi_out={tmp_path}",
+            f"--grpc_python_out={tmp_path}",
+            str(REPO / "protos" / PROTO),
+        ],
         check=True,
     )
     generated = sorted((tmp_path / "ckpt" / "wire" / "v1").glob("*.py*"))

@@ -8,6 +8,7 @@ from pathlib import Path
 from ckpt.errors import NotFound
 from ckpt.format import CommitRecord, digest
 from ckpt.shard_io import ShardSource
+
 from ckptd.staging import Slot, scan_slots
 from ckptd.tiers.base import Tier
 

@@ -7,6 +7,7 @@ written last, once every rank's shard is in. Layout: <root>/<job>/<step>/.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import shutil
@@ -31,6 +32,7 @@ from ckpt.format import (
     validate_job,
 )
 from ckpt.shard_io import ShardSource, read_commit
+
 from ckptd.tiers.base import Tier
 
 WRITE_BLOCK_BYTES = 32 << 20
@@ -262,7 +264,5 @@ def _fsync_dir(path: Path) -> None:
 
 
 def _remove_quietly(path: Path) -> None:
-    try:
+    with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
-    except FileNotFoundError:
-        pass

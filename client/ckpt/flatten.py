@@ -90,26 +90,35 @@ def flatten(state: Any) -> Flattened:
     except InvalidArgument:
         raise
     except Exception as e:  # pickle raises many types for unpicklable objects
-        raise InvalidArgument(f"the state holds an object that cannot be checkpointed: {type(e).__name__}: {e}") from None
+        raise InvalidArgument(
+            f"the state holds an object that cannot be checkpointed: {type(e).__name__}: {e}"
+        ) from None
     return Flattened(arrays, entries, buf.getvalue(), offset)
 
 
-def unflatten(layout: dict[str, Any], data: torch.Tensor) -> Any:
-    """Rebuild a state from its layout and a uint8 tensor of its shard bytes (tensors view data)."""
+def unflatten(layout: dict[str, Any], data: np.ndarray) -> Any:
+    """Rebuild a state from its layout and a uint8 array of its shard bytes, without copying them.
+
+    Each tensor gets a storage of its own that starts at its first byte (torch
+    code that assumes storage_offset 0, such as set_rng_state, works on it),
+    while all of them share data's memory.
+    """
     entries = layout["tensors"]
     built: list[Any] = [None] * len(entries)
-    data_np = data.numpy()
 
     def build(i: int) -> Any:
         e = entries[i]
         start, nbytes, shape = e["offset"], e["nbytes"], tuple(e["shape"])
         if e["kind"] == "numpy":
             dtype = np.lib.format.descr_to_dtype(_descr(e["dtype"]))
-            return np.ndarray(shape, dtype=dtype, buffer=data_np, offset=start) if nbytes else np.empty(shape, dtype)
-        dtype = getattr(torch, e["dtype"], None)
-        if not isinstance(dtype, torch.dtype):
+            return np.ndarray(shape, dtype=dtype, buffer=data, offset=start) if nbytes else np.empty(shape, dtype)
+        torch_dtype = getattr(torch, e["dtype"], None)
+        if not isinstance(torch_dtype, torch.dtype):
             raise InvalidArgument(f"this torch has no dtype {e['dtype']}; load with a newer torch")
-        t = data[start : start + nbytes].view(dtype).view(shape) if nbytes else torch.empty(shape, dtype=dtype)
+        if nbytes:
+            t = torch.from_numpy(data[start : start + nbytes]).view(torch_dtype).view(shape)
+        else:
+            t = torch.empty(shape, dtype=torch_dtype)
         if e.get("parameter"):
             return torch.nn.Parameter(t, requires_grad=e["requires_grad"])
         return t.requires_grad_(True) if e["requires_grad"] else t

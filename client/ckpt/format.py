@@ -32,8 +32,7 @@ def validate_job(job: object) -> str:
     """Return job if it is a valid job name, else raise InvalidArgument."""
     if not isinstance(job, str) or not _JOB_RE.fullmatch(job):
         raise InvalidArgument(
-            f"invalid job name {job!r}: use 1 to 128 characters from A-Z a-z 0-9 . _ -, "
-            "starting with a letter or digit"
+            f"invalid job name {job!r}: use 1 to 128 characters from A-Z a-z 0-9 . _ -, starting with a letter or digit"
         )
     return job
 

@@ -89,40 +89,47 @@ def read_shard_into(source: ShardSource, meta: ShardMeta, buffer: memoryview) ->
         raise NotFound(f"{what}: data file missing") from None
     if size < meta.data_size_bytes or (source.kind == "dir" and size != meta.data_size_bytes):
         raise CorruptCheckpoint(f"{what}: {size} bytes on disk, expected {meta.data_size_bytes}")
-    fd = _open_for_read(path)
+    direct_fd = _open_direct(path)
+    fd = os.open(path, os.O_RDONLY)
     try:
         block_bytes = max(1, READ_BLOCK_BYTES // meta.chunk_size_bytes) * meta.chunk_size_bytes
         blocks = list(chunk_ranges(meta.data_size_bytes, block_bytes))
         with ThreadPoolExecutor(max_workers=min(READ_THREADS, max(1, len(blocks)))) as pool:
-            for bad in pool.map(lambda b: _read_block(fd, meta, buffer, *b), blocks):
+            for bad in pool.map(lambda b: _read_block(direct_fd, fd, meta, buffer, *b), blocks):
                 if bad is not None:
                     raise CorruptCheckpoint(f"{what}: {bad}")
     finally:
         os.close(fd)
+        if direct_fd is not None:
+            os.close(direct_fd)
 
 
-def _open_for_read(path: Path) -> int:
+def _open_direct(path: Path) -> int | None:
     try:
         return os.open(path, os.O_RDONLY | os.O_DIRECT)
     except OSError as e:
         if e.errno != errno.EINVAL:
             raise
-        return os.open(path, os.O_RDONLY)
+        return None  # the filesystem does not do direct I/O
 
 
-def _read_block(fd: int, meta: ShardMeta, buffer: memoryview, offset: int, length: int) -> str | None:
+def _read_block(
+    direct_fd: int | None, fd: int, meta: ShardMeta, buffer: memoryview, offset: int, length: int
+) -> str | None:
     """Read one block and check its chunks; return a description of a bad chunk, or None."""
     want = min(-(-length // DIRECT_IO_ALIGN_BYTES) * DIRECT_IO_ALIGN_BYTES, len(buffer) - offset)
     done = 0
     while done < length:
-        try:
-            n = os.preadv(fd, [buffer[offset + done : offset + want]], offset + done)
-        except OSError as e:
-            if e.errno != errno.EINVAL:
-                raise
-            n = os.pread(fd, length - done, offset + done)  # unaligned: no direct I/O here
-            buffer[offset + done : offset + done + len(n)] = n
-            n = len(n)
+        n = -1
+        if direct_fd is not None:
+            try:
+                n = os.preadv(direct_fd, [buffer[offset + done : offset + want]], offset + done)
+            except OSError as e:
+                if e.errno != errno.EINVAL:
+                    raise
+                direct_fd = None  # this memory or length is not aligned: read through the page cache
+        if n < 0:
+            n = os.preadv(fd, [buffer[offset + done : offset + length]], offset + done)
         if n == 0:
             return f"short read at byte {offset + done}"
         done += n

@@ -63,8 +63,7 @@ def copy_into(flat: Flattened, slot: torch.Tensor, pool: ThreadPoolExecutor) -> 
             continue
         dst_bytes = slot[entry["offset"] : entry["offset"] + nbytes]
         if isinstance(array, np.ndarray):
-            dst = np.ndarray(array.shape, dtype=array.dtype, buffer=dst_bytes.numpy())
-            host.append((dst, array))
+            host.append((np.ndarray(array.shape, dtype=array.dtype, buffer=dst_bytes.numpy()), array))
         else:
             dst = dst_bytes.view(array.dtype).view(array.shape)
             (cuda if array.is_cuda else host).append((dst, array))

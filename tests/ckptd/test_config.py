@@ -21,7 +21,9 @@ def test_defaults_need_no_root(tmp_path, monkeypatch):
 
 def test_toml_then_environment(tmp_path):
     path = tmp_path / "c.toml"
-    path.write_text('[node]\nroot = "/data/a"\n[retention]\nnvme = 5\n[object]\nstorage_options = {endpoint_url = "x"}\n')
+    path.write_text(
+        '[node]\nroot = "/data/a"\n[retention]\nnvme = 5\n[object]\nstorage_options = {endpoint_url = "x"}\n'
+    )
     c = load_config(str(path), env={"CKPTD_NODE__ROOT": "/data/b", "CKPTD_STAGING__POLICY": "skip"})
     assert str(c.root) == "/data/b"
     assert c.retention.nvme == 5
@@ -42,8 +44,8 @@ def test_env_values_are_parsed_as_toml():
         ("[nodes]\n", {}, r"\[nodes\]"),
         ("", {"CKPTD_STAGING__POLICY": "drop"}, "staging.policy"),
         ("[retention]\nnvme = -1\n", {}, "retention.nvme"),
-        ("[staging]\nbudget_bytes = \"lots\"\n", {}, "staging.budget_bytes"),
-        ("[peer]\naddresses = [\"nohost\"]\n", {}, "peer.addresses"),
+        ('[staging]\nbudget_bytes = "lots"\n', {}, "staging.budget_bytes"),
+        ('[peer]\naddresses = ["nohost"]\n', {}, "peer.addresses"),
         ("", {"CKPTD_NODE__FOO": "1"}, "node.foo"),
         ("[node\n", {}, "c.toml"),
     ],
@@ -57,7 +59,7 @@ def test_bad_config_names_the_key(tmp_path, toml, env, message):
 
 def test_cli_exits_2_naming_the_bad_key(tmp_path):
     path = tmp_path / "c.toml"
-    path.write_text("[staging]\npolicy = \"sometimes\"\n")
+    path.write_text('[staging]\npolicy = "sometimes"\n')
     r = subprocess.run([sys.executable, "-m", "ckptd", "ls", "--config", str(path)], capture_output=True, text=True)
     assert r.returncode == 2
     assert "staging.policy" in r.stderr

@@ -7,12 +7,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-from states import assert_same, every_kind_state
-
 from ckpt.errors import InvalidArgument
 from ckpt.flatten import flatten, unflatten
 from ckpt.format import TENSOR_ALIGN_BYTES
 from ckpt.staging import copy_into
+from states import assert_same, every_kind_state
 
 
 def _round_trip(state):
@@ -20,7 +19,7 @@ def _round_trip(state):
     buffer = torch.zeros(flat.data_size_bytes, dtype=torch.uint8)
     with ThreadPoolExecutor(2) as pool:
         copy_into(flat, buffer, pool)
-    return flat, unflatten(flat.layout(), buffer)
+    return flat, unflatten(flat.layout(), buffer.numpy())
 
 
 def test_every_kind_round_trips_bit_for_bit():
@@ -62,3 +61,12 @@ def test_large_state_copies_in_parallel_correctly():
 def test_unsupported_objects_are_a_clear_error(bad, message):
     with pytest.raises(InvalidArgument, match=message):
         flatten(bad)
+
+
+def test_loaded_tensors_have_storages_of_their_own():
+    rng = torch.get_rng_state()
+    _, back = _round_trip({"pad": torch.ones(1000), "rng": rng})
+    assert back["rng"].storage_offset() == 0
+    assert back["rng"].untyped_storage().nbytes() == rng.numel()
+    torch.set_rng_state(back["rng"])  # torch reads the storage from its start
+    assert torch.equal(torch.get_rng_state(), rng)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from ckpt.errors import CorruptCheckpoint, InvalidArgument
 from ckpt.format import CommitRecord, ShardMeta, seal, unseal, validate_job, validate_rank, validate_step
 

@@ -8,12 +8,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import ckpt
 import pytest
 import torch
-from states import assert_same, every_kind_state
-
-import ckpt
 from ckpt.format import COMMIT_NAME, data_name
+from states import assert_same, every_kind_state
 
 pytestmark = pytest.mark.e2e
 WORKER = Path(__file__).with_name("rank_worker.py")
@@ -264,9 +263,11 @@ def test_bad_input_gets_clear_errors_and_the_daemon_stays_up(daemon):
 
 
 def test_daemon_not_running_is_a_clear_error(short_tmp):
-    with ckpt.Checkpointer(job="x", address=str(short_tmp / "nobody.sock")) as c:
-        with pytest.raises(ckpt.DaemonUnavailable, match="ckptd serve"):
-            c.save_async({"x": torch.ones(1)})
+    with (
+        ckpt.Checkpointer(job="x", address=str(short_tmp / "nobody.sock")) as c,
+        pytest.raises(ckpt.DaemonUnavailable, match="ckptd serve"),
+    ):
+        c.save_async({"x": torch.ones(1)})
 
 
 def test_sigterm_drains_in_flight_flushes_and_exits_0(daemon):
@@ -280,6 +281,71 @@ def test_sigterm_drains_in_flight_flushes_and_exits_0(daemon):
 def test_second_daemon_on_the_same_socket_refuses(daemon):
     r = subprocess.run(
         [sys.executable, "-m", "ckptd", "serve", "--config", str(daemon.config_path)],
-        capture_output=True, text=True, timeout=60,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert r.returncode == 1 and "already serving" in r.stderr
+
+
+def _hold_staging(daemon, job, size_bytes):
+    """Reserve a slot as a rank in the middle of its copy would, and never commit it."""
+    from ckpt.transport import DaemonClient
+    from ckpt.wire.v1 import ckptd_pb2 as pb
+
+    raw = DaemonClient(daemon.address)
+    reply = raw.call(
+        "Reserve", pb.ReserveRequest(shard=pb.ShardId(job=job, step=1, rank=0, world_size=1), size_bytes=size_bytes)
+    )
+    assert not reply.skipped
+    return raw
+
+
+def test_skip_policy_reports_the_skipped_save(make_daemon):
+    daemon = make_daemon(f'policy = "skip"\nbudget_bytes = {8 << 20}\n').start()
+    # The [staging] table is the last one written by the fixture, so the keys above land in it.
+    raw = _hold_staging(daemon, "other", 6 << 20)
+    with ckpt.Checkpointer(job="skipper", address=daemon.address) as c:
+        h = c.save_async({"x": torch.ones(1 << 20)}, step=1)  # 4 MiB: no room left in the 8 MiB budget
+        assert h.skipped and "budget" in h.reason
+        assert not h.done("nvme")
+        with pytest.raises(ckpt.SaveSkipped, match="skipped"):
+            h.wait("nvme", timeout=5)
+        raw.close()
+        with pytest.raises(ckpt.InvalidArgument, match="cannot fit"):
+            c.save_async({"x": torch.ones(4 << 20)}, step=2)  # 16 MiB never fits an 8 MiB budget
+    status = json.loads(daemon.cli("status", "--json", "--address", daemon.address).stdout)
+    assert status["counters"]["skipped"] == 1
+
+
+def test_block_policy_waits_for_room_and_reports_it(make_daemon):
+    daemon = make_daemon(f"budget_bytes = {8 << 20}\n").start()
+    raw = _hold_staging(daemon, "other", 6 << 20)
+    proc = run_rank(daemon, "blocked", 0, 1, [1])
+    # The rank is blocked in Reserve until the held slot is given up: the same rank reserving again
+    # abandons its unfinished copy, which frees the budget.
+    from ckpt.wire.v1 import ckptd_pb2 as pb
+
+    raw.call("Reserve", pb.ReserveRequest(shard=pb.ShardId(job="other", step=2, rank=0, world_size=1), size_bytes=1))
+    assert "durable" in finish(proc)
+    raw.close()
+
+
+def test_full_disk_fails_the_save_clearly_and_the_daemon_stays_up(make_daemon, short_tmp):
+    small = short_tmp / "small"
+    small.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(small)], capture_output=True).returncode:
+        pytest.skip("cannot mount a small filesystem here (needs root)")
+    try:
+        daemon = make_daemon(root=small).start()
+        with ckpt.Checkpointer(job="full", address=daemon.address) as c:
+            h = c.save_async({"x": torch.ones(4 << 20)}, step=1)  # 16 MiB onto 8 MiB
+            with pytest.raises(ckpt.SaveFailed, match="No space left on device"):
+                h.wait("nvme", timeout=60)
+            c.save_async({"x": torch.ones(1000)}, step=2).wait("nvme", timeout=60)  # still serving
+        assert not list(small.rglob("*.partial"))
+        status = json.loads(daemon.cli("status", "--json", "--address", daemon.address).stdout)
+        assert "No space left" in status["recent_errors"][0]["error"]
+        daemon.stop()
+    finally:
+        subprocess.run(["umount", "-l", str(small)], check=False)
