@@ -83,7 +83,9 @@ class Pipeline:
         held = self.pool.recover()
         for slot in sorted(held, key=lambda s: s.shard.step if s.shard else 0):
             assert slot.shard is not None
-            if self.nvme.has_shard(slot.shard.job, slot.shard.step, slot.shard.rank):
+            newest = max(self.nvme.complete_steps(slot.shard.job), default=-1)
+            # Older than the newest complete step and not on disk: retention removed it, or it can never complete.
+            if slot.shard.step < newest or self.nvme.has_shard(slot.shard.job, slot.shard.step, slot.shard.rank):
                 await self.pool.settle(slot)
                 await self._after_flush(slot.shard)
             else:
@@ -114,8 +116,8 @@ class Pipeline:
 
     async def commit(self, key: ShardKey, slot_path: str, data_size_bytes: int, layout: dict[str, Any]) -> None:
         """Take over a filled slot and queue its flush."""
-        if self.nvme.has_shard(key.job, key.step, key.rank) or key.step in self.nvme.complete_steps(key.job):
-            raise InvalidArgument(f"{key} is already saved; steps are written once")
+        if key.step in self.nvme.complete_steps(key.job) or key.step in self.memory.complete_steps(key.job):
+            raise InvalidArgument(f"{key.job} step {key.step} is already complete; a complete step is never rewritten")
         slot = self.pool.commit(key, slot_path, data_size_bytes, layout)
         self._failures.pop(key, None)
         self._counters["saves"] += 1

@@ -158,7 +158,7 @@ class SlotPool:
 
     def recover(self) -> list[Slot]:
         """Load the slots found on disk; return those holding a snapshot not yet settled."""
-        self.directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self.directory.mkdir(parents=True, exist_ok=True, mode=0o750)
         held = []
         for slot in scan_slots(self.directory):
             self._slots.setdefault((slot.job, slot.rank), []).append(slot)
@@ -197,8 +197,13 @@ class SlotPool:
         if len(group) < SLOTS_PER_RANK and self._room_for(job, rank, need):
             index = min(set(range(SLOTS_PER_RANK)) - {s.index for s in group})
             slot = Slot(self.directory / job / f"rank-{rank:05d}.slot-{index}", job, rank, index, 0)
+            try:
+                self._hand_out(slot, need)
+            except CheckpointError:
+                _unlink(slot.path)
+                raise
             group.append(slot)
-            return self._hand_out(slot, need), "new slot"
+            return slot, "new slot"
         for slot in reusable:
             if self._room_for(job, rank, need - slot.size_bytes):
                 return self._hand_out(slot, need), "grew a slot"
@@ -230,9 +235,9 @@ class SlotPool:
     def _hand_out(self, slot: Slot, size_bytes: int) -> Slot:
         _unlink(slot.meta_path)  # the old snapshot stops being served before it is overwritten
         _unlink(slot.pending_path)
-        slot.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        slot.path.parent.mkdir(parents=True, exist_ok=True, mode=0o750)
         if size_bytes != slot.size_bytes or not slot.path.exists():
-            fd = os.open(slot.path, os.O_RDWR | os.O_CREAT, 0o600)
+            fd = os.open(slot.path, os.O_RDWR | os.O_CREAT, 0o660)  # the training ranks map it
             try:
                 os.ftruncate(fd, size_bytes)
                 os.posix_fallocate(fd, 0, size_bytes)

@@ -24,32 +24,27 @@ class SlotMappings:
     """Keep each staging slot mapped across saves, so its pages are faulted in only once."""
 
     def __init__(self) -> None:
-        self._maps: dict[str, tuple[mmap.mmap, torch.Tensor]] = {}
+        self._maps: dict[str, tuple[tuple[int, int, int], torch.Tensor]] = {}
 
     def get(self, path: str, size_bytes: int) -> torch.Tensor:
-        """Return a uint8 tensor over the whole slot file."""
-        held = self._maps.get(path)
-        if held is not None and len(held[0]) == size_bytes:
-            return held[1]
-        self.drop(path)
+        """Return a uint8 tensor over the whole slot file, mapping it again if the file changed."""
         fd = os.open(path, os.O_RDWR)
         try:
+            st = os.fstat(fd)
+            identity = (st.st_dev, st.st_ino, size_bytes)
+            held = self._maps.get(path)
+            if held is not None and held[0] == identity:
+                return held[1]
             flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
             m = mmap.mmap(fd, size_bytes, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             os.close(fd)
-        tensor = torch.frombuffer(m, dtype=torch.uint8, count=size_bytes)
-        self._maps[path] = (m, tensor)
+        tensor = torch.frombuffer(m, dtype=torch.uint8, count=size_bytes)  # keeps m mapped while it lives
+        self._maps[path] = (identity, tensor)
         return tensor
 
-    def drop(self, path: str) -> None:
-        """Unmap one slot."""
-        held = self._maps.pop(path, None)
-        if held is not None:
-            del held  # the tensor keeps the mapping alive until it is gone
-
     def close(self) -> None:
-        """Unmap every slot."""
+        """Drop every mapping (each is unmapped once no tensor uses it)."""
         self._maps.clear()
 
 

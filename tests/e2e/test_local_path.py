@@ -238,7 +238,7 @@ def test_bad_input_gets_clear_errors_and_the_daemon_stays_up(daemon):
         with pytest.raises(ckpt.NotFound):
             c.load(99)
         c.save_async({"x": torch.ones(1)}, step=1).wait(timeout=60)
-        with pytest.raises(ckpt.InvalidArgument, match="already saved"):
+        with pytest.raises(ckpt.InvalidArgument, match="already complete"):
             c.save_async({"x": torch.ones(1)}, step=1)
     # Raw RPCs with hostile fields: the daemon answers INVALID_ARGUMENT and keeps serving.
     from ckpt.transport import DaemonClient
@@ -349,3 +349,14 @@ def test_full_disk_fails_the_save_clearly_and_the_daemon_stays_up(make_daemon, s
         daemon.stop()
     finally:
         subprocess.run(["umount", "-l", str(small)], check=False)
+
+
+def test_a_shard_of_an_incomplete_step_can_be_saved_again(daemon):
+    # Rank 0 saved step 1, rank 1 died first; the job restarts and both save step 1 again.
+    with ckpt.Checkpointer(job="again", rank=0, world_size=2, address=daemon.address) as c:
+        c.save_async({"x": torch.zeros(3)}, step=1).wait(timeout=60)
+        c.save_async({"x": torch.ones(3)}, step=1).wait(timeout=60)
+    with ckpt.Checkpointer(job="again", rank=1, world_size=2, address=daemon.address) as c:
+        c.save_async({"x": torch.ones(3)}, step=1).wait(timeout=60)
+        assert c.latest_step() == 1
+    assert torch.equal(ckpt.load_local(daemon.root / "again" / "1", rank=0)["x"], torch.ones(3))
