@@ -26,7 +26,7 @@ import time
 import warnings
 from collections import defaultdict
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -200,8 +200,8 @@ def wait_ready(proc: subprocess.Popen[bytes], sock: Path, log_path: Path) -> Non
     raise TimeoutError(f"ckptd did not answer on {sock} within {READY_TIMEOUT_S} s")
 
 
-def stop_daemon(proc: subprocess.Popen[bytes], log_path: Path) -> None:
-    """Send SIGTERM, wait for the daemon to drain and exit, and complain if it did not exit 0."""
+def stop_daemon(proc: subprocess.Popen[bytes], log_path: Path) -> list[str]:
+    """Send SIGTERM and wait for the daemon to drain and exit; return the warnings and errors it logged."""
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -211,6 +211,7 @@ def stop_daemon(proc: subprocess.Popen[bytes], log_path: Path) -> None:
             proc.wait()
     if proc.returncode != 0:
         print(f"warning: ckptd exited with {proc.returncode}:\n{log_path.read_text()[-3000:]}", file=sys.stderr)
+    return [line for line in log_path.read_text().splitlines() if " WARNING " in line or " ERROR " in line]
 
 
 def bench_ckpt(state: dict[str, torch.Tensor], sock: Path, root: Path, repeats: int) -> dict[str, list[float]]:
@@ -269,9 +270,9 @@ def bench_peers(state: dict[str, torch.Tensor], work: Path, repeats: int) -> dic
         raw["dcp_save"].append(timed(dcp.save, state, checkpoint_id=work / f"dcp-{i}", no_dist=True))
         shutil.rmtree(work / f"dcp-{i}")
         start = time.perf_counter()
-        future = dcp.async_save(state, checkpoint_id=work / f"dcp-async-{i}", no_dist=True)
+        response = dcp.async_save(state, checkpoint_id=work / f"dcp-async-{i}", no_dist=True)
         raw["dcp_async_block"].append(time.perf_counter() - start)
-        future.result()
+        (response if isinstance(response, Future) else response.upload_completion).result()
         raw["dcp_async_durable"].append(time.perf_counter() - start)
         shutil.rmtree(work / f"dcp-async-{i}")
     return raw
@@ -367,7 +368,7 @@ def main() -> int:
             wait_ready(proc, sock, log_path)
             raw = bench_ckpt(state, sock, work / "root", args.repeats)
         finally:
-            stop_daemon(proc, log_path)
+            daemon_warnings = stop_daemon(proc, log_path)
         shutil.rmtree(staging)
         # dcp warns that it assumes a single process, which is what no_dist=True asks for.
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -378,6 +379,7 @@ def main() -> int:
     rows, peers = build_rows(size, raw)
     print()
     print_table(rows, peers)
+    print("\nckptd logged:", *daemon_warnings or ["no warnings"], sep="\n  ")
     load_after = os.getloadavg()
     print(f"\nload average before {load_before[0]:.2f}, after {load_after[0]:.2f} (on {os.cpu_count()} CPUs)")
     result = {
@@ -391,6 +393,7 @@ def main() -> int:
         "rows": [{**asdict(r), "gb_per_s": r.gb_per_s} for r in rows],
         "peers": [{**asdict(r), "gb_per_s": r.gb_per_s} for r in peers],
         "raw_s": raw,
+        "daemon_warnings": daemon_warnings,
     }
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=1) + "\n")
