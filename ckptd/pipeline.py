@@ -69,6 +69,7 @@ class Pipeline:
         self._flushes: set[asyncio.Task[None]] = set()
         self._failures: dict[ShardKey, str] = {}
         self._changed = asyncio.Condition()
+        self._collect_lock = asyncio.Lock()
         self._errors: deque[dict[str, Any]] = deque(maxlen=RECENT_ERRORS)
         self._started_unix_s = time.time()
         self._counters = {"saves": 0, "skipped": 0, "flushed": 0, "flush_failures": 0, "bytes_flushed": 0}
@@ -87,7 +88,6 @@ class Pipeline:
             # Older than the newest complete step and not on disk: retention removed it, or it can never complete.
             if slot.shard.step < newest or self.nvme.has_shard(slot.shard.job, slot.shard.step, slot.shard.rank):
                 await self.pool.settle(slot)
-                await self._after_flush(slot.shard)
             else:
                 log.info("resuming flush of %s", slot.shard)
                 self._start_flush(slot)
@@ -165,11 +165,11 @@ class Pipeline:
         except (ShardWriteError, OSError, ValueError) as e:
             self._record_failure(key, "nvme", f"commit of {key.job} step {key.step} failed: {e}")
             record = None
+        async with self._changed:
+            self._changed.notify_all()  # waiters first: retention below may take a while
         if record is not None:
             log.info("%s step %d is complete on nvme (%d bytes)", key.job, key.step, record.size_bytes)
             await self.collect(dry_run=False, job=key.job)
-        async with self._changed:
-            self._changed.notify_all()
 
     async def _finish_interrupted_commits(self) -> None:
         # A crash between the last shard's rename and the commit record leaves a
@@ -180,7 +180,7 @@ class Pipeline:
                 world_size = None if step in complete else self.nvme.saved_world_size(job, step)
                 if world_size:
                     await self._after_flush(ShardKey(job, step, 0, world_size))
-            await self.collect(dry_run=False, job=job)
+            await self.collect(dry_run=False, job=job, keep_newest=False)
 
     def _record_failure(self, key: ShardKey, tier: str, message: str) -> None:
         log.error("%s", message)
@@ -253,15 +253,22 @@ class Pipeline:
                         found[(j, step)] = StepInfo(j, step, prev.world_size, prev.size_bytes, (*prev.tiers, t.name))
         return [found[k] for k in sorted(found)]
 
-    async def collect(self, dry_run: bool, job: str = "") -> list[Removal]:
-        """Apply retention: remove what the config says not to keep; with dry_run only report it."""
+    async def collect(self, dry_run: bool, job: str = "", keep_newest: bool = True) -> list[Removal]:
+        """Apply retention: remove what the config says not to keep; with dry_run only report it.
+
+        keep_newest=False removes only the incomplete steps that can no longer complete.
+        """
+        async with self._collect_lock:  # one pass at a time: two would race to remove the same step
+            return await self._collect(dry_run, job, keep_newest)
+
+    async def _collect(self, dry_run: bool, job: str, keep_newest: bool) -> list[Removal]:
         busy = {(s.shard.job, s.shard.step) for s in self.pool.slots() if s.state == "pending" and s.shard}
         removals: list[Removal] = []
         for j in [job] if job else self.nvme.jobs():
             plan = plan_removals(
                 all_steps=self.nvme.all_steps(j),
                 complete_steps=self.nvme.complete_steps(j),
-                keep=self.config.retention.nvme,
+                keep=self.config.retention.nvme if keep_newest else 0,
                 busy={s for bj, s in busy if bj == j},
             )
             for step, reason in plan:

@@ -109,17 +109,23 @@ class SlotPool:
             raise InvalidArgument(
                 f"a shard of {size_bytes} bytes cannot fit in staging.budget_bytes = {self.budget_bytes}"
             )
-        started = time.monotonic()
-        reason = ""
+        blocked_s = 0.0
         async with self._changed:
             while True:
                 self._abandon_unfinished(job, rank)
-                slot, reason = self._take(job, rank, need)
+                slot, size_bytes, reason = self._take(job, rank, need)
                 if slot is not None:
-                    return slot, time.monotonic() - started, reason
+                    break
                 if self.policy == "skip":
                     return None, 0.0, reason
+                started = time.monotonic()
                 await self._changed.wait()
+                blocked_s += time.monotonic() - started
+            # Off the event loop: allocating gigabytes of shared memory takes a while.
+            await asyncio.to_thread(self._hand_out, slot, size_bytes)
+            if slot not in self._slots.setdefault((job, rank), []):
+                self._slots[(job, rank)].append(slot)
+        return slot, blocked_s, reason
 
     def commit(self, key: ShardKey, slot_path: str, data_size_bytes: int, layout: dict[str, Any]) -> Slot:
         """Record that a slot now holds a whole snapshot; the caller flushes it next."""
@@ -188,28 +194,29 @@ class SlotPool:
         # fits, and only once it is settled (durable, or its flush failed).
         return free + ([newest] if newest is not None and newest.state == "settled" else [])
 
-    def _take(self, job: str, rank: int, need: int) -> tuple[Slot | None, str]:
+    def _take(self, job: str, rank: int, need: int) -> tuple[Slot | None, int, str]:
+        """Pick a slot for the rank and the size to give it, or say why there is none."""
         group = self._slots.setdefault((job, rank), [])
         reusable = self._reusable(job, rank)
         for slot in reusable:
             if slot.size_bytes >= need:
-                return self._hand_out(slot, slot.size_bytes), ""
+                return self._claim(slot), slot.size_bytes, ""
         if len(group) < SLOTS_PER_RANK and self._room_for(job, rank, need):
             index = min(set(range(SLOTS_PER_RANK)) - {s.index for s in group})
-            slot = Slot(self.directory / job / f"rank-{rank:05d}.slot-{index}", job, rank, index, 0)
-            try:
-                self._hand_out(slot, need)
-            except CheckpointError:
-                _unlink(slot.path)
-                raise
-            group.append(slot)
-            return slot, "new slot"
+            slot = Slot(self.directory / job / f"rank-{rank:05d}.slot-{index}", job, rank, index, 0, "writing")
+            return slot, need, "new slot"
         for slot in reusable:
             if self._room_for(job, rank, need - slot.size_bytes):
-                return self._hand_out(slot, need), "grew a slot"
+                return self._claim(slot), need, "grew a slot"
         if reusable or len(group) < SLOTS_PER_RANK:
-            return None, f"staging.budget_bytes ({self.budget_bytes}) is taken by snapshots still being flushed"
-        return None, f"both staging slots of {job} rank {rank} hold snapshots still being flushed"
+            return None, 0, f"staging.budget_bytes ({self.budget_bytes}) is taken by snapshots still being flushed"
+        return None, 0, f"both staging slots of {job} rank {rank} hold snapshots still being flushed"
+
+    def _claim(self, slot: Slot) -> Slot:
+        _unlink(slot.meta_path)  # the old snapshot stops being served before it is overwritten
+        _unlink(slot.pending_path)
+        slot.shard, slot.meta, slot.layout, slot.state = None, None, None, "writing"
+        return slot
 
     def _room_for(self, job: str, rank: int, extra_bytes: int) -> bool:
         if not self.budget_bytes:
@@ -232,24 +239,23 @@ class SlotPool:
                 for p in (slot.path, slot.meta_path, slot.pending_path):
                     _unlink(p)
 
-    def _hand_out(self, slot: Slot, size_bytes: int) -> Slot:
-        _unlink(slot.meta_path)  # the old snapshot stops being served before it is overwritten
-        _unlink(slot.pending_path)
+    def _hand_out(self, slot: Slot, size_bytes: int) -> None:
+        """Make the slot's file size_bytes long, its memory allocated. Runs on a worker thread."""
+        if size_bytes == slot.size_bytes and slot.path.exists():
+            return
         slot.path.parent.mkdir(parents=True, exist_ok=True, mode=0o750)
-        if size_bytes != slot.size_bytes or not slot.path.exists():
-            fd = os.open(slot.path, os.O_RDWR | os.O_CREAT, 0o660)  # the training ranks map it
-            try:
-                os.ftruncate(fd, size_bytes)
-                os.posix_fallocate(fd, 0, size_bytes)
-            except OSError as e:
-                raise CheckpointError(
-                    f"cannot allocate {size_bytes} bytes of staging memory in {slot.path}: {e}"
-                ) from e
-            finally:
-                os.close(fd)
+        fd = os.open(slot.path, os.O_RDWR | os.O_CREAT, 0o660)  # the training ranks map it
+        try:
+            os.ftruncate(fd, size_bytes)
+            os.posix_fallocate(fd, 0, size_bytes)
+        except OSError as e:
+            slot.state = "free"
+            if slot.size_bytes == 0:
+                _unlink(slot.path)
+            raise CheckpointError(f"cannot allocate {size_bytes} bytes of staging memory in {slot.path}: {e}") from e
+        finally:
+            os.close(fd)
         slot.size_bytes = size_bytes
-        slot.shard, slot.meta, slot.layout, slot.state = None, None, None, "writing"
-        return slot
 
 
 def scan_slots(directory: Path) -> list[Slot]:

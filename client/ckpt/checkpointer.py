@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import mmap
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -198,10 +200,7 @@ def _load_first_good(sources: list[ShardSource], rank: int, map_location: Any) -
 
 def _load_shard(source: ShardSource, rank: int, map_location: Any) -> Any:
     meta = read_meta(source, rank)
-    padded = round_up(meta.data_size_bytes, DIRECT_IO_ALIGN_BYTES)
-    raw = np.empty(padded + DIRECT_IO_ALIGN_BYTES, dtype=np.uint8)
-    skip = -raw.ctypes.data % DIRECT_IO_ALIGN_BYTES  # direct I/O wants page-aligned memory
-    buffer = raw[skip : skip + padded]
+    buffer = _fresh_buffer(round_up(meta.data_size_bytes, DIRECT_IO_ALIGN_BYTES))
     read_shard_into(source, meta, memoryview(buffer))  # type: ignore[arg-type]  # ndarray is a buffer
     try:
         state = unflatten(meta.layout, buffer[: meta.data_size_bytes])
@@ -210,6 +209,19 @@ def _load_shard(source: ShardSource, rank: int, map_location: Any) -> Any:
     if map_location in (None, "cpu") or map_location == torch.device("cpu"):
         return state
     return _to_device(state, torch.device(map_location))
+
+
+def _fresh_buffer(size_bytes: int) -> np.ndarray:
+    """Return page-aligned new memory (for direct I/O) backed by huge pages where the kernel allows.
+
+    Faulting in fresh 4 KiB pages costs more than reading the bytes; huge pages cut
+    the faults 512-fold. The mapping lives as long as any array or tensor over it.
+    """
+    m = mmap.mmap(-1, max(size_bytes, DIRECT_IO_ALIGN_BYTES))
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        with contextlib.suppress(OSError):
+            m.madvise(mmap.MADV_HUGEPAGE)
+    return np.frombuffer(m, dtype=np.uint8)
 
 
 def _to_device(obj: Any, device: torch.device) -> Any:
