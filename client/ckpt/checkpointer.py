@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import mmap
@@ -212,16 +211,8 @@ def _load_shard(source: ShardSource, rank: int, map_location: Any) -> Any:
 
 
 def _fresh_buffer(size_bytes: int) -> np.ndarray:
-    """Return page-aligned new memory (for direct I/O) backed by huge pages where the kernel allows.
-
-    Faulting in fresh 4 KiB pages costs more than reading the bytes; huge pages cut
-    the faults 512-fold. The mapping lives as long as any array or tensor over it.
-    """
-    m = mmap.mmap(-1, max(size_bytes, DIRECT_IO_ALIGN_BYTES))
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        with contextlib.suppress(OSError):
-            m.madvise(mmap.MADV_HUGEPAGE)
-    return np.frombuffer(m, dtype=np.uint8)
+    """Return new page-aligned memory (direct I/O needs the alignment) that lives as long as any view of it."""
+    return np.frombuffer(mmap.mmap(-1, max(size_bytes, DIRECT_IO_ALIGN_BYTES)), dtype=np.uint8)
 
 
 def _to_device(obj: Any, device: torch.device) -> Any:
