@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from ckpt.errors import InvalidArgument, NotFound
+from ckpt.errors import CheckpointError, InvalidArgument, NotFound
 from ckpt.format import CHUNK_SIZE_BYTES, ShardMeta, validate_tier
 from ckpt.shard_io import ShardSource
 
@@ -162,7 +162,7 @@ class Pipeline:
     async def _after_flush(self, key: ShardKey) -> None:
         try:
             record = await asyncio.to_thread(self.nvme.try_commit, key.job, key.step, key.world_size)
-        except (ShardWriteError, OSError, ValueError) as e:
+        except (CheckpointError, ShardWriteError, OSError) as e:
             self._record_failure(key, "nvme", f"commit of {key.job} step {key.step} failed: {e}")
             record = None
         async with self._changed:
