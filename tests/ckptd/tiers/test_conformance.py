@@ -1,0 +1,116 @@
+"""Every tier keeps the same promises: only complete steps are listed, and every shard reads back verified.
+
+A new tier joins by adding a harness below: how to put one rank's shard into it,
+and where its bytes live (so a test can damage them).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import mmap
+import os
+from pathlib import Path
+
+import pytest
+from ckpt.errors import CorruptCheckpoint, NotFound
+from ckpt.format import CHUNK_SIZE_BYTES, ShardMeta, chunk_ranges, digest, round_up
+from ckpt.shard_io import read_meta, read_shard_into
+
+from ckptd.staging import ShardKey, SlotPool
+from ckptd.tiers.base import Tier
+from ckptd.tiers.memory import MemoryTier
+from ckptd.tiers.nvme import LocalDirTier
+
+
+def _aligned(payload: bytes) -> memoryview:
+    m = mmap.mmap(-1, round_up(max(len(payload), 1), 4096))
+    m[: len(payload)] = payload
+    return memoryview(m)
+
+
+class NvmeHarness:
+    def __init__(self, tmp: Path) -> None:
+        self.tier = LocalDirTier(tmp / "nvme")
+
+    def put(self, key: ShardKey, payload: bytes) -> None:
+        meta = ShardMeta(key.job, key.step, key.rank, key.world_size, len(payload), CHUNK_SIZE_BYTES, (), {})
+        self.tier.write_shard(meta, _aligned(payload))
+        self.tier.try_commit(key.job, key.step, key.world_size)
+
+    def close(self) -> None:
+        self.tier.close()
+
+
+class MemoryHarness:
+    def __init__(self, tmp: Path) -> None:
+        self.pool = SlotPool(tmp / "staging", budget_bytes=0, policy="block")
+        self.pool.recover()
+        self.tier = MemoryTier(self.pool.slots)
+
+    def put(self, key: ShardKey, payload: bytes) -> None:
+        slot, _, _ = asyncio.run(self.pool.reserve(key.job, key.rank, len(payload)))
+        assert slot is not None
+        with open(slot.path, "r+b") as f:
+            f.write(payload)
+        self.pool.commit(key, str(slot.path), len(payload), {})
+        chunks = tuple(digest(payload[o : o + n]) for o, n in chunk_ranges(len(payload)))
+        meta = ShardMeta(key.job, key.step, key.rank, key.world_size, len(payload), CHUNK_SIZE_BYTES, chunks, {})
+        self.pool.record_hashed(slot, meta)
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.fixture(params=[NvmeHarness, MemoryHarness], ids=["nvme", "memory"])
+def harness(request, tmp_path):
+    h = request.param(tmp_path)
+    yield h
+    h.close()
+
+
+def _read(tier: Tier, job: str, step: int, rank: int) -> bytes:
+    source = tier.shard_source(job, step, rank)
+    meta = read_meta(source, rank)
+    buf = _aligned(b"\0" * meta.data_size_bytes)
+    read_shard_into(source, meta, buf)
+    return bytes(buf[: meta.data_size_bytes])
+
+
+def test_a_step_is_listed_only_once_every_rank_is_in(harness):
+    harness.put(ShardKey("job", 7, 0, 2), b"rank zero")
+    assert harness.tier.complete_steps("job") == []
+    with pytest.raises(NotFound):
+        harness.tier.commit_record("job", 7)
+    harness.put(ShardKey("job", 7, 1, 2), b"rank one!")
+    assert harness.tier.complete_steps("job") == [7]
+    assert harness.tier.jobs() == ["job"]
+    record = harness.tier.commit_record("job", 7)
+    assert (record.world_size, record.size_bytes) == (2, 18)
+
+
+def test_every_shard_reads_back_verified(harness):
+    payloads = [os.urandom(CHUNK_SIZE_BYTES + 1000), b"", os.urandom(17)]
+    for rank, payload in enumerate(payloads):
+        harness.put(ShardKey("job", 1, rank, 3), payload)
+    for rank, payload in enumerate(payloads):
+        assert _read(harness.tier, "job", 1, rank) == payload
+
+
+def test_steps_are_listed_oldest_first_per_job(harness):
+    for job, step in (("a", 5), ("a", 3), ("b", 9)):
+        harness.put(ShardKey(job, step, 0, 1), job.encode() * step)
+    assert harness.tier.complete_steps("a") == [3, 5]
+    assert harness.tier.complete_steps("b") == [9]
+    assert harness.tier.complete_steps("c") == []
+
+
+def test_a_damaged_byte_is_an_error_naming_the_tier(harness):
+    harness.put(ShardKey("job", 2, 0, 1), os.urandom(2 * CHUNK_SIZE_BYTES))
+    source = harness.tier.shard_source("job", 2, 0)
+    with open(source.data_path(0), "r+b") as f:
+        f.seek(CHUNK_SIZE_BYTES + 1)
+        byte = f.read(1)[0]
+        f.seek(CHUNK_SIZE_BYTES + 1)
+        f.write(bytes([byte ^ 1]))
+    with pytest.raises(CorruptCheckpoint, match=rf"on tier {harness.tier.name}.*chunk 1"):
+        _read(harness.tier, "job", 2, 0)
