@@ -58,7 +58,7 @@ async def serve(config: Config) -> None:
     watchdog.cancel()
     await server.stop(STOP_GRACE_S)
     await pipeline.drain()
-    _unlink(config.socket_path)
+    config.socket_path.unlink(missing_ok=True)
     log.info("stopped")
 
 

@@ -32,6 +32,7 @@ from ckptd.tiers.nvme import LocalDirTier, ShardWriteError
 log = logging.getLogger(__name__)
 
 FLUSH_THREADS = 2
+MAX_SHARD_BYTES = 1 << 50
 RECENT_ERRORS = 20
 
 
@@ -70,6 +71,7 @@ class Pipeline:
         self._failures: dict[ShardKey, str] = {}
         self._changed = asyncio.Condition()
         self._collect_lock = asyncio.Lock()
+        self._commit_lock = asyncio.Lock()
         self._errors: deque[dict[str, Any]] = deque(maxlen=RECENT_ERRORS)
         self._started_unix_s = time.time()
         self._counters = {"saves": 0, "skipped": 0, "flushed": 0, "flush_failures": 0, "bytes_flushed": 0}
@@ -102,11 +104,11 @@ class Pipeline:
 
     # -- the save path -------------------------------------------------------------
 
-    async def reserve(self, key: ShardKey, size_bytes: int) -> tuple[Slot | None, float, str]:
+    async def reserve(self, key: ShardKey, size_bytes: int, pid: int) -> tuple[Slot | None, float, str]:
         """Find staging room for a shard (see SlotPool.reserve)."""
-        if size_bytes < 0:
-            raise InvalidArgument(f"{key}: negative size_bytes {size_bytes}")
-        slot, blocked_s, reason = await self.pool.reserve(key.job, key.rank, size_bytes)
+        if not 0 <= size_bytes <= MAX_SHARD_BYTES:
+            raise InvalidArgument(f"{key}: size_bytes {size_bytes} is out of range (0 to {MAX_SHARD_BYTES})")
+        slot, blocked_s, reason = await self.pool.reserve(key.job, key.rank, size_bytes, pid)
         if slot is None:
             self._counters["skipped"] += 1
             log.warning("skipped %s: %s (staging.policy = skip)", key, reason)
@@ -114,11 +116,13 @@ class Pipeline:
             log.warning("%s waited %.1f s for staging room", key, blocked_s)
         return slot, blocked_s, reason
 
-    async def commit(self, key: ShardKey, slot_path: str, data_size_bytes: int, layout: dict[str, Any]) -> None:
+    async def commit(
+        self, key: ShardKey, slot_path: str, reservation: int, data_size_bytes: int, layout: dict[str, Any]
+    ) -> None:
         """Take over a filled slot and queue its flush."""
         if key.step in self.nvme.complete_steps(key.job) or key.step in self.memory.complete_steps(key.job):
             raise InvalidArgument(f"{key.job} step {key.step} is already complete; a complete step is never rewritten")
-        slot = self.pool.commit(key, slot_path, data_size_bytes, layout)
+        slot = self.pool.commit(key, slot_path, reservation, data_size_bytes, layout)
         self._failures.pop(key, None)
         self._counters["saves"] += 1
         self._start_flush(slot)
@@ -160,11 +164,19 @@ class Pipeline:
                 m.close()
 
     async def _after_flush(self, key: ShardKey) -> None:
-        try:
-            record = await asyncio.to_thread(self.nvme.try_commit, key.job, key.step, key.world_size)
-        except (CheckpointError, ShardWriteError, OSError) as e:
-            self._record_failure(key, "nvme", f"commit of {key.job} step {key.step} failed: {e}")
-            record = None
+        record = None
+        # One commit at a time (two ranks finishing together must not both write the
+        # record), and none while another shard of the step is still on its way: a
+        # re-saved shard replaces the old one before the step is sealed.
+        async with self._commit_lock:
+            if not any(
+                s.state == "pending" and s.shard and (s.shard.job, s.shard.step) == (key.job, key.step)
+                for s in self.pool.slots()
+            ):
+                try:
+                    record = await asyncio.to_thread(self.nvme.try_commit, key.job, key.step, key.world_size)
+                except (CheckpointError, ShardWriteError, OSError) as e:
+                    self._record_failure(key, "nvme", f"commit of {key.job} step {key.step} failed: {e}")
         async with self._changed:
             self._changed.notify_all()  # waiters first: retention below may take a while
         if record is not None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -46,11 +47,15 @@ class CkptdServicer(ckptd_pb2_grpc.CkptdServicer):
     async def Reserve(self, request: pb.ReserveRequest, context: Any) -> pb.ReserveReply:
         async def work() -> pb.ReserveReply:
             key = _shard_key(request.shard)
-            slot, blocked_s, reason = await self.pipeline.reserve(key, request.size_bytes)
+            slot, blocked_s, reason = await self.pipeline.reserve(key, request.size_bytes, request.pid)
             if slot is None:
                 return pb.ReserveReply(skipped=True, reason=reason)
             return pb.ReserveReply(
-                slot_path=str(slot.path), slot_size_bytes=slot.size_bytes, blocked_s=blocked_s, reason=reason
+                slot_path=str(slot.path),
+                slot_size_bytes=slot.size_bytes,
+                blocked_s=blocked_s,
+                reason=reason,
+                reservation=slot.reservation,
             )
 
         return await _answer(context, work)
@@ -62,11 +67,11 @@ class CkptdServicer(ckptd_pb2_grpc.CkptdServicer):
                 raise InvalidArgument(f"{key}: layout of {len(request.layout_json)} bytes is too large")
             try:
                 layout = json.loads(request.layout_json)
-            except ValueError as e:
-                raise InvalidArgument(f"{key}: layout is not JSON ({e})") from None
+            except (ValueError, RecursionError) as e:
+                raise InvalidArgument(f"{key}: layout is not JSON ({type(e).__name__})") from None
             if not isinstance(layout, dict):
                 raise InvalidArgument(f"{key}: layout must be a JSON object")
-            await self.pipeline.commit(key, request.slot_path, request.data_size_bytes, layout)
+            await self.pipeline.commit(key, request.slot_path, request.reservation, request.data_size_bytes, layout)
             return pb.CommitReply()
 
         return await _answer(context, work)
@@ -74,6 +79,8 @@ class CkptdServicer(ckptd_pb2_grpc.CkptdServicer):
     async def WaitShard(self, request: pb.WaitShardRequest, context: Any) -> pb.WaitShardReply:
         async def work() -> pb.WaitShardReply:
             key = _shard_key(request.shard)
+            if not math.isfinite(request.timeout_s):
+                raise InvalidArgument(f"invalid timeout_s {request.timeout_s}")
             timeout_s = min(max(request.timeout_s, 0.0), MAX_WAIT_S)
             done, error = await self.pipeline.wait_shard(key, request.tier, timeout_s)
             return pb.WaitShardReply(done=done, error=error)

@@ -15,7 +15,6 @@ All methods run on the daemon's event loop thread, except record_hashed.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import re
@@ -61,6 +60,9 @@ class Slot:
     data_size_bytes: int = 0
     layout: dict[str, Any] | None = None
     meta: ShardMeta | None = None  # set once checksummed: the memory tier can serve it
+    reservation: int = 0  # the token of the current reservation; a stale one cannot commit
+    writer_pid: int = 0  # the process copying into the slot while it is "writing"
+    committed_seq: int = 0  # order of commits across the pool: among two copies of a shard, the later wins
 
     @property
     def pending_path(self) -> Path:
@@ -80,6 +82,8 @@ class SlotPool:
         self.policy = policy
         self._slots: dict[tuple[str, int], list[Slot]] = {}
         self._changed = asyncio.Condition()
+        self._reservations = 0
+        self._commits = 0
 
     # -- queries ---------------------------------------------------------------
 
@@ -94,15 +98,16 @@ class SlotPool:
     def newest(self, job: str, rank: int) -> Slot | None:
         """Return the slot holding the rank's newest committed snapshot."""
         held = [s for s in self._slots.get((job, rank), []) if s.shard is not None and s.state != "writing"]
-        return max(held, key=lambda s: s.shard.step if s.shard else -1, default=None)
+        return max(held, key=lambda s: (s.committed_seq, s.shard.step if s.shard else -1), default=None)
 
     # -- the save path -----------------------------------------------------------
 
-    async def reserve(self, job: str, rank: int, size_bytes: int) -> tuple[Slot | None, float, str]:
+    async def reserve(self, job: str, rank: int, size_bytes: int, pid: int = 0) -> tuple[Slot | None, float, str]:
         """Return a slot of at least size_bytes for the rank, the seconds waited and why.
 
         Under policy "block" this waits until a slot is free; under "skip" it
-        returns (None, 0, reason) at once when none is.
+        returns (None, 0, reason) at once when none is. The slot's reservation
+        token must come back with commit().
         """
         need = round_up(max(size_bytes, 1), SLOT_GRANULE_BYTES)
         if self.budget_bytes and need > self.budget_bytes:
@@ -112,7 +117,7 @@ class SlotPool:
         blocked_s = 0.0
         async with self._changed:
             while True:
-                self._abandon_unfinished(job, rank)
+                self._abandon_unfinished(job, rank, pid)
                 slot, size_bytes, reason = self._take(job, rank, need)
                 if slot is not None:
                     break
@@ -121,20 +126,26 @@ class SlotPool:
                 started = time.monotonic()
                 await self._changed.wait()
                 blocked_s += time.monotonic() - started
+            self._reservations += 1
+            slot.reservation, slot.writer_pid = self._reservations, pid
             # Off the event loop: allocating gigabytes of shared memory takes a while.
             await asyncio.to_thread(self._hand_out, slot, size_bytes)
             if slot not in self._slots.setdefault((job, rank), []):
                 self._slots[(job, rank)].append(slot)
         return slot, blocked_s, reason
 
-    def commit(self, key: ShardKey, slot_path: str, data_size_bytes: int, layout: dict[str, Any]) -> Slot:
+    def commit(
+        self, key: ShardKey, slot_path: str, reservation: int, data_size_bytes: int, layout: dict[str, Any]
+    ) -> Slot:
         """Record that a slot now holds a whole snapshot; the caller flushes it next."""
         slot = self._find(key.job, key.rank, slot_path)
-        if slot is None or slot.state != "writing":
-            raise InvalidArgument(f"{key}: {slot_path} is not a slot reserved for this rank")
+        if slot is None or slot.state != "writing" or slot.reservation != reservation:
+            raise InvalidArgument(f"{key}: {slot_path} is not reserved for this save (or the reservation was lost)")
         if not 0 <= data_size_bytes <= slot.size_bytes:
             raise InvalidArgument(f"{key}: data_size_bytes {data_size_bytes} does not fit the slot")
+        self._commits += 1
         slot.shard, slot.data_size_bytes, slot.layout, slot.meta = key, data_size_bytes, layout, None
+        slot.committed_seq = self._commits
         record = {"shard": key.__dict__, "data_size_bytes": data_size_bytes, "layout": layout}
         _write_replace(slot.pending_path, seal(record))
         slot.state = "pending"
@@ -143,21 +154,13 @@ class SlotPool:
     def record_hashed(self, slot: Slot, meta: ShardMeta) -> None:
         """Record a slot's checksums: from now on the memory tier serves it. Any thread."""
         _write_replace(slot.meta_path, meta.to_bytes())
-        _unlink(slot.pending_path)
+        slot.pending_path.unlink(missing_ok=True)
         slot.meta = meta
 
     async def settle(self, slot: Slot) -> None:
         """Mark a slot's flush finished (durable or failed): it may be reused once not newest."""
         async with self._changed:
             slot.state = "settled"
-            self._changed.notify_all()
-
-    async def drop_snapshot(self, slot: Slot) -> None:
-        """Forget a slot's snapshot (the memory tier stops serving it) and free the slot."""
-        async with self._changed:
-            _unlink(slot.meta_path)
-            _unlink(slot.pending_path)
-            slot.shard, slot.meta, slot.layout, slot.state = None, None, None, "free"
             self._changed.notify_all()
 
     # -- recovery ------------------------------------------------------------------
@@ -178,43 +181,54 @@ class SlotPool:
     def _find(self, job: str, rank: int, path: str) -> Slot | None:
         return next((s for s in self._slots.get((job, rank), []) if str(s.path) == path), None)
 
-    def _abandon_unfinished(self, job: str, rank: int) -> None:
-        # A rank saves one snapshot at a time: a slot it reserved and never
-        # committed belongs to a save that died half-way.
+    def _abandon_unfinished(self, job: str, rank: int, pid: int) -> None:
+        # A rank saves one snapshot at a time: a slot it reserved and never committed
+        # belongs to a save that died half-way, unless another live process holds it,
+        # which means two processes claim the same job and rank.
         for slot in self._slots.get((job, rank), []):
-            if slot.state == "writing":
-                slot.state = "free"
+            if slot.state != "writing":
+                continue
+            if pid and slot.writer_pid not in (0, pid) and _alive(slot.writer_pid):
+                raise InvalidArgument(
+                    f"job {job} rank {rank} is being saved by process {slot.writer_pid} too; "
+                    "each rank of a job must be one process (check CKPT_JOB, RANK and WORLD_SIZE)"
+                )
+            slot.state = "free"
 
     def _reusable(self, job: str, rank: int) -> list[Slot]:
-        """Return the rank's slots that may be overwritten: settled or free, newest snapshot last."""
+        """Return the rank's slots that may be overwritten without touching its newest snapshot, largest first."""
         newest = self.newest(job, rank)
         free = [s for s in self._slots.get((job, rank), []) if s.state in ("free", "settled") and s is not newest]
-        free.sort(key=lambda s: s.size_bytes, reverse=True)
-        # The newest snapshot is the memory tier's copy: give it up only when nothing else
-        # fits, and only once it is settled (durable, or its flush failed).
-        return free + ([newest] if newest is not None and newest.state == "settled" else [])
+        return sorted(free, key=lambda s: s.size_bytes, reverse=True)
 
     def _take(self, job: str, rank: int, need: int) -> tuple[Slot | None, int, str]:
-        """Pick a slot for the rank and the size to give it, or say why there is none."""
+        """Pick a slot for the rank and the size to give it, or say why there is none.
+
+        In order: a spare slot that fits, a new slot, a spare slot grown; only then the
+        slot of the newest snapshot (the memory tier's copy), once it is settled.
+        """
         group = self._slots.setdefault((job, rank), [])
-        reusable = self._reusable(job, rank)
-        for slot in reusable:
-            if slot.size_bytes >= need:
-                return self._claim(slot), slot.size_bytes, ""
+        spare = self._reusable(job, rank)
+        if spare and spare[0].size_bytes >= need:
+            return self._claim(spare[0]), spare[0].size_bytes, ""
         if len(group) < SLOTS_PER_RANK and self._room_for(job, rank, need):
             index = min(set(range(SLOTS_PER_RANK)) - {s.index for s in group})
             slot = Slot(self.directory / job / f"rank-{rank:05d}.slot-{index}", job, rank, index, 0, "writing")
             return slot, need, "new slot"
-        for slot in reusable:
+        newest = self.newest(job, rank)
+        last_resort = [newest] if newest is not None and newest.state == "settled" else []
+        for slot in spare + last_resort:
+            if slot.size_bytes >= need:
+                return self._claim(slot), slot.size_bytes, ""
             if self._room_for(job, rank, need - slot.size_bytes):
                 return self._claim(slot), need, "grew a slot"
-        if reusable or len(group) < SLOTS_PER_RANK:
+        if spare or last_resort or len(group) < SLOTS_PER_RANK:
             return None, 0, f"staging.budget_bytes ({self.budget_bytes}) is taken by snapshots still being flushed"
         return None, 0, f"both staging slots of {job} rank {rank} hold snapshots still being flushed"
 
     def _claim(self, slot: Slot) -> Slot:
-        _unlink(slot.meta_path)  # the old snapshot stops being served before it is overwritten
-        _unlink(slot.pending_path)
+        slot.meta_path.unlink(missing_ok=True)  # the old snapshot stops being served before it is overwritten
+        slot.pending_path.unlink(missing_ok=True)
         slot.shard, slot.meta, slot.layout, slot.state = None, None, None, "writing"
         return slot
 
@@ -230,14 +244,13 @@ class SlotPool:
         for (other_job, other_rank), group in self._slots.items():
             if (other_job, other_rank) == (job, rank):
                 continue
-            newest = self.newest(other_job, other_rank)
-            for slot in [s for s in self._reusable(other_job, other_rank) if s is not newest]:
+            for slot in self._reusable(other_job, other_rank):
                 if want_bytes <= 0:
                     return
                 want_bytes -= slot.size_bytes
                 group.remove(slot)
                 for p in (slot.path, slot.meta_path, slot.pending_path):
-                    _unlink(p)
+                    p.unlink(missing_ok=True)
 
     def _hand_out(self, slot: Slot, size_bytes: int) -> None:
         """Make the slot's file size_bytes long, its memory allocated. Runs on a worker thread."""
@@ -251,7 +264,7 @@ class SlotPool:
         except OSError as e:
             slot.state = "free"
             if slot.size_bytes == 0:
-                _unlink(slot.path)
+                slot.path.unlink(missing_ok=True)
             raise CheckpointError(f"cannot allocate {size_bytes} bytes of staging memory in {slot.path}: {e}") from e
         finally:
             os.close(fd)
@@ -302,6 +315,11 @@ def _write_replace(path: Path, data: bytes) -> None:
     os.replace(tmp, path)
 
 
-def _unlink(path: Path) -> None:
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(path)
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # alive, owned by someone else
+    return True

@@ -27,27 +27,38 @@ class MemoryTier(Tier):
         return cls(lambda: scan_slots(directory))
 
     def _held(self, job: str, step: int) -> dict[int, Slot]:
-        return {
-            s.rank: s
-            for s in self._slots()
-            if s.job == job and s.meta is not None and s.shard is not None and s.shard.step == step
-        }
+        """Return, by rank, the checksummed slots holding the job's step, of the newest world size saved.
+
+        Of two copies of one rank's shard (the step was saved again), the later commit wins.
+        """
+        slots = [s for s in self._slots() if s.job == job and s.meta and s.shard and s.shard.step == step]
+        if not slots:
+            return {}
+        newest = max(slots, key=lambda s: s.committed_seq)
+        world_size = newest.shard.world_size if newest.shard else 0
+        held: dict[int, Slot] = {}
+        for s in sorted(slots, key=lambda s: s.committed_seq):
+            if s.shard and s.shard.world_size == world_size:
+                held[s.rank] = s
+        return held
 
     def jobs(self) -> list[str]:
         return sorted({s.job for s in self._slots() if s.meta is not None})
 
     def complete_steps(self, job: str) -> list[int]:
-        steps = {s.shard.step: s.shard.world_size for s in self._slots() if s.job == job and s.meta and s.shard}
-        return sorted(step for step, world_size in steps.items() if len(self._held(job, step)) == world_size)
+        steps = {s.shard.step for s in self._slots() if s.job == job and s.meta and s.shard}
+        return sorted(step for step in steps if self._is_complete(self._held(job, step)))
 
-    def has_shard(self, job: str, step: int, rank: int) -> bool:
-        return rank in self._held(job, step)
+    @staticmethod
+    def _is_complete(held: dict[int, Slot]) -> bool:
+        world_size = next(iter(held.values())).shard.world_size if held else 0  # type: ignore[union-attr]
+        return bool(held) and sorted(held) == list(range(world_size))
 
     def commit_record(self, job: str, step: int) -> CommitRecord:
         held = self._held(job, step)
-        world_size = next(iter(held.values())).shard.world_size if held else 0  # type: ignore[union-attr]
-        if not held or len(held) != world_size:
+        if not self._is_complete(held):
             raise NotFound(f"{job} step {step} is not complete in memory")
+        world_size = len(held)
         metas = [held[r].meta for r in range(world_size)]
         return CommitRecord(
             job,
@@ -61,4 +72,4 @@ class MemoryTier(Tier):
         slot = self._held(job, step).get(rank)
         if slot is None:
             raise NotFound(f"rank {rank} shard of {job} step {step} is not in memory")
-        return ShardSource(self.name, "slot", str(slot.path))
+        return ShardSource(self.name, "slot", str(slot.path), job, step)

@@ -7,20 +7,22 @@ written last, once every rank's shard is in. Layout: <root>/<job>/<step>/.
 
 from __future__ import annotations
 
-import contextlib
 import errno
+import logging
 import os
 import shutil
+import uuid
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any
 
-from ckpt.errors import NotFound
+from ckpt.errors import CheckpointError, NotFound
 from ckpt.format import (
     CHUNK_SIZE_BYTES,
     COMMIT_NAME,
     DIRECT_IO_ALIGN_BYTES,
+    JOB_RE,
     PARTIAL_SUFFIX,
     CommitRecord,
     ShardMeta,
@@ -31,9 +33,11 @@ from ckpt.format import (
     round_up,
     validate_job,
 )
-from ckpt.shard_io import ShardSource, read_commit
+from ckpt.shard_io import ShardSource
 
 from ckptd.tiers.base import Tier
+
+log = logging.getLogger(__name__)
 
 WRITE_BLOCK_BYTES = 32 << 20
 WRITE_THREADS = 4
@@ -51,6 +55,7 @@ class LocalDirTier(Tier):
         self.root = root
         self.name = name
         self._io = ThreadPoolExecutor(max_workers=WRITE_THREADS, thread_name_prefix=f"{name}-io")
+        self._commits: dict[Path, tuple[tuple[int, int, int], CommitRecord | None]] = {}
 
     def close(self) -> None:
         """Stop the writer threads."""
@@ -63,40 +68,57 @@ class LocalDirTier(Tier):
     # -- listing -----------------------------------------------------------
 
     def jobs(self) -> list[str]:
-        """Return the jobs with a directory under the root."""
-        try:
-            return sorted(p.name for p in self.root.iterdir() if p.is_dir() and not p.name.startswith("."))
-        except FileNotFoundError:
-            return []
+        """Return the jobs with a directory under the root (other entries, like lost+found, are not jobs)."""
+        return sorted(name for name in _names(self.root) if JOB_RE.fullmatch(name) and (self.root / name).is_dir())
 
     def all_steps(self, job: str) -> list[int]:
         """Return every step directory of the job, complete or not, oldest first."""
-        try:
-            names = [p.name for p in (self.root / job).iterdir()]
-        except (FileNotFoundError, NotADirectoryError):
-            return []
-        return sorted(int(n) for n in names if n.isdigit())
+        return sorted(int(n) for n in _names(self.root / job) if n.isdigit())
 
     def complete_steps(self, job: str) -> list[int]:
-        """Return the steps whose commit record is in place."""
-        return [s for s in self.all_steps(job) if (self.root / job / str(s) / COMMIT_NAME).exists()]
+        """Return the steps whose commit record is in place and checks; a damaged one is logged and left out."""
+        return [s for s in self.all_steps(job) if self._checked_commit(job, s) is not None]
+
+    def _checked_commit(self, job: str, step: int) -> CommitRecord | None:
+        path = self.root / job / str(step) / COMMIT_NAME
+        try:
+            st = path.stat()
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        identity = (st.st_ino, st.st_size, st.st_mtime_ns)
+        cached = self._commits.get(path)
+        if cached is not None and cached[0] == identity:
+            return cached[1]
+        try:
+            record: CommitRecord | None = CommitRecord.from_bytes(path.read_bytes(), str(path))
+        except (CheckpointError, OSError) as e:
+            log.error("%s step %d on tier %s is not complete: %s", job, step, self.name, e)
+            record = None
+        self._commits[path] = (identity, record)
+        return record
 
     def commit_record(self, job: str, step: int) -> CommitRecord:
-        """Read a complete step's commit record."""
-        return read_commit(self.step_dir(job, step))
+        """Return a complete step's commit record."""
+        record = self._checked_commit(validate_job(job), step)
+        if record is None:
+            raise NotFound(f"{job} step {step} is not complete on tier {self.name}")
+        return record
 
     def shard_source(self, job: str, step: int, rank: int) -> ShardSource:
         """Point at a step directory."""
-        return ShardSource(self.name, "dir", str(self.step_dir(job, step)))
+        return ShardSource(self.name, "dir", str(self.step_dir(job, step)), job, step)
 
     def has_shard(self, job: str, step: int, rank: int) -> bool:
         """Say whether a rank's shard is fully written (its metadata is renamed last)."""
         return (self.step_dir(job, step) / meta_name(rank)).exists()
 
     def saved_world_size(self, job: str, step: int) -> int | None:
-        """Return the world_size recorded by any shard of a step, or None if none is written."""
+        """Return the world_size recorded by the shards of a step, or None if no readable shard is there."""
         for path in sorted(self.step_dir(job, step).glob("rank-*.meta.json")):
-            return ShardMeta.from_bytes(path.read_bytes(), str(path)).world_size
+            try:
+                return ShardMeta.from_bytes(path.read_bytes(), str(path)).world_size
+            except (CheckpointError, OSError) as e:
+                log.error("ignoring damaged shard record %s: %s", path, e)
         return None
 
     # -- writing -----------------------------------------------------------
@@ -117,8 +139,12 @@ class LocalDirTier(Tier):
         """
         step_dir = self.step_dir(meta.job, meta.step)
         what = f"rank {meta.rank} shard of {meta.job} step {meta.step} on tier {self.name}"
-        step_dir.mkdir(parents=True, exist_ok=True)
-        _fsync_dir(step_dir.parent)
+        if (step_dir / COMMIT_NAME).exists():
+            raise ShardWriteError(f"{what}: the step is already complete; a complete step is never rewritten")
+        if not step_dir.is_dir():
+            step_dir.mkdir(parents=True, exist_ok=True)
+            _fsync_dir(step_dir.parent)
+            _fsync_dir(self.root)
         final = step_dir / data_name(meta.rank)
         partial = final.with_name(final.name + PARTIAL_SUFFIX)
         meta_path = step_dir / meta_name(meta.rank)
@@ -130,8 +156,8 @@ class LocalDirTier(Tier):
             os.replace(meta_partial, meta_path)  # the shard counts as written from here on
             _fsync_dir(step_dir)
         except BaseException as e:
-            _remove_quietly(partial)
-            _remove_quietly(meta_partial)
+            partial.unlink(missing_ok=True)
+            meta_partial.unlink(missing_ok=True)
             if isinstance(e, OSError):
                 raise ShardWriteError(f"{what}: {e.strerror or e}") from e
             raise
@@ -144,13 +170,31 @@ class LocalDirTier(Tier):
         data: memoryview,
         on_hashed: Callable[[ShardMeta], None] | None,
         what: str,
+        direct: bool = True,
     ) -> ShardMeta:
         size = meta.data_size_bytes
         if len(data) < round_up(size, DIRECT_IO_ALIGN_BYTES):
             raise ValueError(f"{what}: buffer of {len(data)} bytes is short of {size} rounded to 4 KiB")
+        fd, direct = _open_for_write(path, direct)
+        try:
+            return self._write_from(fd, direct, meta, data, on_hashed, what)
+        except _DirectIORefused:
+            return self._write_data(path, meta, data, on_hashed, what, direct=False)
+        finally:
+            os.close(fd)
+
+    def _write_from(
+        self,
+        fd: int,
+        direct: bool,
+        meta: ShardMeta,
+        data: memoryview,
+        on_hashed: Callable[[ShardMeta], None] | None,
+        what: str,
+    ) -> ShardMeta:
+        size = meta.data_size_bytes
         expected = meta.chunk_xxh3_128 or None
         digests: list[str] = []
-        fd, direct = _open_for_write(path)
         writes: list[Future[Any]] = []
         try:
             block_bytes = max(1, WRITE_BLOCK_BYTES // CHUNK_SIZE_BYTES) * CHUNK_SIZE_BYTES
@@ -162,7 +206,7 @@ class LocalDirTier(Tier):
                         lo = offset + start
                         raise ShardWriteError(f"{what}: chunk {index} (bytes {lo}-{lo + n - 1}) checksum mismatch")
                 padded = round_up(length, DIRECT_IO_ALIGN_BYTES) if direct else length
-                writes.append(self._io.submit(_pwrite_all, fd, data[offset : offset + padded], offset))
+                writes.append(self._io.submit(_pwrite_all, fd, data[offset : offset + padded], offset, direct))
             if expected is None:
                 meta = ShardMeta(**{**meta.__dict__, "chunk_xxh3_128": tuple(digests)})
                 if on_hashed is not None:
@@ -172,8 +216,7 @@ class LocalDirTier(Tier):
             os.ftruncate(fd, size)
             os.fsync(fd)
         finally:
-            wait(writes)  # never close the descriptor under a write still running
-            os.close(fd)
+            wait(writes)  # never let the caller close the descriptor under a write still running
         return meta
 
     def try_commit(self, job: str, step: int, world_size: int) -> CommitRecord | None:
@@ -195,8 +238,9 @@ class LocalDirTier(Tier):
             size_bytes += meta.data_size_bytes
         record = CommitRecord(job, step, world_size, tuple(digest(m) for m in metas), size_bytes)
         commit = step_dir / COMMIT_NAME
-        write_file_durably(commit.with_name(COMMIT_NAME + PARTIAL_SUFFIX), record.to_bytes())
-        os.replace(commit.with_name(COMMIT_NAME + PARTIAL_SUFFIX), commit)
+        temporary = step_dir / f"{COMMIT_NAME}.{uuid.uuid4().hex}{PARTIAL_SUFFIX}"  # never shared by two writers
+        write_file_durably(temporary, record.to_bytes())
+        os.replace(temporary, commit)
         _fsync_dir(step_dir)
         return record
 
@@ -206,7 +250,7 @@ class LocalDirTier(Tier):
         if not step_dir.exists():
             raise NotFound(f"{job} step {step} is not on tier {self.name}")
         doomed = step_dir.parent / f"{DELETING_PREFIX}{step}"
-        _remove_quietly(step_dir / COMMIT_NAME)
+        (step_dir / COMMIT_NAME).unlink(missing_ok=True)
         os.replace(step_dir, doomed)
         _fsync_dir(step_dir.parent)
         shutil.rmtree(doomed, ignore_errors=True)
@@ -215,15 +259,16 @@ class LocalDirTier(Tier):
         """Delete temporary files and half-deleted steps that an interrupted run left; return them."""
         removed: list[Path] = []
         for job in self.jobs():
-            for entry in (self.root / job).iterdir():
-                if entry.name.startswith(DELETING_PREFIX):
+            for name in _names(self.root / job):
+                entry = self.root / job / name
+                if name.startswith(DELETING_PREFIX):
                     shutil.rmtree(entry, ignore_errors=True)
                     removed.append(entry)
-                elif entry.name.isdigit() and entry.is_dir():
-                    for f in entry.iterdir():
-                        if f.name.endswith(PARTIAL_SUFFIX):
-                            _remove_quietly(f)
-                            removed.append(f)
+                elif name.isdigit():
+                    for f in _names(entry):
+                        if f.endswith(PARTIAL_SUFFIX):
+                            (entry / f).unlink(missing_ok=True)
+                            removed.append(entry / f)
         return removed
 
 
@@ -239,20 +284,41 @@ def write_file_durably(path: Path, data: bytes) -> None:
         os.close(fd)
 
 
-def _open_for_write(path: Path) -> tuple[int, bool]:
+class _DirectIORefused(Exception):
+    """The filesystem took O_DIRECT at open but refused a direct write."""
+
+
+def _open_for_write(path: Path, direct: bool) -> tuple[int, bool]:
     flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
-    try:
-        return os.open(path, flags | os.O_DIRECT, 0o644), True
-    except OSError as e:
-        if e.errno != errno.EINVAL:
-            raise
-        return os.open(path, flags, 0o644), False
+    if direct:
+        try:
+            return os.open(path, flags | os.O_DIRECT, 0o644), True
+        except OSError as e:
+            if e.errno != errno.EINVAL:
+                raise
+    return os.open(path, flags, 0o644), False
 
 
-def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
+def _pwrite_all(fd: int, view: memoryview, offset: int, direct: bool) -> None:
     while view:
-        n = os.pwrite(fd, view, offset)
+        try:
+            n = os.pwrite(fd, view, offset)
+        except OSError as e:
+            if direct and e.errno == errno.EINVAL:
+                raise _DirectIORefused() from e
+            raise
         view, offset = view[n:], offset + n
+
+
+def _names(directory: Path) -> list[str]:
+    """List a directory's entries; an unreadable or missing one is logged and counts as empty."""
+    try:
+        return os.listdir(directory)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    except OSError as e:
+        log.warning("cannot list %s: %s", directory, e)
+        return []
 
 
 def _fsync_dir(path: Path) -> None:
@@ -261,8 +327,3 @@ def _fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def _remove_quietly(path: Path) -> None:
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(path)

@@ -14,10 +14,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from ckpt.errors import CorruptCheckpoint, InvalidArgument, NotFound, SaveFailed, SaveSkipped
+from ckpt.errors import CheckpointError, CorruptCheckpoint, InvalidArgument, NotFound, SaveFailed, SaveSkipped
 from ckpt.flatten import flatten, unflatten
 from ckpt.format import DIRECT_IO_ALIGN_BYTES, round_up, validate_job, validate_rank, validate_step, validate_tier
-from ckpt.shard_io import ShardSource, read_meta, read_shard_into
+from ckpt.shard_io import ShardSource, read_meta, read_shard_into, step_dir_source
 from ckpt.staging import SlotMappings, copy_into
 from ckpt.transport import DaemonClient
 from ckpt.wire.v1 import ckptd_pb2 as pb
@@ -129,7 +129,9 @@ class Checkpointer:
         validate_step(step)
         flat = flatten(state)
         reserved = self._daemon.call(
-            "Reserve", pb.ReserveRequest(shard=self._shard(step), size_bytes=flat.data_size_bytes), timeout_s=None
+            "Reserve",
+            pb.ReserveRequest(shard=self._shard(step), size_bytes=flat.data_size_bytes, pid=os.getpid()),
+            timeout_s=None,
         )
         if reserved.skipped:
             log.warning("ckpt: save of %s step %d skipped: %s", self.job, step, reserved.reason)
@@ -145,6 +147,7 @@ class Checkpointer:
                 slot_path=reserved.slot_path,
                 data_size_bytes=flat.data_size_bytes,
                 layout_json=json.dumps(flat.layout()).encode(),
+                reservation=reserved.reservation,
             ),
         )
         self._last_step = step
@@ -171,7 +174,7 @@ class Checkpointer:
         reply = self._daemon.call(
             "Locate", pb.LocateRequest(job=self.job, step=-1 if step is None else step, rank=self.rank, tier=tier)
         )
-        sources = [ShardSource(s.tier, s.kind, s.path) for s in reply.sources]
+        sources = [ShardSource(s.tier, s.kind, s.path, self.job, reply.step) for s in reply.sources]
         return _load_first_good(sources, self.rank, map_location)
 
 
@@ -180,21 +183,24 @@ def load_local(path: str | os.PathLike[str], rank: int = 0, map_location: Any = 
     step_dir = Path(path)
     if not step_dir.is_dir():
         raise NotFound(f"{step_dir} is not a directory")
-    return _load_first_good([ShardSource("local", "dir", str(step_dir))], rank, map_location)
+    return _load_first_good([step_dir_source(step_dir, "local")], rank, map_location)
 
 
 def _load_first_good(sources: list[ShardSource], rank: int, map_location: Any) -> Any:
-    errors = []
+    """Load from the first source that holds a good copy; say what was wrong with each one that did not."""
+    errors: list[Exception] = []
     for source in sources:
         try:
             return _load_shard(source, rank, map_location)
-        except (CorruptCheckpoint, NotFound) as e:
-            if len(sources) > 1:
+        except (CheckpointError, OSError) as e:
+            if source is not sources[-1]:
                 log.warning("ckpt: %s; trying the next tier", e)
-            errors.append(str(e))
-    if len(errors) == 1:
-        raise CorruptCheckpoint(errors[0]) if "mismatch" in errors[0] else NotFound(errors[0])
-    raise CorruptCheckpoint("no tier holds a good copy: " + "; ".join(errors))
+            errors.append(e)
+    if len(errors) == 1 and isinstance(errors[0], CheckpointError):
+        raise errors[0]
+    if all(isinstance(e, NotFound) for e in errors):
+        raise NotFound("no tier holds the shard any more: " + "; ".join(map(str, errors)))
+    raise CorruptCheckpoint("no tier holds a good copy: " + "; ".join(map(str, errors)))
 
 
 def _load_shard(source: ShardSource, rank: int, map_location: Any) -> Any:

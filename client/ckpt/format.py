@@ -24,13 +24,13 @@ COMMIT_NAME = "COMMIT.json"
 PARTIAL_SUFFIX = ".partial"
 TIERS = ("memory", "nvme", "peer", "object")
 
-_JOB_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+JOB_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 _MAX_STEP = 2**62
 
 
 def validate_job(job: object) -> str:
     """Return job if it is a valid job name, else raise InvalidArgument."""
-    if not isinstance(job, str) or not _JOB_RE.fullmatch(job):
+    if not isinstance(job, str) or not JOB_RE.fullmatch(job):
         raise InvalidArgument(
             f"invalid job name {job!r}: use 1 to 128 characters from A-Z a-z 0-9 . _ -, starting with a letter or digit"
         )

@@ -31,11 +31,13 @@ READ_THREADS = 4
 
 @dataclass(frozen=True)
 class ShardSource:
-    """Say where a shard can be read: a step directory or a staging slot, on a tier."""
+    """Say where a shard of a job's step can be read: a step directory or a staging slot, on a tier."""
 
     tier: str
     kind: str  # "dir" or "slot"
     path: str
+    job: str
+    step: int
 
     def data_path(self, rank: int) -> Path:
         """Return the file holding the shard's tensor bytes."""
@@ -57,21 +59,34 @@ def read_commit(step_dir: Path) -> CommitRecord:
 
 
 def read_meta(source: ShardSource, rank: int) -> ShardMeta:
-    """Read and check a shard's metadata; for a step directory, check it against the commit."""
+    """Read and check a shard's metadata: it must be the source's job, step and rank, and match the commit."""
     path = source.meta_path(rank)
-    what = f"rank {rank} shard metadata on tier {source.tier} ({path})"
+    what = f"rank {rank} shard metadata of {source.job} step {source.step} on tier {source.tier} ({path})"
     try:
         data = path.read_bytes()
     except FileNotFoundError:
         raise NotFound(f"{what}: missing") from None
     meta = ShardMeta.from_bytes(data, what)
+    if source.kind == "slot" and (meta.job, meta.step) != (source.job, source.step):
+        # The slot was reused for a newer snapshot since the daemon pointed at it.
+        raise NotFound(f"{what}: the slot now holds {meta.job} step {meta.step}")
     if source.kind == "dir":
         commit = read_commit(Path(source.path))
+        if (commit.job, commit.step) != (source.job, source.step) or (meta.job, meta.step) != (source.job, source.step):
+            raise CorruptCheckpoint(
+                f"{what}: holds {meta.job} step {meta.step}, committed as {commit.job} step {commit.step}"
+            )
         if meta.rank >= commit.world_size or commit.shard_meta_xxh3_128[meta.rank] != digest(data):
             raise CorruptCheckpoint(f"{what}: does not match the step's commit record")
     if meta.rank != rank:
         raise CorruptCheckpoint(f"{what}: holds rank {meta.rank}")
     return meta
+
+
+def step_dir_source(step_dir: Path, tier: str) -> ShardSource:
+    """Return the source for a step directory whose job and step its commit record names."""
+    commit = read_commit(step_dir)
+    return ShardSource(tier, "dir", str(step_dir), commit.job, commit.step)
 
 
 def read_shard_into(source: ShardSource, meta: ShardMeta, buffer: memoryview) -> None:
@@ -96,12 +111,21 @@ def read_shard_into(source: ShardSource, meta: ShardMeta, buffer: memoryview) ->
         blocks = list(chunk_ranges(meta.data_size_bytes, block_bytes))
         with ThreadPoolExecutor(max_workers=min(READ_THREADS, max(1, len(blocks)))) as pool:
             for bad in pool.map(lambda b: _read_block(direct_fd, fd, meta, buffer, *b), blocks):
+                if bad is not None and source.kind == "slot" and not _still_holds(source, meta):
+                    raise NotFound(f"{what}: the slot was reused for a newer snapshot while being read")
                 if bad is not None:
                     raise CorruptCheckpoint(f"{what}: {bad}")
     finally:
         os.close(fd)
         if direct_fd is not None:
             os.close(direct_fd)
+
+
+def _still_holds(source: ShardSource, meta: ShardMeta) -> bool:
+    try:
+        return ShardMeta.from_bytes(source.meta_path(meta.rank).read_bytes(), "slot") == meta
+    except (OSError, CorruptCheckpoint):
+        return False
 
 
 def _open_direct(path: Path) -> int | None:

@@ -52,7 +52,7 @@ class MemoryHarness:
         assert slot is not None
         with open(slot.path, "r+b") as f:
             f.write(payload)
-        self.pool.commit(key, str(slot.path), len(payload), {})
+        self.pool.commit(key, str(slot.path), slot.reservation, len(payload), {})
         chunks = tuple(digest(payload[o : o + n]) for o, n in chunk_ranges(len(payload)))
         meta = ShardMeta(key.job, key.step, key.rank, key.world_size, len(payload), CHUNK_SIZE_BYTES, chunks, {})
         self.pool.record_hashed(slot, meta)

@@ -19,38 +19,44 @@ class ShardId(_message.Message):
     def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
-    __slots__ = ("shard", "size_bytes")
+    __slots__ = ("shard", "size_bytes", "pid")
     SHARD_FIELD_NUMBER: _ClassVar[int]
     SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
     shard: ShardId
     size_bytes: int
-    def __init__(self, shard: _Optional[_Union[ShardId, _Mapping]] = ..., size_bytes: _Optional[int] = ...) -> None: ...
+    pid: int
+    def __init__(self, shard: _Optional[_Union[ShardId, _Mapping]] = ..., size_bytes: _Optional[int] = ..., pid: _Optional[int] = ...) -> None: ...
 
 class ReserveReply(_message.Message):
-    __slots__ = ("skipped", "slot_path", "slot_size_bytes", "blocked_s", "reason")
+    __slots__ = ("skipped", "slot_path", "slot_size_bytes", "blocked_s", "reason", "reservation")
     SKIPPED_FIELD_NUMBER: _ClassVar[int]
     SLOT_PATH_FIELD_NUMBER: _ClassVar[int]
     SLOT_SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
     BLOCKED_S_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    RESERVATION_FIELD_NUMBER: _ClassVar[int]
     skipped: bool
     slot_path: str
     slot_size_bytes: int
     blocked_s: float
     reason: str
-    def __init__(self, skipped: _Optional[bool] = ..., slot_path: _Optional[str] = ..., slot_size_bytes: _Optional[int] = ..., blocked_s: _Optional[float] = ..., reason: _Optional[str] = ...) -> None: ...
+    reservation: int
+    def __init__(self, skipped: _Optional[bool] = ..., slot_path: _Optional[str] = ..., slot_size_bytes: _Optional[int] = ..., blocked_s: _Optional[float] = ..., reason: _Optional[str] = ..., reservation: _Optional[int] = ...) -> None: ...
 
 class CommitRequest(_message.Message):
-    __slots__ = ("shard", "slot_path", "data_size_bytes", "layout_json")
+    __slots__ = ("shard", "slot_path", "data_size_bytes", "layout_json", "reservation")
     SHARD_FIELD_NUMBER: _ClassVar[int]
     SLOT_PATH_FIELD_NUMBER: _ClassVar[int]
     DATA_SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_JSON_FIELD_NUMBER: _ClassVar[int]
+    RESERVATION_FIELD_NUMBER: _ClassVar[int]
     shard: ShardId
     slot_path: str
     data_size_bytes: int
     layout_json: bytes
-    def __init__(self, shard: _Optional[_Union[ShardId, _Mapping]] = ..., slot_path: _Optional[str] = ..., data_size_bytes: _Optional[int] = ..., layout_json: _Optional[bytes] = ...) -> None: ...
+    reservation: int
+    def __init__(self, shard: _Optional[_Union[ShardId, _Mapping]] = ..., slot_path: _Optional[str] = ..., data_size_bytes: _Optional[int] = ..., layout_json: _Optional[bytes] = ..., reservation: _Optional[int] = ...) -> None: ...
 
 class CommitReply(_message.Message):
     __slots__ = ()
