@@ -57,6 +57,9 @@ def _parser() -> argparse.ArgumentParser:
         description="Run the daemon in the foreground. SIGTERM or SIGINT drains in-flight work, then exits 0.",
     )
     s.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    s.add_argument("--root", help="override [node] root: this node's NVMe tier")
+    s.add_argument("--socket", help="override [node] socket: the unix socket for local clients")
+    s.add_argument("--staging-dir", help="override [staging] dir: where the shared-memory slots live")
 
     s = sub.add_parser("status", parents=[common, daemon], help="show the running daemon's state")
     s.add_argument("--json", action="store_true", help="print one JSON document")
@@ -89,8 +92,11 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Run one ckptd command and return its exit code."""
     args = _parser().parse_args(argv)
+    flags = {}
+    if args.command == "serve":
+        flags = {"node": {"root": args.root, "socket": args.socket}, "staging": {"dir": args.staging_dir}}
     try:
-        config = load_config(args.config)
+        config = load_config(args.config, flags=flags)
     except ConfigError as e:
         print(f"ckptd: config error: {e}", file=sys.stderr)
         return 2

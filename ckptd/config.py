@@ -93,8 +93,13 @@ _SECTION_TYPES = {
 }
 
 
-def load_config(path: str | None = None, env: dict[str, str] | None = None) -> Config:
-    """Build the config from a TOML file (or $CKPTD_CONFIG) and CKPTD_<SECTION>__<KEY> overrides."""
+def load_config(
+    path: str | None = None, env: dict[str, str] | None = None, flags: dict[str, dict[str, Any]] | None = None
+) -> Config:
+    """Build the config from a TOML file (or $CKPTD_CONFIG), then CKPTD_<SECTION>__<KEY>, then flags.
+
+    flags maps section to key to value; None values are ignored.
+    """
     env = dict(os.environ if env is None else env)
     path = path or env.get("CKPTD_CONFIG") or None
     raw: dict[str, dict[str, Any]] = {}
@@ -119,15 +124,8 @@ def load_config(path: str | None = None, env: dict[str, str] | None = None) -> C
         if section not in _SECTION_TYPES:
             raise ConfigError(f"unknown config section in environment variable {name}")
         raw.setdefault(section, {})[key] = _parse_env_value(value)
-    return _resolve(_build(raw))
-
-
-def with_overrides(config: Config, section: str, **values: Any) -> Config:
-    """Return config with some keys of one section replaced (command-line flags), checked again."""
-    current = dataclasses.asdict(getattr(config, section))
-    current.update({k: v for k, v in values.items() if v is not None})
-    raw = {s: dataclasses.asdict(getattr(config, s)) for s in _SECTION_TYPES}
-    raw[section] = current
+    for section, values in (flags or {}).items():
+        raw.setdefault(section, {}).update({k: v for k, v in values.items() if v is not None})
     return _resolve(_build(raw))
 
 

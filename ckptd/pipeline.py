@@ -34,6 +34,7 @@ log = logging.getLogger(__name__)
 FLUSH_THREADS = 2
 MAX_SHARD_BYTES = 1 << 50
 RECENT_ERRORS = 20
+REMEMBERED_SHARDS = 1 << 16  # shards known to have reached a tier, for waiters that come after retention
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,7 @@ class Pipeline:
         self._rank_locks: dict[tuple[str, int], asyncio.Lock] = {}
         self._flushes: set[asyncio.Task[None]] = set()
         self._failures: dict[ShardKey, str] = {}
+        self._reached: dict[tuple[ShardKey, str], None] = {}  # insertion-ordered, oldest dropped first
         self._changed = asyncio.Condition()
         self._collect_lock = asyncio.Lock()
         self._commit_lock = asyncio.Lock()
@@ -124,6 +126,7 @@ class Pipeline:
             raise InvalidArgument(f"{key.job} step {key.step} is already complete; a complete step is never rewritten")
         slot = self.pool.commit(key, slot_path, reservation, data_size_bytes, layout)
         self._failures.pop(key, None)
+        self._remember(key, "memory")
         self._counters["saves"] += 1
         self._start_flush(slot)
 
@@ -140,6 +143,7 @@ class Pipeline:
             loop = asyncio.get_running_loop()
             try:
                 await loop.run_in_executor(self._flush_threads, self._flush_to_nvme, slot, key)
+                self._remember(key, "nvme")
                 self._counters["flushed"] += 1
                 self._counters["bytes_flushed"] += slot.data_size_bytes
             except Exception as e:  # a flush must never fail silently, whatever broke
@@ -194,6 +198,11 @@ class Pipeline:
                     await self._after_flush(ShardKey(job, step, 0, world_size))
             await self.collect(dry_run=False, job=job, keep_newest=False)
 
+    def _remember(self, key: ShardKey, tier: str) -> None:
+        self._reached[(key, tier)] = None
+        if len(self._reached) > REMEMBERED_SHARDS:
+            del self._reached[next(iter(self._reached))]
+
     def _record_failure(self, key: ShardKey, tier: str, message: str) -> None:
         log.error("%s", message)
         self._failures[key] = message
@@ -201,10 +210,13 @@ class Pipeline:
 
     # -- queries ---------------------------------------------------------------------
 
-    def _shard_on(self, key: ShardKey, tier: str) -> bool:
+    def _reached_tier(self, key: ShardKey, tier: str) -> bool:
+        """Say whether the shard has reached the tier (retention may have removed it since)."""
+        if (key, tier) in self._reached:
+            return True
         if tier == "memory":
             return any(s.shard == key and s.state != "writing" for s in self.pool.slots())
-        return self.nvme.has_shard(key.job, key.step, key.rank) or key.step in self.nvme.complete_steps(key.job)
+        return self.nvme.has_shard(key.job, key.step, key.rank)
 
     async def wait_shard(self, key: ShardKey, tier: str, timeout_s: float) -> tuple[bool, str]:
         """Return (done, error) for a shard on a tier, waiting up to timeout_s for it."""
@@ -214,7 +226,7 @@ class Pipeline:
         deadline = time.monotonic() + timeout_s
         async with self._changed:
             while True:
-                if self._shard_on(key, tier):
+                if self._reached_tier(key, tier):
                     return True, ""
                 if key in self._failures:
                     return False, self._failures[key]

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ckpt.errors import CheckpointError, CorruptCheckpoint, NotFound
-from ckpt.format import DIRECT_IO_ALIGN_BYTES, round_up
+from ckpt.format import DIRECT_IO_ALIGN_BYTES, round_up, validate_tier
 from ckpt.shard_io import read_meta, read_shard_into
 
 from ckptd.config import Config
@@ -22,6 +22,8 @@ Progress = Callable[[str], None]
 
 def local_tiers(config: Config, source: str = "auto") -> list[Tier]:
     """Return the tiers this node can read without a daemon, fastest first, for --from/--tier."""
+    if source not in ("", "auto"):
+        validate_tier(source)
     tiers: list[Tier] = [MemoryTier.from_directory(config.staging_dir), LocalDirTier(config.root)]
     if source in ("", "auto"):
         return tiers

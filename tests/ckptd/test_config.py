@@ -69,3 +69,14 @@ def test_cli_usage_error_exits_2():
     r = subprocess.run([sys.executable, "-m", "ckptd", "restore", "--job", "x"], capture_output=True, text=True)
     assert r.returncode == 2
     assert "--to" in r.stderr
+
+
+def test_flags_come_last_and_the_staging_dir_follows_the_root(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text('[node]\nroot = "/data/a"\n')
+    plain = load_config(str(path), env={})
+    flagged = load_config(str(path), env={"CKPTD_NODE__ROOT": "/data/b"}, flags={"node": {"root": "/data/c"}})
+    assert str(flagged.root) == "/data/c"
+    assert flagged.staging_dir != plain.staging_dir  # derived from the root actually used
+    with pytest.raises(ConfigError, match=r"node\.sockett"):
+        load_config(str(path), env={}, flags={"node": {"sockett": "x"}})

@@ -388,3 +388,57 @@ def test_a_shard_of_an_incomplete_step_can_be_saved_again(daemon):
         c.save_async({"x": torch.ones(3)}, step=1).wait(timeout=60)
         assert c.latest_step() == 1
     assert torch.equal(ckpt.load_local(daemon.root / "again" / "1", rank=0)["x"], torch.ones(3))
+
+
+def test_a_step_whose_commit_record_was_lost_in_a_crash_is_committed_on_start(daemon):
+    with ckpt.Checkpointer(job="recommit", address=daemon.address) as c:
+        c.save_async({"x": torch.arange(5)}, step=1).wait(timeout=60)
+    daemon.stop()
+    (daemon.root / "recommit" / "1" / COMMIT_NAME).unlink()  # crashed after the last shard, before the record
+    daemon.start()
+    assert [(s["step"], "nvme" in s["tiers"]) for s in ls_json(daemon)] == [(1, True)]
+    assert daemon.cli("verify", "--job", "recommit", "--tier", "nvme").returncode == 0
+
+
+def test_a_damaged_commit_record_is_not_complete_and_loads_fall_back(daemon):
+    state = {"x": torch.arange(100)}
+    with ckpt.Checkpointer(job="badrec", address=daemon.address) as c:
+        c.save_async(state, step=1).wait(timeout=60)
+        c.save_async(state, step=2).wait(timeout=60)
+    flip_byte(daemon.root / "badrec" / "2" / COMMIT_NAME, 40)
+    steps = {s["step"]: s["tiers"] for s in ls_json(daemon)}
+    assert steps == {1: ["memory", "nvme"], 2: ["memory"]}
+    with ckpt.Checkpointer(job="badrec", address=daemon.address) as c:
+        assert c.latest_step() == 2
+        assert_same(state, c.load(2))  # from memory
+        with pytest.raises(ckpt.NotFound):
+            c.load(2, tier="nvme")
+    daemon.stop()
+    flip_byte(daemon.root / "badrec" / "1" / "rank-00000.meta.json", 30)
+    daemon.start()  # damaged records do not stop the daemon
+    assert daemon.cli("status", "--json", "--address", daemon.address).returncode == 0
+
+
+def test_load_local_of_an_incomplete_directory_says_so(tmp_path):
+    (tmp_path / "7").mkdir()
+    with pytest.raises(ckpt.NotFound, match="no complete step"):
+        ckpt.load_local(tmp_path / "7")
+
+
+@pytest.mark.parametrize(
+    "args",
+    [["restore", "--job", "j", "--from", "tape", "--to", "/tmp/x"], ["verify", "--job", "j", "--tier", "floppy"]],
+)
+def test_an_unknown_tier_is_a_usage_error(daemon, args):
+    r = daemon.cli(*args)
+    assert r.returncode == 2 and "invalid tier" in r.stderr
+
+
+def test_many_steps_of_two_ranks_commit_without_a_race(daemon):
+    procs = [run_rank(daemon, "race", r, 2, list(range(1, 9))) for r in range(2)]
+    for p in procs:
+        finish(p)
+    status = json.loads(daemon.cli("status", "--json", "--address", daemon.address).stdout)
+    assert status["recent_errors"] == []
+    assert daemon.cli("verify", "--job", "race", "--tier", "nvme").returncode == 0
+    assert [s["step"] for s in ls_json(daemon) if "nvme" in s["tiers"]] == [6, 7, 8]

@@ -1,0 +1,110 @@
+"""Staging slots: which slot a save gets, who may commit it, and what survives a restart."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+
+import pytest
+from ckpt.errors import InvalidArgument
+from ckpt.format import CHUNK_SIZE_BYTES, ShardMeta
+
+from ckptd.staging import ShardKey, SlotPool
+
+MIB = 1 << 20
+
+
+def _pool(tmp_path, budget_bytes=0, policy="block"):
+    pool = SlotPool(tmp_path / "staging", budget_bytes, policy)
+    pool.recover()
+    return pool
+
+
+def _save(pool, step, size=MIB, job="j", rank=0, pid=0):
+    """Reserve, commit and checksum a slot as a save would, and settle it as a finished flush would."""
+
+    async def run():
+        slot, _, _ = await pool.reserve(job, rank, size, pid)
+        key = ShardKey(job, step, rank, 1)
+        pool.commit(key, str(slot.path), slot.reservation, size, {})
+        pool.record_hashed(slot, ShardMeta(job, step, rank, 1, size, CHUNK_SIZE_BYTES, ("0" * 32,), {}))
+        await pool.settle(slot)
+        return slot
+
+    return asyncio.run(run())
+
+
+def test_the_newest_snapshot_keeps_its_slot_while_a_spare_one_exists(tmp_path):
+    pool = _pool(tmp_path)
+    first = _save(pool, 1)
+    second = _save(pool, 2)
+    assert second is not first and first.shard.step == 1
+    third = _save(pool, 3)
+    assert third is first  # the older of the two is reused, the newest (step 2) stays in memory
+    assert pool.newest("j", 0) is third and second.shard.step == 2
+
+
+def test_a_reservation_taken_over_cannot_commit(tmp_path):
+    pool = _pool(tmp_path)
+
+    async def run():
+        old, _, _ = await pool.reserve("j", 0, MIB)
+        stale = old.reservation
+        new, _, _ = await pool.reserve("j", 0, MIB)  # the first save died half-way; the rank saves again
+        with pytest.raises(InvalidArgument, match="not reserved for this save"):
+            pool.commit(ShardKey("j", 1, 0, 1), str(old.path), stale, MIB, {})
+        pool.commit(ShardKey("j", 1, 0, 1), str(new.path), new.reservation, MIB, {})
+
+    asyncio.run(run())
+
+
+def test_a_second_live_process_for_the_same_rank_is_refused(tmp_path):
+    pool = _pool(tmp_path)
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+
+        async def run():
+            await pool.reserve("j", 0, MIB, pid=other.pid)
+            with pytest.raises(InvalidArgument, match="being saved by process"):
+                await pool.reserve("j", 0, MIB, pid=other.pid + 1)
+
+        asyncio.run(run())
+    finally:
+        other.kill()
+        other.wait()
+
+    async def after_death():
+        slot, _, _ = await pool.reserve("j", 0, MIB, pid=other.pid + 1)  # a dead holder's copy is abandoned
+        assert slot is not None
+
+    asyncio.run(after_death())
+
+
+def test_skip_policy_answers_at_once_when_no_room_is_left(tmp_path):
+    pool = _pool(tmp_path, budget_bytes=2 * MIB, policy="skip")
+
+    async def run():
+        await pool.reserve("other", 0, 2 * MIB)
+        slot, blocked_s, reason = await pool.reserve("j", 0, MIB)
+        assert slot is None and blocked_s == 0 and "budget" in reason
+        with pytest.raises(InvalidArgument, match="cannot fit"):
+            await pool.reserve("j", 0, 3 * MIB)
+
+    asyncio.run(run())
+
+
+def test_a_restarted_pool_finds_what_each_slot_holds(tmp_path):
+    pool = _pool(tmp_path)
+    _save(pool, 4)
+
+    async def pending():
+        slot, _, _ = await pool.reserve("j", 0, MIB)
+        pool.commit(ShardKey("j", 5, 0, 1), str(slot.path), slot.reservation, MIB, {"tensors": []})
+
+    asyncio.run(pending())
+    again = _pool(tmp_path)
+    held = {s.shard.step: s for s in again.slots() if s.shard}
+    assert set(held) == {4, 5}
+    assert held[4].meta is not None  # checksummed: servable from memory
+    assert held[5].meta is None and held[5].layout == {"tensors": []}  # still to be checksummed and flushed
