@@ -95,6 +95,7 @@ class Checkpointer:
         rank: int | None = None,
         world_size: int | None = None,
         address: str | None = None,
+        **options: Any,
     ) -> None:
         self.job = validate_job(job if job is not None else os.environ.get("CKPT_JOB", ""))
         self.rank, self.world_size = validate_rank(
@@ -103,7 +104,13 @@ class Checkpointer:
         )
         self._daemon = DaemonClient(address)
         self._slots = SlotMappings()
-        self._copy_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="ckpt-copy")
+        copy_threads = options.pop("copy_threads", 2)
+        if options:
+            raise InvalidArgument(f"unknown Checkpointer options {sorted(options)}; known: copy_threads")
+        if isinstance(copy_threads, bool) or not isinstance(copy_threads, int) or not 1 <= copy_threads <= 64:
+            raise InvalidArgument(f"copy_threads must be an integer from 1 to 64, not {copy_threads!r}")
+        self._copy_threads = copy_threads
+        self._copy_pool = ThreadPoolExecutor(max_workers=copy_threads, thread_name_prefix="ckpt-copy")
         self._last_step: int | None = None
 
     def __enter__(self) -> Checkpointer:
@@ -139,7 +146,7 @@ class Checkpointer:
         if reserved.blocked_s > 0.1:
             log.info("ckpt: save of %s step %d waited %.2f s for staging room", self.job, step, reserved.blocked_s)
         slot = self._slots.get(reserved.slot_path, reserved.slot_size_bytes)
-        copy_into(flat, slot, self._copy_pool)
+        copy_into(flat, slot, self._copy_pool, self._copy_threads)
         self._daemon.call(
             "Commit",
             pb.CommitRequest(

@@ -10,19 +10,25 @@ from __future__ import annotations
 
 import torch
 
-_registered: set[int] = set()
+_registered: dict[int, int] = {}  # address -> bytes pinned
 _streams: dict[int, torch.cuda.Stream] = {}
 
 
 def _register(slot: torch.Tensor) -> None:
-    ptr = slot.data_ptr()
-    if ptr in _registered:
+    ptr, size = slot.data_ptr(), slot.numel()
+    if _registered.get(ptr) == size:
         return
-    cudart = torch.cuda.cudart()
-    # cudaHostRegisterDefault = 0; the mapping lives as long as the process keeps the slot mapped.
-    err = cudart.cudaHostRegister(ptr, slot.numel(), 0)
-    if int(err) == 0:
-        _registered.add(ptr)
+    unregister(slot)  # a slot mapped again at the same address, maybe with another size
+    # cudaHostRegisterDefault = 0. Where it fails, copies still work, only slower (pageable memory).
+    if int(torch.cuda.cudart().cudaHostRegister(ptr, size, 0)) == 0:
+        _registered[ptr] = size
+
+
+def unregister(slot: torch.Tensor) -> None:
+    """Unpin a slot's memory before its mapping goes away."""
+    ptr = slot.data_ptr()
+    if _registered.pop(ptr, None) is not None:
+        torch.cuda.cudart().cudaHostUnregister(ptr)
 
 
 def copy_from_device(pairs: list[tuple[torch.Tensor, torch.Tensor]], slot: torch.Tensor) -> None:

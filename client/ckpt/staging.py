@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import sys
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -17,7 +18,6 @@ import torch
 from ckpt.flatten import Flattened
 
 PARALLEL_MIN_BYTES = 64 << 20
-COPY_THREADS = 2
 
 
 class SlotMappings:
@@ -40,16 +40,26 @@ class SlotMappings:
         finally:
             os.close(fd)
         tensor = torch.frombuffer(m, dtype=torch.uint8, count=size_bytes)  # keeps m mapped while it lives
+        if held is not None:
+            _forget(held[1])
         self._maps[path] = (identity, tensor)
         return tensor
 
     def close(self) -> None:
         """Drop every mapping (each is unmapped once no tensor uses it)."""
+        for _, tensor in self._maps.values():
+            _forget(tensor)
         self._maps.clear()
 
 
-def copy_into(flat: Flattened, slot: torch.Tensor, pool: ThreadPoolExecutor) -> None:
-    """Copy every array of flat into slot at its offset; return once all bytes are there."""
+def _forget(slot: torch.Tensor) -> None:
+    cuda_staging = sys.modules.get("ckpt.cuda_staging")  # loaded only if this process staged CUDA tensors
+    if cuda_staging is not None:
+        cuda_staging.unregister(slot)
+
+
+def copy_into(flat: Flattened, slot: torch.Tensor, pool: ThreadPoolExecutor, threads: int = 2) -> None:
+    """Copy every array of flat into slot at its offset, on up to threads threads; return once all bytes are there."""
     cuda: list[tuple[torch.Tensor, torch.Tensor]] = []
     host: list[tuple[Any, Any]] = []
     for array, entry in zip(flat.arrays, flat.entries, strict=True):
@@ -66,15 +76,15 @@ def copy_into(flat: Flattened, slot: torch.Tensor, pool: ThreadPoolExecutor) -> 
         from ckpt import cuda_staging
 
         cuda_staging.copy_from_device(cuda, slot)
-    if flat.data_size_bytes >= PARALLEL_MIN_BYTES and len(host) > 1:
-        # Two streams of copies keep both memory channels busy; each copy_ drops the GIL.
-        halves: list[list[tuple[Any, Any]]] = [[], []]
-        sizes = [0, 0]
+    if threads > 1 and flat.data_size_bytes >= PARALLEL_MIN_BYTES and len(host) > 1:
+        # Several streams of copies keep the memory channels busy; each copy_ drops the GIL.
+        groups: list[list[tuple[Any, Any]]] = [[] for _ in range(threads)]
+        loads = [0] * threads
         for pair in sorted(host, key=lambda p: -_nbytes(p[1])):
-            i = 0 if sizes[0] <= sizes[1] else 1
-            halves[i].append(pair)
-            sizes[i] += _nbytes(pair[1])
-        for f in [pool.submit(_copy_all, h) for h in halves]:
+            i = loads.index(min(loads))
+            groups[i].append(pair)
+            loads[i] += _nbytes(pair[1])
+        for f in [pool.submit(_copy_all, g) for g in groups if g]:
             f.result()
     else:
         _copy_all(host)

@@ -17,8 +17,8 @@ from states import assert_same, every_kind_state
 def _round_trip(state):
     flat = flatten(state)
     buffer = torch.zeros(flat.data_size_bytes, dtype=torch.uint8)
-    with ThreadPoolExecutor(2) as pool:
-        copy_into(flat, buffer, pool)
+    with ThreadPoolExecutor(3) as pool:
+        copy_into(flat, buffer, pool, threads=3)
     return flat, unflatten(flat.layout(), buffer.numpy())
 
 

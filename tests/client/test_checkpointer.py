@@ -1,0 +1,34 @@
+"""Checkpointer arguments are checked before anything is saved."""
+
+from __future__ import annotations
+
+import ckpt
+import pytest
+
+
+def test_job_rank_and_world_size_come_from_the_environment(monkeypatch):
+    monkeypatch.setenv("CKPT_JOB", "envjob")
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    with ckpt.Checkpointer(address="/nonexistent.sock") as c:
+        assert (c.job, c.rank, c.world_size) == ("envjob", 3, 8)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"job": "x", "colour": "blue"}, "unknown Checkpointer options"),
+        ({"job": "x", "copy_threads": 0}, "copy_threads"),
+        ({"job": "x", "rank": 2, "world_size": 2}, "invalid rank"),
+        ({"job": "x/y"}, "invalid job name"),
+    ],
+)
+def test_bad_arguments_are_clear_errors(kwargs, message):
+    with pytest.raises(ckpt.InvalidArgument, match=message):
+        ckpt.Checkpointer(address="/nonexistent.sock", **kwargs)
+
+
+def test_a_bad_rank_in_the_environment_is_named(monkeypatch):
+    monkeypatch.setenv("RANK", "zero")
+    with pytest.raises(ckpt.InvalidArgument, match="RANK"):
+        ckpt.Checkpointer(job="x", address="/nonexistent.sock")
