@@ -8,7 +8,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 import grpc
-from ckpt.errors import CheckpointError, InvalidArgument, NotFound
+from ckpt.errors import CheckpointError, InvalidArgument, NotFound, ReservationLost
 from ckpt.format import validate_job, validate_rank, validate_step
 from ckpt.wire.v1 import ckptd_pb2 as pb
 from ckpt.wire.v1 import ckptd_pb2_grpc
@@ -33,6 +33,8 @@ async def _answer(context: grpc.aio.ServicerContext, work: Callable[[], Awaitabl
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
     except NotFound as e:
         await context.abort(grpc.StatusCode.NOT_FOUND, str(e))
+    except ReservationLost as e:
+        await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
     except (CheckpointError, OSError) as e:
         await context.abort(grpc.StatusCode.INTERNAL, str(e))
     raise AssertionError("unreachable")

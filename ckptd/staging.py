@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ckpt.errors import CheckpointError, InvalidArgument
+from ckpt.errors import CheckpointError, InvalidArgument, ReservationLost
 from ckpt.format import ShardMeta, round_up, seal, unseal, validate_job, validate_rank, validate_step
 
 log = logging.getLogger(__name__)
@@ -82,7 +82,7 @@ class SlotPool:
         self.policy = policy
         self._slots: dict[tuple[str, int], list[Slot]] = {}
         self._changed = asyncio.Condition()
-        self._reservations = 0
+        self._reservations = time.time_ns()  # tokens never repeat across daemon restarts
         self._commits = 0
 
     # -- queries ---------------------------------------------------------------
@@ -140,7 +140,7 @@ class SlotPool:
         """Record that a slot now holds a whole snapshot; the caller flushes it next."""
         slot = self._find(key.job, key.rank, slot_path)
         if slot is None or slot.state != "writing" or slot.reservation != reservation:
-            raise InvalidArgument(f"{key}: {slot_path} is not reserved for this save (or the reservation was lost)")
+            raise ReservationLost(f"{key}: {slot_path} is no longer reserved for this save")
         if not 0 <= data_size_bytes <= slot.size_bytes:
             raise InvalidArgument(f"{key}: data_size_bytes {data_size_bytes} does not fit the slot")
         self._commits += 1

@@ -14,7 +14,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from ckpt.errors import CheckpointError, CorruptCheckpoint, InvalidArgument, NotFound, SaveFailed, SaveSkipped
+from ckpt.errors import (
+    CheckpointError,
+    CorruptCheckpoint,
+    InvalidArgument,
+    NotFound,
+    ReservationLost,
+    SaveFailed,
+    SaveSkipped,
+)
 from ckpt.flatten import flatten, unflatten
 from ckpt.format import DIRECT_IO_ALIGN_BYTES, round_up, validate_job, validate_rank, validate_step, validate_tier
 from ckpt.shard_io import ShardSource, read_meta, read_shard_into, step_dir_source
@@ -135,28 +143,37 @@ class Checkpointer:
             step = 0 if latest is None else latest + 1
         validate_step(step)
         flat = flatten(state)
-        reserved = self._daemon.call(
-            "Reserve",
-            pb.ReserveRequest(shard=self._shard(step), size_bytes=flat.data_size_bytes, pid=os.getpid()),
-            timeout_s=None,
-        )
-        if reserved.skipped:
-            log.warning("ckpt: save of %s step %d skipped: %s", self.job, step, reserved.reason)
-            return SaveHandle(self, step, True, 0.0, reserved.reason)
-        if reserved.blocked_s > 0.1:
-            log.info("ckpt: save of %s step %d waited %.2f s for staging room", self.job, step, reserved.blocked_s)
-        slot = self._slots.get(reserved.slot_path, reserved.slot_size_bytes)
-        copy_into(flat, slot, self._copy_pool, self._copy_threads)
-        self._daemon.call(
-            "Commit",
-            pb.CommitRequest(
-                shard=self._shard(step),
-                slot_path=reserved.slot_path,
-                data_size_bytes=flat.data_size_bytes,
-                layout_json=json.dumps(flat.layout()).encode(),
-                reservation=reserved.reservation,
-            ),
-        )
+        for attempt in (1, 2):
+            reserved = self._daemon.call(
+                "Reserve",
+                pb.ReserveRequest(shard=self._shard(step), size_bytes=flat.data_size_bytes, pid=os.getpid()),
+                timeout_s=None,
+            )
+            if reserved.skipped:
+                log.warning("ckpt: save of %s step %d skipped: %s", self.job, step, reserved.reason)
+                return SaveHandle(self, step, True, 0.0, reserved.reason)
+            if reserved.blocked_s > 0.1:
+                log.info("ckpt: save of %s step %d waited %.2f s for staging room", self.job, step, reserved.blocked_s)
+            slot = self._slots.get(reserved.slot_path, reserved.slot_size_bytes)
+            copy_into(flat, slot, self._copy_pool, self._copy_threads)
+            try:
+                self._daemon.call(
+                    "Commit",
+                    pb.CommitRequest(
+                        shard=self._shard(step),
+                        slot_path=reserved.slot_path,
+                        data_size_bytes=flat.data_size_bytes,
+                        layout_json=json.dumps(flat.layout()).encode(),
+                        reservation=reserved.reservation,
+                    ),
+                )
+                break
+            except ReservationLost:
+                if attempt == 2:
+                    raise
+                log.warning(
+                    "ckpt: the daemon took back the staging slot of step %d (it restarted?); copying again", step
+                )
         self._last_step = step
         return SaveHandle(self, step, False, reserved.blocked_s, reserved.reason)
 

@@ -27,3 +27,7 @@ class SaveFailed(CheckpointError):
 
 class SaveSkipped(CheckpointError):
     """A save was skipped under staging policy "skip"."""
+
+
+class ReservationLost(CheckpointError):
+    """The staging slot reserved for a save was taken back (the daemon restarted, or the rank saved again)."""

@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 import pytest
-from ckpt.errors import InvalidArgument
+from ckpt.errors import InvalidArgument, ReservationLost
 from ckpt.format import CHUNK_SIZE_BYTES, ShardMeta
 
 from ckptd.staging import ShardKey, SlotPool
@@ -52,7 +52,7 @@ def test_a_reservation_taken_over_cannot_commit(tmp_path):
         old, _, _ = await pool.reserve("j", 0, MIB)
         stale = old.reservation
         new, _, _ = await pool.reserve("j", 0, MIB)  # the first save died half-way; the rank saves again
-        with pytest.raises(InvalidArgument, match="not reserved for this save"):
+        with pytest.raises(ReservationLost, match="no longer reserved"):
             pool.commit(ShardKey("j", 1, 0, 1), str(old.path), stale, MIB, {})
         pool.commit(ShardKey("j", 1, 0, 1), str(new.path), new.reservation, MIB, {})
 

@@ -442,3 +442,28 @@ def test_many_steps_of_two_ranks_commit_without_a_race(daemon):
     assert status["recent_errors"] == []
     assert daemon.cli("verify", "--job", "race", "--tier", "nvme").returncode == 0
     assert [s["step"] for s in ls_json(daemon) if "nvme" in s["tiers"]] == [6, 7, 8]
+
+
+def test_a_reservation_lost_to_a_daemon_restart_is_refused_and_the_save_goes_on(daemon):
+    from ckpt.errors import ReservationLost
+    from ckpt.transport import DaemonClient
+    from ckpt.wire.v1 import ckptd_pb2 as pb
+
+    shard = pb.ShardId(job="restart", step=1, rank=0, world_size=1)
+    raw = DaemonClient(daemon.address)
+    reserved = raw.call("Reserve", pb.ReserveRequest(shard=shard, size_bytes=1000))
+    daemon.kill()
+    daemon.start()
+    commit = pb.CommitRequest(
+        shard=shard,
+        slot_path=reserved.slot_path,
+        data_size_bytes=1000,
+        layout_json=b'{"tensors": []}',
+        reservation=reserved.reservation,
+    )
+    with pytest.raises(ReservationLost):
+        raw.call("Commit", commit)
+    raw.close()
+    with ckpt.Checkpointer(job="restart", address=daemon.address) as c:
+        c.save_async({"x": torch.ones(3)}, step=1).wait(timeout=60)
+        assert torch.equal(c.load(1)["x"], torch.ones(3))
