@@ -26,6 +26,7 @@ from ckptd import __version__
 from ckptd.config import Config
 from ckptd.retention import plan_removals
 from ckptd.staging import ShardKey, Slot, SlotPool
+from ckptd.tiers.base import DurableTier, Tier
 from ckptd.tiers.memory import MemoryTier
 from ckptd.tiers.nvme import LocalDirTier, ShardWriteError
 
@@ -66,6 +67,8 @@ class Pipeline:
         self.pool = SlotPool(config.staging_dir, config.staging.budget_bytes, config.staging.policy)
         self.memory = MemoryTier(self.pool.slots)
         self.nvme = LocalDirTier(config.root)
+        self.tiers: list[Tier] = [self.memory, self.nvme]  # fastest first: loads try them in this order
+        self.durable_tiers: list[DurableTier] = [self.nvme]
         self._flush_threads = ThreadPoolExecutor(max_workers=FLUSH_THREADS, thread_name_prefix="flush")
         self._rank_locks: dict[tuple[str, int], asyncio.Lock] = {}
         self._flushes: set[asyncio.Task[None]] = set()
@@ -83,8 +86,9 @@ class Pipeline:
     async def start(self) -> None:
         """Clean up after an interrupted run and resume the flushes it left."""
         self.config.root.mkdir(parents=True, exist_ok=True)
-        for path in self.nvme.remove_leftovers():
-            log.info("removed leftover %s", path)
+        for tier in self.durable_tiers:
+            for path in tier.remove_leftovers():
+                log.info("removed leftover %s from tier %s", path, tier.name)
         held = self.pool.recover()
         for slot in sorted(held, key=lambda s: s.shard.step if s.shard else 0):
             assert slot.shard is not None
@@ -102,7 +106,8 @@ class Pipeline:
         while self._flushes:
             await asyncio.gather(*list(self._flushes), return_exceptions=True)
         self._flush_threads.shutdown(wait=True)
-        self.nvme.close()
+        for tier in self.durable_tiers:
+            tier.close()
 
     # -- the save path -------------------------------------------------------------
 
@@ -238,9 +243,10 @@ class Pipeline:
                 except TimeoutError:
                     return False, ""
 
-    def _tiers(self, tier: str) -> list[Any]:
-        tiers = [self.memory, self.nvme]
-        return tiers if tier in ("", "auto") else [t for t in tiers if t.name == validate_tier(tier)]
+    def _tiers(self, tier: str) -> list[Tier]:
+        if tier in ("", "auto"):
+            return self.tiers
+        return [t for t in self.tiers if t.name == validate_tier(tier)]
 
     def locate(self, job: str, step: int | None, rank: int, tier: str = "auto") -> tuple[int, int, list[ShardSource]]:
         """Return (step, world_size, sources fastest first) for a rank's shard of a complete step."""
@@ -266,7 +272,7 @@ class Pipeline:
     def list_steps(self, job: str = "") -> list[StepInfo]:
         """Return every complete step on any tier, by job and step."""
         found: dict[tuple[str, int], StepInfo] = {}
-        for t in (self.memory, self.nvme):
+        for t in self.tiers:
             for j in [job] if job else t.jobs():
                 for step in t.complete_steps(j):
                     prev = found.get((j, step))
@@ -288,18 +294,20 @@ class Pipeline:
     async def _collect(self, dry_run: bool, job: str, keep_newest: bool) -> list[Removal]:
         busy = {(s.shard.job, s.shard.step) for s in self.pool.slots() if s.state == "pending" and s.shard}
         removals: list[Removal] = []
-        for j in [job] if job else self.nvme.jobs():
-            plan = plan_removals(
-                all_steps=self.nvme.all_steps(j),
-                complete_steps=self.nvme.complete_steps(j),
-                keep=self.config.retention.nvme if keep_newest else 0,
-                busy={s for bj, s in busy if bj == j},
-            )
-            for step, reason in plan:
-                removals.append(Removal("nvme", j, step, reason))
-                if not dry_run:
-                    await asyncio.to_thread(self.nvme.remove_step, j, step)
-                    log.info("removed %s step %d from nvme: %s", j, step, reason)
+        for tier in self.durable_tiers:
+            keep = getattr(self.config.retention, tier.name) if keep_newest else 0
+            for j in [job] if job else tier.jobs():
+                plan = plan_removals(
+                    all_steps=tier.all_steps(j),
+                    complete_steps=tier.complete_steps(j),
+                    keep=keep,
+                    busy={s for bj, s in busy if bj == j},
+                )
+                for step, reason in plan:
+                    removals.append(Removal(tier.name, j, step, reason))
+                    if not dry_run:
+                        await asyncio.to_thread(tier.remove_step, j, step)
+                        log.info("removed %s step %d from %s: %s", j, step, tier.name, reason)
         return removals
 
     def status(self) -> dict[str, Any]:

@@ -1,20 +1,20 @@
-"""The interface every tier offers to the pipeline, retention and the CLI."""
+"""The interfaces every tier offers to the pipeline, retention and the CLI."""
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 
-from ckpt.format import CommitRecord
+from ckpt.format import CommitRecord, ShardMeta
 from ckpt.shard_io import ShardSource
 
 
 class Tier(ABC):
     """Hold complete steps of jobs, each readable shard by shard.
 
-    The pipeline writes into a tier from its worker threads; listing and reading
-    may come from any thread. A step is listed only once it is complete: every
-    rank's shard is there, checked, and (for durable tiers) its commit record
-    written last.
+    Listing and reading may come from any thread. A step is listed only once it is
+    complete: every rank's shard is there and checks, and (for durable tiers) its
+    commit record was written last.
     """
 
     name: str
@@ -34,3 +34,51 @@ class Tier(ABC):
     @abstractmethod
     def shard_source(self, job: str, step: int, rank: int) -> ShardSource:
         """Say where a rank's shard of a complete step can be read."""
+
+
+class DurableTier(Tier):
+    """A tier written shard by shard with the atomic commit protocol of docs/FORMAT.md.
+
+    The pipeline drives it in this order, from worker threads, never two calls for
+    the same step at once:
+
+    1. remove_leftovers() once, at start-up, before anything else;
+    2. for each shard: write_shard(), which returns once the shard is durable;
+    3. after each shard: try_commit(), which seals the step once every rank is in;
+    4. from retention: remove_step(), for steps the config no longer keeps;
+    5. close() at shutdown.
+    """
+
+    @abstractmethod
+    def write_shard(
+        self, meta: ShardMeta, data: memoryview, on_hashed: Callable[[ShardMeta], None] | None = None
+    ) -> ShardMeta:
+        """Write one shard durably and return its metadata with chunk checksums.
+
+        If meta carries checksums, the bytes are checked against them on the way;
+        if not, they are computed once and on_hashed receives the completed metadata.
+        """
+
+    @abstractmethod
+    def has_shard(self, job: str, step: int, rank: int) -> bool:
+        """Say whether a rank's shard of a step is fully written."""
+
+    @abstractmethod
+    def all_steps(self, job: str) -> list[int]:
+        """Return every step of the job with anything written, complete or not, oldest first."""
+
+    @abstractmethod
+    def try_commit(self, job: str, step: int, world_size: int) -> CommitRecord | None:
+        """Write the step's commit record if every rank's shard is in; return it, or None."""
+
+    @abstractmethod
+    def remove_step(self, job: str, step: int) -> None:
+        """Remove a step: it stops being listed first, then its shards go."""
+
+    @abstractmethod
+    def remove_leftovers(self) -> list[str]:
+        """Remove what interrupted writes and removals left; return what was removed."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release threads and handles."""

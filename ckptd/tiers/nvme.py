@@ -35,7 +35,7 @@ from ckpt.format import (
 )
 from ckpt.shard_io import ShardSource
 
-from ckptd.tiers.base import Tier
+from ckptd.tiers.base import DurableTier
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +48,7 @@ class ShardWriteError(Exception):
     """Writing a shard failed; the message names the shard and the cause."""
 
 
-class LocalDirTier(Tier):
+class LocalDirTier(DurableTier):
     """Store steps under a root directory with the atomic commit protocol."""
 
     def __init__(self, root: Path, name: str = "nvme") -> None:
@@ -255,20 +255,20 @@ class LocalDirTier(Tier):
         _fsync_dir(step_dir.parent)
         shutil.rmtree(doomed, ignore_errors=True)
 
-    def remove_leftovers(self) -> list[Path]:
+    def remove_leftovers(self) -> list[str]:
         """Delete temporary files and half-deleted steps that an interrupted run left; return them."""
-        removed: list[Path] = []
+        removed: list[str] = []
         for job in self.jobs():
             for name in _names(self.root / job):
                 entry = self.root / job / name
                 if name.startswith(DELETING_PREFIX):
                     shutil.rmtree(entry, ignore_errors=True)
-                    removed.append(entry)
+                    removed.append(str(entry))
                 elif name.isdigit():
                     for f in _names(entry):
                         if f.endswith(PARTIAL_SUFFIX):
                             (entry / f).unlink(missing_ok=True)
-                            removed.append(entry / f)
+                            removed.append(str(entry / f))
         return removed
 
 
