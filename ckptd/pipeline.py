@@ -124,12 +124,12 @@ class Pipeline:
         return slot, blocked_s, reason
 
     async def commit(
-        self, key: ShardKey, slot_path: str, reservation: int, data_size_bytes: int, layout: dict[str, Any]
+        self, key: ShardKey, slot_path: str, reservation: int, data_size_bytes: int, layout_json: str
     ) -> None:
         """Take over a filled slot and queue its flush."""
         if key.step in self.nvme.complete_steps(key.job) or key.step in self.memory.complete_steps(key.job):
             raise InvalidArgument(f"{key.job} step {key.step} is already complete; a complete step is never rewritten")
-        slot = self.pool.commit(key, slot_path, reservation, data_size_bytes, layout)
+        slot = self.pool.commit(key, slot_path, reservation, data_size_bytes, layout_json)
         self._failures.pop(key, None)
         self._remember(key, "memory")
         self._counters["saves"] += 1
@@ -162,7 +162,7 @@ class Pipeline:
 
     def _flush_to_nvme(self, slot: Slot, key: ShardKey) -> None:
         meta = slot.meta or ShardMeta(
-            key.job, key.step, key.rank, key.world_size, slot.data_size_bytes, CHUNK_SIZE_BYTES, (), slot.layout or {}
+            key.job, key.step, key.rank, key.world_size, slot.data_size_bytes, CHUNK_SIZE_BYTES, (), slot.layout_json
         )
         with open(slot.path, "rb") as f:
             m = mmap.mmap(f.fileno(), slot.size_bytes, prot=mmap.PROT_READ)

@@ -68,12 +68,12 @@ class CkptdServicer(ckptd_pb2_grpc.CkptdServicer):
             if len(request.layout_json) > MAX_LAYOUT_BYTES:
                 raise InvalidArgument(f"{key}: layout of {len(request.layout_json)} bytes is too large")
             try:
-                layout = json.loads(request.layout_json)
-            except (ValueError, RecursionError) as e:
-                raise InvalidArgument(f"{key}: layout is not JSON ({type(e).__name__})") from None
-            if not isinstance(layout, dict):
-                raise InvalidArgument(f"{key}: layout must be a JSON object")
-            await self.pipeline.commit(key, request.slot_path, request.reservation, request.data_size_bytes, layout)
+                layout_json = request.layout_json.decode()  # opaque here: only the client reads it
+            except UnicodeDecodeError:
+                raise InvalidArgument(f"{key}: layout is not UTF-8 text") from None
+            await self.pipeline.commit(
+                key, request.slot_path, request.reservation, request.data_size_bytes, layout_json
+            )
             return pb.CommitReply()
 
         return await _answer(context, work)

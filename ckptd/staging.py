@@ -21,7 +21,6 @@ import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from ckpt.errors import CheckpointError, InvalidArgument, ReservationLost
 from ckpt.format import ShardMeta, round_up, seal, unseal, validate_job, validate_rank, validate_step
@@ -58,7 +57,7 @@ class Slot:
     state: str = "free"  # free | writing | pending (flush queued or running) | settled
     shard: ShardKey | None = None
     data_size_bytes: int = 0
-    layout: dict[str, Any] | None = None
+    layout_json: str = ""
     meta: ShardMeta | None = None  # set once checksummed: the memory tier can serve it
     reservation: int = 0  # the token of the current reservation; a stale one cannot commit
     writer_pid: int = 0  # the process copying into the slot while it is "writing"
@@ -134,19 +133,19 @@ class SlotPool:
                 self._slots[(job, rank)].append(slot)
         return slot, blocked_s, reason
 
-    def commit(
-        self, key: ShardKey, slot_path: str, reservation: int, data_size_bytes: int, layout: dict[str, Any]
-    ) -> Slot:
+    def commit(self, key: ShardKey, slot_path: str, reservation: int, data_size_bytes: int, layout_json: str) -> Slot:
         """Record that a slot now holds a whole snapshot; the caller flushes it next."""
         slot = self._find(key.job, key.rank, slot_path)
-        if slot is None or slot.state != "writing" or slot.reservation != reservation:
+        if slot is None:
+            raise InvalidArgument(f"{key}: {slot_path} is not a staging slot of this rank")
+        if slot.state != "writing" or slot.reservation != reservation:
             raise ReservationLost(f"{key}: {slot_path} is no longer reserved for this save")
         if not 0 <= data_size_bytes <= slot.size_bytes:
             raise InvalidArgument(f"{key}: data_size_bytes {data_size_bytes} does not fit the slot")
         self._commits += 1
-        slot.shard, slot.data_size_bytes, slot.layout, slot.meta = key, data_size_bytes, layout, None
+        slot.shard, slot.data_size_bytes, slot.layout_json, slot.meta = key, data_size_bytes, layout_json, None
         slot.committed_seq = self._commits
-        record = {"shard": key.__dict__, "data_size_bytes": data_size_bytes, "layout": layout}
+        record = {"shard": key.__dict__, "data_size_bytes": data_size_bytes, "layout_json": layout_json}
         _write_replace(slot.pending_path, seal(record))
         slot.state = "pending"
         return slot
@@ -229,7 +228,7 @@ class SlotPool:
     def _claim(self, slot: Slot) -> Slot:
         slot.meta_path.unlink(missing_ok=True)  # the old snapshot stops being served before it is overwritten
         slot.pending_path.unlink(missing_ok=True)
-        slot.shard, slot.meta, slot.layout, slot.state = None, None, None, "writing"
+        slot.shard, slot.meta, slot.layout_json, slot.state = None, None, "", "writing"
         return slot
 
     def _room_for(self, job: str, rank: int, extra_bytes: int) -> bool:
@@ -286,7 +285,7 @@ def scan_slots(directory: Path) -> list[Slot]:
                 _load_markers(slot)
             except (CheckpointError, OSError, KeyError, TypeError, ValueError) as e:
                 log.warning("ignoring damaged staging record of %s: %s", path, e)
-                slot.shard, slot.meta, slot.layout = None, None, None
+                slot.shard, slot.meta, slot.layout_json = None, None, ""
             found.append(slot)
     return found
 
@@ -296,13 +295,13 @@ def _load_markers(slot: Slot) -> None:
         meta = ShardMeta.from_bytes(slot.meta_path.read_bytes(), str(slot.meta_path))
         slot.meta = meta
         slot.shard = ShardKey(meta.job, meta.step, meta.rank, meta.world_size)
-        slot.data_size_bytes, slot.layout = meta.data_size_bytes, meta.layout
+        slot.data_size_bytes, slot.layout_json = meta.data_size_bytes, meta.layout_json
     elif slot.pending_path.exists():
         record = unseal(slot.pending_path.read_bytes(), str(slot.pending_path))
         s = record["shard"]
         validate_rank(s["rank"], s["world_size"])
         slot.shard = ShardKey(validate_job(s["job"]), validate_step(s["step"]), s["rank"], s["world_size"])
-        slot.data_size_bytes, slot.layout = int(record["data_size_bytes"]), dict(record["layout"])
+        slot.data_size_bytes, slot.layout_json = int(record["data_size_bytes"]), str(record["layout_json"])
     if slot.shard is not None and (slot.shard.job != slot.job or slot.shard.rank != slot.rank):
         raise ValueError("record names another job or rank")
     if slot.data_size_bytes > slot.size_bytes:

@@ -232,7 +232,7 @@ def _load_shard(source: ShardSource, rank: int, map_location: Any) -> Any:
     buffer = _fresh_buffer(round_up(meta.data_size_bytes, DIRECT_IO_ALIGN_BYTES))
     read_shard_into(source, meta, memoryview(buffer))  # type: ignore[arg-type]  # ndarray is a buffer
     try:
-        state = unflatten(meta.layout, buffer[: meta.data_size_bytes])
+        state = unflatten(json.loads(meta.layout_json), buffer[: meta.data_size_bytes])
     except (KeyError, TypeError, ValueError) as e:
         raise CorruptCheckpoint(f"rank {rank} shard on tier {source.tier}: bad layout ({e})") from None
     if map_location in (None, "cpu") or map_location == torch.device("cpu"):

@@ -119,7 +119,7 @@ class ShardMeta:
     data_size_bytes: int
     chunk_size_bytes: int
     chunk_xxh3_128: tuple[str, ...]
-    layout: dict[str, Any]
+    layout_json: str  # the client's tensor table and skeleton, as JSON text; the daemon never parses it
 
     def to_bytes(self) -> bytes:
         """Serialise as a sealed record."""
@@ -134,7 +134,7 @@ class ShardMeta:
                 "data_size_bytes": self.data_size_bytes,
                 "chunk_size_bytes": self.chunk_size_bytes,
                 "chunk_xxh3_128": list(self.chunk_xxh3_128),
-                "layout": self.layout,
+                "layout_json": self.layout_json,
             }
         )
 
@@ -153,7 +153,7 @@ class ShardMeta:
                 data_size_bytes=int(r["data_size_bytes"]),
                 chunk_size_bytes=int(r["chunk_size_bytes"]),
                 chunk_xxh3_128=tuple(r["chunk_xxh3_128"]),
-                layout=dict(r["layout"]),
+                layout_json=str(r["layout_json"]),
             )
             validate_rank(meta.rank, meta.world_size)
         except (KeyError, TypeError, ValueError) as e:

@@ -27,8 +27,8 @@ def _save(pool, step, size=MIB, job="j", rank=0, pid=0):
     async def run():
         slot, _, _ = await pool.reserve(job, rank, size, pid)
         key = ShardKey(job, step, rank, 1)
-        pool.commit(key, str(slot.path), slot.reservation, size, {})
-        pool.record_hashed(slot, ShardMeta(job, step, rank, 1, size, CHUNK_SIZE_BYTES, ("0" * 32,), {}))
+        pool.commit(key, str(slot.path), slot.reservation, size, "{}")
+        pool.record_hashed(slot, ShardMeta(job, step, rank, 1, size, CHUNK_SIZE_BYTES, ("0" * 32,), "{}"))
         await pool.settle(slot)
         return slot
 
@@ -53,8 +53,8 @@ def test_a_reservation_taken_over_cannot_commit(tmp_path):
         stale = old.reservation
         new, _, _ = await pool.reserve("j", 0, MIB)  # the first save died half-way; the rank saves again
         with pytest.raises(ReservationLost, match="no longer reserved"):
-            pool.commit(ShardKey("j", 1, 0, 1), str(old.path), stale, MIB, {})
-        pool.commit(ShardKey("j", 1, 0, 1), str(new.path), new.reservation, MIB, {})
+            pool.commit(ShardKey("j", 1, 0, 1), str(old.path), stale, MIB, "{}")
+        pool.commit(ShardKey("j", 1, 0, 1), str(new.path), new.reservation, MIB, "{}")
 
     asyncio.run(run())
 
@@ -100,11 +100,11 @@ def test_a_restarted_pool_finds_what_each_slot_holds(tmp_path):
 
     async def pending():
         slot, _, _ = await pool.reserve("j", 0, MIB)
-        pool.commit(ShardKey("j", 5, 0, 1), str(slot.path), slot.reservation, MIB, {"tensors": []})
+        pool.commit(ShardKey("j", 5, 0, 1), str(slot.path), slot.reservation, MIB, '{"tensors": []}')
 
     asyncio.run(pending())
     again = _pool(tmp_path)
     held = {s.shard.step: s for s in again.slots() if s.shard}
     assert set(held) == {4, 5}
     assert held[4].meta is not None  # checksummed: servable from memory
-    assert held[5].meta is None and held[5].layout == {"tensors": []}  # still to be checksummed and flushed
+    assert held[5].meta is None and held[5].layout_json == '{"tensors": []}'  # still to be checksummed and flushed

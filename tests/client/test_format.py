@@ -40,9 +40,9 @@ def test_sealed_record_detects_any_changed_value():
 
 
 def test_shard_meta_round_trip_and_chunk_coverage():
-    meta = ShardMeta("j", 3, 1, 2, 10 << 20, 4 << 20, ("a" * 32, "b" * 32, "c" * 32), {"tensors": []})
+    meta = ShardMeta("j", 3, 1, 2, 10 << 20, 4 << 20, ("a" * 32, "b" * 32, "c" * 32), '{"tensors": []}')
     assert ShardMeta.from_bytes(meta.to_bytes(), "m") == meta
-    short = ShardMeta("j", 3, 1, 2, 10 << 20, 4 << 20, ("a" * 32,), {"tensors": []})
+    short = ShardMeta("j", 3, 1, 2, 10 << 20, 4 << 20, ("a" * 32,), '{"tensors": []}')
     with pytest.raises(CorruptCheckpoint, match="do not cover"):
         ShardMeta.from_bytes(short.to_bytes(), "m")
 

@@ -278,7 +278,7 @@ def test_bad_input_gets_clear_errors_and_the_daemon_stays_up(daemon):
         ("Reserve", pb.ReserveRequest(shard=pb.ShardId(job="ok", step=-5, rank=0, world_size=1))),
         ("Reserve", pb.ReserveRequest(shard=pb.ShardId(job="ok", step=1, rank=3, world_size=2))),
         ("Commit", pb.CommitRequest(shard=pb.ShardId(job="ok", step=1, rank=0, world_size=1), slot_path="/etc/passwd")),
-        ("Commit", pb.CommitRequest(shard=pb.ShardId(job="ok", step=1, rank=0, world_size=1), layout_json=b"{")),
+        ("Commit", pb.CommitRequest(shard=pb.ShardId(job="ok", step=1, rank=0, world_size=1), layout_json=b"\xff")),
         ("WaitShard", pb.WaitShardRequest(shard=pb.ShardId(job="ok", step=1, rank=0, world_size=1), tier="tape")),
         ("Locate", pb.LocateRequest(job="ok/../..", step=-1)),
     ]

@@ -33,7 +33,7 @@ class NvmeHarness:
         self.tier = LocalDirTier(tmp / "nvme")
 
     def put(self, key: ShardKey, payload: bytes) -> None:
-        meta = ShardMeta(key.job, key.step, key.rank, key.world_size, len(payload), CHUNK_SIZE_BYTES, (), {})
+        meta = ShardMeta(key.job, key.step, key.rank, key.world_size, len(payload), CHUNK_SIZE_BYTES, (), "{}")
         self.tier.write_shard(meta, _aligned(payload))
         self.tier.try_commit(key.job, key.step, key.world_size)
 
@@ -52,9 +52,9 @@ class MemoryHarness:
         assert slot is not None
         with open(slot.path, "r+b") as f:
             f.write(payload)
-        self.pool.commit(key, str(slot.path), slot.reservation, len(payload), {})
+        self.pool.commit(key, str(slot.path), slot.reservation, len(payload), "{}")
         chunks = tuple(digest(payload[o : o + n]) for o, n in chunk_ranges(len(payload)))
-        meta = ShardMeta(key.job, key.step, key.rank, key.world_size, len(payload), CHUNK_SIZE_BYTES, chunks, {})
+        meta = ShardMeta(key.job, key.step, key.rank, key.world_size, len(payload), CHUNK_SIZE_BYTES, chunks, "{}")
         self.pool.record_hashed(slot, meta)
 
     def close(self) -> None:

@@ -20,7 +20,7 @@ def _buffer(payload: bytes) -> memoryview:
 
 
 def _meta(job="j", step=1, rank=0, world_size=2, size=0):
-    return ShardMeta(job, step, rank, world_size, size, CHUNK_SIZE_BYTES, (), {"tensors": []})
+    return ShardMeta(job, step, rank, world_size, size, CHUNK_SIZE_BYTES, (), '{"tensors": []}')
 
 
 @pytest.fixture
@@ -101,7 +101,7 @@ def test_commit_record_is_checked_against_the_metadata(tier):
     tier.try_commit("j", 1, 1)
     meta_path = tier.step_dir("j", 1) / "rank-00000.meta.json"
     other = ShardMeta.from_bytes(meta_path.read_bytes(), "m")
-    meta_path.write_bytes(ShardMeta(**{**other.__dict__, "layout": {"tensors": [], "x": 1}}).to_bytes())
+    meta_path.write_bytes(ShardMeta(**{**other.__dict__, "layout_json": '{"tensors": [], "x": 1}'}).to_bytes())
     with pytest.raises(CorruptCheckpoint, match="commit record"):
         read_meta(tier.shard_source("j", 1, 0), 0)
     (tier.step_dir("j", 1) / COMMIT_NAME).unlink()
