@@ -52,12 +52,15 @@ class CkptdServicer(ckptd_pb2_grpc.CkptdServicer):
             slot, blocked_s, reason = await self.pipeline.reserve(key, request.size_bytes, request.pid)
             if slot is None:
                 return pb.ReserveReply(skipped=True, reason=reason)
+            spare = self.pipeline.pool.spare(key.job, key.rank)
             return pb.ReserveReply(
                 slot_path=str(slot.path),
                 slot_size_bytes=slot.size_bytes,
                 blocked_s=blocked_s,
                 reason=reason,
                 reservation=slot.reservation,
+                spare_slot_path=str(spare.path) if spare else "",
+                spare_slot_size_bytes=spare.size_bytes if spare else 0,
             )
 
         return await _answer(context, work)

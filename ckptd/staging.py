@@ -129,9 +129,31 @@ class SlotPool:
             slot.reservation, slot.writer_pid = self._reservations, pid
             # Off the event loop: allocating gigabytes of shared memory takes a while.
             await asyncio.to_thread(self._hand_out, slot, size_bytes)
-            if slot not in self._slots.setdefault((job, rank), []):
-                self._slots[(job, rank)].append(slot)
+            group = self._slots.setdefault((job, rank), [])
+            if slot not in group:
+                group.append(slot)
+                await self._add_spare(job, rank, size_bytes)
         return slot, blocked_s, reason
+
+    async def _add_spare(self, job: str, rank: int, size_bytes: int) -> None:
+        # The rank's first save allocates its second slot too, so that the client can
+        # map it in the background and its second save copies at full speed.
+        group = self._slots[(job, rank)]
+        if len(group) >= SLOTS_PER_RANK or not self._room_for(job, rank, size_bytes):
+            return
+        index = min(set(range(SLOTS_PER_RANK)) - {s.index for s in group})
+        spare = Slot(self.directory / job / f"rank-{rank:05d}.slot-{index}", job, rank, index, 0)
+        try:
+            await asyncio.to_thread(self._hand_out, spare, size_bytes)
+        except CheckpointError as e:
+            log.warning("no spare staging slot for %s rank %d: %s", job, rank, e)
+            return
+        group.append(spare)
+
+    def spare(self, job: str, rank: int) -> Slot | None:
+        """Return a free slot of the rank that the next save will get, if one is allocated."""
+        free = [s for s in self._reusable(job, rank) if s.state == "free" and s.size_bytes]
+        return free[0] if free else None
 
     def commit(self, key: ShardKey, slot_path: str, reservation: int, data_size_bytes: int, layout_json: str) -> Slot:
         """Record that a slot now holds a whole snapshot; the caller flushes it next."""

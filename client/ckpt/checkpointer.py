@@ -155,6 +155,8 @@ class Checkpointer:
             if reserved.blocked_s > 0.1:
                 log.info("ckpt: save of %s step %d waited %.2f s for staging room", self.job, step, reserved.blocked_s)
             slot = self._slots.get(reserved.slot_path, reserved.slot_size_bytes)
+            if reserved.spare_slot_path:
+                self._slots.prefault(reserved.spare_slot_path, reserved.spare_slot_size_bytes)
             copy_into(flat, slot, self._copy_pool, self._copy_threads)
             try:
                 self._daemon.call(

@@ -6,9 +6,11 @@ front) and reused by later saves. CUDA tensors go through ckpt.cuda_staging.
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import sys
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -21,13 +23,36 @@ PARALLEL_MIN_BYTES = 64 << 20
 
 
 class SlotMappings:
-    """Keep each staging slot mapped across saves, so its pages are faulted in only once."""
+    """Keep each staging slot mapped across saves, so its pages are faulted in only once.
+
+    get() may be called from the saving thread and, through prefault(), from one
+    background thread; calls for the same slot wait for each other.
+    """
 
     def __init__(self) -> None:
         self._maps: dict[str, tuple[tuple[int, int, int], torch.Tensor]] = {}
+        self._locks: dict[str, threading.Lock] = {}
+        self._locks_lock = threading.Lock()
+        self._background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-prefault")
+
+    def prefault(self, path: str, size_bytes: int) -> None:
+        """Map a slot in the background, so the save that gets it next does not wait for its pages."""
+        if path in self._maps:
+            return
+        self._background.submit(self._get_quietly, path, size_bytes)
+
+    def _get_quietly(self, path: str, size_bytes: int) -> None:
+        with contextlib.suppress(OSError):  # the slot was dropped meanwhile: the next save maps what it gets
+            self.get(path, size_bytes)
 
     def get(self, path: str, size_bytes: int) -> torch.Tensor:
         """Return a uint8 tensor over the whole slot file, mapping it again if the file changed."""
+        with self._locks_lock:
+            lock = self._locks.setdefault(path, threading.Lock())
+        with lock:
+            return self._get(path, size_bytes)
+
+    def _get(self, path: str, size_bytes: int) -> torch.Tensor:
         fd = os.open(path, os.O_RDWR)
         try:
             st = os.fstat(fd)
@@ -47,6 +72,7 @@ class SlotMappings:
 
     def close(self) -> None:
         """Drop every mapping (each is unmapped once no tensor uses it)."""
+        self._background.shutdown(wait=True)
         for _, tensor in self._maps.values():
             _forget(tensor)
         self._maps.clear()

@@ -108,3 +108,19 @@ def test_a_restarted_pool_finds_what_each_slot_holds(tmp_path):
     assert set(held) == {4, 5}
     assert held[4].meta is not None  # checksummed: servable from memory
     assert held[5].meta is None and held[5].layout_json == '{"tensors": []}'  # still to be checksummed and flushed
+
+
+def test_the_first_save_of_a_rank_allocates_its_second_slot_too(tmp_path):
+    pool = _pool(tmp_path)
+    first = _save(pool, 1, size=2 * MIB)
+    spare = pool.spare("j", 0)
+    assert spare is not None and spare is not first and spare.size_bytes == 2 * MIB
+    assert spare.path.stat().st_size == 2 * MIB
+    assert _save(pool, 2, size=2 * MIB) is spare  # the next save gets the slot the client mapped ahead
+    assert pool.spare("j", 0) is None
+
+
+def test_no_spare_slot_beyond_the_budget(tmp_path):
+    pool = _pool(tmp_path, budget_bytes=3 * MIB)
+    _save(pool, 1, size=2 * MIB)
+    assert pool.spare("j", 0) is None

@@ -184,7 +184,8 @@ def test_flipped_byte_is_caught_by_verify_and_load_falls_back(daemon):
             c.load(1, tier="nvme")
         assert_same(state, c.load(1))  # auto: the memory tier's copy is good
 
-        slot = next(daemon.staging_dir.glob("flip/rank-00000.slot-*[0-9]"))
+        held = next(daemon.staging_dir.glob("flip/rank-00000.slot-*.meta.json"))  # the slot holding step 1
+        slot = held.with_name(held.name.removesuffix(".meta.json"))
         flip_byte(slot, 17)
         with pytest.raises(ckpt.CorruptCheckpoint, match="no tier holds a good copy"):
             c.load(1)

@@ -29,20 +29,24 @@ class ReserveRequest(_message.Message):
     def __init__(self, shard: _Optional[_Union[ShardId, _Mapping]] = ..., size_bytes: _Optional[int] = ..., pid: _Optional[int] = ...) -> None: ...
 
 class ReserveReply(_message.Message):
-    __slots__ = ("skipped", "slot_path", "slot_size_bytes", "blocked_s", "reason", "reservation")
+    __slots__ = ("skipped", "slot_path", "slot_size_bytes", "blocked_s", "reason", "reservation", "spare_slot_path", "spare_slot_size_bytes")
     SKIPPED_FIELD_NUMBER: _ClassVar[int]
     SLOT_PATH_FIELD_NUMBER: _ClassVar[int]
     SLOT_SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
     BLOCKED_S_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     RESERVATION_FIELD_NUMBER: _ClassVar[int]
+    SPARE_SLOT_PATH_FIELD_NUMBER: _ClassVar[int]
+    SPARE_SLOT_SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
     skipped: bool
     slot_path: str
     slot_size_bytes: int
     blocked_s: float
     reason: str
     reservation: int
-    def __init__(self, skipped: _Optional[bool] = ..., slot_path: _Optional[str] = ..., slot_size_bytes: _Optional[int] = ..., blocked_s: _Optional[float] = ..., reason: _Optional[str] = ..., reservation: _Optional[int] = ...) -> None: ...
+    spare_slot_path: str
+    spare_slot_size_bytes: int
+    def __init__(self, skipped: _Optional[bool] = ..., slot_path: _Optional[str] = ..., slot_size_bytes: _Optional[int] = ..., blocked_s: _Optional[float] = ..., reason: _Optional[str] = ..., reservation: _Optional[int] = ..., spare_slot_path: _Optional[str] = ..., spare_slot_size_bytes: _Optional[int] = ...) -> None: ...
 
 class CommitRequest(_message.Message):
     __slots__ = ("shard", "slot_path", "data_size_bytes", "layout_json", "reservation")
