@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import logging
-import mmap
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -243,8 +242,14 @@ def _load_shard(source: ShardSource, rank: int, map_location: Any) -> Any:
 
 
 def _fresh_buffer(size_bytes: int) -> np.ndarray:
-    """Return new page-aligned memory (direct I/O needs the alignment) that lives as long as any view of it."""
-    return np.frombuffer(mmap.mmap(-1, max(size_bytes, DIRECT_IO_ALIGN_BYTES)), dtype=np.uint8)
+    """Return new page-aligned memory (direct I/O needs the alignment).
+
+    numpy's allocator asks the kernel for huge pages on large arrays, which makes
+    faulting in fresh memory several times cheaper than plain 4 KiB pages.
+    """
+    raw = np.empty(size_bytes + DIRECT_IO_ALIGN_BYTES, dtype=np.uint8)
+    skip = -raw.ctypes.data % DIRECT_IO_ALIGN_BYTES
+    return raw[skip : skip + size_bytes]
 
 
 def _to_device(obj: Any, device: torch.device) -> Any:
