@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import ckpt
@@ -136,13 +137,17 @@ def test_client_killed_right_after_save_async_loses_nothing(daemon):
 
 
 def test_daemon_killed_during_flush_finishes_on_restart(daemon):
-    state = {"big": torch.randn(96 << 20 >> 2), "small": every_kind_state()}  # 96 MiB: a flush in flight
+    state = {"big": torch.randn(256 << 20 >> 2), "small": every_kind_state()}  # 256 MiB: a flush of many blocks
     with ckpt.Checkpointer(job="crash", address=daemon.address) as c:
         c.save_async(state, step=1).wait(timeout=60)
         c.save_async(state, step=2)
-    daemon.kill()
     step_dir = daemon.root / "crash" / "2"
-    flushed_before_kill = (step_dir / COMMIT_NAME).exists()
+    partial = step_dir / (data_name(0) + ".partial")
+    deadline = time.monotonic() + 60
+    while not partial.exists():  # the flush has begun writing: kill it there
+        assert time.monotonic() < deadline, "the flush never started"
+    daemon.kill()
+    assert not (step_dir / COMMIT_NAME).exists()
     daemon.start()
     with ckpt.Checkpointer(job="crash", address=daemon.address) as c:
         h = ckpt.SaveHandle(c, 2, False, 0.0, "")
@@ -151,8 +156,7 @@ def test_daemon_killed_during_flush_finishes_on_restart(daemon):
         assert_same(state, c.load(2, tier="nvme"))
         assert_same(state, c.load(1, tier="nvme"))
     assert not list(step_dir.glob("*.partial"))
-    if flushed_before_kill:
-        pytest.skip("the flush finished before the kill; the resume path was not exercised this time")
+    assert "resuming flush of rank 0/1 shard of crash step 2" in daemon.log()
 
 
 def test_partial_step_left_by_a_crash_is_never_listed_then_removed(daemon):
