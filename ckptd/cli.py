@@ -13,7 +13,7 @@ import logging
 import sys
 from pathlib import Path
 
-from ckpt.errors import CheckpointError, InvalidArgument
+from ckpt.errors import CheckpointError, DaemonUnavailable, InvalidArgument
 from ckpt.format import validate_job, validate_step
 from ckpt.transport import DaemonClient
 from ckpt.wire.v1 import ckptd_pb2 as pb
@@ -150,10 +150,17 @@ def cmd_status(args: argparse.Namespace, config: Config) -> int:
 
 def cmd_ls(args: argparse.Namespace, config: Config) -> int:
     job = validate_job(args.job) if args.job else ""
-    reply = _client(args, config).call("List", pb.ListRequest(job=job))
+    try:
+        found = _client(args, config).call("List", pb.ListRequest(job=job)).steps
+    except DaemonUnavailable as e:
+        from ckptd.catalog import list_steps
+        from ckptd.restore import local_tiers
+
+        print(f"ckptd: {e}\nckptd: listing what this node's own tiers hold instead", file=sys.stderr)
+        found = list_steps(local_tiers(config), job)
     steps = [
         {"job": s.job, "step": s.step, "world_size": s.world_size, "size_bytes": s.size_bytes, "tiers": list(s.tiers)}
-        for s in reply.steps
+        for s in found
     ]
     if args.json:
         print(json.dumps(steps))

@@ -23,6 +23,7 @@ from ckpt.format import CHUNK_SIZE_BYTES, ShardMeta, validate_tier
 from ckpt.shard_io import ShardSource
 
 from ckptd import __version__
+from ckptd.catalog import StepInfo, list_steps
 from ckptd.config import Config
 from ckptd.retention import plan_removals
 from ckptd.staging import ShardKey, Slot, SlotPool
@@ -36,17 +37,6 @@ FLUSH_THREADS = 2
 MAX_SHARD_BYTES = 1 << 50
 RECENT_ERRORS = 20
 REMEMBERED_SHARDS = 1 << 16  # shards known to have reached a tier, for waiters that come after retention
-
-
-@dataclass(frozen=True)
-class StepInfo:
-    """One complete step as `ckptd ls` shows it."""
-
-    job: str
-    step: int
-    world_size: int
-    size_bytes: int
-    tiers: tuple[str, ...]
 
 
 @dataclass(frozen=True)
@@ -271,17 +261,7 @@ class Pipeline:
 
     def list_steps(self, job: str = "") -> list[StepInfo]:
         """Return every complete step on any tier, by job and step."""
-        found: dict[tuple[str, int], StepInfo] = {}
-        for t in self.tiers:
-            for j in [job] if job else t.jobs():
-                for step in t.complete_steps(j):
-                    prev = found.get((j, step))
-                    if prev is None:
-                        rec = t.commit_record(j, step)
-                        found[(j, step)] = StepInfo(j, step, rec.world_size, rec.size_bytes, (t.name,))
-                    else:
-                        found[(j, step)] = StepInfo(j, step, prev.world_size, prev.size_bytes, (*prev.tiers, t.name))
-        return [found[k] for k in sorted(found)]
+        return list_steps(self.tiers, job)
 
     async def collect(self, dry_run: bool, job: str = "", keep_newest: bool = True) -> list[Removal]:
         """Apply retention: remove what the config says not to keep; with dry_run only report it.
