@@ -101,11 +101,11 @@ class Pipeline:
 
     # -- the save path -------------------------------------------------------------
 
-    async def reserve(self, key: ShardKey, size_bytes: int, pid: int) -> tuple[Slot | None, float, str]:
+    async def reserve(self, key: ShardKey, size_bytes: int) -> tuple[Slot | None, float, str]:
         """Find staging room for a shard (see SlotPool.reserve)."""
         if not 0 <= size_bytes <= MAX_SHARD_BYTES:
             raise InvalidArgument(f"{key}: size_bytes {size_bytes} is out of range (0 to {MAX_SHARD_BYTES})")
-        slot, blocked_s, reason = await self.pool.reserve(key.job, key.rank, size_bytes, pid)
+        slot, blocked_s, reason = await self.pool.reserve(key.job, key.rank, size_bytes)
         if slot is None:
             self._counters["skipped"] += 1
             log.warning("skipped %s: %s (staging.policy = skip)", key, reason)

@@ -49,7 +49,7 @@ class CkptdServicer(ckptd_pb2_grpc.CkptdServicer):
     async def Reserve(self, request: pb.ReserveRequest, context: Any) -> pb.ReserveReply:
         async def work() -> pb.ReserveReply:
             key = _shard_key(request.shard)
-            slot, blocked_s, reason = await self.pipeline.reserve(key, request.size_bytes, request.pid)
+            slot, blocked_s, reason = await self.pipeline.reserve(key, request.size_bytes)
             if slot is None:
                 return pb.ReserveReply(skipped=True, reason=reason)
             spare = self.pipeline.pool.spare(key.job, key.rank)

@@ -15,6 +15,7 @@ All methods run on the daemon's event loop thread, except record_hashed.
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import logging
 import os
 import re
@@ -60,7 +61,6 @@ class Slot:
     layout_json: str = ""
     meta: ShardMeta | None = None  # set once checksummed: the memory tier can serve it
     reservation: int = 0  # the token of the current reservation; a stale one cannot commit
-    writer_pid: int = 0  # the process copying into the slot while it is "writing"
     committed_seq: int = 0  # order of commits across the pool: among two copies of a shard, the later wins
 
     @property
@@ -101,7 +101,7 @@ class SlotPool:
 
     # -- the save path -----------------------------------------------------------
 
-    async def reserve(self, job: str, rank: int, size_bytes: int, pid: int = 0) -> tuple[Slot | None, float, str]:
+    async def reserve(self, job: str, rank: int, size_bytes: int) -> tuple[Slot | None, float, str]:
         """Return a slot of at least size_bytes for the rank, the seconds waited and why.
 
         Under policy "block" this waits until a slot is free; under "skip" it
@@ -116,7 +116,7 @@ class SlotPool:
         blocked_s = 0.0
         async with self._changed:
             while True:
-                self._abandon_unfinished(job, rank, pid)
+                self._abandon_unfinished(job, rank)
                 slot, size_bytes, reason = self._take(job, rank, need)
                 if slot is not None:
                     break
@@ -126,7 +126,7 @@ class SlotPool:
                 await self._changed.wait()
                 blocked_s += time.monotonic() - started
             self._reservations += 1
-            slot.reservation, slot.writer_pid = self._reservations, pid
+            slot.reservation = self._reservations
             # Off the event loop: allocating gigabytes of shared memory takes a while.
             await asyncio.to_thread(self._hand_out, slot, size_bytes)
             group = self._slots.setdefault((job, rank), [])
@@ -202,16 +202,16 @@ class SlotPool:
     def _find(self, job: str, rank: int, path: str) -> Slot | None:
         return next((s for s in self._slots.get((job, rank), []) if str(s.path) == path), None)
 
-    def _abandon_unfinished(self, job: str, rank: int, pid: int) -> None:
+    def _abandon_unfinished(self, job: str, rank: int) -> None:
         # A rank saves one snapshot at a time: a slot it reserved and never committed
-        # belongs to a save that died half-way, unless another live process holds it,
-        # which means two processes claim the same job and rank.
+        # belongs to a save that died half-way, unless a live process still holds the
+        # slot's lock, which means two processes claim the same job and rank.
         for slot in self._slots.get((job, rank), []):
             if slot.state != "writing":
                 continue
-            if pid and slot.writer_pid not in (0, pid) and _alive(slot.writer_pid):
+            if _locked_by_a_writer(slot.path):
                 raise InvalidArgument(
-                    f"job {job} rank {rank} is being saved by process {slot.writer_pid} too; "
+                    f"job {job} rank {rank} is being saved by another live process; "
                     "each rank of a job must be one process (check CKPT_JOB, RANK and WORLD_SIZE)"
                 )
             slot.state = "free"
@@ -336,11 +336,16 @@ def _write_replace(path: Path, data: bytes) -> None:
     os.replace(tmp, path)
 
 
-def _alive(pid: int) -> bool:
+def _locked_by_a_writer(path: Path) -> bool:
+    """Say whether a live process holds the slot's writer lock (flock works across PID namespaces)."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
         return False
-    except PermissionError:
-        return True  # alive, owned by someone else
-    return True
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # also drops the lock if we got it
+    return False

@@ -25,7 +25,7 @@ from ckpt.errors import (
 from ckpt.flatten import flatten, unflatten
 from ckpt.format import DIRECT_IO_ALIGN_BYTES, round_up, validate_job, validate_rank, validate_step, validate_tier
 from ckpt.shard_io import ShardSource, read_meta, read_shard_into, step_dir_source
-from ckpt.staging import SlotMappings, copy_into
+from ckpt.staging import SlotMappings, copy_into, writer_lock
 from ckpt.transport import DaemonClient
 from ckpt.wire.v1 import ckptd_pb2 as pb
 
@@ -142,17 +142,15 @@ class Checkpointer:
             step = 0 if latest is None else latest + 1
         validate_step(step)
         flat = flatten(state)
-        for attempt in (1, 2):
-            reserved = self._daemon.call(
-                "Reserve",
-                pb.ReserveRequest(shard=self._shard(step), size_bytes=flat.data_size_bytes, pid=os.getpid()),
-                timeout_s=None,
-            )
-            if reserved.skipped:
-                log.warning("ckpt: save of %s step %d skipped: %s", self.job, step, reserved.reason)
-                return SaveHandle(self, step, True, 0.0, reserved.reason)
-            if reserved.blocked_s > 0.1:
-                log.info("ckpt: save of %s step %d waited %.2f s for staging room", self.job, step, reserved.blocked_s)
+        reserved = self._daemon.call(
+            "Reserve", pb.ReserveRequest(shard=self._shard(step), size_bytes=flat.data_size_bytes), timeout_s=None
+        )
+        if reserved.skipped:
+            log.warning("ckpt: save of %s step %d skipped: %s", self.job, step, reserved.reason)
+            return SaveHandle(self, step, True, 0.0, reserved.reason)
+        if reserved.blocked_s > 0.1:
+            log.info("ckpt: save of %s step %d waited %.2f s for staging room", self.job, step, reserved.blocked_s)
+        with writer_lock(reserved.slot_path, f"job {self.job} rank {self.rank}"):
             slot = self._slots.get(reserved.slot_path, reserved.slot_size_bytes)
             if reserved.spare_slot_path:
                 self._slots.prefault(reserved.spare_slot_path, reserved.spare_slot_size_bytes)
@@ -168,13 +166,8 @@ class Checkpointer:
                         reservation=reserved.reservation,
                     ),
                 )
-                break
-            except ReservationLost:
-                if attempt == 2:
-                    raise
-                log.warning(
-                    "ckpt: the daemon took back the staging slot of step %d (it restarted?); copying again", step
-                )
+            except ReservationLost as e:
+                raise ReservationLost(f"{e}: the daemon restarted during this save; call save_async again") from None
         self._last_step = step
         return SaveHandle(self, step, False, reserved.blocked_s, reserved.reason)
 

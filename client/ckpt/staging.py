@@ -7,16 +7,19 @@ front) and reused by later saves. CUDA tensors go through ckpt.cuda_staging.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import mmap
 import os
 import sys
 import threading
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 import torch
 
+from ckpt.errors import InvalidArgument
 from ckpt.flatten import Flattened
 
 PARALLEL_MIN_BYTES = 64 << 20
@@ -82,6 +85,22 @@ def _forget(slot: torch.Tensor) -> None:
     cuda_staging = sys.modules.get("ckpt.cuda_staging")  # loaded only if this process staged CUDA tensors
     if cuda_staging is not None:
         cuda_staging.unregister(slot)
+
+
+@contextlib.contextmanager
+def writer_lock(path: str, who: str) -> Iterator[None]:
+    """Hold the slot's writer lock while copying into it: the daemon never hands a locked slot to another save."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise InvalidArgument(
+                f"{who} is being saved by another live process; each rank of a job must be one process"
+            ) from None
+        yield
+    finally:
+        os.close(fd)
 
 
 def copy_into(flat: Flattened, slot: torch.Tensor, pool: ThreadPoolExecutor, threads: int = 2) -> None:

@@ -21,11 +21,11 @@ def _pool(tmp_path, budget_bytes=0, policy="block"):
     return pool
 
 
-def _save(pool, step, size=MIB, job="j", rank=0, pid=0):
+def _save(pool, step, size=MIB, job="j", rank=0):
     """Reserve, commit and checksum a slot as a save would, and settle it as a finished flush would."""
 
     async def run():
-        slot, _, _ = await pool.reserve(job, rank, size, pid)
+        slot, _, _ = await pool.reserve(job, rank, size)
         key = ShardKey(job, step, rank, 1)
         pool.commit(key, str(slot.path), slot.reservation, size, "{}")
         pool.record_hashed(slot, ShardMeta(job, step, rank, 1, size, CHUNK_SIZE_BYTES, ("0" * 32,), "{}"))
@@ -59,26 +59,30 @@ def test_a_reservation_taken_over_cannot_commit(tmp_path):
     asyncio.run(run())
 
 
-def test_a_second_live_process_for_the_same_rank_is_refused(tmp_path):
+def test_a_slot_locked_by_a_live_writer_is_not_taken_over(tmp_path):
     pool = _pool(tmp_path)
-    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    slot, _, _ = asyncio.run(pool.reserve("j", 0, MIB))
+    # Another process is copying into the slot: it holds the writer lock, as the client does.
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            f"import fcntl, os, sys; fd = os.open({str(slot.path)!r}, os.O_RDONLY); "
+            "fcntl.flock(fd, fcntl.LOCK_EX); print('locked', flush=True); sys.stdin.read()",
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
-
-        async def run():
-            await pool.reserve("j", 0, MIB, pid=other.pid)
-            with pytest.raises(InvalidArgument, match="being saved by process"):
-                await pool.reserve("j", 0, MIB, pid=other.pid + 1)
-
-        asyncio.run(run())
+        assert holder.stdout.readline().strip() == "locked"
+        with pytest.raises(InvalidArgument, match="another live process"):
+            asyncio.run(pool.reserve("j", 0, MIB))
     finally:
-        other.kill()
-        other.wait()
-
-    async def after_death():
-        slot, _, _ = await pool.reserve("j", 0, MIB, pid=other.pid + 1)  # a dead holder's copy is abandoned
-        assert slot is not None
-
-    asyncio.run(after_death())
+        holder.kill()
+        holder.wait()
+    again, _, _ = asyncio.run(pool.reserve("j", 0, MIB))  # the holder died: its half-done copy is abandoned
+    assert again is not None
 
 
 def test_skip_policy_answers_at_once_when_no_room_is_left(tmp_path):

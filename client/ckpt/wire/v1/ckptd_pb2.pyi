@@ -19,14 +19,12 @@ class ShardId(_message.Message):
     def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
-    __slots__ = ("shard", "size_bytes", "pid")
+    __slots__ = ("shard", "size_bytes")
     SHARD_FIELD_NUMBER: _ClassVar[int]
     SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
-    PID_FIELD_NUMBER: _ClassVar[int]
     shard: ShardId
     size_bytes: int
-    pid: int
-    def __init__(self, shard: _Optional[_Union[ShardId, _Mapping]] = ..., size_bytes: _Optional[int] = ..., pid: _Optional[int] = ...) -> None: ...
+    def __init__(self, shard: _Optional[_Union[ShardId, _Mapping]] = ..., size_bytes: _Optional[int] = ...) -> None: ...
 
 class ReserveReply(_message.Message):
     __slots__ = ("skipped", "slot_path", "slot_size_bytes", "blocked_s", "reason", "reservation", "spare_slot_path", "spare_slot_size_bytes")

@@ -77,6 +77,8 @@ class CkptdServicer:
     def Reserve(self, request, context):
         """Hand out a staging slot of at least size_bytes for one rank's shard.
         Waits for room under policy "block"; answers skipped=true under "skip".
+        The client holds an exclusive flock on the slot file while it copies; a
+        reservation whose slot is still locked by a live process is not taken over.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
