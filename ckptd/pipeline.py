@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckpt.errors import CheckpointError, InvalidArgument, NotFound
-from ckpt.format import CHUNK_SIZE_BYTES, ShardMeta, validate_tier
+from ckpt.format import CHUNK_SIZE_BYTES, ShardMeta, meta_name, validate_tier
 from ckpt.shard_io import ShardSource
 
 from ckptd import __version__
@@ -81,10 +81,12 @@ class Pipeline:
                 log.info("removed leftover %s from tier %s", path, tier.name)
         held = self.pool.recover()
         for slot in sorted(held, key=lambda s: s.shard.step if s.shard else 0):
-            assert slot.shard is not None
-            newest = max(self.nvme.complete_steps(slot.shard.job), default=-1)
-            # Older than the newest complete step and not on disk: retention removed it, or it can never complete.
-            if slot.shard.step < newest or self.nvme.has_shard(slot.shard.job, slot.shard.step, slot.shard.rank):
+            key = slot.shard
+            assert key is not None
+            complete = self.nvme.complete_steps(key.job)
+            # Complete, or older than the newest complete step (removed by retention, or never
+            # to complete), or this very copy already on disk: nothing left to flush.
+            if key.step <= max(complete, default=-1) or self._on_disk_already(slot):
                 await self.pool.settle(slot)
             else:
                 log.info("resuming flush of %s", slot.shard)
@@ -105,6 +107,11 @@ class Pipeline:
         """Find staging room for a shard (see SlotPool.reserve)."""
         if not 0 <= size_bytes <= MAX_SHARD_BYTES:
             raise InvalidArgument(f"{key}: size_bytes {size_bytes} is out of range (0 to {MAX_SHARD_BYTES})")
+        if self._is_complete(key.job, key.step):
+            reason = f"{key.job} step {key.step} is already complete; a complete step is never rewritten"
+            log.warning("skipped %s: %s", key, reason)
+            self._counters["skipped"] += 1
+            return None, 0.0, reason
         slot, blocked_s, reason = await self.pool.reserve(key.job, key.rank, size_bytes)
         if slot is None:
             self._counters["skipped"] += 1
@@ -117,13 +124,17 @@ class Pipeline:
         self, key: ShardKey, slot_path: str, reservation: int, data_size_bytes: int, layout_json: str
     ) -> None:
         """Take over a filled slot and queue its flush."""
-        if key.step in self.nvme.complete_steps(key.job) or key.step in self.memory.complete_steps(key.job):
+        if self._is_complete(key.job, key.step):
             raise InvalidArgument(f"{key.job} step {key.step} is already complete; a complete step is never rewritten")
         slot = self.pool.commit(key, slot_path, reservation, data_size_bytes, layout_json)
         self._failures.pop(key, None)
+        self._reached.pop((key, "nvme"), None)  # saved again: the new copy has not reached the disk yet
         self._remember(key, "memory")
         self._counters["saves"] += 1
         self._start_flush(slot)
+
+    def _is_complete(self, job: str, step: int) -> bool:
+        return any(step in t.complete_steps(job) for t in self.tiers)
 
     def _start_flush(self, slot: Slot) -> None:
         task = asyncio.get_running_loop().create_task(self._flush(slot))
@@ -180,7 +191,10 @@ class Pipeline:
             self._changed.notify_all()  # waiters first: retention below may take a while
         if record is not None:
             log.info("%s step %d is complete on nvme (%d bytes)", key.job, key.step, record.size_bytes)
-            await self.collect(dry_run=False, job=key.job)
+            try:
+                await self.collect(dry_run=False, job=key.job)
+            except (CheckpointError, OSError) as e:
+                self._record_failure(key, "nvme", f"retention for {key.job} failed: {e}")
 
     async def _finish_interrupted_commits(self) -> None:
         # A crash between the last shard's rename and the commit record leaves a
@@ -192,6 +206,16 @@ class Pipeline:
                 if world_size:
                     await self._after_flush(ShardKey(job, step, 0, world_size))
             await self.collect(dry_run=False, job=job, keep_newest=False)
+
+    def _on_disk_already(self, slot: Slot) -> bool:
+        key = slot.shard
+        if slot.meta is None or key is None:
+            return False  # not even checksummed: flush it (a rewrite of an incomplete step is harmless)
+        path = self.nvme.step_dir(key.job, key.step) / meta_name(key.rank)
+        try:
+            return path.read_bytes() == slot.meta.to_bytes()
+        except OSError:
+            return False
 
     def _remember(self, key: ShardKey, tier: str) -> None:
         self._reached[(key, tier)] = None
@@ -211,6 +235,8 @@ class Pipeline:
             return True
         if tier == "memory":
             return any(s.shard == key and s.state != "writing" for s in self.pool.slots())
+        if key in self._failures or any(s.shard == key and s.state == "pending" for s in self.pool.slots()):
+            return False  # the copy being flushed is the one asked about, not an older one on disk
         return self.nvme.has_shard(key.job, key.step, key.rank)
 
     async def wait_shard(self, key: ShardKey, tier: str, timeout_s: float) -> tuple[bool, str]:
@@ -281,7 +307,7 @@ class Pipeline:
                     all_steps=tier.all_steps(j),
                     complete_steps=tier.complete_steps(j),
                     keep=keep,
-                    busy={s for bj, s in busy if bj == j},
+                    busy={s for bj, s in busy if bj == j} | set(tier.damaged_steps(j)),
                 )
                 for step, reason in plan:
                     removals.append(Removal(tier.name, j, step, reason))

@@ -68,6 +68,10 @@ class DurableTier(Tier):
         """Return every step of the job with anything written, complete or not, oldest first."""
 
     @abstractmethod
+    def damaged_steps(self, job: str) -> list[int]:
+        """Return the steps whose commit record is there but does not check (never removed, only reported)."""
+
+    @abstractmethod
     def try_commit(self, job: str, step: int, world_size: int) -> CommitRecord | None:
         """Write the step's commit record if every rank's shard is in; return it, or None."""
 

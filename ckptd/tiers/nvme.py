@@ -11,6 +11,7 @@ import errno
 import logging
 import os
 import shutil
+import threading
 import uuid
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
@@ -55,7 +56,9 @@ class LocalDirTier(DurableTier):
         self.root = root
         self.name = name
         self._io = ThreadPoolExecutor(max_workers=WRITE_THREADS, thread_name_prefix=f"{name}-io")
-        self._commits: dict[Path, tuple[tuple[int, int, int], CommitRecord | None]] = {}
+        self._commits: dict[Path, tuple[tuple[int, int, int], CommitRecord | str]] = {}
+        self._step_locks: dict[tuple[str, int], threading.Lock] = {}
+        self._step_locks_lock = threading.Lock()
 
     def close(self) -> None:
         """Stop the writer threads."""
@@ -80,22 +83,36 @@ class LocalDirTier(DurableTier):
         return [s for s in self.all_steps(job) if self._checked_commit(job, s) is not None]
 
     def _checked_commit(self, job: str, step: int) -> CommitRecord | None:
+        """Return the step's commit record if it is there and checks, else None."""
+        record = self._commit_state(job, step)
+        return record if isinstance(record, CommitRecord) else None
+
+    def damaged_steps(self, job: str) -> list[int]:
+        """Return the steps whose commit record is there but does not check: never removed, only reported."""
+        return [s for s in self.all_steps(job) if self._commit_state(job, s) == "damaged"]
+
+    def _commit_state(self, job: str, step: int) -> CommitRecord | str:
+        """Return the step's checked commit record, "missing", or "damaged"."""
         path = self.root / job / str(step) / COMMIT_NAME
         try:
             st = path.stat()
         except (FileNotFoundError, NotADirectoryError):
-            return None
+            return "missing"
         identity = (st.st_ino, st.st_size, st.st_mtime_ns)
         cached = self._commits.get(path)
         if cached is not None and cached[0] == identity:
             return cached[1]
         try:
-            record: CommitRecord | None = CommitRecord.from_bytes(path.read_bytes(), str(path))
+            state: CommitRecord | str = CommitRecord.from_bytes(path.read_bytes(), str(path))
         except (CheckpointError, OSError) as e:
-            log.error("%s step %d on tier %s is not complete: %s", job, step, self.name, e)
-            record = None
-        self._commits[path] = (identity, record)
-        return record
+            log.error("%s step %d on tier %s has a damaged commit record: %s", job, step, self.name, e)
+            state = "damaged"
+        self._commits[path] = (identity, state)
+        return state
+
+    def _step_lock(self, job: str, step: int) -> threading.Lock:
+        with self._step_locks_lock:
+            return self._step_locks.setdefault((job, step), threading.Lock())
 
     def commit_record(self, job: str, step: int) -> CommitRecord:
         """Return a complete step's commit record."""
@@ -139,22 +156,28 @@ class LocalDirTier(DurableTier):
         """
         step_dir = self.step_dir(meta.job, meta.step)
         what = f"rank {meta.rank} shard of {meta.job} step {meta.step} on tier {self.name}"
-        if (step_dir / COMMIT_NAME).exists():
-            raise ShardWriteError(f"{what}: the step is already complete; a complete step is never rewritten")
-        if not step_dir.is_dir():
-            step_dir.mkdir(parents=True, exist_ok=True)
-            _fsync_dir(step_dir.parent)
-            _fsync_dir(self.root)
         final = step_dir / data_name(meta.rank)
         partial = final.with_name(final.name + PARTIAL_SUFFIX)
         meta_path = step_dir / meta_name(meta.rank)
         meta_partial = meta_path.with_name(meta_path.name + PARTIAL_SUFFIX)
+        lock = self._step_lock(meta.job, meta.step)
+        with lock:
+            self._refuse_if_complete(meta.job, meta.step, what)
+            if not step_dir.is_dir():
+                step_dir.mkdir(parents=True, exist_ok=True)
+                _fsync_dir(step_dir.parent)
+                _fsync_dir(self.root)
+            # A shard saved again replaces the old one: drop it first, so a failure
+            # below leaves the step without this rank rather than with stale bytes.
+            meta_path.unlink(missing_ok=True)
         try:
             meta = self._write_data(partial, meta, data, on_hashed, what)
             write_file_durably(meta_partial, meta.to_bytes())
-            os.replace(partial, final)
-            os.replace(meta_partial, meta_path)  # the shard counts as written from here on
-            _fsync_dir(step_dir)
+            with lock:
+                self._refuse_if_complete(meta.job, meta.step, what)
+                os.replace(partial, final)
+                os.replace(meta_partial, meta_path)  # the shard counts as written from here on
+                _fsync_dir(step_dir)
         except BaseException as e:
             partial.unlink(missing_ok=True)
             meta_partial.unlink(missing_ok=True)
@@ -162,6 +185,10 @@ class LocalDirTier(DurableTier):
                 raise ShardWriteError(f"{what}: {e.strerror or e}") from e
             raise
         return meta
+
+    def _refuse_if_complete(self, job: str, step: int, what: str) -> None:
+        if self._checked_commit(job, step) is not None:
+            raise ShardWriteError(f"{what}: the step is already complete; a complete step is never rewritten")
 
     def _write_data(
         self,
@@ -220,10 +247,18 @@ class LocalDirTier(DurableTier):
         return meta
 
     def try_commit(self, job: str, step: int, world_size: int) -> CommitRecord | None:
-        """Write the step's commit record if every rank's shard is in; return it, or None."""
+        """Write the step's commit record if every rank's shard is in; return it, or None.
+
+        A damaged record is moved aside and written anew from the shards' records.
+        """
+        with self._step_lock(job, step):
+            return self._try_commit(job, step, world_size)
+
+    def _try_commit(self, job: str, step: int, world_size: int) -> CommitRecord | None:
         step_dir = self.step_dir(job, step)
-        if (step_dir / COMMIT_NAME).exists():
-            return self.commit_record(job, step)
+        state = self._commit_state(job, step)
+        if isinstance(state, CommitRecord):
+            return state
         metas: list[bytes] = []
         size_bytes = 0
         for rank in range(world_size):
@@ -238,6 +273,9 @@ class LocalDirTier(DurableTier):
             size_bytes += meta.data_size_bytes
         record = CommitRecord(job, step, world_size, tuple(digest(m) for m in metas), size_bytes)
         commit = step_dir / COMMIT_NAME
+        if state == "damaged":
+            os.replace(commit, step_dir / f"{COMMIT_NAME}.damaged-{uuid.uuid4().hex[:8]}")
+            log.warning("%s step %d on tier %s: moved a damaged commit record aside", job, step, self.name)
         temporary = step_dir / f"{COMMIT_NAME}.{uuid.uuid4().hex}{PARTIAL_SUFFIX}"  # never shared by two writers
         write_file_durably(temporary, record.to_bytes())
         os.replace(temporary, commit)
@@ -251,6 +289,9 @@ class LocalDirTier(DurableTier):
             raise NotFound(f"{job} step {step} is not on tier {self.name}")
         doomed = step_dir.parent / f"{DELETING_PREFIX}{step}"
         (step_dir / COMMIT_NAME).unlink(missing_ok=True)
+        self._commits.pop(step_dir / COMMIT_NAME, None)
+        with self._step_locks_lock:
+            self._step_locks.pop((job, step), None)
         os.replace(step_dir, doomed)
         _fsync_dir(step_dir.parent)
         shutil.rmtree(doomed, ignore_errors=True)
