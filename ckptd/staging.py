@@ -139,7 +139,7 @@ class SlotPool:
         # The rank's first save allocates its second slot too, so that the client can
         # map it in the background and its second save copies at full speed.
         group = self._slots[(job, rank)]
-        if len(group) >= SLOTS_PER_RANK or not self._room_for(job, rank, size_bytes):
+        if len(group) >= SLOTS_PER_RANK or not self._room_for(job, rank, size_bytes, evict=False):
             return
         index = min(set(range(SLOTS_PER_RANK)) - {s.index for s in group})
         spare = Slot(self.directory / job / f"rank-{rank:05d}.slot-{index}", job, rank, index, 0)
@@ -159,6 +159,9 @@ class SlotPool:
         """Record that a slot now holds a whole snapshot; the caller flushes it next."""
         slot = self._find(key.job, key.rank, slot_path)
         if slot is None:
+            name = _SLOT_NAME.fullmatch(Path(slot_path).name)
+            if name and int(name[1]) == key.rank and Path(slot_path).parent == self.directory / key.job:
+                raise ReservationLost(f"{key}: {slot_path} was dropped since it was reserved")
             raise InvalidArgument(f"{key}: {slot_path} is not a staging slot of this rank")
         if slot.state != "writing" or slot.reservation != reservation:
             raise ReservationLost(f"{key}: {slot_path} is no longer reserved for this save")
@@ -253,11 +256,11 @@ class SlotPool:
         slot.shard, slot.meta, slot.layout_json, slot.state = None, None, "", "writing"
         return slot
 
-    def _room_for(self, job: str, rank: int, extra_bytes: int) -> bool:
+    def _room_for(self, job: str, rank: int, extra_bytes: int, evict: bool = True) -> bool:
         if not self.budget_bytes:
             return True
         over = self.in_use_bytes() + extra_bytes - self.budget_bytes
-        if over > 0:
+        if over > 0 and evict:
             self._evict_others(job, rank, over)
         return self.in_use_bytes() + extra_bytes <= self.budget_bytes
 

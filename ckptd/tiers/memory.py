@@ -31,16 +31,17 @@ class MemoryTier(Tier):
 
         Of two copies of one rank's shard (the step was saved again), the later commit wins.
         """
-        slots = [s for s in self._slots() if s.job == job and s.meta and s.shard and s.shard.step == step]
+        slots = [s for s in self._slots() if s.job == job and s.state != "writing" and s.shard and s.shard.step == step]
         if not slots:
             return {}
         newest = max(slots, key=lambda s: s.committed_seq)
         world_size = newest.shard.world_size if newest.shard else 0
-        held: dict[int, Slot] = {}
+        latest: dict[int, Slot] = {}
         for s in sorted(slots, key=lambda s: s.committed_seq):
             if s.shard and s.shard.world_size == world_size:
-                held[s.rank] = s
-        return held
+                latest[s.rank] = s
+        # A rank whose latest copy is not checksummed yet is not served: never an older copy instead.
+        return {rank: s for rank, s in latest.items() if s.meta is not None}
 
     def jobs(self) -> list[str]:
         return sorted({s.job for s in self._slots() if s.meta is not None})

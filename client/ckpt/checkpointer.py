@@ -109,16 +109,17 @@ class Checkpointer:
             rank if rank is not None else _env_int("RANK", 0),
             world_size if world_size is not None else _env_int("WORLD_SIZE", 1),
         )
-        self._daemon = DaemonClient(address)
-        self._slots = SlotMappings()
         copy_threads = options.pop("copy_threads", 2)
         if options:
             raise InvalidArgument(f"unknown Checkpointer options {sorted(options)}; known: copy_threads")
         if isinstance(copy_threads, bool) or not isinstance(copy_threads, int) or not 1 <= copy_threads <= 64:
             raise InvalidArgument(f"copy_threads must be an integer from 1 to 64, not {copy_threads!r}")
+        self._daemon = DaemonClient(address)
+        self._slots = SlotMappings()
         self._copy_threads = copy_threads
         self._copy_pool = ThreadPoolExecutor(max_workers=copy_threads, thread_name_prefix="ckpt-copy")
         self._last_step: int | None = None
+        self._closed = False
 
     def __enter__(self) -> Checkpointer:
         return self
@@ -128,6 +129,9 @@ class Checkpointer:
 
     def close(self) -> None:
         """Release the staging mappings and the connection; saves already made go on in the daemon."""
+        if self._closed:
+            return
+        self._closed = True
         self._slots.close()
         self._copy_pool.shutdown(wait=True)
         self._daemon.close()
@@ -137,6 +141,8 @@ class Checkpointer:
 
     def save_async(self, state: Any, step: int | None = None) -> SaveHandle:
         """Snapshot state into shared memory and return; the caller may change it at once."""
+        if self._closed:
+            raise CheckpointError("this Checkpointer is closed")
         if step is None:
             latest = self._last_step if self._last_step is not None else self.latest_step()
             step = 0 if latest is None else latest + 1
@@ -214,11 +220,14 @@ def _load_first_good(sources: list[ShardSource], rank: int, map_location: Any) -
             if source is not sources[-1]:
                 log.warning("ckpt: %s; trying the next tier", e)
             errors.append(e)
-    if len(errors) == 1 and isinstance(errors[0], CheckpointError):
+    if len(errors) == 1:
         raise errors[0]
+    summary = "; ".join(map(str, errors))
+    if any(isinstance(e, CorruptCheckpoint) for e in errors):
+        raise CorruptCheckpoint("no tier holds a good copy: " + summary)
     if all(isinstance(e, NotFound) for e in errors):
-        raise NotFound("no tier holds the shard any more: " + "; ".join(map(str, errors)))
-    raise CorruptCheckpoint("no tier holds a good copy: " + "; ".join(map(str, errors)))
+        raise NotFound("no tier holds the shard any more: " + summary)
+    raise CheckpointError("no tier could be read: " + summary)
 
 
 def _load_shard(source: ShardSource, rank: int, map_location: Any) -> Any:

@@ -40,20 +40,37 @@ class SlotMappings:
 
     def prefault(self, path: str, size_bytes: int) -> None:
         """Map a slot in the background, so the save that gets it next does not wait for its pages."""
-        if path in self._maps:
-            return
-        self._background.submit(self._get_quietly, path, size_bytes)
+        if path not in self._maps:
+            self._background.submit(self._prefault, path, size_bytes)
 
-    def _get_quietly(self, path: str, size_bytes: int) -> None:
-        with contextlib.suppress(OSError):  # the slot was dropped meanwhile: the next save maps what it gets
-            self.get(path, size_bytes)
+    def _prefault(self, path: str, size_bytes: int) -> None:
+        with self._lock_for(path):
+            if path in self._maps:
+                return  # mapped meanwhile by a save, maybe at another size: keep that
+            with contextlib.suppress(OSError):  # the slot was dropped meanwhile: the next save maps what it gets
+                self._get(path, size_bytes)
+
+    def _lock_for(self, path: str) -> threading.Lock:
+        with self._locks_lock:
+            return self._locks.setdefault(path, threading.Lock())
 
     def get(self, path: str, size_bytes: int) -> torch.Tensor:
         """Return a uint8 tensor over the whole slot file, mapping it again if the file changed."""
-        with self._locks_lock:
-            lock = self._locks.setdefault(path, threading.Lock())
-        with lock:
+        self._drop_vanished()
+        with self._lock_for(path):
             return self._get(path, size_bytes)
+
+    def _drop_vanished(self) -> None:
+        # The daemon may drop a slot to stay within its budget: unmap it, or its memory lingers.
+        for path, (identity, tensor) in list(self._maps.items()):
+            try:
+                st = os.stat(path)
+                gone = (st.st_dev, st.st_ino) != identity[:2]
+            except FileNotFoundError:
+                gone = True
+            if gone and self._maps.get(path, (None,))[0] == identity:
+                del self._maps[path]
+                _forget(tensor)
 
     def _get(self, path: str, size_bytes: int) -> torch.Tensor:
         fd = os.open(path, os.O_RDWR)

@@ -32,3 +32,11 @@ def test_a_bad_rank_in_the_environment_is_named(monkeypatch):
     monkeypatch.setenv("RANK", "zero")
     with pytest.raises(ckpt.InvalidArgument, match="RANK"):
         ckpt.Checkpointer(job="x", address="/nonexistent.sock")
+
+
+def test_a_closed_checkpointer_refuses_to_save():
+    c = ckpt.Checkpointer(job="x", address="/nonexistent.sock")
+    c.close()
+    c.close()  # closing twice is fine
+    with pytest.raises(ckpt.CheckpointError, match="closed"):
+        c.save_async({})
