@@ -55,13 +55,14 @@ class Slot:
     rank: int
     index: int
     size_bytes: int
-    state: str = "free"  # free | writing | pending (flush queued or running) | settled
+    state: str = "free"  # allocating | free | writing | pending (flush queued or running) | settled
     shard: ShardKey | None = None
     data_size_bytes: int = 0
     layout_json: str = ""
     meta: ShardMeta | None = None  # set once checksummed: the memory tier can serve it
     reservation: int = 0  # the token of the current reservation; a stale one cannot commit
     committed_seq: int = 0  # order of commits across the pool: among two copies of a shard, the later wins
+    allocating_bytes: int = 0  # the size being allocated, counted against the budget meanwhile
 
     @property
     def pending_path(self) -> Path:
@@ -91,8 +92,8 @@ class SlotPool:
         return [s for group in self._slots.values() for s in group]
 
     def in_use_bytes(self) -> int:
-        """Return the bytes of shared memory the slots take."""
-        return sum(s.size_bytes for s in self.slots())
+        """Return the bytes of shared memory the slots take, or are being allocated to take."""
+        return sum(max(s.size_bytes, s.allocating_bytes) for s in self.slots())
 
     def newest(self, job: str, rank: int) -> Slot | None:
         """Return the slot holding the rank's newest committed snapshot."""
@@ -127,28 +128,53 @@ class SlotPool:
                 blocked_s += time.monotonic() - started
             self._reservations += 1
             slot.reservation = self._reservations
-            # Off the event loop: allocating gigabytes of shared memory takes a while.
-            await asyncio.to_thread(self._hand_out, slot, size_bytes)
             group = self._slots.setdefault((job, rank), [])
-            if slot not in group:
+            first_save = slot not in group
+            if first_save:
                 group.append(slot)
-                await self._add_spare(job, rank, size_bytes)
+            slot.allocating_bytes = size_bytes  # counted against the budget while it is allocated
+            spare = self._plan_spare(job, rank, size_bytes) if first_save else None
+        # Allocating gigabytes of shared memory takes a while: off the event loop, and
+        # without the pool's lock, so other ranks' saves and finished flushes go on.
+        try:
+            await asyncio.to_thread(self._hand_out, slot, size_bytes)
+        except CheckpointError:
+            async with self._changed:
+                for s in (slot, spare):  # drop what never got any memory
+                    if s is not None and s in group and s.size_bytes == 0:
+                        group.remove(s)
+                self._changed.notify_all()
+            raise
+        finally:
+            slot.allocating_bytes = 0
+        if spare is not None:
+            await self._allocate_spare(spare, size_bytes)
         return slot, blocked_s, reason
 
-    async def _add_spare(self, job: str, rank: int, size_bytes: int) -> None:
+    def _plan_spare(self, job: str, rank: int, size_bytes: int) -> Slot | None:
         # The rank's first save allocates its second slot too, so that the client can
         # map it in the background and its second save copies at full speed.
         group = self._slots[(job, rank)]
         if len(group) >= SLOTS_PER_RANK or not self._room_for(job, rank, size_bytes, evict=False):
-            return
+            return None
         index = min(set(range(SLOTS_PER_RANK)) - {s.index for s in group})
-        spare = Slot(self.directory / job / f"rank-{rank:05d}.slot-{index}", job, rank, index, 0)
+        spare = Slot(self.directory / job / f"rank-{rank:05d}.slot-{index}", job, rank, index, 0, "allocating")
+        spare.allocating_bytes = size_bytes
+        group.append(spare)
+        return spare
+
+    async def _allocate_spare(self, spare: Slot, size_bytes: int) -> None:
         try:
             await asyncio.to_thread(self._hand_out, spare, size_bytes)
         except CheckpointError as e:
-            log.warning("no spare staging slot for %s rank %d: %s", job, rank, e)
-            return
-        group.append(spare)
+            log.warning("no spare staging slot for %s rank %d: %s", spare.job, spare.rank, e)
+        async with self._changed:
+            spare.allocating_bytes = 0
+            if spare.size_bytes == 0:
+                self._slots[(spare.job, spare.rank)].remove(spare)
+            else:
+                spare.state = "free"
+            self._changed.notify_all()
 
     def spare(self, job: str, rank: int) -> Slot | None:
         """Return a free slot of the rank that the next save will get, if one is allocated."""

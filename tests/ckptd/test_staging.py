@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import shutil
 import subprocess
 import sys
+import uuid
+from pathlib import Path
 
 import pytest
 from ckpt.errors import InvalidArgument, ReservationLost
@@ -128,3 +131,32 @@ def test_no_spare_slot_beyond_the_budget(tmp_path):
     pool = _pool(tmp_path, budget_bytes=3 * MIB)
     _save(pool, 1, size=2 * MIB)
     assert pool.spare("j", 0) is None
+
+
+@pytest.fixture
+def shm_dir():
+    """Yield a directory in shared memory, where allocating really takes time (as in production)."""
+    path = Path("/dev/shm") / f"ckptd-test-{uuid.uuid4().hex[:12]}"
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def test_one_rank_allocating_a_large_slot_does_not_hold_up_another(shm_dir):
+    pool = SlotPool(shm_dir, 0, "block")
+    pool.recover()
+    finished: list[str] = []
+
+    async def reserve(job, size):
+        await pool.reserve(job, 0, size)
+        finished.append(job)
+
+    async def run():
+        big = asyncio.create_task(reserve("big", 1 << 30))  # 1 GiB, twice (slot and spare): a while
+        await asyncio.sleep(0)  # let it take the pool and start allocating
+        await reserve("small", MIB)
+        assert not big.done()
+        await big
+
+    asyncio.run(run())
+    assert finished == ["small", "big"]
+    assert pool.in_use_bytes() == 2 * (1 << 30) + 2 * MIB
