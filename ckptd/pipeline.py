@@ -134,7 +134,9 @@ class Pipeline:
         self._start_flush(slot)
 
     def _is_complete(self, job: str, step: int) -> bool:
-        return any(step in t.complete_steps(job) for t in self.tiers)
+        # Only a durable copy seals a step: one complete in memory alone may be saved again
+        # (say, after its flush failed on a full disk).
+        return any(step in t.complete_steps(job) for t in self.durable_tiers)
 
     def _start_flush(self, slot: Slot) -> None:
         task = asyncio.get_running_loop().create_task(self._flush(slot))
