@@ -74,13 +74,13 @@ def _parser() -> argparse.ArgumentParser:
         help="copy a step out of a tier into a directory (no daemon needed)",
         description="Copy every shard of a step, verified, into DIR/<job>/<step>/, readable by ckpt.load_local.",
     )
-    s.add_argument("--job", required=True)
+    s.add_argument("--job", required=True, help="the job to restore")
     s.add_argument("--step", default="latest", help="a step number, or latest (default)")
     s.add_argument("--from", dest="source", default="auto", help="auto (fastest good copy), memory or nvme")
     s.add_argument("--to", required=True, metavar="DIR", type=Path)
 
     s = sub.add_parser("verify", parents=[common], help="check every byte of a job's steps against their checksums")
-    s.add_argument("--job", required=True)
+    s.add_argument("--job", required=True, help="the job to check")
     s.add_argument("--step", type=int, help="only this step (default: every complete step)")
     s.add_argument("--tier", help="only this tier (default: every tier this node can read)")
 
