@@ -121,12 +121,20 @@ class Pipeline:
         return slot, blocked_s, reason
 
     async def commit(
-        self, key: ShardKey, slot_path: str, reservation: int, data_size_bytes: int, layout_json: str
+        self,
+        key: ShardKey,
+        slot_path: str,
+        reservation: int,
+        data_size_bytes: int,
+        layout_json: str,
+        run_id: str = "",
     ) -> None:
         """Take over a filled slot and queue its flush."""
         if self._is_complete(key.job, key.step):
             raise InvalidArgument(f"{key.job} step {key.step} is already complete; a complete step is never rewritten")
-        slot = self.pool.commit(key, slot_path, reservation, data_size_bytes, layout_json)
+        if len(run_id) > 256:
+            raise InvalidArgument(f"{key}: run_id is longer than 256 characters")
+        slot = self.pool.commit(key, slot_path, reservation, data_size_bytes, layout_json, run_id)
         self._failures.pop(key, None)
         self._reached.pop((key, "nvme"), None)  # saved again: the new copy has not reached the disk yet
         self._remember(key, "memory")
@@ -161,11 +169,19 @@ class Pipeline:
                 self._record_failure(key, "nvme", str(e))
             finally:
                 await self.pool.settle(slot)
-            await self._after_flush(key)
+            await self._after_flush(key, slot.run_id)
 
     def _flush_to_nvme(self, slot: Slot, key: ShardKey) -> None:
         meta = slot.meta or ShardMeta(
-            key.job, key.step, key.rank, key.world_size, slot.data_size_bytes, CHUNK_SIZE_BYTES, (), slot.layout_json
+            key.job,
+            key.step,
+            key.rank,
+            key.world_size,
+            slot.data_size_bytes,
+            CHUNK_SIZE_BYTES,
+            (),
+            slot.layout_json,
+            slot.run_id,
         )
         with open(slot.path, "rb") as f:
             m = mmap.mmap(f.fileno(), slot.size_bytes, prot=mmap.PROT_READ)
@@ -175,7 +191,7 @@ class Pipeline:
             with contextlib.suppress(BufferError):  # a traceback may still hold a view; then GC unmaps it
                 m.close()
 
-    async def _after_flush(self, key: ShardKey) -> None:
+    async def _after_flush(self, key: ShardKey, run_id: str = "") -> None:
         record = None
         # One commit at a time (two ranks finishing together must not both write the
         # record), and none while another shard of the step is still on its way: a
@@ -186,7 +202,7 @@ class Pipeline:
                 for s in self.pool.slots()
             ):
                 try:
-                    record = await asyncio.to_thread(self.nvme.try_commit, key.job, key.step, key.world_size)
+                    record = await asyncio.to_thread(self.nvme.try_commit, key.job, key.step, key.world_size, run_id)
                 except (CheckpointError, ShardWriteError, OSError) as e:
                     self._record_failure(key, "nvme", f"commit of {key.job} step {key.step} failed: {e}")
         async with self._changed:

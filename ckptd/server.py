@@ -75,7 +75,7 @@ class CkptdServicer(ckptd_pb2_grpc.CkptdServicer):
             except UnicodeDecodeError:
                 raise InvalidArgument(f"{key}: layout is not UTF-8 text") from None
             await self.pipeline.commit(
-                key, request.slot_path, request.reservation, request.data_size_bytes, layout_json
+                key, request.slot_path, request.reservation, request.data_size_bytes, layout_json, request.run_id
             )
             return pb.CommitReply()
 

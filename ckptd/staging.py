@@ -59,6 +59,7 @@ class Slot:
     shard: ShardKey | None = None
     data_size_bytes: int = 0
     layout_json: str = ""
+    run_id: str = ""
     meta: ShardMeta | None = None  # set once checksummed: the memory tier can serve it
     reservation: int = 0  # the token of the current reservation; a stale one cannot commit
     committed_seq: int = 0  # order of commits across the pool: among two copies of a shard, the later wins
@@ -181,7 +182,15 @@ class SlotPool:
         free = [s for s in self._reusable(job, rank) if s.state == "free" and s.size_bytes]
         return free[0] if free else None
 
-    def commit(self, key: ShardKey, slot_path: str, reservation: int, data_size_bytes: int, layout_json: str) -> Slot:
+    def commit(
+        self,
+        key: ShardKey,
+        slot_path: str,
+        reservation: int,
+        data_size_bytes: int,
+        layout_json: str,
+        run_id: str = "",
+    ) -> Slot:
         """Record that a slot now holds a whole snapshot; the caller flushes it next."""
         slot = self._find(key.job, key.rank, slot_path)
         if slot is None:
@@ -195,8 +204,14 @@ class SlotPool:
             raise InvalidArgument(f"{key}: data_size_bytes {data_size_bytes} does not fit the slot")
         self._commits += 1
         slot.shard, slot.data_size_bytes, slot.layout_json, slot.meta = key, data_size_bytes, layout_json, None
+        slot.run_id = run_id
         slot.committed_seq = self._commits
-        record = {"shard": key.__dict__, "data_size_bytes": data_size_bytes, "layout_json": layout_json}
+        record = {
+            "shard": key.__dict__,
+            "data_size_bytes": data_size_bytes,
+            "layout_json": layout_json,
+            "run_id": run_id,
+        }
         _write_replace(slot.pending_path, seal(record))
         slot.state = "pending"
         return slot
@@ -346,13 +361,18 @@ def _load_markers(slot: Slot) -> None:
         meta = ShardMeta.from_bytes(slot.meta_path.read_bytes(), str(slot.meta_path))
         slot.meta = meta
         slot.shard = ShardKey(meta.job, meta.step, meta.rank, meta.world_size)
-        slot.data_size_bytes, slot.layout_json = meta.data_size_bytes, meta.layout_json
+        slot.data_size_bytes, slot.layout_json, slot.run_id = (
+            meta.data_size_bytes,
+            meta.layout_json,
+            meta.run_id,
+        )
     elif slot.pending_path.exists():
         record = unseal(slot.pending_path.read_bytes(), str(slot.pending_path))
         s = record["shard"]
         validate_rank(s["rank"], s["world_size"])
         slot.shard = ShardKey(validate_job(s["job"]), validate_step(s["step"]), s["rank"], s["world_size"])
         slot.data_size_bytes, slot.layout_json = int(record["data_size_bytes"]), str(record["layout_json"])
+        slot.run_id = str(record.get("run_id", ""))
     if slot.shard is not None and (slot.shard.job != slot.job or slot.shard.rank != slot.rank):
         raise ValueError("record names another job or rank")
     if slot.data_size_bytes > slot.size_bytes:

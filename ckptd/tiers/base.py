@@ -72,8 +72,12 @@ class DurableTier(Tier):
         """Return the steps whose commit record is there but does not check (never removed, only reported)."""
 
     @abstractmethod
-    def try_commit(self, job: str, step: int, world_size: int) -> CommitRecord | None:
-        """Write the step's commit record if every rank's shard is in; return it, or None."""
+    def try_commit(self, job: str, step: int, world_size: int, run_id: str = "") -> CommitRecord | None:
+        """Write the step's commit record if every rank's shard is in; return it, or None.
+
+        With a run_id, shards of the step written by another run of the job are
+        stale: they are removed, never sealed into the step.
+        """
 
     @abstractmethod
     def remove_step(self, job: str, step: int) -> None:

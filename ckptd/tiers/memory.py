@@ -27,7 +27,7 @@ class MemoryTier(Tier):
         return cls(lambda: scan_slots(directory))
 
     def _held(self, job: str, step: int) -> dict[int, Slot]:
-        """Return, by rank, the checksummed slots holding the job's step, of the newest world size saved.
+        """Return, by rank, the checksummed slots holding the job's step, of the newest run that saved it.
 
         Of two copies of one rank's shard (the step was saved again), the later commit wins.
         """
@@ -38,7 +38,8 @@ class MemoryTier(Tier):
         world_size = newest.shard.world_size if newest.shard else 0
         latest: dict[int, Slot] = {}
         for s in sorted(slots, key=lambda s: s.committed_seq):
-            if s.shard and s.shard.world_size == world_size:
+            # Copies of one run only (as on disk), and of the world size it saved with.
+            if s.shard and s.shard.world_size == world_size and s.run_id == newest.run_id:
                 latest[s.rank] = s
         # A rank whose latest copy is not checksummed yet is not served: never an older copy instead.
         return {rank: s for rank, s in latest.items() if s.meta is not None}

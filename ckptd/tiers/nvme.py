@@ -18,7 +18,7 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any
 
-from ckpt.errors import CheckpointError, NotFound
+from ckpt.errors import CheckpointError, CorruptCheckpoint, NotFound
 from ckpt.format import (
     CHUNK_SIZE_BYTES,
     COMMIT_NAME,
@@ -246,21 +246,22 @@ class LocalDirTier(DurableTier):
             wait(writes)  # never let the caller close the descriptor under a write still running
         return meta
 
-    def try_commit(self, job: str, step: int, world_size: int) -> CommitRecord | None:
+    def try_commit(self, job: str, step: int, world_size: int, run_id: str = "") -> CommitRecord | None:
         """Write the step's commit record if every rank's shard is in; return it, or None.
 
         A damaged record is moved aside and written anew from the shards' records.
         """
         with self._step_lock(job, step):
-            return self._try_commit(job, step, world_size)
+            return self._try_commit(job, step, world_size, run_id)
 
-    def _try_commit(self, job: str, step: int, world_size: int) -> CommitRecord | None:
+    def _try_commit(self, job: str, step: int, world_size: int, run_id: str) -> CommitRecord | None:
         step_dir = self.step_dir(job, step)
         state = self._commit_state(job, step)
         if isinstance(state, CommitRecord):
             return state
         metas: list[bytes] = []
         size_bytes = 0
+        self._drop_other_runs(job, step, run_id)
         for rank in range(world_size):
             try:
                 raw = (step_dir / meta_name(rank)).read_bytes()
@@ -281,6 +282,26 @@ class LocalDirTier(DurableTier):
         os.replace(temporary, commit)
         _fsync_dir(step_dir)
         return record
+
+    def _drop_other_runs(self, job: str, step: int, run_id: str) -> None:
+        # Shards left by an earlier run of the job that died before this step was whole:
+        # each rank saves the step again in this run, and only then is it sealed.
+        if not run_id:
+            return
+        step_dir = self.step_dir(job, step)
+        for path in sorted(step_dir.glob("rank-*.meta.json")):
+            try:
+                stale = ShardMeta.from_bytes(path.read_bytes(), str(path)).run_id != run_id
+            except CorruptCheckpoint:
+                stale = True
+            if stale:
+                rank = int(path.name[len("rank-") : len("rank-") + 5])
+                log.warning(
+                    "%s step %d on tier %s: dropping rank %d's shard of an earlier run", job, step, self.name, rank
+                )
+                path.unlink(missing_ok=True)
+                (step_dir / data_name(rank)).unlink(missing_ok=True)
+        _fsync_dir(step_dir)
 
     def remove_step(self, job: str, step: int) -> None:
         """Unlist the step (commit record first), then delete its directory."""

@@ -110,8 +110,11 @@ class Checkpointer:
             world_size if world_size is not None else _env_int("WORLD_SIZE", 1),
         )
         copy_threads = options.pop("copy_threads", 2)
+        self.run_id = str(options.pop("run_id", None) or _default_run_id())
         if options:
-            raise InvalidArgument(f"unknown Checkpointer options {sorted(options)}; known: copy_threads")
+            raise InvalidArgument(f"unknown Checkpointer options {sorted(options)}; known: copy_threads, run_id")
+        if len(self.run_id) > 256:
+            raise InvalidArgument("run_id is longer than 256 characters")
         if isinstance(copy_threads, bool) or not isinstance(copy_threads, int) or not 1 <= copy_threads <= 64:
             raise InvalidArgument(f"copy_threads must be an integer from 1 to 64, not {copy_threads!r}")
         self._daemon = DaemonClient(address)
@@ -170,6 +173,7 @@ class Checkpointer:
                         data_size_bytes=flat.data_size_bytes,
                         layout_json=json.dumps(flat.layout()).encode(),
                         reservation=reserved.reservation,
+                        run_id=self.run_id,
                     ),
                 )
             except ReservationLost as e:
@@ -262,6 +266,16 @@ def _to_device(obj: Any, device: torch.device) -> Any:
     if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
         return type(obj)(_to_device(v, device) for v in obj)
     return obj
+
+
+def _default_run_id() -> str:
+    """Name this run of the job as torchrun does for every rank alike, or "" outside torchrun.
+
+    The daemon never seals a step from shards of two runs: shards of a step left by
+    a run that died are dropped once this run saves the step.
+    """
+    run, restart = os.environ.get("TORCHELASTIC_RUN_ID"), os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    return f"torchelastic:{run}:{restart}" if run and restart is not None else ""
 
 
 def _env_int(name: str, default: int) -> int:

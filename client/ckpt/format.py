@@ -120,6 +120,7 @@ class ShardMeta:
     chunk_size_bytes: int
     chunk_xxh3_128: tuple[str, ...]
     layout_json: str  # the client's tensor table and skeleton, as JSON text; the daemon never parses it
+    run_id: str = ""  # which run of the job wrote it: a step is sealed from one run's shards only
 
     def to_bytes(self) -> bytes:
         """Serialise as a sealed record."""
@@ -135,6 +136,7 @@ class ShardMeta:
                 "chunk_size_bytes": self.chunk_size_bytes,
                 "chunk_xxh3_128": list(self.chunk_xxh3_128),
                 "layout_json": self.layout_json,
+                "run_id": self.run_id,
             }
         )
 
@@ -154,6 +156,7 @@ class ShardMeta:
                 chunk_size_bytes=int(r["chunk_size_bytes"]),
                 chunk_xxh3_128=tuple(r["chunk_xxh3_128"]),
                 layout_json=str(r["layout_json"]),
+                run_id=str(r.get("run_id", "")),
             )
             validate_rank(meta.rank, meta.world_size)
         except (KeyError, TypeError, ValueError) as e:

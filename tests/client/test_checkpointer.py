@@ -40,3 +40,15 @@ def test_a_closed_checkpointer_refuses_to_save():
     c.close()  # closing twice is fine
     with pytest.raises(ckpt.CheckpointError, match="closed"):
         c.save_async({})
+
+
+def test_the_run_id_comes_from_torchrun_or_the_caller(monkeypatch):
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    with ckpt.Checkpointer(job="x", address="/nonexistent.sock") as c:
+        assert c.run_id == ""
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job42")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "3")
+    with ckpt.Checkpointer(job="x", address="/nonexistent.sock") as c:
+        assert c.run_id == "torchelastic:job42:3"
+    with ckpt.Checkpointer(job="x", address="/nonexistent.sock", run_id="slurm-77") as c:
+        assert c.run_id == "slurm-77"

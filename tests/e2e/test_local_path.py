@@ -483,3 +483,19 @@ def test_a_reservation_lost_to_a_daemon_restart_is_refused_and_the_save_goes_on(
     with ckpt.Checkpointer(job="restart", address=daemon.address) as c:
         c.save_async({"x": torch.ones(3)}, step=1).wait(timeout=60)
         assert torch.equal(c.load(1)["x"], torch.ones(3))
+
+
+def test_a_step_is_never_sealed_from_shards_of_two_runs(daemon):
+    def save(run_id, rank, step, value):
+        with ckpt.Checkpointer(job="runs", rank=rank, world_size=2, address=daemon.address, run_id=run_id) as c:
+            c.save_async({"x": torch.full((4,), value)}, step=step).wait(timeout=60)
+
+    save("run-a", 0, 1, 1.0)
+    save("run-a", 1, 1, 1.0)
+    save("run-a", 0, 2, 2.0)  # then run a dies before rank 1 saves step 2
+    save("run-b", 1, 2, 20.0)  # run b resumed from step 1
+    assert [s["step"] for s in ls_json(daemon)] == [1]  # rank 0's step 2 is from run a: not sealed with it
+    save("run-b", 0, 2, 20.0)
+    assert [s["step"] for s in ls_json(daemon) if "nvme" in s["tiers"]] == [1, 2]
+    for rank in range(2):
+        assert torch.equal(ckpt.load_local(daemon.root / "runs" / "2", rank=rank)["x"], torch.full((4,), 20.0))
