@@ -137,9 +137,12 @@ class SlotPool:
             spare = self._plan_spare(job, rank, size_bytes) if first_save else None
         # Allocating gigabytes of shared memory takes a while: off the event loop, and
         # without the pool's lock, so other ranks' saves and finished flushes go on.
+        spare_done = asyncio.ensure_future(self._allocate_spare(spare, size_bytes)) if spare else None
         try:
             await asyncio.to_thread(self._hand_out, slot, size_bytes)
         except CheckpointError:
+            if spare_done is not None:
+                await spare_done
             async with self._changed:
                 for s in (slot, spare):  # drop what never got any memory
                     if s is not None and s in group and s.size_bytes == 0:
@@ -148,8 +151,8 @@ class SlotPool:
             raise
         finally:
             slot.allocating_bytes = 0
-        if spare is not None:
-            await self._allocate_spare(spare, size_bytes)
+        if spare_done is not None:
+            await spare_done  # the reply names the spare: it must be whole before the client maps it
         return slot, blocked_s, reason
 
     def _plan_spare(self, job: str, rank: int, size_bytes: int) -> Slot | None:
