@@ -170,6 +170,8 @@ def test_partial_step_left_by_a_crash_is_never_listed_then_removed(daemon):
         with ckpt.Checkpointer(job="part", rank=rank, world_size=2, address=daemon.address) as c:
             c.save_async({"x": torch.ones(3) * rank}, step=2).wait(timeout=60)
     assert [s["step"] for s in ls_json(daemon)] == [2]
+    r = daemon.cli("gc", "--dry-run", "--address", daemon.address)  # waits for the retention pass in flight
+    assert r.returncode == 0 and "nothing to remove" in r.stdout
     assert not (daemon.root / "part" / "1").exists()
 
 
@@ -457,6 +459,7 @@ def test_many_steps_of_two_ranks_commit_without_a_race(daemon):
     status = json.loads(daemon.cli("status", "--json", "--address", daemon.address).stdout)
     assert status["recent_errors"] == []
     assert daemon.cli("verify", "--job", "race", "--tier", "nvme").returncode == 0
+    assert daemon.cli("gc", "--address", daemon.address).returncode == 0  # waits for retention in flight
     assert [s["step"] for s in ls_json(daemon) if "nvme" in s["tiers"]] == [6, 7, 8]
 
 
