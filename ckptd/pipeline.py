@@ -26,7 +26,7 @@ from ckptd import __version__
 from ckptd.catalog import StepInfo, list_steps
 from ckptd.config import Config
 from ckptd.retention import plan_removals
-from ckptd.staging import ShardKey, Slot, SlotPool
+from ckptd.staging import ShardKey, Slot, SlotPool, Snapshot
 from ckptd.tiers.base import DurableTier, Tier
 from ckptd.tiers.memory import MemoryTier
 from ckptd.tiers.nvme import LocalDirTier, ShardWriteError
@@ -120,21 +120,14 @@ class Pipeline:
             log.warning("%s waited %.1f s for staging room", key, blocked_s)
         return slot, blocked_s, reason
 
-    async def commit(
-        self,
-        key: ShardKey,
-        slot_path: str,
-        reservation: int,
-        data_size_bytes: int,
-        layout_json: str,
-        run_id: str = "",
-    ) -> None:
+    async def commit(self, snapshot: Snapshot) -> None:
         """Take over a filled slot and queue its flush."""
+        key = snapshot.key
         if self._is_complete(key.job, key.step):
             raise InvalidArgument(f"{key.job} step {key.step} is already complete; a complete step is never rewritten")
-        if len(run_id) > 256:
+        if len(snapshot.run_id) > 256:
             raise InvalidArgument(f"{key}: run_id is longer than 256 characters")
-        slot = self.pool.commit(key, slot_path, reservation, data_size_bytes, layout_json, run_id)
+        slot = self.pool.commit(snapshot)
         self._failures.pop(key, None)
         self._reached.pop((key, "nvme"), None)  # saved again: the new copy has not reached the disk yet
         self._remember(key, "memory")

@@ -14,7 +14,7 @@ from ckpt.wire.v1 import ckptd_pb2 as pb
 from ckpt.wire.v1 import ckptd_pb2_grpc
 
 from ckptd.pipeline import Pipeline
-from ckptd.staging import ShardKey
+from ckptd.staging import ShardKey, Snapshot
 
 T = TypeVar("T")
 MAX_LAYOUT_BYTES = 128 << 20
@@ -75,7 +75,9 @@ class CkptdServicer(ckptd_pb2_grpc.CkptdServicer):
             except UnicodeDecodeError:
                 raise InvalidArgument(f"{key}: layout is not UTF-8 text") from None
             await self.pipeline.commit(
-                key, request.slot_path, request.reservation, request.data_size_bytes, layout_json, request.run_id
+                Snapshot(
+                    key, request.slot_path, request.reservation, request.data_size_bytes, layout_json, request.run_id
+                )
             )
             return pb.CommitReply()
 

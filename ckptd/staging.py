@@ -46,6 +46,18 @@ class ShardKey:
         return f"rank {self.rank}/{self.world_size} shard of {self.job} step {self.step}"
 
 
+@dataclass(frozen=True)
+class Snapshot:
+    """What a Commit says: which slot holds the whole snapshot of which shard, and how to read it."""
+
+    key: ShardKey
+    slot_path: str
+    reservation: int
+    data_size_bytes: int
+    layout_json: str
+    run_id: str = ""
+
+
 @dataclass
 class Slot:
     """One shared-memory file and the snapshot it holds, if any."""
@@ -185,35 +197,27 @@ class SlotPool:
         free = [s for s in self._reusable(job, rank) if s.state == "free" and s.size_bytes]
         return free[0] if free else None
 
-    def commit(
-        self,
-        key: ShardKey,
-        slot_path: str,
-        reservation: int,
-        data_size_bytes: int,
-        layout_json: str,
-        run_id: str = "",
-    ) -> Slot:
+    def commit(self, snapshot: Snapshot) -> Slot:
         """Record that a slot now holds a whole snapshot; the caller flushes it next."""
+        key, slot_path, data_size_bytes = snapshot.key, snapshot.slot_path, snapshot.data_size_bytes
         slot = self._find(key.job, key.rank, slot_path)
         if slot is None:
             name = _SLOT_NAME.fullmatch(Path(slot_path).name)
             if name and int(name[1]) == key.rank and Path(slot_path).parent == self.directory / key.job:
                 raise ReservationLost(f"{key}: {slot_path} was dropped since it was reserved")
             raise InvalidArgument(f"{key}: {slot_path} is not a staging slot of this rank")
-        if slot.state != "writing" or slot.reservation != reservation:
+        if slot.state != "writing" or slot.reservation != snapshot.reservation:
             raise ReservationLost(f"{key}: {slot_path} is no longer reserved for this save")
         if not 0 <= data_size_bytes <= slot.size_bytes:
             raise InvalidArgument(f"{key}: data_size_bytes {data_size_bytes} does not fit the slot")
         self._commits += 1
-        slot.shard, slot.data_size_bytes, slot.layout_json, slot.meta = key, data_size_bytes, layout_json, None
-        slot.run_id = run_id
-        slot.committed_seq = self._commits
+        slot.shard, slot.data_size_bytes, slot.meta = key, data_size_bytes, None
+        slot.layout_json, slot.run_id, slot.committed_seq = snapshot.layout_json, snapshot.run_id, self._commits
         record = {
             "shard": key.__dict__,
             "data_size_bytes": data_size_bytes,
-            "layout_json": layout_json,
-            "run_id": run_id,
+            "layout_json": snapshot.layout_json,
+            "run_id": snapshot.run_id,
         }
         _write_replace(slot.pending_path, seal(record))
         slot.state = "pending"

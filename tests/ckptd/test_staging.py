@@ -13,7 +13,7 @@ import pytest
 from ckpt.errors import InvalidArgument, ReservationLost
 from ckpt.format import CHUNK_SIZE_BYTES, ShardMeta
 
-from ckptd.staging import ShardKey, SlotPool
+from ckptd.staging import ShardKey, SlotPool, Snapshot
 
 MIB = 1 << 20
 
@@ -30,7 +30,7 @@ def _save(pool, step, size=MIB, job="j", rank=0):
     async def run():
         slot, _, _ = await pool.reserve(job, rank, size)
         key = ShardKey(job, step, rank, 1)
-        pool.commit(key, str(slot.path), slot.reservation, size, "{}")
+        pool.commit(Snapshot(key, str(slot.path), slot.reservation, size, "{}"))
         pool.record_hashed(slot, ShardMeta(job, step, rank, 1, size, CHUNK_SIZE_BYTES, ("0" * 32,), "{}"))
         await pool.settle(slot)
         return slot
@@ -56,8 +56,8 @@ def test_a_reservation_taken_over_cannot_commit(tmp_path):
         stale = old.reservation
         new, _, _ = await pool.reserve("j", 0, MIB)  # the first save died half-way; the rank saves again
         with pytest.raises(ReservationLost, match="no longer reserved"):
-            pool.commit(ShardKey("j", 1, 0, 1), str(old.path), stale, MIB, "{}")
-        pool.commit(ShardKey("j", 1, 0, 1), str(new.path), new.reservation, MIB, "{}")
+            pool.commit(Snapshot(ShardKey("j", 1, 0, 1), str(old.path), stale, MIB, "{}"))
+        pool.commit(Snapshot(ShardKey("j", 1, 0, 1), str(new.path), new.reservation, MIB, "{}"))
 
     asyncio.run(run())
 
@@ -107,7 +107,7 @@ def test_a_restarted_pool_finds_what_each_slot_holds(tmp_path):
 
     async def pending():
         slot, _, _ = await pool.reserve("j", 0, MIB)
-        pool.commit(ShardKey("j", 5, 0, 1), str(slot.path), slot.reservation, MIB, '{"tensors": []}')
+        pool.commit(Snapshot(ShardKey("j", 5, 0, 1), str(slot.path), slot.reservation, MIB, '{"tensors": []}'))
 
     asyncio.run(pending())
     again = _pool(tmp_path)

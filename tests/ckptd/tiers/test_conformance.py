@@ -16,7 +16,7 @@ from ckpt.errors import CorruptCheckpoint, NotFound
 from ckpt.format import CHUNK_SIZE_BYTES, ShardMeta, chunk_ranges, digest, round_up
 from ckpt.shard_io import read_meta, read_shard_into
 
-from ckptd.staging import ShardKey, SlotPool
+from ckptd.staging import ShardKey, SlotPool, Snapshot
 from ckptd.tiers.base import Tier
 from ckptd.tiers.memory import MemoryTier
 from ckptd.tiers.nvme import LocalDirTier
@@ -52,7 +52,7 @@ class MemoryHarness:
         assert slot is not None
         with open(slot.path, "r+b") as f:
             f.write(payload)
-        self.pool.commit(key, str(slot.path), slot.reservation, len(payload), "{}")
+        self.pool.commit(Snapshot(key, str(slot.path), slot.reservation, len(payload), "{}"))
         chunks = tuple(digest(payload[o : o + n]) for o, n in chunk_ranges(len(payload)))
         meta = ShardMeta(key.job, key.step, key.rank, key.world_size, len(payload), CHUNK_SIZE_BYTES, chunks, "{}")
         self.pool.record_hashed(slot, meta)
