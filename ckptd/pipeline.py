@@ -12,6 +12,8 @@ import asyncio
 import contextlib
 import logging
 import mmap
+import os
+import threading
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
@@ -60,6 +62,11 @@ class Pipeline:
         self.tiers: list[Tier] = [self.memory, self.nvme]  # fastest first: loads try them in this order
         self.durable_tiers: list[DurableTier] = [self.nvme]
         self._flush_threads = ThreadPoolExecutor(max_workers=FLUSH_THREADS, thread_name_prefix="flush")
+        # Removing old steps is never urgent: at the lowest CPU priority, unlinking gigabytes
+        # (with discard, seconds of kernel time) yields to training and to flushes.
+        self._cleanup_thread = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="cleanup", initializer=_lowest_priority
+        )
         self._rank_locks: dict[tuple[str, int], asyncio.Lock] = {}
         self._flushes: set[asyncio.Task[None]] = set()
         self._failures: dict[ShardKey, str] = {}
@@ -98,6 +105,7 @@ class Pipeline:
         while self._flushes:
             await asyncio.gather(*list(self._flushes), return_exceptions=True)
         self._flush_threads.shutdown(wait=True)
+        self._cleanup_thread.shutdown(wait=True)
         for tier in self.durable_tiers:
             tier.close()
 
@@ -309,6 +317,7 @@ class Pipeline:
             return await self._collect(dry_run, job, keep_newest)
 
     async def _collect(self, dry_run: bool, job: str, keep_newest: bool) -> list[Removal]:
+        loop = asyncio.get_running_loop()
         busy = {(s.shard.job, s.shard.step) for s in self.pool.slots() if s.state == "pending" and s.shard}
         removals: list[Removal] = []
         for tier in self.durable_tiers:
@@ -323,7 +332,7 @@ class Pipeline:
                 for step, reason in plan:
                     removals.append(Removal(tier.name, j, step, reason))
                     if not dry_run:
-                        await asyncio.to_thread(tier.remove_step, j, step)
+                        await loop.run_in_executor(self._cleanup_thread, tier.remove_step, j, step)
                         log.info("removed %s step %d from %s: %s", j, step, tier.name, reason)
         return removals
 
@@ -351,3 +360,8 @@ class Pipeline:
             "counters": dict(self._counters),
             "recent_errors": list(self._errors),
         }
+
+
+def _lowest_priority() -> None:
+    with contextlib.suppress(OSError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)  # this thread only, on Linux
