@@ -10,6 +10,7 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -153,6 +154,8 @@ def cmd_ls(args: argparse.Namespace, config: Config) -> int:
     try:
         found = _client(args, config).call("List", pb.ListRequest(job=job)).steps
     except DaemonUnavailable as e:
+        if args.address or os.environ.get("CKPTD_ADDRESS"):
+            raise  # asked about a particular daemon: this node's disks are no answer
         from ckptd.catalog import list_steps
         from ckptd.restore import local_tiers
 

@@ -71,6 +71,8 @@ class Pipeline:
         self._flushes: set[asyncio.Task[None]] = set()
         self._failures: dict[ShardKey, str] = {}
         self._reached: dict[tuple[ShardKey, str], None] = {}  # insertion-ordered, oldest dropped first
+        # The run that committed each step last: shards of any other run are stale.
+        self._latest_run: dict[tuple[str, int], str] = {}
         self._changed = asyncio.Condition()
         self._collect_lock = asyncio.Lock()
         self._commit_lock = asyncio.Lock()
@@ -87,6 +89,9 @@ class Pipeline:
             for path in tier.remove_leftovers():
                 log.info("removed leftover %s from tier %s", path, tier.name)
         held = self.pool.recover()
+        for slot in sorted(held, key=lambda s: s.committed_seq):
+            assert slot.shard is not None
+            self._note_run(slot.shard, slot.run_id)
         for slot in sorted(held, key=lambda s: s.shard.step if s.shard else 0):
             key = slot.shard
             assert key is not None
@@ -136,6 +141,7 @@ class Pipeline:
         if len(snapshot.run_id) > 256:
             raise InvalidArgument(f"{key}: run_id is longer than 256 characters")
         slot = self.pool.commit(snapshot)
+        self._note_run(key, snapshot.run_id)
         self._failures.pop(key, None)
         self._reached.pop((key, "nvme"), None)  # saved again: the new copy has not reached the disk yet
         self._remember(key, "memory")
@@ -170,7 +176,7 @@ class Pipeline:
                 self._record_failure(key, "nvme", str(e))
             finally:
                 await self.pool.settle(slot)
-            await self._after_flush(key, slot.run_id)
+        await self._after_flush(key)  # outside the rank's lock: its next flush need not wait for retention
 
     def _flush_to_nvme(self, slot: Slot, key: ShardKey) -> None:
         meta = slot.meta or ShardMeta(
@@ -192,7 +198,7 @@ class Pipeline:
             with contextlib.suppress(BufferError):  # a traceback may still hold a view; then GC unmaps it
                 m.close()
 
-    async def _after_flush(self, key: ShardKey, run_id: str = "") -> None:
+    async def _after_flush(self, key: ShardKey) -> None:
         record = None
         # One commit at a time (two ranks finishing together must not both write the
         # record), and none while another shard of the step is still on its way: a
@@ -203,6 +209,9 @@ class Pipeline:
                 for s in self.pool.slots()
             ):
                 try:
+                    # Sealed from the latest run that committed the step: a late flush of an
+                    # earlier run drops its own shard here, never the newer run's.
+                    run_id = self._latest_run.get((key.job, key.step), "")
                     record = await asyncio.to_thread(self.nvme.try_commit, key.job, key.step, key.world_size, run_id)
                 except (CheckpointError, ShardWriteError, OSError) as e:
                     self._record_failure(key, "nvme", f"commit of {key.job} step {key.step} failed: {e}")
@@ -235,6 +244,12 @@ class Pipeline:
             return path.read_bytes() == slot.meta.to_bytes()
         except OSError:
             return False
+
+    def _note_run(self, key: ShardKey, run_id: str) -> None:
+        self._latest_run.pop((key.job, key.step), None)  # re-insert: the dict stays ordered by commit
+        self._latest_run[(key.job, key.step)] = run_id
+        if len(self._latest_run) > REMEMBERED_SHARDS:
+            del self._latest_run[next(iter(self._latest_run))]
 
     def _remember(self, key: ShardKey, tier: str) -> None:
         self._reached[(key, tier)] = None

@@ -6,7 +6,7 @@ flushed. A slot's state is kept beside it on disk, so a restarted daemon knows
 which snapshots still need flushing:
 
     <dir>/<job>/rank-00000.slot-0               the bytes, mapped by client and daemon
-    <dir>/<job>/rank-00000.slot-0.pending.json  written at commit: which shard, its layout
+    <dir>/<job>/rank-00000.slot-0.pending.json  written at commit: which shard, its layout, run and commit time
     <dir>/<job>/rank-00000.slot-0.meta.json     written once checksummed: the shard's metadata
 
 All methods run on the daemon's event loop thread, except record_hashed.
@@ -150,8 +150,11 @@ class SlotPool:
         # Allocating gigabytes of shared memory takes a while: off the event loop, and
         # without the pool's lock, so other ranks' saves and finished flushes go on.
         spare_done = asyncio.ensure_future(self._allocate_spare(spare, size_bytes)) if spare else None
+        allocation = asyncio.ensure_future(asyncio.to_thread(self._hand_out, slot, size_bytes))
+        # Counted against the budget until the thread is done, even if this call is cancelled.
+        allocation.add_done_callback(lambda _: setattr(slot, "allocating_bytes", 0))
         try:
-            await asyncio.to_thread(self._hand_out, slot, size_bytes)
+            await asyncio.shield(allocation)
         except CheckpointError:
             if spare_done is not None:
                 await spare_done
@@ -161,8 +164,6 @@ class SlotPool:
                         group.remove(s)
                 self._changed.notify_all()
             raise
-        finally:
-            slot.allocating_bytes = 0
         if spare_done is not None:
             await spare_done  # the reply names the spare: it must be whole before the client maps it
         return slot, blocked_s, reason
@@ -210,7 +211,7 @@ class SlotPool:
             raise ReservationLost(f"{key}: {slot_path} is no longer reserved for this save")
         if not 0 <= data_size_bytes <= slot.size_bytes:
             raise InvalidArgument(f"{key}: data_size_bytes {data_size_bytes} does not fit the slot")
-        self._commits += 1
+        self._commits = max(self._commits + 1, time.time_ns())  # ordered across daemon restarts too
         slot.shard, slot.data_size_bytes, slot.meta = key, data_size_bytes, None
         slot.layout_json, slot.run_id, slot.committed_seq = snapshot.layout_json, snapshot.run_id, self._commits
         record = {
@@ -218,6 +219,7 @@ class SlotPool:
             "data_size_bytes": data_size_bytes,
             "layout_json": snapshot.layout_json,
             "run_id": snapshot.run_id,
+            "committed_ns": slot.committed_seq,
         }
         _write_replace(slot.pending_path, seal(record))
         slot.state = "pending"
@@ -226,7 +228,6 @@ class SlotPool:
     def record_hashed(self, slot: Slot, meta: ShardMeta) -> None:
         """Record a slot's checksums: from now on the memory tier serves it. Any thread."""
         _write_replace(slot.meta_path, meta.to_bytes())
-        slot.pending_path.unlink(missing_ok=True)
         slot.meta = meta
 
     async def settle(self, slot: Slot) -> None:
@@ -328,18 +329,19 @@ class SlotPool:
         """Make the slot's file size_bytes long, its memory allocated. Runs on a worker thread."""
         if size_bytes == slot.size_bytes and slot.path.exists():
             return
-        slot.path.parent.mkdir(parents=True, exist_ok=True, mode=0o750)
-        fd = os.open(slot.path, os.O_RDWR | os.O_CREAT, 0o660)  # the training ranks map it
         try:
-            os.ftruncate(fd, size_bytes)
-            os.posix_fallocate(fd, 0, size_bytes)
+            slot.path.parent.mkdir(parents=True, exist_ok=True, mode=0o750)
+            fd = os.open(slot.path, os.O_RDWR | os.O_CREAT, 0o660)  # the training ranks map it
+            try:
+                os.ftruncate(fd, size_bytes)
+                os.posix_fallocate(fd, 0, size_bytes)
+            finally:
+                os.close(fd)
         except OSError as e:
             slot.state = "free"
             if slot.size_bytes == 0:
                 slot.path.unlink(missing_ok=True)
             raise CheckpointError(f"cannot allocate {size_bytes} bytes of staging memory in {slot.path}: {e}") from e
-        finally:
-            os.close(fd)
         slot.size_bytes = size_bytes
 
 
@@ -364,6 +366,9 @@ def scan_slots(directory: Path) -> list[Slot]:
 
 
 def _load_markers(slot: Slot) -> None:
+    record = unseal(slot.pending_path.read_bytes(), str(slot.pending_path)) if slot.pending_path.exists() else None
+    if record is not None:
+        slot.committed_seq = int(record.get("committed_ns", 0))
     if slot.meta_path.exists():
         meta = ShardMeta.from_bytes(slot.meta_path.read_bytes(), str(slot.meta_path))
         slot.meta = meta
@@ -373,8 +378,7 @@ def _load_markers(slot: Slot) -> None:
             meta.layout_json,
             meta.run_id,
         )
-    elif slot.pending_path.exists():
-        record = unseal(slot.pending_path.read_bytes(), str(slot.pending_path))
+    elif record is not None:
         s = record["shard"]
         validate_rank(s["rank"], s["world_size"])
         slot.shard = ShardKey(validate_job(s["job"]), validate_step(s["step"]), s["rank"], s["world_size"])

@@ -261,6 +261,7 @@ class LocalDirTier(DurableTier):
             return state
         metas: list[bytes] = []
         size_bytes = 0
+        run_of_rank_0 = ""
         self._drop_other_runs(job, step, run_id)
         for rank in range(world_size):
             try:
@@ -270,6 +271,9 @@ class LocalDirTier(DurableTier):
             meta = ShardMeta.from_bytes(raw, str(step_dir / meta_name(rank)))
             if meta.world_size != world_size:
                 raise ShardWriteError(f"{job} step {step}: rank {rank} was saved with world_size {meta.world_size}")
+            if rank and meta.run_id != run_of_rank_0:
+                return None  # shards of two runs: never sealed together (the later run's saves will replace them)
+            run_of_rank_0 = meta.run_id if rank == 0 else run_of_rank_0
             metas.append(raw)
             size_bytes += meta.data_size_bytes
         record = CommitRecord(job, step, world_size, tuple(digest(m) for m in metas), size_bytes)
@@ -294,8 +298,9 @@ class LocalDirTier(DurableTier):
                 stale = ShardMeta.from_bytes(path.read_bytes(), str(path)).run_id != run_id
             except CorruptCheckpoint:
                 stale = True
-            if stale:
-                rank = int(path.name[len("rank-") : len("rank-") + 5])
+            digits = path.name.removeprefix("rank-").removesuffix(".meta.json")
+            if stale and digits.isdigit():
+                rank = int(digits)
                 log.warning(
                     "%s step %d on tier %s: dropping rank %d's shard of an earlier run", job, step, self.name, rank
                 )

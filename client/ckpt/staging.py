@@ -117,6 +117,8 @@ def writer_lock(path: str, who: str) -> Iterator[None]:
             ) from None
         yield
     finally:
+        with contextlib.suppress(OSError):
+            fcntl.flock(fd, fcntl.LOCK_UN)  # explicitly: a child forked meanwhile shares the descriptor
         os.close(fd)
 
 

@@ -160,3 +160,12 @@ def test_one_rank_allocating_a_large_slot_does_not_hold_up_another(shm_dir):
     asyncio.run(run())
     assert finished == ["small", "big"]
     assert pool.in_use_bytes() == 2 * (1 << 30) + 2 * MIB
+
+
+def test_the_order_of_commits_survives_a_restart(tmp_path):
+    pool = _pool(tmp_path)
+    first = _save(pool, 1)
+    second = _save(pool, 2)
+    assert 0 < first.committed_seq < second.committed_seq
+    again = {s.shard.step: s for s in _pool(tmp_path).slots() if s.shard}
+    assert again[1].committed_seq == first.committed_seq and again[2].committed_seq == second.committed_seq

@@ -107,3 +107,19 @@ def test_commit_record_is_checked_against_the_metadata(tier):
     (tier.step_dir("j", 1) / COMMIT_NAME).unlink()
     with pytest.raises(NotFound):
         read_meta(tier.shard_source("j", 1, 0), 0)
+
+
+def _write_run(tier, rank, run_id, payload=b"abc", world_size=2, step=1):
+    meta = ShardMeta("j", step, rank, world_size, len(payload), CHUNK_SIZE_BYTES, (), "{}", run_id)
+    return tier.write_shard(meta, _buffer(payload))
+
+
+def test_shards_of_two_runs_are_never_sealed_together(tier):
+    _write_run(tier, 0, "run-a")
+    _write_run(tier, 1, "run-b")
+    assert tier.try_commit("j", 1, 2) is None  # whatever the caller says, mixed runs are not sealed
+    assert tier.try_commit("j", 1, 2, run_id="run-b") is None  # the latest run's view: run a's shard goes
+    assert not tier.has_shard("j", 1, 0) and tier.has_shard("j", 1, 1)
+    _write_run(tier, 0, "run-b")
+    record = tier.try_commit("j", 1, 2, run_id="run-b")
+    assert record is not None and tier.complete_steps("j") == [1]
