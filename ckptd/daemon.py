@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import signal
@@ -83,8 +82,3 @@ def _claim_socket(path: Path) -> None:
             path.unlink()  # left by a daemon that died
             return
     raise AlreadyServing(f"another ckptd is already serving on {path}")
-
-
-def _unlink(path: Path) -> None:
-    with contextlib.suppress(FileNotFoundError):
-        path.unlink()
