@@ -213,7 +213,7 @@ class Pipeline:
                     # earlier run drops its own shard here, never the newer run's.
                     run_id = self._latest_run.get((key.job, key.step), "")
                     record = await asyncio.to_thread(self.nvme.try_commit, key.job, key.step, key.world_size, run_id)
-                except (CheckpointError, ShardWriteError, OSError) as e:
+                except (CheckpointError, OSError) as e:
                     self._record_failure(key, "nvme", f"commit of {key.job} step {key.step} failed: {e}")
         async with self._changed:
             self._changed.notify_all()  # waiters first: retention below may take a while

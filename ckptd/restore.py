@@ -73,13 +73,17 @@ def restore(tiers: list[Tier], job: str, step: int, target: Path, progress: Prog
                         out.write_shard(meta, buf)
                     progress(f"rank {rank}/{world_size}: {meta.data_size_bytes} bytes from {tier.name}, verified")
                     break
-                except CheckpointError as e:
+                except (CheckpointError, OSError) as e:
                     progress(f"rank {rank}/{world_size}: {e}; trying the next tier")
                     errors.append(str(e))
             else:
                 raise CorruptCheckpoint(f"no good copy of rank {rank} of {job} step {step}: " + "; ".join(errors))
         if out.try_commit(job, step, world_size) is None:
             raise CheckpointError(f"{step_dir}: not every shard was written")
+    except BaseException:
+        if step_dir.exists():
+            out.remove_step(job, step)  # nothing half-restored is left to trip the next attempt
+        raise
     finally:
         out.close()
     return step_dir

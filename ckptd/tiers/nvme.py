@@ -45,7 +45,7 @@ WRITE_THREADS = 4
 DELETING_PREFIX = ".deleting-"
 
 
-class ShardWriteError(Exception):
+class ShardWriteError(CheckpointError):
     """Writing a shard failed; the message names the shard and the cause."""
 
 

@@ -502,3 +502,14 @@ def test_a_step_is_never_sealed_from_shards_of_two_runs(daemon):
     assert [s["step"] for s in ls_json(daemon) if "nvme" in s["tiers"]] == [1, 2]
     for rank in range(2):
         assert torch.equal(ckpt.load_local(daemon.root / "runs" / "2", rank=rank)["x"], torch.full((4,), 20.0))
+
+
+def test_a_failed_restore_leaves_nothing_half_restored(daemon):
+    for rank in range(2):
+        with ckpt.Checkpointer(job="half", rank=rank, world_size=2, address=daemon.address) as c:
+            c.save_async({"x": torch.randn(1 << 20)}, step=1).wait(timeout=60)
+    flip_byte(daemon.root / "half" / "1" / data_name(1), 100)  # rank 0 restores, rank 1 has no good copy
+    r = daemon.cli("restore", "--job", "half", "--from", "nvme", "--to", str(daemon.base / "out"))
+    assert r.returncode == 1 and "no good copy of rank 1" in r.stderr
+    assert "rank 0/2: 4194304 bytes from nvme, verified" in r.stderr
+    assert not (daemon.base / "out" / "half" / "1").exists()
