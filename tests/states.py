@@ -11,6 +11,13 @@ import torch
 Point = collections.namedtuple("Point", ["x", "y"])
 
 
+class Holder:
+    """A picklable object holding a tensor, as user state sometimes does."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+
 def every_kind_state(seed: int = 0) -> dict[str, Any]:
     """Return a state holding every dtype, layout and container ckpt promises to round-trip."""
     g = torch.Generator().manual_seed(seed)

@@ -216,10 +216,14 @@ def load_local(path: str | os.PathLike[str], rank: int = 0, map_location: Any = 
 
 def _load_first_good(sources: list[ShardSource], rank: int, map_location: Any) -> Any:
     """Load from the first source that holds a good copy; say what was wrong with each one that did not."""
+    try:
+        device = None if map_location is None else torch.device(map_location)
+    except (RuntimeError, TypeError):
+        raise InvalidArgument(f"invalid map_location {map_location!r}: a device such as 'cpu' or 'cuda:0'") from None
     errors: list[Exception] = []
     for source in sources:
         try:
-            return _load_shard(source, rank, map_location)
+            return _load_shard(source, rank, device)
         except (CheckpointError, OSError) as e:
             if source is not sources[-1]:
                 log.warning("ckpt: %s; trying the next tier", e)
@@ -234,17 +238,14 @@ def _load_first_good(sources: list[ShardSource], rank: int, map_location: Any) -
     raise CheckpointError("no tier could be read: " + summary)
 
 
-def _load_shard(source: ShardSource, rank: int, map_location: Any) -> Any:
+def _load_shard(source: ShardSource, rank: int, device: torch.device | None) -> Any:
     meta = read_meta(source, rank)
     buffer = _fresh_buffer(round_up(meta.data_size_bytes, DIRECT_IO_ALIGN_BYTES))
     read_shard_into(source, meta, memoryview(buffer))  # type: ignore[arg-type]  # ndarray is a buffer
     try:
-        state = unflatten(json.loads(meta.layout_json), buffer[: meta.data_size_bytes])
+        return unflatten(json.loads(meta.layout_json), buffer[: meta.data_size_bytes], device)
     except (KeyError, TypeError, ValueError) as e:
         raise CorruptCheckpoint(f"rank {rank} shard on tier {source.tier}: bad layout ({e})") from None
-    if map_location in (None, "cpu") or map_location == torch.device("cpu"):
-        return state
-    return _to_device(state, torch.device(map_location))
 
 
 def _fresh_buffer(size_bytes: int) -> np.ndarray:
@@ -256,16 +257,6 @@ def _fresh_buffer(size_bytes: int) -> np.ndarray:
     raw = np.empty(size_bytes + DIRECT_IO_ALIGN_BYTES, dtype=np.uint8)
     skip = -raw.ctypes.data % DIRECT_IO_ALIGN_BYTES
     return raw[skip : skip + size_bytes]
-
-
-def _to_device(obj: Any, device: torch.device) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return obj.to(device)
-    if isinstance(obj, dict):
-        return type(obj)((k, _to_device(v, device)) for k, v in obj.items())
-    if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
-        return type(obj)(_to_device(v, device) for v in obj)
-    return obj
 
 
 def _default_run_id() -> str:

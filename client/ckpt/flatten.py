@@ -96,12 +96,13 @@ def flatten(state: Any) -> Flattened:
     return Flattened(arrays, entries, buf.getvalue(), offset)
 
 
-def unflatten(layout: dict[str, Any], data: np.ndarray) -> Any:
+def unflatten(layout: dict[str, Any], data: np.ndarray, device: torch.device | None = None) -> Any:
     """Rebuild a state from its layout and a uint8 array of its shard bytes, without copying them.
 
     Each tensor gets a storage of its own that starts at its first byte (torch
     code that assumes storage_offset 0, such as set_rng_state, works on it),
-    while all of them share data's memory.
+    while all of them share data's memory. With a device other than the CPU,
+    every tensor, wherever it sits in the state, is moved there.
     """
     entries = layout["tensors"]
     built: list[Any] = [None] * len(entries)
@@ -119,6 +120,8 @@ def unflatten(layout: dict[str, Any], data: np.ndarray) -> Any:
             t = torch.from_numpy(data[start : start + nbytes]).view(torch_dtype).view(shape)
         else:
             t = torch.empty(shape, dtype=torch_dtype)
+        if device is not None and device.type != "cpu":
+            t = t.to(device)
         if e.get("parameter"):
             return torch.nn.Parameter(t, requires_grad=e["requires_grad"])
         return t.requires_grad_(True) if e["requires_grad"] else t

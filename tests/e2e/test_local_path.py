@@ -13,7 +13,7 @@ import ckpt
 import pytest
 import torch
 from ckpt.format import COMMIT_NAME, data_name
-from states import assert_same, every_kind_state
+from states import Holder, Point, assert_same, every_kind_state
 
 pytestmark = pytest.mark.e2e
 WORKER = Path(__file__).with_name("rank_worker.py")
@@ -513,3 +513,14 @@ def test_a_failed_restore_leaves_nothing_half_restored(daemon):
     assert r.returncode == 1 and "no good copy of rank 1" in r.stderr
     assert "rank 0/2: 4194304 bytes from nvme, verified" in r.stderr
     assert not (daemon.base / "out" / "half" / "1").exists()
+
+
+def test_map_location_moves_every_tensor_wherever_it_sits(daemon):
+    state = {"t": torch.ones(3), "nt": Point(torch.zeros(2), 1), "obj": Holder(torch.arange(4))}
+    with ckpt.Checkpointer(job="maploc", address=daemon.address) as c:
+        c.save_async(state, step=1).wait(timeout=60)
+        moved = c.load(1, map_location="meta")  # a device every machine has
+        assert {moved["t"].device.type, moved["nt"].x.device.type, moved["obj"].tensor.device.type} == {"meta"}
+        assert moved["nt"].y == 1 and moved["obj"].tensor.shape == (4,)
+        with pytest.raises(ckpt.InvalidArgument, match="map_location"):
+            c.load(1, map_location="floppy:0")
