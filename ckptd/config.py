@@ -37,6 +37,9 @@ class StagingConfig:
 class PeerConfig:
     addresses: tuple[str, ...] = ()
     replicas: int = 1
+    cert: str = ""  # PEM files: set all three for TLS with client certificates between peers
+    key: str = ""
+    ca: str = ""
 
 
 @dataclass(frozen=True)
@@ -81,6 +84,21 @@ class Config:
     @property
     def staging_dir(self) -> Path:
         return Path(self.staging.dir)
+
+    @property
+    def replica_root(self) -> Path:
+        """Return where this node keeps the replicas other nodes send it (the peer tier's local part)."""
+        return self.root / ".peer"
+
+    @property
+    def peers(self) -> tuple[str, ...]:
+        """Return the other nodes' addresses: one list can serve every node, as its own is skipped."""
+        return tuple(a for a in dict.fromkeys(self.peer.addresses) if a != self.node.listen)
+
+    @property
+    def replicas(self) -> int:
+        """Return how many other nodes hold a copy of each shard: at most one per peer."""
+        return min(self.peer.replicas, len(self.peers))
 
 
 _SECTION_TYPES = {
@@ -184,6 +202,16 @@ def _check_values(c: Config) -> None:
         require(value == "" or _is_host_port(value), key, f"must be host:port, not {value!r}")
     for address in c.peer.addresses:
         require(_is_host_port(address), "peer.addresses", f"{address!r} is not host:port")
+    tls = [name for name in ("cert", "key", "ca") if getattr(c.peer, name)]
+    require(
+        len(tls) in (0, 3),
+        "peer." + ("cert" if "cert" not in tls else "key" if "key" not in tls else "ca"),
+        "set peer.cert, peer.key and peer.ca together (TLS with client certificates), or none of them",
+    )
+    for name in tls:
+        require(
+            Path(getattr(c.peer, name)).expanduser().is_file(), f"peer.{name}", f"{getattr(c.peer, name)} is not a file"
+        )
 
 
 def _is_host_port(value: str) -> bool:
@@ -207,4 +235,7 @@ def _resolve(c: Config) -> Config:
         shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(os.environ.get("TMPDIR", "/tmp"))
         staging_dir = str(shm / f"ckptd-{os.getuid()}-{hashlib.sha1(str(root).encode()).hexdigest()[:12]}")
     staging = dataclasses.replace(c.staging, dir=str(Path(staging_dir).expanduser().absolute()))
-    return dataclasses.replace(c, node=node, staging=staging)
+    peer = dataclasses.replace(
+        c.peer, **{k: str(Path(v).expanduser().absolute()) for k in ("cert", "key", "ca") if (v := getattr(c.peer, k))}
+    )
+    return dataclasses.replace(c, node=node, staging=staging, peer=peer)

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-PROTO = "ckpt/wire/v1/ckptd.proto"
+PROTOS = ["ckpt/wire/v1/ckptd.proto", "ckpt/wire/v1/peer.proto"]
 
 
 def test_generated_stubs_are_fresh(tmp_path):
@@ -20,12 +20,14 @@ def test_generated_stubs_are_fresh(tmp_path):
             f"--python_out={tmp_path}",
             f"--pyi_out={tmp_path}",
             f"--grpc_python_out={tmp_path}",
-            str(REPO / "protos" / PROTO),
+            *(str(REPO / "protos" / p) for p in PROTOS),
         ],
         check=True,
     )
     generated = sorted((tmp_path / "ckpt" / "wire" / "v1").glob("*.py*"))
-    assert [p.name for p in generated] == ["ckptd_pb2.py", "ckptd_pb2.pyi", "ckptd_pb2_grpc.py"]
+    assert [p.name for p in generated] == [
+        f"{name}{suffix}" for name in ("ckptd", "peer") for suffix in ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py")
+    ]
     for fresh in generated:
         committed = REPO / "client" / "ckpt" / "wire" / "v1" / fresh.name
         assert committed.read_text() == fresh.read_text(), (

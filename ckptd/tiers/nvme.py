@@ -36,6 +36,7 @@ from ckpt.format import (
 )
 from ckpt.shard_io import ShardSource
 
+from ckptd.cluster import Holding, seal_record
 from ckptd.tiers.base import DurableTier
 
 log = logging.getLogger(__name__)
@@ -154,40 +155,62 @@ class LocalDirTier(DurableTier):
         with the completed metadata as soon as they are known (before the writes
         are durable).
         """
-        step_dir = self.step_dir(meta.job, meta.step)
         what = f"rank {meta.rank} shard of {meta.job} step {meta.step} on tier {self.name}"
-        final = step_dir / data_name(meta.rank)
-        partial = final.with_name(final.name + PARTIAL_SUFFIX)
-        meta_path = step_dir / meta_name(meta.rank)
-        meta_partial = meta_path.with_name(meta_path.name + PARTIAL_SUFFIX)
-        lock = self._step_lock(meta.job, meta.step)
-        with lock:
-            self._refuse_if_complete(meta.job, meta.step, what)
-            if not step_dir.is_dir():
-                step_dir.mkdir(parents=True, exist_ok=True)
-                _fsync_dir(step_dir.parent)
-                _fsync_dir(self.root)
-            # A shard saved again replaces the old one: drop it first, so a failure
-            # below leaves the step without this rank rather than with stale bytes.
-            meta_path.unlink(missing_ok=True)
+        partial = self.partial_path(meta, uuid.uuid4().hex[:8])
         try:
+            self.prepare_shard(meta, what)
             meta = self._write_data(partial, meta, data, on_hashed, what)
-            write_file_durably(meta_partial, meta.to_bytes())
-            with lock:
-                self._refuse_if_complete(meta.job, meta.step, what)
-                os.replace(partial, final)
-                os.replace(meta_partial, meta_path)  # the shard counts as written from here on
-                _fsync_dir(step_dir)
+            self.install_shard(meta, partial, what)
         except BaseException as e:
             partial.unlink(missing_ok=True)
-            meta_partial.unlink(missing_ok=True)
             if isinstance(e, OSError):
                 raise ShardWriteError(f"{what}: {e.strerror or e}") from e
             raise
         return meta
 
-    def _refuse_if_complete(self, job: str, step: int, what: str) -> None:
-        if self._checked_commit(job, step) is not None:
+    def partial_path(self, meta: ShardMeta, transfer: str) -> Path:
+        """Name the temporary file that receives a shard's bytes before install_shard (removed at start-up)."""
+        return self.step_dir(meta.job, meta.step) / f"{data_name(meta.rank)}.{transfer}{PARTIAL_SUFFIX}"
+
+    def prepare_shard(self, meta: ShardMeta, what: str) -> None:
+        """Make the step directory ready for a shard, and drop an older copy of it.
+
+        Refused when the step is complete, unless meta is exactly the record the
+        step's commit lists for that rank (a replica, or a shard fetched back).
+        """
+        step_dir = self.step_dir(meta.job, meta.step)
+        with self._step_lock(meta.job, meta.step):
+            self._check_writable(meta, what)
+            if not step_dir.is_dir():
+                step_dir.mkdir(parents=True, exist_ok=True)
+                _fsync_dir(step_dir.parent)
+                _fsync_dir(self.root)
+            # A shard saved again replaces the old one: drop it first, so a failure
+            # later leaves the step without this rank rather than with stale bytes.
+            (step_dir / meta_name(meta.rank)).unlink(missing_ok=True)
+
+    def install_shard(self, meta: ShardMeta, partial: Path, what: str) -> None:
+        """Make a fully written and fsynced data file the rank's shard: its record is renamed in last."""
+        step_dir = self.step_dir(meta.job, meta.step)
+        meta_path = step_dir / meta_name(meta.rank)
+        meta_partial = meta_path.with_name(f"{meta_path.name}.{uuid.uuid4().hex[:8]}{PARTIAL_SUFFIX}")
+        try:
+            write_file_durably(meta_partial, meta.to_bytes())
+            with self._step_lock(meta.job, meta.step):
+                self._check_writable(meta, what)
+                os.replace(partial, step_dir / data_name(meta.rank))
+                os.replace(meta_partial, meta_path)  # the shard counts as written from here on
+                _fsync_dir(step_dir)
+        except BaseException:
+            meta_partial.unlink(missing_ok=True)
+            raise
+
+    def _check_writable(self, meta: ShardMeta, what: str) -> None:
+        record = self._checked_commit(meta.job, meta.step)
+        if record is None:
+            return
+        listed = meta.rank < record.world_size and record.shard_meta_xxh3_128[meta.rank] == digest(meta.to_bytes())
+        if not (meta.chunk_xxh3_128 and listed):
             raise ShardWriteError(f"{what}: the step is already complete; a complete step is never rewritten")
 
     def _write_data(
@@ -247,45 +270,89 @@ class LocalDirTier(DurableTier):
         return meta
 
     def try_commit(self, job: str, step: int, world_size: int, run_id: str = "") -> CommitRecord | None:
-        """Write the step's commit record if every rank's shard is in; return it, or None.
+        """Write the step's commit record if every rank's shard is in, all of one run; return it, or None.
 
-        A damaged record is moved aside and written anew from the shards' records.
+        With a run_id, shards of the step written by another run are stale and removed first.
         """
         with self._step_lock(job, step):
-            return self._try_commit(job, step, world_size, run_id)
+            state = self._commit_state(job, step)
+            if isinstance(state, CommitRecord):
+                return state
+            self._drop_other_runs(job, step, run_id)
+        record = seal_record(job, step, self.holdings(job, step), run_id or None, world_size)
+        if record is None:
+            metas = self.holdings(job, step)
+            odd = next((h for h in metas if h.world_size != world_size), None)
+            if odd is not None:
+                raise ShardWriteError(f"{job} step {step}: rank {odd.rank} was saved with world_size {odd.world_size}")
+            return None
+        return record if self.adopt_commit(record) else None
 
-    def _try_commit(self, job: str, step: int, world_size: int, run_id: str) -> CommitRecord | None:
+    def holdings(self, job: str, step: int, node: str = "") -> list[Holding]:
+        """Return the readable shard records of a step on this tier (a damaged one is logged and left out)."""
+        found = []
         step_dir = self.step_dir(job, step)
-        state = self._commit_state(job, step)
-        if isinstance(state, CommitRecord):
-            return state
-        metas: list[bytes] = []
-        size_bytes = 0
-        run_of_rank_0 = ""
-        self._drop_other_runs(job, step, run_id)
-        for rank in range(world_size):
+        for name in sorted(_names(step_dir)):
+            if not (name.startswith("rank-") and name.endswith(".meta.json")):
+                continue
             try:
-                raw = (step_dir / meta_name(rank)).read_bytes()
+                raw = (step_dir / name).read_bytes()
+                meta = ShardMeta.from_bytes(raw, str(step_dir / name))
             except FileNotFoundError:
-                return None
-            meta = ShardMeta.from_bytes(raw, str(step_dir / meta_name(rank)))
-            if meta.world_size != world_size:
-                raise ShardWriteError(f"{job} step {step}: rank {rank} was saved with world_size {meta.world_size}")
-            if rank and meta.run_id != run_of_rank_0:
-                return None  # shards of two runs: never sealed together (the later run's saves will replace them)
-            run_of_rank_0 = meta.run_id if rank == 0 else run_of_rank_0
-            metas.append(raw)
-            size_bytes += meta.data_size_bytes
-        record = CommitRecord(job, step, world_size, tuple(digest(m) for m in metas), size_bytes)
-        commit = step_dir / COMMIT_NAME
-        if state == "damaged":
-            os.replace(commit, step_dir / f"{COMMIT_NAME}.damaged-{uuid.uuid4().hex[:8]}")
-            log.warning("%s step %d on tier %s: moved a damaged commit record aside", job, step, self.name)
-        temporary = step_dir / f"{COMMIT_NAME}.{uuid.uuid4().hex}{PARTIAL_SUFFIX}"  # never shared by two writers
-        write_file_durably(temporary, record.to_bytes())
-        os.replace(temporary, commit)
-        _fsync_dir(step_dir)
-        return record
+                continue  # replaced or removed since it was listed
+            except (CheckpointError, OSError) as e:
+                log.error("ignoring damaged shard record %s: %s", step_dir / name, e)
+                continue
+            if (meta.job, meta.step, meta_name(meta.rank)) != (job, step, name):
+                log.error("ignoring shard record %s: it describes %s", step_dir / name, meta_name(meta.rank))
+                continue
+            tier = "peer" if self.name == "peer" else "nvme"
+            found.append(
+                Holding(
+                    node, tier, job, step, meta.rank, meta.world_size, meta.data_size_bytes, digest(raw), meta.run_id
+                )
+            )
+        return found
+
+    def adopt_commit(self, record: CommitRecord) -> bool:
+        """Seal a step with its commit record; return whether the step is complete here with that record.
+
+        Used once the step is complete across the cluster, on every node holding part
+        of it. Shards the record does not list (an earlier run's, a stale copy) are
+        removed first; the step directory must exist.
+        """
+        job, step = record.job, record.step
+        step_dir = self.step_dir(job, step)
+        with self._step_lock(job, step):
+            state = self._commit_state(job, step)
+            if isinstance(state, CommitRecord):
+                if state != record:
+                    log.error(
+                        "%s step %d on tier %s: kept its commit record over a different one", job, step, self.name
+                    )
+                return state == record
+            if not step_dir.is_dir():
+                return False
+            for h in self.holdings(job, step):
+                if h.rank >= record.world_size or record.shard_meta_xxh3_128[h.rank] != h.meta_digest:
+                    log.warning(
+                        "%s step %d on tier %s: dropping rank %d's shard, not the committed one",
+                        job,
+                        step,
+                        self.name,
+                        h.rank,
+                    )
+                    (step_dir / meta_name(h.rank)).unlink(missing_ok=True)
+                    (step_dir / data_name(h.rank)).unlink(missing_ok=True)
+            commit = step_dir / COMMIT_NAME
+            if state == "damaged":
+                os.replace(commit, step_dir / f"{COMMIT_NAME}.damaged-{uuid.uuid4().hex[:8]}")
+                log.warning("%s step %d on tier %s: moved a damaged commit record aside", job, step, self.name)
+            temporary = step_dir / f"{COMMIT_NAME}.{uuid.uuid4().hex}{PARTIAL_SUFFIX}"  # never shared by two writers
+            write_file_durably(temporary, record.to_bytes())
+            os.replace(temporary, commit)
+            _fsync_dir(step_dir)
+        return True
 
     def _drop_other_runs(self, job: str, step: int, run_id: str) -> None:
         # Shards left by an earlier run of the job that died before this step was whole:
