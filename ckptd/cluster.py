@@ -100,5 +100,5 @@ def placement(job: str, rank: int, peers: Iterable[str], replicas: int) -> list[
     copies spread over the peers, and a change to the peer list moves only the shards
     whose chosen peers changed.
     """
-    ranked = sorted(peers, key=lambda p: xxhash.xxh3_64_intdigest(f"{job}\0{rank}\0{p}"), reverse=True)
+    ranked = sorted(peers, key=lambda p: xxhash.xxh3_64_intdigest(f"{job}\0{rank}\0{p}".encode()), reverse=True)
     return ranked[:replicas]

@@ -235,7 +235,8 @@ def _resolve(c: Config) -> Config:
         shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(os.environ.get("TMPDIR", "/tmp"))
         staging_dir = str(shm / f"ckptd-{os.getuid()}-{hashlib.sha1(str(root).encode()).hexdigest()[:12]}")
     staging = dataclasses.replace(c.staging, dir=str(Path(staging_dir).expanduser().absolute()))
-    peer = dataclasses.replace(
-        c.peer, **{k: str(Path(v).expanduser().absolute()) for k in ("cert", "key", "ca") if (v := getattr(c.peer, k))}
-    )
+    def absolute(path: str) -> str:
+        return str(Path(path).expanduser().absolute()) if path else ""
+
+    peer = dataclasses.replace(c.peer, cert=absolute(c.peer.cert), key=absolute(c.peer.key), ca=absolute(c.peer.ca))
     return dataclasses.replace(c, node=node, staging=staging, peer=peer)
