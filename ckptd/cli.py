@@ -118,7 +118,7 @@ def _client(args: argparse.Namespace, config: Config) -> DaemonClient:
 
 
 def cmd_serve(args: argparse.Namespace, config: Config) -> int:
-    from ckptd.daemon import AlreadyServing, serve
+    from ckptd.daemon import AlreadyServing, ListenFailed, serve
 
     logging.basicConfig(
         level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
@@ -128,6 +128,9 @@ def cmd_serve(args: argparse.Namespace, config: Config) -> int:
     except AlreadyServing as e:
         print(f"ckptd: {e}", file=sys.stderr)
         return 1
+    except ListenFailed as e:
+        print(f"ckptd: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

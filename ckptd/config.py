@@ -235,6 +235,7 @@ def _resolve(c: Config) -> Config:
         shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(os.environ.get("TMPDIR", "/tmp"))
         staging_dir = str(shm / f"ckptd-{os.getuid()}-{hashlib.sha1(str(root).encode()).hexdigest()[:12]}")
     staging = dataclasses.replace(c.staging, dir=str(Path(staging_dir).expanduser().absolute()))
+
     def absolute(path: str) -> str:
         return str(Path(path).expanduser().absolute()) if path else ""
 

@@ -11,10 +11,12 @@ from pathlib import Path
 
 import grpc
 from ckpt.transport import MAX_MESSAGE_BYTES
-from ckpt.wire.v1 import ckptd_pb2_grpc
+from ckpt.wire.v1 import ckptd_pb2_grpc, peer_pb2_grpc
 
 from ckptd import sd_notify
 from ckptd.config import Config
+from ckptd.peer_link import grpc_options, server_credentials
+from ckptd.peer_server import PeerServicer
 from ckptd.pipeline import Pipeline
 from ckptd.server import CkptdServicer
 
@@ -25,6 +27,10 @@ STOP_GRACE_S = 5.0
 
 class AlreadyServing(Exception):
     """Another daemon answers on the configured socket."""
+
+
+class ListenFailed(Exception):
+    """The peer endpoint could not be bound."""
 
 
 async def serve(config: Config) -> None:
@@ -40,8 +46,13 @@ async def serve(config: Config) -> None:
     )
     ckptd_pb2_grpc.add_CkptdServicer_to_server(CkptdServicer(pipeline), server)
     server.add_insecure_port(f"unix:{config.socket_path}")
-    await server.start()
+    old_umask = os.umask(0o117)  # the socket is born owner/group only: no moment where others may connect
+    try:
+        await server.start()
+    finally:
+        os.umask(old_umask)
     os.chmod(config.socket_path, 0o660)
+    peer_server = await _serve_peers(config, pipeline) if config.node.listen else None
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -56,9 +67,29 @@ async def serve(config: Config) -> None:
     sd_notify.notify("STOPPING=1")
     watchdog.cancel()
     await server.stop(STOP_GRACE_S)
+    if peer_server is not None:
+        await peer_server.stop(STOP_GRACE_S)
     await pipeline.drain()
     config.socket_path.unlink(missing_ok=True)
     log.info("stopped")
+
+
+async def _serve_peers(config: Config, pipeline: Pipeline) -> grpc.aio.Server:
+    server = grpc.aio.server(options=grpc_options())
+    peer_pb2_grpc.add_CkptdPeerServicer_to_server(PeerServicer(pipeline), server)
+    credentials = server_credentials(config.peer)
+    try:
+        if credentials is None:
+            server.add_insecure_port(config.node.listen)
+        else:
+            server.add_secure_port(config.node.listen, credentials)
+    except RuntimeError as e:  # grpc says only "Failed to bind"
+        raise ListenFailed(f"cannot listen for peers on {config.node.listen} (node.listen): {e}") from None
+    await server.start()
+    log.info(
+        "serving peers on %s (%s)", config.node.listen, "TLS with client certificates" if credentials else "plaintext"
+    )
+    return server
 
 
 async def _watchdog(stop: asyncio.Event) -> None:

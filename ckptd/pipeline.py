@@ -18,15 +18,20 @@ import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from ckpt.errors import CheckpointError, InvalidArgument, NotFound
-from ckpt.format import CHUNK_SIZE_BYTES, ShardMeta, meta_name, validate_tier
+from ckpt.format import CHUNK_SIZE_BYTES, CommitRecord, ShardMeta, digest, meta_name, validate_tier
 from ckpt.shard_io import ShardSource
 
 from ckptd import __version__
 from ckptd.catalog import StepInfo, list_steps
+from ckptd.cluster import StepHoldings
 from ckptd.config import Config
+from ckptd.peering import Peering
+from ckptd.receiving import ReplicaReceiver
+from ckptd.replication import FAILURES_REPORTED
 from ckptd.retention import plan_removals
 from ckptd.staging import ShardKey, Slot, SlotPool, Snapshot
 from ckptd.tiers.base import DurableTier, Tier
@@ -36,6 +41,8 @@ from ckptd.tiers.nvme import LocalDirTier, ShardWriteError
 log = logging.getLogger(__name__)
 
 FLUSH_THREADS = 2
+PEER_THREADS = 8
+RECONCILE_S = 2.0  # how often a node catches up with its peers
 MAX_SHARD_BYTES = 1 << 50
 RECENT_ERRORS = 20
 REMEMBERED_SHARDS = 1 << 16  # shards known to have reached a tier, for waiters that come after retention
@@ -59,8 +66,13 @@ class Pipeline:
         self.pool = SlotPool(config.staging_dir, config.staging.budget_bytes, config.staging.policy)
         self.memory = MemoryTier(self.pool.slots)
         self.nvme = LocalDirTier(config.root)
-        self.tiers: list[Tier] = [self.memory, self.nvme]  # fastest first: loads try them in this order
-        self.durable_tiers: list[DurableTier] = [self.nvme]
+        self.replica_store = LocalDirTier(config.replica_root, name="peer")  # replicas other nodes sent here
+        self.tiers: list[Tier] = [self.memory, self.nvme, self.replica_store]  # fastest first: loads try them so
+        self.durable_tiers: list[DurableTier] = [self.nvme, self.replica_store]
+        self.peer_io = ThreadPoolExecutor(max_workers=PEER_THREADS, thread_name_prefix="peer")
+        self.receiver = ReplicaReceiver(self.replica_store, self.peer_io)
+        self.peering = Peering(config, self.nvme, self.replica_store, self.peer_io, self._wake_waiters)
+        self._reconciler: asyncio.Task[None] | None = None
         self._flush_threads = ThreadPoolExecutor(max_workers=FLUSH_THREADS, thread_name_prefix="flush")
         # Removing old steps is never urgent: at the lowest CPU priority, unlinking gigabytes
         # (with discard, seconds of kernel time) yields to training and to flushes.
@@ -83,8 +95,9 @@ class Pipeline:
     # -- lifecycle ---------------------------------------------------------------
 
     async def start(self) -> None:
-        """Clean up after an interrupted run and resume the flushes it left."""
+        """Clean up after an interrupted run, resume the flushes it left, and start catching up with peers."""
         self.config.root.mkdir(parents=True, exist_ok=True)
+        self.config.replica_root.mkdir(exist_ok=True)
         for tier in self.durable_tiers:
             for path in tier.remove_leftovers():
                 log.info("removed leftover %s from tier %s", path, tier.name)
@@ -104,13 +117,40 @@ class Pipeline:
                 log.info("resuming flush of %s", slot.shard)
                 self._start_flush(slot)
         await self._finish_interrupted_commits()
+        if self.peering.peer_tier is not None:
+            self._reconciler = asyncio.get_running_loop().create_task(self._reconcile_forever())
+
+    async def _reconcile_forever(self) -> None:
+        while True:
+            try:
+                await self.peering.reconcile()
+                await self.collect(dry_run=False, tiers=[self.replica_store])
+            except (CheckpointError, OSError) as e:
+                log.warning("catching up with the peers failed: %s", e)
+            except Exception:  # the loop must outlive any one bad round
+                log.exception("catching up with the peers failed unexpectedly")
+            await asyncio.sleep(RECONCILE_S)  # a period, not a wait for anything
+
+    def _wake_waiters(self) -> None:
+        async def wake() -> None:
+            async with self._changed:
+                self._changed.notify_all()
+
+        task = asyncio.get_running_loop().create_task(wake())
+        self._flushes.add(task)
+        task.add_done_callback(self._flushes.discard)
 
     async def drain(self) -> None:
-        """Wait for every queued flush to finish."""
+        """Wait for every queued flush and replica under way to finish."""
+        if self._reconciler is not None:
+            self._reconciler.cancel()
         while self._flushes:
             await asyncio.gather(*list(self._flushes), return_exceptions=True)
+        await self.peering.drain()
+        self.receiver.close()
         self._flush_threads.shutdown(wait=True)
         self._cleanup_thread.shutdown(wait=True)
+        self.peer_io.shutdown(wait=True)
         for tier in self.durable_tiers:
             tier.close()
 
@@ -167,6 +207,8 @@ class Pipeline:
             try:
                 await loop.run_in_executor(self._flush_threads, self._flush_to_nvme, slot, key)
                 self._remember(key, "nvme")
+                if slot.meta is not None:
+                    self.peering.shard_flushed(key, slot.meta, slot.path)
                 self._counters["flushed"] += 1
                 self._counters["bytes_flushed"] += slot.data_size_bytes
             except Exception as e:  # a flush must never fail silently, whatever broke
@@ -210,9 +252,8 @@ class Pipeline:
             ):
                 try:
                     # Sealed from the latest run that committed the step: a late flush of an
-                    # earlier run drops its own shard here, never the newer run's.
-                    run_id = self._latest_run.get((key.job, key.step), "")
-                    record = await asyncio.to_thread(self.nvme.try_commit, key.job, key.step, key.world_size, run_id)
+                    # earlier run never counts beside the newer run's shards.
+                    record = await self.peering.seal(key.job, key.step, self._latest_run.get((key.job, key.step)))
                 except (CheckpointError, OSError) as e:
                     self._record_failure(key, "nvme", f"commit of {key.job} step {key.step} failed: {e}")
         async with self._changed:
@@ -276,12 +317,18 @@ class Pipeline:
     async def wait_shard(self, key: ShardKey, tier: str, timeout_s: float) -> tuple[bool, str]:
         """Return (done, error) for a shard on a tier, waiting up to timeout_s for it."""
         validate_tier(tier)
-        if tier in ("peer", "object"):
+        if tier == "object" or (tier == "peer" and self.peering.replication is None):
             return False, f"tier {tier} is not configured on node {self.config.node.name}"
         deadline = time.monotonic() + timeout_s
         async with self._changed:
             while True:
-                if self._reached_tier(key, tier):
+                if tier == "peer":
+                    done, error, failures = self.peering.replicated(key)
+                    if done:
+                        return True, ""
+                    if failures >= FAILURES_REPORTED:
+                        return False, error
+                elif self._reached_tier(key, tier):
                     return True, ""
                 if key in self._failures:
                     return False, self._failures[key]
@@ -298,44 +345,109 @@ class Pipeline:
             return self.tiers
         return [t for t in self.tiers if t.name == validate_tier(tier)]
 
-    def locate(self, job: str, step: int | None, rank: int, tier: str = "auto") -> tuple[int, int, list[ShardSource]]:
-        """Return (step, world_size, sources fastest first) for a rank's shard of a complete step."""
+    async def locate(
+        self, job: str, step: int | None, rank: int, tier: str = "auto"
+    ) -> tuple[int, int, list[ShardSource]]:
+        """Return (step, world_size, sources fastest first) for a rank's shard of a complete step.
+
+        A shard that no tier of this node holds is fetched from the peers first (a
+        wiped disk, or the ranks of a lost node), verified and written to NVMe.
+        """
         tiers = self._tiers(tier)
+        from_peers = tier in ("", "auto", "peer")
         complete = {t.name: set(t.complete_steps(job)) for t in tiers}
         steps = set().union(*complete.values())
+        if from_peers and (step is None or step not in steps):
+            steps |= set(await self.peering.complete_steps(job))
         if step is None:
             if not steps:
                 raise NotFound(f"job {job} has no complete step on tier {tier or 'auto'}")
             step = max(steps)
         if step not in steps:
             raise NotFound(f"{job} step {step} is not complete on tier {tier or 'auto'}")
-        sources, world_size = [], 0
+        record = self._commit_record(job, step)
+        sources = self._local_sources(tiers, job, step, rank, record)
+        if not sources and from_peers and self.peering.peer_tier is not None:
+            if record is not None and rank >= record.world_size:
+                raise NotFound(f"{job} step {step} has no rank {rank} (world_size {record.world_size})")
+            await self.peering.fetch(job, step, rank)
+            record = self._commit_record(job, step)
+            sources = [
+                ShardSource(tier if tier == "peer" else "nvme", "dir", str(self.nvme.step_dir(job, step)), job, step)
+            ]
+        if record is None or not sources:
+            world_size = record.world_size if record else 0
+            raise NotFound(f"{job} step {step} has no rank {rank} on tier {tier or 'auto'} (world_size {world_size})")
+        return step, record.world_size, sources
+
+    def _commit_record(self, job: str, step: int) -> CommitRecord | None:
+        for t in self.tiers:
+            if step in t.complete_steps(job):
+                return t.commit_record(job, step)
+        return None
+
+    def _local_sources(
+        self, tiers: list[Tier], job: str, step: int, rank: int, record: CommitRecord | None
+    ) -> list[ShardSource]:
+        """Return the copies of a rank's shard on this node that belong to the step's commit record."""
+        if record is None or rank >= record.world_size:
+            return []
+        sources = []
         for t in tiers:
-            if step in complete[t.name]:
-                world_size = t.commit_record(job, step).world_size
-                if rank < world_size:
-                    sources.append(t.shard_source(job, step, rank))
-        if not sources:
-            raise NotFound(f"{job} step {step} has no rank {rank} (world_size {world_size})")
-        return step, world_size, sources
+            if not t.has_shard(job, step, rank):
+                continue
+            if step not in t.complete_steps(job):  # a snapshot in memory of a step sealed across nodes
+                try:
+                    if digest(t.read_meta(job, step, rank).to_bytes()) != record.shard_meta_xxh3_128[rank]:
+                        continue
+                except CheckpointError:
+                    continue
+            sources.append(t.shard_source(job, step, rank))
+        return sources
 
-    def list_steps(self, job: str = "") -> list[StepInfo]:
-        """Return every complete step on any tier, by job and step."""
-        return list_steps(self.tiers, job)
+    async def list_steps(self, job: str = "") -> list[StepInfo]:
+        """Return every complete step on any tier, by job and step (with peers, as the cluster sees it)."""
+        return await self.peering.list_steps(list_steps(self.tiers, job), job)
 
-    async def collect(self, dry_run: bool, job: str = "", keep_newest: bool = True) -> list[Removal]:
+    async def holdings(self, job: str, step: int | None) -> list[StepHoldings]:
+        """Return what this node holds, for a peer's Inventory."""
+        return list(
+            await asyncio.get_running_loop().run_in_executor(self.peer_io, self.peering.local_holdings, job, step)
+        )
+
+    async def adopt_commit(self, record: CommitRecord) -> None:
+        """Seal a step that a peer found complete, where this node holds part of it."""
+        if await self.peering.adopt(record):
+            log.info("%s step %d is complete across the cluster", record.job, record.step)
+        async with self._changed:
+            self._changed.notify_all()
+
+    async def shard_for_peer(self, job: str, step: int, rank: int, tier: str) -> tuple[ShardMeta, bytes, Path]:
+        """Return (record, its bytes, data file) of a shard of a complete step that a peer asks for."""
+        for t in (self.nvme, self.replica_store):
+            if tier in ("", t.name) and step in t.complete_steps(job) and t.has_shard(job, step, rank):
+                source = t.shard_source(job, step, rank)
+                meta_bytes = source.meta_path(rank).read_bytes()
+                return ShardMeta.from_bytes(meta_bytes, str(source.meta_path(rank))), meta_bytes, source.data_path(rank)
+        raise NotFound(
+            f"node {self.config.node.name} holds no rank {rank} shard of {job} step {step} on tier {tier or 'any'}"
+        )
+
+    async def collect(
+        self, dry_run: bool, job: str = "", keep_newest: bool = True, tiers: list[DurableTier] | None = None
+    ) -> list[Removal]:
         """Apply retention: remove what the config says not to keep; with dry_run only report it.
 
         keep_newest=False removes only the incomplete steps that can no longer complete.
         """
         async with self._collect_lock:  # one pass at a time: two would race to remove the same step
-            return await self._collect(dry_run, job, keep_newest)
+            return await self._collect(dry_run, job, keep_newest, tiers or self.durable_tiers)
 
-    async def _collect(self, dry_run: bool, job: str, keep_newest: bool) -> list[Removal]:
+    async def _collect(self, dry_run: bool, job: str, keep_newest: bool, tiers: list[DurableTier]) -> list[Removal]:
         loop = asyncio.get_running_loop()
         busy = {(s.shard.job, s.shard.step) for s in self.pool.slots() if s.state == "pending" and s.shard}
         removals: list[Removal] = []
-        for tier in self.durable_tiers:
+        for tier in tiers:
             keep = getattr(self.config.retention, tier.name) if keep_newest else 0
             for j in [job] if job else tier.jobs():
                 plan = plan_removals(
@@ -362,7 +474,7 @@ class Pipeline:
             "tiers": {
                 "memory": {"dir": str(self.config.staging_dir), "jobs": self.memory.jobs()},
                 "nvme": {"root": str(self.config.root), "jobs": self.nvme.jobs()},
-                "peer": {"enabled": False},
+                "peer": {"replica_root": str(self.config.replica_root), **self.peering.status()},
                 "object": {"enabled": False},
             },
             "staging": {

@@ -10,7 +10,6 @@ from pathlib import Path
 
 from ckpt.errors import CheckpointError, CorruptCheckpoint, NotFound
 from ckpt.format import DIRECT_IO_ALIGN_BYTES, round_up, validate_tier
-from ckpt.shard_io import read_meta, read_shard_into
 
 from ckptd.config import Config
 from ckptd.tiers.base import Tier
@@ -42,7 +41,8 @@ def latest_step(tiers: list[Tier], job: str) -> int:
 
 
 @contextmanager
-def _aligned_buffer(size_bytes: int) -> Iterator[memoryview]:
+def aligned_buffer(size_bytes: int) -> Iterator[memoryview]:
+    """Lend a page-aligned buffer of at least size_bytes, rounded up for direct I/O."""
     with mmap.mmap(-1, max(round_up(size_bytes, DIRECT_IO_ALIGN_BYTES), DIRECT_IO_ALIGN_BYTES)) as m:
         view = memoryview(m)
         try:
@@ -66,10 +66,9 @@ def restore(tiers: list[Tier], job: str, step: int, target: Path, progress: Prog
             errors = []
             for tier in holders:
                 try:
-                    source = tier.shard_source(job, step, rank)
-                    meta = read_meta(source, rank)
-                    with _aligned_buffer(meta.data_size_bytes) as buf:
-                        read_shard_into(source, meta, buf)
+                    meta = tier.read_meta(job, step, rank)
+                    with aligned_buffer(meta.data_size_bytes) as buf:
+                        tier.read_into(meta, buf)
                         out.write_shard(meta, buf)
                     progress(f"rank {rank}/{world_size}: {meta.data_size_bytes} bytes from {tier.name}, verified")
                     break
@@ -118,10 +117,9 @@ def verify(tiers: list[Tier], job: str, step: int | None) -> Iterator[ShardCheck
                 continue
             for rank in range(world_size):
                 try:
-                    source = tier.shard_source(job, s, rank)
-                    meta = read_meta(source, rank)
-                    with _aligned_buffer(meta.data_size_bytes) as buf:
-                        read_shard_into(source, meta, buf)
+                    meta = tier.read_meta(job, s, rank)
+                    with aligned_buffer(meta.data_size_bytes) as buf:
+                        tier.read_into(meta, buf)
                     yield ShardCheck(tier.name, job, s, rank, "")
                 except CheckpointError as e:
                     if isinstance(e, NotFound) and tier.name == "memory":

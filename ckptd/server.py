@@ -8,7 +8,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 import grpc
-from ckpt.errors import CheckpointError, InvalidArgument, NotFound, ReservationLost
+from ckpt.errors import CheckpointError, CorruptCheckpoint, InvalidArgument, NotFound, ReservationLost
 from ckpt.format import validate_job, validate_rank, validate_step
 from ckpt.wire.v1 import ckptd_pb2 as pb
 from ckpt.wire.v1 import ckptd_pb2_grpc
@@ -26,7 +26,8 @@ def _shard_key(shard: pb.ShardId) -> ShardKey:
     return ShardKey(validate_job(shard.job), validate_step(shard.step), rank, world_size)
 
 
-async def _answer(context: grpc.aio.ServicerContext, work: Callable[[], Awaitable[T]]) -> T:
+async def answer(context: grpc.aio.ServicerContext, work: Callable[[], Awaitable[T]]) -> T:
+    """Run an RPC's work, turning ckpt errors into gRPC status codes."""
     try:
         return await work()
     except InvalidArgument as e:
@@ -35,6 +36,8 @@ async def _answer(context: grpc.aio.ServicerContext, work: Callable[[], Awaitabl
         await context.abort(grpc.StatusCode.NOT_FOUND, str(e))
     except ReservationLost as e:
         await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+    except CorruptCheckpoint as e:
+        await context.abort(grpc.StatusCode.DATA_LOSS, str(e))
     except (CheckpointError, OSError) as e:
         await context.abort(grpc.StatusCode.INTERNAL, str(e))
     raise AssertionError("unreachable")
@@ -63,7 +66,7 @@ class CkptdServicer(ckptd_pb2_grpc.CkptdServicer):
                 spare_slot_size_bytes=spare.size_bytes if spare else 0,
             )
 
-        return await _answer(context, work)
+        return await answer(context, work)
 
     async def Commit(self, request: pb.CommitRequest, context: Any) -> pb.CommitReply:
         async def work() -> pb.CommitReply:
@@ -81,7 +84,7 @@ class CkptdServicer(ckptd_pb2_grpc.CkptdServicer):
             )
             return pb.CommitReply()
 
-        return await _answer(context, work)
+        return await answer(context, work)
 
     async def WaitShard(self, request: pb.WaitShardRequest, context: Any) -> pb.WaitShardReply:
         async def work() -> pb.WaitShardReply:
@@ -92,7 +95,7 @@ class CkptdServicer(ckptd_pb2_grpc.CkptdServicer):
             done, error = await self.pipeline.wait_shard(key, request.tier, timeout_s)
             return pb.WaitShardReply(done=done, error=error)
 
-        return await _answer(context, work)
+        return await answer(context, work)
 
     async def Locate(self, request: pb.LocateRequest, context: Any) -> pb.LocateReply:
         async def work() -> pb.LocateReply:
@@ -100,7 +103,7 @@ class CkptdServicer(ckptd_pb2_grpc.CkptdServicer):
             step = None if request.step == -1 else validate_step(request.step)
             if request.rank < 0:
                 raise InvalidArgument(f"invalid rank {request.rank}")
-            step, world_size, sources = self.pipeline.locate(job, step, request.rank, request.tier)
+            step, world_size, sources = await self.pipeline.locate(job, step, request.rank, request.tier)
             return pb.LocateReply(
                 found=True,
                 step=step,
@@ -108,12 +111,12 @@ class CkptdServicer(ckptd_pb2_grpc.CkptdServicer):
                 sources=[pb.Source(tier=s.tier, kind=s.kind, path=s.path) for s in sources],
             )
 
-        return await _answer(context, work)
+        return await answer(context, work)
 
     async def List(self, request: pb.ListRequest, context: Any) -> pb.ListReply:
         async def work() -> pb.ListReply:
             job = validate_job(request.job) if request.job else ""
-            steps = self.pipeline.list_steps(job)
+            steps = await self.pipeline.list_steps(job)
             return pb.ListReply(
                 steps=[
                     pb.StepInfo(job=s.job, step=s.step, world_size=s.world_size, size_bytes=s.size_bytes, tiers=s.tiers)
@@ -121,13 +124,13 @@ class CkptdServicer(ckptd_pb2_grpc.CkptdServicer):
                 ]
             )
 
-        return await _answer(context, work)
+        return await answer(context, work)
 
     async def Status(self, request: pb.StatusRequest, context: Any) -> pb.StatusReply:
         async def work() -> pb.StatusReply:
             return pb.StatusReply(json=json.dumps(self.pipeline.status()))
 
-        return await _answer(context, work)
+        return await answer(context, work)
 
     async def Collect(self, request: pb.CollectRequest, context: Any) -> pb.CollectReply:
         async def work() -> pb.CollectReply:
@@ -136,4 +139,4 @@ class CkptdServicer(ckptd_pb2_grpc.CkptdServicer):
                 removals=[pb.Removal(tier=r.tier, job=r.job, step=r.step, reason=r.reason) for r in removals]
             )
 
-        return await _answer(context, work)
+        return await answer(context, work)

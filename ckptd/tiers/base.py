@@ -5,6 +5,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 
+from ckpt import shard_io
 from ckpt.format import CommitRecord, ShardMeta
 from ckpt.shard_io import ShardSource
 
@@ -33,7 +34,19 @@ class Tier(ABC):
 
     @abstractmethod
     def shard_source(self, job: str, step: int, rank: int) -> ShardSource:
-        """Say where a rank's shard of a complete step can be read."""
+        """Say where a rank's shard of a complete step can be read on this node."""
+
+    @abstractmethod
+    def has_shard(self, job: str, step: int, rank: int) -> bool:
+        """Say whether a rank's shard of a step is fully written here (in a cluster, a node holds some ranks)."""
+
+    def read_meta(self, job: str, step: int, rank: int) -> ShardMeta:
+        """Return a rank's shard record of a complete step, checked against the step's commit record."""
+        return shard_io.read_meta(self.shard_source(job, step, rank), rank)
+
+    def read_into(self, meta: ShardMeta, buffer: memoryview) -> None:
+        """Fill buffer with the shard's bytes, checking every chunk; raise CorruptCheckpoint naming the tier."""
+        shard_io.read_shard_into(self.shard_source(meta.job, meta.step, meta.rank), meta, buffer)
 
 
 class DurableTier(Tier):
@@ -58,10 +71,6 @@ class DurableTier(Tier):
         If meta carries checksums, the bytes are checked against them on the way;
         if not, they are computed once and on_hashed receives the completed metadata.
         """
-
-    @abstractmethod
-    def has_shard(self, job: str, step: int, rank: int) -> bool:
-        """Say whether a rank's shard of a step is fully written."""
 
     @abstractmethod
     def all_steps(self, job: str) -> list[int]:

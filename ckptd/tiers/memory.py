@@ -70,6 +70,9 @@ class MemoryTier(Tier):
             sum(m.data_size_bytes for m in metas if m),
         )
 
+    def has_shard(self, job: str, step: int, rank: int) -> bool:
+        return rank in self._held(job, step)
+
     def shard_source(self, job: str, step: int, rank: int) -> ShardSource:
         slot = self._held(job, step).get(rank)
         if slot is None:

@@ -81,10 +81,10 @@ class LocalDirTier(DurableTier):
 
     def complete_steps(self, job: str) -> list[int]:
         """Return the steps whose commit record is in place and checks; a damaged one is logged and left out."""
-        return [s for s in self.all_steps(job) if self._checked_commit(job, s) is not None]
+        return [s for s in self.all_steps(job) if self.checked_commit(job, s) is not None]
 
-    def _checked_commit(self, job: str, step: int) -> CommitRecord | None:
-        """Return the step's commit record if it is there and checks, else None."""
+    def checked_commit(self, job: str, step: int) -> CommitRecord | None:
+        """Return the step's commit record if it is there and checks, else None (not complete here)."""
         record = self._commit_state(job, step)
         return record if isinstance(record, CommitRecord) else None
 
@@ -117,7 +117,7 @@ class LocalDirTier(DurableTier):
 
     def commit_record(self, job: str, step: int) -> CommitRecord:
         """Return a complete step's commit record."""
-        record = self._checked_commit(validate_job(job), step)
+        record = self.checked_commit(validate_job(job), step)
         if record is None:
             raise NotFound(f"{job} step {step} is not complete on tier {self.name}")
         return record
@@ -206,7 +206,7 @@ class LocalDirTier(DurableTier):
             raise
 
     def _check_writable(self, meta: ShardMeta, what: str) -> None:
-        record = self._checked_commit(meta.job, meta.step)
+        record = self.checked_commit(meta.job, meta.step)
         if record is None:
             return
         listed = meta.rank < record.world_size and record.shard_meta_xxh3_128[meta.rank] == digest(meta.to_bytes())

@@ -9,7 +9,7 @@ from typing import Any
 
 import grpc
 
-from ckpt.errors import CheckpointError, DaemonUnavailable, InvalidArgument, NotFound, ReservationLost
+from ckpt.errors import CheckpointError, CorruptCheckpoint, DaemonUnavailable, InvalidArgument, NotFound, ReservationLost
 from ckpt.wire.v1 import ckptd_pb2_grpc
 
 MAX_MESSAGE_BYTES = 256 << 20
@@ -63,6 +63,8 @@ class DaemonClient:
                 raise InvalidArgument(detail) from None
             if code == grpc.StatusCode.NOT_FOUND:
                 raise NotFound(detail) from None
+            if code == grpc.StatusCode.DATA_LOSS:
+                raise CorruptCheckpoint(detail) from None
             if code == grpc.StatusCode.FAILED_PRECONDITION:
                 raise ReservationLost(detail) from None
             if code == grpc.StatusCode.DEADLINE_EXCEEDED:

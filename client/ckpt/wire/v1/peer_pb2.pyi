@@ -39,16 +39,18 @@ class SealShardReply(_message.Message):
     def __init__(self) -> None: ...
 
 class GetShardRequest(_message.Message):
-    __slots__ = ("job", "step", "rank", "tier")
+    __slots__ = ("job", "step", "rank", "tier", "meta_only")
     JOB_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
+    META_ONLY_FIELD_NUMBER: _ClassVar[int]
     job: str
     step: int
     rank: int
     tier: str
-    def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., rank: _Optional[int] = ..., tier: _Optional[str] = ...) -> None: ...
+    meta_only: bool
+    def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., rank: _Optional[int] = ..., tier: _Optional[str] = ..., meta_only: _Optional[bool] = ...) -> None: ...
 
 class InventoryRequest(_message.Message):
     __slots__ = ("job", "step")

@@ -1,0 +1,214 @@
+"""Talk to another node's daemon over the peer protocol: send replicas, ask inventories, fetch shards.
+
+Blocking calls, made from worker threads (never from the event loop). Every
+failure is a PeerError naming the peer; a replica the peer rejected for a bad
+chunk is a ReplicaRejected.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import grpc
+from ckpt.errors import CheckpointError, CorruptCheckpoint, NotFound
+from ckpt.format import CommitRecord, ShardMeta, validate_job, validate_step
+from ckpt.wire.v1 import peer_pb2 as pb
+from ckpt.wire.v1 import peer_pb2_grpc
+
+from ckptd.cluster import Holding, StepHoldings
+from ckptd.config import PeerConfig
+from ckptd.shard_stream import byte_ranges, fill_from_pieces, read_pieces
+
+MAX_MESSAGE_BYTES = 64 << 20
+STREAMS_PER_SHARD = 4
+CALL_TIMEOUT_S = 10.0
+MIN_TRANSFER_BYTES_PER_S = 20 << 20  # a stream slower than this is given up and retried
+
+
+class PeerError(CheckpointError):
+    """A peer could not be reached, or refused a request; the message names the peer."""
+
+
+class ReplicaRejected(PeerError):
+    """The peer found a bad chunk in a replica it received (the sender's copy or the wire is at fault)."""
+
+
+def grpc_options() -> list[tuple[str, Any]]:
+    """Return the channel and server options of the peer protocol."""
+    return [
+        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ]
+
+
+def _read(path: str) -> bytes:
+    return Path(path).read_bytes()
+
+
+def server_credentials(peer: PeerConfig) -> grpc.ServerCredentials | None:
+    """Return TLS credentials that require a client certificate signed by peer.ca, or None without TLS."""
+    if not peer.cert:
+        return None
+    return grpc.ssl_server_credentials(
+        [(_read(peer.key), _read(peer.cert))], root_certificates=_read(peer.ca), require_client_auth=True
+    )
+
+
+def channel_credentials(peer: PeerConfig) -> grpc.ChannelCredentials | None:
+    """Return TLS credentials presenting peer.cert and trusting peer.ca, or None without TLS."""
+    if not peer.cert:
+        return None
+    return grpc.ssl_channel_credentials(
+        root_certificates=_read(peer.ca), private_key=_read(peer.key), certificate_chain=_read(peer.cert)
+    )
+
+
+def holdings_to_pb(steps: list[StepHoldings]) -> list[pb.StepHoldings]:
+    """Turn a node's holdings into Inventory messages."""
+    return [
+        pb.StepHoldings(
+            job=s.job,
+            step=s.step,
+            commit_json=s.record.to_bytes() if s.record else b"",
+            shards=[
+                pb.Holding(
+                    tier=h.tier,
+                    rank=h.rank,
+                    world_size=h.world_size,
+                    data_size_bytes=h.data_size_bytes,
+                    meta_xxh3_128=h.meta_digest,
+                    run_id=h.run_id,
+                )
+                for h in s.shards
+            ],
+        )
+        for s in steps
+    ]
+
+
+def holdings_from_pb(node: str, steps: Any) -> list[StepHoldings]:
+    """Turn Inventory messages from a peer into holdings, validating every name in them."""
+    found = []
+    for s in steps:
+        job, step = validate_job(s.job), validate_step(s.step)
+        record = CommitRecord.from_bytes(s.commit_json, f"{job} step {step} from {node}") if s.commit_json else None
+        if record is not None and (record.job, record.step) != (job, step):
+            raise CorruptCheckpoint(f"{node} sent the commit record of {record.job} step {record.step} for step {step}")
+        shards = tuple(
+            Holding(node, h.tier, job, step, h.rank, h.world_size, h.data_size_bytes, h.meta_xxh3_128, h.run_id)
+            for h in s.shards
+            if h.tier in ("nvme", "peer") and 0 <= h.rank < h.world_size
+        )
+        found.append(StepHoldings(node, job, step, record, shards))
+    return found
+
+
+class PeerLink:
+    """One peer daemon, reached over one gRPC channel (TLS when configured)."""
+
+    def __init__(self, address: str, peer: PeerConfig) -> None:
+        self.address = address
+        credentials = channel_credentials(peer)
+        if credentials is None:
+            self._channel = grpc.insecure_channel(address, options=grpc_options())
+        else:
+            self._channel = grpc.secure_channel(address, credentials, options=grpc_options())
+        self._stub = peer_pb2_grpc.CkptdPeerStub(self._channel)
+
+    def close(self) -> None:
+        """Close the channel."""
+        self._channel.close()
+
+    def _call(self, what: str, call: Callable[[], Any]) -> Any:
+        try:
+            return call()
+        except grpc.RpcError as e:
+            code, detail = e.code(), e.details() or str(e.code())
+            if code == grpc.StatusCode.DATA_LOSS:
+                raise ReplicaRejected(f"peer {self.address} rejected {what}: {detail}") from None
+            if code == grpc.StatusCode.NOT_FOUND:
+                raise NotFound(f"peer {self.address}: {detail}") from None
+            raise PeerError(f"peer {self.address}: {what} failed: {code.name} {detail}") from None
+
+    def inventory(self, job: str = "", step: int = -1, timeout_s: float = CALL_TIMEOUT_S) -> list[StepHoldings]:
+        """Return what the peer holds of a job's step (or of everything)."""
+        reply = self._call(
+            "inventory", lambda: self._stub.Inventory(pb.InventoryRequest(job=job, step=step), timeout=timeout_s)
+        )
+        try:
+            return holdings_from_pb(self.address, reply.steps)  # nodes are known by address in the cluster view
+        except CheckpointError as e:
+            raise PeerError(f"peer {self.address} sent a bad inventory: {e}") from None
+
+    def commit_step(self, record: CommitRecord, timeout_s: float = CALL_TIMEOUT_S) -> None:
+        """Tell the peer a step is complete."""
+        self._call(
+            f"commit of {record.job} step {record.step}",
+            lambda: self._stub.CommitStep(pb.CommitStepRequest(commit_json=record.to_bytes()), timeout=timeout_s),
+        )
+
+    def put_shard(
+        self, meta: ShardMeta, path: Path, streams: ThreadPoolExecutor, record: CommitRecord | None = None
+    ) -> None:
+        """Send a replica of a shard read from path, on several streams at once, and have the peer seal it."""
+        what = f"rank {meta.rank} shard of {meta.job} step {meta.step}"
+        transfer = uuid.uuid4().hex
+        meta_json = meta.to_bytes()
+        ranges = byte_ranges(meta, STREAMS_PER_SHARD)
+        sends = [streams.submit(self._put_range, meta, meta_json, transfer, path, lo, n, what) for lo, n in ranges]
+        errors = [e for f in sends if (e := f.exception()) is not None]
+        if errors:
+            raise errors[0]
+        request = pb.SealShardRequest(
+            meta_json=meta_json, transfer=transfer, commit_json=record.to_bytes() if record else b""
+        )
+        self._call(f"sealing the replica of {what}", lambda: self._stub.SealShard(request, timeout=CALL_TIMEOUT_S))
+
+    def _put_range(
+        self, meta: ShardMeta, meta_json: bytes, transfer: str, path: Path, offset: int, length: int, what: str
+    ) -> None:
+        local_failure: list[BaseException] = []  # gRPC reports a failing request iterator only as CANCELLED
+
+        def pieces() -> Iterator[pb.ShardPiece]:
+            try:
+                yield pb.ShardPiece(meta_json=meta_json, transfer=transfer, offset=offset, length=length)
+                for data in read_pieces(path, meta, offset, length, f"{what} at {path}"):
+                    yield pb.ShardPiece(data=data)
+            except Exception as e:
+                local_failure.append(e)
+                raise
+
+        timeout_s = CALL_TIMEOUT_S + length / MIN_TRANSFER_BYTES_PER_S
+        try:
+            self._call(f"replica of {what}", lambda: self._stub.PutShard(pieces(), timeout=timeout_s))
+        except PeerError:
+            if local_failure:
+                raise local_failure[0] from None
+            raise
+
+    def fetch_meta(self, job: str, step: int, rank: int, tier: str = "") -> ShardMeta:
+        """Return the record of a rank's shard of a complete step that the peer holds."""
+        request = pb.GetShardRequest(job=job, step=step, rank=rank, tier=tier, meta_only=True)
+        what = f"rank {rank} shard record of {job} step {step}"
+        for piece in self._call(what, lambda: list(self._stub.GetShard(request, timeout=CALL_TIMEOUT_S))):
+            return ShardMeta.from_bytes(piece.meta_json, f"{what} from peer {self.address}")
+        raise PeerError(f"peer {self.address} sent nothing for {what}")
+
+    def fetch_into(self, meta: ShardMeta, buffer: memoryview, tier: str = "") -> None:
+        """Fill buffer with a shard's bytes from the peer, checking every chunk against meta."""
+        request = pb.GetShardRequest(job=meta.job, step=meta.step, rank=meta.rank, tier=tier)
+        what = f"rank {meta.rank} shard of {meta.job} step {meta.step} from peer {self.address}"
+        timeout_s = CALL_TIMEOUT_S + meta.data_size_bytes / MIN_TRANSFER_BYTES_PER_S
+
+        def fill() -> None:
+            replies = iter(self._stub.GetShard(request, timeout=timeout_s))
+            first = next(replies, None)
+            if first is None or first.meta_json != meta.to_bytes():
+                raise CorruptCheckpoint(f"{what}: the peer holds a different copy of the shard")
+            fill_from_pieces(buffer, meta, (r.data for r in replies), what)
+
+        self._call(what, fill)

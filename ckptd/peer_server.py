@@ -1,0 +1,100 @@
+"""Translate the peer protocol's messages to Pipeline calls and back; no logic of its own lives here."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+from ckpt.errors import CorruptCheckpoint, InvalidArgument
+from ckpt.format import CommitRecord, ShardMeta, validate_job, validate_step
+from ckpt.wire.v1 import peer_pb2 as pb
+from ckpt.wire.v1 import peer_pb2_grpc
+
+from ckptd.peer_link import holdings_to_pb
+from ckptd.pipeline import Pipeline
+from ckptd.server import answer
+from ckptd.shard_stream import read_pieces
+
+
+def _shard_meta(data: bytes) -> ShardMeta:
+    try:
+        return ShardMeta.from_bytes(data, "shard record from a peer")
+    except CorruptCheckpoint as e:
+        raise InvalidArgument(str(e)) from None
+
+
+def _commit_record(data: bytes) -> CommitRecord:
+    try:
+        return CommitRecord.from_bytes(data, "commit record from a peer")
+    except CorruptCheckpoint as e:
+        raise InvalidArgument(str(e)) from None
+
+
+class PeerServicer(peer_pb2_grpc.CkptdPeerServicer):
+    """Serve ckpt/wire/v1/peer.proto to other nodes' daemons."""
+
+    def __init__(self, pipeline: Pipeline) -> None:
+        self.pipeline = pipeline
+
+    async def PutShard(self, request_iterator: AsyncIterator[pb.ShardPiece], context: Any) -> pb.PutShardReply:
+        async def work() -> pb.PutShardReply:
+            first = await anext(aiter(request_iterator), None)
+            if first is None:
+                raise InvalidArgument("PutShard carried no pieces")
+            meta = _shard_meta(first.meta_json)
+
+            async def data() -> AsyncIterator[bytes]:
+                if first.data:
+                    yield first.data
+                async for piece in request_iterator:
+                    yield piece.data
+
+            await self.pipeline.receiver.receive_range(meta, first.transfer, first.offset, first.length, data())
+            return pb.PutShardReply()
+
+        return await answer(context, work)
+
+    async def SealShard(self, request: pb.SealShardRequest, context: Any) -> pb.SealShardReply:
+        async def work() -> pb.SealShardReply:
+            meta = _shard_meta(request.meta_json)
+            record = _commit_record(request.commit_json) if request.commit_json else None
+            await self.pipeline.receiver.seal(meta, request.transfer, record)
+            return pb.SealShardReply()
+
+        return await answer(context, work)
+
+    async def GetShard(self, request: pb.GetShardRequest, context: Any) -> AsyncIterator[pb.ShardPiece]:
+        async def find() -> tuple[ShardMeta, bytes, Any]:
+            job, step = validate_job(request.job), validate_step(request.step)
+            return await self.pipeline.shard_for_peer(job, step, request.rank, request.tier)
+
+        meta, meta_json, path = await answer(context, find)
+        yield pb.ShardPiece(meta_json=meta_json)
+        if request.meta_only:
+            return
+        what = f"rank {meta.rank} shard of {meta.job} step {meta.step} on node {self.pipeline.config.node.name}"
+        pieces = read_pieces(path, meta, 0, meta.data_size_bytes, what)
+        loop = asyncio.get_running_loop()
+
+        async def next_piece() -> bytes | None:
+            return await loop.run_in_executor(self.pipeline.peer_io, next, pieces, None)
+
+        while (data := await answer(context, next_piece)) is not None:
+            yield pb.ShardPiece(data=data)
+
+    async def Inventory(self, request: pb.InventoryRequest, context: Any) -> pb.InventoryReply:
+        async def work() -> pb.InventoryReply:
+            job = validate_job(request.job) if request.job else ""
+            step = None if request.step == -1 else validate_step(request.step)
+            steps = await self.pipeline.holdings(job, step)
+            return pb.InventoryReply(node=self.pipeline.config.node.name, steps=holdings_to_pb(steps))
+
+        return await answer(context, work)
+
+    async def CommitStep(self, request: pb.CommitStepRequest, context: Any) -> pb.CommitStepReply:
+        async def work() -> pb.CommitStepReply:
+            await self.pipeline.adopt_commit(_commit_record(request.commit_json))
+            return pb.CommitStepReply()
+
+        return await answer(context, work)

@@ -1,0 +1,251 @@
+"""This node's part in the cluster: seal steps across nodes, fetch shards it lacks, keep replicas flowing.
+
+Owned by the Pipeline and called on the event loop; blocking work runs on the
+peer threads. Nodes are known by their peer address ([node] listen), which is
+what every node's [peer] addresses list names.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import defaultdict
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from ckpt.errors import CheckpointError
+from ckpt.format import CommitRecord, ShardMeta, data_name, meta_name
+
+from ckptd.catalog import StepInfo
+from ckptd.cluster import Holding, StepHoldings, complete_on, seal_record
+from ckptd.config import Config
+from ckptd.peer_link import PeerLink
+from ckptd.replication import Replication
+from ckptd.restore import aligned_buffer
+from ckptd.staging import ShardKey
+from ckptd.tiers.nvme import LocalDirTier
+from ckptd.tiers.peer import PeerTier
+
+log = logging.getLogger(__name__)
+
+
+class Peering:
+    """Coordinate this node's NVMe tier and replica store with the other nodes."""
+
+    def __init__(
+        self,
+        config: Config,
+        nvme: LocalDirTier,
+        replica_store: LocalDirTier,
+        threads: ThreadPoolExecutor,
+        on_change: Callable[[], None],
+    ) -> None:
+        self.config = config
+        self.nvme = nvme
+        self.replica_store = replica_store
+        self.node = config.node.listen or config.node.name
+        self._threads = threads
+        links = [PeerLink(address, config.peer) for address in config.peers]
+        self.peer_tier = PeerTier(links) if links else None
+        self.replication = Replication(links, config.replicas, on_change) if links and config.replicas else None
+        self._fetch_locks: dict[tuple[str, int, int], asyncio.Lock] = {}
+        self._broadcasts: set[asyncio.Task[None]] = set()
+
+    async def _run(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._threads, fn, *args)
+
+    # -- what this node holds -----------------------------------------------------
+
+    def local_holdings(self, job: str = "", step: int | None = None) -> list[StepHoldings]:
+        """Return what this node's NVMe tier and replica store hold of a job's step (or of everything)."""
+        found = []
+        for tier in (self.nvme, self.replica_store):
+            for j in [job] if job else tier.jobs():
+                for s in [step] if step is not None else tier.all_steps(j):
+                    shards = tuple(tier.holdings(j, s, self.node))
+                    record = tier.checked_commit(j, s)
+                    if shards or record is not None:
+                        found.append(StepHoldings(self.node, j, s, record, shards))
+        return found
+
+    # -- sealing steps across nodes ---------------------------------------------------
+
+    async def seal(self, job: str, step: int, run_id: str | None) -> CommitRecord | None:
+        """Seal the step here (and tell the peers) if every rank is durable on some node's NVMe."""
+        shards: list[Holding] = await self._run(self.nvme.holdings, job, step, self.node)
+        if self.peer_tier is not None and not _every_rank(shards):
+            self.peer_tier.forget()
+            shards += await self._run(self.peer_tier.shards, job, step)
+        record = seal_record(job, step, shards, run_id)
+        if record is None or not await self.adopt(record):
+            return None
+        self._broadcast(record)
+        return record
+
+    async def adopt(self, record: CommitRecord) -> bool:
+        """Seal a step complete elsewhere in the cluster wherever this node holds part of it."""
+        sealed = await self._run(self.nvme.adopt_commit, record)
+        await self._run(self.replica_store.adopt_commit, record)
+        return bool(sealed)
+
+    def _broadcast(self, record: CommitRecord) -> None:
+        if self.peer_tier is None:
+            return
+
+        async def tell(link: PeerLink) -> None:
+            try:
+                await self._run(link.commit_step, record)
+            except CheckpointError as e:
+                log.info("%s; it will learn of the commit when it asks", e)
+
+        for link in self.peer_tier.links:
+            task = asyncio.get_running_loop().create_task(tell(link))
+            self._broadcasts.add(task)
+            task.add_done_callback(self._broadcasts.discard)
+
+    # -- reading from the cluster ---------------------------------------------------------
+
+    async def complete_steps(self, job: str) -> list[int]:
+        """Return the steps of a job that the peers can serve whole."""
+        if self.peer_tier is None:
+            return []
+        return list(await self._run(self.peer_tier.complete_steps, job))
+
+    async def fetch(self, job: str, step: int, rank: int) -> None:
+        """Copy a rank's shard of a complete step from the peers onto this node's NVMe, verified."""
+        if self.peer_tier is None:
+            return
+        lock = self._fetch_locks.setdefault((job, step, rank), asyncio.Lock())
+        async with lock:
+            if self.nvme.has_shard(job, step, rank) and self.nvme.checked_commit(job, step) is not None:
+                return  # another load fetched it meanwhile
+            await self._run(self._fetch, job, step, rank)
+        self._fetch_locks.pop((job, step, rank), None)
+
+    def _fetch(self, job: str, step: int, rank: int) -> None:
+        assert self.peer_tier is not None
+        self.peer_tier.forget()
+        record = self.peer_tier.commit_record(job, step)
+        meta = self.peer_tier.read_meta(job, step, rank)
+        with aligned_buffer(meta.data_size_bytes) as buffer:
+            self.peer_tier.read_into(meta, buffer)
+            self.nvme.write_shard(meta, buffer)
+        self.nvme.adopt_commit(record)
+        log.info(
+            "fetched rank %d shard of %s step %d from the peers (%d bytes, verified)",
+            rank,
+            job,
+            step,
+            meta.data_size_bytes,
+        )
+
+    async def list_steps(self, local: list[StepInfo], job: str) -> list[StepInfo]:
+        """Return the cluster's view of complete steps: "nvme" and "peer" count every node's copies."""
+        if self.peer_tier is None:
+            return local
+        steps = await self._run(self.peer_tier.inventories, job) + await self._run(self.local_holdings, job, None)
+        records: dict[tuple[str, int], CommitRecord] = {}
+        shards: dict[tuple[str, int], list[Holding]] = defaultdict(list)
+        for s in steps:
+            if s.record is not None:
+                records[(s.job, s.step)] = s.record
+            shards[(s.job, s.step)].extend(s.shards)
+        in_memory = {(i.job, i.step) for i in local if "memory" in i.tiers}
+        found = []
+        for (j, step), record in sorted(records.items()):
+            if job and j != job:
+                continue
+            tiers = (["memory"] if (j, step) in in_memory else []) + complete_on(
+                record, shards[(j, step)], self.config.replicas
+            )
+            if tiers:
+                found.append(StepInfo(j, step, record.world_size, record.size_bytes, tuple(tiers)))
+        return found
+
+    # -- replication -------------------------------------------------------------------------
+
+    def shard_flushed(self, key: ShardKey, meta: ShardMeta, slot_path: Path | None) -> None:
+        """Start replicating a shard that just became durable here."""
+        if self.replication is None:
+            return
+        on_disk = self.nvme.step_dir(key.job, key.step) / data_name(key.rank)
+        self.replication.send(key, meta, [p for p in (slot_path, on_disk) if p is not None])
+
+    def replicated(self, key: ShardKey) -> tuple[bool, str, int]:
+        """Return (has every replica, the last error, consecutive failures) for a shard."""
+        if self.replication is None:
+            return False, f"tier peer is not configured on node {self.config.node.name}", 0
+        return self.replication.state(key)
+
+    async def reconcile(self) -> None:
+        """Catch up with the peers: adopt their commits, seal what became complete, resume replication."""
+        if self.peer_tier is None:
+            return
+        self.peer_tier.forget()
+        remote: list[StepHoldings] = await self._run(self.peer_tier.inventories, "")
+        local: list[StepHoldings] = await self._run(self.local_holdings, "", None)
+        records = {(s.job, s.step): s.record for s in remote if s.record is not None}
+        remote_shards: dict[tuple[str, int], list[Holding]] = defaultdict(list)
+        for s in remote:
+            remote_shards[(s.job, s.step)].extend(s.shards)
+        for s in local:
+            if s.record is not None:
+                continue
+            record = records.get((s.job, s.step)) or seal_record(
+                s.job, s.step, [*s.shards, *remote_shards[(s.job, s.step)]]
+            )
+            if record is not None and await self.adopt(record):
+                log.info("%s step %d is complete across the cluster", s.job, s.step)
+                self._broadcast(record)
+        if self.replication is not None:
+            await self._run(self._track_local_shards, local)
+            self.replication.confirm([h for s in remote for h in s.shards])
+            self.replication.forget(lambda k: self.nvme.has_shard(k.job, k.step, k.rank))
+            self.replication.retry_due(lambda k: self.nvme.checked_commit(k.job, k.step))
+
+    def _track_local_shards(self, local: list[StepHoldings]) -> None:
+        assert self.replication is not None
+        for s in local:
+            for h in s.shards:
+                if h.tier != "nvme":
+                    continue
+                key = ShardKey(h.job, h.step, h.rank, h.world_size)
+                if self.replication.tracks(key, h.meta_digest):
+                    continue
+                path = self.nvme.step_dir(h.job, h.step) / meta_name(h.rank)
+                try:
+                    meta = ShardMeta.from_bytes(path.read_bytes(), str(path))
+                except (CheckpointError, OSError):
+                    continue  # removed or replaced since it was listed
+                self.replication.track(key, meta, [self.nvme.step_dir(h.job, h.step) / data_name(h.rank)])
+
+    def status(self) -> dict[str, Any]:
+        """Describe the peer tier for `ckptd status`."""
+        if self.peer_tier is None:
+            return {"enabled": False, "listen": self.config.node.listen}
+        return {
+            "enabled": True,
+            "listen": self.config.node.listen,
+            "replicas": self.config.replicas,
+            "tls": bool(self.config.peer.cert),
+            "unreachable": dict(self.peer_tier.unreachable),
+            "peers": self.replication.peers_status() if self.replication else {},
+            "counters": dict(self.replication.counters) if self.replication else {},
+            "last_transfer": dict(self.replication.last_transfer) if self.replication else {},
+        }
+
+    async def drain(self) -> None:
+        """Finish transfers under way and close the links."""
+        if self._broadcasts:
+            await asyncio.gather(*list(self._broadcasts), return_exceptions=True)
+        if self.replication is not None:
+            await self.replication.drain()
+        if self.peer_tier is not None:
+            self.peer_tier.close()
+
+
+def _every_rank(shards: list[Holding]) -> bool:
+    sizes = {h.world_size for h in shards}
+    return len(sizes) == 1 and {h.rank for h in shards} >= set(range(sizes.pop()))

@@ -1,0 +1,217 @@
+"""Assemble the replicas other nodes send, range by range, into this node's replica store.
+
+The sender splits a shard into byte ranges and sends each on its own PutShard
+stream; every range is checked chunk by chunk before it is written. SealShard
+comes once every range is in: the file is fsynced and installed with the tier's
+atomic protocol. receive_range and seal run on the event loop; byte work runs on
+the receiver's threads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import logging
+import mmap
+import os
+import re
+import time
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ckpt.errors import CorruptCheckpoint, InvalidArgument
+from ckpt.format import DIRECT_IO_ALIGN_BYTES, CommitRecord, ShardMeta, chunk_ranges, digest, round_up
+
+from ckptd.tiers.nvme import LocalDirTier
+
+log = logging.getLogger(__name__)
+
+BLOCK_BYTES = 8 << 20
+MAX_CHUNK_BYTES = 64 << 20
+MAX_SHARD_BYTES = 1 << 50
+IDLE_TRANSFER_S = 600.0
+TRANSFER_RE = re.compile(r"[0-9a-f]{8,64}")
+
+
+@dataclass
+class _Transfer:
+    meta: ShardMeta
+    partial: Path
+    fd: int
+    direct_fd: int | None
+    chunks_written: set[int] = field(default_factory=set)
+    touched_s: float = field(default_factory=time.monotonic)
+
+    def close(self) -> None:
+        os.close(self.fd)
+        if self.direct_fd is not None:
+            os.close(self.direct_fd)
+
+
+class ReplicaReceiver:
+    """Receive replicas into a LocalDirTier."""
+
+    def __init__(self, tier: LocalDirTier, threads: ThreadPoolExecutor) -> None:
+        self.tier = tier
+        self._threads = threads
+        self._transfers: dict[str, _Transfer] = {}
+
+    async def receive_range(
+        self, meta: ShardMeta, transfer: str, offset: int, length: int, pieces: AsyncIterator[bytes]
+    ) -> None:
+        """Write one checked range of a replica (CorruptCheckpoint: a bad chunk)."""
+        self._check(meta, transfer, offset, length)
+        loop = asyncio.get_running_loop()
+        t = await self._open(meta, transfer)
+        try:
+            block_bytes = max(1, BLOCK_BYTES // meta.chunk_size_bytes) * meta.chunk_size_bytes
+            buffers = [mmap.mmap(-1, round_up(block_bytes, DIRECT_IO_ALIGN_BYTES)) for _ in range(2)]
+            writes: list[asyncio.Future[None] | None] = [None, None]
+            which, filled, base, end = 0, 0, offset, offset + length
+            async for data in pieces:
+                view = memoryview(data)
+                if base + filled + len(view) > end:
+                    raise CorruptCheckpoint(f"{self._what(meta)}: more bytes than the range's {length}")
+                while view:
+                    take = min(len(view), block_bytes - filled)
+                    buffers[which][filled : filled + take] = view[:take]
+                    filled, view = filled + take, view[take:]
+                    if filled == block_bytes:
+                        writes[which] = loop.run_in_executor(
+                            self._threads, self._write, t, buffers[which], base, filled
+                        )
+                        base, filled, which = base + filled, 0, which ^ 1
+                        pending = writes[which]
+                        if pending is not None:  # the other buffer's write must finish before it is refilled
+                            await pending
+                            writes[which] = None
+                t.touched_s = time.monotonic()
+            if filled:
+                writes[which] = loop.run_in_executor(self._threads, self._write, t, buffers[which], base, filled)
+                base += filled
+            for w in writes:
+                if w is not None:
+                    await w
+            if base != end:
+                raise CorruptCheckpoint(f"{self._what(meta)}: range ended after {base - offset} of {length} bytes")
+        except BaseException:
+            self._abandon(transfer)
+            raise
+
+    async def seal(self, meta: ShardMeta, transfer: str, record: CommitRecord | None) -> None:
+        """Make a fully received replica durable and count it; adopt the step's commit record if given."""
+        t = self._transfers.pop(transfer, None)
+        if t is None or t.meta != meta:
+            raise InvalidArgument(f"{self._what(meta)}: no transfer {transfer!r} of it is open here")
+        missing = len(list(chunk_ranges(meta.data_size_bytes, meta.chunk_size_bytes))) - len(t.chunks_written)
+        try:
+            if missing:
+                raise InvalidArgument(f"{self._what(meta)}: {missing} chunks never arrived")
+            await asyncio.get_running_loop().run_in_executor(self._threads, self._install, t, record)
+        except BaseException:
+            t.close()
+            t.partial.unlink(missing_ok=True)
+            raise
+
+    def _install(self, t: _Transfer, record: CommitRecord | None) -> None:
+        os.ftruncate(t.fd, t.meta.data_size_bytes)  # direct writes pad the last block
+        os.fsync(t.fd)
+        t.close()
+        self.tier.install_shard(t.meta, t.partial, self._what(t.meta))
+        if record is not None and (record.job, record.step) == (t.meta.job, t.meta.step):
+            self.tier.adopt_commit(record)
+        log.info("received the replica of %s", self._what(t.meta))
+
+    def _check(self, meta: ShardMeta, transfer: str, offset: int, length: int) -> None:
+        chunk = meta.chunk_size_bytes
+        if not TRANSFER_RE.fullmatch(transfer):
+            raise InvalidArgument(f"invalid transfer name {transfer!r}")
+        if not (0 < chunk <= MAX_CHUNK_BYTES and chunk % DIRECT_IO_ALIGN_BYTES == 0):
+            raise InvalidArgument(f"{self._what(meta)}: chunk size {chunk} is not a multiple of 4 KiB up to 64 MiB")
+        if not 0 <= meta.data_size_bytes <= MAX_SHARD_BYTES:
+            raise InvalidArgument(f"{self._what(meta)}: size {meta.data_size_bytes} is out of range")
+        end = offset + length
+        if offset < 0 or length < 0 or offset % chunk or end > meta.data_size_bytes:
+            raise InvalidArgument(f"{self._what(meta)}: bad range {offset}+{length}")
+        if end % chunk and end != meta.data_size_bytes:
+            raise InvalidArgument(f"{self._what(meta)}: range {offset}+{length} does not end on a chunk")
+
+    async def _open(self, meta: ShardMeta, transfer: str) -> _Transfer:
+        self._drop_idle()
+        t = self._transfers.get(transfer)
+        if t is not None:
+            if t.meta != meta:
+                raise InvalidArgument(f"transfer {transfer} carries two different shards")
+            return t
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(self._threads, self.tier.prepare_shard, meta, self._what(meta))
+        t = self._transfers.get(transfer)  # another range of it may have opened it meanwhile
+        if t is None:
+            partial = self.tier.partial_path(meta, transfer[:16])
+            fd = os.open(partial, os.O_WRONLY | os.O_CREAT, 0o644)
+            try:
+                direct_fd: int | None = os.open(partial, os.O_WRONLY | os.O_DIRECT)
+            except OSError as e:
+                if e.errno != errno.EINVAL:
+                    os.close(fd)
+                    raise
+                direct_fd = None
+            t = self._transfers[transfer] = _Transfer(meta, partial, fd, direct_fd)
+        return t
+
+    def _write(self, t: _Transfer, buffer: mmap.mmap, offset: int, length: int) -> None:
+        view = memoryview(buffer)
+        try:
+            chunk = t.meta.chunk_size_bytes
+            for start, n in chunk_ranges(length, chunk):
+                index = (offset + start) // chunk
+                if digest(view[start : start + n]) != t.meta.chunk_xxh3_128[index]:
+                    lo = offset + start
+                    raise CorruptCheckpoint(
+                        f"{self._what(t.meta)}: chunk {index} (bytes {lo}-{lo + n - 1}) checksum mismatch"
+                    )
+            _pwrite(t, view, offset, length)
+            t.chunks_written.update(range(offset // chunk, (offset + length + chunk - 1) // chunk))
+        finally:
+            view.release()
+
+    def _abandon(self, transfer: str) -> None:
+        t = self._transfers.pop(transfer, None)
+        if t is not None:
+            t.close()
+            t.partial.unlink(missing_ok=True)
+
+    def _drop_idle(self) -> None:
+        now = time.monotonic()
+        for transfer, t in list(self._transfers.items()):
+            if now - t.touched_s > IDLE_TRANSFER_S:
+                log.warning("dropping the unfinished replica of %s: its sender went quiet", self._what(t.meta))
+                self._abandon(transfer)
+
+    def close(self) -> None:
+        """Drop every unfinished transfer."""
+        for transfer in list(self._transfers):
+            self._abandon(transfer)
+
+    def _what(self, meta: ShardMeta) -> str:
+        return f"replica of rank {meta.rank} shard of {meta.job} step {meta.step} on tier {self.tier.name}"
+
+
+def _pwrite(t: _Transfer, view: memoryview, offset: int, length: int) -> None:
+    if t.direct_fd is not None:
+        padded = view[: round_up(length, DIRECT_IO_ALIGN_BYTES)]
+        try:
+            while padded:
+                n = os.pwrite(t.direct_fd, padded, offset)
+                padded, offset, length = padded[n:], offset + n, length - n
+            return
+        except OSError as e:
+            if e.errno != errno.EINVAL:
+                raise
+            t.direct_fd = None  # the filesystem took O_DIRECT at open but not for this write
+    data = view[:length]
+    while data:
+        n = os.pwrite(t.fd, data, offset)
+        data, offset = data[n:], offset + n

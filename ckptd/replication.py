@@ -1,0 +1,184 @@
+"""Send each shard this node wrote to the peers that keep its replicas, until each has it.
+
+Driven from the event loop: the pipeline calls send() after a shard is flushed,
+and reconcile() every few seconds with what the peers hold, which also resumes
+the replication a restarted daemon left undone. Bytes move on worker threads,
+never holding a staging slot or a flush: a slow or dead peer delays only its
+own copies. A peer that fails is retried with exponential back-off and jitter.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ckpt.errors import CheckpointError, CorruptCheckpoint
+from ckpt.format import CommitRecord, ShardMeta, digest
+
+from ckptd.cluster import Holding, placement
+from ckptd.peer_link import PeerLink
+from ckptd.staging import ShardKey
+
+log = logging.getLogger(__name__)
+
+SHARDS_IN_FLIGHT = 2
+STREAM_THREADS = 8
+BACKOFF_MIN_S = 0.5
+BACKOFF_MAX_S = 30.0
+FAILURES_REPORTED = 3  # consecutive failures after which a waiter hears of them
+
+
+@dataclass
+class _Peer:
+    link: PeerLink
+    failures: int = 0
+    retry_at: float = 0.0
+    last_error: str = ""
+
+
+@dataclass
+class _Shard:
+    key: ShardKey
+    meta: ShardMeta
+    sources: list[Path]  # read in order: a staging slot (while it still holds the snapshot), then NVMe
+    targets: list[str]
+    done: set[str] = field(default_factory=set)
+    sending: set[str] = field(default_factory=set)
+    failures: int = 0
+    error: str = ""
+
+
+class Replication:
+    """Keep `replicas` copies of every shard this node wrote on the peers chosen for it."""
+
+    def __init__(self, links: list[PeerLink], replicas: int, on_change: Callable[[], None]) -> None:
+        self._peers = {link.address: _Peer(link) for link in links}
+        self.replicas = replicas
+        self._on_change = on_change
+        self._shards: dict[ShardKey, _Shard] = {}
+        self._senders = ThreadPoolExecutor(max_workers=SHARDS_IN_FLIGHT, thread_name_prefix="replicate")
+        self._streams = ThreadPoolExecutor(max_workers=STREAM_THREADS, thread_name_prefix="replicate-stream")
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.counters = {"replicas_sent": 0, "replica_bytes_sent": 0, "replica_failures": 0}
+        self.last_transfer: dict[str, float] = {}
+
+    def targets(self, job: str, rank: int) -> list[str]:
+        """Return the peers that keep a rank's replicas."""
+        return placement(job, rank, self._peers, self.replicas)
+
+    def track(self, key: ShardKey, meta: ShardMeta, sources: list[Path]) -> _Shard:
+        """Keep a shard's replicas in view (a newer copy of the same shard replaces an older one)."""
+        shard = self._shards.get(key)
+        if shard is None or shard.meta != meta:
+            shard = self._shards[key] = _Shard(key, meta, sources, self.targets(key.job, key.rank))
+        return shard
+
+    def tracks(self, key: ShardKey, meta_digest: str) -> bool:
+        """Say whether this copy of a shard is already in view."""
+        shard = self._shards.get(key)
+        return shard is not None and digest(shard.meta.to_bytes()) == meta_digest
+
+    def send(self, key: ShardKey, meta: ShardMeta, sources: list[Path], record: CommitRecord | None = None) -> None:
+        """Start sending a shard's replicas now."""
+        self._kick(self.track(key, meta, sources), record)
+
+    def confirm(self, held: list[Holding]) -> None:
+        """Count the replicas the peers report holding (after a restart, what was sent before)."""
+        by_key = {(h.node, h.job, h.step, h.rank): h.meta_digest for h in held if h.tier == "peer"}
+        for shard in self._shards.values():
+            want = digest(shard.meta.to_bytes())
+            for target in shard.targets:
+                if by_key.get((target, shard.key.job, shard.key.step, shard.key.rank)) == want:
+                    shard.done.add(target)
+
+    def forget(self, keep: Callable[[ShardKey], bool]) -> None:
+        """Stop tracking shards that are gone from this node (removed by retention)."""
+        for key in [k for k in self._shards if not keep(k)]:
+            del self._shards[key]
+
+    def retry_due(self, record_of: Callable[[ShardKey], CommitRecord | None]) -> None:
+        """Retry every unfinished shard whose peers are out of back-off."""
+        for shard in sorted(self._shards.values(), key=lambda s: -s.key.step):  # newest first
+            self._kick(shard, record_of(shard.key))
+
+    def state(self, key: ShardKey) -> tuple[bool, str, int]:
+        """Return (has every replica, the last error, consecutive failures) for a shard."""
+        shard = self._shards.get(key)
+        if shard is None:
+            return False, "", 0
+        return len(shard.done) >= len(shard.targets), shard.error, shard.failures
+
+    def peers_status(self) -> dict[str, dict[str, object]]:
+        """Describe each peer for `ckptd status`."""
+        now = time.monotonic()
+        return {
+            address: {
+                "consecutive_failures": p.failures,
+                "retry_in_s": round(max(0.0, p.retry_at - now), 3),
+                "last_error": p.last_error,
+                "pending_replicas": sum(
+                    1 for s in self._shards.values() if address in s.targets and address not in s.done
+                ),
+            }
+            for address, p in self._peers.items()
+        }
+
+    def _kick(self, shard: _Shard, record: CommitRecord | None) -> None:
+        now = time.monotonic()
+        for target in shard.targets:
+            if target in shard.done or target in shard.sending or self._peers[target].retry_at > now:
+                continue
+            shard.sending.add(target)
+            task = asyncio.get_running_loop().create_task(self._send_one(shard, target, record))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _send_one(self, shard: _Shard, target: str, record: CommitRecord | None) -> None:
+        peer = self._peers[target]
+        started = time.monotonic()
+        try:
+            await asyncio.get_running_loop().run_in_executor(self._senders, self._put, shard, peer.link, record)
+        except (CheckpointError, OSError) as e:
+            message = f"replication of {shard.key} to peer {target} failed: {e}"
+            peer.failures += 1
+            shard.failures += 1
+            peer.last_error = shard.error = message
+            backoff = min(BACKOFF_MAX_S, BACKOFF_MIN_S * 2 ** (peer.failures - 1))
+            peer.retry_at = time.monotonic() + backoff * random.uniform(0.5, 1.0)
+            self.counters["replica_failures"] += 1
+            log.warning("%s; retrying in %.1f s", message, peer.retry_at - time.monotonic())
+        else:
+            shard.done.add(target)
+            shard.failures, shard.error = 0, ""
+            peer.failures, peer.retry_at = 0, 0.0
+            elapsed = time.monotonic() - started
+            self.last_transfer = {"bytes": shard.meta.data_size_bytes, "seconds": round(elapsed, 6)}
+            self.counters["replicas_sent"] += 1
+            self.counters["replica_bytes_sent"] += shard.meta.data_size_bytes
+            log.info("replicated %s to peer %s in %.3f s", shard.key, target, elapsed)
+        finally:
+            shard.sending.discard(target)
+            self._on_change()
+
+    def _put(self, shard: _Shard, link: PeerLink, record: CommitRecord | None) -> None:
+        errors = []
+        for path in shard.sources:
+            try:
+                link.put_shard(shard.meta, path, self._streams, record)
+                return
+            except (CorruptCheckpoint, FileNotFoundError) as e:  # this copy changed or went: try the next one
+                errors.append(str(e))
+        raise CorruptCheckpoint(f"no readable local copy of {shard.key}: " + "; ".join(errors))
+
+    async def drain(self) -> None:
+        """Wait for the transfers under way, then stop the threads."""
+        if self._tasks:
+            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+        self._senders.shutdown(wait=True)
+        self._streams.shutdown(wait=True)

@@ -1,0 +1,117 @@
+"""Cut a shard into byte ranges and pieces for the wire, checking every chunk on the way out and in."""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import xxhash
+from ckpt.errors import CorruptCheckpoint
+from ckpt.format import DIRECT_IO_ALIGN_BYTES, ShardMeta, digest, round_up
+
+PIECE_BYTES = 1 << 20  # one gRPC message
+MIN_RANGE_BYTES = 32 << 20  # smaller shards travel on fewer streams
+
+
+def byte_ranges(meta: ShardMeta, streams: int) -> list[tuple[int, int]]:
+    """Split a shard into up to `streams` (offset, length) ranges on chunk boundaries."""
+    chunks = max(1, -(-meta.data_size_bytes // meta.chunk_size_bytes))
+    min_chunks = max(1, MIN_RANGE_BYTES // meta.chunk_size_bytes)
+    count = max(1, min(streams, chunks // min_chunks))
+    per = -(-chunks // count) * meta.chunk_size_bytes
+    return [(lo, min(per, meta.data_size_bytes - lo)) for lo in range(0, meta.data_size_bytes, per)] or [(0, 0)]
+
+
+def read_pieces(path: Path, meta: ShardMeta, offset: int, length: int, what: str) -> Iterator[bytes]:
+    """Yield a range of a shard's bytes in pieces, each checked chunk by chunk against meta before it is yielded.
+
+    offset is a multiple of the chunk size. Reads use direct I/O where the file
+    allows it (a shard on NVMe, written with direct I/O, is not in the page cache).
+    Raises CorruptCheckpoint naming the chunk when the bytes do not match, which is
+    also what a staging slot reused for a newer snapshot looks like.
+    """
+    chunk = meta.chunk_size_bytes
+    with open(path, "rb", buffering=0) as f, _Reader(f.fileno(), path, round_up(chunk, DIRECT_IO_ALIGN_BYTES)) as read:
+        for lo in range(offset, offset + length, chunk):
+            n = min(chunk, offset + length - lo)
+            data = read(lo, n)
+            index = lo // chunk
+            if digest(data) != meta.chunk_xxh3_128[index]:
+                raise CorruptCheckpoint(f"{what}: chunk {index} (bytes {lo}-{lo + n - 1}) checksum mismatch")
+            for p in range(0, n, PIECE_BYTES):
+                yield bytes(data[p : p + PIECE_BYTES])
+
+
+class _Reader:
+    """Read byte ranges of a file into one page-aligned buffer, with direct I/O when the file allows it."""
+
+    def __init__(self, fd: int, path: Path, size_bytes: int) -> None:
+        self._fd = fd
+        self._path = path
+        self._direct: int | None = None
+        try:
+            self._direct = os.open(path, os.O_RDONLY | os.O_DIRECT)
+        except OSError as e:
+            if e.errno != errno.EINVAL:
+                raise
+        self._buffer = mmap.mmap(-1, size_bytes)
+        self._view = memoryview(self._buffer)
+
+    def __enter__(self) -> _Reader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._view.release()
+        self._buffer.close()
+        if self._direct is not None:
+            os.close(self._direct)
+
+    def __call__(self, offset: int, length: int) -> memoryview:
+        done = 0
+        while done < length:
+            n = -1
+            if self._direct is not None:
+                want = round_up(length, DIRECT_IO_ALIGN_BYTES)
+                try:
+                    n = os.preadv(self._direct, [self._view[done:want]], offset + done)
+                except OSError as e:
+                    if e.errno != errno.EINVAL:
+                        raise
+                    os.close(self._direct)
+                    self._direct = None
+            if n < 0:
+                n = os.preadv(self._fd, [self._view[done:length]], offset + done)
+            if n == 0:
+                raise CorruptCheckpoint(f"{self._path}: short read at byte {offset + done}")
+            done += n
+        return self._view[:length]
+
+
+def fill_from_pieces(buffer: memoryview, meta: ShardMeta, pieces: Iterable[bytes], what: str) -> None:
+    """Copy a whole shard arriving in pieces into buffer, checking each chunk as it completes."""
+    chunk = meta.chunk_size_bytes
+    size = meta.data_size_bytes
+    filled = 0
+    hasher = xxhash.xxh3_128()
+    for piece in pieces:
+        view = memoryview(piece)
+        if filled + len(view) > size:
+            raise CorruptCheckpoint(f"{what}: more bytes than the shard's {size}")
+        while view:
+            part = view[: chunk - filled % chunk]
+            buffer[filled : filled + len(part)] = part
+            hasher.update(part)
+            filled += len(part)
+            view = view[len(part) :]
+            if filled % chunk == 0 or filled == size:
+                index = (filled - 1) // chunk
+                if hasher.hexdigest() != meta.chunk_xxh3_128[index]:
+                    raise CorruptCheckpoint(
+                        f"{what}: chunk {index} (bytes {index * chunk}-{filled - 1}) checksum mismatch"
+                    )
+                hasher.reset()
+    if filled != size:
+        raise CorruptCheckpoint(f"{what}: {filled} bytes arrived, expected {size}")

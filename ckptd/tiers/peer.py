@@ -1,0 +1,141 @@
+"""Read complete steps from other nodes: their NVMe shards and the replicas they keep.
+
+The read side of the peer tier, over PeerLinks: the daemon fetches a rank's shard
+through it when this node lacks it (a wiped disk, a lost node's ranks), and
+`ckptd restore --from peer` reads through it with no daemon. The write side is
+ckptd.replication (sending) and ckptd.receiving (the replica store).
+Calls block: make them from worker threads.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from ckpt.errors import CheckpointError, CorruptCheckpoint, NotFound
+from ckpt.format import CommitRecord, ShardMeta, digest
+from ckpt.shard_io import ShardSource
+
+from ckptd.cluster import Holding, StepHoldings, holders
+from ckptd.peer_link import PeerError, PeerLink
+from ckptd.tiers.base import Tier
+
+log = logging.getLogger(__name__)
+
+VIEW_TTL_S = 1.0
+INVENTORY_TIMEOUT_S = 3.0
+
+
+class PeerTier(Tier):
+    """List and read the steps other nodes hold, whichever of their tiers holds each shard."""
+
+    name = "peer"
+
+    def __init__(self, links: list[PeerLink]) -> None:
+        self.links = links
+        self._views: dict[str, tuple[float, list[StepHoldings]]] = {}
+        self.unreachable: dict[str, str] = {}  # peer address -> why its last inventory failed
+
+    def inventories(self, job: str = "") -> list[StepHoldings]:
+        """Return what every reachable peer holds of a job (or of every job); a peer that fails is left out."""
+        cached = self._views.get(job)
+        if cached is not None and time.monotonic() - cached[0] < VIEW_TTL_S:
+            return cached[1]
+        with ThreadPoolExecutor(max_workers=max(1, len(self.links)), thread_name_prefix="inventory") as pool:
+            answers = list(pool.map(lambda link: self._inventory(link, job), self.links))
+        found = [s for answer in answers for s in answer]
+        self._views[job] = (time.monotonic(), found)
+        return found
+
+    def _inventory(self, link: PeerLink, job: str) -> list[StepHoldings]:
+        try:
+            steps = link.inventory(job, timeout_s=INVENTORY_TIMEOUT_S)
+        except CheckpointError as e:
+            if link.address not in self.unreachable:
+                log.warning("%s", e)
+            self.unreachable[link.address] = str(e)
+            return []
+        self.unreachable.pop(link.address, None)
+        return steps
+
+    def forget(self) -> None:
+        """Drop the cached inventories: the next question asks the peers again."""
+        self._views.clear()
+
+    def _records(self, job: str) -> dict[int, CommitRecord]:
+        return {s.step: s.record for s in self.inventories(job) if s.job == job and s.record is not None}
+
+    def shards(self, job: str, step: int) -> list[Holding]:
+        """Return every holding of a step's shards on the peers."""
+        return [h for s in self.inventories(job) if (s.job, s.step) == (job, step) for h in s.shards]
+
+    def jobs(self) -> list[str]:
+        return sorted({s.job for s in self.inventories() if s.record is not None})
+
+    def complete_steps(self, job: str) -> list[int]:
+        """Return the steps complete in the cluster whose every rank some reachable peer holds."""
+        records = self._records(job)
+        complete = []
+        for step, record in sorted(records.items()):
+            shards = self.shards(job, step)
+            if all(holders(record, shards, rank) for rank in range(record.world_size)):
+                complete.append(step)
+        return complete
+
+    def commit_record(self, job: str, step: int) -> CommitRecord:
+        record = self._records(job).get(step)
+        if record is None:
+            raise NotFound(f"{job} step {step} is not complete on any reachable peer")
+        return record
+
+    def has_shard(self, job: str, step: int, rank: int) -> bool:
+        record = self._records(job).get(step)
+        return record is not None and rank < record.world_size and bool(holders(record, self.shards(job, step), rank))
+
+    def shard_source(self, job: str, step: int, rank: int) -> ShardSource:
+        raise NotFound(f"rank {rank} shard of {job} step {step} lives on other nodes: read it with read_into")
+
+    def _holders(self, job: str, step: int, rank: int) -> list[PeerLink]:
+        record = self.commit_record(job, step)
+        if rank >= record.world_size:
+            raise NotFound(f"{job} step {step} has no rank {rank} (world_size {record.world_size})")
+        nodes = {h.node for h in holders(record, self.shards(job, step), rank)}
+        found = [link for link in self.links if link.address in nodes]
+        if not found:
+            raise NotFound(f"no reachable peer holds rank {rank} shard of {job} step {step}")
+        return found
+
+    def read_meta(self, job: str, step: int, rank: int) -> ShardMeta:
+        """Return the shard record from the first peer whose copy matches the step's commit record."""
+        want = self.commit_record(job, step).shard_meta_xxh3_128[rank]
+        errors = []
+        for link in self._holders(job, step, rank):
+            try:
+                meta = link.fetch_meta(job, step, rank)
+            except CheckpointError as e:
+                errors.append(str(e))
+                continue
+            if digest(meta.to_bytes()) == want:
+                return meta
+            errors.append(f"peer {link.address} holds a record that does not match the step's commit record")
+        raise CorruptCheckpoint(f"no good copy of rank {rank} shard record of {job} step {step}: " + "; ".join(errors))
+
+    def read_into(self, meta: ShardMeta, buffer: memoryview) -> None:
+        """Fill buffer from the first peer whose copy checks; a bad or missing copy is skipped for the next."""
+        errors = []
+        for link in self._holders(meta.job, meta.step, meta.rank):
+            try:
+                link.fetch_into(meta, buffer)
+                return
+            except (CheckpointError, PeerError) as e:
+                log.warning("%s; trying the next copy", e)
+                errors.append(str(e))
+        raise CorruptCheckpoint(
+            f"no good copy of rank {meta.rank} shard of {meta.job} step {meta.step} on the peers: " + "; ".join(errors)
+        )
+
+    def close(self) -> None:
+        """Close every link."""
+        for link in self.links:
+            link.close()
