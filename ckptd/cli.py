@@ -152,6 +152,9 @@ def cmd_status(args: argparse.Namespace, config: Config) -> int:
     return 0
 
 
+MIXED = "(mixed: each rank has a copy, no single tier has all)"
+
+
 def cmd_ls(args: argparse.Namespace, config: Config) -> int:
     job = validate_job(args.job) if args.job else ""
     try:
@@ -160,10 +163,10 @@ def cmd_ls(args: argparse.Namespace, config: Config) -> int:
         if args.address or os.environ.get("CKPTD_ADDRESS"):
             raise  # asked about a particular daemon: this node's disks are no answer
         from ckptd.catalog import list_steps
-        from ckptd.restore import local_tiers
+        from ckptd.restore import readable_tiers
 
         print(f"ckptd: {e}\nckptd: listing what this node's own tiers hold instead", file=sys.stderr)
-        found = list_steps(local_tiers(config), job)
+        found = list_steps(readable_tiers(config), job)
     steps = [
         {"job": s.job, "step": s.step, "world_size": s.world_size, "size_bytes": s.size_bytes, "tiers": list(s.tiers)}
         for s in found
@@ -178,15 +181,16 @@ def cmd_ls(args: argparse.Namespace, config: Config) -> int:
     print(f"{'JOB':<{width}}  {'STEP':>10}  {'RANKS':>5}  {'SIZE':>10}  TIERS")
     for s in steps:
         size = _human(s["size_bytes"])
-        print(f"{s['job']:<{width}}  {s['step']:>10}  {s['world_size']:>5}  {size:>10}  {','.join(s['tiers'])}")
+        tiers = ",".join(s["tiers"]) or MIXED
+        print(f"{s['job']:<{width}}  {s['step']:>10}  {s['world_size']:>5}  {size:>10}  {tiers}")
     return 0
 
 
 def cmd_restore(args: argparse.Namespace, config: Config) -> int:
-    from ckptd.restore import latest_step, local_tiers, restore
+    from ckptd.restore import latest_step, readable_tiers, restore
 
     job = validate_job(args.job)
-    tiers = local_tiers(config, args.source)
+    tiers = readable_tiers(config, args.source)
     step = latest_step(tiers, job) if args.step == "latest" else _parse_step(args.step)
     step_dir = restore(tiers, job, step, args.to, progress=lambda line: print(line, file=sys.stderr))
     print(step_dir)
@@ -194,12 +198,12 @@ def cmd_restore(args: argparse.Namespace, config: Config) -> int:
 
 
 def cmd_verify(args: argparse.Namespace, config: Config) -> int:
-    from ckptd.restore import local_tiers, verify
+    from ckptd.restore import readable_tiers, verify
 
     job = validate_job(args.job)
     step = None if args.step is None else validate_step(args.step)
     checked = bad = 0
-    for check in verify(local_tiers(config, args.tier or "auto"), job, step):
+    for check in verify(readable_tiers(config, args.tier or "auto"), job, step):
         checked += 1
         where = f"{check.tier} {check.job} step {check.step} rank {check.rank}"
         if check.ok:

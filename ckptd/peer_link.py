@@ -26,6 +26,7 @@ from ckptd.shard_stream import byte_ranges, fill_from_pieces, read_pieces
 MAX_MESSAGE_BYTES = 64 << 20
 STREAMS_PER_SHARD = 4
 CALL_TIMEOUT_S = 10.0
+CONNECT_TIMEOUT_S = 3.0
 MIN_TRANSFER_BYTES_PER_S = 20 << 20  # a stream slower than this is given up and retried
 
 
@@ -42,6 +43,10 @@ def grpc_options() -> list[tuple[str, Any]]:
     return [
         ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
         ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        # A peer that comes back is seen within a second, not after gRPC's default of up to two minutes.
+        ("grpc.initial_reconnect_backoff_ms", 200),
+        ("grpc.min_reconnect_backoff_ms", 200),
+        ("grpc.max_reconnect_backoff_ms", 1000),
     ]
 
 
@@ -123,6 +128,13 @@ class PeerLink:
         """Close the channel."""
         self._channel.close()
 
+    def connect(self, timeout_s: float = CONNECT_TIMEOUT_S) -> None:
+        """Wait up to timeout_s for the channel to be ready: a peer that just came back gets a fair chance."""
+        try:
+            grpc.channel_ready_future(self._channel).result(timeout=timeout_s)
+        except grpc.FutureTimeoutError:
+            raise PeerError(f"peer {self.address}: not reachable within {timeout_s:.0f} s") from None
+
     def _call(self, what: str, call: Callable[[], Any]) -> Any:
         try:
             return call()
@@ -156,6 +168,7 @@ class PeerLink:
     ) -> None:
         """Send a replica of a shard read from path, on several streams at once, and have the peer seal it."""
         what = f"rank {meta.rank} shard of {meta.job} step {meta.step}"
+        self.connect()
         transfer = uuid.uuid4().hex
         meta_json = meta.to_bytes()
         ranges = byte_ranges(meta, STREAMS_PER_SHARD)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import defaultdict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -19,7 +20,7 @@ from ckpt.errors import CheckpointError
 from ckpt.format import CommitRecord, ShardMeta, data_name, meta_name
 
 from ckptd.catalog import StepInfo
-from ckptd.cluster import Holding, StepHoldings, complete_on, seal_record
+from ckptd.cluster import Holding, StepHoldings, complete_on, holders, seal_record
 from ckptd.config import Config
 from ckptd.peer_link import PeerLink
 from ckptd.replication import Replication
@@ -111,6 +112,7 @@ class Peering:
         """Return the steps of a job that the peers can serve whole."""
         if self.peer_tier is None:
             return []
+        self.peer_tier.forget()
         return list(await self._run(self.peer_tier.complete_steps, job))
 
     async def fetch(self, job: str, step: int, rank: int) -> None:
@@ -145,6 +147,7 @@ class Peering:
         """Return the cluster's view of complete steps: "nvme" and "peer" count every node's copies."""
         if self.peer_tier is None:
             return local
+        self.peer_tier.forget()
         steps = await self._run(self.peer_tier.inventories, job) + await self._run(self.local_holdings, job, None)
         records: dict[tuple[str, int], CommitRecord] = {}
         shards: dict[tuple[str, int], list[Holding]] = defaultdict(list)
@@ -160,7 +163,9 @@ class Peering:
             tiers = (["memory"] if (j, step) in in_memory else []) + complete_on(
                 record, shards[(j, step)], self.config.replicas
             )
-            if tiers:
+            # Listed while it can be loaded: after losing a node, every rank may still have a copy
+            # on some tier although no tier has them all (tiers is then empty until replicas catch up).
+            if tiers or all(holders(record, shards[(j, step)], r) for r in range(record.world_size)):
                 found.append(StepInfo(j, step, record.world_size, record.size_bytes, tuple(tiers)))
         return found
 
@@ -173,10 +178,10 @@ class Peering:
         on_disk = self.nvme.step_dir(key.job, key.step) / data_name(key.rank)
         self.replication.send(key, meta, [p for p in (slot_path, on_disk) if p is not None])
 
-    def replicated(self, key: ShardKey) -> tuple[bool, str, int]:
-        """Return (has every replica, the last error, consecutive failures) for a shard."""
+    def replicated(self, key: ShardKey) -> tuple[bool, str, int, int]:
+        """Return (has every replica, the last error, consecutive failures, attempts finished) for a shard."""
         if self.replication is None:
-            return False, f"tier peer is not configured on node {self.config.node.name}", 0
+            return False, f"tier peer is not configured on node {self.config.node.name}", 0, 0
         return self.replication.state(key)
 
     async def reconcile(self) -> None:
@@ -184,6 +189,7 @@ class Peering:
         if self.peer_tier is None:
             return
         self.peer_tier.forget()
+        asked_at = time.monotonic()
         remote: list[StepHoldings] = await self._run(self.peer_tier.inventories, "")
         local: list[StepHoldings] = await self._run(self.local_holdings, "", None)
         records = {(s.job, s.step): s.record for s in remote if s.record is not None}
@@ -201,7 +207,8 @@ class Peering:
                 self._broadcast(record)
         if self.replication is not None:
             await self._run(self._track_local_shards, local)
-            self.replication.confirm([h for s in remote for h in s.shards])
+            reachable = {link.address for link in self.peer_tier.links} - set(self.peer_tier.unreachable)
+            self.replication.confirm([h for s in remote for h in s.shards], reachable, asked_at)
             self.replication.forget(lambda k: self.nvme.has_shard(k.job, k.step, k.rank))
             self.replication.retry_due(lambda k: self.nvme.checked_commit(k.job, k.step))
 

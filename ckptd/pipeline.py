@@ -320,13 +320,16 @@ class Pipeline:
         if tier == "object" or (tier == "peer" and self.peering.replication is None):
             return False, f"tier {tier} is not configured on node {self.config.node.name}"
         deadline = time.monotonic() + timeout_s
+        attempts_before = self.peering.replicated(key)[3]
+        if tier == "peer" and self.peering.replicated(key)[2] >= FAILURES_REPORTED and self.peering.replication:
+            self.peering.replication.retry_now(key)  # failing so far: a waiter hears how a fresh attempt goes
         async with self._changed:
             while True:
                 if tier == "peer":
-                    done, error, failures = self.peering.replicated(key)
+                    done, error, failures, attempts = self.peering.replicated(key)
                     if done:
                         return True, ""
-                    if failures >= FAILURES_REPORTED:
+                    if failures >= FAILURES_REPORTED and attempts > attempts_before:
                         return False, error
                 elif self._reached_tier(key, tier):
                     return True, ""

@@ -43,11 +43,23 @@ class _Transfer:
     direct_fd: int | None
     chunks_written: set[int] = field(default_factory=set)
     touched_s: float = field(default_factory=time.monotonic)
+    ranges_open: int = 0  # ranges being received: the files stay open until the last one ends
+    abandoned: bool = False
+    closed: bool = False
 
     def close(self) -> None:
-        os.close(self.fd)
-        if self.direct_fd is not None:
-            os.close(self.direct_fd)
+        if not self.closed:
+            self.closed = True
+            os.close(self.fd)
+            if self.direct_fd is not None:
+                os.close(self.direct_fd)
+
+    def abandon(self) -> None:
+        """Give the transfer up: its file goes once no range is writing to it."""
+        self.abandoned = True
+        if self.ranges_open == 0:
+            self.close()
+            self.partial.unlink(missing_ok=True)
 
 
 class ReplicaReceiver:
@@ -65,10 +77,11 @@ class ReplicaReceiver:
         self._check(meta, transfer, offset, length)
         loop = asyncio.get_running_loop()
         t = await self._open(meta, transfer)
+        t.ranges_open += 1
+        writes: list[asyncio.Future[None] | None] = [None, None]
         try:
             block_bytes = max(1, BLOCK_BYTES // meta.chunk_size_bytes) * meta.chunk_size_bytes
             buffers = [mmap.mmap(-1, round_up(block_bytes, DIRECT_IO_ALIGN_BYTES)) for _ in range(2)]
-            writes: list[asyncio.Future[None] | None] = [None, None]
             which, filled, base, end = 0, 0, offset, offset + length
             async for data in pieces:
                 view = memoryview(data)
@@ -91,28 +104,37 @@ class ReplicaReceiver:
             if filled:
                 writes[which] = loop.run_in_executor(self._threads, self._write, t, buffers[which], base, filled)
                 base += filled
-            for w in writes:
+            for i, w in enumerate(writes):
                 if w is not None:
+                    writes[i] = None
                     await w
             if base != end:
                 raise CorruptCheckpoint(f"{self._what(meta)}: range ended after {base - offset} of {length} bytes")
         except BaseException:
-            self._abandon(transfer)
+            self._transfers.pop(transfer, None)
+            t.abandoned = True
             raise
+        finally:
+            # Never close the file under a write still running on a thread.
+            await asyncio.gather(*(w for w in writes if w is not None), return_exceptions=True)
+            t.ranges_open -= 1
+            if t.abandoned:
+                t.abandon()
 
     async def seal(self, meta: ShardMeta, transfer: str, record: CommitRecord | None) -> None:
         """Make a fully received replica durable and count it; adopt the step's commit record if given."""
         t = self._transfers.pop(transfer, None)
-        if t is None or t.meta != meta:
-            raise InvalidArgument(f"{self._what(meta)}: no transfer {transfer!r} of it is open here")
+        if t is None or t.meta != meta or t.ranges_open:
+            if t is not None:
+                t.abandon()
+            raise InvalidArgument(f"{self._what(meta)}: no complete transfer {transfer!r} of it is here")
         missing = len(list(chunk_ranges(meta.data_size_bytes, meta.chunk_size_bytes))) - len(t.chunks_written)
         try:
             if missing:
                 raise InvalidArgument(f"{self._what(meta)}: {missing} chunks never arrived")
             await asyncio.get_running_loop().run_in_executor(self._threads, self._install, t, record)
         except BaseException:
-            t.close()
-            t.partial.unlink(missing_ok=True)
+            t.abandon()
             raise
 
     def _install(self, t: _Transfer, record: CommitRecord | None) -> None:
@@ -122,7 +144,7 @@ class ReplicaReceiver:
         self.tier.install_shard(t.meta, t.partial, self._what(t.meta))
         if record is not None and (record.job, record.step) == (t.meta.job, t.meta.step):
             self.tier.adopt_commit(record)
-        log.info("received the replica of %s", self._what(t.meta))
+        log.info("received the %s", self._what(t.meta))
 
     def _check(self, meta: ShardMeta, transfer: str, offset: int, length: int) -> None:
         chunk = meta.chunk_size_bytes
@@ -180,8 +202,7 @@ class ReplicaReceiver:
     def _abandon(self, transfer: str) -> None:
         t = self._transfers.pop(transfer, None)
         if t is not None:
-            t.close()
-            t.partial.unlink(missing_ok=True)
+            t.abandon()
 
     def _drop_idle(self) -> None:
         now = time.monotonic()

@@ -48,10 +48,15 @@ class _Shard:
     meta: ShardMeta
     sources: list[Path]  # read in order: a staging slot (while it still holds the snapshot), then NVMe
     targets: list[str]
-    done: set[str] = field(default_factory=set)
+    done: dict[str, float] = field(default_factory=dict)  # peer -> when it was known to hold this copy
     sending: set[str] = field(default_factory=set)
-    failures: int = 0
+    failures: int = 0  # consecutive
+    attempts: int = 0  # finished, successful or not
     error: str = ""
+    meta_digest: str = ""
+
+    def __post_init__(self) -> None:
+        self.meta_digest = digest(self.meta.to_bytes())
 
 
 class Replication:
@@ -82,20 +87,26 @@ class Replication:
     def tracks(self, key: ShardKey, meta_digest: str) -> bool:
         """Say whether this copy of a shard is already in view."""
         shard = self._shards.get(key)
-        return shard is not None and digest(shard.meta.to_bytes()) == meta_digest
+        return shard is not None and shard.meta_digest == meta_digest
 
     def send(self, key: ShardKey, meta: ShardMeta, sources: list[Path], record: CommitRecord | None = None) -> None:
         """Start sending a shard's replicas now."""
         self._kick(self.track(key, meta, sources), record)
 
-    def confirm(self, held: list[Holding]) -> None:
-        """Count the replicas the peers report holding (after a restart, what was sent before)."""
+    def confirm(self, held: list[Holding], reachable: set[str], asked_at: float) -> None:
+        """Bring the count of replicas in line with what the reachable peers said they hold at asked_at.
+
+        After a restart this finds what was sent before; a peer that lost its disk
+        gets its replicas again.
+        """
         by_key = {(h.node, h.job, h.step, h.rank): h.meta_digest for h in held if h.tier == "peer"}
         for shard in self._shards.values():
-            want = digest(shard.meta.to_bytes())
-            for target in shard.targets:
-                if by_key.get((target, shard.key.job, shard.key.step, shard.key.rank)) == want:
-                    shard.done.add(target)
+            for target in reachable.intersection(shard.targets):
+                if by_key.get((target, shard.key.job, shard.key.step, shard.key.rank)) == shard.meta_digest:
+                    shard.done.setdefault(target, asked_at)
+                elif shard.done.get(target, asked_at) < asked_at:  # sent before it answered, yet not there
+                    log.warning("peer %s no longer holds the replica of %s: sending it again", target, shard.key)
+                    del shard.done[target]
 
     def forget(self, keep: Callable[[ShardKey], bool]) -> None:
         """Stop tracking shards that are gone from this node (removed by retention)."""
@@ -107,12 +118,18 @@ class Replication:
         for shard in sorted(self._shards.values(), key=lambda s: -s.key.step):  # newest first
             self._kick(shard, record_of(shard.key))
 
-    def state(self, key: ShardKey) -> tuple[bool, str, int]:
-        """Return (has every replica, the last error, consecutive failures) for a shard."""
+    def state(self, key: ShardKey) -> tuple[bool, str, int, int]:
+        """Return (has every replica, the last error, consecutive failures, attempts finished) for a shard."""
         shard = self._shards.get(key)
         if shard is None:
-            return False, "", 0
-        return len(shard.done) >= len(shard.targets), shard.error, shard.failures
+            return False, "", 0, 0
+        return len(shard.done) >= len(shard.targets), shard.error, shard.failures, shard.attempts
+
+    def retry_now(self, key: ShardKey) -> None:
+        """Try a shard's missing replicas at once, whatever the back-off says (someone is waiting for them)."""
+        shard = self._shards.get(key)
+        if shard is not None:
+            self._kick(shard, None, now=True)
 
     def peers_status(self) -> dict[str, dict[str, object]]:
         """Describe each peer for `ckptd status`."""
@@ -129,10 +146,10 @@ class Replication:
             for address, p in self._peers.items()
         }
 
-    def _kick(self, shard: _Shard, record: CommitRecord | None) -> None:
-        now = time.monotonic()
+    def _kick(self, shard: _Shard, record: CommitRecord | None, now: bool = False) -> None:
+        at = time.monotonic()
         for target in shard.targets:
-            if target in shard.done or target in shard.sending or self._peers[target].retry_at > now:
+            if target in shard.done or target in shard.sending or (self._peers[target].retry_at > at and not now):
                 continue
             shard.sending.add(target)
             task = asyncio.get_running_loop().create_task(self._send_one(shard, target, record))
@@ -144,7 +161,9 @@ class Replication:
         started = time.monotonic()
         try:
             await asyncio.get_running_loop().run_in_executor(self._senders, self._put, shard, peer.link, record)
-        except (CheckpointError, OSError) as e:
+        except Exception as e:  # whatever broke, the shard is retried and a waiter hears why
+            if not isinstance(e, (CheckpointError, OSError)):
+                log.exception("replication of %s to peer %s failed unexpectedly", shard.key, target)
             message = f"replication of {shard.key} to peer {target} failed: {e}"
             peer.failures += 1
             shard.failures += 1
@@ -154,7 +173,7 @@ class Replication:
             self.counters["replica_failures"] += 1
             log.warning("%s; retrying in %.1f s", message, peer.retry_at - time.monotonic())
         else:
-            shard.done.add(target)
+            shard.done[target] = time.monotonic()
             shard.failures, shard.error = 0, ""
             peer.failures, peer.retry_at = 0, 0.0
             elapsed = time.monotonic() - started
@@ -164,6 +183,7 @@ class Replication:
             log.info("replicated %s to peer %s in %.3f s", shard.key, target, elapsed)
         finally:
             shard.sending.discard(target)
+            shard.attempts += 1
             self._on_change()
 
     def _put(self, shard: _Shard, link: PeerLink, record: CommitRecord | None) -> None:

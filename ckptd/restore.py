@@ -12,23 +12,35 @@ from ckpt.errors import CheckpointError, CorruptCheckpoint, NotFound
 from ckpt.format import DIRECT_IO_ALIGN_BYTES, round_up, validate_tier
 
 from ckptd.config import Config
+from ckptd.peer_link import PeerLink
 from ckptd.tiers.base import Tier
 from ckptd.tiers.memory import MemoryTier
 from ckptd.tiers.nvme import LocalDirTier
+from ckptd.tiers.peer import PeerTier
 
 Progress = Callable[[str], None]
 
 
-def local_tiers(config: Config, source: str = "auto") -> list[Tier]:
-    """Return the tiers this node can read without a daemon, fastest first, for --from/--tier."""
+def readable_tiers(config: Config, source: str = "auto") -> list[Tier]:
+    """Return the tiers a command can read without a daemon, fastest first, for --from/--tier.
+
+    "peer" reads this node's replica store and, over the peer protocol, the other
+    nodes named in [peer] addresses.
+    """
     if source not in ("", "auto"):
         validate_tier(source)
-    tiers: list[Tier] = [MemoryTier.from_directory(config.staging_dir), LocalDirTier(config.root)]
+    tiers: list[Tier] = [
+        MemoryTier.from_directory(config.staging_dir),
+        LocalDirTier(config.root),
+        LocalDirTier(config.replica_root, name="peer"),
+    ]
+    if config.peers:
+        tiers.append(PeerTier([PeerLink(address, config.peer) for address in config.peers]))
     if source in ("", "auto"):
         return tiers
     chosen = [t for t in tiers if t.name == source]
     if not chosen:
-        raise NotFound(f"tier {source} cannot be read on this node without a daemon")
+        raise NotFound(f"tier {source} cannot be read from this node without a daemon")
     return chosen
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import mmap
 import os
@@ -65,7 +66,8 @@ class _Reader:
 
     def __exit__(self, *exc: object) -> None:
         self._view.release()
-        self._buffer.close()
+        with contextlib.suppress(BufferError):  # a caller may still hold a slice; then GC unmaps it
+            self._buffer.close()
         if self._direct is not None:
             os.close(self._direct)
 

@@ -22,18 +22,19 @@ CKPTD = [sys.executable, "-m", "ckptd"]
 class Daemon:
     """One real `ckptd serve` process with its own root, staging dir and socket."""
 
-    def __init__(self, base: Path, extra_toml: str = "", root: Path | None = None) -> None:
+    def __init__(self, base: Path, extra_toml: str = "", root: Path | None = None, listen: str = "") -> None:
         self.base = base
         self.root = root or base / "nvme"
         self.socket = base / "d.sock"
         self.staging_dir = Path("/dev/shm") / f"ckptd-test-{uuid.uuid4().hex[:12]}"
         self.config_path = base / "ckptd.toml"
         self.config_path.write_text(
-            f'[node]\nroot = "{self.root}"\nsocket = "{self.socket}"\n'
+            f'[node]\nroot = "{self.root}"\nsocket = "{self.socket}"\nlisten = "{listen}"\n'
             f'[staging]\ndir = "{self.staging_dir}"\n' + extra_toml
         )
         self.log_path = base / "ckptd.log"
         self.proc: subprocess.Popen[bytes] | None = None
+        self.listen = listen  # the peer address, for daemons of a cluster
 
     @property
     def address(self) -> str:
@@ -87,6 +88,19 @@ class Daemon:
             self.proc.wait()
         shutil.rmtree(self.staging_dir, ignore_errors=True)
 
+    def lose(self) -> None:
+        """Kill the daemon and wipe its NVMe root and shared memory, as losing the node would."""
+        self.kill()
+        shutil.rmtree(self.root, ignore_errors=True)
+        shutil.rmtree(self.staging_dir, ignore_errors=True)
+
+
+def free_port() -> int:
+    """Return a loopback port that was free a moment ago (chosen at run time, never fixed)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
 
 @pytest.fixture
 def short_tmp() -> Iterator[Path]:
@@ -101,15 +115,38 @@ def make_daemon(short_tmp: Path) -> Iterator:
     """Return a factory of daemons (not started), each in its own directory, all killed at the end."""
     daemons: list[Daemon] = []
 
-    def make(extra_toml: str = "", name: str = "", root: Path | None = None) -> Daemon:
+    def make(extra_toml: str = "", name: str = "", root: Path | None = None, listen: str = "") -> Daemon:
         base = short_tmp / (name or f"d{len(daemons)}")
         base.mkdir()
-        daemons.append(Daemon(base, extra_toml, root))
+        daemons.append(Daemon(base, extra_toml, root, listen))
         return daemons[-1]
 
     yield make
     for d in daemons:
         d.cleanup()
+        print(f"--- log of {d.base.name} ---\n{d.log()[-6000:]}")  # pytest shows it when the test failed
+
+
+@pytest.fixture
+def make_cluster(make_daemon) -> Iterator:
+    """Return a factory of n daemons (not started) that are each other's peers on loopback ports.
+
+    Every node gets the same [peer] addresses list, its own address included (a node skips it).
+    """
+
+    def make(n: int, replicas: int = 1, extra_toml: str = "", tls: list[tuple[Path, Path, Path]] | None = None):
+        addresses = [f"127.0.0.1:{free_port()}" for _ in range(n)]
+        peers = ", ".join(f'"{a}"' for a in addresses)
+        nodes = []
+        for i, address in enumerate(addresses):
+            toml = f"[peer]\naddresses = [{peers}]\nreplicas = {replicas}\n"
+            if tls is not None:
+                cert, key, ca = tls[i]
+                toml += f'cert = "{cert}"\nkey = "{key}"\nca = "{ca}"\n'
+            nodes.append(make_daemon(toml + extra_toml, name=f"n{i}", listen=address))
+        return nodes
+
+    return make
 
 
 @pytest.fixture

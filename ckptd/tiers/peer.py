@@ -126,6 +126,7 @@ class PeerTier(Tier):
         errors = []
         for link in self._holders(meta.job, meta.step, meta.rank):
             try:
+                link.connect()
                 link.fetch_into(meta, buffer)
                 return
             except (CheckpointError, PeerError) as e:

@@ -1,0 +1,135 @@
+"""The peer tier end to end: real daemons on loopback ports, each standing in for a node."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import ckpt
+import pytest
+import torch
+from ckpt.errors import CheckpointError, SaveFailed
+from ckpt.format import data_name, meta_name
+from states import assert_same
+
+pytestmark = pytest.mark.e2e
+
+JOB = "train"
+
+
+def rank_state(rank: int, step: int) -> dict:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return {"w": torch.randn(3 << 20, generator=g), "rank": rank, "step": step, "bias": torch.arange(7) + rank}
+
+
+def save_step(nodes, step: int, world_size: int, wait_tier: str = "peer") -> None:
+    """Save one step with rank r on node r % len(nodes), and wait for every shard to reach wait_tier."""
+    handles = []
+    for rank in range(world_size):
+        node = nodes[rank % len(nodes)]
+        c = ckpt.Checkpointer(job=JOB, rank=rank, world_size=world_size, address=node.address)
+        handles.append((c, c.save_async(rank_state(rank, step), step=step)))
+    for c, h in handles:
+        h.wait(wait_tier, timeout=60)
+        c.close()
+
+
+def ls(node) -> dict[int, list[str]]:
+    out = node.cli("ls", "--job", JOB, "--json")
+    assert out.returncode == 0, out.stderr
+    return {item["step"]: item["tiers"] for item in json.loads(out.stdout)}
+
+
+def test_a_lost_node_is_restored_from_its_peers(make_cluster, short_tmp):
+    nodes = [d.start() for d in make_cluster(3)]
+    save_step(nodes, step=5, world_size=3)
+    # Each node holds its own rank on NVMe and one other node's rank as a replica.
+    for i, d in enumerate(nodes):
+        assert (d.root / JOB / "5" / data_name(i)).exists()
+    replicas = sorted(
+        p.parent.parent.parent.name + "/" + p.name for d in nodes for p in (d.root / ".peer").rglob("*.data")
+    )
+    assert len(replicas) == 3, replicas
+    assert ls(nodes[0])[5] == ["nvme", "peer"]
+
+    lost = nodes[2]
+    lost.lose()
+    # Rank 2's NVMe copy went with the node, and so did any replica it kept. The step is
+    # still listed: every rank has a copy somewhere, though maybe on no single tier.
+    replicated = {
+        rank for d in nodes[:2] for rank in range(3) if (d.root / ".peer" / JOB / "5" / data_name(rank)).exists()
+    }
+    assert ls(nodes[0])[5] == (["peer"] if replicated == {0, 1, 2} else [])
+    lost.start()  # a fresh daemon with an empty disk, on the same address
+    with ckpt.Checkpointer(job=JOB, rank=2, world_size=3, address=lost.address) as c:
+        assert c.latest_step() == 5
+        assert_same(c.load(), rank_state(2, 5))
+    assert (lost.root / JOB / "5" / data_name(2)).exists(), "the fetched shard is written to the new node's NVMe"
+    eventually(lambda: ls(nodes[0])[5] == ["nvme", "peer"])  # every rank on NVMe again; the lost replica sent again
+
+    # With no daemon at all: restore the whole step from the peers into a directory.
+    lost.stop()
+    out = lost.cli("restore", "--job", JOB, "--step", "latest", "--from", "peer", "--to", str(short_tmp / "out"))
+    assert out.returncode == 0, out.stderr
+    for rank in range(3):
+        assert_same(ckpt.load_local(short_tmp / "out" / JOB / "5", rank=rank), rank_state(rank, 5))
+
+
+def test_a_corrupt_replica_is_never_returned(make_cluster):
+    nodes = [d.start() for d in make_cluster(3, replicas=2)]
+    save_step(nodes, step=1, world_size=3)
+    lost = nodes[2]
+    holders = [d for d in nodes[:2] if (d.root / ".peer" / JOB / "1" / data_name(2)).exists()]
+    assert len(holders) == 2, "replicas = 2: both other nodes keep rank 2"
+    lost.lose()
+    lost.start()
+    _flip_a_byte(holders[0].root / ".peer" / JOB / "1" / data_name(2))
+    with ckpt.Checkpointer(job=JOB, rank=2, world_size=3, address=lost.address) as c:
+        assert_same(c.load(), rank_state(2, 1))  # the good copy, from the other holder
+
+    lost.lose()
+    lost.start()
+    _flip_a_byte(holders[1].root / ".peer" / JOB / "1" / data_name(2))
+    with (
+        ckpt.Checkpointer(job=JOB, rank=2, world_size=3, address=lost.address) as c,
+        pytest.raises(CheckpointError) as e,
+    ):
+        c.load()
+    message = str(e.value)
+    assert "rank 2 shard of train step 1" in message and "checksum mismatch" in message
+    assert holders[0].listen in message and holders[1].listen in message, message
+    assert not (lost.root / JOB / "1" / data_name(2)).exists(), "nothing bad was written"
+
+
+def test_a_peer_down_then_back_catches_up(make_cluster):
+    a, b = make_cluster(2)
+    a.start()
+    with ckpt.Checkpointer(job=JOB, rank=0, world_size=1, address=a.address) as c:
+        h = c.save_async(rank_state(0, 1), step=1)
+        h.wait("nvme", timeout=60)  # the local path does not wait for a dead peer
+        with pytest.raises(SaveFailed, match=f"peer {b.listen}"):
+            h.wait("peer", timeout=60)
+        assert c.save_async(rank_state(0, 2), step=2).blocked_s < 1.0
+        b.start()
+        h.wait("peer", timeout=60)  # a waiter's fresh attempt reaches the peer that came back
+        c.save_async(rank_state(0, 3), step=3).wait("peer", timeout=60)
+    assert (b.root / ".peer" / JOB / "1" / meta_name(0)).exists()
+    status = json.loads(a.cli("status", "--json").stdout)
+    assert status["tiers"]["peer"]["peers"][b.listen]["consecutive_failures"] == 0
+    assert status["tiers"]["peer"]["counters"]["replica_failures"] >= 3
+
+
+def eventually(condition, timeout_s: float = 60.0) -> None:
+    """Wait for the cluster to converge on a condition (its nodes catch up every few seconds)."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "the cluster did not converge"
+        time.sleep(0.2)
+
+
+def _flip_a_byte(path) -> None:
+    with open(path, "r+b") as f:
+        f.seek(12345)
+        byte = f.read(1)
+        f.seek(12345)
+        f.write(bytes([byte[0] ^ 0xFF]))
