@@ -279,10 +279,10 @@ class LocalDirTier(DurableTier):
             if isinstance(state, CommitRecord):
                 return state
             self._drop_other_runs(job, step, run_id)
-        record = seal_record(job, step, self.holdings(job, step), run_id or None, world_size)
+        held = self.holdings(job, step)
+        record = seal_record(job, step, held, run_id or None, world_size, tier=held[0].tier if held else "nvme")
         if record is None:
-            metas = self.holdings(job, step)
-            odd = next((h for h in metas if h.world_size != world_size), None)
+            odd = next((h for h in held if h.world_size != world_size), None)
             if odd is not None:
                 raise ShardWriteError(f"{job} step {step}: rank {odd.rank} was saved with world_size {odd.world_size}")
             return None

@@ -8,9 +8,13 @@ import time
 import ckpt
 import pytest
 import torch
+from certs import CertificateAuthority
 from ckpt.errors import CheckpointError, SaveFailed
 from ckpt.format import data_name, meta_name
 from states import assert_same
+
+from ckptd.config import PeerConfig
+from ckptd.peer_link import PeerError, PeerLink
 
 pytestmark = pytest.mark.e2e
 
@@ -133,3 +137,38 @@ def _flip_a_byte(path) -> None:
         byte = f.read(1)
         f.seek(12345)
         f.write(bytes([byte[0] ^ 0xFF]))
+
+
+def test_tls_peers_replicate_and_refuse_strangers(make_cluster, short_tmp):
+    ca = CertificateAuthority(short_tmp / "ca")
+    files = [(*ca.issue(f"n{i}"), ca.ca_path) for i in range(2)]
+    a, b = (d.start() for d in make_cluster(2, tls=files))
+    save_step([a], step=1, world_size=2)  # both ranks on node a: each shard has its replica on b
+    b.lose()
+    b.start()
+    with ckpt.Checkpointer(job=JOB, rank=1, world_size=2, address=b.address) as c:
+        assert_same(c.load(), rank_state(1, 1))  # fetched from a, over TLS
+
+    # A client without a certificate, or with one from another authority, is refused.
+    stranger = CertificateAuthority(short_tmp / "other-ca")
+    cert, key = stranger.issue("stranger")
+    for config in (PeerConfig(), PeerConfig(cert=str(cert), key=str(key), ca=str(ca.ca_path))):
+        link = PeerLink(a.listen, config)
+        with pytest.raises(PeerError):
+            link.inventory(timeout_s=5)
+        link.close()
+    trusted = PeerLink(a.listen, PeerConfig(cert=str(files[1][0]), key=str(files[1][1]), ca=str(ca.ca_path)))
+    assert [s.step for s in trusted.inventory(JOB, timeout_s=5)] == [1]
+    trusted.close()
+
+
+def test_bad_peer_input_is_refused_and_the_unix_socket_is_private(make_cluster):
+    (a,) = (d.start() for d in make_cluster(1))
+    assert oct(a.socket.stat().st_mode & 0o777) == "0o660"
+    link = PeerLink(a.listen, PeerConfig())
+    with pytest.raises(PeerError, match="invalid job name"):
+        link.inventory("../etc", timeout_s=5)
+    with pytest.raises(CheckpointError):
+        link.fetch_meta("train", 1, 0)
+    link.close()
+    assert a.proc is not None and a.proc.poll() is None, "the daemon lives on"

@@ -1,0 +1,129 @@
+"""Replicas arrive range by range; every chunk is checked before it is written, and only a whole one counts."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from ckpt.errors import CorruptCheckpoint, InvalidArgument
+from ckpt.format import ShardMeta, chunk_ranges, digest
+from ckpt.shard_io import read_meta
+
+from ckptd.receiving import ReplicaReceiver
+from ckptd.shard_stream import PIECE_BYTES, byte_ranges
+from ckptd.tiers.nvme import LocalDirTier
+
+CHUNK = 1 << 20
+
+
+def make_shard(size: int) -> tuple[ShardMeta, bytes]:
+    data = os.urandom(size)
+    digests = tuple(digest(data[o : o + n]) for o, n in chunk_ranges(size, CHUNK))
+    return ShardMeta("j", 3, 0, 1, size, CHUNK, digests, "{}", "run"), data
+
+
+async def pieces(data: bytes):
+    for o in range(0, len(data), PIECE_BYTES // 3):  # pieces that straddle chunks
+        yield data[o : o + PIECE_BYTES // 3]
+
+
+def run(tmp_path, body):
+    tier = LocalDirTier(tmp_path / "peer", name="peer")
+    with ThreadPoolExecutor(4) as threads:
+        asyncio.run(body(ReplicaReceiver(tier, threads)))
+    tier.close()
+    return tier
+
+
+def test_ranges_in_any_order_make_one_durable_replica(tmp_path):
+    meta, data = make_shard(5 * CHUNK + 12345)
+    ranges = byte_ranges(meta, 4)
+    assert len(ranges) >= 1 and sum(n for _, n in ranges) == meta.data_size_bytes
+
+    async def body(receiver):
+        halves = [(0, 3 * CHUNK), (3 * CHUNK, meta.data_size_bytes - 3 * CHUNK)]
+        await asyncio.gather(
+            *(receiver.receive_range(meta, "ab" * 8, o, n, pieces(data[o : o + n])) for o, n in reversed(halves))
+        )
+        await receiver.seal(meta, "ab" * 8, None)
+
+    tier = run(tmp_path, body)
+    step_dir = tier.step_dir("j", 3)
+    assert (step_dir / "rank-00000.data").read_bytes() == data
+    assert read_meta_ok(step_dir, meta)
+    assert not list(step_dir.glob("*.partial"))
+
+
+def read_meta_ok(step_dir, meta) -> bool:
+    return ShardMeta.from_bytes((step_dir / "rank-00000.meta.json").read_bytes(), "test") == meta
+
+
+def test_a_bad_chunk_is_rejected_and_leaves_nothing(tmp_path):
+    meta, data = make_shard(3 * CHUNK)
+    bad = bytearray(data)
+    bad[CHUNK + 7] ^= 1
+
+    async def body(receiver):
+        with pytest.raises(CorruptCheckpoint, match=r"chunk 1 .* checksum mismatch"):
+            await receiver.receive_range(meta, "cd" * 8, 0, len(bad), pieces(bytes(bad)))
+        with pytest.raises(InvalidArgument):
+            await receiver.seal(meta, "cd" * 8, None)
+
+    tier = run(tmp_path, body)
+    assert not tier.has_shard("j", 3, 0)
+    assert not list(tier.step_dir("j", 3).glob("*"))
+
+
+def test_a_replica_missing_a_range_is_never_sealed(tmp_path):
+    meta, data = make_shard(4 * CHUNK)
+
+    async def body(receiver):
+        await receiver.receive_range(meta, "ef" * 8, 0, 2 * CHUNK, pieces(data[: 2 * CHUNK]))
+        with pytest.raises(InvalidArgument, match="2 chunks never arrived"):
+            await receiver.seal(meta, "ef" * 8, None)
+
+    tier = run(tmp_path, body)
+    assert not tier.has_shard("j", 3, 0)
+
+
+@pytest.mark.parametrize(
+    ("transfer", "offset", "length", "why"),
+    [
+        ("../x", 0, CHUNK, "invalid transfer"),
+        ("ab" * 8, 5, CHUNK, "bad range"),
+        ("ab" * 8, 0, 8 * CHUNK, "bad range"),
+        ("ab" * 8, 0, CHUNK + 1, "does not end on a chunk"),
+    ],
+)
+def test_bad_ranges_are_refused(tmp_path, transfer, offset, length, why):
+    meta, data = make_shard(4 * CHUNK)
+
+    async def body(receiver):
+        with pytest.raises(InvalidArgument, match=why):
+            await receiver.receive_range(meta, transfer, offset, length, pieces(data))
+
+    run(tmp_path, body)
+
+
+def test_too_many_bytes_in_a_range_are_refused(tmp_path):
+    meta, data = make_shard(2 * CHUNK)
+
+    async def body(receiver):
+        with pytest.raises(CorruptCheckpoint, match="more bytes"):
+            await receiver.receive_range(meta, "ab" * 8, 0, CHUNK, pieces(data))
+
+    run(tmp_path, body)
+
+
+def test_read_meta_of_a_received_step_needs_its_commit(tmp_path):
+    meta, data = make_shard(CHUNK)
+
+    async def body(receiver):
+        await receiver.receive_range(meta, "ab" * 8, 0, CHUNK, pieces(data))
+        await receiver.seal(meta, "ab" * 8, None)
+
+    tier = run(tmp_path, body)
+    assert tier.try_commit("j", 3, 1) is not None
+    assert read_meta(tier.shard_source("j", 3, 0), 0) == meta
