@@ -147,6 +147,18 @@ def cmd_status(args: argparse.Namespace, config: Config) -> int:
         f"{st['pending_flushes']} flushes pending, policy {st['policy']}"
     )
     print("counters    " + ", ".join(f"{k} {v}" for k, v in doc["counters"].items()))
+    peer = doc["tiers"]["peer"]
+    if peer["enabled"]:
+        tls = "TLS" if peer["tls"] else "plaintext"
+        print(f"peer tier   listen {peer['listen'] or '(none)'} ({tls}), {peer['replicas']} replica(s) per shard")
+        for address, p in peer["peers"].items():
+            state = "unreachable" if address in peer["unreachable"] else "ok"
+            line = f"  {address}: {state}, {p['pending_replicas']} replicas pending"
+            if p["consecutive_failures"]:
+                line += f", {p['consecutive_failures']} failures in a row, retry in {p['retry_in_s']:.1f} s"
+            print(line)
+    else:
+        print("peer tier   off (no [peer] addresses)")
     for err in doc["recent_errors"]:
         print(f"error       {err['tier']}: {err['error']}")
     return 0

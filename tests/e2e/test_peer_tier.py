@@ -172,3 +172,25 @@ def test_bad_peer_input_is_refused_and_the_unix_socket_is_private(make_cluster):
         link.fetch_meta("train", 1, 0)
     link.close()
     assert a.proc is not None and a.proc.poll() is None, "the daemon lives on"
+
+
+def test_replication_left_undone_by_a_killed_daemon_resumes_from_disk(make_cluster):
+    a, b = make_cluster(2)
+    a.start()  # its peer is down: the replica cannot go yet
+    with ckpt.Checkpointer(job=JOB, rank=0, world_size=1, address=a.address) as c:
+        c.save_async(rank_state(0, 1), step=1).wait("nvme", timeout=60)
+    a.kill()
+    b.start()
+    a.start()  # knows nothing but what is on its disk
+    eventually(lambda: ls(a).get(1) == ["memory", "nvme", "peer"])  # memory: the snapshot outlived the daemon
+    assert (b.root / ".peer" / JOB / "1" / data_name(0)).exists()
+
+
+def test_peer_retention_keeps_the_newest_replicas(make_cluster):
+    a, b = (d.start() for d in make_cluster(2, extra_toml="[retention]\npeer = 1\n"))
+    with ckpt.Checkpointer(job=JOB, rank=0, world_size=1, address=a.address) as c:
+        for step in (1, 2, 3):
+            c.save_async(rank_state(0, step), step=step).wait("peer", timeout=60)
+    replica_steps = b.root / ".peer" / JOB
+    eventually(lambda: sorted(p.name for p in replica_steps.iterdir() if not p.name.startswith(".")) == ["3"])
+    assert sorted(p.name for p in (a.root / JOB).iterdir()) == ["1", "2", "3"]  # [retention] nvme = 3
