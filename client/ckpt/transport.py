@@ -9,7 +9,14 @@ from typing import Any
 
 import grpc
 
-from ckpt.errors import CheckpointError, CorruptCheckpoint, DaemonUnavailable, InvalidArgument, NotFound, ReservationLost
+from ckpt.errors import (
+    CheckpointError,
+    CorruptCheckpoint,
+    DaemonUnavailable,
+    InvalidArgument,
+    NotFound,
+    ReservationLost,
+)
 from ckpt.wire.v1 import ckptd_pb2_grpc
 
 MAX_MESSAGE_BYTES = 256 << 20
