@@ -207,7 +207,6 @@ class Pipeline:
             try:
                 await loop.run_in_executor(self._flush_threads, self._flush_to_nvme, slot, key)
                 self._remember(key, "nvme")
-                self._wake_waiters()  # now, not after sealing the step, which may ask slow peers
                 if slot.meta is not None:
                     self.peering.shard_flushed(key, slot.meta, slot.path)
                 self._counters["flushed"] += 1
