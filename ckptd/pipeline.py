@@ -83,6 +83,7 @@ class Pipeline:
         self._flushes: set[asyncio.Task[None]] = set()
         self._failures: dict[ShardKey, str] = {}
         self._reached: dict[tuple[ShardKey, str], None] = {}  # insertion-ordered, oldest dropped first
+        self._sealing: set[ShardKey] = set()  # flushed, and the step not yet sealed (if it can be)
         # The run that committed each step last: shards of any other run are stale.
         self._latest_run: dict[tuple[str, int], str] = {}
         self._changed = asyncio.Condition()
@@ -206,7 +207,7 @@ class Pipeline:
             loop = asyncio.get_running_loop()
             try:
                 await loop.run_in_executor(self._flush_threads, self._flush_to_nvme, slot, key)
-                self._remember(key, "nvme")
+                self._sealing.add(key)  # reached once the step is sealed if it can be: see _reached_tier
                 if slot.meta is not None:
                     self.peering.shard_flushed(key, slot.meta, slot.path)
                 self._counters["flushed"] += 1
@@ -256,6 +257,9 @@ class Pipeline:
                     record = await self.peering.seal(key.job, key.step, self._latest_run.get((key.job, key.step)))
                 except (CheckpointError, OSError) as e:
                     self._record_failure(key, "nvme", f"commit of {key.job} step {key.step} failed: {e}")
+        if key in self._sealing:
+            self._sealing.discard(key)
+            self._remember(key, "nvme")
         async with self._changed:
             self._changed.notify_all()  # waiters first: retention below may take a while
         if record is not None:
@@ -310,7 +314,11 @@ class Pipeline:
             return True
         if tier == "memory":
             return any(s.shard == key and s.state != "writing" for s in self.pool.slots())
-        if key in self._failures or any(s.shard == key and s.state == "pending" for s in self.pool.slots()):
+        if (
+            key in self._failures
+            or key in self._sealing
+            or any(s.shard == key and s.state == "pending" for s in self.pool.slots())
+        ):
             return False  # the copy being flushed is the one asked about, not an older one on disk
         return self.nvme.has_shard(key.job, key.step, key.rank)
 
