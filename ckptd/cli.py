@@ -27,6 +27,7 @@ examples:
   ckptd serve --config /etc/ckptd/ckptd.toml
   ckptd ls --job llama-7b
   ckptd restore --job llama-7b --step latest --from auto --to /mnt/restore
+  ckptd restore --job llama-7b --from peer --to /mnt/restore   # this node's disk is gone
   ckptd verify --job llama-7b --step 1200
   ckptd gc --dry-run
 """
@@ -77,7 +78,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--job", required=True, help="the job to restore")
     s.add_argument("--step", default="latest", help="a step number, or latest (default)")
-    s.add_argument("--from", dest="source", default="auto", help="auto (fastest good copy), memory or nvme")
+    s.add_argument(
+        "--from",
+        dest="source",
+        default="auto",
+        help="auto (fastest good copy), memory, nvme, or peer (this node's replicas and the other nodes "
+        "in [peer] addresses)",
+    )
     s.add_argument("--to", required=True, metavar="DIR", type=Path)
 
     s = sub.add_parser("verify", parents=[common], help="check every byte of a job's steps against their checksums")
