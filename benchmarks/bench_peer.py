@@ -1,0 +1,470 @@
+"""Benchmark replication to a peer against a raw loopback socket transfer of the same bytes, in one run.
+
+Two real `ckptd serve` processes, A and B, are each other's peers on loopback ports. A state of one
+tensor is saved through A; once it is durable on A's NVMe, A sends it to B, and A's status says how
+long that took (`tiers.peer.last_transfer`). Interleaved with each save, the same bytes go over a
+plain TCP socket on 127.0.0.1 to a child process, once into memory (the limit of the design's
+target) and once also written to a file with O_DIRECT and fsynced (as B makes its replica durable).
+It prints a table and writes JSON; it is not a test. See benchmarks/README.md.
+
+    .venv/bin/python benchmarks/bench_peer.py --size-mib 512 --repeats 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import mmap
+import multiprocessing
+import os
+import platform
+import queue
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import defaultdict
+from dataclasses import asdict, dataclass
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+import ckpt
+import torch
+from ckpt.transport import DaemonClient
+from ckpt.wire.v1 import ckptd_pb2 as pb
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+DIRECT_IO_ALIGN_BYTES = 4096
+DISK_BLOCK_BYTES = 8 << 20  # the receiver's write size, as ckptd's receiver writes
+DISK_THREADS = 4
+RECV_BYTES = 4 << 20  # the most one recv_into asks for
+READY_TIMEOUT_S = 60.0
+WAIT_TIMEOUT_S = 600.0
+WARMUP_SAVES = 2
+TARGET = ">= 0.8"
+JOB = "bench-peer"
+CLOCK_TICKS_PER_S = os.sysconf("SC_CLK_TCK")
+
+
+@dataclass(frozen=True)
+class Row:
+    """Hold one line of the table: a measurement, and the limit it is held against if any."""
+
+    what: str
+    time_s: float
+    size_bytes: int
+    limit: str = ""
+    ratio: float | None = None
+    target: str = ""
+    ok: bool | None = None
+
+    @property
+    def gb_per_s(self) -> float:
+        """Return the bandwidth in GB/s (10**9 bytes per second)."""
+        return self.size_bytes / self.time_s / 1e9
+
+
+# -- the daemons --------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    """Return a loopback port that was free a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Node:
+    """One `ckptd serve` process of the pair, with its directories and its peer address."""
+
+    name: str
+    work: Path
+    staging: Path
+    listen: str
+    proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def socket_path(self) -> Path:
+        return self.work / "d.sock"
+
+    @property
+    def root(self) -> Path:
+        return self.work / "root"
+
+    @property
+    def log_path(self) -> Path:
+        return self.work / "ckptd.log"
+
+    def launch(self, peer: str) -> socket.socket:
+        """Write the config and start `ckptd serve`; return the socket on which it will say READY=1."""
+        config = self.work / "ckptd.toml"
+        # json.dumps quotes a string the way a TOML basic string wants it.
+        config.write_text(
+            f"[node]\nname = {json.dumps(self.name)}\nroot = {json.dumps(str(self.root))}\n"
+            f"socket = {json.dumps(str(self.socket_path))}\nlisten = {json.dumps(self.listen)}\n\n"
+            f"[staging]\ndir = {json.dumps(str(self.staging))}\n\n"
+            f"[peer]\naddresses = [{json.dumps(peer)}]\nreplicas = 1\n\n[retention]\nnvme = 2\npeer = 2\n"
+        )
+        notify_path = self.work / "notify.sock"
+        notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        notify.bind(str(notify_path))
+        env = {**os.environ, "NOTIFY_SOCKET": str(notify_path)}
+        env.pop("CKPTD_ADDRESS", None)
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "ckptd", "serve", "--config", str(config)],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+            )
+        return notify
+
+    def wait_ready(self, notify: socket.socket) -> None:
+        """Return once the daemon has said READY=1 on notify (then closed); raise if it never does."""
+        with notify:
+            notify.settimeout(READY_TIMEOUT_S)
+            while True:
+                try:
+                    message = notify.recv(4096).decode()
+                except TimeoutError:
+                    raise TimeoutError(f"ckptd {self.name} not ready in {READY_TIMEOUT_S} s:\n{self.log()}") from None
+                if "READY=1" in message.split("\n"):
+                    return
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")[-3000:] if self.log_path.exists() else ""
+
+    def status(self) -> dict[str, Any]:
+        """Return the daemon's status document (what `ckptd status --json` prints)."""
+        client = DaemonClient(str(self.socket_path))
+        try:
+            return json.loads(client.call("Status", pb.StatusRequest()).json)
+        finally:
+            client.close()
+
+    def cpu_s(self) -> float:
+        """Return the CPU seconds (user + system) the daemon has used so far."""
+        assert self.proc is not None
+        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS_PER_S  # utime, stime
+
+    def stop(self) -> list[str]:
+        """Send SIGTERM, wait for the daemon to drain and exit; return the warnings and errors it logged."""
+        if self.proc is None:
+            return []
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=WAIT_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if self.proc.returncode != 0:
+            print(f"warning: ckptd {self.name} exited with {self.proc.returncode}:\n{self.log()}", file=sys.stderr)
+        lines = self.log_path.read_text(errors="replace").splitlines()
+        return [f"{self.name}: {line}" for line in lines if " WARNING " in line or " ERROR " in line]
+
+
+# -- the raw socket limit ------------------------------------------------------------------
+
+
+def _receive(conn: socket.socket, view: memoryview, size_bytes: int, path: str) -> None:
+    """Receive size_bytes from conn into view; with a path, also write them there durably as they come.
+
+    DISK_THREADS writer threads follow the receive block by block with O_DIRECT writes
+    (so writing overlaps receiving, as in ckptd's receiver), and the file is fsynced.
+    """
+    blocks: queue.Queue[tuple[int, int] | None] = queue.Queue()
+    errors: list[OSError] = []
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644) if path else -1
+
+    def write_blocks() -> None:
+        while (block := blocks.get()) is not None:
+            offset, n = block
+            padded = -(-n // DIRECT_IO_ALIGN_BYTES) * DIRECT_IO_ALIGN_BYTES  # the buffer is padded too
+            try:
+                if os.pwrite(fd, view[offset : offset + padded], offset) != padded:
+                    raise OSError(f"short direct write to {path}")
+            except OSError as e:
+                errors.append(e)
+
+    writers = [threading.Thread(target=write_blocks) for _ in range(DISK_THREADS if path else 0)]
+    for w in writers:
+        w.start()
+    try:
+        got, queued = 0, 0
+        while got < size_bytes:
+            n = conn.recv_into(view[got : min(size_bytes, got + RECV_BYTES)])
+            if n == 0:
+                raise ConnectionError(f"the sender stopped after {got} of {size_bytes} bytes")
+            got += n
+            while path and (got - queued >= DISK_BLOCK_BYTES or got == size_bytes > queued):
+                blocks.put((queued, min(DISK_BLOCK_BYTES, got - queued)))
+                queued += DISK_BLOCK_BYTES
+    finally:
+        for _ in writers:
+            blocks.put(None)
+        for w in writers:
+            w.join()
+    if errors:
+        raise errors[0]
+    if path:
+        os.ftruncate(fd, size_bytes)  # direct writes pad the last block
+        os.fsync(fd)
+        os.close(fd)
+
+
+def _receiver(control: Connection, listener: socket.socket, size_bytes: int) -> None:
+    """Serve transfers in a child process: for each request on control, take one connection's bytes.
+
+    A request is a file path ("" for memory only), None to stop. The bytes go into one
+    preallocated, already touched buffer; the one-byte acknowledgement goes back once
+    they are all in (and durable, with a path).
+    """
+    buffer = mmap.mmap(-1, -(-size_bytes // DIRECT_IO_ALIGN_BYTES) * DIRECT_IO_ALIGN_BYTES)
+    buffer.write(b"\x5a" * len(buffer))
+    view = memoryview(buffer)
+    while (path := control.recv()) is not None:
+        control.send("ready")
+        conn, _ = listener.accept()
+        with conn:
+            _receive(conn, view, size_bytes, path)
+            conn.sendall(b"\x01")
+        if path:
+            os.unlink(path)
+        control.send(size_bytes)
+
+
+class RawSocket:
+    """A child process that receives over a plain TCP socket on 127.0.0.1; the parent sends and times it."""
+
+    def __init__(self, size_bytes: int) -> None:
+        self.size_bytes = size_bytes
+        # What we send: preallocated and touched, so no page fault is timed.
+        self._data = mmap.mmap(-1, size_bytes)
+        block = os.urandom(RECV_BYTES)
+        for offset in range(0, size_bytes, RECV_BYTES):
+            self._data.write(block[: size_bytes - offset])
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.address = self._listener.getsockname()
+        self._control, child = multiprocessing.get_context("spawn").Pipe()
+        self._proc = multiprocessing.get_context("spawn").Process(
+            target=_receiver, args=(child, self._listener, size_bytes), daemon=True
+        )
+        self._proc.start()
+        self._listener.close()  # the child holds it now
+
+    def transfer(self, path: Path | None = None) -> float:
+        """Send every byte, from connect to the receiver's one-byte acknowledgement; return the seconds."""
+        self._control.send(str(path) if path else "")
+        if self._control.recv() != "ready":
+            raise RuntimeError("the raw socket receiver did not get ready")
+        start = time.perf_counter()
+        with socket.create_connection(self.address) as s:
+            s.sendall(self._data)
+            if s.recv(1) != b"\x01":
+                raise ConnectionError("the raw socket receiver did not acknowledge")
+        elapsed = time.perf_counter() - start
+        if self._control.recv() != self.size_bytes:
+            raise RuntimeError("the raw socket receiver lost bytes")
+        return elapsed
+
+    def close(self) -> None:
+        """Stop the child."""
+        if self._proc.is_alive():
+            self._control.send(None)
+            self._proc.join(timeout=30)
+        if self._proc.is_alive():
+            self._proc.kill()
+        self._data.close()
+
+
+# -- the run ---------------------------------------------------------------------------------
+
+
+def replicate(c: ckpt.Checkpointer, a: Node, b: Node, state: dict[str, torch.Tensor], step: int) -> dict[str, float]:
+    """Save one step through A, wait for "nvme" then "peer"; return the timings and A's account of the transfer."""
+    before = a.status()["tiers"]["peer"]["counters"]
+    start = time.perf_counter()
+    handle = c.save_async(state, step=step)
+    returned = time.perf_counter()
+    handle.wait("nvme", timeout=WAIT_TIMEOUT_S)
+    on_nvme = time.perf_counter()
+    cpu_a, cpu_b = a.cpu_s(), b.cpu_s()
+    handle.wait("peer", timeout=WAIT_TIMEOUT_S)
+    on_peer = time.perf_counter()
+    cpu_a, cpu_b = a.cpu_s() - cpu_a, b.cpu_s() - cpu_b
+    peer = a.status()["tiers"]["peer"]
+    sent = peer["counters"]["replicas_sent"] - before["replicas_sent"]
+    failures = peer["counters"]["replica_failures"] - before["replica_failures"]
+    if sent != 1:
+        raise RuntimeError(f"step {step}: A sent {sent} replicas, expected 1 (status: {peer})")
+    return {
+        "replication": peer["last_transfer"]["seconds"],
+        "replica_bytes": peer["last_transfer"]["bytes"],
+        "replica_failures": failures,
+        "save_block": returned - start,
+        "save_to_nvme": on_nvme - start,
+        "save_to_peer": on_peer - start,
+        "nvme_to_peer": on_peer - on_nvme,
+        "cpu_a_nvme_to_peer": cpu_a,
+        "cpu_b_nvme_to_peer": cpu_b,
+    }
+
+
+def bench(
+    state: dict[str, torch.Tensor], a: Node, b: Node, work: Path, repeats: int
+) -> tuple[int, dict[str, list[float]], dict[str, Any]]:
+    """Replicate each step interleaved with raw socket transfers of the same bytes.
+
+    Return the replica's size, the raw timings, and A's peer tier status at the end.
+    """
+    raw: dict[str, list[float]] = defaultdict(list)
+    with ckpt.Checkpointer(job=JOB, rank=0, world_size=1, address=str(a.socket_path)) as c:
+        for step in range(WARMUP_SAVES):
+            size = int(replicate(c, a, b, state, step)["replica_bytes"])
+        sockets = RawSocket(size)
+        try:
+            sockets.transfer()  # warm up the child and the socket path
+            for step in range(WARMUP_SAVES, WARMUP_SAVES + repeats):
+                raw["raw_socket"].append(sockets.transfer())
+                raw["raw_socket_durable"].append(sockets.transfer(work / "raw-socket.bin"))
+                for key, value in replicate(c, a, b, state, step).items():
+                    raw[key].append(value)
+                print(
+                    f"  step {step}: replication {raw['replication'][-1]:.3f} s, raw socket "
+                    f"{raw['raw_socket'][-1]:.3f} s, raw socket + durable write {raw['raw_socket_durable'][-1]:.3f} s",
+                    flush=True,
+                )
+        finally:
+            sockets.close()
+    if any(n != size for n in raw["replica_bytes"]):
+        raise RuntimeError(f"replicas of different sizes: {raw['replica_bytes']}")
+    peer = a.status()["tiers"]["peer"]
+    if peer["counters"]["replicas_sent"] != WARMUP_SAVES + repeats:
+        # A replica sent again (between the timed steps) competed with the raw socket for the machine.
+        print(f"warning: A sent {peer['counters']['replicas_sent']} replicas for {WARMUP_SAVES + repeats} saves")
+    last = WARMUP_SAVES + repeats - 1
+    replica = ckpt.load_local(b.root / ".peer" / JOB / str(last))
+    if replica.keys() != state.keys() or not all(torch.equal(replica[k], state[k]) for k in state):
+        raise RuntimeError("the replica on B is not the saved state bit for bit")
+    return size, dict(raw), peer
+
+
+def held(what: str, time_s: float, size_bytes: int, limit: str, ratio: float) -> Row:
+    """Return a row whose ratio is held against the target."""
+    return Row(what, time_s, size_bytes, limit, ratio, TARGET, ratio >= float(TARGET.split()[1]))
+
+
+def build_rows(size: int, raw: dict[str, list[float]]) -> list[Row]:
+    """Turn raw timings into table rows: ours held against the raw socket, and against the durable one."""
+    best = {k: min(v) for k, v in raw.items()}
+    median = {k: statistics.median(v) for k, v in raw.items()}
+    rows = [
+        Row("raw socket (limit)", best["raw_socket"], size),
+        Row("raw socket + O_DIRECT write + fsync", best["raw_socket_durable"], size),
+    ]
+    for label, stat in (("best", best), ("median", median)):
+        t = stat["replication"]
+        rows.append(held(f"replication to peer ({label})", t, size, "raw socket", best["raw_socket"] / t))
+    for label, stat in (("best", best), ("median", median)):
+        t = stat["replication"]
+        rows.append(held(f"replication to peer ({label})", t, size, "raw + durable", best["raw_socket_durable"] / t))
+    for key, what in (
+        ("save_to_nvme", "save -> nvme, as seen by the user"),
+        ("save_to_peer", "save -> peer, as seen by the user"),
+        ("nvme_to_peer", "nvme -> peer, as seen by the user"),
+    ):
+        rows.append(Row(f"{what} (median)", median[key], size))
+    return rows
+
+
+def print_table(rows: list[Row]) -> None:
+    """Print ours against the limits."""
+    header = f"{'what':<42} {'time_s':>8} {'GB/s':>7}  {'limit':<14} {'ratio':>7} {'target':>7} {'ok':>4}"
+
+    def line(r: Row) -> str:
+        ratio = "" if r.ratio is None else f"{r.ratio:.2f}"
+        ok = "" if r.ok is None else ("yes" if r.ok else "NO")
+        return f"{r.what:<42} {r.time_s:>8.3f} {r.gb_per_s:>7.2f}  {r.limit:<14} {ratio:>7} {r.target:>7} {ok:>4}"
+
+    print(header, "-" * len(header), *map(line, rows), sep="\n")
+
+
+def parse_args() -> argparse.Namespace:
+    """Parse the command line."""
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--size-mib", type=int, default=512, help="size of the state in MiB (default 512)")
+    p.add_argument("--repeats", type=int, default=5, help="timed replications (default 5)")
+    p.add_argument("--dir", type=Path, default=RESULTS_DIR / "tmp", help="where to write, on the disk under test")
+    p.add_argument("--json", type=Path, default=RESULTS_DIR / "peer.json", help="where to write the results")
+    return p.parse_args()
+
+
+def main() -> int:
+    """Start the two daemons, run every measurement, print the table and write the JSON."""
+    args = parse_args()
+    generator = torch.Generator().manual_seed(0)
+    state = {"weight": torch.randn(args.size_mib << 18, dtype=torch.float32, generator=generator)}
+    load_before = os.getloadavg()
+    args.dir.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="bench-peer-", dir=args.dir))
+    staging = Path(tempfile.mkdtemp(prefix="ckptd-bench-peer-", dir="/dev/shm"))
+    print(f"one tensor of {args.size_mib} MiB; working in {work}, staging in {staging}", flush=True)
+    a_listen, b_listen = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
+    a, b = (Node(name, work / name, staging / name, listen) for name, listen in (("a", a_listen), ("b", b_listen)))
+    daemon_warnings: list[str] = []
+    try:
+        for node in (a, b):
+            node.work.mkdir()
+            node.staging.mkdir()
+        try:
+            # Both start before either is waited for, so neither asks a peer that is not there yet.
+            notify_a, notify_b = a.launch(peer=b_listen), b.launch(peer=a_listen)
+            a.wait_ready(notify_a)
+            b.wait_ready(notify_b)
+            size, raw, peer_status = bench(state, a, b, work, args.repeats)
+        finally:
+            for node in (a, b):
+                daemon_warnings += node.stop()
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+        shutil.rmtree(work, ignore_errors=True)
+    rows = build_rows(size, raw)
+    print()
+    print_table(rows)
+    cpu = {k: statistics.median(raw[f"cpu_{k}_nvme_to_peer"]) for k in ("a", "b")}
+    print(
+        f"\nCPU seconds used between nvme and peer (median): sender A {cpu['a']:.2f}, receiver B {cpu['b']:.2f}; "
+        f"the shard's bytes, {size} in all, were {size / args.size_mib / (1 << 20):.4f}x the tensor"
+    )
+    print("\nckptd logged:", *daemon_warnings or ["no warnings"], sep="\n  ")
+    load_after = os.getloadavg()
+    print(f"\nload average before {load_before[0]:.2f}, after {load_after[0]:.2f} (on {os.cpu_count()} CPUs)")
+    result = {
+        "argv": sys.argv,
+        "size_bytes": size,
+        "repeats": args.repeats,
+        "dir": str(args.dir.resolve()),
+        "env": {"torch": torch.__version__, "python": platform.python_version(), "cpus": os.cpu_count()},
+        "load_average_1m": {"before": load_before[0], "after": load_after[0]},
+        "rows": [{**asdict(r), "gb_per_s": r.gb_per_s} for r in rows],
+        "raw_s": raw,
+        "peer_status_of_a": peer_status,
+        "daemon_warnings": daemon_warnings,
+    }
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
