@@ -171,8 +171,8 @@ class Peering:
 
     # -- replication -------------------------------------------------------------------------
 
-    def shard_flushed(self, key: ShardKey, meta: ShardMeta, slot_path: Path | None) -> None:
-        """Start replicating a shard that just became durable here."""
+    def replicate(self, key: ShardKey, meta: ShardMeta, slot_path: Path | None) -> None:
+        """Start replicating a shard from its staging slot (while it holds the snapshot), else from NVMe."""
         if self.replication is None:
             return
         on_disk = self.nvme.step_dir(key.job, key.step) / data_name(key.rank)
@@ -208,9 +208,16 @@ class Peering:
         if self.replication is not None:
             await self._run(self._track_local_shards, local)
             reachable = {link.address for link in self.peer_tier.links} - set(self.peer_tier.unreachable)
+            # A step directory goes only with retention (a shard still being flushed has one already).
+            self.replication.forget(lambda k: self.nvme.step_dir(k.job, k.step).is_dir() and self._kept(k))
             self.replication.confirm([h for s in remote for h in s.shards], reachable, asked_at)
-            self.replication.forget(lambda k: self.nvme.has_shard(k.job, k.step, k.rank))
             self.replication.retry_due(lambda k: self.nvme.checked_commit(k.job, k.step))
+
+    def _kept(self, key: ShardKey) -> bool:
+        """Say whether the peers keep a shard's step under [retention] peer (else it is not sent again)."""
+        keep = self.config.retention.peer
+        complete = self.nvme.complete_steps(key.job)
+        return keep == 0 or key.step in complete[-keep:] or key.step > max(complete, default=-1)
 
     def _track_local_shards(self, local: list[StepHoldings]) -> None:
         assert self.replication is not None
@@ -219,7 +226,7 @@ class Peering:
                 if h.tier != "nvme":
                     continue
                 key = ShardKey(h.job, h.step, h.rank, h.world_size)
-                if self.replication.tracks(key, h.meta_digest):
+                if self.replication.tracks(key, h.meta_digest) or not self._kept(key):
                     continue
                 path = self.nvme.step_dir(h.job, h.step) / meta_name(h.rank)
                 try:

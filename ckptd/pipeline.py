@@ -206,10 +206,11 @@ class Pipeline:
         async with lock:
             loop = asyncio.get_running_loop()
             try:
-                await loop.run_in_executor(self._flush_threads, self._flush_to_nvme, slot, key)
+                hashed_before = slot.meta is not None  # a flush resumed after a restart
+                await loop.run_in_executor(self._flush_threads, self._flush_to_nvme, slot, key, loop)
                 self._sealing.add(key)  # reached once the step is sealed if it can be: see _reached_tier
-                if slot.meta is not None:
-                    self.peering.shard_flushed(key, slot.meta, slot.path)
+                if hashed_before and slot.meta is not None:
+                    self.peering.replicate(key, slot.meta, slot.path)
                 self._counters["flushed"] += 1
                 self._counters["bytes_flushed"] += slot.data_size_bytes
             except Exception as e:  # a flush must never fail silently, whatever broke
@@ -221,7 +222,7 @@ class Pipeline:
                 await self.pool.settle(slot)
         await self._after_flush(key)  # outside the rank's lock: its next flush need not wait for retention
 
-    def _flush_to_nvme(self, slot: Slot, key: ShardKey) -> None:
+    def _flush_to_nvme(self, slot: Slot, key: ShardKey, loop: asyncio.AbstractEventLoop) -> None:
         meta = slot.meta or ShardMeta(
             key.job,
             key.step,
@@ -236,7 +237,13 @@ class Pipeline:
         with open(slot.path, "rb") as f:
             m = mmap.mmap(f.fileno(), slot.size_bytes, prot=mmap.PROT_READ)
         try:
-            self.nvme.write_shard(meta, memoryview(m), on_hashed=lambda full: self.pool.record_hashed(slot, full))
+
+            def hashed(full: ShardMeta) -> None:
+                self.pool.record_hashed(slot, full)
+                # Replicas go straight from shared memory while the NVMe writes run.
+                loop.call_soon_threadsafe(self.peering.replicate, key, full, slot.path)
+
+            self.nvme.write_shard(meta, memoryview(m), on_hashed=hashed)
         finally:
             with contextlib.suppress(BufferError):  # a traceback may still hold a view; then GC unmaps it
                 m.close()

@@ -32,6 +32,7 @@ BLOCK_BYTES = 8 << 20
 MAX_CHUNK_BYTES = 64 << 20
 MAX_SHARD_BYTES = 1 << 50
 IDLE_TRANSFER_S = 600.0
+SPARE_BUFFERS = 16
 TRANSFER_RE = re.compile(r"[0-9a-f]{8,64}")
 
 
@@ -69,6 +70,7 @@ class ReplicaReceiver:
         self.tier = tier
         self._threads = threads
         self._transfers: dict[str, _Transfer] = {}
+        self._spare_buffers: list[mmap.mmap] = []  # reused: fresh ones would fault in every page per range
 
     async def receive_range(
         self, meta: ShardMeta, transfer: str, offset: int, length: int, pieces: AsyncIterator[bytes]
@@ -79,9 +81,9 @@ class ReplicaReceiver:
         t = await self._open(meta, transfer)
         t.ranges_open += 1
         writes: list[asyncio.Future[None] | None] = [None, None]
+        block_bytes = max(1, BLOCK_BYTES // meta.chunk_size_bytes) * meta.chunk_size_bytes
+        buffers = [self._buffer(round_up(block_bytes, DIRECT_IO_ALIGN_BYTES)) for _ in range(2)]
         try:
-            block_bytes = max(1, BLOCK_BYTES // meta.chunk_size_bytes) * meta.chunk_size_bytes
-            buffers = [mmap.mmap(-1, round_up(block_bytes, DIRECT_IO_ALIGN_BYTES)) for _ in range(2)]
             which, filled, base, end = 0, 0, offset, offset + length
             async for data in pieces:
                 view = memoryview(data)
@@ -120,6 +122,14 @@ class ReplicaReceiver:
             t.ranges_open -= 1
             if t.abandoned:
                 t.abandon()
+            self._spare_buffers = (self._spare_buffers + buffers)[-SPARE_BUFFERS:]
+
+    def _buffer(self, size_bytes: int) -> mmap.mmap:
+        while self._spare_buffers:
+            buffer = self._spare_buffers.pop()
+            if len(buffer) == size_bytes:
+                return buffer
+        return mmap.mmap(-1, size_bytes)
 
     async def seal(self, meta: ShardMeta, transfer: str, record: CommitRecord | None) -> None:
         """Make a fully received replica durable and count it; adopt the step's commit record if given."""

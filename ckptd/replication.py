@@ -110,7 +110,7 @@ class Replication:
 
     def forget(self, keep: Callable[[ShardKey], bool]) -> None:
         """Stop tracking shards that are gone from this node (removed by retention)."""
-        for key in [k for k in self._shards if not keep(k)]:
+        for key in [k for k, shard in self._shards.items() if not shard.sending and not keep(k)]:
             del self._shards[key]
 
     def retry_due(self, record_of: Callable[[ShardKey], CommitRecord | None]) -> None:
