@@ -11,12 +11,12 @@ from pathlib import Path
 
 import grpc
 from ckpt.transport import MAX_MESSAGE_BYTES
-from ckpt.wire.v1 import ckptd_pb2_grpc, peer_pb2_grpc
+from ckpt.wire.v1 import ckptd_pb2_grpc
 
 from ckptd import sd_notify
 from ckptd.config import Config
 from ckptd.peer_link import grpc_options, server_credentials
-from ckptd.peer_server import PeerServicer
+from ckptd.peer_server import PeerServicer, add_peer_servicer
 from ckptd.pipeline import Pipeline
 from ckptd.server import CkptdServicer
 
@@ -76,7 +76,7 @@ async def serve(config: Config) -> None:
 
 async def _serve_peers(config: Config, pipeline: Pipeline) -> grpc.aio.Server:
     server = grpc.aio.server(options=grpc_options())
-    peer_pb2_grpc.add_CkptdPeerServicer_to_server(PeerServicer(pipeline), server)
+    add_peer_servicer(PeerServicer(pipeline), server)
     credentials = server_credentials(config.peer)
     try:
         if credentials is None:

@@ -30,6 +30,36 @@ CONNECT_TIMEOUT_S = 3.0
 MIN_TRANSFER_BYTES_PER_S = 20 << 20  # a stream slower than this is given up and retried
 
 
+_DATA_TAG = b"\x2a"  # ShardPiece field 5 (data), length-delimited
+
+
+def data_piece(data: memoryview) -> bytes:
+    """Serialize ShardPiece(data=data) exactly as protobuf would, with one copy of the bytes."""
+    n, varint = len(data), bytearray()
+    while True:
+        byte, n = n & 0x7F, n >> 7
+        varint.append(byte | (0x80 if n else 0))
+        if not n:
+            break
+    return b"".join((_DATA_TAG, varint, data))
+
+
+def piece_data(message: bytes) -> memoryview:
+    """Return the data of a serialized ShardPiece without copying it (the bulk path skips protobuf's copies)."""
+    view = memoryview(message)
+    if view[:1] == _DATA_TAG:
+        length, shift, i = 0, 0, 1
+        while i < len(view):
+            byte = view[i]
+            length |= (byte & 0x7F) << shift
+            shift, i = shift + 7, i + 1
+            if not byte & 0x80:
+                break
+        if i + length == len(view):
+            return view[i:]
+    return memoryview(pb.ShardPiece.FromString(message).data)  # any other shape protobuf allows
+
+
 class PeerError(CheckpointError):
     """A peer could not be reached, or refused a request; the message names the peer."""
 
@@ -123,6 +153,13 @@ class PeerLink:
         else:
             self._channel = grpc.secure_channel(address, credentials, options=grpc_options())
         self._stub = peer_pb2_grpc.CkptdPeerStub(self._channel)
+        # The bulk methods carry pre-serialized pieces: the same bytes on the wire, without protobuf's copies.
+        self._put_shard = self._channel.stream_unary(
+            "/ckpt.wire.v1.CkptdPeer/PutShard", response_deserializer=pb.PutShardReply.FromString
+        )
+        self._get_shard = self._channel.unary_stream(
+            "/ckpt.wire.v1.CkptdPeer/GetShard", request_serializer=pb.GetShardRequest.SerializeToString
+        )
 
     def close(self) -> None:
         """Close the channel."""
@@ -186,18 +223,19 @@ class PeerLink:
     ) -> None:
         local_failure: list[BaseException] = []  # gRPC reports a failing request iterator only as CANCELLED
 
-        def pieces() -> Iterator[pb.ShardPiece]:
+        def pieces() -> Iterator[bytes]:
             try:
-                yield pb.ShardPiece(meta_json=meta_json, transfer=transfer, offset=offset, length=length)
+                first = pb.ShardPiece(meta_json=meta_json, transfer=transfer, offset=offset, length=length)
+                yield first.SerializeToString()
                 for data in read_pieces(path, meta, offset, length, f"{what} at {path}"):
-                    yield pb.ShardPiece(data=data)
+                    yield data_piece(data)
             except Exception as e:
                 local_failure.append(e)
                 raise
 
         timeout_s = CALL_TIMEOUT_S + length / MIN_TRANSFER_BYTES_PER_S
         try:
-            self._call(f"replica of {what}", lambda: self._stub.PutShard(pieces(), timeout=timeout_s))
+            self._call(f"replica of {what}", lambda: self._put_shard(pieces(), timeout=timeout_s))
         except PeerError:
             if local_failure:
                 raise local_failure[0] from None
@@ -207,8 +245,8 @@ class PeerLink:
         """Return the record of a rank's shard of a complete step that the peer holds."""
         request = pb.GetShardRequest(job=job, step=step, rank=rank, tier=tier, meta_only=True)
         what = f"rank {rank} shard record of {job} step {step}"
-        for piece in self._call(what, lambda: list(self._stub.GetShard(request, timeout=CALL_TIMEOUT_S))):
-            return ShardMeta.from_bytes(piece.meta_json, f"{what} from peer {self.address}")
+        for raw in self._call(what, lambda: list(self._get_shard(request, timeout=CALL_TIMEOUT_S))):
+            return ShardMeta.from_bytes(pb.ShardPiece.FromString(raw).meta_json, f"{what} from peer {self.address}")
         raise PeerError(f"peer {self.address} sent nothing for {what}")
 
     def fetch_into(self, meta: ShardMeta, buffer: memoryview, tier: str = "") -> None:
@@ -218,10 +256,10 @@ class PeerLink:
         timeout_s = CALL_TIMEOUT_S + meta.data_size_bytes / MIN_TRANSFER_BYTES_PER_S
 
         def fill() -> None:
-            replies = iter(self._stub.GetShard(request, timeout=timeout_s))
+            replies = iter(self._get_shard(request, timeout=timeout_s))
             first = next(replies, None)
-            if first is None or first.meta_json != meta.to_bytes():
+            if first is None or pb.ShardPiece.FromString(first).meta_json != meta.to_bytes():
                 raise CorruptCheckpoint(f"{what}: the peer holds a different copy of the shard")
-            fill_from_pieces(buffer, meta, (r.data for r in replies), what)
+            fill_from_pieces(buffer, meta, (piece_data(r) for r in replies), what)
 
         self._call(what, fill)

@@ -6,12 +6,13 @@ import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
+import grpc
 from ckpt.errors import CorruptCheckpoint, InvalidArgument
 from ckpt.format import CommitRecord, ShardMeta, validate_job, validate_step
 from ckpt.wire.v1 import peer_pb2 as pb
 from ckpt.wire.v1 import peer_pb2_grpc
 
-from ckptd.peer_link import holdings_to_pb
+from ckptd.peer_link import data_piece, holdings_to_pb, piece_data
 from ckptd.pipeline import Pipeline
 from ckptd.server import answer
 from ckptd.shard_stream import read_pieces
@@ -31,24 +32,44 @@ def _commit_record(data: bytes) -> CommitRecord:
         raise InvalidArgument(str(e)) from None
 
 
+def add_peer_servicer(servicer: PeerServicer, server: grpc.aio.Server) -> None:
+    """Serve the peer protocol, with the bulk methods taking and giving serialized pieces as they are."""
+    captured: dict[str, Any] = {}
+
+    class Capture:
+        def add_generic_rpc_handlers(self, handlers: Any) -> None:
+            pass
+
+        def add_registered_method_handlers(self, service: str, handlers: dict[str, Any]) -> None:
+            captured.update(service=service, handlers=handlers)
+
+    peer_pb2_grpc.add_CkptdPeerServicer_to_server(servicer, Capture())
+    handlers = dict(captured["handlers"])
+    handlers["PutShard"] = handlers["PutShard"]._replace(request_deserializer=None)
+    handlers["GetShard"] = handlers["GetShard"]._replace(response_serializer=None)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(captured["service"], handlers),))
+    server.add_registered_method_handlers(captured["service"], handlers)
+
+
 class PeerServicer(peer_pb2_grpc.CkptdPeerServicer):
     """Serve ckpt/wire/v1/peer.proto to other nodes' daemons."""
 
     def __init__(self, pipeline: Pipeline) -> None:
         self.pipeline = pipeline
 
-    async def PutShard(self, request_iterator: AsyncIterator[pb.ShardPiece], context: Any) -> pb.PutShardReply:
+    async def PutShard(self, request_iterator: AsyncIterator[bytes], context: Any) -> pb.PutShardReply:
         async def work() -> pb.PutShardReply:
-            first = await anext(aiter(request_iterator), None)
-            if first is None:
+            raw = await anext(aiter(request_iterator), None)
+            if raw is None:
                 raise InvalidArgument("PutShard carried no pieces")
+            first = pb.ShardPiece.FromString(raw)
             meta = _shard_meta(first.meta_json)
 
-            async def data() -> AsyncIterator[bytes]:
+            async def data() -> AsyncIterator[memoryview]:
                 if first.data:
-                    yield first.data
+                    yield memoryview(first.data)
                 async for piece in request_iterator:
-                    yield piece.data
+                    yield piece_data(piece)
 
             await self.pipeline.receiver.receive_range(meta, first.transfer, first.offset, first.length, data())
             return pb.PutShardReply()
@@ -64,24 +85,28 @@ class PeerServicer(peer_pb2_grpc.CkptdPeerServicer):
 
         return await answer(context, work)
 
-    async def GetShard(self, request: pb.GetShardRequest, context: Any) -> AsyncIterator[pb.ShardPiece]:
+    async def GetShard(self, request: pb.GetShardRequest, context: Any) -> AsyncIterator[bytes]:
         async def find() -> tuple[ShardMeta, bytes, Any]:
             job, step = validate_job(request.job), validate_step(request.step)
             return await self.pipeline.shard_for_peer(job, step, request.rank, request.tier)
 
         meta, meta_json, path = await answer(context, find)
-        yield pb.ShardPiece(meta_json=meta_json)
+        yield pb.ShardPiece(meta_json=meta_json).SerializeToString()
         if request.meta_only:
             return
         what = f"rank {meta.rank} shard of {meta.job} step {meta.step} on node {self.pipeline.config.node.name}"
         pieces = read_pieces(path, meta, 0, meta.data_size_bytes, what)
         loop = asyncio.get_running_loop()
 
-        async def next_piece() -> bytes | None:
-            return await loop.run_in_executor(self.pipeline.peer_io, next, pieces, None)
+        def serialize_next() -> bytes | None:
+            data = next(pieces, None)
+            return None if data is None else data_piece(data)
 
-        while (data := await answer(context, next_piece)) is not None:
-            yield pb.ShardPiece(data=data)
+        async def next_piece() -> bytes | None:
+            return await loop.run_in_executor(self.pipeline.peer_io, serialize_next)
+
+        while (piece := await answer(context, next_piece)) is not None:
+            yield piece  # already a serialized ShardPiece
 
     async def Inventory(self, request: pb.InventoryRequest, context: Any) -> pb.InventoryReply:
         async def work() -> pb.InventoryReply:

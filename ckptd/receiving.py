@@ -73,7 +73,7 @@ class ReplicaReceiver:
         self._spare_buffers: list[mmap.mmap] = []  # reused: fresh ones would fault in every page per range
 
     async def receive_range(
-        self, meta: ShardMeta, transfer: str, offset: int, length: int, pieces: AsyncIterator[bytes]
+        self, meta: ShardMeta, transfer: str, offset: int, length: int, pieces: AsyncIterator[memoryview]
     ) -> None:
         """Write one checked range of a replica (CorruptCheckpoint: a bad chunk)."""
         self._check(meta, transfer, offset, length)

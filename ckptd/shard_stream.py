@@ -26,8 +26,10 @@ def byte_ranges(meta: ShardMeta, streams: int) -> list[tuple[int, int]]:
     return [(lo, min(per, meta.data_size_bytes - lo)) for lo in range(0, meta.data_size_bytes, per)] or [(0, 0)]
 
 
-def read_pieces(path: Path, meta: ShardMeta, offset: int, length: int, what: str) -> Iterator[bytes]:
-    """Yield a range of a shard's bytes in pieces, each checked chunk by chunk against meta before it is yielded.
+def read_pieces(path: Path, meta: ShardMeta, offset: int, length: int, what: str) -> Iterator[memoryview]:
+    """Yield a range of a shard's bytes in pieces, each chunk checked against meta before its pieces are yielded.
+
+    A piece is a view of a reused buffer: copy it before asking for the next one.
 
     offset is a multiple of the chunk size. Reads use direct I/O where the file
     allows it (a shard on NVMe, written with direct I/O, is not in the page cache).
@@ -43,7 +45,7 @@ def read_pieces(path: Path, meta: ShardMeta, offset: int, length: int, what: str
             if digest(data) != meta.chunk_xxh3_128[index]:
                 raise CorruptCheckpoint(f"{what}: chunk {index} (bytes {lo}-{lo + n - 1}) checksum mismatch")
             for p in range(0, n, PIECE_BYTES):
-                yield bytes(data[p : p + PIECE_BYTES])
+                yield data[p : p + PIECE_BYTES]
 
 
 class _Reader:
@@ -92,7 +94,7 @@ class _Reader:
         return self._view[:length]
 
 
-def fill_from_pieces(buffer: memoryview, meta: ShardMeta, pieces: Iterable[bytes], what: str) -> None:
+def fill_from_pieces(buffer: memoryview, meta: ShardMeta, pieces: Iterable[memoryview], what: str) -> None:
     """Copy a whole shard arriving in pieces into buffer, checking each chunk as it completes."""
     chunk = meta.chunk_size_bytes
     size = meta.data_size_bytes
