@@ -35,6 +35,8 @@ _DATA_TAG = b"\x2a"  # ShardPiece field 5 (data), length-delimited
 
 def data_piece(data: memoryview) -> bytes:
     """Serialize ShardPiece(data=data) exactly as protobuf would, with one copy of the bytes."""
+    if not data:
+        return b""  # protobuf leaves an empty field out
     n, varint = len(data), bytearray()
     while True:
         byte, n = n & 0x7F, n >> 7
