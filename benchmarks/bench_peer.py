@@ -88,6 +88,7 @@ class Node:
     work: Path
     staging: Path
     listen: str
+    root_parent: Path | None = None  # where the root goes instead of the work dir (another "disk")
     proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -96,7 +97,7 @@ class Node:
 
     @property
     def root(self) -> Path:
-        return self.work / "root"
+        return (self.root_parent or self.work) / "root"
 
     @property
     def log_path(self) -> Path:
@@ -405,6 +406,13 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=5, help="timed replications (default 5)")
     p.add_argument("--dir", type=Path, default=RESULTS_DIR / "tmp", help="where to write, on the disk under test")
     p.add_argument("--json", type=Path, default=RESULTS_DIR / "peer.json", help="where to write the results")
+    p.add_argument(
+        "--peer-disk",
+        choices=["same", "memory"],
+        default="same",
+        help="where B keeps its data: on the disk under test beside A's (default), or in /dev/shm, standing in for "
+        "a peer node with a disk of its own (this VM has one disk for both 'nodes')",
+    )
     return p.parse_args()
 
 
@@ -419,7 +427,8 @@ def main() -> int:
     staging = Path(tempfile.mkdtemp(prefix="ckptd-bench-peer-", dir="/dev/shm"))
     print(f"one tensor of {args.size_mib} MiB; working in {work}, staging in {staging}", flush=True)
     a_listen, b_listen = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
-    a, b = (Node(name, work / name, staging / name, listen) for name, listen in (("a", a_listen), ("b", b_listen)))
+    a = Node("a", work / "a", staging / "a", a_listen)
+    b = Node("b", work / "b", staging / "b", b_listen, staging / "b-disk" if args.peer_disk == "memory" else None)
     daemon_warnings: list[str] = []
     try:
         for node in (a, b):
