@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from ckpt.errors import CheckpointError, InvalidArgument, NotFound
-from ckpt.format import CHUNK_SIZE_BYTES, CommitRecord, ShardMeta, digest, meta_name, validate_tier
+from ckpt.format import CHUNK_SIZE_BYTES, MAX_SHARD_BYTES, CommitRecord, ShardMeta, digest, meta_name, validate_tier
 from ckpt.shard_io import ShardSource
 
 from ckptd import __version__
@@ -43,7 +43,6 @@ log = logging.getLogger(__name__)
 FLUSH_THREADS = 2
 PEER_THREADS = 8
 RECONCILE_S = 2.0  # how often a node catches up with its peers
-MAX_SHARD_BYTES = 1 << 50
 RECENT_ERRORS = 20
 REMEMBERED_SHARDS = 1 << 16  # shards known to have reached a tier, for waiters that come after retention
 

@@ -10,6 +10,7 @@ the receiver's threads.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import logging
 import mmap
@@ -17,9 +18,10 @@ import os
 import re
 import time
 from collections.abc import AsyncIterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 from ckpt.errors import CorruptCheckpoint, InvalidArgument
 from ckpt.format import DIRECT_IO_ALIGN_BYTES, CommitRecord, ShardMeta, chunk_ranges, digest, round_up
@@ -27,10 +29,10 @@ from ckpt.format import DIRECT_IO_ALIGN_BYTES, CommitRecord, ShardMeta, chunk_ra
 from ckptd.tiers.nvme import LocalDirTier
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 BLOCK_BYTES = 8 << 20
 MAX_CHUNK_BYTES = 64 << 20
-MAX_SHARD_BYTES = 1 << 50
 IDLE_TRANSFER_S = 600.0
 SPARE_BUFFERS = 16
 TRANSFER_RE = re.compile(r"[0-9a-f]{8,64}")
@@ -47,6 +49,7 @@ class _Transfer:
     ranges_open: int = 0  # ranges being received: the files stay open until the last one ends
     abandoned: bool = False
     closed: bool = False
+    direct_refused: bool = False  # other ranges may still be using direct_fd: it is closed with the rest
 
     def close(self) -> None:
         if not self.closed:
@@ -77,10 +80,9 @@ class ReplicaReceiver:
     ) -> None:
         """Write one checked range of a replica (CorruptCheckpoint: a bad chunk)."""
         self._check(meta, transfer, offset, length)
-        loop = asyncio.get_running_loop()
         t = await self._open(meta, transfer)
         t.ranges_open += 1
-        writes: list[asyncio.Future[None] | None] = [None, None]
+        writes: list[Future[None] | None] = [None, None]
         block_bytes = max(1, BLOCK_BYTES // meta.chunk_size_bytes) * meta.chunk_size_bytes
         buffers = [self._buffer(round_up(block_bytes, DIRECT_IO_ALIGN_BYTES)) for _ in range(2)]
         try:
@@ -94,22 +96,20 @@ class ReplicaReceiver:
                     buffers[which][filled : filled + take] = view[:take]
                     filled, view = filled + take, view[take:]
                     if filled == block_bytes:
-                        writes[which] = loop.run_in_executor(
-                            self._threads, self._write, t, buffers[which], base, filled
-                        )
+                        writes[which] = self._threads.submit(self._write, t, buffers[which], base, filled)
                         base, filled, which = base + filled, 0, which ^ 1
                         pending = writes[which]
                         if pending is not None:  # the other buffer's write must finish before it is refilled
-                            await pending
+                            await _finished(pending)
                             writes[which] = None
                 t.touched_s = time.monotonic()
             if filled:
-                writes[which] = loop.run_in_executor(self._threads, self._write, t, buffers[which], base, filled)
+                writes[which] = self._threads.submit(self._write, t, buffers[which], base, filled)
                 base += filled
             for i, w in enumerate(writes):
                 if w is not None:
                     writes[i] = None
-                    await w
+                    await _finished(w)
             if base != end:
                 raise CorruptCheckpoint(f"{self._what(meta)}: range ended after {base - offset} of {length} bytes")
         except BaseException:
@@ -117,8 +117,12 @@ class ReplicaReceiver:
             t.abandoned = True
             raise
         finally:
-            # Never close the file under a write still running on a thread.
-            await asyncio.gather(*(w for w in writes if w is not None), return_exceptions=True)
+            # Never close the file or reuse a buffer under a write still running on a thread,
+            # even when the sender went away and this handler was cancelled.
+            for w in writes:
+                if w is not None:
+                    with contextlib.suppress(BaseException):
+                        await _finished(w)
             t.ranges_open -= 1
             if t.abandoned:
                 t.abandon()
@@ -142,7 +146,7 @@ class ReplicaReceiver:
         try:
             if missing:
                 raise InvalidArgument(f"{self._what(meta)}: {missing} chunks never arrived")
-            await asyncio.get_running_loop().run_in_executor(self._threads, self._install, t, record)
+            await _finished(self._threads.submit(self._install, t, record))
         except BaseException:
             t.abandon()
             raise
@@ -162,8 +166,6 @@ class ReplicaReceiver:
             raise InvalidArgument(f"invalid transfer name {transfer!r}")
         if not (0 < chunk <= MAX_CHUNK_BYTES and chunk % DIRECT_IO_ALIGN_BYTES == 0):
             raise InvalidArgument(f"{self._what(meta)}: chunk size {chunk} is not a multiple of 4 KiB up to 64 MiB")
-        if not 0 <= meta.data_size_bytes <= MAX_SHARD_BYTES:
-            raise InvalidArgument(f"{self._what(meta)}: size {meta.data_size_bytes} is out of range")
         end = offset + length
         if offset < 0 or length < 0 or offset % chunk or end > meta.data_size_bytes:
             raise InvalidArgument(f"{self._what(meta)}: bad range {offset}+{length}")
@@ -177,8 +179,7 @@ class ReplicaReceiver:
             if t.meta != meta:
                 raise InvalidArgument(f"transfer {transfer} carries two different shards")
             return t
-        loop = asyncio.get_running_loop()
-        await loop.run_in_executor(self._threads, self.tier.prepare_shard, meta, self._what(meta))
+        await _finished(self._threads.submit(self.tier.prepare_shard, meta, self._what(meta)))
         t = self._transfers.get(transfer)  # another range of it may have opened it meanwhile
         if t is None:
             partial = self.tier.partial_path(meta, transfer[:16])
@@ -230,8 +231,18 @@ class ReplicaReceiver:
         return f"replica of rank {meta.rank} shard of {meta.job} step {meta.step} on tier {self.tier.name}"
 
 
+async def _finished(work: Future[T]) -> T:
+    """Await work on a thread; if this task is cancelled meanwhile, still wait for the work to end first."""
+    wrapped = asyncio.wrap_future(work)
+    try:
+        return await asyncio.shield(wrapped)
+    except asyncio.CancelledError:
+        await asyncio.wait([wrapped])
+        raise
+
+
 def _pwrite(t: _Transfer, view: memoryview, offset: int, length: int) -> None:
-    if t.direct_fd is not None:
+    if t.direct_fd is not None and not t.direct_refused:
         padded = view[: round_up(length, DIRECT_IO_ALIGN_BYTES)]
         try:
             while padded:
@@ -241,7 +252,7 @@ def _pwrite(t: _Transfer, view: memoryview, offset: int, length: int) -> None:
         except OSError as e:
             if e.errno != errno.EINVAL:
                 raise
-            t.direct_fd = None  # the filesystem took O_DIRECT at open but not for this write
+            t.direct_refused = True  # the filesystem took O_DIRECT at open but not for this write
     data = view[:length]
     while data:
         n = os.pwrite(t.fd, data, offset)

@@ -18,6 +18,8 @@ from ckpt.errors import CorruptCheckpoint, InvalidArgument
 
 FORMAT_VERSION = 1
 CHUNK_SIZE_BYTES = 4 << 20
+MAX_CHUNK_SIZE_BYTES = 1 << 30
+MAX_SHARD_BYTES = 1 << 50
 TENSOR_ALIGN_BYTES = 64
 DIRECT_IO_ALIGN_BYTES = 4096
 COMMIT_NAME = "COMMIT.json"
@@ -161,8 +163,10 @@ class ShardMeta:
             validate_rank(meta.rank, meta.world_size)
         except (KeyError, TypeError, ValueError) as e:
             raise CorruptCheckpoint(f"{what}: malformed shard record ({e})") from None
-        expected_chunks = len(list(chunk_ranges(meta.data_size_bytes, meta.chunk_size_bytes)))
-        if meta.chunk_size_bytes <= 0 or len(meta.chunk_xxh3_128) != expected_chunks:
+        # Bounded before anything is sized from them: a record may come from the network.
+        if not 0 < meta.chunk_size_bytes <= MAX_CHUNK_SIZE_BYTES or not 0 <= meta.data_size_bytes <= MAX_SHARD_BYTES:
+            raise CorruptCheckpoint(f"{what}: sizes out of range")
+        if len(meta.chunk_xxh3_128) != -(-meta.data_size_bytes // meta.chunk_size_bytes):
             raise CorruptCheckpoint(f"{what}: chunk checksums do not cover the data")
         return meta
 

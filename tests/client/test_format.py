@@ -52,3 +52,12 @@ def test_commit_record_must_list_every_rank():
     assert CommitRecord.from_bytes(rec.to_bytes(), "c") == rec
     with pytest.raises(CorruptCheckpoint, match="every rank"):
         CommitRecord.from_bytes(CommitRecord("j", 3, 2, ("a" * 32,), 100).to_bytes(), "c")
+
+
+def test_a_hostile_shard_record_is_refused_before_anything_is_sized_from_it():
+    # Before the bounds, 2**40 one-byte chunks were counted one by one: a hang, then no memory.
+    base = {"format": "ckpt-shard", "version": 1, "job": "j", "step": 1, "rank": 0, "world_size": 1}
+    for sizes in ({"data_size_bytes": 1 << 40, "chunk_size_bytes": 1}, {"data_size_bytes": 10, "chunk_size_bytes": 0}):
+        record = seal({**base, **sizes, "chunk_xxh3_128": [], "layout_json": "{}"})
+        with pytest.raises(CorruptCheckpoint, match="sizes out of range|do not cover"):
+            ShardMeta.from_bytes(record, "from a peer")
