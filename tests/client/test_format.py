@@ -59,5 +59,5 @@ def test_a_hostile_shard_record_is_refused_before_anything_is_sized_from_it():
     base = {"format": "ckpt-shard", "version": 1, "job": "j", "step": 1, "rank": 0, "world_size": 1}
     for sizes in ({"data_size_bytes": 1 << 40, "chunk_size_bytes": 1}, {"data_size_bytes": 10, "chunk_size_bytes": 0}):
         record = seal({**base, **sizes, "chunk_xxh3_128": [], "layout_json": "{}"})
-        with pytest.raises(CorruptCheckpoint, match="sizes out of range|do not cover"):
+        with pytest.raises(CorruptCheckpoint, match=r"sizes out of range|do not cover"):
             ShardMeta.from_bytes(record, "from a peer")
