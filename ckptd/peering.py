@@ -26,6 +26,7 @@ from ckptd.peer_link import PeerLink
 from ckptd.replication import Replication
 from ckptd.restore import aligned_buffer
 from ckptd.staging import ShardKey
+from ckptd.tiers.base import DurableTier
 from ckptd.tiers.nvme import LocalDirTier
 from ckptd.tiers.peer import PeerTier
 
@@ -52,6 +53,7 @@ class Peering:
         self.peer_tier = PeerTier(links) if links else None
         self.replication = Replication(links, config.replicas, on_change) if links and config.replicas else None
         self._fetch_locks: dict[tuple[str, int, int], asyncio.Lock] = {}
+        self.fetching: set[tuple[str, int]] = set()  # (job, step) being fetched: retention keeps off
         self._broadcasts: set[asyncio.Task[None]] = set()
 
     async def _run(self, fn: Callable[..., Any], *args: Any) -> Any:
@@ -106,6 +108,19 @@ class Peering:
             self._broadcasts.add(task)
             task.add_done_callback(self._broadcasts.discard)
 
+    async def adopt_missed_commits(self, tier: DurableTier, job: str) -> None:
+        """Seal this node's incomplete steps of a job that the peers know to be complete."""
+        if self.peer_tier is None:
+            return
+        complete = set(tier.complete_steps(job))
+        incomplete = [s for s in tier.all_steps(job) if s not in complete]
+        if not incomplete:
+            return
+        records = {s.step: s.record for s in await self._run(self.peer_tier.inventories, job) if s.record is not None}
+        for step in incomplete:
+            if step in records and await self._run(tier.adopt_commit, records[step]):
+                log.info("%s step %d on tier %s: adopted the commit record a peer holds", job, step, tier.name)
+
     # -- reading from the cluster ---------------------------------------------------------
 
     async def complete_steps(self, job: str) -> list[int]:
@@ -123,8 +138,11 @@ class Peering:
         async with lock:
             if self.nvme.has_shard(job, step, rank) and self.nvme.checked_commit(job, step) is not None:
                 return  # another load fetched it meanwhile
-            await self._run(self._fetch, job, step, rank)
-        self._fetch_locks.pop((job, step, rank), None)
+            self.fetching.add((job, step))
+            try:
+                await self._run(self._fetch, job, step, rank)
+            finally:
+                self.fetching.discard((job, step))
 
     def _fetch(self, job: str, step: int, rank: int) -> None:
         assert self.peer_tier is not None

@@ -463,10 +463,14 @@ class Pipeline:
     async def _collect(self, dry_run: bool, job: str, keep_newest: bool, tiers: list[DurableTier]) -> list[Removal]:
         loop = asyncio.get_running_loop()
         busy = {(s.shard.job, s.shard.step) for s in self.pool.slots() if s.state == "pending" and s.shard}
+        busy |= self.receiver.busy_steps() | self.peering.fetching
         removals: list[Removal] = []
         for tier in tiers:
             keep = getattr(self.config.retention, tier.name) if keep_newest else 0
             for j in [job] if job else tier.jobs():
+                # A step that looks abandoned here may be complete in the cluster (its commit
+                # notice missed while this node was down): adopt it rather than remove it.
+                await self.peering.adopt_missed_commits(tier, j)
                 plan = plan_removals(
                     all_steps=tier.all_steps(j),
                     complete_steps=tier.complete_steps(j),

@@ -222,6 +222,10 @@ class ReplicaReceiver:
                 log.warning("dropping the unfinished replica of %s: its sender went quiet", self._what(t.meta))
                 self._abandon(transfer)
 
+    def busy_steps(self) -> set[tuple[str, int]]:
+        """Return the (job, step) of every replica being received: retention keeps off them."""
+        return {(t.meta.job, t.meta.step) for t in self._transfers.values()}
+
     def close(self) -> None:
         """Drop every unfinished transfer."""
         for transfer in list(self._transfers):

@@ -57,7 +57,8 @@ class DurableTier(Tier):
 
     1. remove_leftovers() once, at start-up, before anything else;
     2. for each shard: write_shard(), which returns once the shard is durable;
-    3. after each shard: try_commit(), which seals the step once every rank is in;
+    3. after each shard: try_commit(), which seals the step once every rank is in, or
+       adopt_commit(), when the step is complete across nodes;
     4. from retention: remove_step(), for steps the config no longer keeps;
     5. close() at shutdown.
     """
@@ -86,6 +87,14 @@ class DurableTier(Tier):
 
         With a run_id, shards of the step written by another run of the job are
         stale: they are removed, never sealed into the step.
+        """
+
+    @abstractmethod
+    def adopt_commit(self, record: CommitRecord) -> bool:
+        """Seal a step with a commit record made elsewhere (the step is complete across the cluster).
+
+        Shards the record does not list are removed first; return whether the step is
+        now complete here with that record.
         """
 
     @abstractmethod
