@@ -93,7 +93,8 @@ class Config:
     @property
     def peers(self) -> tuple[str, ...]:
         """Return the other nodes' addresses: one list can serve every node, as its own is skipped."""
-        return tuple(a for a in dict.fromkeys(self.peer.addresses) if a != self.node.listen)
+        me = _endpoints(self.node.listen) if self.node.listen else set()
+        return tuple(a for a in dict.fromkeys(self.peer.addresses) if a != self.node.listen and not me & _endpoints(a))
 
     @property
     def replicas(self) -> int:
@@ -202,6 +203,13 @@ def _check_values(c: Config) -> None:
         require(value == "" or _is_host_port(value), key, f"must be host:port, not {value!r}")
     for address in c.peer.addresses:
         require(_is_host_port(address), "peer.addresses", f"{address!r} is not host:port")
+    wildcard = c.node.listen.rpartition(":")[0].strip("[]") in ("0.0.0.0", "::", "*")
+    require(
+        not (wildcard and c.peer.addresses),
+        "node.listen",
+        f"{c.node.listen!r} binds every interface; give the address the other nodes dial, as [peer] addresses "
+        "lists it, so that this node knows which entry is itself",
+    )
     tls = [name for name in ("cert", "key", "ca") if getattr(c.peer, name)]
     require(
         len(tls) in (0, 3),
@@ -212,6 +220,16 @@ def _check_values(c: Config) -> None:
         require(
             Path(getattr(c.peer, name)).expanduser().is_file(), f"peer.{name}", f"{getattr(c.peer, name)} is not a file"
         )
+
+
+def _endpoints(address: str) -> set[tuple[str, int]]:
+    """Resolve host:port to the (ip, port) pairs it names; an unresolvable name names none."""
+    host, _, port = address.rpartition(":")
+    try:
+        infos = socket.getaddrinfo(host.strip("[]"), int(port), type=socket.SOCK_STREAM)
+    except (OSError, ValueError):
+        return set()
+    return {(str(info[4][0]), int(info[4][1])) for info in infos}
 
 
 def _is_host_port(value: str) -> bool:

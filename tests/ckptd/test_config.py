@@ -80,3 +80,16 @@ def test_flags_come_last_and_the_staging_dir_follows_the_root(tmp_path):
     assert flagged.staging_dir != plain.staging_dir  # derived from the root actually used
     with pytest.raises(ConfigError, match=r"node\.sockett"):
         load_config(str(path), env={}, flags={"node": {"sockett": "x"}})
+
+
+def test_a_node_recognises_itself_in_the_peer_list():
+    c = load_config(
+        env={"CKPTD_NODE__LISTEN": '"127.0.0.1:7070"', "CKPTD_PEER__ADDRESSES": '["localhost:7070", "127.0.0.1:7071"]'}
+    )
+    assert c.peers == ("127.0.0.1:7071",)
+    assert c.replicas == 1
+
+
+def test_a_wildcard_listen_address_is_refused_beside_peers():
+    with pytest.raises(ConfigError, match=r"node\.listen"):
+        load_config(env={"CKPTD_NODE__LISTEN": '"0.0.0.0:7070"', "CKPTD_PEER__ADDRESSES": '["10.0.0.2:7070"]'})
