@@ -222,7 +222,7 @@ def cmd_verify(args: argparse.Namespace, config: Config) -> int:
     job = validate_job(args.job)
     step = None if args.step is None else validate_step(args.step)
     checked = bad = 0
-    for check in verify(readable_tiers(config, args.tier or "auto"), job, step):
+    for check in verify(readable_tiers(config, args.tier or "auto"), job, step, spread=bool(config.peers)):
         checked += 1
         where = f"{check.tier} {check.job} step {check.step} rank {check.rank}"
         if check.ok:

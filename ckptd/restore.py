@@ -69,7 +69,9 @@ def restore(tiers: list[Tier], job: str, step: int, target: Path, progress: Prog
     step_dir = out.step_dir(job, step)
     if step_dir.exists():
         raise CheckpointError(f"{step_dir} already exists; restore into an empty place")
-    holders = [t for t in tiers if step in t.complete_steps(job)]
+    # Every tier that knows the step as complete may hold some of its ranks: a step spread
+    # over nodes has part of its shards here and the rest on the peers.
+    holders = [t for t in tiers if _knows(t, job, step)]
     if not holders:
         raise NotFound(f"{job} step {step} is not complete on tier(s) {', '.join(t.name for t in tiers)}")
     world_size = holders[0].commit_record(job, step).world_size
@@ -100,6 +102,14 @@ def restore(tiers: list[Tier], job: str, step: int, target: Path, progress: Prog
     return step_dir
 
 
+def _knows(tier: Tier, job: str, step: int) -> bool:
+    try:
+        tier.commit_record(job, step)
+    except CheckpointError:
+        return False
+    return True
+
+
 @dataclass(frozen=True)
 class ShardCheck:
     """The outcome of checking one shard on one tier."""
@@ -115,8 +125,12 @@ class ShardCheck:
         return not self.error
 
 
-def verify(tiers: list[Tier], job: str, step: int | None) -> Iterator[ShardCheck]:
-    """Check every shard of step (or of every complete step) of job on each tier."""
+def verify(tiers: list[Tier], job: str, step: int | None, spread: bool = False) -> Iterator[ShardCheck]:
+    """Check every shard of step (or of every complete step) of job on each tier.
+
+    With spread (the node has peers), a rank a tier does not hold is not an error:
+    a step spread over nodes keeps the other ranks' shards on other nodes.
+    """
     for tier in tiers:
         steps = tier.complete_steps(job) if step is None else [step]
         if step is not None and len(tiers) > 1 and step not in tier.complete_steps(job):
@@ -128,6 +142,8 @@ def verify(tiers: list[Tier], job: str, step: int | None) -> Iterator[ShardCheck
                 yield ShardCheck(tier.name, job, s, -1, str(e))
                 continue
             for rank in range(world_size):
+                if spread and not tier.has_shard(job, s, rank):
+                    continue
                 try:
                     meta = tier.read_meta(job, s, rank)
                     with aligned_buffer(meta.data_size_bytes) as buf:

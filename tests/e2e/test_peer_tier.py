@@ -55,6 +55,12 @@ def test_a_lost_node_is_restored_from_its_peers(make_cluster, short_tmp):
     )
     assert len(replicas) == 3, replicas
     assert ls(nodes[0])[5] == ["nvme", "peer"]
+    # On a healthy node, verify checks what it holds, and restore gathers the other ranks from the peers.
+    out = nodes[0].cli("verify", "--job", JOB)
+    assert out.returncode == 0, out.stdout + out.stderr
+    out = nodes[0].cli("restore", "--job", JOB, "--to", str(short_tmp / "healthy"))
+    assert out.returncode == 0, out.stderr
+    assert_same(ckpt.load_local(short_tmp / "healthy" / JOB / "5", rank=2), rank_state(2, 5))
 
     lost = nodes[2]
     lost.lose()
