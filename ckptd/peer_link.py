@@ -27,7 +27,7 @@ MAX_MESSAGE_BYTES = 64 << 20
 STREAMS_PER_SHARD = 4
 CALL_TIMEOUT_S = 10.0
 CONNECT_TIMEOUT_S = 3.0
-MIN_TRANSFER_BYTES_PER_S = 20 << 20  # a stream slower than this is given up and retried
+MIN_TRANSFER_BYTES_PER_S = 2 << 20  # a stream slower than this is given up and retried (think 1 GbE, 8 streams)
 
 
 _DATA_TAG = b"\x2a"  # ShardPiece field 5 (data), length-delimited

@@ -32,6 +32,8 @@ from ckptd.tiers.peer import PeerTier
 
 log = logging.getLogger(__name__)
 
+SEAL_ASK_TIMEOUT_S = 1.0
+
 
 class Peering:
     """Coordinate this node's NVMe tier and replica store with the other nodes."""
@@ -79,8 +81,9 @@ class Peering:
         """Seal the step here (and tell the peers) if every rank is durable on some node's NVMe."""
         shards: list[Holding] = await self._run(self.nvme.holdings, job, step, self.node)
         if self.peer_tier is not None and not _every_rank(shards):
-            self.peer_tier.forget()
-            shards += await self._run(self.peer_tier.shards, job, step)
+            # Only this step, and briefly: a powered-off peer must not hold up every flush's waiters.
+            held = await self._run(self.peer_tier.ask, job, step, SEAL_ASK_TIMEOUT_S)
+            shards += [h for s in held for h in s.shards]
         record = seal_record(job, step, shards, run_id)
         if record is None or not await self.adopt(record):
             return None
@@ -225,7 +228,7 @@ class Peering:
                 self._broadcast(record)
         if self.replication is not None:
             await self._run(self._track_local_shards, local)
-            reachable = {link.address for link in self.peer_tier.links} - set(self.peer_tier.unreachable)
+            reachable = self.peer_tier.reachable()
             # A step directory goes only with retention (a shard still being flushed has one already).
             self.replication.forget(lambda k: self.nvme.step_dir(k.job, k.step).is_dir() and self._kept(k))
             self.replication.confirm([h for s in remote for h in s.shards], reachable, asked_at)

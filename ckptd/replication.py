@@ -22,13 +22,13 @@ from ckpt.errors import CheckpointError, CorruptCheckpoint
 from ckpt.format import CommitRecord, ShardMeta, digest
 
 from ckptd.cluster import Holding, placement
-from ckptd.peer_link import PeerLink
+from ckptd.peer_link import STREAMS_PER_SHARD, PeerLink
 from ckptd.staging import ShardKey
 
 log = logging.getLogger(__name__)
 
-SHARDS_IN_FLIGHT = 2
-STREAM_THREADS = 8
+SHARDS_IN_FLIGHT = 2  # per peer
+MAX_SENDERS = 16
 BACKOFF_MIN_S = 0.5
 BACKOFF_MAX_S = 30.0
 FAILURES_REPORTED = 3  # consecutive failures after which a waiter hears of them
@@ -67,8 +67,12 @@ class Replication:
         self.replicas = replicas
         self._on_change = on_change
         self._shards: dict[ShardKey, _Shard] = {}
-        self._senders = ThreadPoolExecutor(max_workers=SHARDS_IN_FLIGHT, thread_name_prefix="replicate")
-        self._streams = ThreadPoolExecutor(max_workers=STREAM_THREADS, thread_name_prefix="replicate-stream")
+        # Two shards per peer at a time: a slow or dead peer ties up its own senders, not the others'.
+        senders = min(MAX_SENDERS, SHARDS_IN_FLIGHT * max(1, len(links)))
+        self._senders = ThreadPoolExecutor(max_workers=senders, thread_name_prefix="replicate")
+        self._streams = ThreadPoolExecutor(
+            max_workers=senders * STREAMS_PER_SHARD, thread_name_prefix="replicate-stream"
+        )
         self._tasks: set[asyncio.Task[None]] = set()
         self.counters = {"replicas_sent": 0, "replica_bytes_sent": 0, "replica_failures": 0}
         self.last_transfer: dict[str, float] = {}

@@ -10,6 +10,7 @@ Calls block: make them from worker threads.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -36,32 +37,46 @@ class PeerTier(Tier):
         self.links = links
         self._views: dict[str, tuple[float, list[StepHoldings]]] = {}
         self.unreachable: dict[str, str] = {}  # peer address -> why its last inventory failed
+        self._lock = threading.Lock()  # inventories are asked from several threads at once
 
     def inventories(self, job: str = "") -> list[StepHoldings]:
         """Return what every reachable peer holds of a job (or of every job); a peer that fails is left out."""
         cached = self._views.get(job)
         if cached is not None and time.monotonic() - cached[0] < VIEW_TTL_S:
             return cached[1]
-        with ThreadPoolExecutor(max_workers=max(1, len(self.links)), thread_name_prefix="inventory") as pool:
-            answers = list(pool.map(lambda link: self._inventory(link, job), self.links))
-        found = [s for answer in answers for s in answer]
-        self._views[job] = (time.monotonic(), found)
+        found = self.ask(job)
+        with self._lock:
+            self._views[job] = (time.monotonic(), found)
         return found
 
-    def _inventory(self, link: PeerLink, job: str) -> list[StepHoldings]:
+    def ask(self, job: str = "", step: int = -1, timeout_s: float = INVENTORY_TIMEOUT_S) -> list[StepHoldings]:
+        """Ask every peer now (no cache) what it holds of a job's step, or of every step."""
+        with ThreadPoolExecutor(max_workers=max(1, len(self.links)), thread_name_prefix="inventory") as pool:
+            answers = list(pool.map(lambda link: self._inventory(link, job, step, timeout_s), self.links))
+        return [s for answer in answers for s in answer]
+
+    def _inventory(self, link: PeerLink, job: str, step: int, timeout_s: float) -> list[StepHoldings]:
         try:
-            steps = link.inventory(job, timeout_s=INVENTORY_TIMEOUT_S)
+            steps = link.inventory(job, step, timeout_s=timeout_s)
         except CheckpointError as e:
-            if link.address not in self.unreachable:
-                log.warning("%s", e)
-            self.unreachable[link.address] = str(e)
+            with self._lock:
+                if link.address not in self.unreachable:
+                    log.warning("%s", e)
+                self.unreachable[link.address] = str(e)
             return []
-        self.unreachable.pop(link.address, None)
+        with self._lock:
+            self.unreachable.pop(link.address, None)
         return steps
 
     def forget(self) -> None:
         """Drop the cached inventories: the next question asks the peers again."""
-        self._views.clear()
+        with self._lock:
+            self._views.clear()
+
+    def reachable(self) -> set[str]:
+        """Return the peers whose last inventory answered."""
+        with self._lock:
+            return {link.address for link in self.links} - set(self.unreachable)
 
     def _records(self, job: str) -> dict[int, CommitRecord]:
         return {s.step: s.record for s in self.inventories(job) if s.job == job and s.record is not None}
