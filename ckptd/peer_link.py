@@ -66,6 +66,10 @@ class PeerError(CheckpointError):
     """A peer could not be reached, or refused a request; the message names the peer."""
 
 
+class ReplicaHeld(PeerError):
+    """The peer holds this very replica already."""
+
+
 class ReplicaRejected(PeerError):
     """The peer found a bad chunk in a replica it received (the sender's copy or the wire is at fault)."""
 
@@ -179,6 +183,8 @@ class PeerLink:
             return call()
         except grpc.RpcError as e:
             code, detail = e.code(), e.details() or str(e.code())
+            if code == grpc.StatusCode.ALREADY_EXISTS:
+                raise ReplicaHeld(f"peer {self.address}: {detail}") from None
             if code == grpc.StatusCode.DATA_LOSS:
                 raise ReplicaRejected(f"peer {self.address} rejected {what}: {detail}") from None
             if code == grpc.StatusCode.NOT_FOUND:
@@ -213,8 +219,10 @@ class PeerLink:
         ranges = byte_ranges(meta, STREAMS_PER_SHARD)
         sends = [streams.submit(self._put_range, meta, meta_json, transfer, path, lo, n, what) for lo, n in ranges]
         errors = [e for f in sends if (e := f.exception()) is not None]
+        if errors and all(isinstance(e, ReplicaHeld) for e in errors):
+            return  # sent before (a resume, or a retry after a lost answer): nothing to do
         if errors:
-            raise errors[0]
+            raise next(e for e in errors if not isinstance(e, ReplicaHeld))
         request = pb.SealShardRequest(
             meta_json=meta_json, transfer=transfer, commit_json=record.to_bytes() if record else b""
         )

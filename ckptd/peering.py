@@ -205,7 +205,7 @@ class Peering:
             return False, f"tier peer is not configured on node {self.config.node.name}", 0, 0
         return self.replication.state(key)
 
-    async def reconcile(self) -> None:
+    async def reconcile(self, seal_lock: asyncio.Lock, flushing: Callable[[str, int], bool]) -> None:
         """Catch up with the peers: adopt their commits, seal what became complete, resume replication."""
         if self.peer_tier is None:
             return
@@ -217,15 +217,16 @@ class Peering:
         remote_shards: dict[tuple[str, int], list[Holding]] = defaultdict(list)
         for s in remote:
             remote_shards[(s.job, s.step)].extend(s.shards)
-        for s in local:
-            if s.record is not None:
-                continue
-            record = records.get((s.job, s.step)) or seal_record(
-                s.job, s.step, [*s.shards, *remote_shards[(s.job, s.step)]]
-            )
-            if record is not None and await self.adopt(record):
-                log.info("%s step %d is complete across the cluster", s.job, s.step)
-                self._broadcast(record)
+        async with seal_lock:  # the pipeline's: one seal at a time, and never while a shard of the step flushes
+            for s in local:
+                if s.record is not None or flushing(s.job, s.step):
+                    continue
+                record = records.get((s.job, s.step)) or seal_record(
+                    s.job, s.step, [*s.shards, *remote_shards[(s.job, s.step)]]
+                )
+                if record is not None and await self.adopt(record):
+                    log.info("%s step %d is complete across the cluster", s.job, s.step)
+                    self._broadcast(record)
         if self.replication is not None:
             await self._run(self._track_local_shards, local)
             reachable = self.peer_tier.reachable()

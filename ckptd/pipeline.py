@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from ckpt.errors import CheckpointError, InvalidArgument, NotFound
-from ckpt.format import CHUNK_SIZE_BYTES, MAX_SHARD_BYTES, CommitRecord, ShardMeta, digest, meta_name, validate_tier
+from ckpt.format import CHUNK_SIZE_BYTES, MAX_SHARD_BYTES, CommitRecord, ShardMeta, digest, validate_tier
 from ckpt.shard_io import ShardSource
 
 from ckptd import __version__
@@ -123,7 +123,7 @@ class Pipeline:
     async def _reconcile_forever(self) -> None:
         while True:
             try:
-                await self.peering.reconcile()
+                await self.peering.reconcile(self._commit_lock, self._flushing)
                 await self.collect(dry_run=False, tiers=[self.replica_store])
             except (CheckpointError, OSError) as e:
                 log.warning("catching up with the peers failed: %s", e)
@@ -253,10 +253,7 @@ class Pipeline:
         # record), and none while another shard of the step is still on its way: a
         # re-saved shard replaces the old one before the step is sealed.
         async with self._commit_lock:
-            if not any(
-                s.state == "pending" and s.shard and (s.shard.job, s.shard.step) == (key.job, key.step)
-                for s in self.pool.slots()
-            ):
+            if not self._flushing(key.job, key.step):
                 try:
                     # Sealed from the latest run that committed the step: a late flush of an
                     # earlier run never counts beside the newer run's shards.
@@ -275,6 +272,12 @@ class Pipeline:
             except (CheckpointError, OSError) as e:
                 self._record_failure(key, "nvme", f"retention for {key.job} failed: {e}")
 
+    def _flushing(self, job: str, step: int) -> bool:
+        """Say whether a shard of the step is still on its way to NVMe (then the step is not sealed yet)."""
+        return any(
+            s.state == "pending" and s.shard and (s.shard.job, s.shard.step) == (job, step) for s in self.pool.slots()
+        )
+
     async def _finish_interrupted_commits(self) -> None:
         # A crash between the last shard's rename and the commit record leaves a
         # step with every shard in place: commit it now.
@@ -287,14 +290,8 @@ class Pipeline:
             await self.collect(dry_run=False, job=job, keep_newest=False)
 
     def _on_disk_already(self, slot: Slot) -> bool:
-        key = slot.shard
-        if slot.meta is None or key is None:
-            return False  # not even checksummed: flush it (a rewrite of an incomplete step is harmless)
-        path = self.nvme.step_dir(key.job, key.step) / meta_name(key.rank)
-        try:
-            return path.read_bytes() == slot.meta.to_bytes()
-        except OSError:
-            return False
+        # Not even checksummed: flush it (a rewrite of an incomplete step is harmless).
+        return slot.meta is not None and self.nvme.holds(slot.meta)
 
     def _note_run(self, key: ShardKey, run_id: str) -> None:
         self._latest_run.pop((key.job, key.step), None)  # re-insert: the dict stays ordered by commit

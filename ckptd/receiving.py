@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
 
-from ckpt.errors import CorruptCheckpoint, InvalidArgument
+from ckpt.errors import CheckpointError, CorruptCheckpoint, InvalidArgument
 from ckpt.format import DIRECT_IO_ALIGN_BYTES, CommitRecord, ShardMeta, chunk_ranges, digest, round_up
 
 from ckptd.tiers.nvme import LocalDirTier
@@ -36,6 +36,10 @@ MAX_CHUNK_BYTES = 64 << 20
 IDLE_TRANSFER_S = 600.0
 SPARE_BUFFERS = 16
 TRANSFER_RE = re.compile(r"[0-9a-f]{8,64}")
+
+
+class AlreadyHeld(CheckpointError):
+    """The replica is here already, exactly: the sender need not send it (nor is the copy here dropped)."""
 
 
 @dataclass
@@ -80,6 +84,8 @@ class ReplicaReceiver:
     ) -> None:
         """Write one checked range of a replica (CorruptCheckpoint: a bad chunk)."""
         self._check(meta, transfer, offset, length)
+        if self.tier.holds(meta):
+            raise AlreadyHeld(f"{self._what(meta)}: held already")
         t = await self._open(meta, transfer)
         t.ranges_open += 1
         writes: list[Future[None] | None] = [None, None]

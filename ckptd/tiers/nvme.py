@@ -130,6 +130,14 @@ class LocalDirTier(DurableTier):
         """Say whether a rank's shard is fully written (its metadata is renamed last)."""
         return (self.step_dir(job, step) / meta_name(rank)).exists()
 
+    def holds(self, meta: ShardMeta) -> bool:
+        """Say whether this exact shard record is installed here."""
+        path = self.step_dir(meta.job, meta.step) / meta_name(meta.rank)
+        try:
+            return path.read_bytes() == meta.to_bytes()
+        except OSError:
+            return False
+
     def saved_world_size(self, job: str, step: int) -> int | None:
         """Return the world_size recorded by the shards of a step, or None if no readable shard is there."""
         for path in sorted(self.step_dir(job, step).glob("rank-*.meta.json")):
