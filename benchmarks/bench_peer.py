@@ -29,6 +29,7 @@ import tempfile
 import threading
 import time
 from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -36,12 +37,18 @@ from typing import Any
 
 import ckpt
 import torch
+import xxhash
+from ckpt.format import ShardMeta, data_name, meta_name
 from ckpt.transport import DaemonClient
 from ckpt.wire.v1 import ckptd_pb2 as pb
+
+from ckptd.config import PeerConfig
+from ckptd.peer_link import STREAMS_PER_SHARD, PeerLink
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 DIRECT_IO_ALIGN_BYTES = 4096
 DISK_BLOCK_BYTES = 8 << 20  # the receiver's write size, as ckptd's receiver writes
+CHUNK_BYTES = 4 << 20  # checked one by one, as ckptd checks them
 DISK_THREADS = 4
 RECV_BYTES = 4 << 20  # the most one recv_into asks for
 READY_TIMEOUT_S = 60.0
@@ -177,19 +184,28 @@ class Node:
 
 
 def _receive(conn: socket.socket, view: memoryview, size_bytes: int, path: str) -> None:
-    """Receive size_bytes from conn into view; with a path, also write them there durably as they come.
+    """Receive size_bytes from conn into view; with a path, also check and write them there durably as they come.
 
-    DISK_THREADS writer threads follow the receive block by block with O_DIRECT writes
-    (so writing overlaps receiving, as in ckptd's receiver), and the file is fsynced.
+    DISK_THREADS writer threads follow the receive block by block, compute the xxh3-128
+    of each 4 MiB chunk and write it (O_DIRECT where the filesystem allows), so writing
+    overlaps receiving and does the same work as ckptd's receiver; the file is fsynced.
     """
     blocks: queue.Queue[tuple[int, int] | None] = queue.Queue()
     errors: list[OSError] = []
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644) if path else -1
+    direct = True
+    fd = -1
+    if path:
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
+        except OSError:  # tmpfs (--peer-disk memory) takes no O_DIRECT
+            direct, fd = False, os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
 
     def write_blocks() -> None:
         while (block := blocks.get()) is not None:
             offset, n = block
-            padded = -(-n // DIRECT_IO_ALIGN_BYTES) * DIRECT_IO_ALIGN_BYTES  # the buffer is padded too
+            for lo in range(offset, offset + n, CHUNK_BYTES):
+                xxhash.xxh3_128_hexdigest(view[lo : min(offset + n, lo + CHUNK_BYTES)])
+            padded = -(-n // DIRECT_IO_ALIGN_BYTES) * DIRECT_IO_ALIGN_BYTES if direct else n  # the buffer is padded
             try:
                 if os.pwrite(fd, view[offset : offset + padded], offset) != padded:
                     raise OSError(f"short direct write to {path}")
@@ -290,6 +306,26 @@ class RawSocket:
 # -- the run ---------------------------------------------------------------------------------
 
 
+def replicate_alone(a: Node, b: Node, step: int) -> float:
+    """Send A's NVMe copy of a step to B once more with ckptd's own sender, nothing else running; return seconds.
+
+    The daemon starts a replica beside its NVMe flush, so on a small machine the two share
+    the CPUs; this times the protocol and B's receiver alone. The copy goes in as another
+    step (1000000 + step) of a second job, which B's retention then removes.
+    """
+    step_dir = a.root / JOB / str(step)
+    meta = ShardMeta.from_bytes((step_dir / meta_name(0)).read_bytes(), "A's shard record")
+    alone = ShardMeta(**{**meta.__dict__, "job": JOB + "-alone", "step": 1_000_000 + step})
+    link = PeerLink(b.listen, PeerConfig())
+    try:
+        with ThreadPoolExecutor(max_workers=STREAMS_PER_SHARD) as streams:
+            start = time.perf_counter()
+            link.put_shard(alone, step_dir / data_name(0), streams)
+            return time.perf_counter() - start
+    finally:
+        link.close()
+
+
 def replicate(c: ckpt.Checkpointer, a: Node, b: Node, state: dict[str, torch.Tensor], step: int) -> dict[str, float]:
     """Save one step through A, wait for "nvme" then "peer"; return the timings and A's account of the transfer."""
     before = a.status()["tiers"]["peer"]["counters"]
@@ -336,12 +372,14 @@ def bench(
             sockets.transfer()  # warm up the child and the socket path
             for step in range(WARMUP_SAVES, WARMUP_SAVES + repeats):
                 raw["raw_socket"].append(sockets.transfer())
-                raw["raw_socket_durable"].append(sockets.transfer(work / "raw-socket.bin"))
+                # Where B keeps its replicas: the same disk (or, with --peer-disk memory, tmpfs).
+                raw["raw_socket_durable"].append(sockets.transfer(b.root.parent / "raw-socket.bin"))
                 for key, value in replicate(c, a, b, state, step).items():
                     raw[key].append(value)
+                raw["replication_alone"].append(replicate_alone(a, b, step))
                 print(
                     f"  step {step}: replication {raw['replication'][-1]:.3f} s, raw socket "
-                    f"{raw['raw_socket'][-1]:.3f} s, raw socket + durable write {raw['raw_socket_durable'][-1]:.3f} s",
+                    f"{raw['raw_socket'][-1]:.3f} s, checked durable {raw['raw_socket_durable'][-1]:.3f} s",
                     flush=True,
                 )
         finally:
@@ -370,7 +408,7 @@ def build_rows(size: int, raw: dict[str, list[float]]) -> list[Row]:
     median = {k: statistics.median(v) for k, v in raw.items()}
     rows = [
         Row("raw socket (limit)", best["raw_socket"], size),
-        Row("raw socket + O_DIRECT write + fsync", best["raw_socket_durable"], size),
+        Row("raw socket + checksums + write + fsync", best["raw_socket_durable"], size),
     ]
     for label, stat in (("best", best), ("median", median)):
         t = stat["replication"]
@@ -378,6 +416,10 @@ def build_rows(size: int, raw: dict[str, list[float]]) -> list[Row]:
     for label, stat in (("best", best), ("median", median)):
         t = stat["replication"]
         rows.append(held(f"replication to peer ({label})", t, size, "raw + durable", best["raw_socket_durable"] / t))
+    for label, stat in (("best", best), ("median", median)):
+        t = stat["replication_alone"]
+        rows.append(held(f"replication alone ({label})", t, size, "raw socket", best["raw_socket"] / t))
+        rows.append(held(f"replication alone ({label})", t, size, "raw + durable", best["raw_socket_durable"] / t))
     for key, what in (
         ("save_to_nvme", "save -> nvme, as seen by the user"),
         ("save_to_peer", "save -> peer, as seen by the user"),
