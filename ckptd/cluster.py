@@ -47,15 +47,19 @@ def seal_record(
     shards: Iterable[Holding],
     run_id: str | None = None,
     world_size: int | None = None,
-    tier: str = "nvme",
+    tiers: tuple[str, ...] = ("nvme", "peer"),
 ) -> CommitRecord | None:
-    """Return the commit record of a step whose every rank is durable on some node's NVMe (or tier), else None.
+    """Return the commit record of a step whose every rank is durable on some node, else None.
+
+    A replica counts as much as the NVMe copy it was made from: it is checked, fsynced
+    and renamed into place the same way. So a step whose rank lives on only as a replica
+    (its node died before the step was sealed) is still sealed by the survivors.
 
     Only shards of one run count: run_id names it, or (None) every shard must agree.
     Two different records of one rank (saved twice and not yet replaced) also mean
     not yet. The record is the same whichever node computes it.
     """
-    nvme = [h for h in shards if h.tier == tier and (h.job, h.step) == (job, step)]
+    nvme = [h for h in shards if h.tier in tiers and (h.job, h.step) == (job, step)]
     if run_id is not None:
         nvme = [h for h in nvme if h.run_id == run_id]
     if not nvme or len({h.run_id for h in nvme}) != 1 or len({h.world_size for h in nvme}) != 1:

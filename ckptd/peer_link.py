@@ -231,25 +231,28 @@ class PeerLink:
     def _put_range(
         self, meta: ShardMeta, meta_json: bytes, transfer: str, path: Path, offset: int, length: int, what: str
     ) -> None:
-        local_failure: list[BaseException] = []  # gRPC reports a failing request iterator only as CANCELLED
+        local_failure: list[BaseException] = []
 
         def pieces() -> Iterator[bytes]:
+            # A local copy that changed (a staging slot reused) or went ends the stream early,
+            # which the receiver refuses as short; raising here would only get logged by gRPC
+            # as an error and reported as CANCELLED.
             try:
                 first = pb.ShardPiece(meta_json=meta_json, transfer=transfer, offset=offset, length=length)
                 yield first.SerializeToString()
                 for data in read_pieces(path, meta, offset, length, f"{what} at {path}"):
                     yield data_piece(data)
-            except Exception as e:
+            except (CheckpointError, OSError) as e:
                 local_failure.append(e)
-                raise
 
         timeout_s = CALL_TIMEOUT_S + length / MIN_TRANSFER_BYTES_PER_S
         try:
             self._call(f"replica of {what}", lambda: self._put_shard(pieces(), timeout=timeout_s))
         except PeerError:
-            if local_failure:
-                raise local_failure[0] from None
-            raise
+            if not local_failure:
+                raise
+        if local_failure:
+            raise local_failure[0]
 
     def fetch_meta(self, job: str, step: int, rank: int, tier: str = "") -> ShardMeta:
         """Return the record of a rank's shard of a complete step that the peer holds."""

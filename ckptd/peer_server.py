@@ -81,6 +81,7 @@ class PeerServicer(peer_pb2_grpc.CkptdPeerServicer):
             meta = _shard_meta(request.meta_json)
             record = _commit_record(request.commit_json) if request.commit_json else None
             await self.pipeline.receiver.seal(meta, request.transfer, record)
+            await self.pipeline.replica_arrived(meta)
             return pb.SealShardReply()
 
         return await answer(context, work)

@@ -78,8 +78,9 @@ class Peering:
     # -- sealing steps across nodes ---------------------------------------------------
 
     async def seal(self, job: str, step: int, run_id: str | None) -> CommitRecord | None:
-        """Seal the step here (and tell the peers) if every rank is durable on some node's NVMe."""
+        """Seal the step here (and tell the peers) if every rank is durable on some node (NVMe or replica)."""
         shards: list[Holding] = await self._run(self.nvme.holdings, job, step, self.node)
+        shards += await self._run(self.replica_store.holdings, job, step, self.node)
         if self.peer_tier is not None and not _every_rank(shards):
             # Only this step, and briefly: a powered-off peer must not hold up every flush's waiters.
             held = await self._run(self.peer_tier.ask, job, step, SEAL_ASK_TIMEOUT_S)

@@ -124,7 +124,7 @@ class Pipeline:
         while True:
             try:
                 await self.peering.reconcile(self._commit_lock, self._flushing)
-                await self.collect(dry_run=False, tiers=[self.replica_store])
+                await self.collect(dry_run=False)  # commits adopted from peers bring retention along
             except (CheckpointError, OSError) as e:
                 log.warning("catching up with the peers failed: %s", e)
             except Exception:  # the loop must outlive any one bad round
@@ -436,6 +436,23 @@ class Pipeline:
         async with self._changed:
             self._changed.notify_all()
 
+    async def replica_arrived(self, meta: ShardMeta) -> None:
+        """Seal the step of a replica that just became durable here, if it was the last rank missing.
+
+        Before the sender hears that its replica is in: once every rank has waited for
+        "peer", losing any one node can no longer lose the step.
+        """
+        async with self._commit_lock:
+            if self._flushing(meta.job, meta.step):
+                return  # sealed when that flush ends
+            try:
+                record = await self.peering.seal(meta.job, meta.step, self._latest_run.get((meta.job, meta.step)))
+            except (CheckpointError, OSError) as e:
+                log.warning("sealing %s step %d after a replica arrived failed: %s", meta.job, meta.step, e)
+                return
+        if record is not None:
+            log.info("%s step %d is complete across the cluster", meta.job, meta.step)
+
     async def shard_for_peer(self, job: str, step: int, rank: int, tier: str) -> tuple[ShardMeta, bytes, Path]:
         """Return (record, its bytes, data file) of a shard of a complete step that a peer asks for."""
         for t in (self.nvme, self.replica_store):
@@ -447,22 +464,20 @@ class Pipeline:
             f"node {self.config.node.name} holds no rank {rank} shard of {job} step {step} on tier {tier or 'any'}"
         )
 
-    async def collect(
-        self, dry_run: bool, job: str = "", keep_newest: bool = True, tiers: list[DurableTier] | None = None
-    ) -> list[Removal]:
+    async def collect(self, dry_run: bool, job: str = "", keep_newest: bool = True) -> list[Removal]:
         """Apply retention: remove what the config says not to keep; with dry_run only report it.
 
         keep_newest=False removes only the incomplete steps that can no longer complete.
         """
         async with self._collect_lock:  # one pass at a time: two would race to remove the same step
-            return await self._collect(dry_run, job, keep_newest, tiers or self.durable_tiers)
+            return await self._collect(dry_run, job, keep_newest)
 
-    async def _collect(self, dry_run: bool, job: str, keep_newest: bool, tiers: list[DurableTier]) -> list[Removal]:
+    async def _collect(self, dry_run: bool, job: str, keep_newest: bool) -> list[Removal]:
         loop = asyncio.get_running_loop()
         busy = {(s.shard.job, s.shard.step) for s in self.pool.slots() if s.state == "pending" and s.shard}
         busy |= self.receiver.busy_steps() | self.peering.fetching
         removals: list[Removal] = []
-        for tier in tiers:
+        for tier in self.durable_tiers:
             keep = getattr(self.config.retention, tier.name) if keep_newest else 0
             for j in [job] if job else tier.jobs():
                 # A step that looks abandoned here may be complete in the cluster (its commit

@@ -34,6 +34,10 @@ BACKOFF_MAX_S = 30.0
 FAILURES_REPORTED = 3  # consecutive failures after which a waiter hears of them
 
 
+class LocalCopyGone(CheckpointError):
+    """Neither the staging slot nor the NVMe file holds the shard any more: no peer is at fault."""
+
+
 @dataclass
 class _Peer:
     link: PeerLink
@@ -165,6 +169,10 @@ class Replication:
         started = time.monotonic()
         try:
             await asyncio.get_running_loop().run_in_executor(self._senders, self._put, shard, peer.link, record)
+        except LocalCopyGone as e:  # retention removed it, or a newer save replaced it: nothing to send
+            log.info("%s; not replicating it", e)
+            if self._shards.get(shard.key) is shard:
+                del self._shards[shard.key]
         except Exception as e:  # whatever broke, the shard is retried and a waiter hears why
             if not isinstance(e, (CheckpointError, OSError)):
                 log.exception("replication of %s to peer %s failed unexpectedly", shard.key, target)
@@ -198,7 +206,7 @@ class Replication:
                 return
             except (CorruptCheckpoint, FileNotFoundError) as e:  # this copy changed or went: try the next one
                 errors.append(str(e))
-        raise CorruptCheckpoint(f"no readable local copy of {shard.key}: " + "; ".join(errors))
+        raise LocalCopyGone(f"no readable local copy of {shard.key} is left: " + "; ".join(errors))
 
     async def drain(self) -> None:
         """Wait for the transfers under way, then stop the threads."""

@@ -288,7 +288,7 @@ class LocalDirTier(DurableTier):
                 return state
             self._drop_other_runs(job, step, run_id)
         held = self.holdings(job, step)
-        record = seal_record(job, step, held, run_id or None, world_size, tier=held[0].tier if held else "nvme")
+        record = seal_record(job, step, held, run_id or None, world_size)
         if record is None:
             odd = next((h for h in held if h.world_size != world_size), None)
             if odd is not None:

@@ -22,9 +22,11 @@ def test_a_step_seals_once_every_rank_is_on_some_nodes_nvme():
     assert seal_record("j", 7, [held("b", 3), held("b", 2), held("a", 1), held("a", 0)]) == record
 
 
-def test_replicas_alone_never_seal_a_step():
+def test_a_rank_that_lives_on_only_as_a_replica_still_seals_the_step():
+    # Node c held ranks 2 and 3 and died before the step was sealed; b has their replicas.
     shards = [held("a", 0), held("a", 1), held("b", 2, tier="peer"), held("b", 3, tier="peer")]
-    assert seal_record("j", 7, shards) is None
+    assert seal_record("j", 7, shards) == seal_record("j", 7, [held("a", r) for r in range(4)])
+    assert seal_record("j", 7, shards[:3]) is None
 
 
 def test_shards_of_two_runs_or_two_copies_never_seal_together():

@@ -26,15 +26,16 @@ def rank_state(rank: int, step: int) -> dict:
     return {"w": torch.randn(3 << 20, generator=g), "rank": rank, "step": step, "bias": torch.arange(7) + rank}
 
 
-def save_step(nodes, step: int, world_size: int, wait_tier: str = "peer") -> None:
-    """Save one step with rank r on node r % len(nodes), and wait for every shard to reach wait_tier."""
+def save_step(nodes, step: int, world_size: int, wait_tiers: tuple[str, ...] = ("peer",)) -> None:
+    """Save one step with rank r on node r % len(nodes), and wait for every shard to reach wait_tiers."""
     handles = []
     for rank in range(world_size):
         node = nodes[rank % len(nodes)]
         c = ckpt.Checkpointer(job=JOB, rank=rank, world_size=world_size, address=node.address)
         handles.append((c, c.save_async(rank_state(rank, step), step=step)))
     for c, h in handles:
-        h.wait(wait_tier, timeout=60)
+        for tier in wait_tiers:
+            h.wait(tier, timeout=60)
         c.close()
 
 
@@ -200,3 +201,15 @@ def test_peer_retention_keeps_the_newest_replicas(make_cluster):
     replica_steps = b.root / ".peer" / JOB
     eventually(lambda: sorted(p.name for p in replica_steps.iterdir() if not p.name.startswith(".")) == ["3"])
     assert sorted(p.name for p in (a.root / JOB).iterdir()) == ["1", "2", "3"]  # [retention] nvme = 3
+
+
+def test_a_node_lost_right_after_every_rank_waited_for_peer_loses_no_step(make_cluster):
+    nodes = [d.start() for d in make_cluster(2)]
+    for step in (1, 2):
+        save_step(nodes, step=step, world_size=2, wait_tiers=("nvme", "peer"))
+    nodes[1].lose()  # at once: had the step not been sealed yet, its rank 1 lives on only as a replica
+    nodes[1].start()
+    for rank in range(2):
+        with ckpt.Checkpointer(job=JOB, rank=rank, world_size=2, address=nodes[rank].address) as c:
+            assert c.latest_step() == 2
+            assert_same(c.load(), rank_state(rank, 2))
