@@ -148,13 +148,13 @@ def _flip_a_byte(path) -> None:
 
 def test_tls_peers_replicate_and_refuse_strangers(make_cluster, short_tmp):
     ca = CertificateAuthority(short_tmp / "ca")
-    files = [(*ca.issue(f"n{i}"), ca.ca_path) for i in range(2)]
-    a, b = (d.start() for d in make_cluster(2, tls=files))
-    save_step([a], step=1, world_size=2)  # both ranks on node a: each shard has its replica on b
+    files = [(*ca.issue(f"n{i}"), ca.ca_path) for i in range(3)]
+    a, b, c3 = (d.start() for d in make_cluster(3, tls=files))
+    save_step([a, b, c3], step=1, world_size=3)  # every replica went over TLS
     b.lose()
     b.start()
-    with ckpt.Checkpointer(job=JOB, rank=1, world_size=2, address=b.address) as c:
-        assert_same(c.load(), rank_state(1, 1))  # fetched from a, over TLS
+    with ckpt.Checkpointer(job=JOB, rank=1, world_size=3, address=b.address) as c:
+        assert_same(c.load(), rank_state(1, 1))  # fetched over TLS from the node keeping its replica
 
     # A client without a certificate, or with one from another authority, is refused.
     stranger = CertificateAuthority(short_tmp / "other-ca")
