@@ -35,7 +35,12 @@ BLOCK_BYTES = 8 << 20
 MAX_CHUNK_BYTES = 64 << 20
 IDLE_TRANSFER_S = 600.0
 SPARE_BUFFERS = 16
+MAX_TRANSFERS = 32
 TRANSFER_RE = re.compile(r"[0-9a-f]{8,64}")
+
+
+class ReceiverBusy(CheckpointError):
+    """Too many replicas are being received at once: the sender backs off and tries again."""
 
 
 class AlreadyHeld(CheckpointError):
@@ -185,6 +190,8 @@ class ReplicaReceiver:
             if t.meta != meta:
                 raise InvalidArgument(f"transfer {transfer} carries two different shards")
             return t
+        if len(self._transfers) >= MAX_TRANSFERS:  # bounds the memory and descriptors peers can take
+            raise ReceiverBusy(f"{self._what(meta)}: {len(self._transfers)} replicas are being received already")
         await _finished(self._threads.submit(self.tier.prepare_shard, meta, self._what(meta)))
         t = self._transfers.get(transfer)  # another range of it may have opened it meanwhile
         if t is None:

@@ -14,7 +14,7 @@ from ckpt.wire.v1 import ckptd_pb2 as pb
 from ckpt.wire.v1 import ckptd_pb2_grpc
 
 from ckptd.pipeline import Pipeline
-from ckptd.receiving import AlreadyHeld
+from ckptd.receiving import AlreadyHeld, ReceiverBusy
 from ckptd.staging import ShardKey, Snapshot
 
 T = TypeVar("T")
@@ -41,6 +41,8 @@ async def answer(context: grpc.aio.ServicerContext, work: Callable[[], Awaitable
         await context.abort(grpc.StatusCode.DATA_LOSS, str(e))
     except AlreadyHeld as e:
         await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(e))
+    except ReceiverBusy as e:
+        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
     except (CheckpointError, OSError) as e:
         await context.abort(grpc.StatusCode.INTERNAL, str(e))
     raise AssertionError("unreachable")

@@ -11,7 +11,7 @@ from ckpt.errors import CorruptCheckpoint, InvalidArgument
 from ckpt.format import ShardMeta, chunk_ranges, digest
 from ckpt.shard_io import read_meta
 
-from ckptd.receiving import ReplicaReceiver
+from ckptd.receiving import ReceiverBusy, ReplicaReceiver
 from ckptd.shard_stream import PIECE_BYTES, byte_ranges
 from ckptd.tiers.nvme import LocalDirTier
 
@@ -127,3 +127,21 @@ def test_read_meta_of_a_received_step_needs_its_commit(tmp_path):
     tier = run(tmp_path, body)
     assert tier.try_commit("j", 3, 1) is not None
     assert read_meta(tier.shard_source("j", 3, 0), 0) == meta
+
+
+def test_too_many_replicas_at_once_are_refused_until_some_end(tmp_path, monkeypatch):
+    import ckptd.receiving
+
+    monkeypatch.setattr(ckptd.receiving, "MAX_TRANSFERS", 1)
+    meta, data = make_shard(2 * CHUNK)
+    other = ShardMeta(**{**meta.__dict__, "rank": 0, "step": 4})
+
+    async def body(receiver):
+        await receiver.receive_range(meta, "ab" * 8, 0, CHUNK, pieces(data[:CHUNK]))  # stays open: no seal yet
+        with pytest.raises(ReceiverBusy):
+            await receiver.receive_range(other, "cd" * 8, 0, CHUNK, pieces(data[:CHUNK]))
+        await receiver.receive_range(meta, "ab" * 8, CHUNK, CHUNK, pieces(data[CHUNK:]))
+        await receiver.seal(meta, "ab" * 8, None)
+        await receiver.receive_range(other, "cd" * 8, 0, CHUNK, pieces(data[:CHUNK]))
+
+    run(tmp_path, body)
