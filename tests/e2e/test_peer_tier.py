@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import signal
 import time
 
 import ckpt
@@ -213,3 +214,21 @@ def test_a_node_lost_right_after_every_rank_waited_for_peer_loses_no_step(make_c
         with ckpt.Checkpointer(job=JOB, rank=rank, world_size=2, address=nodes[rank].address) as c:
             assert c.latest_step() == 2
             assert_same(c.load(), rank_state(rank, 2))
+
+
+def test_a_stalled_peer_holds_up_neither_training_nor_the_local_flush(make_cluster):
+    a, b = (d.start() for d in make_cluster(2))
+    assert b.proc is not None
+    b.proc.send_signal(signal.SIGSTOP)  # alive, connected, answering nothing
+    try:
+        with ckpt.Checkpointer(job=JOB, rank=0, world_size=1, address=a.address) as c:
+            handles = [c.save_async(rank_state(0, step), step=step) for step in (1, 2, 3)]
+            assert all(h.blocked_s < 1.0 for h in handles)
+            for h in handles:
+                h.wait("nvme", timeout=30)
+            with pytest.raises((TimeoutError, SaveFailed)):  # reported within its timeout, never a hang
+                handles[-1].wait("peer", timeout=2)
+            b.proc.send_signal(signal.SIGCONT)
+            handles[-1].wait("peer", timeout=60)
+    finally:
+        b.proc.send_signal(signal.SIGCONT)
