@@ -232,3 +232,29 @@ def test_a_stalled_peer_holds_up_neither_training_nor_the_local_flush(make_clust
             handles[-1].wait("peer", timeout=60)
     finally:
         b.proc.send_signal(signal.SIGCONT)
+
+
+def _when_receiving(node, job: str = JOB) -> None:
+    """Return once node has a replica of job partly received (its range files exist)."""
+    deadline = time.monotonic() + 60
+    while not list((node.root / ".peer" / job).glob("*/*.partial")):
+        assert time.monotonic() < deadline, "no replica was ever being received"
+
+
+@pytest.mark.parametrize("killed", ["receiver", "sender"])
+def test_a_node_killed_mid_transfer_leaves_nothing_half_and_the_replica_completes(make_cluster, killed):
+    a, b = (d.start() for d in make_cluster(2))
+    big = {"w": torch.randn(256 << 20 >> 2)}  # 256 MiB: a transfer of many pieces
+    with ckpt.Checkpointer(job=JOB, rank=0, world_size=1, address=a.address) as c:
+        h = c.save_async(big, step=1)
+        _when_receiving(b)
+        victim = b if killed == "receiver" else a
+        victim.kill()
+        if killed == "sender":  # the receiver drops what the broken streams brought
+            eventually(lambda: not list((b.root / ".peer" / JOB).glob("*/*.partial")))
+        victim.start()  # a restarted receiver removes leftovers; a restarted sender resumes from disk
+        if killed == "receiver":
+            h.wait("peer", timeout=120)
+    eventually(lambda: "peer" in ls(a).get(1, []))
+    assert not list((b.root / ".peer").rglob("*.partial"))
+    assert_same(ckpt.load_local(b.root / ".peer" / JOB / "1"), big)
