@@ -33,6 +33,7 @@ from ckptd.tiers.peer import PeerTier
 log = logging.getLogger(__name__)
 
 SEAL_ASK_TIMEOUT_S = 1.0
+FETCH_THREADS = 4
 
 
 class Peering:
@@ -56,6 +57,7 @@ class Peering:
         self.replication = Replication(links, config.replicas, on_change) if links and config.replicas else None
         self._fetch_locks: dict[tuple[str, int, int], asyncio.Lock] = {}
         self.fetching: set[tuple[str, int]] = set()  # (job, step) being fetched: retention keeps off
+        self._fetch_threads = ThreadPoolExecutor(max_workers=FETCH_THREADS, thread_name_prefix="fetch")
         self._broadcasts: set[asyncio.Task[None]] = set()
 
     async def _run(self, fn: Callable[..., Any], *args: Any) -> Any:
@@ -144,7 +146,9 @@ class Peering:
                 return  # another load fetched it meanwhile
             self.fetching.add((job, step))
             try:
-                await self._run(self._fetch, job, step, rank)
+                # On threads of their own: whole shards take long, and must not starve the
+                # inventories, receives and seals that share the peer threads.
+                await asyncio.get_running_loop().run_in_executor(self._fetch_threads, self._fetch, job, step, rank)
             finally:
                 self.fetching.discard((job, step))
 
@@ -279,6 +283,7 @@ class Peering:
             await asyncio.gather(*list(self._broadcasts), return_exceptions=True)
         if self.replication is not None:
             await self.replication.drain()
+        self._fetch_threads.shutdown(wait=True)
         if self.peer_tier is not None:
             self.peer_tier.close()
 
