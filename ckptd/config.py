@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import os
 import socket
@@ -90,9 +91,12 @@ class Config:
         """Return where this node keeps the replicas other nodes send it (the peer tier's local part)."""
         return self.root / ".peer"
 
-    @property
+    @functools.cached_property
     def peers(self) -> tuple[str, ...]:
-        """Return the other nodes' addresses: one list can serve every node, as its own is skipped."""
+        """Return the other nodes' addresses: one list can serve every node, as its own is skipped.
+
+        Resolved once: names in the list are looked up the first time, never on every call.
+        """
         me = _endpoints(self.node.listen) if self.node.listen else set()
         return tuple(a for a in dict.fromkeys(self.peer.addresses) if a != self.node.listen and not me & _endpoints(a))
 

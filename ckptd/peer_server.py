@@ -104,7 +104,7 @@ class PeerServicer(peer_pb2_grpc.CkptdPeerServicer):
             return None if data is None else data_piece(data)
 
         async def next_piece() -> bytes | None:
-            return await loop.run_in_executor(self.pipeline.peer_io, serialize_next)
+            return await loop.run_in_executor(self.pipeline.serve_io, serialize_next)
 
         while (piece := await answer(context, next_piece)) is not None:
             yield piece  # already a serialized ShardPiece

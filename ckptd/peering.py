@@ -45,7 +45,7 @@ class Peering:
         nvme: LocalDirTier,
         replica_store: LocalDirTier,
         threads: ThreadPoolExecutor,
-        on_change: Callable[[], None],
+        on_change: Callable[[ShardKey, bool], None],
     ) -> None:
         self.config = config
         self.nvme = nvme
@@ -79,14 +79,24 @@ class Peering:
 
     # -- sealing steps across nodes ---------------------------------------------------
 
-    async def seal(self, job: str, step: int, run_id: str | None) -> CommitRecord | None:
-        """Seal the step here (and tell the peers) if every rank is durable on some node (NVMe or replica)."""
+    async def _local_shards(self, job: str, step: int) -> list[Holding]:
         shards: list[Holding] = await self._run(self.nvme.holdings, job, step, self.node)
-        shards += await self._run(self.replica_store.holdings, job, step, self.node)
-        if self.peer_tier is not None and not _every_rank(shards):
-            # Only this step, and briefly: a powered-off peer must not hold up every flush's waiters.
-            held = await self._run(self.peer_tier.ask, job, step, SEAL_ASK_TIMEOUT_S)
-            shards += [h for s in held for h in s.shards]
+        return shards + await self._run(self.replica_store.holdings, job, step, self.node)
+
+    async def peer_shards(self, job: str, step: int) -> list[Holding]:
+        """Ask the peers what they hold of a step, if this node's own copies do not cover every rank.
+
+        Only this step, and briefly: a powered-off peer must not hold up every flush's
+        waiters. Called before taking the seal lock, so that nobody waits on the network.
+        """
+        if self.peer_tier is None or _every_rank(await self._local_shards(job, step)):
+            return []
+        held = await self._run(self.peer_tier.ask, job, step, SEAL_ASK_TIMEOUT_S)
+        return [h for s in held for h in s.shards]
+
+    async def seal(self, job: str, step: int, run_id: str | None, peer_shards: list[Holding]) -> CommitRecord | None:
+        """Seal the step here (and tell the peers) if every rank is durable on some node (NVMe or replica)."""
+        shards = await self._local_shards(job, step) + peer_shards
         record = seal_record(job, step, shards, run_id)
         if record is None or not await self.adopt(record):
             return None
@@ -94,10 +104,10 @@ class Peering:
         return record
 
     async def adopt(self, record: CommitRecord) -> bool:
-        """Seal a step complete elsewhere in the cluster wherever this node holds part of it."""
-        sealed = await self._run(self.nvme.adopt_commit, record)
-        await self._run(self.replica_store.adopt_commit, record)
-        return bool(sealed)
+        """Seal a step complete in the cluster wherever this node holds part of it; say whether it did anywhere."""
+        on_nvme = await self._run(self.nvme.adopt_commit, record)
+        on_replicas = await self._run(self.replica_store.adopt_commit, record)
+        return bool(on_nvme or on_replicas)
 
     def _broadcast(self, record: CommitRecord) -> None:
         if self.peer_tier is None:
@@ -222,15 +232,19 @@ class Peering:
         remote_shards: dict[tuple[str, int], list[Holding]] = defaultdict(list)
         for s in remote:
             remote_shards[(s.job, s.step)].extend(s.shards)
+        mine: dict[tuple[str, int], list[Holding]] = defaultdict(list)  # both tiers of this node, by step
+        sealed_here = {(s.job, s.step) for s in local if s.record is not None}
+        for s in local:
+            mine[(s.job, s.step)].extend(s.shards)
         async with seal_lock:  # the pipeline's: one seal at a time, and never while a shard of the step flushes
-            for s in local:
-                if s.record is not None or flushing(s.job, s.step):
+            for job, step in sorted(mine):
+                if (job, step) in sealed_here or flushing(job, step):
                     continue
-                record = records.get((s.job, s.step)) or seal_record(
-                    s.job, s.step, [*s.shards, *remote_shards[(s.job, s.step)]]
+                record = records.get((job, step)) or seal_record(
+                    job, step, [*mine[(job, step)], *remote_shards[(job, step)]]
                 )
                 if record is not None and await self.adopt(record):
-                    log.info("%s step %d is complete across the cluster", s.job, s.step)
+                    log.info("%s step %d is complete across the cluster", job, step)
                     self._broadcast(record)
         if self.replication is not None:
             await self._run(self._track_local_shards, local)

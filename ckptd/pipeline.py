@@ -69,8 +69,10 @@ class Pipeline:
         self.tiers: list[Tier] = [self.memory, self.nvme, self.replica_store]  # fastest first: loads try them so
         self.durable_tiers: list[DurableTier] = [self.nvme, self.replica_store]
         self.peer_io = ThreadPoolExecutor(max_workers=PEER_THREADS, thread_name_prefix="peer")
+        # Serving shards to peers reads whole files: on threads of its own, never in the way of seals.
+        self.serve_io = ThreadPoolExecutor(max_workers=PEER_THREADS, thread_name_prefix="serve")
         self.receiver = ReplicaReceiver(self.replica_store, self.peer_io)
-        self.peering = Peering(config, self.nvme, self.replica_store, self.peer_io, self._wake_waiters)
+        self.peering = Peering(config, self.nvme, self.replica_store, self.peer_io, self._replication_changed)
         self._reconciler: asyncio.Task[None] | None = None
         self._flush_threads = ThreadPoolExecutor(max_workers=FLUSH_THREADS, thread_name_prefix="flush")
         # Removing old steps is never urgent: at the lowest CPU priority, unlinking gigabytes
@@ -123,6 +125,7 @@ class Pipeline:
     async def _reconcile_forever(self) -> None:
         while True:
             try:
+                self.receiver.drop_idle()
                 await self.peering.reconcile(self._commit_lock, self._flushing)
                 await self.collect(dry_run=False)  # commits adopted from peers bring retention along
             except (CheckpointError, OSError) as e:
@@ -130,6 +133,11 @@ class Pipeline:
             except Exception:  # the loop must outlive any one bad round
                 log.exception("catching up with the peers failed unexpectedly")
             await asyncio.sleep(RECONCILE_S)  # a period, not a wait for anything
+
+    def _replication_changed(self, key: ShardKey, replicated: bool) -> None:
+        if replicated:
+            self._remember(key, "peer")  # stays known after the shard is no longer tracked
+        self._wake_waiters()
 
     def _wake_waiters(self) -> None:
         async def wake() -> None:
@@ -151,6 +159,7 @@ class Pipeline:
         self._flush_threads.shutdown(wait=True)
         self._cleanup_thread.shutdown(wait=True)
         self.peer_io.shutdown(wait=True)
+        self.serve_io.shutdown(wait=True)
         for tier in self.durable_tiers:
             tier.close()
 
@@ -184,6 +193,8 @@ class Pipeline:
         self._note_run(key, snapshot.run_id)
         self._failures.pop(key, None)
         self._reached.pop((key, "nvme"), None)  # saved again: the new copy has not reached the disk yet
+        self._reached.pop((key, "peer"), None)
+        self._sealing.discard(key)  # an earlier copy's seal, still queued, must not count for this one
         self._remember(key, "memory")
         self._counters["saves"] += 1
         self._start_flush(slot)
@@ -249,6 +260,7 @@ class Pipeline:
 
     async def _after_flush(self, key: ShardKey) -> None:
         record = None
+        peer_shards = await self.peering.peer_shards(key.job, key.step)
         # One commit at a time (two ranks finishing together must not both write the
         # record), and none while another shard of the step is still on its way: a
         # re-saved shard replaces the old one before the step is sealed.
@@ -257,7 +269,8 @@ class Pipeline:
                 try:
                     # Sealed from the latest run that committed the step: a late flush of an
                     # earlier run never counts beside the newer run's shards.
-                    record = await self.peering.seal(key.job, key.step, self._latest_run.get((key.job, key.step)))
+                    run_id = self._latest_run.get((key.job, key.step))
+                    record = await self.peering.seal(key.job, key.step, run_id, peer_shards)
                 except (CheckpointError, OSError) as e:
                     self._record_failure(key, "nvme", f"commit of {key.job} step {key.step} failed: {e}")
         if key in self._sealing:
@@ -271,6 +284,12 @@ class Pipeline:
                 await self.collect(dry_run=False, job=key.job)
             except (CheckpointError, OSError) as e:
                 self._record_failure(key, "nvme", f"retention for {key.job} failed: {e}")
+
+    def _busy_steps(self) -> set[tuple[str, int]]:
+        """Return the steps retention keeps off: being flushed or sealed, received, or fetched."""
+        busy = {(s.shard.job, s.shard.step) for s in self.pool.slots() if s.state == "pending" and s.shard}
+        busy |= {(k.job, k.step) for k in self._sealing}
+        return busy | self.receiver.busy_steps() | self.peering.fetching
 
     def _flushing(self, job: str, step: int) -> bool:
         """Say whether a shard of the step is still on its way to NVMe (then the step is not sealed yet)."""
@@ -338,7 +357,7 @@ class Pipeline:
             while True:
                 if tier == "peer":
                     done, error, failures, attempts = self.peering.replicated(key)
-                    if done:
+                    if done or (key, "peer") in self._reached:
                         return True, ""
                     if failures >= FAILURES_REPORTED and attempts > attempts_before:
                         return False, error
@@ -442,11 +461,13 @@ class Pipeline:
         Before the sender hears that its replica is in: once every rank has waited for
         "peer", losing any one node can no longer lose the step.
         """
+        peer_shards = await self.peering.peer_shards(meta.job, meta.step)
         async with self._commit_lock:
             if self._flushing(meta.job, meta.step):
                 return  # sealed when that flush ends
             try:
-                record = await self.peering.seal(meta.job, meta.step, self._latest_run.get((meta.job, meta.step)))
+                run_id = self._latest_run.get((meta.job, meta.step))
+                record = await self.peering.seal(meta.job, meta.step, run_id, peer_shards)
             except (CheckpointError, OSError) as e:
                 log.warning("sealing %s step %d after a replica arrived failed: %s", meta.job, meta.step, e)
                 return
@@ -474,8 +495,6 @@ class Pipeline:
 
     async def _collect(self, dry_run: bool, job: str, keep_newest: bool) -> list[Removal]:
         loop = asyncio.get_running_loop()
-        busy = {(s.shard.job, s.shard.step) for s in self.pool.slots() if s.state == "pending" and s.shard}
-        busy |= self.receiver.busy_steps() | self.peering.fetching
         removals: list[Removal] = []
         for tier in self.durable_tiers:
             keep = getattr(self.config.retention, tier.name) if keep_newest else 0
@@ -483,6 +502,7 @@ class Pipeline:
                 # A step that looks abandoned here may be complete in the cluster (its commit
                 # notice missed while this node was down): adopt it rather than remove it.
                 await self.peering.adopt_missed_commits(tier, j)
+                busy = self._busy_steps()  # now, after the awaits above
                 plan = plan_removals(
                     all_steps=tier.all_steps(j),
                     complete_steps=tier.complete_steps(j),

@@ -33,7 +33,7 @@ T = TypeVar("T")
 
 BLOCK_BYTES = 8 << 20
 MAX_CHUNK_BYTES = 64 << 20
-IDLE_TRANSFER_S = 600.0
+IDLE_TRANSFER_S = 60.0
 SPARE_BUFFERS = 16
 MAX_TRANSFERS = 32
 TRANSFER_RE = re.compile(r"[0-9a-f]{8,64}")
@@ -124,7 +124,8 @@ class ReplicaReceiver:
             if base != end:
                 raise CorruptCheckpoint(f"{self._what(meta)}: range ended after {base - offset} of {length} bytes")
         except BaseException:
-            self._transfers.pop(transfer, None)
+            if self._transfers.get(transfer) is t:  # not a later transfer of the same name
+                del self._transfers[transfer]
             t.abandoned = True
             raise
         finally:
@@ -184,7 +185,7 @@ class ReplicaReceiver:
             raise InvalidArgument(f"{self._what(meta)}: range {offset}+{length} does not end on a chunk")
 
     async def _open(self, meta: ShardMeta, transfer: str) -> _Transfer:
-        self._drop_idle()
+        self.drop_idle()
         t = self._transfers.get(transfer)
         if t is not None:
             if t.meta != meta:
@@ -228,10 +229,11 @@ class ReplicaReceiver:
         if t is not None:
             t.abandon()
 
-    def _drop_idle(self) -> None:
+    def drop_idle(self) -> None:
+        """Drop transfers whose sender went quiet (died, or never sealed): their files and slots go."""
         now = time.monotonic()
         for transfer, t in list(self._transfers.items()):
-            if now - t.touched_s > IDLE_TRANSFER_S:
+            if now - t.touched_s > IDLE_TRANSFER_S and not t.ranges_open:
                 log.warning("dropping the unfinished replica of %s: its sender went quiet", self._what(t.meta))
                 self._abandon(transfer)
 
@@ -254,7 +256,9 @@ async def _finished(work: Future[T]) -> T:
     try:
         return await asyncio.shield(wrapped)
     except asyncio.CancelledError:
-        await asyncio.wait([wrapped])
+        while not wrapped.done():
+            with contextlib.suppress(asyncio.CancelledError):  # cancelled again: still wait
+                await asyncio.wait([wrapped])
         raise
 
 

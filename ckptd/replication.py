@@ -66,7 +66,8 @@ class _Shard:
 class Replication:
     """Keep `replicas` copies of every shard this node wrote on the peers chosen for it."""
 
-    def __init__(self, links: list[PeerLink], replicas: int, on_change: Callable[[], None]) -> None:
+    def __init__(self, links: list[PeerLink], replicas: int, on_change: Callable[[ShardKey, bool], None]) -> None:
+        """on_change(key, replicated) is called on the event loop after every attempt for a shard."""
         self._peers = {link.address: _Peer(link) for link in links}
         self.replicas = replicas
         self._on_change = on_change
@@ -196,7 +197,7 @@ class Replication:
         finally:
             shard.sending.discard(target)
             shard.attempts += 1
-            self._on_change()
+            self._on_change(shard.key, len(shard.done) >= len(shard.targets))
 
     def _put(self, shard: _Shard, link: PeerLink, record: CommitRecord | None) -> None:
         errors = []
