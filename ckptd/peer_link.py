@@ -24,6 +24,8 @@ from ckptd.config import PeerConfig
 from ckptd.shard_stream import byte_ranges, fill_from_pieces, read_pieces
 
 MAX_MESSAGE_BYTES = 64 << 20
+INSTANCE_HEADER = "ckptd-instance"
+ITSELF = "itself:"  # how a daemon answers a call from itself
 STREAMS_PER_SHARD = 4
 CALL_TIMEOUT_S = 10.0
 CONNECT_TIMEOUT_S = 3.0
@@ -64,6 +66,10 @@ def piece_data(message: bytes) -> memoryview:
 
 class PeerError(CheckpointError):
     """A peer could not be reached, or refused a request; the message names the peer."""
+
+
+class IsSelf(PeerError):
+    """The address leads back to this very daemon (an alias of its own in the peer list)."""
 
 
 class ReplicaHeld(PeerError):
@@ -151,8 +157,10 @@ def holdings_from_pb(node: str, steps: Any) -> list[StepHoldings]:
 class PeerLink:
     """One peer daemon, reached over one gRPC channel (TLS when configured)."""
 
-    def __init__(self, address: str, peer: PeerConfig) -> None:
+    def __init__(self, address: str, peer: PeerConfig, instance: str = "") -> None:
+        """instance names this daemon's run: a peer that finds its own in a call refuses it (IsSelf)."""
         self.address = address
+        self._metadata = ((INSTANCE_HEADER, instance),) if instance else ()
         credentials = channel_credentials(peer)
         if credentials is None:
             self._channel = grpc.insecure_channel(address, options=grpc_options())
@@ -183,6 +191,8 @@ class PeerLink:
             return call()
         except grpc.RpcError as e:
             code, detail = e.code(), e.details() or str(e.code())
+            if code == grpc.StatusCode.FAILED_PRECONDITION and detail.startswith(ITSELF):
+                raise IsSelf(f"peer {self.address} is this node itself") from None
             if code == grpc.StatusCode.ALREADY_EXISTS:
                 raise ReplicaHeld(f"peer {self.address}: {detail}") from None
             if code == grpc.StatusCode.DATA_LOSS:
@@ -194,7 +204,10 @@ class PeerLink:
     def inventory(self, job: str = "", step: int = -1, timeout_s: float = CALL_TIMEOUT_S) -> list[StepHoldings]:
         """Return what the peer holds of a job's step (or of everything)."""
         reply = self._call(
-            "inventory", lambda: self._stub.Inventory(pb.InventoryRequest(job=job, step=step), timeout=timeout_s)
+            "inventory",
+            lambda: self._stub.Inventory(
+                pb.InventoryRequest(job=job, step=step), timeout=timeout_s, metadata=self._metadata
+            ),
         )
         try:
             return holdings_from_pb(self.address, reply.steps)  # nodes are known by address in the cluster view
@@ -247,7 +260,9 @@ class PeerLink:
 
         timeout_s = CALL_TIMEOUT_S + length / MIN_TRANSFER_BYTES_PER_S
         try:
-            self._call(f"replica of {what}", lambda: self._put_shard(pieces(), timeout=timeout_s))
+            self._call(
+                f"replica of {what}", lambda: self._put_shard(pieces(), timeout=timeout_s, metadata=self._metadata)
+            )
         except PeerError:
             if not local_failure:
                 raise

@@ -12,7 +12,7 @@ from ckpt.format import CommitRecord, ShardMeta, validate_job, validate_step
 from ckpt.wire.v1 import peer_pb2 as pb
 from ckpt.wire.v1 import peer_pb2_grpc
 
-from ckptd.peer_link import data_piece, holdings_to_pb, piece_data
+from ckptd.peer_link import INSTANCE_HEADER, ITSELF, IsSelf, data_piece, holdings_to_pb, piece_data
 from ckptd.pipeline import Pipeline
 from ckptd.server import answer
 from ckptd.shard_stream import read_pieces
@@ -57,8 +57,13 @@ class PeerServicer(peer_pb2_grpc.CkptdPeerServicer):
     def __init__(self, pipeline: Pipeline) -> None:
         self.pipeline = pipeline
 
+    def _refuse_itself(self, context: Any) -> None:
+        if dict(context.invocation_metadata()).get(INSTANCE_HEADER) == self.pipeline.peering.instance:
+            raise IsSelf(f"{ITSELF} a peer address in [peer] addresses leads back to this node")
+
     async def PutShard(self, request_iterator: AsyncIterator[bytes], context: Any) -> pb.PutShardReply:
         async def work() -> pb.PutShardReply:
+            self._refuse_itself(context)
             raw = await anext(aiter(request_iterator), None)
             if raw is None:
                 raise InvalidArgument("PutShard carried no pieces")
@@ -111,6 +116,7 @@ class PeerServicer(peer_pb2_grpc.CkptdPeerServicer):
 
     async def Inventory(self, request: pb.InventoryRequest, context: Any) -> pb.InventoryReply:
         async def work() -> pb.InventoryReply:
+            self._refuse_itself(context)
             job = validate_job(request.job) if request.job else ""
             step = None if request.step == -1 else validate_step(request.step)
             steps = await self.pipeline.holdings(job, step)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from collections import defaultdict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -52,7 +53,8 @@ class Peering:
         self.replica_store = replica_store
         self.node = config.node.listen or config.node.name
         self._threads = threads
-        links = [PeerLink(address, config.peer) for address in config.peers]
+        self.instance = uuid.uuid4().hex  # this daemon's run: calls that carry it have come back to it
+        links = [PeerLink(address, config.peer, self.instance) for address in config.peers]
         self.peer_tier = PeerTier(links) if links else None
         self.replication = Replication(links, config.replicas, on_change) if links and config.replicas else None
         self._fetch_locks: dict[tuple[str, int, int], asyncio.Lock] = {}

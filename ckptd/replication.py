@@ -22,7 +22,7 @@ from ckpt.errors import CheckpointError, CorruptCheckpoint
 from ckpt.format import CommitRecord, ShardMeta, digest
 
 from ckptd.cluster import Holding, placement
-from ckptd.peer_link import STREAMS_PER_SHARD, PeerLink
+from ckptd.peer_link import STREAMS_PER_SHARD, IsSelf, PeerLink
 from ckptd.staging import ShardKey
 
 log = logging.getLogger(__name__)
@@ -61,6 +61,11 @@ class _Shard:
 
     def __post_init__(self) -> None:
         self.meta_digest = digest(self.meta.to_bytes())
+
+    @property
+    def replicated(self) -> bool:
+        """Say whether every peer chosen for this shard holds it."""
+        return all(t in self.done for t in self.targets)
 
 
 class Replication:
@@ -132,7 +137,7 @@ class Replication:
         shard = self._shards.get(key)
         if shard is None:
             return False, "", 0, 0
-        return len(shard.done) >= len(shard.targets), shard.error, shard.failures, shard.attempts
+        return shard.replicated, shard.error, shard.failures, shard.attempts
 
     def retry_now(self, key: ShardKey) -> None:
         """Try a shard's missing replicas at once, whatever the back-off says (someone is waiting for them)."""
@@ -170,6 +175,9 @@ class Replication:
         started = time.monotonic()
         try:
             await asyncio.get_running_loop().run_in_executor(self._senders, self._put, shard, peer.link, record)
+        except IsSelf as e:
+            log.info("%s: no replicas go there", e)
+            self._drop_peer(target)
         except LocalCopyGone as e:  # retention removed it, or a newer save replaced it: nothing to send
             log.info("%s; not replicating it", e)
             if self._shards.get(shard.key) is shard:
@@ -197,7 +205,14 @@ class Replication:
         finally:
             shard.sending.discard(target)
             shard.attempts += 1
-            self._on_change(shard.key, len(shard.done) >= len(shard.targets))
+            self._on_change(shard.key, shard.replicated)
+
+    def _drop_peer(self, address: str) -> None:
+        """Stop sending to a peer for good, and choose again the peers of the shards it was to keep."""
+        self._peers.pop(address, None)
+        for shard in self._shards.values():
+            shard.targets = self.targets(shard.key.job, shard.key.rank)
+            shard.done.pop(address, None)
 
     def _put(self, shard: _Shard, link: PeerLink, record: CommitRecord | None) -> None:
         errors = []

@@ -13,6 +13,7 @@ from ckpt.format import validate_job, validate_rank, validate_step
 from ckpt.wire.v1 import ckptd_pb2 as pb
 from ckpt.wire.v1 import ckptd_pb2_grpc
 
+from ckptd.peer_link import IsSelf
 from ckptd.pipeline import Pipeline
 from ckptd.receiving import AlreadyHeld, ReceiverBusy
 from ckptd.staging import ShardKey, Snapshot
@@ -35,7 +36,7 @@ async def answer(context: grpc.aio.ServicerContext, work: Callable[[], Awaitable
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
     except NotFound as e:
         await context.abort(grpc.StatusCode.NOT_FOUND, str(e))
-    except ReservationLost as e:
+    except (ReservationLost, IsSelf) as e:
         await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
     except CorruptCheckpoint as e:
         await context.abort(grpc.StatusCode.DATA_LOSS, str(e))

@@ -19,7 +19,7 @@ from ckpt.format import CommitRecord, ShardMeta, digest
 from ckpt.shard_io import ShardSource
 
 from ckptd.cluster import Holding, StepHoldings, holders
-from ckptd.peer_link import PeerError, PeerLink
+from ckptd.peer_link import IsSelf, PeerError, PeerLink
 from ckptd.tiers.base import Tier
 
 log = logging.getLogger(__name__)
@@ -51,13 +51,20 @@ class PeerTier(Tier):
 
     def ask(self, job: str = "", step: int = -1, timeout_s: float = INVENTORY_TIMEOUT_S) -> list[StepHoldings]:
         """Ask every peer now (no cache) what it holds of a job's step, or of every step."""
-        with ThreadPoolExecutor(max_workers=max(1, len(self.links)), thread_name_prefix="inventory") as pool:
-            answers = list(pool.map(lambda link: self._inventory(link, job, step, timeout_s), self.links))
+        links = list(self.links)
+        with ThreadPoolExecutor(max_workers=max(1, len(links)), thread_name_prefix="inventory") as pool:
+            answers = list(pool.map(lambda link: self._inventory(link, job, step, timeout_s), links))
         return [s for answer in answers for s in answer]
 
     def _inventory(self, link: PeerLink, job: str, step: int, timeout_s: float) -> list[StepHoldings]:
         try:
             steps = link.inventory(job, step, timeout_s=timeout_s)
+        except IsSelf as e:
+            with self._lock:
+                if link in self.links:
+                    log.info("%s: leaving it out", e)
+                    self.links = [x for x in self.links if x is not link]
+            return []
         except CheckpointError as e:
             with self._lock:
                 if link.address not in self.unreachable:

@@ -12,6 +12,7 @@ import torch
 from certs import CertificateAuthority
 from ckpt.errors import CheckpointError, SaveFailed
 from ckpt.format import data_name, meta_name
+from conftest import free_port
 from states import assert_same
 
 from ckptd.config import PeerConfig
@@ -258,3 +259,16 @@ def test_a_node_killed_mid_transfer_leaves_nothing_half_and_the_replica_complete
     eventually(lambda: "peer" in ls(a).get(1, []))
     assert not list((b.root / ".peer").rglob("*.partial"))
     assert_same(ckpt.load_local(b.root / ".peer" / JOB / "1"), big)
+
+
+def test_a_peer_address_that_leads_back_to_the_node_itself_is_left_out(make_daemon):
+    port = free_port()
+    alias = f"[::ffff:127.0.0.1]:{port}"  # this node by another name, which the config cannot tell
+    a = make_daemon(f'[peer]\naddresses = ["{alias}"]\n', listen=f"127.0.0.1:{port}").start()
+    with ckpt.Checkpointer(job=JOB, rank=0, world_size=1, address=a.address) as c:
+        h = c.save_async(rank_state(0, 1), step=1)
+        h.wait("nvme", timeout=30)
+        eventually(lambda: json.loads(a.cli("status", "--json").stdout)["tiers"]["peer"]["peers"] == {})
+    assert not list((a.root / ".peer").rglob("*.data")), "it never kept a replica of its own shard"
+    assert ls(a)[1] == ["memory", "nvme"]
+    assert "is this node itself" in a.log()
