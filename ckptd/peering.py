@@ -216,6 +216,11 @@ class Peering:
         on_disk = self.nvme.step_dir(key.job, key.step) / data_name(key.rank)
         self.replication.send(key, meta, [p for p in (slot_path, on_disk) if p is not None])
 
+    def forget_replicas(self, key: ShardKey) -> None:
+        """Stop following the replicas of a shard's earlier copy (it was saved again)."""
+        if self.replication is not None:
+            self.replication.untrack(key)
+
     def replicated(self, key: ShardKey) -> tuple[bool, str, int, int]:
         """Return (has every replica, the last error, consecutive failures, attempts finished) for a shard."""
         if self.replication is None:
@@ -235,12 +240,14 @@ class Peering:
         for s in remote:
             remote_shards[(s.job, s.step)].extend(s.shards)
         mine: dict[tuple[str, int], list[Holding]] = defaultdict(list)  # both tiers of this node, by step
-        sealed_here = {(s.job, s.step) for s in local if s.record is not None}
         for s in local:
             mine[(s.job, s.step)].extend(s.shards)
+            if s.record is not None:
+                records.setdefault((s.job, s.step), s.record)  # sealed in one tier here: seal the other too
+        unsealed = {(s.job, s.step) for s in local if s.record is None}
         async with seal_lock:  # the pipeline's: one seal at a time, and never while a shard of the step flushes
-            for job, step in sorted(mine):
-                if (job, step) in sealed_here or flushing(job, step):
+            for job, step in sorted(unsealed):
+                if flushing(job, step):
                     continue
                 record = records.get((job, step)) or seal_record(
                     job, step, [*mine[(job, step)], *remote_shards[(job, step)]]

@@ -195,6 +195,7 @@ class Pipeline:
         self._reached.pop((key, "nvme"), None)  # saved again: the new copy has not reached the disk yet
         self._reached.pop((key, "peer"), None)
         self._sealing.discard(key)  # an earlier copy's seal, still queued, must not count for this one
+        self.peering.forget_replicas(key)
         self._remember(key, "memory")
         self._counters["saves"] += 1
         self._start_flush(slot)
@@ -218,7 +219,8 @@ class Pipeline:
             try:
                 hashed_before = slot.meta is not None  # a flush resumed after a restart
                 await loop.run_in_executor(self._flush_threads, self._flush_to_nvme, slot, key, loop)
-                self._sealing.add(key)  # reached once the step is sealed if it can be: see _reached_tier
+                if not any(s is not slot and s.shard == key and s.state == "pending" for s in self.pool.slots()):
+                    self._sealing.add(key)  # reached once the step is sealed if it can be: see _reached_tier
                 if hashed_before and slot.meta is not None:
                     self.peering.replicate(key, slot.meta, slot.path)
                 self._counters["flushed"] += 1
@@ -260,22 +262,12 @@ class Pipeline:
 
     async def _after_flush(self, key: ShardKey) -> None:
         record = None
-        peer_shards = await self.peering.peer_shards(key.job, key.step)
-        # One commit at a time (two ranks finishing together must not both write the
-        # record), and none while another shard of the step is still on its way: a
-        # re-saved shard replaces the old one before the step is sealed.
-        async with self._commit_lock:
-            if not self._flushing(key.job, key.step):
-                try:
-                    # Sealed from the latest run that committed the step: a late flush of an
-                    # earlier run never counts beside the newer run's shards.
-                    run_id = self._latest_run.get((key.job, key.step))
-                    record = await self.peering.seal(key.job, key.step, run_id, peer_shards)
-                except (CheckpointError, OSError) as e:
-                    self._record_failure(key, "nvme", f"commit of {key.job} step {key.step} failed: {e}")
-        if key in self._sealing:
-            self._sealing.discard(key)
-            self._remember(key, "nvme")
+        try:
+            record = await self._seal_after(key)
+        finally:
+            if key in self._sealing:  # whatever happened: waiters must hear, retention must not keep off
+                self._sealing.discard(key)
+                self._remember(key, "nvme")
         async with self._changed:
             self._changed.notify_all()  # waiters first: retention below may take a while
         if record is not None:
@@ -296,6 +288,26 @@ class Pipeline:
         return any(
             s.state == "pending" and s.shard and (s.shard.job, s.shard.step) == (job, step) for s in self.pool.slots()
         )
+
+    async def _seal_after(self, key: ShardKey) -> CommitRecord | None:
+        """Seal the step of a shard that just became durable here, if it can be."""
+        if self._flushing(key.job, key.step):
+            return None  # sealed when the last of its flushes ends
+        try:
+            peer_shards = await self.peering.peer_shards(key.job, key.step)  # not under the lock: the network
+            # One commit at a time (two ranks finishing together must not both write the
+            # record), and none while another shard of the step is still on its way: a
+            # re-saved shard replaces the old one before the step is sealed.
+            async with self._commit_lock:
+                if self._flushing(key.job, key.step):
+                    return None
+                # Sealed from the latest run that committed the step: a late flush of an
+                # earlier run never counts beside the newer run's shards.
+                run_id = self._latest_run.get((key.job, key.step))
+                return await self.peering.seal(key.job, key.step, run_id, peer_shards)
+        except (CheckpointError, OSError) as e:
+            self._record_failure(key, "nvme", f"commit of {key.job} step {key.step} failed: {e}")
+            return None
 
     async def _finish_interrupted_commits(self) -> None:
         # A crash between the last shard's rename and the commit record leaves a
@@ -461,16 +473,18 @@ class Pipeline:
         Before the sender hears that its replica is in: once every rank has waited for
         "peer", losing any one node can no longer lose the step.
         """
-        peer_shards = await self.peering.peer_shards(meta.job, meta.step)
-        async with self._commit_lock:
-            if self._flushing(meta.job, meta.step):
-                return  # sealed when that flush ends
-            try:
+        if self._flushing(meta.job, meta.step):
+            return  # sealed when that flush ends
+        try:
+            peer_shards = await self.peering.peer_shards(meta.job, meta.step)
+            async with self._commit_lock:
+                if self._flushing(meta.job, meta.step):
+                    return
                 run_id = self._latest_run.get((meta.job, meta.step))
                 record = await self.peering.seal(meta.job, meta.step, run_id, peer_shards)
-            except (CheckpointError, OSError) as e:
-                log.warning("sealing %s step %d after a replica arrived failed: %s", meta.job, meta.step, e)
-                return
+        except (CheckpointError, OSError) as e:
+            log.warning("sealing %s step %d after a replica arrived failed: %s", meta.job, meta.step, e)
+            return
         if record is not None:
             log.info("%s step %d is complete across the cluster", meta.job, meta.step)
 

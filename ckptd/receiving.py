@@ -136,6 +136,7 @@ class ReplicaReceiver:
                     with contextlib.suppress(BaseException):
                         await _finished(w)
             t.ranges_open -= 1
+            t.touched_s = time.monotonic()  # idle from now, not from the last piece
             if t.abandoned:
                 t.abandon()
             self._spare_buffers = (self._spare_buffers + buffers)[-SPARE_BUFFERS:]

@@ -98,6 +98,10 @@ class Replication:
             shard = self._shards[key] = _Shard(key, meta, sources, self.targets(key.job, key.rank))
         return shard
 
+    def untrack(self, key: ShardKey) -> None:
+        """Stop following a shard (a newer copy will be tracked when it is hashed)."""
+        self._shards.pop(key, None)
+
     def tracks(self, key: ShardKey, meta_digest: str) -> bool:
         """Say whether this copy of a shard is already in view."""
         shard = self._shards.get(key)
@@ -205,7 +209,8 @@ class Replication:
         finally:
             shard.sending.discard(target)
             shard.attempts += 1
-            self._on_change(shard.key, shard.replicated)
+            # Only the copy still followed counts: an earlier copy's late success must not.
+            self._on_change(shard.key, self._shards.get(shard.key) is shard and shard.replicated)
 
     def _drop_peer(self, address: str) -> None:
         """Stop sending to a peer for good, and choose again the peers of the shards it was to keep."""
