@@ -35,6 +35,7 @@ log = logging.getLogger(__name__)
 
 SEAL_ASK_TIMEOUT_S = 1.0
 FETCH_THREADS = 4
+NOTIFY_TIMEOUT_S = 3.0
 
 
 class Peering:
@@ -60,6 +61,7 @@ class Peering:
         self._fetch_locks: dict[tuple[str, int, int], asyncio.Lock] = {}
         self.fetching: set[tuple[str, int]] = set()  # (job, step) being fetched: retention keeps off
         self._fetch_threads = ThreadPoolExecutor(max_workers=FETCH_THREADS, thread_name_prefix="fetch")
+        self._notify_threads = ThreadPoolExecutor(max_workers=2, thread_name_prefix="notify")
         self._broadcasts: set[asyncio.Task[None]] = set()
 
     async def _run(self, fn: Callable[..., Any], *args: Any) -> Any:
@@ -117,7 +119,10 @@ class Peering:
 
         async def tell(link: PeerLink) -> None:
             try:
-                await self._run(link.commit_step, record)
+                # Threads of their own, and briefly: a dead peer must not tie up the threads seals use.
+                await asyncio.get_running_loop().run_in_executor(
+                    self._notify_threads, link.commit_step, record, NOTIFY_TIMEOUT_S
+                )
             except CheckpointError as e:
                 log.info("%s; it will learn of the commit when it asks", e)
 
@@ -307,6 +312,7 @@ class Peering:
         if self.replication is not None:
             await self.replication.drain()
         self._fetch_threads.shutdown(wait=True)
+        self._notify_threads.shutdown(wait=True)
         if self.peer_tier is not None:
             self.peer_tier.close()
 
