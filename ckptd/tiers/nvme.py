@@ -7,6 +7,7 @@ written last, once every rank's shard is in. Layout: <root>/<job>/<step>/.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import logging
 import os
@@ -58,6 +59,7 @@ class LocalDirTier(DurableTier):
         self.name = name
         self._io = ThreadPoolExecutor(max_workers=WRITE_THREADS, thread_name_prefix=f"{name}-io")
         self._commits: dict[Path, tuple[tuple[int, int, int], CommitRecord | str]] = {}
+        self._holdings: dict[Path, tuple[tuple[int, int, int], Holding | None]] = {}
         self._step_locks: dict[tuple[str, int], threading.Lock] = {}
         self._step_locks_lock = threading.Lock()
 
@@ -297,30 +299,42 @@ class LocalDirTier(DurableTier):
         return record if self.adopt_commit(record) else None
 
     def holdings(self, job: str, step: int, node: str = "") -> list[Holding]:
-        """Return the readable shard records of a step on this tier (a damaged one is logged and left out)."""
+        """Return the readable shard records of a step on this tier (a damaged one is logged and left out).
+
+        Peers ask for these every few seconds, and a record carries the whole tensor
+        table: each file is read and parsed once, then known by its identity.
+        """
         found = []
         step_dir = self.step_dir(job, step)
         for name in sorted(_names(step_dir)):
             if not (name.startswith("rank-") and name.endswith(".meta.json")):
                 continue
+            path = step_dir / name
             try:
-                raw = (step_dir / name).read_bytes()
-                meta = ShardMeta.from_bytes(raw, str(step_dir / name))
+                st = path.stat()
+                identity = (st.st_ino, st.st_size, st.st_mtime_ns)
+                cached = self._holdings.get(path)
+                if cached is None or cached[0] != identity:
+                    cached = (identity, self._read_holding(path, job, step, name))
+                    self._holdings[path] = cached
             except FileNotFoundError:
                 continue  # replaced or removed since it was listed
-            except (CheckpointError, OSError) as e:
-                log.error("ignoring damaged shard record %s: %s", step_dir / name, e)
-                continue
-            if (meta.job, meta.step, meta_name(meta.rank)) != (job, step, name):
-                log.error("ignoring shard record %s: it describes %s", step_dir / name, meta_name(meta.rank))
-                continue
-            tier = "peer" if self.name == "peer" else "nvme"
-            found.append(
-                Holding(
-                    node, tier, job, step, meta.rank, meta.world_size, meta.data_size_bytes, digest(raw), meta.run_id
-                )
-            )
+            if cached[1] is not None:
+                found.append(dataclasses.replace(cached[1], node=node))
         return found
+
+    def _read_holding(self, path: Path, job: str, step: int, name: str) -> Holding | None:
+        try:
+            raw = path.read_bytes()
+            meta = ShardMeta.from_bytes(raw, str(path))
+        except (CheckpointError, OSError) as e:
+            log.error("ignoring damaged shard record %s: %s", path, e)
+            return None
+        if (meta.job, meta.step, meta_name(meta.rank)) != (job, step, name):
+            log.error("ignoring shard record %s: it describes %s", path, meta_name(meta.rank))
+            return None
+        tier = "peer" if self.name == "peer" else "nvme"
+        return Holding("", tier, job, step, meta.rank, meta.world_size, meta.data_size_bytes, digest(raw), meta.run_id)
 
     def adopt_commit(self, record: CommitRecord) -> bool:
         """Seal a step with its commit record; return whether the step is complete here with that record.
@@ -391,6 +405,8 @@ class LocalDirTier(DurableTier):
         doomed = step_dir.parent / f"{DELETING_PREFIX}{step}"
         (step_dir / COMMIT_NAME).unlink(missing_ok=True)
         self._commits.pop(step_dir / COMMIT_NAME, None)
+        for path in [p for p in list(self._holdings) if p.parent == step_dir]:
+            self._holdings.pop(path, None)
         with self._step_locks_lock:
             self._step_locks.pop((job, step), None)
         os.replace(step_dir, doomed)

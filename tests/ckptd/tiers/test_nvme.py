@@ -123,3 +123,15 @@ def test_shards_of_two_runs_are_never_sealed_together(tier):
     _write_run(tier, 0, "run-b")
     record = tier.try_commit("j", 1, 2, run_id="run-b")
     assert record is not None and tier.complete_steps("j") == [1]
+
+
+def test_holdings_follow_a_shard_saved_again(tier):
+    from ckpt.format import digest
+
+    first = _write(tier, 0, b"first copy")
+    assert [h.meta_digest for h in tier.holdings("j", 1, node="n")] == [digest(first.to_bytes())]
+    second = _write(tier, 0, b"second copy, longer")
+    held = tier.holdings("j", 1, node="n")
+    assert [(h.node, h.rank, h.meta_digest) for h in held] == [("n", 0, digest(second.to_bytes()))]
+    tier.remove_step("j", 1)
+    assert tier.holdings("j", 1) == []
