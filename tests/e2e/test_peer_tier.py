@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import signal
+import socket
 import time
 
 import ckpt
@@ -261,6 +262,16 @@ def test_a_node_killed_mid_transfer_leaves_nothing_half_and_the_replica_complete
     assert_same(ckpt.load_local(b.root / ".peer" / JOB / "1"), big)
 
 
+def _mapped_ipv6_reaches_ipv4() -> bool:
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        try:
+            socket.create_connection(("::ffff:127.0.0.1", server.getsockname()[1]), timeout=2).close()
+        except OSError:
+            return False
+    return True
+
+
+@pytest.mark.skipif(not _mapped_ipv6_reaches_ipv4(), reason="this host has no IPv4-mapped IPv6 loopback")
 def test_a_peer_address_that_leads_back_to_the_node_itself_is_left_out(make_daemon):
     port = free_port()
     alias = f"[::ffff:127.0.0.1]:{port}"  # this node by another name, which the config cannot tell
