@@ -27,13 +27,14 @@ import warnings
 from collections import defaultdict
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import ckpt
 import torch
 import torch.distributed.checkpoint as dcp
+from report import Row, held, table  # benchmarks/report.py: run as scripts, this directory is on sys.path
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 DD_BLOCK_BYTES = 64 << 20
@@ -44,24 +45,6 @@ WARMUP_SAVES = 2
 READY_TIMEOUT_S = 60.0
 WAIT_TIMEOUT_S = 600.0
 JOB = "bench"
-
-
-@dataclass(frozen=True)
-class Row:
-    """Hold one line of the table: a measurement, and the limit it is held against if any."""
-
-    what: str
-    time_s: float
-    size_bytes: int
-    limit: str = ""
-    ratio: float | None = None
-    target: str = ""
-    ok: bool | None = None
-
-    @property
-    def gb_per_s(self) -> float:
-        """Return the bandwidth in GB/s (10**9 bytes per second)."""
-        return self.size_bytes / self.time_s / 1e9
 
 
 def make_state(size_bytes: int, layers: int = 6) -> dict[str, torch.Tensor]:
@@ -291,14 +274,6 @@ def drop_from_page_cache(path: Path) -> None:
         os.close(fd)
 
 
-def held(what: str, time_s: float, size_bytes: int, limit: str, ratio: float, target: str) -> Row:
-    """Return a row whose ratio is checked against target, written "<= x" or ">= x"."""
-    op, bound = target.split()
-    return Row(
-        what, time_s, size_bytes, limit, ratio, target, ratio <= float(bound) if op == "<=" else ratio >= float(bound)
-    )
-
-
 def build_rows(size: int, raw: dict[str, list[float]]) -> tuple[list[Row], list[Row]]:
     """Turn raw timings into table rows: ours held against the limits, and the peers beside ours."""
     best = {k: min(v) for k, v in raw.items()}
@@ -346,16 +321,9 @@ def build_rows(size: int, raw: dict[str, list[float]]) -> tuple[list[Row], list[
 
 def print_table(rows: list[Row], peers: list[Row]) -> None:
     """Print ours against the limits, then the peers with their time as a multiple of ours."""
-    header = f"{'what':<36} {'time_s':>8} {'GB/s':>7}  {'limit':<16} {'ratio':>7} {'target':>7} {'ok':>4}"
-
-    def line(r: Row) -> str:
-        ratio = "" if r.ratio is None else f"{r.ratio:.2f}"
-        ok = "" if r.ok is None else ("yes" if r.ok else "NO")
-        return f"{r.what:<36} {r.time_s:>8.3f} {r.gb_per_s:>7.2f}  {r.limit:<16} {ratio:>7} {r.target:>7} {ok:>4}"
-
-    print(header, "-" * len(header), *map(line, rows), sep="\n")
+    print(table(rows))
     print("\npeers (ratio = their best time / ckpt's best time for the same thing; > 1 means slower than ckpt)")
-    print(header, "-" * len(header), *map(line, peers), sep="\n")
+    print(table(peers))
 
 
 def parse_args() -> argparse.Namespace:

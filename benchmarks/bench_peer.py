@@ -41,6 +41,7 @@ import xxhash
 from ckpt.format import ShardMeta, data_name, meta_name
 from ckpt.transport import DaemonClient
 from ckpt.wire.v1 import ckptd_pb2 as pb
+from report import Row, held, table  # benchmarks/report.py: run as scripts, this directory is on sys.path
 
 from ckptd.config import PeerConfig
 from ckptd.peer_link import STREAMS_PER_SHARD, PeerLink
@@ -57,24 +58,6 @@ WARMUP_SAVES = 2
 TARGET = ">= 0.8"
 JOB = "bench-peer"
 CLOCK_TICKS_PER_S = os.sysconf("SC_CLK_TCK")
-
-
-@dataclass(frozen=True)
-class Row:
-    """Hold one line of the table: a measurement, and the limit it is held against if any."""
-
-    what: str
-    time_s: float
-    size_bytes: int
-    limit: str = ""
-    ratio: float | None = None
-    target: str = ""
-    ok: bool | None = None
-
-    @property
-    def gb_per_s(self) -> float:
-        """Return the bandwidth in GB/s (10**9 bytes per second)."""
-        return self.size_bytes / self.time_s / 1e9
 
 
 # -- the daemons --------------------------------------------------------------------------
@@ -397,11 +380,6 @@ def bench(
     return size, dict(raw), peer
 
 
-def held(what: str, time_s: float, size_bytes: int, limit: str, ratio: float) -> Row:
-    """Return a row whose ratio is held against the target."""
-    return Row(what, time_s, size_bytes, limit, ratio, TARGET, ratio >= float(TARGET.split()[1]))
-
-
 def build_rows(size: int, raw: dict[str, list[float]]) -> list[Row]:
     """Turn raw timings into table rows: ours held against the raw socket, and against the durable one."""
     best = {k: min(v) for k, v in raw.items()}
@@ -410,16 +388,12 @@ def build_rows(size: int, raw: dict[str, list[float]]) -> list[Row]:
         Row("raw socket (limit)", best["raw_socket"], size),
         Row("raw socket + checksums + write + fsync", best["raw_socket_durable"], size),
     ]
-    for label, stat in (("best", best), ("median", median)):
-        t = stat["replication"]
-        rows.append(held(f"replication to peer ({label})", t, size, "raw socket", best["raw_socket"] / t))
-    for label, stat in (("best", best), ("median", median)):
-        t = stat["replication"]
-        rows.append(held(f"replication to peer ({label})", t, size, "raw + durable", best["raw_socket_durable"] / t))
-    for label, stat in (("best", best), ("median", median)):
-        t = stat["replication_alone"]
-        rows.append(held(f"replication alone ({label})", t, size, "raw socket", best["raw_socket"] / t))
-        rows.append(held(f"replication alone ({label})", t, size, "raw + durable", best["raw_socket_durable"] / t))
+    limits = (("raw socket", best["raw_socket"]), ("raw + durable", best["raw_socket_durable"]))
+    for key, what in (("replication", "replication to peer"), ("replication_alone", "replication alone")):
+        for limit, limit_s in limits:
+            for label, stat in (("best", best), ("median", median)):
+                t = stat[key]
+                rows.append(held(f"{what} ({label})", t, size, limit, limit_s / t, TARGET))
     for key, what in (
         ("save_to_nvme", "save -> nvme, as seen by the user"),
         ("save_to_peer", "save -> peer, as seen by the user"),
@@ -427,18 +401,6 @@ def build_rows(size: int, raw: dict[str, list[float]]) -> list[Row]:
     ):
         rows.append(Row(f"{what} (median)", median[key], size))
     return rows
-
-
-def print_table(rows: list[Row]) -> None:
-    """Print ours against the limits."""
-    header = f"{'what':<42} {'time_s':>8} {'GB/s':>7}  {'limit':<14} {'ratio':>7} {'target':>7} {'ok':>4}"
-
-    def line(r: Row) -> str:
-        ratio = "" if r.ratio is None else f"{r.ratio:.2f}"
-        ok = "" if r.ok is None else ("yes" if r.ok else "NO")
-        return f"{r.what:<42} {r.time_s:>8.3f} {r.gb_per_s:>7.2f}  {r.limit:<14} {ratio:>7} {r.target:>7} {ok:>4}"
-
-    print(header, "-" * len(header), *map(line, rows), sep="\n")
 
 
 def parse_args() -> argparse.Namespace:
@@ -490,7 +452,7 @@ def main() -> int:
         shutil.rmtree(work, ignore_errors=True)
     rows = build_rows(size, raw)
     print()
-    print_table(rows)
+    print(table(rows))
     cpu = {k: statistics.median(raw[f"cpu_{k}_nvme_to_peer"]) for k in ("a", "b")}
     print(
         f"\nCPU seconds used between nvme and peer (median): sender A {cpu['a']:.2f}, receiver B {cpu['b']:.2f}; "
