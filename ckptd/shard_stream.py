@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import errno
 import mmap
 import os
 from collections.abc import Iterable, Iterator
@@ -12,6 +11,7 @@ from pathlib import Path
 import xxhash
 from ckpt.errors import CorruptCheckpoint
 from ckpt.format import DIRECT_IO_ALIGN_BYTES, ShardMeta, digest, round_up
+from ckpt.shard_io import open_direct, pread_into
 
 PIECE_BYTES = 1 << 20  # one gRPC message
 MIN_RANGE_BYTES = 32 << 20  # smaller shards travel on fewer streams
@@ -54,12 +54,7 @@ class _Reader:
     def __init__(self, fd: int, path: Path, size_bytes: int) -> None:
         self._fd = fd
         self._path = path
-        self._direct: int | None = None
-        try:
-            self._direct = os.open(path, os.O_RDONLY | os.O_DIRECT)
-        except OSError as e:
-            if e.errno != errno.EINVAL:
-                raise
+        self._direct = open_direct(path)
         self._buffer = mmap.mmap(-1, size_bytes)
         self._view = memoryview(self._buffer)
 
@@ -74,23 +69,9 @@ class _Reader:
             os.close(self._direct)
 
     def __call__(self, offset: int, length: int) -> memoryview:
-        done = 0
-        while done < length:
-            n = -1
-            if self._direct is not None:
-                want = round_up(length, DIRECT_IO_ALIGN_BYTES)
-                try:
-                    n = os.preadv(self._direct, [self._view[done:want]], offset + done)
-                except OSError as e:
-                    if e.errno != errno.EINVAL:
-                        raise
-                    os.close(self._direct)
-                    self._direct = None
-            if n < 0:
-                n = os.preadv(self._fd, [self._view[done:length]], offset + done)
-            if n == 0:
-                raise CorruptCheckpoint(f"{self._path}: short read at byte {offset + done}")
-            done += n
+        view = self._view[: round_up(length, DIRECT_IO_ALIGN_BYTES)]
+        if pread_into(self._direct, self._fd, view, offset, length) < length:
+            raise CorruptCheckpoint(f"{self._path}: short read in bytes {offset}-{offset + length - 1}")
         return self._view[:length]
 
 

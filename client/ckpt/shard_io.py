@@ -104,7 +104,7 @@ def read_shard_into(source: ShardSource, meta: ShardMeta, buffer: memoryview) ->
         raise NotFound(f"{what}: data file missing") from None
     if size < meta.data_size_bytes or (source.kind == "dir" and size != meta.data_size_bytes):
         raise CorruptCheckpoint(f"{what}: {size} bytes on disk, expected {meta.data_size_bytes}")
-    direct_fd = _open_direct(path)
+    direct_fd = open_direct(path)
     fd = os.open(path, os.O_RDONLY)
     try:
         block_bytes = max(1, READ_BLOCK_BYTES // meta.chunk_size_bytes) * meta.chunk_size_bytes
@@ -128,7 +128,31 @@ def _still_holds(source: ShardSource, meta: ShardMeta) -> bool:
         return False
 
 
-def _open_direct(path: Path) -> int | None:
+def pread_into(direct_fd: int | None, fd: int, view: memoryview, file_offset: int, length: int) -> int:
+    """Fill view[:length] from the file at file_offset; return how many bytes came (fewer at end of file).
+
+    Reads use direct_fd while the memory and sizes allow (view may run past length, up
+    to the next 4 KiB, for that), else fd, through the page cache.
+    """
+    done = 0
+    while done < length:
+        n = -1
+        if direct_fd is not None:
+            try:
+                n = os.preadv(direct_fd, [view[done:]], file_offset + done)
+            except OSError as e:
+                if e.errno != errno.EINVAL:
+                    raise
+                direct_fd = None  # this memory or length is not aligned: read through the page cache
+        if n < 0:
+            n = os.preadv(fd, [view[done:length]], file_offset + done)
+        if n == 0:
+            break
+        done += n
+    return min(done, length)
+
+
+def open_direct(path: Path) -> int | None:
     try:
         return os.open(path, os.O_RDONLY | os.O_DIRECT)
     except OSError as e:
@@ -142,21 +166,9 @@ def _read_block(
 ) -> str | None:
     """Read one block and check its chunks; return a description of a bad chunk, or None."""
     want = min(-(-length // DIRECT_IO_ALIGN_BYTES) * DIRECT_IO_ALIGN_BYTES, len(buffer) - offset)
-    done = 0
-    while done < length:
-        n = -1
-        if direct_fd is not None:
-            try:
-                n = os.preadv(direct_fd, [buffer[offset + done : offset + want]], offset + done)
-            except OSError as e:
-                if e.errno != errno.EINVAL:
-                    raise
-                direct_fd = None  # this memory or length is not aligned: read through the page cache
-        if n < 0:
-            n = os.preadv(fd, [buffer[offset + done : offset + length]], offset + done)
-        if n == 0:
-            return f"short read at byte {offset + done}"
-        done += n
+    done = pread_into(direct_fd, fd, buffer[offset : offset + want], offset, length)
+    if done < length:
+        return f"short read at byte {offset + done}"
     first = offset // meta.chunk_size_bytes
     for i, (start, n) in enumerate(chunk_ranges(length, meta.chunk_size_bytes)):
         index = first + i
