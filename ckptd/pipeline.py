@@ -263,7 +263,9 @@ class Pipeline:
     async def _after_flush(self, key: ShardKey) -> None:
         record = None
         try:
-            record = await self._seal_after(key)
+            record = await self._seal(key.job, key.step)
+        except (CheckpointError, OSError) as e:
+            self._record_failure(key, "nvme", f"commit of {key.job} step {key.step} failed: {e}")
         finally:
             if key in self._sealing:  # whatever happened: waiters must hear, retention must not keep off
                 self._sealing.discard(key)
@@ -289,25 +291,23 @@ class Pipeline:
             s.state == "pending" and s.shard and (s.shard.job, s.shard.step) == (job, step) for s in self.pool.slots()
         )
 
-    async def _seal_after(self, key: ShardKey) -> CommitRecord | None:
-        """Seal the step of a shard that just became durable here, if it can be."""
-        if self._flushing(key.job, key.step):
+    async def _seal(self, job: str, step: int) -> CommitRecord | None:
+        """Seal a step that just got a durable shard here (flushed or received), if it can be now.
+
+        One seal at a time (two ranks finishing together must not both write the record),
+        and none while another shard of the step is still on its way: a re-saved shard
+        replaces the old one before the step is sealed. The peers are asked outside the
+        lock, so that no seal waits on the network.
+        """
+        if self._flushing(job, step):
             return None  # sealed when the last of its flushes ends
-        try:
-            peer_shards = await self.peering.peer_shards(key.job, key.step)  # not under the lock: the network
-            # One commit at a time (two ranks finishing together must not both write the
-            # record), and none while another shard of the step is still on its way: a
-            # re-saved shard replaces the old one before the step is sealed.
-            async with self._commit_lock:
-                if self._flushing(key.job, key.step):
-                    return None
-                # Sealed from the latest run that committed the step: a late flush of an
-                # earlier run never counts beside the newer run's shards.
-                run_id = self._latest_run.get((key.job, key.step))
-                return await self.peering.seal(key.job, key.step, run_id, peer_shards)
-        except (CheckpointError, OSError) as e:
-            self._record_failure(key, "nvme", f"commit of {key.job} step {key.step} failed: {e}")
-            return None
+        peer_shards = await self.peering.peer_shards(job, step)
+        async with self._commit_lock:
+            if self._flushing(job, step):
+                return None
+            # Sealed from the latest run that committed the step: a late flush of an
+            # earlier run never counts beside the newer run's shards.
+            return await self.peering.seal(job, step, self._latest_run.get((job, step)), peer_shards)
 
     async def _finish_interrupted_commits(self) -> None:
         # A crash between the last shard's rename and the commit record leaves a
@@ -473,15 +473,8 @@ class Pipeline:
         Before the sender hears that its replica is in: once every rank has waited for
         "peer", losing any one node can no longer lose the step.
         """
-        if self._flushing(meta.job, meta.step):
-            return  # sealed when that flush ends
         try:
-            peer_shards = await self.peering.peer_shards(meta.job, meta.step)
-            async with self._commit_lock:
-                if self._flushing(meta.job, meta.step):
-                    return
-                run_id = self._latest_run.get((meta.job, meta.step))
-                record = await self.peering.seal(meta.job, meta.step, run_id, peer_shards)
+            record = await self._seal(meta.job, meta.step)
         except (CheckpointError, OSError) as e:
             log.warning("sealing %s step %d after a replica arrived failed: %s", meta.job, meta.step, e)
             return
