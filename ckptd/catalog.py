@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from ckpt.errors import NotFound
@@ -18,6 +19,15 @@ class StepInfo:
     world_size: int
     size_bytes: int
     tiers: tuple[str, ...]
+
+
+def merge_steps(steps: list[StepInfo], more: list[StepInfo]) -> list[StepInfo]:
+    """Return steps with more folded in: a step in both lists holds the tiers of both."""
+    found = {(i.job, i.step): i for i in steps}
+    for i in more:
+        prev = found.get((i.job, i.step))
+        found[(i.job, i.step)] = i if prev is None else dataclasses.replace(prev, tiers=(*prev.tiers, *i.tiers))
+    return [found[k] for k in sorted(found)]
 
 
 def list_steps(tiers: list[Tier], job: str = "") -> list[StepInfo]:

@@ -28,6 +28,8 @@ examples:
   ckptd ls --job llama-7b
   ckptd restore --job llama-7b --step latest --from auto --to /mnt/restore
   ckptd restore --job llama-7b --from peer --to /mnt/restore   # this node's disk is gone
+  ckptd restore --job llama-7b --from s3://ckpts/prod --to /mnt/restore   # nothing left but the bucket
+  ckptd verify --job llama-7b --tier object
   ckptd verify --job llama-7b --step 1200
   ckptd gc --dry-run
 """
@@ -82,15 +84,18 @@ def _parser() -> argparse.ArgumentParser:
         "--from",
         dest="source",
         default="auto",
-        help="auto (fastest good copy), memory, nvme, or peer (this node's replicas and the other nodes "
-        "in [peer] addresses)",
+        help="auto (fastest good copy), memory, nvme, peer (this node's replicas and the other nodes "
+        "in [peer] addresses), object ([object] url), or an object-store URL such as s3://bucket/prefix "
+        "(read with [object] storage_options; no daemon and no other tier needed)",
     )
     s.add_argument("--to", required=True, metavar="DIR", type=Path)
 
     s = sub.add_parser("verify", parents=[common], help="check every byte of a job's steps against their checksums")
     s.add_argument("--job", required=True, help="the job to check")
     s.add_argument("--step", type=int, help="only this step (default: every complete step)")
-    s.add_argument("--tier", help="only this tier (default: every tier this node can read)")
+    s.add_argument(
+        "--tier", help="only this tier: memory, nvme, peer, object or an object-store URL (default: every tier)"
+    )
 
     s = sub.add_parser("gc", parents=[common, daemon], help="apply retention now")
     s.add_argument("--dry-run", action="store_true", help="show what would be removed and why, remove nothing")

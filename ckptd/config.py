@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import fsspec
 from ckpt.transport import default_socket_path
 
 
@@ -224,6 +225,13 @@ def _check_values(c: Config) -> None:
         require(
             Path(getattr(c.peer, name)).expanduser().is_file(), f"peer.{name}", f"{getattr(c.peer, name)} is not a file"
         )
+    if c.object.url:
+        require("://" in c.object.url, "object.url", f"{c.object.url!r} is not a URL (s3://bucket/prefix, file:///dir)")
+        protocol = c.object.url.split("://", 1)[0]
+        try:
+            fsspec.get_filesystem_class(protocol)
+        except (ValueError, ImportError) as e:
+            require(False, "object.url", f"fsspec cannot open {protocol}:// URLs: {e}")
 
 
 def _endpoints(address: str) -> set[tuple[str, int]]:

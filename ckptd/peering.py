@@ -25,7 +25,7 @@ from ckptd.cluster import Holding, StepHoldings, complete_on, holders, seal_reco
 from ckptd.config import Config
 from ckptd.peer_link import PeerLink
 from ckptd.replication import Replication
-from ckptd.restore import aligned_buffer
+from ckptd.restore import fetch_shard
 from ckptd.staging import ShardKey
 from ckptd.tiers.base import DurableTier
 from ckptd.tiers.nvme import LocalDirTier
@@ -172,12 +172,7 @@ class Peering:
     def _fetch(self, job: str, step: int, rank: int) -> None:
         assert self.peer_tier is not None
         self.peer_tier.forget()
-        record = self.peer_tier.commit_record(job, step)
-        meta = self.peer_tier.read_meta(job, step, rank)
-        with aligned_buffer(meta.data_size_bytes) as buffer:
-            self.peer_tier.read_into(meta, buffer)
-            self.nvme.write_shard(meta, buffer)
-        self.nvme.adopt_commit(record)
+        meta = fetch_shard(self.peer_tier, self.nvme, job, step, rank)
         log.info(
             "fetched rank %d shard of %s step %d from the peers (%d bytes, verified)",
             rank,

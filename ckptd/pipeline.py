@@ -26,17 +26,22 @@ from ckpt.format import CHUNK_SIZE_BYTES, MAX_SHARD_BYTES, CommitRecord, ShardMe
 from ckpt.shard_io import ShardSource
 
 from ckptd import __version__
-from ckptd.catalog import StepInfo, list_steps
+from ckptd.catalog import StepInfo, list_steps, merge_steps
 from ckptd.cluster import StepHoldings
 from ckptd.config import Config
+from ckptd.object_store import open_store
 from ckptd.peering import Peering
 from ckptd.receiving import ReplicaReceiver
 from ckptd.replication import FAILURES_REPORTED
+from ckptd.restore import fetch_shard
 from ckptd.retention import plan_removals
 from ckptd.staging import ShardKey, Slot, SlotPool, Snapshot
 from ckptd.tiers.base import DurableTier, Tier
 from ckptd.tiers.memory import MemoryTier
 from ckptd.tiers.nvme import LocalDirTier, ShardWriteError
+from ckptd.tiers.object import ObjectTier
+from ckptd.uploading import FAILURES_REPORTED as UPLOAD_FAILURES_REPORTED
+from ckptd.uploading import Uploader
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +50,7 @@ PEER_THREADS = 8
 RECONCILE_S = 2.0  # how often a node catches up with its peers
 RECENT_ERRORS = 20
 REMEMBERED_SHARDS = 1 << 16  # shards known to have reached a tier, for waiters that come after retention
+RETAINED_TIERS = ("nvme", "peer", "object")  # the tiers [retention] applies to
 
 
 @dataclass(frozen=True)
@@ -73,6 +79,11 @@ class Pipeline:
         self.serve_io = ThreadPoolExecutor(max_workers=PEER_THREADS, thread_name_prefix="serve")
         self.receiver = ReplicaReceiver(self.replica_store, self.peer_io)
         self.peering = Peering(config, self.nvme, self.replica_store, self.peer_io, self._replication_changed)
+        self.object_tier: ObjectTier | None = None
+        self.uploader: Uploader | None = None
+        if config.object.url:
+            self.object_tier = ObjectTier(open_store(config.object.url, config.object.storage_options))
+            self.uploader = Uploader(config, self.nvme, self.object_tier, self._upload_changed)
         self._reconciler: asyncio.Task[None] | None = None
         self._flush_threads = ThreadPoolExecutor(max_workers=FLUSH_THREADS, thread_name_prefix="flush")
         # Removing old steps is never urgent: at the lowest CPU priority, unlinking gigabytes
@@ -91,6 +102,8 @@ class Pipeline:
         self._collect_lock = asyncio.Lock()
         self._commit_lock = asyncio.Lock()
         self._errors: deque[dict[str, Any]] = deque(maxlen=RECENT_ERRORS)
+        self._fetching_from_object: set[tuple[str, int]] = set()
+        self._object_fetch_locks: dict[tuple[str, int, int], asyncio.Lock] = {}
         self._started_unix_s = time.time()
         self._counters = {"saves": 0, "skipped": 0, "flushed": 0, "flush_failures": 0, "bytes_flushed": 0}
 
@@ -119,6 +132,8 @@ class Pipeline:
                 log.info("resuming flush of %s", slot.shard)
                 self._start_flush(slot)
         await self._finish_interrupted_commits()
+        if self.uploader is not None:
+            self.uploader.start()
         if self.peering.peer_tier is not None:
             self._reconciler = asyncio.get_running_loop().create_task(self._reconcile_forever())
 
@@ -127,7 +142,7 @@ class Pipeline:
             try:
                 self.receiver.drop_idle()
                 await self.peering.reconcile(self._commit_lock, self._flushing)
-                await self.collect(dry_run=False)  # commits adopted from peers bring retention along
+                await self.collect(dry_run=False, tiers=("nvme", "peer"))  # adopted commits bring retention along
             except (CheckpointError, OSError) as e:
                 log.warning("catching up with the peers failed: %s", e)
             except Exception:  # the loop must outlive any one bad round
@@ -138,6 +153,19 @@ class Pipeline:
         if replicated:
             self._remember(key, "peer")  # stays known after the shard is no longer tracked
         self._wake_waiters()
+
+    def _upload_changed(self, key: ShardKey, committed: bool) -> None:
+        self._wake_waiters()
+        if committed:  # a new step in the store: [retention] object may now remove an older one
+            task = asyncio.get_running_loop().create_task(self._collect_quietly(key.job, ("object",)))
+            self._flushes.add(task)
+            task.add_done_callback(self._flushes.discard)
+
+    async def _collect_quietly(self, job: str, tiers: tuple[str, ...]) -> None:
+        try:
+            await self.collect(dry_run=False, job=job, tiers=tiers)
+        except (CheckpointError, OSError) as e:
+            log.warning("retention for %s on %s failed: %s", job, ", ".join(tiers), e)
 
     def _wake_waiters(self) -> None:
         async def wake() -> None:
@@ -155,6 +183,8 @@ class Pipeline:
         while self._flushes:
             await asyncio.gather(*list(self._flushes), return_exceptions=True)
         await self.peering.drain()
+        if self.uploader is not None:
+            await self.uploader.drain()
         self.receiver.close()
         self._flush_threads.shutdown(wait=True)
         self._cleanup_thread.shutdown(wait=True)
@@ -196,6 +226,8 @@ class Pipeline:
         self._reached.pop((key, "peer"), None)
         self._sealing.discard(key)  # an earlier copy's seal, still queued, must not count for this one
         self.peering.forget_replicas(key)
+        if self.uploader is not None:
+            self.uploader.forget(key)
         self._remember(key, "memory")
         self._counters["saves"] += 1
         self._start_flush(slot)
@@ -223,6 +255,8 @@ class Pipeline:
                     self._sealing.add(key)  # reached once the step is sealed if it can be: see _reached_tier
                 if hashed_before and slot.meta is not None:
                     self.peering.replicate(key, slot.meta, slot.path)
+                if self.uploader is not None:
+                    self.uploader.upload(key)
                 self._counters["flushed"] += 1
                 self._counters["bytes_flushed"] += slot.data_size_bytes
             except Exception as e:  # a flush must never fail silently, whatever broke
@@ -275,7 +309,7 @@ class Pipeline:
         if record is not None:
             log.info("%s step %d is complete on nvme (%d bytes)", key.job, key.step, record.size_bytes)
             try:
-                await self.collect(dry_run=False, job=key.job)
+                await self.collect(dry_run=False, job=key.job, tiers=("nvme", "peer"))
             except (CheckpointError, OSError) as e:
                 self._record_failure(key, "nvme", f"retention for {key.job} failed: {e}")
 
@@ -283,7 +317,8 @@ class Pipeline:
         """Return the steps retention keeps off: being flushed or sealed, received, or fetched."""
         busy = {(s.shard.job, s.shard.step) for s in self.pool.slots() if s.state == "pending" and s.shard}
         busy |= {(k.job, k.step) for k in self._sealing}
-        return busy | self.receiver.busy_steps() | self.peering.fetching
+        busy |= self.uploader.busy_steps() if self.uploader is not None else set()
+        return busy | self.receiver.busy_steps() | self.peering.fetching | self._fetching_from_object
 
     def _flushing(self, job: str, step: int) -> bool:
         """Say whether a shard of the step is still on its way to NVMe (then the step is not sealed yet)."""
@@ -318,7 +353,7 @@ class Pipeline:
                 world_size = None if step in complete else self.nvme.saved_world_size(job, step)
                 if world_size:
                     await self._after_flush(ShardKey(job, step, 0, world_size))
-            await self.collect(dry_run=False, job=job, keep_newest=False)
+            await self.collect(dry_run=False, job=job, keep_newest=False, tiers=("nvme", "peer"))
 
     def _on_disk_already(self, slot: Slot) -> bool:
         # Not even checksummed: flush it (a rewrite of an incomplete step is harmless).
@@ -359,8 +394,10 @@ class Pipeline:
     async def wait_shard(self, key: ShardKey, tier: str, timeout_s: float) -> tuple[bool, str]:
         """Return (done, error) for a shard on a tier, waiting up to timeout_s for it."""
         validate_tier(tier)
-        if tier == "object" or (tier == "peer" and self.peering.replication is None):
+        if (tier == "object" and self.uploader is None) or (tier == "peer" and self.peering.replication is None):
             return False, f"tier {tier} is not configured on node {self.config.node.name}"
+        if tier == "object":
+            return await self._wait_uploaded(key, timeout_s)
         deadline = time.monotonic() + timeout_s
         attempts_before = self.peering.replicated(key)[3]
         if tier == "peer" and self.peering.replicated(key)[2] >= FAILURES_REPORTED and self.peering.replication:
@@ -385,6 +422,32 @@ class Pipeline:
                 except TimeoutError:
                     return False, ""
 
+    async def _wait_uploaded(self, key: ShardKey, timeout_s: float) -> tuple[bool, str]:
+        assert self.uploader is not None
+        if not self.uploader.wanted(key.step):
+            return False, f"{key.job} step {key.step} is not uploaded: [object] every = {self.config.object.every}"
+        deadline = time.monotonic() + timeout_s
+        before = self.uploader.state(key)
+        attempts_before = before.attempts if before is not None else 0
+        async with self._changed:
+            while True:
+                state = self.uploader.state(key)
+                if state is not None and state.committed:
+                    return True, ""
+                if state is not None and (
+                    state.gave_up or (state.failures >= UPLOAD_FAILURES_REPORTED and state.attempts > attempts_before)
+                ):
+                    return False, state.error
+                if key in self._failures:
+                    return False, self._failures[key]
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return False, ""
+                try:
+                    await asyncio.wait_for(self._changed.wait(), remaining)
+                except TimeoutError:
+                    return False, ""
+
     def _tiers(self, tier: str) -> list[Tier]:
         if tier in ("", "auto"):
             return self.tiers
@@ -395,15 +458,21 @@ class Pipeline:
     ) -> tuple[int, int, list[ShardSource]]:
         """Return (step, world_size, sources fastest first) for a rank's shard of a complete step.
 
-        A shard that no tier of this node holds is fetched from the peers first (a
-        wiped disk, or the ranks of a lost node), verified and written to NVMe.
+        A shard that no tier of this node holds is fetched from the peers (a wiped disk,
+        or the ranks of a lost node), else from the object store, verified and written
+        to NVMe first.
         """
         tiers = self._tiers(tier)
-        from_peers = tier in ("", "auto", "peer")
-        complete = {t.name: set(t.complete_steps(job)) for t in tiers}
-        steps = set().union(*complete.values())
+        from_peers = tier in ("", "auto", "peer") and self.peering.peer_tier is not None
+        from_object = tier in ("", "auto", "object") and self.object_tier is not None
+        steps = {s for t in tiers for s in t.complete_steps(job)}
+        peer_steps: set[int] = set()
         if from_peers and (step is None or step not in steps):
-            steps |= set(await self.peering.complete_steps(job))
+            peer_steps = set(await self.peering.complete_steps(job))
+        object_steps: set[int] = set()
+        if from_object and (step is None or step not in steps | peer_steps):
+            object_steps = set(await self._on_upload_threads(self._object_steps, job))
+        steps |= peer_steps | object_steps
         if step is None:
             if not steps:
                 raise NotFound(f"job {job} has no complete step on tier {tier or 'auto'}")
@@ -411,19 +480,67 @@ class Pipeline:
         if step not in steps:
             raise NotFound(f"{job} step {step} is not complete on tier {tier or 'auto'}")
         record = self._commit_record(job, step)
+        if record is not None and rank >= record.world_size:
+            raise NotFound(f"{job} step {step} has no rank {rank} (world_size {record.world_size})")
         sources = self._local_sources(tiers, job, step, rank, record)
-        if not sources and from_peers and self.peering.peer_tier is not None:
-            if record is not None and rank >= record.world_size:
-                raise NotFound(f"{job} step {step} has no rank {rank} (world_size {record.world_size})")
-            await self.peering.fetch(job, step, rank)
-            record = self._commit_record(job, step)
-            sources = [
-                ShardSource(tier if tier == "peer" else "nvme", "dir", str(self.nvme.step_dir(job, step)), job, step)
-            ]
+        fetched_to = ShardSource(
+            tier if tier in ("peer", "object") else "nvme", "dir", str(self.nvme.step_dir(job, step)), job, step
+        )
+        if not sources and from_peers and step not in object_steps:
+            try:
+                await self.peering.fetch(job, step, rank)
+                sources = [fetched_to]
+            except CheckpointError as e:
+                if not from_object:
+                    raise
+                log.warning("%s; trying the object store", e)
+                object_steps = set(await self._on_upload_threads(self._object_steps, job))
+        if not sources and step in object_steps:
+            await self._fetch_from_object(job, step, rank)
+            sources = [fetched_to]
+        record = self._commit_record(job, step)
         if record is None or not sources:
             world_size = record.world_size if record else 0
             raise NotFound(f"{job} step {step} has no rank {rank} on tier {tier or 'auto'} (world_size {world_size})")
         return step, record.world_size, sources
+
+    async def _on_upload_threads(self, fn: Any, *args: Any) -> Any:
+        assert self.uploader is not None
+        return await asyncio.get_running_loop().run_in_executor(self.uploader.io, fn, *args)
+
+    def _object_steps(self, job: str) -> list[int]:
+        assert self.object_tier is not None
+        try:
+            return self.object_tier.complete_steps(job)
+        except CheckpointError as e:
+            log.warning("%s", e)
+            return []
+
+    async def _fetch_from_object(self, job: str, step: int, rank: int) -> None:
+        """Copy a rank's shard of a step complete in the object store onto this node's NVMe, verified."""
+        lock = self._object_fetch_locks.setdefault((job, step, rank), asyncio.Lock())
+        async with lock:
+            if self.nvme.has_shard(job, step, rank) and self.nvme.checked_commit(job, step) is not None:
+                return  # another load fetched it meanwhile
+            self._fetching_from_object.add((job, step))
+            try:
+                await self._on_upload_threads(self._copy_from_object, job, step, rank)
+            finally:
+                self._fetching_from_object.discard((job, step))
+
+    def _copy_from_object(self, job: str, step: int, rank: int) -> None:
+        assert self.object_tier is not None
+        started = time.monotonic()
+        meta = fetch_shard(self.object_tier, self.nvme, job, step, rank)
+        log.info(
+            "fetched rank %d shard of %s step %d from %s (%d bytes, verified, %.2f s)",
+            rank,
+            job,
+            step,
+            self.object_tier.store.describe(job, str(step)),
+            meta.data_size_bytes,
+            time.monotonic() - started,
+        )
 
     def _commit_record(self, job: str, step: int) -> CommitRecord | None:
         for t in self.tiers:
@@ -452,7 +569,11 @@ class Pipeline:
 
     async def list_steps(self, job: str = "") -> list[StepInfo]:
         """Return every complete step on any tier, by job and step (with peers, as the cluster sees it)."""
-        return await self.peering.list_steps(list_steps(self.tiers, job), job)
+        steps = await self.peering.list_steps(list_steps(self.tiers, job), job)
+        if self.object_tier is None:
+            return steps
+        tier = self.object_tier
+        return merge_steps(steps, await self._on_upload_threads(_listed_or_nothing, tier, job))
 
     async def holdings(self, job: str, step: int | None) -> list[StepHoldings]:
         """Return what this node holds, for a peer's Inventory."""
@@ -492,18 +613,45 @@ class Pipeline:
             f"node {self.config.node.name} holds no rank {rank} shard of {job} step {step} on tier {tier or 'any'}"
         )
 
-    async def collect(self, dry_run: bool, job: str = "", keep_newest: bool = True) -> list[Removal]:
+    async def collect(
+        self, dry_run: bool, job: str = "", keep_newest: bool = True, tiers: tuple[str, ...] = RETAINED_TIERS
+    ) -> list[Removal]:
         """Apply retention: remove what the config says not to keep; with dry_run only report it.
 
-        keep_newest=False removes only the incomplete steps that can no longer complete.
+        keep_newest=False removes only the incomplete steps that can no longer complete;
+        tiers limits the pass to some tiers (a flush touches NVMe, an upload the object store).
         """
         async with self._collect_lock:  # one pass at a time: two would race to remove the same step
-            return await self._collect(dry_run, job, keep_newest)
+            removals = await self._collect(dry_run, job, keep_newest, tiers)
+            if "object" in tiers and self.object_tier is not None:
+                busy = self._busy_steps() | (self.uploader.unsettled_steps() if self.uploader else set())
+                removals += await self._on_upload_threads(self._collect_object, dry_run, job, keep_newest, busy)
+            return removals
 
-    async def _collect(self, dry_run: bool, job: str, keep_newest: bool) -> list[Removal]:
+    def _collect_object(self, dry_run: bool, job: str, keep_newest: bool, busy: set[tuple[str, int]]) -> list[Removal]:
+        """Apply [retention] object to the object store (on an upload thread: every call is a request)."""
+        tier = self.object_tier
+        assert tier is not None
+        removals = []
+        keep = self.config.retention.object if keep_newest else 0
+        for j in [job] if job else tier.jobs():
+            plan = plan_removals(
+                all_steps=tier.all_steps(j),
+                complete_steps=tier.complete_steps(j),
+                keep=keep,
+                busy={s for bj, s in busy if bj == j} | set(tier.damaged_steps(j)),
+            )
+            for step, reason in plan:
+                removals.append(Removal(tier.name, j, step, reason))
+                if not dry_run:
+                    tier.remove_step(j, step)
+                    log.info("removed %s step %d from object: %s", j, step, reason)
+        return removals
+
+    async def _collect(self, dry_run: bool, job: str, keep_newest: bool, tiers: tuple[str, ...]) -> list[Removal]:
         loop = asyncio.get_running_loop()
         removals: list[Removal] = []
-        for tier in self.durable_tiers:
+        for tier in [t for t in self.durable_tiers if t.name in tiers]:
             keep = getattr(self.config.retention, tier.name) if keep_newest else 0
             for j in [job] if job else tier.jobs():
                 # A step that looks abandoned here may be complete in the cluster (its commit
@@ -535,7 +683,7 @@ class Pipeline:
                 "memory": {"dir": str(self.config.staging_dir), "jobs": self.memory.jobs()},
                 "nvme": {"root": str(self.config.root), "jobs": self.nvme.jobs()},
                 "peer": {"replica_root": str(self.config.replica_root), **self.peering.status()},
-                "object": {"enabled": False},
+                "object": self.uploader.status() if self.uploader is not None else {"enabled": False},
             },
             "staging": {
                 "policy": self.config.staging.policy,
@@ -547,6 +695,14 @@ class Pipeline:
             "counters": dict(self._counters),
             "recent_errors": list(self._errors),
         }
+
+
+def _listed_or_nothing(tier: Tier, job: str) -> list[StepInfo]:
+    try:
+        return list_steps([tier], job)
+    except CheckpointError as e:  # a store that is down must not hide the other tiers
+        log.warning("%s", e)
+        return []
 
 
 def _lowest_priority() -> None:

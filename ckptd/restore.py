@@ -9,13 +9,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ckpt.errors import CheckpointError, CorruptCheckpoint, NotFound
-from ckpt.format import DIRECT_IO_ALIGN_BYTES, round_up, validate_tier
+from ckpt.format import DIRECT_IO_ALIGN_BYTES, ShardMeta, round_up, validate_tier
 
 from ckptd.config import Config
+from ckptd.object_store import open_store
 from ckptd.peer_link import PeerLink
-from ckptd.tiers.base import Tier
+from ckptd.tiers.base import DurableTier, Tier
 from ckptd.tiers.memory import MemoryTier
 from ckptd.tiers.nvme import LocalDirTier
+from ckptd.tiers.object import ObjectTier
 from ckptd.tiers.peer import PeerTier
 
 Progress = Callable[[str], None]
@@ -25,8 +27,11 @@ def readable_tiers(config: Config, source: str = "auto") -> list[Tier]:
     """Return the tiers a command can read without a daemon, fastest first, for --from/--tier.
 
     "peer" reads this node's replica store and, over the peer protocol, the other
-    nodes named in [peer] addresses.
+    nodes named in [peer] addresses; "object" reads [object] url, and a URL
+    (s3://bucket/prefix, file:///dir, ...) reads that object store, with [object] storage_options.
     """
+    if "://" in source:
+        return [ObjectTier(open_store(source, config.object.storage_options))]
     if source not in ("", "auto"):
         validate_tier(source)
     tiers: list[Tier] = [
@@ -36,6 +41,8 @@ def readable_tiers(config: Config, source: str = "auto") -> list[Tier]:
     ]
     if config.peers:
         tiers.append(PeerTier([PeerLink(address, config.peer) for address in config.peers]))
+    if config.object.url:
+        tiers.append(ObjectTier(open_store(config.object.url, config.object.storage_options)))
     if source in ("", "auto"):
         return tiers
     chosen = [t for t in tiers if t.name == source]
@@ -50,6 +57,17 @@ def latest_step(tiers: list[Tier], job: str) -> int:
     if not steps:
         raise NotFound(f"job {job} has no complete step on tier(s) {', '.join(t.name for t in tiers)}")
     return max(steps)
+
+
+def fetch_shard(source: Tier, target: DurableTier, job: str, step: int, rank: int) -> ShardMeta:
+    """Copy a rank's shard of a complete step from source onto target, verified, and seal the step there."""
+    record = source.commit_record(job, step)
+    meta = source.read_meta(job, step, rank)
+    with aligned_buffer(meta.data_size_bytes) as buffer:
+        source.read_into(meta, buffer)
+        target.write_shard(meta, buffer)
+    target.adopt_commit(record)
+    return meta
 
 
 @contextmanager

@@ -9,6 +9,8 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,6 +18,7 @@ from pathlib import Path
 import pytest
 
 READY_TIMEOUT_S = 30.0
+S3_KEY = "ckptd-test"  # moto takes any credentials
 CKPTD = [sys.executable, "-m", "ckptd"]
 
 
@@ -153,3 +156,89 @@ def make_cluster(make_daemon) -> Iterator:
 def daemon(make_daemon) -> Daemon:
     """Yield one started daemon."""
     return make_daemon().start()
+
+
+def eventually(condition, timeout_s: float = 60.0, what: str = "the condition") -> None:
+    """Wait for a condition that background work makes true (catch-up rounds, retries), up to timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"{what} did not hold within {timeout_s} s"
+        time.sleep(0.2)
+
+
+class S3Server:
+    """A real S3 endpoint over HTTP on loopback: moto's server process, on a port chosen at run time."""
+
+    def __init__(self, log_path: Path) -> None:
+        self.port = free_port()
+        self.endpoint = f"http://127.0.0.1:{self.port}"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
+        ready = threading.Event()
+        threading.Thread(target=self._drain_log, args=(log_path, ready), daemon=True).start()
+        if not ready.wait(READY_TIMEOUT_S) or self.proc.poll() is not None:
+            self.stop()
+            raise AssertionError(f"moto server did not start: {log_path.read_text(errors='replace')}")
+
+    def _drain_log(self, log_path: Path, ready: threading.Event) -> None:
+        assert self.proc.stderr is not None
+        with open(log_path, "ab") as log:
+            for line in self.proc.stderr:  # werkzeug says where it listens once the socket is bound
+                log.write(line)
+                log.flush()
+                if b"Running on" in line:
+                    ready.set()
+        ready.set()  # exited: the caller looks at why
+
+    @property
+    def storage_options(self) -> dict:
+        return {"key": S3_KEY, "secret": S3_KEY, "client_kwargs": {"endpoint_url": self.endpoint}}
+
+    def client(self):
+        import boto3
+
+        return boto3.client(
+            "s3",
+            endpoint_url=self.endpoint,
+            aws_access_key_id=S3_KEY,
+            aws_secret_access_key=S3_KEY,
+            region_name="us-east-1",
+        )
+
+    def new_bucket(self) -> str:
+        """Create a bucket no other test uses and return its name."""
+        name = f"ckpt-{uuid.uuid4().hex[:16]}"
+        self.client().create_bucket(Bucket=name)
+        return name
+
+    def toml(self, url: str, extra: str = "") -> str:
+        """Return an [object] section for url on this endpoint."""
+        return (
+            f'[object]\nurl = "{url}"\n{extra}'
+            f'storage_options = {{key = "{S3_KEY}", secret = "{S3_KEY}", '
+            f'client_kwargs = {{endpoint_url = "{self.endpoint}"}}}}\n'
+        )
+
+    def stop(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory) -> Iterator[S3Server]:
+    """Yield one moto S3 server for the session; each test makes its own bucket."""
+    server = S3Server(tmp_path_factory.mktemp("moto") / "moto.log")
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def own_s3_server(tmp_path) -> Iterator[S3Server]:
+    """Yield an S3 server for one test alone (one it may stop and continue)."""
+    server = S3Server(tmp_path / "moto.log")
+    yield server
+    server.proc.send_signal(signal.SIGCONT)
+    server.stop()

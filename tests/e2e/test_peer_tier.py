@@ -13,7 +13,7 @@ import torch
 from certs import CertificateAuthority
 from ckpt.errors import CheckpointError, SaveFailed
 from ckpt.format import data_name, meta_name
-from conftest import free_port
+from conftest import eventually, free_port
 from states import assert_same
 
 from ckptd.config import PeerConfig
@@ -131,14 +131,6 @@ def test_a_peer_down_then_back_catches_up(make_cluster):
     status = json.loads(a.cli("status", "--json").stdout)
     assert status["tiers"]["peer"]["peers"][b.listen]["consecutive_failures"] == 0
     assert status["tiers"]["peer"]["counters"]["replica_failures"] >= 3
-
-
-def eventually(condition, timeout_s: float = 60.0) -> None:
-    """Wait for the cluster to converge on a condition (its nodes catch up every few seconds)."""
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "the cluster did not converge"
-        time.sleep(0.2)
 
 
 def _flip_a_byte(path) -> None:

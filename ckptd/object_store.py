@@ -1,0 +1,276 @@
+"""Objects under one fsspec URL: small whole objects, large ones in parts, create-only commit records.
+
+The object tier's only way to the store. Three backends behind one interface:
+S3Store (s3fs: multipart uploads with concurrency, If-None-Match create-only
+writes, abandoned multipart uploads aborted), LocalStore (file://: temporary name,
+fsync, rename, and create-only through link()), and FsspecStore for any other
+fsspec URL (create-only is check-then-write there: documented in the README).
+Calls block: make them from worker threads. Paths are relative to the URL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import functools
+import os
+import uuid
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+from typing import Any, TypeVar
+
+import fsspec
+from ckpt.errors import CheckpointError
+from ckpt.format import PARTIAL_SUFFIX
+
+UPLOAD_CONCURRENCY = 8  # parts of one object in flight at once
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+class ObjectStoreError(OSError):
+    """The store or the way to it failed (an HTTP error, a refused connection, a timeout)."""
+
+
+def _store_errors(method: F) -> F:
+    """Raise what a backend raises as OSError, the one kind of error callers expect from a store."""
+
+    @functools.wraps(method)
+    def guarded(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(*args, **kwargs)
+        except (OSError, CheckpointError):  # a store's own, or a caller's from the parts it hands over
+            raise
+        except Exception as e:  # botocore, aiohttp and fsspec backends each have their own
+            raise ObjectStoreError(f"{type(e).__name__}: {e}") from e
+
+    return guarded  # type: ignore[return-value]
+
+
+class ObjectStore:
+    """Read and write objects under one URL through fsspec (any backend)."""
+
+    create_only_is_atomic = False
+
+    def __init__(self, url: str, storage_options: dict[str, Any]) -> None:
+        self.url = url.rstrip("/")
+        fs, root = fsspec.url_to_fs(self.url, **storage_options)
+        self.fs: Any = fs
+        self.root = root.rstrip("/")
+
+    def path(self, *names: str) -> str:
+        """Return the store path of names under the URL."""
+        return "/".join([self.root, *names])
+
+    def describe(self, *names: str) -> str:
+        """Return the URL of names under the store, for messages."""
+        return "/".join([self.url, *names])
+
+    @_store_errors
+    def names(self, *directory: str) -> dict[str, int]:
+        """Return {name: size in bytes} of what is directly under directory (empty when there is nothing)."""
+        try:
+            entries = self.fs.ls(self.path(*directory), detail=True, refresh=True)
+        except FileNotFoundError:
+            return {}
+        found = {}
+        for e in entries:
+            name = e["name"].rstrip("/").rsplit("/", 1)[-1]
+            found[name] = -1 if e.get("type") == "directory" else int(e.get("size") or 0)
+        return found
+
+    @_store_errors
+    def read(self, *names: str, start: int | None = None, end: int | None = None) -> bytes:
+        """Return an object's bytes, or bytes [start, end) of it; raise FileNotFoundError if it is missing."""
+        return bytes(self.fs.cat_file(self.path(*names), start=start, end=end))
+
+    @_store_errors
+    def put(self, data: bytes, *names: str) -> None:
+        """Write a small object whole, replacing any object of that name."""
+        self.fs.pipe_file(self.path(*names), data)
+
+    @_store_errors
+    def put_parts(self, parts: Iterator[bytes], *names: str) -> None:
+        """Write a large object from its parts, in order; a reader sees it only once every part is in."""
+        with self.fs.open(self.path(*names), "wb") as f:
+            for part in parts:
+                f.write(part)
+
+    @_store_errors
+    def create(self, data: bytes, *names: str) -> bool:
+        """Write a small object only if none of that name exists; return whether this call wrote it."""
+        if self.fs.exists(self.path(*names)):
+            return False
+        self.put(data, *names)
+        return True
+
+    @_store_errors
+    def remove_dir(self, *directory: str) -> None:
+        """Remove everything under directory (nothing there is fine)."""
+        with contextlib.suppress(FileNotFoundError):
+            self.fs.rm(self.path(*directory), recursive=True)
+
+    @_store_errors
+    def remove(self, *names: str) -> None:
+        """Remove one object (a missing one is fine)."""
+        with contextlib.suppress(FileNotFoundError):
+            self.fs.rm_file(self.path(*names))
+
+    @_store_errors
+    def abort_uploads(self, *directory: str) -> int:
+        """Abort unfinished multipart uploads under directory; return how many (only S3 has them)."""
+        return 0
+
+
+class LocalStore(ObjectStore):
+    """A directory on a mounted filesystem (file://): durable writes, atomic renames and links."""
+
+    create_only_is_atomic = True
+
+    @_store_errors
+    def put(self, data: bytes, *names: str) -> None:
+        self.put_parts(iter([data]), *names)
+
+    @_store_errors
+    def put_parts(self, parts: Iterator[bytes], *names: str) -> None:
+        target = self.path(*names)
+        temporary = self._write_temporary(parts, target)
+        try:
+            os.replace(temporary, target)
+        except BaseException:
+            os.unlink(temporary)
+            raise
+        _fsync_dir(os.path.dirname(target))
+
+    @_store_errors
+    def create(self, data: bytes, *names: str) -> bool:
+        target = self.path(*names)
+        temporary = self._write_temporary(iter([data]), target)
+        try:
+            os.link(temporary, target)  # fails if the name exists: create-only, and atomic
+        except FileExistsError:
+            return False
+        finally:
+            os.unlink(temporary)
+        _fsync_dir(os.path.dirname(target))
+        return True
+
+    def _write_temporary(self, parts: Iterator[bytes], target: str) -> str:
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        temporary = f"{target}.{uuid.uuid4().hex[:8]}{PARTIAL_SUFFIX}"
+        try:
+            with open(temporary, "wb") as f:
+                for part in parts:
+                    f.write(part)
+                f.flush()
+                os.fsync(f.fileno())
+        except BaseException:
+            if os.path.exists(temporary):
+                os.unlink(temporary)
+            raise
+        return temporary
+
+
+class S3Store(ObjectStore):
+    """An S3 bucket and prefix through s3fs: multipart uploads with parts in flight at once."""
+
+    create_only_is_atomic = True
+
+    @_store_errors
+    def put_parts(self, parts: Iterator[bytes], *names: str) -> None:
+        bucket, key, _ = self.fs.split_path(self.path(*names))
+        self.abort_uploads(*names)  # an upload of this object that a crash left unfinished
+        first = next(parts, b"")
+        second = next(parts, None)
+        if second is None:  # one part: a plain PUT
+            self._call("put_object", Bucket=bucket, Key=key, Body=first)
+            self.fs.invalidate_cache(self.path(*names))
+            return
+        upload_id = self._call("create_multipart_upload", Bucket=bucket, Key=key)["UploadId"]
+        try:
+            etags = self._upload_parts(bucket, key, upload_id, _chain(first, second, parts))
+            done = [{"PartNumber": n, "ETag": etag} for n, etag in enumerate(etags, 1)]
+            self._call(
+                "complete_multipart_upload",
+                Bucket=bucket,
+                Key=key,
+                UploadId=upload_id,
+                MultipartUpload={"Parts": done},
+            )
+        except BaseException:
+            with contextlib.suppress(OSError):  # else the next upload of this object, or the step's removal, aborts it
+                self._call("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id)
+            raise
+        self.fs.invalidate_cache(self.path(*names))
+
+    def _upload_parts(self, bucket: str, key: str, upload_id: str, parts: Iterator[bytes]) -> list[str]:
+        """Send parts with up to UPLOAD_CONCURRENCY in flight (a window, not batches); return their ETags."""
+        in_flight: dict[int, Future[Any]] = {}
+        etags: dict[int, str] = {}
+        try:
+            for number, part in enumerate(parts, 1):
+                while len(in_flight) >= UPLOAD_CONCURRENCY:
+                    self._collect_one(in_flight, etags)
+                coro = self.fs._call_s3(
+                    "upload_part", Bucket=bucket, Key=key, UploadId=upload_id, PartNumber=number, Body=part
+                )
+                in_flight[number] = asyncio.run_coroutine_threadsafe(coro, self.fs.loop)
+            while in_flight:
+                self._collect_one(in_flight, etags)
+        finally:
+            for f in in_flight.values():
+                f.cancel()
+        return [etags[n] for n in sorted(etags)]
+
+    @staticmethod
+    def _collect_one(in_flight: dict[int, Future[Any]], etags: dict[int, str]) -> None:
+        first = min(in_flight)
+        etags[first] = in_flight.pop(first).result()["ETag"]
+
+    @_store_errors
+    def create(self, data: bytes, *names: str) -> bool:
+        try:
+            self.fs.pipe_file(self.path(*names), data, mode="create")  # If-None-Match: *
+        except FileExistsError:
+            return False
+        return True
+
+    @_store_errors
+    def abort_uploads(self, *directory: str) -> int:
+        bucket, prefix, _ = self.fs.split_path(self.path(*directory))
+        listed = self._call("list_multipart_uploads", Bucket=bucket, Prefix=prefix)
+        uploads = [u for u in listed.get("Uploads", []) if u["Key"] == prefix or u["Key"].startswith(prefix + "/")]
+        for u in uploads:
+            self._call("abort_multipart_upload", Bucket=bucket, Key=u["Key"], UploadId=u["UploadId"])
+        return len(uploads)
+
+    def _call(self, method: str, **kwargs: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(self.fs._call_s3(method, **kwargs), self.fs.loop).result()
+
+
+def open_store(url: str, storage_options: dict[str, Any]) -> ObjectStore:
+    """Return the store for an fsspec URL, with the backend its protocol needs."""
+    protocol = url.split("://", 1)[0] if "://" in url else "file"
+    if protocol in ("s3", "s3a"):
+        return S3Store(url, storage_options)
+    if protocol in ("file", "local"):
+        return LocalStore(url, storage_options)
+    return ObjectStore(url, storage_options)
+
+
+def _chain(first: bytes, second: bytes, rest: Iterator[bytes]) -> Iterator[bytes]:
+    yield first
+    yield second
+    yield from rest
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    except OSError as e:
+        if e.errno != errno.EINVAL:
+            raise
+    finally:
+        os.close(fd)

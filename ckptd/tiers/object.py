@@ -1,0 +1,364 @@
+"""The object tier: complete steps in an object store, in the layout of every tier.
+
+`<url>/<job>/<step>/` holds each rank's `rank-NNNNN.data` (or, compressed,
+`rank-NNNNN.data.zst` with its frame index `rank-NNNNN.frames.json`), then its
+`rank-NNNNN.meta.json`, and last `COMMIT.json`. A step is listed only through its
+commit record, which is written create-only after every rank's shard is there and
+matches it. Calls block: the daemon makes them from its upload threads, the CLI
+from its own.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import zstandard
+from ckpt.errors import CheckpointError, CorruptCheckpoint, NotFound
+from ckpt.format import (
+    COMMIT_NAME,
+    JOB_RE,
+    CommitRecord,
+    ShardMeta,
+    chunk_ranges,
+    data_name,
+    digest,
+    meta_name,
+    seal,
+    unseal,
+)
+from ckpt.shard_io import ShardSource
+
+from ckptd.object_store import ObjectStore
+from ckptd.tiers.base import Tier
+
+log = logging.getLogger(__name__)
+
+PART_BYTES = 16 << 20  # the size of each part sent or fetched (a multiple of the 4 MiB chunk)
+READ_THREADS = 8
+ZSTD_LEVEL = 1
+COMPRESS_THREADS = 2
+
+
+class CommitConflict(CheckpointError):
+    """A commit record other than ours is already in the store: it stays, and the step is not ours to commit."""
+
+
+def zstd_name(rank: int) -> str:
+    """Name the object that holds a rank's compressed data: one zstd frame per checksum chunk."""
+    return f"{data_name(rank)}.zst"
+
+
+def frames_name(rank: int) -> str:
+    """Name the sealed record that lists the compressed size of each frame of a rank's data."""
+    return f"rank-{rank:05d}.frames.json"
+
+
+class ObjectTier(Tier):
+    """List, read, upload and remove steps in an object store."""
+
+    name = "object"
+
+    def __init__(self, store: ObjectStore) -> None:
+        self.store = store
+        self._records: dict[tuple[str, int], CommitRecord] = {}  # commit records are immutable: read once
+        self._lock = threading.Lock()
+
+    # -- listing ------------------------------------------------------------------
+
+    def jobs(self) -> list[str]:
+        found = [n for n, size in self._names() if size < 0 and JOB_RE.fullmatch(n)]
+        return sorted(j for j in found if self.complete_steps(j))
+
+    def _names(self, *directory: str) -> list[tuple[str, int]]:
+        try:
+            return list(self.store.names(*directory).items())
+        except OSError as e:
+            raise CheckpointError(f"object store {self.store.describe(*directory)}: {e}") from e
+
+    def all_steps(self, job: str) -> list[int]:
+        """Return every step of the job with anything uploaded, complete or not, oldest first."""
+        return sorted(int(n) for n, size in self._names(job) if size < 0 and n.isdigit() and str(int(n)) == n)
+
+    def complete_steps(self, job: str) -> list[int]:
+        return [s for s in self.all_steps(job) if isinstance(self._commit_state(job, s), CommitRecord)]
+
+    def damaged_steps(self, job: str) -> list[int]:
+        """Return the steps whose commit record is there but does not check."""
+        return [s for s in self.all_steps(job) if self._commit_state(job, s) == "damaged"]
+
+    def _commit_state(self, job: str, step: int) -> CommitRecord | str:
+        cached = self._records.get((job, step))
+        if cached is not None:
+            return cached
+        try:
+            raw = self.store.read(job, str(step), COMMIT_NAME)
+        except FileNotFoundError:
+            return "missing"
+        except OSError as e:
+            raise CheckpointError(f"object store {self.store.describe(job, str(step), COMMIT_NAME)}: {e}") from e
+        try:
+            record = CommitRecord.from_bytes(raw, self.store.describe(job, str(step), COMMIT_NAME))
+        except CheckpointError as e:
+            log.error("%s", e)
+            return "damaged"
+        if (record.job, record.step) != (job, step):
+            log.error("%s describes %s step %d", self.store.describe(job, str(step)), record.job, record.step)
+            return "damaged"
+        with self._lock:
+            self._records[(job, step)] = record
+        return record
+
+    def commit_record(self, job: str, step: int) -> CommitRecord:
+        state = self._commit_state(job, step)
+        if not isinstance(state, CommitRecord):
+            raise NotFound(f"{job} step {step} is not complete on tier object ({self.store.describe(job, str(step))})")
+        return state
+
+    def shard_source(self, job: str, step: int, rank: int) -> ShardSource:
+        raise NotFound(f"rank {rank} shard of {job} step {step} is in the object store: read it with read_into")
+
+    def has_shard(self, job: str, step: int, rank: int) -> bool:
+        return meta_name(rank) in dict(self._names(job, str(step)))
+
+    # -- reading --------------------------------------------------------------------
+
+    def _what(self, meta: ShardMeta) -> str:
+        where = self.store.describe(meta.job, str(meta.step))
+        return f"rank {meta.rank} shard of {meta.job} step {meta.step} on tier object ({where})"
+
+    def read_meta(self, job: str, step: int, rank: int) -> ShardMeta:
+        """Return a rank's shard record, checked against the step's commit record."""
+        record = self.commit_record(job, step)
+        if rank >= record.world_size:
+            raise NotFound(f"{job} step {step} has no rank {rank} (world_size {record.world_size})")
+        where = self.store.describe(job, str(step), meta_name(rank))
+        try:
+            raw = self.store.read(job, str(step), meta_name(rank))
+        except FileNotFoundError:
+            raise CorruptCheckpoint(f"{where}: missing from a complete step") from None
+        except OSError as e:
+            raise CheckpointError(f"{where}: {e}") from e
+        if digest(raw) != record.shard_meta_xxh3_128[rank]:
+            raise CorruptCheckpoint(f"{where}: does not match the step's commit record")
+        meta = ShardMeta.from_bytes(raw, where)
+        if (meta.job, meta.step, meta.rank) != (job, step, rank):
+            raise CorruptCheckpoint(f"{where}: describes rank {meta.rank} of {meta.job} step {meta.step}")
+        return meta
+
+    def read_into(self, meta: ShardMeta, buffer: memoryview) -> None:
+        """Fill buffer with the shard's bytes, fetched in parallel ranges, every chunk checked."""
+        what = self._what(meta)
+        names = dict(self._names(meta.job, str(meta.step)))
+        if zstd_name(meta.rank) in names:
+            frame_sizes = self._frame_sizes(meta, what)
+            pieces = list(_frame_groups(meta, frame_sizes))
+            name = zstd_name(meta.rank)
+        elif data_name(meta.rank) in names:
+            if names[data_name(meta.rank)] != meta.data_size_bytes:
+                size = names[data_name(meta.rank)]
+                raise CorruptCheckpoint(f"{what}: {size} bytes stored, expected {meta.data_size_bytes}")
+            pieces = [(o, n, [(o, n, n)]) for o, n in chunk_ranges(meta.data_size_bytes, PART_BYTES)]
+            name = data_name(meta.rank)
+        else:
+            raise CorruptCheckpoint(f"{what}: data object missing")
+
+        def fetch(piece: tuple[int, int, list[tuple[int, int, int]]]) -> str | None:
+            start, length, frames = piece
+            try:
+                blob = self.store.read(meta.job, str(meta.step), name, start=start, end=start + length)
+            except OSError as e:
+                return f"reading bytes {start}-{start + length - 1} of {name}: {e}"
+            return _unpack(meta, blob, frames, buffer, compressed=name.endswith(".zst"))
+
+        with ThreadPoolExecutor(max_workers=READ_THREADS, thread_name_prefix="object-read") as pool:
+            for bad in pool.map(fetch, pieces):
+                if bad is not None:
+                    raise CorruptCheckpoint(f"{what}: {bad}")
+
+    def _frame_sizes(self, meta: ShardMeta, what: str) -> list[int]:
+        try:
+            raw = self.store.read(meta.job, str(meta.step), frames_name(meta.rank))
+        except FileNotFoundError:
+            raise CorruptCheckpoint(f"{what}: the frame index of its compressed data is missing") from None
+        except OSError as e:
+            raise CheckpointError(f"{what}: {e}") from e
+        record = unseal(raw, f"{what}, {frames_name(meta.rank)}")
+        sizes = record.get("frame_sizes")
+        if (
+            record.get("format") != "ckpt-zstd-frames"
+            or not isinstance(sizes, list)
+            or len(sizes) != len(meta.chunk_xxh3_128)
+            or not all(isinstance(n, int) and 0 < n <= 2 * meta.chunk_size_bytes + 1024 for n in sizes)
+        ):
+            raise CorruptCheckpoint(f"{what}: its frame index does not fit its shard record")
+        return sizes
+
+    # -- writing ----------------------------------------------------------------------
+
+    def holds(self, meta: ShardMeta) -> bool:
+        """Say whether exactly this shard (record and data) is already uploaded."""
+        job, step = meta.job, str(meta.step)
+        names = dict(self._names(job, step))
+        if meta_name(meta.rank) not in names:
+            return False
+        try:
+            return self.store.read(job, step, meta_name(meta.rank)) == meta.to_bytes()
+        except FileNotFoundError:
+            return False
+
+    def upload_shard(self, meta: ShardMeta, data_path: Path, compression: str) -> None:
+        """Upload one shard from a local data file, checking every chunk against meta as it is read.
+
+        The data goes first, then (compressed) its frame index, then the shard record:
+        a shard counts as uploaded once its record is there.
+        """
+        job, step = meta.job, str(meta.step)
+        self.store.remove(job, step, meta_name(meta.rank))  # an older copy stops counting before it changes
+        frame_sizes: list[int] = []
+        parts = _read_parts(meta, data_path, compression, frame_sizes, self._what(meta))
+        if compression == "zstd":
+            self.store.put_parts(parts, job, step, zstd_name(meta.rank))
+            index = {"format": "ckpt-zstd-frames", "version": 1, "frame_sizes": frame_sizes}
+            self.store.put(seal(index), job, step, frames_name(meta.rank))
+        else:
+            self.store.put_parts(parts, job, step, data_name(meta.rank))
+        self.store.put(meta.to_bytes(), job, step, meta_name(meta.rank))
+
+    def missing_ranks(self, record: CommitRecord) -> list[int]:
+        """Return the ranks of a step whose shard in the store is absent or not the one the record lists."""
+        job, step = record.job, str(record.step)
+        names = dict(self._names(job, step))
+        missing = []
+        for rank in range(record.world_size):
+            has_data = data_name(rank) in names or (zstd_name(rank) in names and frames_name(rank) in names)
+            if meta_name(rank) not in names or not has_data:
+                missing.append(rank)
+                continue
+            try:
+                raw = self.store.read(job, step, meta_name(rank))
+            except FileNotFoundError:
+                missing.append(rank)
+                continue
+            if digest(raw) != record.shard_meta_xxh3_128[rank]:
+                missing.append(rank)
+        return missing
+
+    def try_commit(self, record: CommitRecord) -> bool:
+        """Write the step's commit record, create-only, if every rank's shard is there and matches it.
+
+        Return whether the step is now complete in the store with this record, False
+        while ranks are missing. A record already there stays, even if it differs:
+        that raises CommitConflict, for two writers never replace each other's.
+        """
+        if self.missing_ranks(record):
+            return False
+        job, step = record.job, str(record.step)
+        where = self.store.describe(job, step, COMMIT_NAME)
+        try:
+            if self.store.create(record.to_bytes(), job, step, COMMIT_NAME):
+                log.info("%s step %s is complete on object (%s)", job, step, self.store.describe(job, step))
+                return True
+        except OSError as e:
+            raise CheckpointError(f"object store {where}: {e}") from e
+        if self._commit_state(record.job, record.step) != record:
+            raise CommitConflict(f"{where} is already there, damaged or different from this node's record: kept")
+        return True
+
+    def remove_step(self, job: str, step: int) -> None:
+        """Remove a step: its commit record goes first, then its objects and unfinished uploads."""
+        with self._lock:
+            self._records.pop((job, step), None)
+        self.store.remove(job, str(step), COMMIT_NAME)
+        self.store.remove_dir(job, str(step))
+        self.store.abort_uploads(job, str(step))
+
+    def close(self) -> None:
+        """Nothing to release: the store's connections belong to fsspec."""
+
+
+def _read_parts(
+    meta: ShardMeta, data_path: Path, compression: str, frame_sizes: list[int], what: str
+) -> Iterator[bytes]:
+    """Yield the object's parts from a local data file, each chunk checked; fill frame_sizes when compressing."""
+    compressor = zstandard.ZstdCompressor(level=ZSTD_LEVEL) if compression == "zstd" else None
+    pending = bytearray()
+    fd = os.open(data_path, os.O_RDONLY)
+    try:
+        if os.fstat(fd).st_size != meta.data_size_bytes:
+            raise CorruptCheckpoint(f"{what}: the local copy {data_path} has the wrong size")
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        first_chunk = 0
+        for offset, length in chunk_ranges(meta.data_size_bytes, PART_BYTES):
+            block = os.pread(fd, length, offset)
+            chunks = [memoryview(block)[o : o + n] for o, n in chunk_ranges(length, meta.chunk_size_bytes)]
+            for i, chunk in enumerate(chunks):
+                if digest(chunk) != meta.chunk_xxh3_128[first_chunk + i]:
+                    raise CorruptCheckpoint(f"{what}: chunk {first_chunk + i} of the local copy changed before upload")
+            first_chunk += len(chunks)
+            if compressor is None:
+                yield block
+                continue
+            frames = compressor.multi_compress_to_buffer([bytes(c) for c in chunks], threads=COMPRESS_THREADS)
+            for i in range(len(frames)):
+                frame_sizes.append(len(frames[i]))
+                pending += frames[i].tobytes()
+            if len(pending) >= PART_BYTES:
+                yield bytes(pending)
+                pending.clear()
+        if compressor is not None and (pending or not frame_sizes):
+            yield bytes(pending)
+    finally:
+        os.close(fd)
+
+
+def _frame_groups(meta: ShardMeta, frame_sizes: list[int]) -> Iterator[tuple[int, int, list[tuple[int, int, int]]]]:
+    """Yield (stored offset, stored length, frames) ranges of about PART_BYTES.
+
+    A frame is (data offset, data size, stored size).
+    """
+    stored = 0
+    group: list[tuple[int, int, int]] = []
+    group_start = 0
+    chunks = chunk_ranges(meta.data_size_bytes, meta.chunk_size_bytes)
+    for (offset, length), size in zip(chunks, frame_sizes, strict=True):
+        group.append((offset, length, size))
+        stored += size
+        if stored - group_start >= PART_BYTES:
+            yield group_start, stored - group_start, group
+            group, group_start = [], stored
+    if group:
+        yield group_start, stored - group_start, group
+
+
+def _unpack(
+    meta: ShardMeta, blob: bytes, frames: list[tuple[int, int, int]], buffer: memoryview, compressed: bool
+) -> str | None:
+    """Place a fetched range's chunks into buffer, checking each; return what is wrong, or None."""
+    if len(blob) != sum(stored for _, _, stored in frames):
+        return f"short read: {len(blob)} bytes"
+    decompressor = zstandard.ZstdDecompressor() if compressed else None
+    at = 0
+    for offset, length, stored in frames:
+        piece = memoryview(blob)[at : at + stored]
+        at += stored
+        if decompressor is not None:
+            try:
+                plain = decompressor.decompress(piece, max_output_size=length)
+            except zstandard.ZstdError as e:
+                return f"the compressed chunk at byte {offset} does not decompress: {e}"
+            if len(plain) != length:
+                return f"the compressed chunk at byte {offset} holds {len(plain)} bytes, expected {length}"
+            buffer[offset : offset + length] = plain
+        else:
+            buffer[offset : offset + length] = piece
+        for index_offset, n in chunk_ranges(length, meta.chunk_size_bytes):
+            lo = offset + index_offset
+            index = lo // meta.chunk_size_bytes
+            if digest(buffer[lo : lo + n]) != meta.chunk_xxh3_128[index]:
+                return f"chunk {index} (bytes {lo}-{lo + n - 1}) checksum mismatch"
+    return None

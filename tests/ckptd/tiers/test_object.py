@@ -1,0 +1,142 @@
+"""The object tier over a real S3 endpoint (moto's server) and over file://: upload, commit, read, remove."""
+
+from __future__ import annotations
+
+import mmap
+import os
+from pathlib import Path
+
+import pytest
+from ckpt.errors import CorruptCheckpoint, NotFound
+from ckpt.format import CHUNK_SIZE_BYTES, COMMIT_NAME, CommitRecord, ShardMeta, data_name, digest, round_up
+
+from ckptd.object_store import open_store
+from ckptd.tiers.nvme import LocalDirTier
+from ckptd.tiers.object import PART_BYTES, CommitConflict, ObjectTier, frames_name, zstd_name
+
+
+@pytest.fixture(params=["file", "s3"])
+def tier(request, tmp_path) -> ObjectTier:
+    if request.param == "file":
+        return ObjectTier(open_store(f"file://{tmp_path}/store", {}))
+    server = request.getfixturevalue("s3_server")
+    return ObjectTier(open_store(f"s3://{server.new_bucket()}/prefix", server.storage_options))
+
+
+class Shards:
+    """Shards written to a local NVMe tier, the way the daemon has them before it uploads."""
+
+    def __init__(self, root: Path) -> None:
+        self.nvme = LocalDirTier(root)
+
+    def write(self, job: str, step: int, rank: int, world_size: int, payload: bytes) -> ShardMeta:
+        m = mmap.mmap(-1, round_up(max(len(payload), 1), 4096))
+        m[: len(payload)] = payload
+        meta = ShardMeta(job, step, rank, world_size, len(payload), CHUNK_SIZE_BYTES, (), "{}")
+        return self.nvme.write_shard(meta, memoryview(m))
+
+    def path(self, meta: ShardMeta) -> Path:
+        return self.nvme.step_dir(meta.job, meta.step) / data_name(meta.rank)
+
+
+@pytest.fixture
+def shards(tmp_path) -> Shards:
+    return Shards(tmp_path / "nvme")
+
+
+def _record(metas: list[ShardMeta]) -> CommitRecord:
+    first = metas[0]
+    return CommitRecord(
+        first.job,
+        first.step,
+        first.world_size,
+        tuple(digest(m.to_bytes()) for m in metas),
+        sum(m.data_size_bytes for m in metas),
+    )
+
+
+def _read(tier: ObjectTier, job: str, step: int, rank: int) -> bytes:
+    meta = tier.read_meta(job, step, rank)
+    buf = memoryview(mmap.mmap(-1, round_up(max(meta.data_size_bytes, 1), 4096)))
+    tier.read_into(meta, buf)
+    return bytes(buf[: meta.data_size_bytes])
+
+
+@pytest.mark.parametrize("compression", ["none", "zstd"])
+def test_a_step_is_listed_only_through_its_commit_record_and_reads_back_bit_for_bit(tier, shards, compression):
+    payloads = [os.urandom(PART_BYTES + 3 * CHUNK_SIZE_BYTES + 17), b"\0" * (2 * CHUNK_SIZE_BYTES + 5), b""]
+    metas = [shards.write("job", 4, r, 3, p) for r, p in enumerate(payloads)]
+    record = _record(metas)
+    for meta in metas[:2]:
+        tier.upload_shard(meta, shards.path(meta), compression)
+    assert not tier.try_commit(record), "committed with rank 2 missing"
+    assert tier.complete_steps("job") == [] and tier.all_steps("job") == [4]
+    with pytest.raises(NotFound):
+        tier.read_meta("job", 4, 0)
+    tier.upload_shard(metas[2], shards.path(metas[2]), compression)
+    assert tier.try_commit(record)
+    assert tier.complete_steps("job") == [4] and tier.jobs() == ["job"]
+    assert tier.commit_record("job", 4) == record
+    for rank, payload in enumerate(payloads):
+        assert _read(tier, "job", 4, rank) == payload
+    names = tier.store.names("job", "4")
+    if compression == "zstd":
+        assert zstd_name(1) in names and frames_name(1) in names and data_name(1) not in names
+        assert names[zstd_name(1)] < 1 << 20, "zeros were not compressed"
+    else:
+        assert names[data_name(0)] == len(payloads[0])
+
+
+def test_two_writers_never_commit_different_records(tier, shards):
+    meta = shards.write("job", 1, 0, 1, b"the one shard")
+    tier.upload_shard(meta, shards.path(meta), "none")
+    record = _record([meta])
+    assert tier.try_commit(record)
+    assert tier.try_commit(record), "the same record again is not a conflict"
+    other = CommitRecord("job", 1, 1, record.shard_meta_xxh3_128, record.size_bytes + 1)
+    with pytest.raises(CommitConflict):
+        tier.try_commit(other)
+    assert not tier.store.create(other.to_bytes(), "job", "1", COMMIT_NAME), "the store is not create-only"
+    assert tier.store.read("job", "1", COMMIT_NAME) == record.to_bytes()
+
+
+def test_a_changed_byte_in_the_store_is_an_error_naming_the_shard_and_tier(tier, shards):
+    meta = shards.write("job", 2, 0, 1, os.urandom(3 * CHUNK_SIZE_BYTES))
+    tier.upload_shard(meta, shards.path(meta), "none")
+    assert tier.try_commit(_record([meta]))
+    data = bytearray(tier.store.read("job", "2", data_name(0)))
+    data[CHUNK_SIZE_BYTES + 7] ^= 1
+    tier.store.put(bytes(data), "job", "2", data_name(0))
+    with pytest.raises(CorruptCheckpoint, match=r"rank 0 shard of job step 2 on tier object.*chunk 1"):
+        _read(tier, "job", 2, 0)
+
+
+def test_a_local_copy_that_changed_is_never_uploaded(tier, shards):
+    meta = shards.write("job", 3, 0, 1, os.urandom(CHUNK_SIZE_BYTES + 1))
+    with open(shards.path(meta), "r+b") as f:
+        f.write(b"X")
+    with pytest.raises(CorruptCheckpoint, match="chunk 0 of the local copy"):
+        tier.upload_shard(meta, shards.path(meta), "none")
+    assert not tier.has_shard("job", 3, 0)
+
+
+def test_removing_a_step_unlists_it_first_and_leaves_nothing(tier, shards):
+    for step in (1, 2):
+        meta = shards.write("job", step, 0, 1, b"x" * 100)
+        tier.upload_shard(meta, shards.path(meta), "zstd")
+        assert tier.try_commit(_record([meta]))
+    tier.remove_step("job", 1)
+    assert tier.complete_steps("job") == [2]
+    assert tier.all_steps("job") == [2]
+
+
+def test_an_upload_abandoned_by_a_crash_is_aborted_by_the_next_upload(s3_server, shards):
+    bucket = s3_server.new_bucket()
+    tier = ObjectTier(open_store(f"s3://{bucket}/p", s3_server.storage_options))
+    meta = shards.write("job", 5, 0, 1, os.urandom(2 * PART_BYTES + 1))
+    s3 = s3_server.client()
+    s3.create_multipart_upload(Bucket=bucket, Key=f"p/job/5/{data_name(0)}")  # what a killed daemon leaves
+    tier.upload_shard(meta, shards.path(meta), "none")
+    assert s3.list_multipart_uploads(Bucket=bucket).get("Uploads", []) == []
+    assert tier.try_commit(_record([meta]))
+    assert tier.holds(meta)
