@@ -258,14 +258,15 @@ class Uploader:
 
     def _check_commit(self, job: str, step: int, writer: bool) -> str:
         """Return "committed", "waiting", or why the step will never be committed in the store."""
-        if step in self.tier.complete_steps(job):
+        complete = self.tier.complete_steps(job)
+        if step in complete:
             return "committed"
+        if step not in self.nvme.all_steps(job):
+            return "it left NVMe (retention) before it was complete in the store"
         record = self.nvme.checked_commit(job, step)
         if record is None:
-            if step not in self.nvme.all_steps(job):
-                return "it is no longer on NVMe"
-            newer = [s for s in self.tier.complete_steps(job) if s > step]
-            return f"a newer step ({newer[0]}) is complete there" if newer else "waiting"
+            newer = [s for s in complete if s > step]
+            return f"a newer step ({newer[0]}) is complete there and this one is not" if newer else "waiting"
         if not writer:
             return "waiting"
         try:

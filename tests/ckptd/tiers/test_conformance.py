@@ -1,7 +1,7 @@
 """Every tier keeps the same promises: only complete steps are listed, and every shard reads back verified.
 
 A new tier joins by adding a harness below: how to put one rank's shard into it,
-and where its bytes live (so a test can damage them).
+and how to change one of its stored bytes (so a test can damage it).
 """
 
 from __future__ import annotations
@@ -13,13 +13,14 @@ from pathlib import Path
 
 import pytest
 from ckpt.errors import CorruptCheckpoint, NotFound
-from ckpt.format import CHUNK_SIZE_BYTES, ShardMeta, chunk_ranges, digest, round_up
-from ckpt.shard_io import read_meta, read_shard_into
+from ckpt.format import CHUNK_SIZE_BYTES, CommitRecord, ShardMeta, chunk_ranges, data_name, digest, round_up
 
+from ckptd.object_store import open_store
 from ckptd.staging import ShardKey, SlotPool, Snapshot
 from ckptd.tiers.base import Tier
 from ckptd.tiers.memory import MemoryTier
 from ckptd.tiers.nvme import LocalDirTier
+from ckptd.tiers.object import ObjectTier
 
 
 def _aligned(payload: bytes) -> memoryview:
@@ -37,8 +38,39 @@ class NvmeHarness:
         self.tier.write_shard(meta, _aligned(payload))
         self.tier.try_commit(key.job, key.step, key.world_size)
 
+    def damage(self, job: str, step: int, rank: int, offset: int) -> None:
+        _flip(self.tier.shard_source(job, step, rank).data_path(rank), offset)
+
     def close(self) -> None:
         self.tier.close()
+
+
+class ObjectHarness:
+    """The object tier, over file:// or a real S3 endpoint: shards go up from a scratch NVMe tier."""
+
+    def __init__(self, tmp: Path, url: str, storage_options: dict) -> None:
+        self.scratch = LocalDirTier(tmp / "scratch")
+        self.tier = ObjectTier(open_store(url, storage_options))
+        self.metas: dict[tuple[str, int], dict[int, ShardMeta]] = {}
+
+    def put(self, key: ShardKey, payload: bytes) -> None:
+        meta = ShardMeta(key.job, key.step, key.rank, key.world_size, len(payload), CHUNK_SIZE_BYTES, (), "{}")
+        meta = self.scratch.write_shard(meta, _aligned(payload))
+        self.tier.upload_shard(meta, self.scratch.step_dir(key.job, key.step) / data_name(key.rank), "none")
+        metas = self.metas.setdefault((key.job, key.step), {})
+        metas[key.rank] = meta
+        if len(metas) == key.world_size:
+            digests = tuple(digest(metas[r].to_bytes()) for r in range(key.world_size))
+            size = sum(m.data_size_bytes for m in metas.values())
+            assert self.tier.try_commit(CommitRecord(key.job, key.step, key.world_size, digests, size))
+
+    def damage(self, job: str, step: int, rank: int, offset: int) -> None:
+        data = bytearray(self.tier.store.read(job, str(step), data_name(rank)))
+        data[offset] ^= 1
+        self.tier.store.put(bytes(data), job, str(step), data_name(rank))
+
+    def close(self) -> None:
+        self.scratch.close()
 
 
 class MemoryHarness:
@@ -57,22 +89,40 @@ class MemoryHarness:
         meta = ShardMeta(key.job, key.step, key.rank, key.world_size, len(payload), CHUNK_SIZE_BYTES, chunks, "{}")
         self.pool.record_hashed(slot, meta)
 
+    def damage(self, job: str, step: int, rank: int, offset: int) -> None:
+        _flip(self.tier.shard_source(job, step, rank).data_path(rank), offset)
+
     def close(self) -> None:
         pass
 
 
-@pytest.fixture(params=[NvmeHarness, MemoryHarness], ids=["nvme", "memory"])
+@pytest.fixture(params=["nvme", "memory", "object-file", "object-s3"])
 def harness(request, tmp_path):
-    h = request.param(tmp_path)
+    if request.param == "nvme":
+        h = NvmeHarness(tmp_path)
+    elif request.param == "memory":
+        h = MemoryHarness(tmp_path)
+    elif request.param == "object-file":
+        h = ObjectHarness(tmp_path, f"file://{tmp_path}/store", {})
+    else:
+        server = request.getfixturevalue("s3_server")
+        h = ObjectHarness(tmp_path, f"s3://{server.new_bucket()}/p", server.storage_options)
     yield h
     h.close()
 
 
+def _flip(path: Path, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)[0]
+        f.seek(offset)
+        f.write(bytes([byte ^ 1]))
+
+
 def _read(tier: Tier, job: str, step: int, rank: int) -> bytes:
-    source = tier.shard_source(job, step, rank)
-    meta = read_meta(source, rank)
+    meta = tier.read_meta(job, step, rank)
     buf = _aligned(b"\0" * meta.data_size_bytes)
-    read_shard_into(source, meta, buf)
+    tier.read_into(meta, buf)
     return bytes(buf[: meta.data_size_bytes])
 
 
@@ -106,11 +156,6 @@ def test_steps_are_listed_oldest_first_per_job(harness):
 
 def test_a_damaged_byte_is_an_error_naming_the_tier(harness):
     harness.put(ShardKey("job", 2, 0, 1), os.urandom(2 * CHUNK_SIZE_BYTES))
-    source = harness.tier.shard_source("job", 2, 0)
-    with open(source.data_path(0), "r+b") as f:
-        f.seek(CHUNK_SIZE_BYTES + 1)
-        byte = f.read(1)[0]
-        f.seek(CHUNK_SIZE_BYTES + 1)
-        f.write(bytes([byte ^ 1]))
+    harness.damage("job", 2, 0, CHUNK_SIZE_BYTES + 1)
     with pytest.raises(CorruptCheckpoint, match=rf"on tier {harness.tier.name}.*chunk 1"):
         _read(harness.tier, "job", 2, 0)
