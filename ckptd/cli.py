@@ -171,6 +171,18 @@ def cmd_status(args: argparse.Namespace, config: Config) -> int:
             print(line)
     else:
         print("peer tier   off (no [peer] addresses)")
+    obj = doc["tiers"]["object"]
+    if obj["enabled"]:
+        print(
+            f"object tier {obj['url']} (every {obj['every']} steps, compression {obj['compression']}): "
+            f"{obj['pending_uploads']} uploads pending, {obj['waiting_for_commit']} steps waiting for their commit, "
+            f"{obj['uploaded_shards']} shards ({obj['uploaded_bytes']} bytes) uploaded, "
+            f"{obj['commits_written']} commits written"
+        )
+        for shard, error in obj["failing"].items():
+            print(f"  failing {shard}: {error}")
+    else:
+        print("object tier off (no [object] url)")
     for err in doc["recent_errors"]:
         print(f"error       {err['tier']}: {err['error']}")
     return 0

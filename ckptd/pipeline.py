@@ -429,6 +429,8 @@ class Pipeline:
         deadline = time.monotonic() + timeout_s
         before = self.uploader.state(key)
         attempts_before = before.attempts if before is not None else 0
+        if before is None and key.step in await self._on_upload_threads(self._object_steps, key.job):
+            return True, ""  # uploaded and committed before this daemon started
         async with self._changed:
             while True:
                 state = self.uploader.state(key)
@@ -496,7 +498,7 @@ class Pipeline:
                 log.warning("%s; trying the object store", e)
                 object_steps = set(await self._on_upload_threads(self._object_steps, job))
         if not sources and step in object_steps:
-            await self._fetch_from_object(job, step, rank)
+            await self._fetch_from_object(job, step, rank, again=tier == "object")
             sources = [fetched_to]
         record = self._commit_record(job, step)
         if record is None or not sources:
@@ -516,11 +518,14 @@ class Pipeline:
             log.warning("%s", e)
             return []
 
-    async def _fetch_from_object(self, job: str, step: int, rank: int) -> None:
-        """Copy a rank's shard of a step complete in the object store onto this node's NVMe, verified."""
+    async def _fetch_from_object(self, job: str, step: int, rank: int, again: bool) -> None:
+        """Copy a rank's shard of a step complete in the object store onto this node's NVMe, verified.
+
+        again: read and check the store's copy even if NVMe holds the shard (a load that named tier "object").
+        """
         lock = self._object_fetch_locks.setdefault((job, step, rank), asyncio.Lock())
         async with lock:
-            if self.nvme.has_shard(job, step, rank) and self.nvme.checked_commit(job, step) is not None:
+            if not again and self.nvme.has_shard(job, step, rank) and self.nvme.checked_commit(job, step) is not None:
                 return  # another load fetched it meanwhile
             self._fetching_from_object.add((job, step))
             try:

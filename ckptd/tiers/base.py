@@ -74,6 +74,10 @@ class DurableTier(Tier):
         """
 
     @abstractmethod
+    def holds(self, meta: ShardMeta) -> bool:
+        """Say whether this exact shard (the same record) is written here."""
+
+    @abstractmethod
     def all_steps(self, job: str) -> list[int]:
         """Return every step of the job with anything written, complete or not, oldest first."""
 

@@ -136,7 +136,8 @@ def test_an_upload_killed_midway_is_finished_by_the_restarted_daemon(make_daemon
     assert s3.list_multipart_uploads(Bucket=bucket).get("Uploads", []) == []
     assert "resuming upload of" in node.log()
     with ckpt.Checkpointer(job=JOB, address=node.address) as c:
-        assert_same(c.load(step=7, tier="object"), big)
+        assert_same(c.load(step=7, tier="object"), big)  # read from the store, every chunk checked
+    assert f"fetched rank 0 shard of {JOB} step 7 from s3://" in node.log()
 
 
 def test_a_store_that_is_down_never_holds_up_training_or_nvme(make_daemon, own_s3_server):
@@ -173,6 +174,8 @@ def test_a_persistent_failure_shows_on_the_handle_and_in_status(make_daemon, s3_
     status = json.loads(node.cli("status", "--json").stdout)["tiers"]["object"]
     assert status["failing"] and "s3://nowhere" in status["last_error"]
     assert status["upload_failures"] >= 3
+    out = node.cli("status")
+    assert "object tier s3://nowhere" in out.stdout and "failing rank 0/1 shard of train step 1" in out.stdout
 
 
 def test_only_the_node_that_uploads_rank_0_commits_the_step(make_cluster, s3_server):
