@@ -51,8 +51,6 @@ def _store_errors(method: F) -> F:
 class ObjectStore:
     """Read and write objects under one URL through fsspec (any backend)."""
 
-    create_only_is_atomic = False
-
     def __init__(self, url: str, storage_options: dict[str, Any]) -> None:
         self.url = url.rstrip("/")
         fs, root = fsspec.url_to_fs(self.url, **storage_options)
@@ -122,11 +120,14 @@ class ObjectStore:
         """Abort unfinished multipart uploads under directory; return how many (only S3 has them)."""
         return 0
 
+    @_store_errors
+    def unfinished_uploads(self, *directory: str) -> list[str]:
+        """Return the paths, relative to the URL, of objects under directory with an unfinished upload."""
+        return []
+
 
 class LocalStore(ObjectStore):
     """A directory on a mounted filesystem (file://): durable writes, atomic renames and links."""
-
-    create_only_is_atomic = True
 
     @_store_errors
     def put(self, data: bytes, *names: str) -> None:
@@ -174,8 +175,6 @@ class LocalStore(ObjectStore):
 
 class S3Store(ObjectStore):
     """An S3 bucket and prefix through s3fs: multipart uploads with parts in flight at once."""
-
-    create_only_is_atomic = True
 
     @_store_errors
     def put_parts(self, parts: Iterator[bytes], *names: str) -> None:
@@ -238,12 +237,30 @@ class S3Store(ObjectStore):
 
     @_store_errors
     def abort_uploads(self, *directory: str) -> int:
-        bucket, prefix, _ = self.fs.split_path(self.path(*directory))
-        listed = self._call("list_multipart_uploads", Bucket=bucket, Prefix=prefix)
-        uploads = [u for u in listed.get("Uploads", []) if u["Key"] == prefix or u["Key"].startswith(prefix + "/")]
-        for u in uploads:
-            self._call("abort_multipart_upload", Bucket=bucket, Key=u["Key"], UploadId=u["UploadId"])
+        bucket, _, _ = self.fs.split_path(self.path(*directory))
+        uploads = self._uploads(*directory)
+        for key, upload_id in uploads:
+            self._call("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id)
         return len(uploads)
+
+    @_store_errors
+    def unfinished_uploads(self, *directory: str) -> list[str]:
+        _, root, _ = self.fs.split_path(self.root + "/")
+        return [key[len(root) :].lstrip("/") for key, _ in self._uploads(*directory)]
+
+    def _uploads(self, *directory: str) -> list[tuple[str, str]]:
+        """Return (key, upload id) of every unfinished multipart upload under directory, every page of them."""
+        bucket, prefix, _ = self.fs.split_path(self.path(*directory))
+        found: list[tuple[str, str]] = []
+        markers: dict[str, str] = {}
+        while True:
+            listed = self._call("list_multipart_uploads", Bucket=bucket, Prefix=prefix, **markers)
+            for u in listed.get("Uploads", []):
+                if u["Key"] == prefix or u["Key"].startswith(prefix + "/"):
+                    found.append((u["Key"], u["UploadId"]))
+            if not listed.get("IsTruncated"):
+                return found
+            markers = {"KeyMarker": listed["NextKeyMarker"], "UploadIdMarker": listed["NextUploadIdMarker"]}
 
     def _call(self, method: str, **kwargs: Any) -> Any:
         return asyncio.run_coroutine_threadsafe(self.fs._call_s3(method, **kwargs), self.fs.loop).result()

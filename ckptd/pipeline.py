@@ -134,6 +134,10 @@ class Pipeline:
         await self._finish_interrupted_commits()
         if self.uploader is not None:
             self.uploader.start()
+            # What a crash left in the store: uploads of this node resume above, the rest is removed.
+            task = asyncio.get_running_loop().create_task(self._collect_quietly("", ("object",), True))
+            self._flushes.add(task)
+            task.add_done_callback(self._flushes.discard)
         if self.peering.peer_tier is not None:
             self._reconciler = asyncio.get_running_loop().create_task(self._reconcile_forever())
 
@@ -157,13 +161,13 @@ class Pipeline:
     def _upload_changed(self, key: ShardKey, committed: bool) -> None:
         self._wake_waiters()
         if committed:  # a new step in the store: [retention] object may now remove an older one
-            task = asyncio.get_running_loop().create_task(self._collect_quietly(key.job, ("object",)))
+            task = asyncio.get_running_loop().create_task(self._collect_quietly(key.job, ("object",), False))
             self._flushes.add(task)
             task.add_done_callback(self._flushes.discard)
 
-    async def _collect_quietly(self, job: str, tiers: tuple[str, ...]) -> None:
+    async def _collect_quietly(self, job: str, tiers: tuple[str, ...], unfinished_uploads: bool) -> None:
         try:
-            await self.collect(dry_run=False, job=job, tiers=tiers)
+            await self.collect(dry_run=False, job=job, tiers=tiers, unfinished_uploads=unfinished_uploads)
         except (CheckpointError, OSError) as e:
             log.warning("retention for %s on %s failed: %s", job, ", ".join(tiers), e)
 
@@ -619,21 +623,32 @@ class Pipeline:
         )
 
     async def collect(
-        self, dry_run: bool, job: str = "", keep_newest: bool = True, tiers: tuple[str, ...] = RETAINED_TIERS
+        self,
+        dry_run: bool,
+        job: str = "",
+        keep_newest: bool = True,
+        tiers: tuple[str, ...] = RETAINED_TIERS,
+        unfinished_uploads: bool = True,
     ) -> list[Removal]:
         """Apply retention: remove what the config says not to keep; with dry_run only report it.
 
         keep_newest=False removes only the incomplete steps that can no longer complete;
-        tiers limits the pass to some tiers (a flush touches NVMe, an upload the object store).
+        tiers limits the pass to some tiers (a flush touches NVMe, an upload the object store);
+        unfinished_uploads also aborts the multipart uploads a crash left in the object store
+        (at start-up and in `ckptd gc`, never beside uploads under way).
         """
         async with self._collect_lock:  # one pass at a time: two would race to remove the same step
             removals = await self._collect(dry_run, job, keep_newest, tiers)
             if "object" in tiers and self.object_tier is not None:
                 busy = self._busy_steps() | (self.uploader.unsettled_steps() if self.uploader else set())
-                removals += await self._on_upload_threads(self._collect_object, dry_run, job, keep_newest, busy)
+                removals += await self._on_upload_threads(
+                    self._collect_object, dry_run, job, keep_newest, busy, unfinished_uploads
+                )
             return removals
 
-    def _collect_object(self, dry_run: bool, job: str, keep_newest: bool, busy: set[tuple[str, int]]) -> list[Removal]:
+    def _collect_object(
+        self, dry_run: bool, job: str, keep_newest: bool, busy: set[tuple[str, int]], unfinished_uploads: bool
+    ) -> list[Removal]:
         """Apply [retention] object to the object store (on an upload thread: every call is a request)."""
         tier = self.object_tier
         assert tier is not None
@@ -651,6 +666,17 @@ class Pipeline:
                 if not dry_run:
                     tier.remove_step(j, step)
                     log.info("removed %s step %d from object: %s", j, step, reason)
+            if not unfinished_uploads:
+                continue
+            # Uploads a crash left unfinished, of steps no upload of this node will resume:
+            # their parts cost storage and no listing shows them.
+            newest = max(tier.complete_steps(j), default=-1)
+            for step in tier.steps_with_unfinished_uploads(j):
+                if step <= newest and (j, step) not in busy and step not in dict(plan):
+                    removals.append(Removal(tier.name, j, step, "unfinished multipart uploads of a crashed upload"))
+                    if not dry_run:
+                        count = tier.abort_uploads(j, step)
+                        log.info("aborted %d unfinished upload(s) of %s step %d in the object store", count, j, step)
         return removals
 
     async def _collect(self, dry_run: bool, job: str, keep_newest: bool, tiers: tuple[str, ...]) -> list[Removal]:

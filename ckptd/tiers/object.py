@@ -16,6 +16,7 @@ import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import zstandard
 from ckpt.errors import CheckpointError, CorruptCheckpoint, NotFound
@@ -268,6 +269,25 @@ class ObjectTier(Tier):
         if self._commit_state(record.job, record.step) != record:
             raise CommitConflict(f"{where} is already there, damaged or different from this node's record: kept")
         return True
+
+    def steps_with_unfinished_uploads(self, job: str) -> list[int]:
+        """Return the steps of a job with a multipart upload left unfinished (by a crash, or under way)."""
+        steps = set()
+        for path in self._guarded(self.store.unfinished_uploads, job):
+            name = path.split("/")[1] if path.count("/") >= 2 else ""
+            if name.isdigit():
+                steps.add(int(name))
+        return sorted(steps)
+
+    def abort_uploads(self, job: str, step: int) -> int:
+        """Abort the unfinished multipart uploads of a step; return how many."""
+        return int(self._guarded(self.store.abort_uploads, job, str(step)))
+
+    def _guarded(self, call: Any, *names: str) -> Any:
+        try:
+            return call(*names)
+        except OSError as e:
+            raise CheckpointError(f"object store {self.store.describe(*names)}: {e}") from e
 
     def remove_step(self, job: str, step: int) -> None:
         """Remove a step: its commit record goes first, then its objects and unfinished uploads."""

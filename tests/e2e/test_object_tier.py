@@ -211,3 +211,24 @@ def test_a_bad_object_url_is_a_config_error(make_daemon):
     node = make_daemon('[object]\nurl = "nosuchproto://x"\n')
     out = node.cli("ls")
     assert out.returncode == 2 and "object.url" in out.stderr
+
+
+def test_gc_aborts_the_multipart_uploads_a_crash_left_behind(make_daemon, s3_server):
+    bucket = s3_server.new_bucket()
+    node = make_daemon(s3_server.toml(f"s3://{bucket}/p")).start()
+    for step in (1, 2):
+        save(node, step)
+    s3 = s3_server.client()
+
+    def unfinished() -> list[str]:
+        return [u["Key"] for u in s3.list_multipart_uploads(Bucket=bucket).get("Uploads", [])]
+
+    for step in (1, 3):  # 3: newer than any complete step, maybe under way on another node
+        s3.create_multipart_upload(Bucket=bucket, Key=f"p/{JOB}/{step}/{data_name(1)}")
+    out = node.cli("gc", "--dry-run")
+    assert "would remove object train step 1: unfinished multipart" in out.stdout, out.stdout
+    assert len(unfinished()) == 2
+    out = node.cli("gc")
+    assert "removed object train step 1: unfinished multipart" in out.stdout, out.stdout
+    assert unfinished() == [f"p/{JOB}/3/{data_name(1)}"]
+    assert ls(node) == {1: ["nvme", "object"], 2: ["nvme", "object"]}  # complete steps stay
