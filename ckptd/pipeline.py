@@ -16,6 +16,7 @@ import os
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,6 +52,8 @@ RECONCILE_S = 2.0  # how often a node catches up with its peers
 RECENT_ERRORS = 20
 REMEMBERED_SHARDS = 1 << 16  # shards known to have reached a tier, for waiters that come after retention
 RETAINED_TIERS = ("nvme", "peer", "object")  # the tiers [retention] applies to
+OBJECT_THREADS = 4  # object-store queries, fetches and retention (uploads have their own)
+OBJECT_QUERY_TIMEOUT_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -79,6 +82,7 @@ class Pipeline:
         self.serve_io = ThreadPoolExecutor(max_workers=PEER_THREADS, thread_name_prefix="serve")
         self.receiver = ReplicaReceiver(self.replica_store, self.peer_io)
         self.peering = Peering(config, self.nvme, self.replica_store, self.peer_io, self._replication_changed)
+        self._object_io = ThreadPoolExecutor(max_workers=OBJECT_THREADS, thread_name_prefix="object")
         self.object_tier: ObjectTier | None = None
         self.uploader: Uploader | None = None
         if config.object.url:
@@ -193,6 +197,7 @@ class Pipeline:
         self._flush_threads.shutdown(wait=True)
         self._cleanup_thread.shutdown(wait=True)
         self.peer_io.shutdown(wait=True)
+        self._object_io.shutdown(wait=True)
         self.serve_io.shutdown(wait=True)
         for tier in self.durable_tiers:
             tier.close()
@@ -433,7 +438,7 @@ class Pipeline:
         deadline = time.monotonic() + timeout_s
         before = self.uploader.state(key)
         attempts_before = before.attempts if before is not None else 0
-        if before is None and key.step in await self._on_upload_threads(self._object_steps, key.job):
+        if before is None and key.step in await self._ask_object_store(self._object_steps, key.job):
             return True, ""  # uploaded and committed before this daemon started
         async with self._changed:
             while True:
@@ -477,7 +482,7 @@ class Pipeline:
             peer_steps = set(await self.peering.complete_steps(job))
         object_steps: set[int] = set()
         if from_object and (step is None or step not in steps | peer_steps):
-            object_steps = set(await self._on_upload_threads(self._object_steps, job))
+            object_steps = set(await self._ask_object_store(self._object_steps, job))
         steps |= peer_steps | object_steps
         if step is None:
             if not steps:
@@ -500,7 +505,7 @@ class Pipeline:
                 if not from_object:
                     raise
                 log.warning("%s; trying the object store", e)
-                object_steps = set(await self._on_upload_threads(self._object_steps, job))
+                object_steps = set(await self._ask_object_store(self._object_steps, job))
         if not sources and step in object_steps:
             await self._fetch_from_object(job, step, rank, again=tier == "object")
             sources = [fetched_to]
@@ -510,9 +515,20 @@ class Pipeline:
             raise NotFound(f"{job} step {step} has no rank {rank} on tier {tier or 'auto'} (world_size {world_size})")
         return step, record.world_size, sources
 
-    async def _on_upload_threads(self, fn: Any, *args: Any) -> Any:
-        assert self.uploader is not None
-        return await asyncio.get_running_loop().run_in_executor(self.uploader.io, fn, *args)
+    async def _on_object_threads(self, fn: Any, *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._object_io, fn, *args)
+
+    async def _ask_object_store(self, fn: Callable[..., list[Any]], *args: Any) -> list[Any]:
+        """Return fn(*args) from an object-store thread, or nothing if the store does not answer in time.
+
+        Loads and listings ask the store too; one that hangs must not hold them up for
+        minutes of HTTP timeouts.
+        """
+        try:
+            return list(await asyncio.wait_for(self._on_object_threads(fn, *args), OBJECT_QUERY_TIMEOUT_S))
+        except TimeoutError:
+            log.warning("the object store did not answer within %.0f s: going on without it", OBJECT_QUERY_TIMEOUT_S)
+            return []
 
     def _object_steps(self, job: str) -> list[int]:
         assert self.object_tier is not None
@@ -533,7 +549,7 @@ class Pipeline:
                 return  # another load fetched it meanwhile
             self._fetching_from_object.add((job, step))
             try:
-                await self._on_upload_threads(self._copy_from_object, job, step, rank)
+                await self._on_object_threads(self._copy_from_object, job, step, rank)
             finally:
                 self._fetching_from_object.discard((job, step))
 
@@ -582,7 +598,7 @@ class Pipeline:
         if self.object_tier is None:
             return steps
         tier = self.object_tier
-        return merge_steps(steps, await self._on_upload_threads(_listed_or_nothing, tier, job))
+        return merge_steps(steps, await self._ask_object_store(_listed_or_nothing, tier, job))
 
     async def holdings(self, job: str, step: int | None) -> list[StepHoldings]:
         """Return what this node holds, for a peer's Inventory."""
@@ -641,7 +657,7 @@ class Pipeline:
             removals = await self._collect(dry_run, job, keep_newest, tiers)
             if "object" in tiers and self.object_tier is not None:
                 busy = self._busy_steps() | (self.uploader.unsettled_steps() if self.uploader else set())
-                removals += await self._on_upload_threads(
+                removals += await self._on_object_threads(
                     self._collect_object, dry_run, job, keep_newest, busy, unfinished_uploads
                 )
             return removals
