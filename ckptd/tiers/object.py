@@ -39,8 +39,13 @@ from ckptd.tiers.base import Tier
 
 log = logging.getLogger(__name__)
 
-PART_BYTES = 16 << 20  # the size of each part sent or fetched (a multiple of the 4 MiB chunk)
+PART_BYTES = 16 << 20  # the size of each part sent (a multiple of the 4 MiB chunk)
 READ_THREADS = 8
+# A fetch splits a shard into one range per thread, within these bounds: fewer, larger
+# GETs cost less per byte (some stores read a whole object to serve a range), and the
+# ceiling bounds the memory a fetch holds in flight to READ_THREADS ranges.
+MIN_RANGE_BYTES = 16 << 20
+MAX_RANGE_BYTES = 64 << 20
 ZSTD_LEVEL = 1
 COMPRESS_THREADS = 2
 
@@ -157,13 +162,14 @@ class ObjectTier(Tier):
         names = dict(self._names(meta.job, str(meta.step)))
         if zstd_name(meta.rank) in names:
             frame_sizes = self._frame_sizes(meta, what)
-            pieces = list(_frame_groups(meta, frame_sizes))
+            pieces = list(_frame_groups(meta, frame_sizes, _range_bytes(sum(frame_sizes))))
             name = zstd_name(meta.rank)
         elif data_name(meta.rank) in names:
             if names[data_name(meta.rank)] != meta.data_size_bytes:
                 size = names[data_name(meta.rank)]
                 raise CorruptCheckpoint(f"{what}: {size} bytes stored, expected {meta.data_size_bytes}")
-            pieces = [(o, n, [(o, n, n)]) for o, n in chunk_ranges(meta.data_size_bytes, PART_BYTES)]
+            ranges = chunk_ranges(meta.data_size_bytes, _range_bytes(meta.data_size_bytes, meta.chunk_size_bytes))
+            pieces = [(o, n, [(o, n, n)]) for o, n in ranges]
             name = data_name(meta.rank)
         else:
             raise CorruptCheckpoint(f"{what}: data object missing")
@@ -336,8 +342,16 @@ def _read_parts(
         os.close(fd)
 
 
-def _frame_groups(meta: ShardMeta, frame_sizes: list[int]) -> Iterator[tuple[int, int, list[tuple[int, int, int]]]]:
-    """Yield (stored offset, stored length, frames) ranges of about PART_BYTES.
+def _range_bytes(size_bytes: int, multiple: int = 1) -> int:
+    """Return the size of each ranged GET for an object of size_bytes: one range per thread, within bounds."""
+    per_thread = -(-size_bytes // READ_THREADS)
+    return max(multiple, -(-min(max(per_thread, MIN_RANGE_BYTES), MAX_RANGE_BYTES) // multiple) * multiple)
+
+
+def _frame_groups(
+    meta: ShardMeta, frame_sizes: list[int], range_bytes: int
+) -> Iterator[tuple[int, int, list[tuple[int, int, int]]]]:
+    """Yield (stored offset, stored length, frames) ranges of about range_bytes.
 
     A frame is (data offset, data size, stored size).
     """
@@ -348,7 +362,7 @@ def _frame_groups(meta: ShardMeta, frame_sizes: list[int]) -> Iterator[tuple[int
     for (offset, length), size in zip(chunks, frame_sizes, strict=True):
         group.append((offset, length, size))
         stored += size
-        if stored - group_start >= PART_BYTES:
+        if stored - group_start >= range_bytes:
             yield group_start, stored - group_start, group
             group, group_start = [], stored
     if group:
