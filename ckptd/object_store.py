@@ -53,7 +53,9 @@ class ObjectStore:
 
     def __init__(self, url: str, storage_options: dict[str, Any]) -> None:
         self.url = url.rstrip("/")
-        fs, root = fsspec.url_to_fs(self.url, **storage_options)
+        # No listings cache: other nodes write to the same prefix, and a cached listing
+        # would hide their objects (s3fs even answers reads of an object from it).
+        fs, root = fsspec.url_to_fs(self.url, **{"use_listings_cache": False, **storage_options})
         self.fs: Any = fs
         self.root = root.rstrip("/")
 
@@ -77,6 +79,21 @@ class ObjectStore:
             name = e["name"].rstrip("/").rsplit("/", 1)[-1]
             found[name] = -1 if e.get("type") == "directory" else int(e.get("size") or 0)
         return found
+
+    @_store_errors
+    def find(self, *directory: str) -> dict[str, int]:
+        """Return {path relative to directory: size in bytes} of every object anywhere under directory."""
+        top = self.path(*directory).rstrip("/")
+        self.fs.invalidate_cache(top)
+        try:
+            found = self.fs.find(top, detail=True)
+        except FileNotFoundError:
+            return {}
+        return {
+            name[len(top) + 1 :]: int(info.get("size") or 0)
+            for name, info in found.items()
+            if name.startswith(top + "/") and info.get("type") != "directory"
+        }
 
     @_store_errors
     def read(self, *names: str, start: int | None = None, end: int | None = None) -> bytes:

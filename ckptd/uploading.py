@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckpt.errors import CheckpointError
-from ckpt.format import ShardMeta, data_name, meta_name
+from ckpt.format import CommitRecord, ShardMeta, data_name, meta_name
 
 from ckptd.config import Config
 from ckptd.staging import ShardKey
@@ -73,7 +73,7 @@ class Uploader:
         self.io = ThreadPoolExecutor(max_workers=UPLOAD_THREADS + 1, thread_name_prefix="upload")
         self._on_change = on_change
         self._states: dict[ShardKey, UploadState] = {}
-        self._locks: dict[ShardKey, asyncio.Lock] = {}
+        self._locks: dict[tuple[str, int, int], asyncio.Lock] = {}
         self._uploading: set[ShardKey] = set()
         self._watching: dict[tuple[str, int], set[ShardKey]] = {}  # steps waiting for their commit record
         self._tasks: set[asyncio.Task[None]] = set()
@@ -110,9 +110,9 @@ class Uploader:
     def _pending_on_disk(self) -> list[ShardKey]:
         pending = []
         for job in self.nvme.jobs():
-            newest = max(self.tier.complete_steps(job), default=-1)
+            in_store = set(self.tier.complete_steps(job))
             for step in self.nvme.all_steps(job):
-                if step > newest and self.wanted(step):
+                if step not in in_store and self.wanted(step):
                     pending += [ShardKey(job, step, h.rank, h.world_size) for h in self.nvme.holdings(job, step)]
         return pending
 
@@ -134,8 +134,12 @@ class Uploader:
         return self._states.get(key)
 
     def busy_steps(self) -> set[tuple[str, int]]:
-        """Return the steps whose shards are being read for upload right now (retention keeps off them)."""
-        return {(k.job, k.step) for k in self._uploading}
+        """Return the steps NVMe retention keeps off: shards being read for upload, or waiting to be.
+
+        Not those backing off after failures: a store that is down must not fill the disk.
+        """
+        waiting = {(k.job, k.step) for k, s in self._states.items() if not (s.uploaded or s.failures or s.gave_up)}
+        return waiting | {(k.job, k.step) for k in self._uploading}
 
     def unsettled_steps(self) -> set[tuple[str, int]]:
         """Return the steps this node is still uploading or committing (object retention keeps off them)."""
@@ -155,7 +159,7 @@ class Uploader:
 
     async def _upload(self, key: ShardKey, state: UploadState) -> None:
         loop = asyncio.get_running_loop()
-        lock = self._locks.setdefault(key, asyncio.Lock())
+        lock = self._locks.setdefault((key.job, key.step, key.rank), asyncio.Lock())
         delay = BACKOFF_MIN_S
         async with lock:  # one copy of a shard at a time: a re-save waits for the copy before it
             while self._states.get(key) is state:
@@ -164,7 +168,7 @@ class Uploader:
                     try:
                         meta = await loop.run_in_executor(self.io, self._upload_shard, key)
                         error, gone = "", False
-                    except LocalCopyGone as e:
+                    except (LocalCopyGone, CommitConflict) as e:
                         meta, error, gone = None, str(e), True
                     except (CheckpointError, OSError) as e:
                         meta, error, gone = None, f"upload of {key} to {self.tier.store.url} failed: {e}", False
@@ -207,7 +211,8 @@ class Uploader:
         if self.tier.holds(meta):
             return None
         started = time.monotonic()
-        self.tier.upload_shard(meta, step_dir / data_name(key.rank), self.config.object.compression)
+        if not self.tier.upload_shard(meta, step_dir / data_name(key.rank), self.config.object.compression):
+            return None  # the step is complete in the store with this very shard
         log.info(
             "uploaded %s to %s (%d bytes, %.2f s)",
             key,
@@ -231,12 +236,13 @@ class Uploader:
     async def _watch_step(self, job: str, step: int) -> None:
         loop = asyncio.get_running_loop()
         delay = COMMIT_POLL_MIN_S
+        record: list[CommitRecord] = []  # once read from NVMe: the step may leave NVMe before it commits
         try:
             while True:
                 keys = self._watching[(job, step)]
                 writer = any(k.rank == 0 for k in keys)
                 try:
-                    verdict = await loop.run_in_executor(self.io, self._check_commit, job, step, writer)
+                    verdict = await loop.run_in_executor(self.io, self._check_commit, job, step, writer, record)
                 except (CheckpointError, OSError) as e:
                     self._failed(f"committing {job} step {step} on {self.tier.store.url} failed: {e}")
                     verdict = "waiting"
@@ -246,7 +252,7 @@ class Uploader:
                 delay = min(delay * 2, COMMIT_POLL_MAX_S)
         finally:
             keys = self._watching.pop((job, step))
-        for key in keys:
+        for i, key in enumerate(sorted(keys, key=lambda k: k.rank)):
             state = self._states.get(key)
             if state is not None and verdict == "committed":
                 state.committed = True
@@ -254,28 +260,33 @@ class Uploader:
                 state.error = f"{job} step {step} will never be complete on tier object: {verdict}"
                 state.gave_up = True
                 log.warning("%s", state.error)
-            self._on_change(key, verdict == "committed")
+            # One retention pass per new step in the store, by the node that committed it.
+            self._on_change(key, verdict == "committed" and i == 0 and key.rank == 0)
 
-    def _check_commit(self, job: str, step: int, writer: bool) -> str:
+    def _check_commit(self, job: str, step: int, writer: bool, record: list[CommitRecord]) -> str:
         """Return "committed", "waiting", or why the step will never be committed in the store."""
         complete = self.tier.complete_steps(job)
         if step in complete:
             return "committed"
-        if step not in self.nvme.all_steps(job):
-            return "it left NVMe (retention) before it was complete in the store"
-        record = self.nvme.checked_commit(job, step)
-        if record is None:
-            newer = [s for s in complete if s > step]
-            return f"a newer step ({newer[0]}) is complete there and this one is not" if newer else "waiting"
-        if not writer:
-            return "waiting"
-        try:
-            if not self.tier.try_commit(record):
-                return "waiting"
-        except CommitConflict as e:
-            return str(e)
-        self.counters["commits_written"] += 1
-        return "committed"
+        newer = [s for s in complete if s > step]
+        if not record:
+            sealed = self.nvme.checked_commit(job, step)
+            if sealed is not None:
+                record.append(sealed)
+            elif step not in self.nvme.all_steps(job):
+                return "it left NVMe (retention) before it was complete in the cluster"
+            elif newer:
+                return f"a newer step ({newer[0]}) is complete there and this one is not complete in the cluster"
+        if writer and record:
+            try:
+                if self.tier.try_commit(record[0]):
+                    self.counters["commits_written"] += 1
+                    return "committed"
+            except CommitConflict as e:
+                return str(e)
+        if step not in self.nvme.all_steps(job):  # bounds the watch: retention keeps a few steps
+            return "it left NVMe (retention) before its commit record was in the store"
+        return "waiting"
 
     # -- reporting --------------------------------------------------------------------
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -44,6 +45,7 @@ READ_THREADS = 8
 # A fetch splits a shard into one range per thread, within these bounds: fewer, larger
 # GETs cost less per byte (some stores read a whole object to serve a range), and the
 # ceiling bounds the memory a fetch holds in flight to READ_THREADS ranges.
+LISTING_TTL_S = 1.0
 MIN_RANGE_BYTES = 16 << 20
 MAX_RANGE_BYTES = 64 << 20
 ZSTD_LEVEL = 1
@@ -71,56 +73,92 @@ class ObjectTier(Tier):
 
     def __init__(self, store: ObjectStore) -> None:
         self.store = store
-        self._records: dict[tuple[str, int], CommitRecord] = {}  # commit records are immutable: read once
+        self._records: dict[tuple[str, int], CommitRecord] = {}  # read once, kept while COMMIT.json is listed
+        self._listings: dict[str, tuple[float, dict[int, dict[str, int]]]] = {}
         self._lock = threading.Lock()
 
     # -- listing ------------------------------------------------------------------
 
     def jobs(self) -> list[str]:
-        found = [n for n, size in self._names() if size < 0 and JOB_RE.fullmatch(n)]
+        found = [n for n, size in self._guarded(self.store.names).items() if size < 0 and JOB_RE.fullmatch(n)]
         return sorted(j for j in found if self.complete_steps(j))
 
-    def _names(self, *directory: str) -> list[tuple[str, int]]:
+    def _guarded(self, call: Any, *names: str) -> Any:
         try:
-            return list(self.store.names(*directory).items())
+            return call(*names)
         except OSError as e:
-            raise CheckpointError(f"object store {self.store.describe(*directory)}: {e}") from e
+            raise CheckpointError(f"object store {self.store.describe(*names)}: {e}") from e
+
+    def listing(self, job: str) -> dict[int, dict[str, int]]:
+        """Return {step: {name: size}} of every object under the job, from one recursive listing.
+
+        Kept for LISTING_TTL_S, so that one pass of retention or of a watcher lists once;
+        this tier's own writes drop it.
+        """
+        cached = self._listings.get(job)
+        if cached is not None and time.monotonic() - cached[0] < LISTING_TTL_S:
+            return cached[1]
+        steps: dict[int, dict[str, int]] = {}
+        for path, size in self._guarded(self.store.find, job).items():
+            step, _, name = path.partition("/")
+            if step.isdigit() and str(int(step)) == step and name and "/" not in name:
+                steps.setdefault(int(step), {})[name] = size
+        with self._lock:
+            self._listings[job] = (time.monotonic(), steps)
+            for key in [k for k in self._records if k[0] == job and COMMIT_NAME not in steps.get(k[1], {})]:
+                del self._records[key]  # removed (by another node's retention, a lifecycle rule): not complete
+        return steps
+
+    def _forget_listing(self, job: str) -> None:
+        with self._lock:
+            self._listings.pop(job, None)
 
     def all_steps(self, job: str) -> list[int]:
         """Return every step of the job with anything uploaded, complete or not, oldest first."""
-        return sorted(int(n) for n, size in self._names(job) if size < 0 and n.isdigit() and str(int(n)) == n)
+        return sorted(self.listing(job))
 
     def complete_steps(self, job: str) -> list[int]:
-        return [s for s in self.all_steps(job) if isinstance(self._commit_state(job, s), CommitRecord)]
+        states = self._commit_states(job)
+        return [s for s, state in states.items() if isinstance(state, CommitRecord)]
 
     def damaged_steps(self, job: str) -> list[int]:
         """Return the steps whose commit record is there but does not check."""
-        return [s for s in self.all_steps(job) if self._commit_state(job, s) == "damaged"]
+        return [s for s, state in self._commit_states(job).items() if state == "damaged"]
+
+    def _commit_states(self, job: str) -> dict[int, CommitRecord | str]:
+        """Return {step: its commit record, or "damaged"} for each step with a COMMIT.json, oldest first."""
+        committed = [s for s, names in sorted(self.listing(job).items()) if COMMIT_NAME in names]
+        unread = [s for s in committed if (job, s) not in self._records]
+        if len(unread) > 1:  # after a restart, or a new reader: the records in parallel, not one by one
+            with ThreadPoolExecutor(max_workers=READ_THREADS, thread_name_prefix="object-list") as pool:
+                list(pool.map(lambda s: self._commit_state(job, s), unread))
+        return {s: self._commit_state(job, s) for s in committed}
 
     def _commit_state(self, job: str, step: int) -> CommitRecord | str:
         cached = self._records.get((job, step))
         if cached is not None:
             return cached
+        where = self.store.describe(job, str(step), COMMIT_NAME)
         try:
             raw = self.store.read(job, str(step), COMMIT_NAME)
         except FileNotFoundError:
             return "missing"
         except OSError as e:
-            raise CheckpointError(f"object store {self.store.describe(job, str(step), COMMIT_NAME)}: {e}") from e
+            raise CheckpointError(f"object store {where}: {e}") from e
         try:
-            record = CommitRecord.from_bytes(raw, self.store.describe(job, str(step), COMMIT_NAME))
+            record = CommitRecord.from_bytes(raw, where)
         except CheckpointError as e:
             log.error("%s", e)
             return "damaged"
         if (record.job, record.step) != (job, step):
-            log.error("%s describes %s step %d", self.store.describe(job, str(step)), record.job, record.step)
+            log.error("%s describes %s step %d", where, record.job, record.step)
             return "damaged"
         with self._lock:
             self._records[(job, step)] = record
         return record
 
     def commit_record(self, job: str, step: int) -> CommitRecord:
-        state = self._commit_state(job, step)
+        state = self._commit_state(job, step) if step in self.listing(job) else "missing"
         if not isinstance(state, CommitRecord):
             raise NotFound(f"{job} step {step} is not complete on tier object ({self.store.describe(job, str(step))})")
         return state
@@ -129,7 +167,7 @@ class ObjectTier(Tier):
         raise NotFound(f"rank {rank} shard of {job} step {step} is in the object store: read it with read_into")
 
     def has_shard(self, job: str, step: int, rank: int) -> bool:
-        return meta_name(rank) in dict(self._names(job, str(step)))
+        return meta_name(rank) in self.listing(job).get(step, {})
 
     # -- reading --------------------------------------------------------------------
 
@@ -159,7 +197,7 @@ class ObjectTier(Tier):
     def read_into(self, meta: ShardMeta, buffer: memoryview) -> None:
         """Fill buffer with the shard's bytes, fetched in parallel ranges, every chunk checked."""
         what = self._what(meta)
-        names = dict(self._names(meta.job, str(meta.step)))
+        names = self.listing(meta.job).get(meta.step, {})
         if zstd_name(meta.rank) in names:
             frame_sizes = self._frame_sizes(meta, what)
             pieces = list(_frame_groups(meta, frame_sizes, _range_bytes(sum(frame_sizes))))
@@ -178,8 +216,8 @@ class ObjectTier(Tier):
             start, length, frames = piece
             try:
                 blob = self.store.read(meta.job, str(meta.step), name, start=start, end=start + length)
-            except OSError as e:
-                return f"reading bytes {start}-{start + length - 1} of {name}: {e}"
+            except OSError as e:  # the way to the store failed: not a bad byte
+                raise CheckpointError(f"{what}: reading bytes {start}-{start + length - 1} of {name}: {e}") from e
             return _unpack(meta, blob, frames, buffer, compressed=name.endswith(".zst"))
 
         with ThreadPoolExecutor(max_workers=READ_THREADS, thread_name_prefix="object-read") as pool:
@@ -209,51 +247,71 @@ class ObjectTier(Tier):
 
     def holds(self, meta: ShardMeta) -> bool:
         """Say whether exactly this shard (record and data) is already uploaded."""
-        job, step = meta.job, str(meta.step)
-        names = dict(self._names(job, step))
-        if meta_name(meta.rank) not in names:
+        if not self._has_data(meta, self.listing(meta.job).get(meta.step, {})):
             return False
         try:
-            return self.store.read(job, step, meta_name(meta.rank)) == meta.to_bytes()
+            return self.store.read(meta.job, str(meta.step), meta_name(meta.rank)) == meta.to_bytes()
         except FileNotFoundError:
             return False
 
-    def upload_shard(self, meta: ShardMeta, data_path: Path, compression: str) -> None:
+    @staticmethod
+    def _has_data(meta: ShardMeta, names: dict[str, int]) -> bool:
+        """Say whether the listing holds the shard's record and its data in one format, of the right size."""
+        rank = meta.rank
+        plain = names.get(data_name(rank)) == meta.data_size_bytes
+        compressed = zstd_name(rank) in names and frames_name(rank) in names
+        return meta_name(rank) in names and plain != compressed
+
+    def upload_shard(self, meta: ShardMeta, data_path: Path, compression: str) -> bool:
         """Upload one shard from a local data file, checking every chunk against meta as it is read.
 
         The data goes first, then (compressed) its frame index, then the shard record:
-        a shard counts as uploaded once its record is there.
+        a shard counts as uploaded once its record is there. A step complete in the
+        store is never written to: if its commit record lists this very shard there is
+        nothing to do (return False), else CommitConflict is raised.
         """
         job, step = meta.job, str(meta.step)
+        if meta.step in self.complete_steps(job):
+            record = self.commit_record(job, meta.step)
+            if meta.rank < record.world_size and record.shard_meta_xxh3_128[meta.rank] == digest(meta.to_bytes()):
+                return False
+            raise CommitConflict(
+                f"{self.store.describe(job, step)} is complete in the store with other shards; "
+                "a complete step is never rewritten"
+            )
+        self._forget_listing(job)
         self.store.remove(job, step, meta_name(meta.rank))  # an older copy stops counting before it changes
         frame_sizes: list[int] = []
         parts = _read_parts(meta, data_path, compression, frame_sizes, self._what(meta))
         if compression == "zstd":
+            self.store.remove(job, step, data_name(meta.rank))  # one format per shard: a reader takes either
             self.store.put_parts(parts, job, step, zstd_name(meta.rank))
             index = {"format": "ckpt-zstd-frames", "version": 1, "frame_sizes": frame_sizes}
             self.store.put(seal(index), job, step, frames_name(meta.rank))
         else:
+            self.store.remove(job, step, frames_name(meta.rank))
+            self.store.remove(job, step, zstd_name(meta.rank))
             self.store.put_parts(parts, job, step, data_name(meta.rank))
         self.store.put(meta.to_bytes(), job, step, meta_name(meta.rank))
+        self._forget_listing(job)
+        return True
 
     def missing_ranks(self, record: CommitRecord) -> list[int]:
         """Return the ranks of a step whose shard in the store is absent or not the one the record lists."""
         job, step = record.job, str(record.step)
-        names = dict(self._names(job, step))
-        missing = []
-        for rank in range(record.world_size):
-            has_data = data_name(rank) in names or (zstd_name(rank) in names and frames_name(rank) in names)
-            if meta_name(rank) not in names or not has_data:
-                missing.append(rank)
-                continue
+        names = self.listing(job).get(record.step, {})
+        present = [r for r in range(record.world_size) if meta_name(r) in names]
+
+        def matches(rank: int) -> bool:
             try:
-                raw = self.store.read(job, step, meta_name(rank))
-            except FileNotFoundError:
-                missing.append(rank)
-                continue
-            if digest(raw) != record.shard_meta_xxh3_128[rank]:
-                missing.append(rank)
-        return missing
+                meta = ShardMeta.from_bytes(self.store.read(job, step, meta_name(rank)), meta_name(rank))
+            except (FileNotFoundError, CheckpointError):
+                return False
+            return digest(meta.to_bytes()) == record.shard_meta_xxh3_128[rank] and self._has_data(meta, names)
+
+        with ThreadPoolExecutor(max_workers=READ_THREADS, thread_name_prefix="object-check") as pool:
+            good = {r for r, ok in zip(present, pool.map(matches, present), strict=True) if ok}
+        return [r for r in range(record.world_size) if r not in good]
 
     def try_commit(self, record: CommitRecord) -> bool:
         """Write the step's commit record, create-only, if every rank's shard is there and matches it.
@@ -262,16 +320,20 @@ class ObjectTier(Tier):
         while ranks are missing. A record already there stays, even if it differs:
         that raises CommitConflict, for two writers never replace each other's.
         """
+        self._forget_listing(record.job)
         if self.missing_ranks(record):
             return False
         job, step = record.job, str(record.step)
         where = self.store.describe(job, step, COMMIT_NAME)
         try:
-            if self.store.create(record.to_bytes(), job, step, COMMIT_NAME):
-                log.info("%s step %s is complete on object (%s)", job, step, self.store.describe(job, step))
-                return True
+            created = self.store.create(record.to_bytes(), job, step, COMMIT_NAME)
         except OSError as e:
             raise CheckpointError(f"object store {where}: {e}") from e
+        finally:
+            self._forget_listing(job)
+        if created:
+            log.info("%s step %s is complete on object (%s)", job, step, self.store.describe(job, step))
+            return True
         if self._commit_state(record.job, record.step) != record:
             raise CommitConflict(f"{where} is already there, damaged or different from this node's record: kept")
         return True
@@ -289,16 +351,11 @@ class ObjectTier(Tier):
         """Abort the unfinished multipart uploads of a step; return how many."""
         return int(self._guarded(self.store.abort_uploads, job, str(step)))
 
-    def _guarded(self, call: Any, *names: str) -> Any:
-        try:
-            return call(*names)
-        except OSError as e:
-            raise CheckpointError(f"object store {self.store.describe(*names)}: {e}") from e
-
     def remove_step(self, job: str, step: int) -> None:
         """Remove a step: its commit record goes first, then its objects and unfinished uploads."""
         with self._lock:
             self._records.pop((job, step), None)
+            self._listings.pop(job, None)
         self.store.remove(job, str(step), COMMIT_NAME)
         self.store.remove_dir(job, str(step))
         self.store.abort_uploads(job, str(step))
