@@ -108,9 +108,17 @@ class ObjectStore:
     @_store_errors
     def put_parts(self, parts: Iterator[bytes], *names: str) -> None:
         """Write a large object from its parts, in order; a reader sees it only once every part is in."""
-        with self.fs.open(self.path(*names), "wb") as f:
-            for part in parts:
-                f.write(part)
+        target = self.path(*names)
+        temporary = f"{target}.{uuid.uuid4().hex[:8]}{PARTIAL_SUFFIX}"  # a file object commits what it has on error
+        try:
+            with self.fs.open(temporary, "wb") as f:
+                for part in parts:
+                    f.write(part)
+            self.fs.mv(temporary, target)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                self.fs.rm_file(temporary)
+            raise
 
     @_store_errors
     def create(self, data: bytes, *names: str) -> bool:
@@ -175,7 +183,7 @@ class LocalStore(ObjectStore):
         return True
 
     def _write_temporary(self, parts: Iterator[bytes], target: str) -> str:
-        os.makedirs(os.path.dirname(target), exist_ok=True)
+        _make_dirs_durably(os.path.dirname(target))
         temporary = f"{target}.{uuid.uuid4().hex[:8]}{PARTIAL_SUFFIX}"
         try:
             with open(temporary, "wb") as f:
@@ -297,6 +305,18 @@ def _chain(first: bytes, second: bytes, rest: Iterator[bytes]) -> Iterator[bytes
     yield first
     yield second
     yield from rest
+
+
+def _make_dirs_durably(path: str) -> None:
+    """Create path and its missing parents, each fsynced into its parent."""
+    missing = []
+    while not os.path.isdir(path):
+        missing.append(path)
+        path = os.path.dirname(path)
+    for directory in reversed(missing):
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(directory)
+        _fsync_dir(os.path.dirname(directory))
 
 
 def _fsync_dir(path: str) -> None:

@@ -15,7 +15,7 @@ import mmap
 import os
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -106,7 +106,7 @@ class Pipeline:
         self._collect_lock = asyncio.Lock()
         self._commit_lock = asyncio.Lock()
         self._errors: deque[dict[str, Any]] = deque(maxlen=RECENT_ERRORS)
-        self._fetching_from_object: set[tuple[str, int]] = set()
+        self._fetching_from_object: Counter[tuple[str, int]] = Counter()
         self._object_fetch_locks: dict[tuple[str, int, int], asyncio.Lock] = {}
         self._started_unix_s = time.time()
         self._counters = {"saves": 0, "skipped": 0, "flushed": 0, "flush_failures": 0, "bytes_flushed": 0}
@@ -327,7 +327,7 @@ class Pipeline:
         busy = {(s.shard.job, s.shard.step) for s in self.pool.slots() if s.state == "pending" and s.shard}
         busy |= {(k.job, k.step) for k in self._sealing}
         busy |= self.uploader.busy_steps() if self.uploader is not None else set()
-        return busy | self.receiver.busy_steps() | self.peering.fetching | self._fetching_from_object
+        return busy | self.receiver.busy_steps() | self.peering.fetching | set(self._fetching_from_object)
 
     def _flushing(self, job: str, step: int) -> bool:
         """Say whether a shard of the step is still on its way to NVMe (then the step is not sealed yet)."""
@@ -438,7 +438,7 @@ class Pipeline:
         deadline = time.monotonic() + timeout_s
         before = self.uploader.state(key)
         attempts_before = before.attempts if before is not None else 0
-        if before is None and key.step in await self._ask_object_store(self._object_steps, key.job):
+        if before is None and key.step in (await self._ask_object_store(self._object_steps, key.job) or []):
             return True, ""  # uploaded and committed before this daemon started
         async with self._changed:
             while True:
@@ -481,15 +481,21 @@ class Pipeline:
         if from_peers and (step is None or step not in steps):
             peer_steps = set(await self.peering.complete_steps(job))
         object_steps: set[int] = set()
+        store_silent = False  # then "not found" cannot be told: a caller must not start afresh on it
         if from_object and (step is None or step not in steps | peer_steps):
-            object_steps = set(await self._ask_object_store(self._object_steps, job))
+            answer = await self._ask_object_store(self._object_steps, job)
+            store_silent, object_steps = answer is None, set(answer or [])
         steps |= peer_steps | object_steps
-        if step is None:
-            if not steps:
-                raise NotFound(f"job {job} has no complete step on tier {tier or 'auto'}")
+        if step is None and steps:
             step = max(steps)
-        if step not in steps:
-            raise NotFound(f"{job} step {step} is not complete on tier {tier or 'auto'}")
+        if step is None or step not in steps:
+            what = f"job {job} has no complete step" if step is None else f"{job} step {step} is not complete"
+            if store_silent:
+                raise CheckpointError(
+                    f"{what} on this node or its peers, and the object store ({self.config.object.url}) "
+                    "did not answer: it may hold it; try again"
+                )
+            raise NotFound(f"{what} on tier {tier or 'auto'}")
         record = self._commit_record(job, step)
         if record is not None and rank >= record.world_size:
             raise NotFound(f"{job} step {step} has no rank {rank} (world_size {record.world_size})")
@@ -505,7 +511,7 @@ class Pipeline:
                 if not from_object:
                     raise
                 log.warning("%s; trying the object store", e)
-                object_steps = set(await self._ask_object_store(self._object_steps, job))
+                object_steps = set(await self._ask_object_store(self._object_steps, job) or [])
         if not sources and step in object_steps:
             await self._fetch_from_object(job, step, rank, again=tier == "object")
             sources = [fetched_to]
@@ -518,25 +524,27 @@ class Pipeline:
     async def _on_object_threads(self, fn: Any, *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._object_io, fn, *args)
 
-    async def _ask_object_store(self, fn: Callable[..., list[Any]], *args: Any) -> list[Any]:
-        """Return fn(*args) from an object-store thread, or nothing if the store does not answer in time.
+    async def _ask_object_store(self, fn: Callable[..., list[Any] | None], *args: Any) -> list[Any] | None:
+        """Return fn(*args) from an object-store thread, or None if the store does not answer in time.
 
         Loads and listings ask the store too; one that hangs must not hold them up for
         minutes of HTTP timeouts.
         """
         try:
-            return list(await asyncio.wait_for(self._on_object_threads(fn, *args), OBJECT_QUERY_TIMEOUT_S))
+            answer = await asyncio.wait_for(self._on_object_threads(fn, *args), OBJECT_QUERY_TIMEOUT_S)
         except TimeoutError:
             log.warning("the object store did not answer within %.0f s: going on without it", OBJECT_QUERY_TIMEOUT_S)
-            return []
+            return None
+        return None if answer is None else list(answer)
 
-    def _object_steps(self, job: str) -> list[int]:
+    def _object_steps(self, job: str) -> list[int] | None:
+        """Return the job's steps complete in the store, or None if the store failed to say."""
         assert self.object_tier is not None
         try:
             return self.object_tier.complete_steps(job)
         except CheckpointError as e:
             log.warning("%s", e)
-            return []
+            return None
 
     async def _fetch_from_object(self, job: str, step: int, rank: int, again: bool) -> None:
         """Copy a rank's shard of a step complete in the object store onto this node's NVMe, verified.
@@ -547,11 +555,13 @@ class Pipeline:
         async with lock:
             if not again and self.nvme.has_shard(job, step, rank) and self.nvme.checked_commit(job, step) is not None:
                 return  # another load fetched it meanwhile
-            self._fetching_from_object.add((job, step))
+            self._fetching_from_object[(job, step)] += 1  # ranks of one step may be fetched at once
             try:
                 await self._on_object_threads(self._copy_from_object, job, step, rank)
             finally:
-                self._fetching_from_object.discard((job, step))
+                self._fetching_from_object[(job, step)] -= 1
+                if not self._fetching_from_object[(job, step)]:
+                    del self._fetching_from_object[(job, step)]
 
     def _copy_from_object(self, job: str, step: int, rank: int) -> None:
         assert self.object_tier is not None
@@ -598,7 +608,7 @@ class Pipeline:
         if self.object_tier is None:
             return steps
         tier = self.object_tier
-        return merge_steps(steps, await self._ask_object_store(_listed_or_nothing, tier, job))
+        return merge_steps(steps, await self._ask_object_store(_listed_or_nothing, tier, job) or [])
 
     async def holdings(self, job: str, step: int | None) -> list[StepHoldings]:
         """Return what this node holds, for a peer's Inventory."""

@@ -165,7 +165,7 @@ def verify(tiers: list[Tier], job: str, step: int | None, spread: bool = False) 
                 yield ShardCheck(tier.name, job, s, -1, str(e))
                 continue
             for rank in range(world_size):
-                if spread and not tier.has_shard(job, s, rank):
+                if spread and tier.name in ("nvme", "peer") and not tier.has_shard(job, s, rank):
                     continue
                 try:
                     meta = tier.read_meta(job, s, rank)

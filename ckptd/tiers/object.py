@@ -41,6 +41,7 @@ from ckptd.tiers.base import Tier
 log = logging.getLogger(__name__)
 
 PART_BYTES = 16 << 20  # the size of each part sent (a multiple of the 4 MiB chunk)
+MAX_PARTS = 9000  # S3 takes at most 10,000 parts per object
 READ_THREADS = 8
 # A fetch splits a shard into one range per thread, within these bounds: fewer, larger
 # GETs cost less per byte (some stores read a whole object to serve a range), and the
@@ -376,7 +377,7 @@ def _read_parts(
             raise CorruptCheckpoint(f"{what}: the local copy {data_path} has the wrong size")
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
         first_chunk = 0
-        for offset, length in chunk_ranges(meta.data_size_bytes, PART_BYTES):
+        for offset, length in chunk_ranges(meta.data_size_bytes, part_bytes(meta)):
             block = os.pread(fd, length, offset)
             chunks = [memoryview(block)[o : o + n] for o, n in chunk_ranges(length, meta.chunk_size_bytes)]
             for i, chunk in enumerate(chunks):
@@ -390,13 +391,18 @@ def _read_parts(
             for i in range(len(frames)):
                 frame_sizes.append(len(frames[i]))
                 pending += frames[i].tobytes()
-            if len(pending) >= PART_BYTES:
+            if len(pending) >= part_bytes(meta):
                 yield bytes(pending)
                 pending.clear()
         if compressor is not None and (pending or not frame_sizes):
             yield bytes(pending)
     finally:
         os.close(fd)
+
+
+def part_bytes(meta: ShardMeta) -> int:
+    """Return the size of each part sent for a shard: PART_BYTES, or more for a shard of over MAX_PARTS of them."""
+    return max(PART_BYTES, -(-meta.data_size_bytes // MAX_PARTS // meta.chunk_size_bytes) * meta.chunk_size_bytes)
 
 
 def _range_bytes(size_bytes: int, multiple: int = 1) -> int:

@@ -96,7 +96,7 @@ class MemoryHarness:
         pass
 
 
-@pytest.fixture(params=["nvme", "memory", "object-file", "object-s3"])
+@pytest.fixture(params=["nvme", "memory", "object-file", "object-s3", "object-fsspec"])
 def harness(request, tmp_path):
     if request.param == "nvme":
         h = NvmeHarness(tmp_path)
@@ -104,6 +104,8 @@ def harness(request, tmp_path):
         h = MemoryHarness(tmp_path)
     elif request.param == "object-file":
         h = ObjectHarness(tmp_path, f"file://{tmp_path}/store", {})
+    elif request.param == "object-fsspec":  # any other fsspec backend: its in-memory one
+        h = ObjectHarness(tmp_path, f"memory://{tmp_path.name}/store", {})
     else:
         server = request.getfixturevalue("s3_server")
         h = ObjectHarness(tmp_path, f"s3://{server.new_bucket()}/p", server.storage_options)

@@ -8,9 +8,10 @@ from pathlib import Path
 
 import pytest
 from ckpt.errors import CorruptCheckpoint, NotFound
-from ckpt.format import CHUNK_SIZE_BYTES, COMMIT_NAME, CommitRecord, ShardMeta, data_name, digest, round_up
+from ckpt.format import CHUNK_SIZE_BYTES, COMMIT_NAME, CommitRecord, ShardMeta, data_name, digest, meta_name, round_up
 
 from ckptd.object_store import open_store
+from ckptd.restore import verify
 from ckptd.tiers.nvme import LocalDirTier
 from ckptd.tiers.object import PART_BYTES, CommitConflict, ObjectTier, frames_name, zstd_name
 
@@ -140,3 +141,15 @@ def test_an_upload_abandoned_by_a_crash_is_aborted_by_the_next_upload(s3_server,
     assert s3.list_multipart_uploads(Bucket=bucket).get("Uploads", []) == []
     assert tier.try_commit(_record([meta]))
     assert tier.holds(meta)
+
+
+def test_verify_reports_a_rank_missing_from_the_store_even_on_a_node_with_peers(tier, shards):
+    metas = [shards.write("job", 6, r, 2, os.urandom(1000)) for r in range(2)]
+    for meta in metas:
+        tier.upload_shard(meta, shards.path(meta), "none")
+    assert tier.try_commit(_record(metas))
+    tier.store.remove("job", "6", data_name(1))
+    tier.store.remove("job", "6", meta_name(1))
+    checks = list(verify([tier], "job", 6, spread=True))  # spread: a node's own tiers hold some ranks, not the store
+    assert [(c.rank, c.ok) for c in checks] == [(0, True), (1, False)]
+    assert "missing from a complete step" in checks[1].error
