@@ -192,6 +192,8 @@ MIXED = "(mixed: each rank has a copy, no single tier has all)"
 
 
 def cmd_ls(args: argparse.Namespace, config: Config) -> int:
+    from ckptd.restore import human_size
+
     job = validate_job(args.job) if args.job else ""
     try:
         found = _client(args, config).call("List", pb.ListRequest(job=job)).steps
@@ -216,7 +218,7 @@ def cmd_ls(args: argparse.Namespace, config: Config) -> int:
     width = max(len("JOB"), *(len(s["job"]) for s in steps))
     print(f"{'JOB':<{width}}  {'STEP':>10}  {'RANKS':>5}  {'SIZE':>10}  TIERS")
     for s in steps:
-        size = _human(s["size_bytes"])
+        size = human_size(s["size_bytes"])
         tiers = ",".join(s["tiers"]) or MIXED
         print(f"{s['job']:<{width}}  {s['step']:>10}  {s['world_size']:>5}  {size:>10}  {tiers}")
     return 0
@@ -270,14 +272,6 @@ def _parse_step(text: str) -> int:
     if not text.isdigit():
         raise InvalidArgument(f"invalid step {text!r}: a number or latest")
     return validate_step(int(text))
-
-
-def _human(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024  # type: ignore[assignment]
-    raise AssertionError
 
 
 COMMANDS = {

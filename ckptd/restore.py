@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import mmap
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -104,10 +105,18 @@ def restore(tiers: list[Tier], job: str, step: int, target: Path, progress: Prog
             for tier in holders:
                 try:
                     meta = tier.read_meta(job, step, rank)
+                    progress(
+                        f"rank {rank}/{world_size}: reading {human_size(meta.data_size_bytes)} from {tier.name} ..."
+                    )
+                    started = time.monotonic()
                     with aligned_buffer(meta.data_size_bytes) as buf:
                         tier.read_into(meta, buf)
                         out.write_shard(meta, buf)
-                    progress(f"rank {rank}/{world_size}: {meta.data_size_bytes} bytes from {tier.name}, verified")
+                    rate = meta.data_size_bytes / max(time.monotonic() - started, 1e-9) / 1e6
+                    progress(
+                        f"rank {rank}/{world_size}: {meta.data_size_bytes} bytes from {tier.name}, verified "
+                        f"({rate:.0f} MB/s)"
+                    )
                     break
                 except (CheckpointError, OSError) as e:
                     progress(f"rank {rank}/{world_size}: {e}; trying the next tier")
@@ -123,6 +132,15 @@ def restore(tiers: list[Tier], job: str, step: int, target: Path, progress: Prog
     finally:
         out.close()
     return step_dir
+
+
+def human_size(n: int) -> str:
+    """Return a byte count for people: 512.0 MiB."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024  # type: ignore[assignment]
+    raise AssertionError
 
 
 def _knows(tier: Tier, job: str, step: int) -> bool:
