@@ -81,21 +81,6 @@ class ObjectStore:
         return found
 
     @_store_errors
-    def find(self, *directory: str) -> dict[str, int]:
-        """Return {path relative to directory: size in bytes} of every object anywhere under directory."""
-        top = self.path(*directory).rstrip("/")
-        self.fs.invalidate_cache(top)
-        try:
-            found = self.fs.find(top, detail=True)
-        except FileNotFoundError:
-            return {}
-        return {
-            name[len(top) + 1 :]: int(info.get("size") or 0)
-            for name, info in found.items()
-            if name.startswith(top + "/") and info.get("type") != "directory"
-        }
-
-    @_store_errors
     def read(self, *names: str, start: int | None = None, end: int | None = None) -> bytes:
         """Return an object's bytes, or bytes [start, end) of it; raise FileNotFoundError if it is missing."""
         return bytes(self.fs.cat_file(self.path(*names), start=start, end=end))
@@ -103,7 +88,7 @@ class ObjectStore:
     @_store_errors
     def put(self, data: bytes, *names: str) -> None:
         """Write a small object whole, replacing any object of that name."""
-        self.fs.pipe_file(self.path(*names), data)
+        self.put_parts(iter([data]), *names)
 
     @_store_errors
     def put_parts(self, parts: Iterator[bytes], *names: str) -> None:
@@ -153,10 +138,6 @@ class ObjectStore:
 
 class LocalStore(ObjectStore):
     """A directory on a mounted filesystem (file://): durable writes, atomic renames and links."""
-
-    @_store_errors
-    def put(self, data: bytes, *names: str) -> None:
-        self.put_parts(iter([data]), *names)
 
     @_store_errors
     def put_parts(self, parts: Iterator[bytes], *names: str) -> None:

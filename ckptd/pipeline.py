@@ -138,10 +138,6 @@ class Pipeline:
         await self._finish_interrupted_commits()
         if self.uploader is not None:
             self.uploader.start()
-            # What a crash left in the store: uploads of this node resume above, the rest is removed.
-            task = asyncio.get_running_loop().create_task(self._collect_quietly("", ("object",), True))
-            self._flushes.add(task)
-            task.add_done_callback(self._flushes.discard)
         if self.peering.peer_tier is not None:
             self._reconciler = asyncio.get_running_loop().create_task(self._reconcile_forever())
 
@@ -511,7 +507,10 @@ class Pipeline:
                 if not from_object:
                     raise
                 log.warning("%s; trying the object store", e)
-                object_steps = set(await self._ask_object_store(self._object_steps, job) or [])
+                answer = await self._ask_object_store(self._object_steps, job)
+                if answer is None or step not in answer:
+                    raise  # the peers' error says more than "not found": the step does exist
+                object_steps = set(answer)
         if not sources and step in object_steps:
             await self._fetch_from_object(job, step, rank, again=tier == "object")
             sources = [fetched_to]
@@ -660,8 +659,9 @@ class Pipeline:
 
         keep_newest=False removes only the incomplete steps that can no longer complete;
         tiers limits the pass to some tiers (a flush touches NVMe, an upload the object store);
-        unfinished_uploads also aborts the multipart uploads a crash left in the object store
-        (at start-up and in `ckptd gc`, never beside uploads under way).
+        unfinished_uploads (`ckptd gc`) also removes what crashes left in the object store:
+        incomplete steps older than the newest complete one, and unfinished multipart
+        uploads. Passes of their own accord never do: another node may be uploading them.
         """
         async with self._collect_lock:  # one pass at a time: two would race to remove the same step
             removals = await self._collect(dry_run, job, keep_newest, tiers)
@@ -681,12 +681,14 @@ class Pipeline:
         removals = []
         keep = self.config.retention.object if keep_newest else 0
         for j in [job] if job else tier.jobs():
+            complete = tier.complete_steps(j)
             plan = plan_removals(
                 all_steps=tier.all_steps(j),
-                complete_steps=tier.complete_steps(j),
+                complete_steps=complete,
                 keep=keep,
                 busy={s for bj, s in busy if bj == j} | set(tier.damaged_steps(j)),
             )
+            plan = [(step, reason) for step, reason in plan if unfinished_uploads or step in complete]
             for step, reason in plan:
                 removals.append(Removal(tier.name, j, step, reason))
                 if not dry_run:

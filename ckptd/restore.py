@@ -98,7 +98,13 @@ def restore(tiers: list[Tier], job: str, step: int, target: Path, progress: Prog
     holders = [t for t in tiers if _knows(t, job, step)]
     if not holders:
         raise NotFound(f"{job} step {step} is not complete on tier(s) {', '.join(t.name for t in tiers)}")
-    world_size = holders[0].commit_record(job, step).world_size
+    # One commit record for the whole step: a tier whose record differs holds another save
+    # of the step (a rerun of the job), and its shards must not be mixed in.
+    record = holders[0].commit_record(job, step)
+    for other in [t for t in holders[1:] if t.commit_record(job, step) != record]:
+        progress(f"{other.name} holds a different save of {job} step {step} than {holders[0].name}: not used")
+        holders.remove(other)
+    world_size = record.world_size
     try:
         for rank in range(world_size):
             errors = []

@@ -25,7 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from ckpt.errors import CheckpointError
+from ckpt.errors import CheckpointError, NotFound
 from ckpt.format import CommitRecord, ShardMeta, data_name, meta_name
 
 from ckptd.config import Config
@@ -40,6 +40,7 @@ BACKOFF_MIN_S = 0.5
 BACKOFF_MAX_S = 30.0
 COMMIT_POLL_MIN_S = 0.2
 COMMIT_POLL_MAX_S = 5.0
+COMMIT_WATCH_LIMIT_S = 3600.0  # how long a node waits for the other nodes' uploads of a step
 FAILURES_REPORTED = 3  # consecutive failures after which a waiter hears of them
 REMEMBERED = 1 << 16
 
@@ -109,10 +110,13 @@ class Uploader:
 
     def _pending_on_disk(self) -> list[ShardKey]:
         pending = []
+        keep = self.config.retention.object
         for job in self.nvme.jobs():
-            in_store = set(self.tier.complete_steps(job))
+            in_store = self.tier.complete_steps(job)
+            # Older than the steps [retention] object keeps: removed from the store on purpose, or soon to be.
+            floor = in_store[-keep] if keep and len(in_store) >= keep else -1
             for step in self.nvme.all_steps(job):
-                if step not in in_store and self.wanted(step):
+                if step not in in_store and step > floor and self.wanted(step):
                     pending += [ShardKey(job, step, h.rank, h.world_size) for h in self.nvme.holdings(job, step)]
         return pending
 
@@ -120,6 +124,14 @@ class Uploader:
         """Start uploading a shard that is durable on NVMe (a step [object] every leaves out is ignored)."""
         if not self.wanted(key.step):
             return
+        for older, state in self._states.items():
+            queued = not (state.uploaded or state.gave_up) and older not in self._uploading
+            if queued and (older.job, older.rank) == (key.job, key.rank) and older.step < key.step:
+                # One step behind at most: a store slower than the saves uploads the newest.
+                state.error = f"{older} was not uploaded: {key} came before its upload began"
+                state.gave_up = True
+                log.warning("%s", state.error)
+                self._on_change(older, False)
         self._states[key] = UploadState()
         if len(self._states) > REMEMBERED:
             del self._states[next(iter(self._states))]
@@ -136,9 +148,13 @@ class Uploader:
     def busy_steps(self) -> set[tuple[str, int]]:
         """Return the steps NVMe retention keeps off: shards being read for upload, or waiting to be.
 
-        Not those backing off after failures: a store that is down must not fill the disk.
+        Not those failing again and again: a store that is down must not fill the disk.
         """
-        waiting = {(k.job, k.step) for k, s in self._states.items() if not (s.uploaded or s.failures or s.gave_up)}
+        waiting = {
+            (k.job, k.step)
+            for k, s in self._states.items()
+            if not (s.uploaded or s.gave_up or s.failures >= FAILURES_REPORTED)
+        }
         return waiting | {(k.job, k.step) for k in self._uploading}
 
     def unsettled_steps(self) -> set[tuple[str, int]]:
@@ -162,8 +178,10 @@ class Uploader:
         lock = self._locks.setdefault((key.job, key.step, key.rank), asyncio.Lock())
         delay = BACKOFF_MIN_S
         async with lock:  # one copy of a shard at a time: a re-save waits for the copy before it
-            while self._states.get(key) is state:
+            while self._states.get(key) is state and not state.gave_up:
                 async with self._slots:
+                    if state.gave_up:  # superseded while it waited for a slot
+                        return
                     self._uploading.add(key)
                     try:
                         meta = await loop.run_in_executor(self.io, self._upload_shard, key)
@@ -237,12 +255,13 @@ class Uploader:
         loop = asyncio.get_running_loop()
         delay = COMMIT_POLL_MIN_S
         record: list[CommitRecord] = []  # once read from NVMe: the step may leave NVMe before it commits
+        since = time.monotonic()
         try:
             while True:
                 keys = self._watching[(job, step)]
                 writer = any(k.rank == 0 for k in keys)
                 try:
-                    verdict = await loop.run_in_executor(self.io, self._check_commit, job, step, writer, record)
+                    verdict = await loop.run_in_executor(self.io, self._check_commit, job, step, writer, record, since)
                 except (CheckpointError, OSError) as e:
                     self._failed(f"committing {job} step {step} on {self.tier.store.url} failed: {e}")
                     verdict = "waiting"
@@ -263,29 +282,31 @@ class Uploader:
             # One retention pass per new step in the store, by the node that committed it.
             self._on_change(key, verdict == "committed" and i == 0 and key.rank == 0)
 
-    def _check_commit(self, job: str, step: int, writer: bool, record: list[CommitRecord]) -> str:
-        """Return "committed", "waiting", or why the step will never be committed in the store."""
-        complete = self.tier.complete_steps(job)
-        if step in complete:
+    def _check_commit(self, job: str, step: int, writer: bool, record: list[CommitRecord], since: float) -> str:
+        """Return "committed", "waiting", or why the step will never be committed in the store.
+
+        Only the writer needs the step's commit record, read once from NVMe and kept:
+        the step may leave NVMe (retention) before the other nodes' uploads are in.
+        """
+        try:
+            self.tier.commit_record(job, step)
             return "committed"
-        newer = [s for s in complete if s > step]
-        if not record:
-            sealed = self.nvme.checked_commit(job, step)
-            if sealed is not None:
+        except NotFound:
+            pass
+        if writer:
+            if not record and (sealed := self.nvme.checked_commit(job, step)) is not None:
                 record.append(sealed)
+            if record:
+                try:
+                    if self.tier.try_commit(record[0]):
+                        self.counters["commits_written"] += 1
+                        return "committed"
+                except CommitConflict as e:
+                    return str(e)
             elif step not in self.nvme.all_steps(job):
                 return "it left NVMe (retention) before it was complete in the cluster"
-            elif newer:
-                return f"a newer step ({newer[0]}) is complete there and this one is not complete in the cluster"
-        if writer and record:
-            try:
-                if self.tier.try_commit(record[0]):
-                    self.counters["commits_written"] += 1
-                    return "committed"
-            except CommitConflict as e:
-                return str(e)
-        if step not in self.nvme.all_steps(job):  # bounds the watch: retention keeps a few steps
-            return "it left NVMe (retention) before its commit record was in the store"
+        if time.monotonic() - since > COMMIT_WATCH_LIMIT_S:
+            return f"its commit record did not appear in the store within {COMMIT_WATCH_LIMIT_S:.0f} s"
         return "waiting"
 
     # -- reporting --------------------------------------------------------------------

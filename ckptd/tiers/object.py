@@ -75,7 +75,7 @@ class ObjectTier(Tier):
     def __init__(self, store: ObjectStore) -> None:
         self.store = store
         self._records: dict[tuple[str, int], CommitRecord] = {}  # read once, kept while COMMIT.json is listed
-        self._listings: dict[str, tuple[float, dict[int, dict[str, int]]]] = {}
+        self._listings: dict[tuple[str, ...], tuple[float, Any]] = {}  # (job,) or (job, step)
         self._lock = threading.Lock()
 
     # -- listing ------------------------------------------------------------------
@@ -90,33 +90,43 @@ class ObjectTier(Tier):
         except OSError as e:
             raise CheckpointError(f"object store {self.store.describe(*names)}: {e}") from e
 
-    def listing(self, job: str) -> dict[int, dict[str, int]]:
-        """Return {step: {name: size}} of every object under the job, from one recursive listing.
-
-        Kept for LISTING_TTL_S, so that one pass of retention or of a watcher lists once;
-        this tier's own writes drop it.
-        """
-        cached = self._listings.get(job)
+    def _listed(self, key: tuple[str, ...], list_it: Any) -> Any:
+        """Return a listing kept for LISTING_TTL_S (one pass of retention or a watcher lists once)."""
+        cached = self._listings.get(key)
         if cached is not None and time.monotonic() - cached[0] < LISTING_TTL_S:
             return cached[1]
-        steps: dict[int, dict[str, int]] = {}
-        for path, size in self._guarded(self.store.find, job).items():
-            step, _, name = path.partition("/")
-            if step.isdigit() and str(int(step)) == step and name and "/" not in name:
-                steps.setdefault(int(step), {})[name] = size
+        found = list_it()
         with self._lock:
-            self._listings[job] = (time.monotonic(), steps)
-            for key in [k for k in self._records if k[0] == job and COMMIT_NAME not in steps.get(k[1], {})]:
-                del self._records[key]  # removed (by another node's retention, a lifecycle rule): not complete
-        return steps
+            self._listings[key] = (time.monotonic(), found)
+        return found
+
+    def _steps(self, job: str) -> list[int]:
+        """Return the job's step numbers with anything in the store (one listing with a delimiter)."""
+
+        def list_steps() -> list[int]:
+            names = self._guarded(self.store.names, job)
+            steps = sorted(int(n) for n, size in names.items() if size < 0 and n.isdigit() and str(int(n)) == n)
+            with self._lock:
+                for key in [k for k in self._records if k[0] == job and k[1] not in steps]:
+                    del self._records[key]  # removed (by another node's retention, a lifecycle rule)
+            return steps
+
+        return list(self._listed((job,), list_steps))
+
+    def step_names(self, job: str, step: int) -> dict[str, int]:
+        """Return {name: size in bytes} of the objects of one step."""
+        listed = self._listed((job, str(step)), lambda: self._guarded(self.store.names, job, str(step)))
+        return {n: size for n, size in listed.items() if size >= 0}
 
     def _forget_listing(self, job: str) -> None:
+        """Drop what is kept of the job's listings: this node just wrote to it."""
         with self._lock:
-            self._listings.pop(job, None)
+            for key in [k for k in self._listings if k[0] == job]:
+                del self._listings[key]
 
     def all_steps(self, job: str) -> list[int]:
         """Return every step of the job with anything uploaded, complete or not, oldest first."""
-        return sorted(self.listing(job))
+        return self._steps(job)
 
     def complete_steps(self, job: str) -> list[int]:
         states = self._commit_states(job)
@@ -127,13 +137,18 @@ class ObjectTier(Tier):
         return [s for s, state in self._commit_states(job).items() if state == "damaged"]
 
     def _commit_states(self, job: str) -> dict[int, CommitRecord | str]:
-        """Return {step: its commit record, or "damaged"} for each step with a COMMIT.json, oldest first."""
-        committed = [s for s, names in sorted(self.listing(job).items()) if COMMIT_NAME in names]
-        unread = [s for s in committed if (job, s) not in self._records]
-        if len(unread) > 1:  # after a restart, or a new reader: the records in parallel, not one by one
-            with ThreadPoolExecutor(max_workers=READ_THREADS, thread_name_prefix="object-list") as pool:
-                list(pool.map(lambda s: self._commit_state(job, s), unread))
-        return {s: self._commit_state(job, s) for s in committed}
+        """Return {step: its commit record, or "damaged"} for each step with a COMMIT.json, oldest first.
+
+        One listing of the step names; then each step's record is read once (a GET, in
+        parallel) and kept while the step is listed.
+        """
+        steps = self._steps(job)
+        unread = [s for s in steps if (job, s) not in self._records]
+        states: dict[int, CommitRecord | str] = {s: self._records[(job, s)] for s in steps if s not in unread}
+        # A commit record, once read, is kept; the others are asked for each time, in parallel.
+        with ThreadPoolExecutor(max_workers=READ_THREADS, thread_name_prefix="object-list") as pool:
+            states.update(zip(unread, pool.map(lambda s: self._commit_state(job, s), unread), strict=True))
+        return {s: state for s, state in sorted(states.items()) if state != "missing"}
 
     def _commit_state(self, job: str, step: int) -> CommitRecord | str:
         cached = self._records.get((job, step))
@@ -159,7 +174,7 @@ class ObjectTier(Tier):
         return record
 
     def commit_record(self, job: str, step: int) -> CommitRecord:
-        state = self._commit_state(job, step) if step in self.listing(job) else "missing"
+        state = self._commit_state(job, step) if step in self._steps(job) else "missing"
         if not isinstance(state, CommitRecord):
             raise NotFound(f"{job} step {step} is not complete on tier object ({self.store.describe(job, str(step))})")
         return state
@@ -168,7 +183,7 @@ class ObjectTier(Tier):
         raise NotFound(f"rank {rank} shard of {job} step {step} is in the object store: read it with read_into")
 
     def has_shard(self, job: str, step: int, rank: int) -> bool:
-        return meta_name(rank) in self.listing(job).get(step, {})
+        return meta_name(rank) in self.step_names(job, step)
 
     # -- reading --------------------------------------------------------------------
 
@@ -198,7 +213,7 @@ class ObjectTier(Tier):
     def read_into(self, meta: ShardMeta, buffer: memoryview) -> None:
         """Fill buffer with the shard's bytes, fetched in parallel ranges, every chunk checked."""
         what = self._what(meta)
-        names = self.listing(meta.job).get(meta.step, {})
+        names = self.step_names(meta.job, meta.step)
         if zstd_name(meta.rank) in names:
             frame_sizes = self._frame_sizes(meta, what)
             pieces = list(_frame_groups(meta, frame_sizes, _range_bytes(sum(frame_sizes))))
@@ -248,7 +263,7 @@ class ObjectTier(Tier):
 
     def holds(self, meta: ShardMeta) -> bool:
         """Say whether exactly this shard (record and data) is already uploaded."""
-        if not self._has_data(meta, self.listing(meta.job).get(meta.step, {})):
+        if not self._has_data(meta, self.step_names(meta.job, meta.step)):
             return False
         try:
             return self.store.read(meta.job, str(meta.step), meta_name(meta.rank)) == meta.to_bytes()
@@ -272,15 +287,16 @@ class ObjectTier(Tier):
         nothing to do (return False), else CommitConflict is raised.
         """
         job, step = meta.job, str(meta.step)
-        if meta.step in self.complete_steps(job):
-            record = self.commit_record(job, meta.step)
-            if meta.rank < record.world_size and record.shard_meta_xxh3_128[meta.rank] == digest(meta.to_bytes()):
-                return False
+        self._forget_listing(job)
+        state = self._commit_state(job, meta.step)  # asked of the store now, not of a listing kept a while
+        listed = isinstance(state, CommitRecord) and meta.rank < state.world_size
+        if listed and state.shard_meta_xxh3_128[meta.rank] == digest(meta.to_bytes()):  # type: ignore[union-attr]
+            return False
+        if state != "missing":
             raise CommitConflict(
-                f"{self.store.describe(job, step)} is complete in the store with other shards; "
+                f"{self.store.describe(job, step)} has a commit record for other shards (or a damaged one); "
                 "a complete step is never rewritten"
             )
-        self._forget_listing(job)
         self.store.remove(job, step, meta_name(meta.rank))  # an older copy stops counting before it changes
         frame_sizes: list[int] = []
         parts = _read_parts(meta, data_path, compression, frame_sizes, self._what(meta))
@@ -300,7 +316,7 @@ class ObjectTier(Tier):
     def missing_ranks(self, record: CommitRecord) -> list[int]:
         """Return the ranks of a step whose shard in the store is absent or not the one the record lists."""
         job, step = record.job, str(record.step)
-        names = self.listing(job).get(record.step, {})
+        names = self.step_names(job, record.step)
         present = [r for r in range(record.world_size) if meta_name(r) in names]
 
         def matches(rank: int) -> bool:
@@ -356,7 +372,7 @@ class ObjectTier(Tier):
         """Remove a step: its commit record goes first, then its objects and unfinished uploads."""
         with self._lock:
             self._records.pop((job, step), None)
-            self._listings.pop(job, None)
+        self._forget_listing(job)
         self.store.remove(job, str(step), COMMIT_NAME)
         self.store.remove_dir(job, str(step))
         self.store.abort_uploads(job, str(step))
