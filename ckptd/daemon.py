@@ -13,7 +13,7 @@ import grpc
 from ckpt.transport import MAX_MESSAGE_BYTES
 from ckpt.wire.v1 import ckptd_pb2_grpc
 
-from ckptd import sd_notify
+from ckptd import metrics, sd_notify
 from ckptd.config import Config
 from ckptd.peer_link import grpc_options, server_credentials
 from ckptd.peer_server import PeerServicer, add_peer_servicer
@@ -30,7 +30,7 @@ class AlreadyServing(Exception):
 
 
 class ListenFailed(Exception):
-    """The peer endpoint could not be bound."""
+    """The peer or metrics endpoint could not be bound."""
 
 
 async def serve(config: Config) -> None:
@@ -53,6 +53,7 @@ async def serve(config: Config) -> None:
         os.umask(old_umask)
     os.chmod(config.socket_path, 0o660)
     peer_server = await _serve_peers(config, pipeline) if config.node.listen else None
+    metrics_server = await _serve_metrics(config, pipeline) if config.metrics.listen else None
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -69,6 +70,8 @@ async def serve(config: Config) -> None:
     await server.stop(STOP_GRACE_S)
     if peer_server is not None:
         await peer_server.stop(STOP_GRACE_S)
+    if metrics_server is not None:
+        metrics_server.close()
     await pipeline.drain()
     config.socket_path.unlink(missing_ok=True)
     log.info("stopped")
@@ -89,6 +92,15 @@ async def _serve_peers(config: Config, pipeline: Pipeline) -> grpc.aio.Server:
     log.info(
         "serving peers on %s (%s)", config.node.listen, "TLS with client certificates" if credentials else "plaintext"
     )
+    return server
+
+
+async def _serve_metrics(config: Config, pipeline: Pipeline) -> asyncio.Server:
+    try:
+        server = await metrics.serve(config.metrics.listen, pipeline.metrics_page)
+    except OSError as e:
+        raise ListenFailed(f"cannot serve metrics on {config.metrics.listen} (metrics.listen): {e}") from None
+    log.info("serving Prometheus metrics on http://%s/metrics", config.metrics.listen)
     return server
 
 

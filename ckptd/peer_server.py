@@ -76,7 +76,11 @@ class PeerServicer(peer_pb2_grpc.CkptdPeerServicer):
                 async for piece in request_iterator:
                     yield piece_data(piece)
 
-            await self.pipeline.receiver.receive_range(meta, first.transfer, first.offset, first.length, data())
+            try:
+                await self.pipeline.receiver.receive_range(meta, first.transfer, first.offset, first.length, data())
+            except CorruptCheckpoint:
+                self.pipeline.verification_failed("peer")
+                raise
             return pb.PutShardReply()
 
         return await answer(context, work)

@@ -22,11 +22,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ckpt.errors import CheckpointError, InvalidArgument, NotFound
+from ckpt.errors import CheckpointError, CorruptCheckpoint, InvalidArgument, NotFound
 from ckpt.format import CHUNK_SIZE_BYTES, MAX_SHARD_BYTES, CommitRecord, ShardMeta, digest, validate_tier
 from ckpt.shard_io import ShardSource
 
-from ckptd import __version__
+from ckptd import __version__, metrics
 from ckptd.catalog import StepInfo, list_steps, merge_steps
 from ckptd.cluster import StepHoldings
 from ckptd.config import Config
@@ -110,6 +110,15 @@ class Pipeline:
         self._object_fetch_locks: dict[tuple[str, int, int], asyncio.Lock] = {}
         self._started_unix_s = time.time()
         self._counters = {"saves": 0, "skipped": 0, "flushed": 0, "flush_failures": 0, "bytes_flushed": 0}
+        self._verification_failures: Counter[str] = Counter()  # by tier: a bad byte caught on its way
+        self._reserved_at: dict[tuple[str, int], float] = {}  # (job, rank) -> when its slot was reserved
+        self.save_seconds = metrics.Histogram(
+            "ckptd_save_duration_seconds", "From a rank's slot reserved to its snapshot committed (the copy)"
+        )
+        self.flush_seconds = metrics.Histogram(
+            "ckptd_flush_duration_seconds", "From a snapshot committed to its shard durable on NVMe"
+        )
+        self._replica_bytes_received = 0
 
     # -- lifecycle ---------------------------------------------------------------
 
@@ -215,6 +224,8 @@ class Pipeline:
             log.warning("skipped %s: %s (staging.policy = skip)", key, reason)
         elif blocked_s > 0.5:
             log.warning("%s waited %.1f s for staging room", key, blocked_s)
+        if slot is not None:
+            self._reserved_at[(key.job, key.rank)] = time.monotonic()
         return slot, blocked_s, reason
 
     async def commit(self, snapshot: Snapshot) -> None:
@@ -225,6 +236,9 @@ class Pipeline:
         if len(snapshot.run_id) > 256:
             raise InvalidArgument(f"{key}: run_id is longer than 256 characters")
         slot = self.pool.commit(snapshot)
+        reserved_at = self._reserved_at.pop((key.job, key.rank), None)
+        if reserved_at is not None:
+            self.save_seconds.observe(time.monotonic() - reserved_at)
         self._note_run(key, snapshot.run_id)
         self._failures.pop(key, None)
         self._reached.pop((key, "nvme"), None)  # saved again: the new copy has not reached the disk yet
@@ -255,7 +269,9 @@ class Pipeline:
             loop = asyncio.get_running_loop()
             try:
                 hashed_before = slot.meta is not None  # a flush resumed after a restart
+                started = time.monotonic()
                 await loop.run_in_executor(self._flush_threads, self._flush_to_nvme, slot, key, loop)
+                self.flush_seconds.observe(time.monotonic() - started)
                 if not any(s is not slot and s.shard == key and s.state == "pending" for s in self.pool.slots()):
                     self._sealing.add(key)  # reached once the step is sealed if it can be: see _reached_tier
                 if hashed_before and slot.meta is not None:
@@ -557,6 +573,9 @@ class Pipeline:
             self._fetching_from_object[(job, step)] += 1  # ranks of one step may be fetched at once
             try:
                 await self._on_object_threads(self._copy_from_object, job, step, rank)
+            except CorruptCheckpoint:
+                self.verification_failed("object")
+                raise
             finally:
                 self._fetching_from_object[(job, step)] -= 1
                 if not self._fetching_from_object[(job, step)]:
@@ -628,6 +647,7 @@ class Pipeline:
         Before the sender hears that its replica is in: once every rank has waited for
         "peer", losing any one node can no longer lose the step.
         """
+        self._replica_bytes_received += meta.data_size_bytes
         try:
             record = await self._seal(meta.job, meta.step)
         except (CheckpointError, OSError) as e:
@@ -730,6 +750,34 @@ class Pipeline:
                         log.info("removed %s step %d from %s: %s", j, step, tier.name, reason)
         return removals
 
+    def verification_failed(self, tier: str) -> None:
+        """Count a bad byte caught on its way (a chunk that did not match its checksum)."""
+        self._verification_failures[tier] += 1
+
+    def metrics_page(self) -> str:
+        """Return the /metrics page: what `status` says, and the durations observed."""
+        histograms = [self.save_seconds, self.flush_seconds]
+        if self.uploader is not None:
+            histograms.append(self.uploader.upload_seconds)
+        return metrics.page(self.status(), histograms)
+
+    def _newest_step_ages(self) -> dict[str, float]:
+        """Return, per durable tier, seconds since its newest complete step's commit record was written."""
+        ages = {}
+        now = time.time()
+        for tier in self.durable_tiers:
+            newest = 0.0
+            for job in tier.jobs():
+                steps = tier.complete_steps(job)
+                if steps:
+                    with contextlib.suppress(OSError):
+                        newest = max(newest, tier.committed_unix_s(job, steps[-1]))
+            if newest:
+                ages[tier.name] = max(0.0, now - newest)
+        if self.uploader is not None and self.uploader.last_commit_unix_s:
+            ages["object"] = max(0.0, now - self.uploader.last_commit_unix_s)
+        return ages
+
     def status(self) -> dict[str, Any]:
         """Return the status document of `ckptd status --json`."""
         slots = self.pool.slots()
@@ -751,7 +799,12 @@ class Pipeline:
                 "slots": len(slots),
                 "pending_flushes": sum(1 for s in slots if s.state == "pending"),
             },
-            "counters": dict(self._counters),
+            "counters": {
+                **self._counters,
+                "replica_bytes_received": self._replica_bytes_received,
+                "verification_failures": dict(self._verification_failures),
+            },
+            "newest_complete_age_s": {tier: round(age, 3) for tier, age in self._newest_step_ages().items()},
             "recent_errors": list(self._errors),
         }
 

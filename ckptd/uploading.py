@@ -28,6 +28,7 @@ from typing import Any
 from ckpt.errors import CheckpointError, NotFound
 from ckpt.format import CommitRecord, ShardMeta, data_name, meta_name
 
+from ckptd import metrics
 from ckptd.config import Config
 from ckptd.staging import ShardKey
 from ckptd.tiers.nvme import LocalDirTier
@@ -80,6 +81,10 @@ class Uploader:
         self._tasks: set[asyncio.Task[None]] = set()
         self._slots = asyncio.Semaphore(UPLOAD_THREADS)
         self.counters = {"uploaded_shards": 0, "uploaded_bytes": 0, "commits_written": 0, "upload_failures": 0}
+        self.upload_seconds = metrics.Histogram(
+            "ckptd_upload_duration_seconds", "Uploading one shard to the object store (a successful attempt)"
+        )
+        self.last_commit_unix_s = 0.0  # when a step of any job last became complete in the store, seen from here
         self.last_error = ""
 
     def wanted(self, step: int) -> bool:
@@ -231,6 +236,7 @@ class Uploader:
         started = time.monotonic()
         if not self.tier.upload_shard(meta, step_dir / data_name(key.rank), self.config.object.compression):
             return None  # the step is complete in the store with this very shard
+        self.upload_seconds.observe(time.monotonic() - started)
         log.info(
             "uploaded %s to %s (%d bytes, %.2f s)",
             key,
@@ -275,6 +281,7 @@ class Uploader:
             state = self._states.get(key)
             if state is not None and verdict == "committed":
                 state.committed = True
+                self.last_commit_unix_s = time.time()
             elif state is not None:
                 state.error = f"{job} step {step} will never be complete on tier object: {verdict}"
                 state.gave_up = True

@@ -74,6 +74,10 @@ class DurableTier(Tier):
         """
 
     @abstractmethod
+    def committed_unix_s(self, job: str, step: int) -> float:
+        """Return when a complete step's commit record was written here (raise OSError if it is gone)."""
+
+    @abstractmethod
     def holds(self, meta: ShardMeta) -> bool:
         """Say whether this exact shard (the same record) is written here."""
 

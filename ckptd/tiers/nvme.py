@@ -124,6 +124,10 @@ class LocalDirTier(DurableTier):
             raise NotFound(f"{job} step {step} is not complete on tier {self.name}")
         return record
 
+    def committed_unix_s(self, job: str, step: int) -> float:
+        """Return when a complete step's commit record was written (its mtime)."""
+        return (self.step_dir(job, step) / COMMIT_NAME).stat().st_mtime
+
     def shard_source(self, job: str, step: int, rank: int) -> ShardSource:
         """Point at a step directory."""
         return ShardSource(self.name, "dir", str(self.step_dir(job, step)), job, step)
