@@ -54,6 +54,7 @@ REMEMBERED_SHARDS = 1 << 16  # shards known to have reached a tier, for waiters 
 RETAINED_TIERS = ("nvme", "peer", "object")  # the tiers [retention] applies to
 OBJECT_THREADS = 4  # object-store queries, fetches and retention (uploads have their own)
 OBJECT_QUERY_TIMEOUT_S = 5.0
+LOAD_LEASE_S = 600.0  # how long retention keeps off a step a load was pointed at
 
 
 @dataclass(frozen=True)
@@ -107,6 +108,8 @@ class Pipeline:
         self._commit_lock = asyncio.Lock()
         self._errors: deque[dict[str, Any]] = deque(maxlen=RECENT_ERRORS)
         self._fetching_from_object: Counter[tuple[str, int]] = Counter()
+        # Steps a client was pointed at to load, until when: a client reads the files itself.
+        self._being_read: dict[tuple[str, int], float] = {}
         self._object_fetch_locks: dict[tuple[str, int, int], asyncio.Lock] = {}
         self._started_unix_s = time.time()
         self._counters = {"saves": 0, "skipped": 0, "flushed": 0, "flush_failures": 0, "bytes_flushed": 0}
@@ -339,6 +342,8 @@ class Pipeline:
         busy = {(s.shard.job, s.shard.step) for s in self.pool.slots() if s.state == "pending" and s.shard}
         busy |= {(k.job, k.step) for k in self._sealing}
         busy |= self.uploader.busy_steps() if self.uploader is not None else set()
+        now = time.monotonic()
+        busy |= {step for step, until in self._being_read.items() if until > now}
         return busy | self.receiver.busy_steps() | self.peering.fetching | set(self._fetching_from_object)
 
     def _flushing(self, job: str, step: int) -> bool:
@@ -534,7 +539,15 @@ class Pipeline:
         if record is None or not sources:
             world_size = record.world_size if record else 0
             raise NotFound(f"{job} step {step} has no rank {rank} on tier {tier or 'auto'} (world_size {world_size})")
+        self._lease_for_reading(job, step)
         return step, record.world_size, sources
+
+    def _lease_for_reading(self, job: str, step: int) -> None:
+        """Keep retention off a step a client is about to read, for LOAD_LEASE_S."""
+        now = time.monotonic()
+        for key in [k for k, until in self._being_read.items() if until <= now]:
+            del self._being_read[key]
+        self._being_read[(job, step)] = now + LOAD_LEASE_S
 
     async def _on_object_threads(self, fn: Any, *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._object_io, fn, *args)

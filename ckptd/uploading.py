@@ -151,16 +151,14 @@ class Uploader:
         return self._states.get(key)
 
     def busy_steps(self) -> set[tuple[str, int]]:
-        """Return the steps NVMe retention keeps off: shards being read for upload, or waiting to be.
+        """Return the steps NVMe retention keeps off: not yet complete in the store, and still on their way.
 
-        Not those failing again and again: a store that is down must not fill the disk.
+        A faster tier never drops its copy of a step before the store has it. This stays
+        bounded while the store is down: a rank's newer step supersedes an older one
+        that is waiting for its next attempt.
         """
-        waiting = {
-            (k.job, k.step)
-            for k, s in self._states.items()
-            if not (s.uploaded or s.gave_up or s.failures >= FAILURES_REPORTED)
-        }
-        return waiting | {(k.job, k.step) for k in self._uploading}
+        waiting = {(k.job, k.step) for k, s in self._states.items() if not (s.committed or s.gave_up)}
+        return waiting | {(k.job, k.step) for k in self._uploading} | set(self._watching)
 
     def unsettled_steps(self) -> set[tuple[str, int]]:
         """Return the steps this node is still uploading or committing (object retention keeps off them)."""

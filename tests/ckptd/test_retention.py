@@ -25,3 +25,8 @@ def test_incomplete_steps_newer_than_every_complete_step_stay():
 def test_never_removes_the_newest_complete_step():
     plan = plan_removals(all_steps=[7], complete_steps=[7], keep=1, busy=set())
     assert plan == []
+
+
+def test_a_busy_complete_step_stays_past_the_newest_n():
+    plan = plan_removals(all_steps=[1, 2, 3, 4], complete_steps=[1, 2, 3, 4], keep=1, busy={2})
+    assert [s for s, _ in plan] == [1, 3]

@@ -234,3 +234,20 @@ def test_gc_aborts_the_multipart_uploads_a_crash_left_behind(make_daemon, s3_ser
     assert "removed object train step 1: unfinished multipart" in out.stdout, out.stdout
     assert unfinished() == [f"p/{JOB}/3/{data_name(1)}"]
     assert ls(node) == {1: ["nvme", "object"], 2: ["nvme", "object"]}  # complete steps stay
+
+
+def test_nvme_keeps_a_step_until_the_store_has_it(make_daemon):
+    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there: every upload fails
+    toml = (
+        f'[object]\nurl = "s3://nowhere"\nevery = 2\nstorage_options = {{key = "k", secret = "k", '
+        f'client_kwargs = {{endpoint_url = "{dead}"}}, config_kwargs = {{retries = {{max_attempts = 1}}}}}}\n'
+        "[retention]\nnvme = 1\n"
+    )
+    node = make_daemon(toml).start()
+    with ckpt.Checkpointer(job=JOB, address=node.address) as c:
+        with pytest.raises(SaveFailed):
+            c.save_async(rank_state(0, 2), step=2).wait("object", timeout=120)  # failed three times in a row
+        c.save_async(rank_state(0, 3), step=3).wait("nvme", timeout=60)  # not uploaded: every = 2
+    out = node.cli("gc", "--dry-run")
+    assert "nvme train step 2" not in out.stdout, out.stdout  # the store does not have it yet
+    assert (node.root / JOB / "2" / data_name(0)).exists()
