@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import logging
 import os
+import shutil
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from ckpt.errors import CheckpointError, DaemonUnavailable, InvalidArgument
@@ -61,6 +64,11 @@ def _parser() -> argparse.ArgumentParser:
         description="Run the daemon in the foreground. SIGTERM or SIGINT drains in-flight work, then exits 0.",
     )
     s.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    s.add_argument(
+        "--log-json",
+        action="store_true",
+        help='log one JSON object per line: {"time", "level", "logger", "message"} (and "exception")',
+    )
     s.add_argument("--root", help="override [node] root: this node's NVMe tier")
     s.add_argument("--socket", help="override [node] socket: the unix socket for local clients")
     s.add_argument("--staging-dir", help="override [staging] dir: where the shared-memory slots live")
@@ -89,8 +97,10 @@ def _parser() -> argparse.ArgumentParser:
         "(read with [object] storage_options; no daemon and no other tier needed)",
     )
     s.add_argument("--to", required=True, metavar="DIR", type=Path)
+    s.add_argument("--json", action="store_true", help='print {"job", "step", "dir"} when done')
 
     s = sub.add_parser("verify", parents=[common], help="check every byte of a job's steps against their checksums")
+    s.add_argument("--json", action="store_true", help="print one JSON list of checks instead of lines")
     s.add_argument("--job", required=True, help="the job to check")
     s.add_argument("--step", type=int, help="only this step (default: every complete step)")
     s.add_argument(
@@ -98,6 +108,7 @@ def _parser() -> argparse.ArgumentParser:
     )
 
     s = sub.add_parser("gc", parents=[common, daemon], help="apply retention now")
+    s.add_argument("--json", action="store_true", help="print one JSON list of removals")
     s.add_argument("--dry-run", action="store_true", help="show what would be removed and why, remove nothing")
     return p
 
@@ -125,6 +136,34 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
+class JsonLogFormatter(logging.Formatter):
+    """Format each record as one JSON object on one line (for journald and log shippers)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        line = {
+            "time": self.formatTime(record, "%Y-%m-%dT%H:%M:%S") + f".{int(record.msecs):03d}",
+            "level": record.levelname,
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        if record.exc_info:
+            line["exception"] = self.formatException(record.exc_info)
+        return json.dumps(line)
+
+
+def _progress() -> Callable[[str], None]:
+    """Return where restore reports on each rank: a line each, or on a terminal one line redrawn in place."""
+    if not sys.stderr.isatty():
+        return lambda line: print(line, file=sys.stderr)
+
+    def redraw(line: str) -> None:
+        width = shutil.get_terminal_size().columns - 1
+        keep = "trying the next tier" in line  # a failure stays on screen
+        print(f"\r{line[:width]:<{width}}", end="\n" if keep else "", file=sys.stderr, flush=True)
+
+    return redraw
+
+
 def _client(args: argparse.Namespace, config: Config) -> DaemonClient:
     return DaemonClient(args.address or str(config.socket_path))
 
@@ -132,9 +171,11 @@ def _client(args: argparse.Namespace, config: Config) -> DaemonClient:
 def cmd_serve(args: argparse.Namespace, config: Config) -> int:
     from ckptd.daemon import AlreadyServing, ListenFailed, serve
 
-    logging.basicConfig(
-        level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(
+        JsonLogFormatter() if args.log_json else logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
     )
+    logging.basicConfig(level=args.log_level, handlers=[handler])
     try:
         asyncio.run(serve(config))
     except AlreadyServing as e:
@@ -230,8 +271,12 @@ def cmd_restore(args: argparse.Namespace, config: Config) -> int:
     job = validate_job(args.job)
     tiers = readable_tiers(config, args.source)
     step = latest_step(tiers, job) if args.step == "latest" else _parse_step(args.step)
-    step_dir = restore(tiers, job, step, args.to, progress=lambda line: print(line, file=sys.stderr))
-    print(step_dir)
+    try:
+        step_dir = restore(tiers, job, step, args.to, progress=_progress())
+    finally:
+        if sys.stderr.isatty():
+            print(file=sys.stderr)  # end the line redrawn in place
+    print(json.dumps({"job": job, "step": step, "dir": str(step_dir)}) if args.json else step_dir)
     return 0
 
 
@@ -241,14 +286,19 @@ def cmd_verify(args: argparse.Namespace, config: Config) -> int:
     job = validate_job(args.job)
     step = None if args.step is None else validate_step(args.step)
     checked = bad = 0
+    found = []
     for check in verify(readable_tiers(config, args.tier or "auto"), job, step, spread=bool(config.peers)):
         checked += 1
+        bad += not check.ok
         where = f"{check.tier} {check.job} step {check.step} rank {check.rank}"
-        if check.ok:
+        if args.json:
+            found.append(dataclasses.asdict(check) | {"ok": check.ok})
+        elif check.ok:
             print(f"ok   {where}")
         else:
-            bad += 1
             print(f"BAD  {where}: {check.error}")
+    if args.json:
+        print(json.dumps(found))
     if checked == 0:
         print(
             f"ckptd: nothing to verify for job {job}" + (f" step {step}" if step is not None else ""), file=sys.stderr
@@ -260,6 +310,9 @@ def cmd_verify(args: argparse.Namespace, config: Config) -> int:
 
 def cmd_gc(args: argparse.Namespace, config: Config) -> int:
     reply = _client(args, config).call("Collect", pb.CollectRequest(dry_run=args.dry_run))
+    if args.json:
+        print(json.dumps([{"tier": r.tier, "job": r.job, "step": r.step, "reason": r.reason} for r in reply.removals]))
+        return 0
     verb = "would remove" if args.dry_run else "removed"
     for r in reply.removals:
         print(f"{verb} {r.tier} {r.job} step {r.step}: {r.reason}")

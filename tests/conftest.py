@@ -38,6 +38,7 @@ class Daemon:
         self.log_path = base / "ckptd.log"
         self.proc: subprocess.Popen[bytes] | None = None
         self.listen = listen  # the peer address, for daemons of a cluster
+        self.serve_args: list[str] = []  # more flags for `ckptd serve`
 
     @property
     def address(self) -> str:
@@ -53,7 +54,9 @@ class Daemon:
             env = {**os.environ, "NOTIFY_SOCKET": str(notify_path)}
             env.pop("CKPTD_ADDRESS", None)
             log = open(self.log_path, "ab")  # noqa: SIM115 - handed to the child
-            self.proc = subprocess.Popen([*CKPTD, "serve", "--config", str(self.config_path)], stderr=log, env=env)
+            self.proc = subprocess.Popen(
+                [*CKPTD, "serve", "--config", str(self.config_path), *self.serve_args], stderr=log, env=env
+            )
             log.close()
             while True:
                 try:
