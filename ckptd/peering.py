@@ -263,6 +263,12 @@ class Peering:
             self.replication.confirm([h for s in remote for h in s.shards], reachable, asked_at)
             self.replication.retry_due(lambda k: self.nvme.checked_commit(k.job, k.step))
 
+    def replicating_steps(self) -> set[tuple[str, int]]:
+        """Return the steps whose replicas are still on their way, among those [retention] peer keeps."""
+        if self.replication is None:
+            return set()
+        return {(k.job, k.step) for k in self.replication.pending() if self._kept(k)}
+
     def _kept(self, key: ShardKey) -> bool:
         """Say whether the peers keep a shard's step under [retention] peer (else it is not sent again)."""
         keep = self.config.retention.peer

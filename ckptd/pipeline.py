@@ -338,10 +338,13 @@ class Pipeline:
                 self._record_failure(key, "nvme", f"retention for {key.job} failed: {e}")
 
     def _busy_steps(self) -> set[tuple[str, int]]:
-        """Return the steps retention keeps off: being flushed or sealed, received, or fetched."""
+        """Return the steps retention keeps off: being flushed, sealed, received, fetched or read,
+        or not yet on a slower tier."""
         busy = {(s.shard.job, s.shard.step) for s in self.pool.slots() if s.state == "pending" and s.shard}
         busy |= {(k.job, k.step) for k in self._sealing}
+        # A faster tier keeps a step until the slower tiers have it (those [retention] keeps).
         busy |= self.uploader.busy_steps() if self.uploader is not None else set()
+        busy |= self.peering.replicating_steps()
         now = time.monotonic()
         busy |= {step for step, until in self._being_read.items() if until > now}
         return busy | self.receiver.busy_steps() | self.peering.fetching | set(self._fetching_from_object)

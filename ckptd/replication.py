@@ -126,6 +126,10 @@ class Replication:
                     log.warning("peer %s no longer holds the replica of %s: sending it again", target, shard.key)
                     del shard.done[target]
 
+    def pending(self) -> list[ShardKey]:
+        """Return the shards whose replicas are not all in yet."""
+        return [k for k, shard in self._shards.items() if not shard.replicated]
+
     def forget(self, keep: Callable[[ShardKey], bool]) -> None:
         """Stop tracking shards that are gone from this node (removed by retention)."""
         for key in [k for k, shard in self._shards.items() if not shard.sending and not keep(k)]:

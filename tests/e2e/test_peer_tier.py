@@ -275,3 +275,17 @@ def test_a_peer_address_that_leads_back_to_the_node_itself_is_left_out(make_daem
     assert not list((a.root / ".peer").rglob("*.data")), "it never kept a replica of its own shard"
     assert ls(a)[1] == ["memory", "nvme"]
     assert "is this node itself" in a.log()
+
+
+def test_nvme_keeps_a_step_until_its_replicas_are_in(make_cluster):
+    a, b = make_cluster(2, extra_toml="[retention]\nnvme = 1\n")
+    a.start()  # b is down: no replica can be sent
+    with ckpt.Checkpointer(job=JOB, rank=0, world_size=1, address=a.address) as c:
+        for step in (1, 2):
+            c.save_async(rank_state(0, step), step=step).wait("nvme", timeout=60)
+    out = a.cli("gc", "--dry-run")
+    assert "nvme train step 1" not in out.stdout, out.stdout  # no other node has it yet
+    assert (a.root / JOB / "1" / data_name(0)).exists()  # gc ran after the retention pass of step 2's flush
+    b.start()
+    eventually(lambda: (b.root / ".peer" / JOB / "1" / meta_name(0)).exists(), what="step 1's replica")
+    eventually(lambda: "would remove nvme train step 1" in a.cli("gc", "--dry-run").stdout, what="step 1 released")
