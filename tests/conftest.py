@@ -39,6 +39,7 @@ class Daemon:
         self.proc: subprocess.Popen[bytes] | None = None
         self.listen = listen  # the peer address, for daemons of a cluster
         self.serve_args: list[str] = []  # more flags for `ckptd serve`
+        self.env: dict[str, str] = {}  # more environment for `ckptd serve` (CKPTD_<SECTION>__<KEY> overrides)
 
     @property
     def address(self) -> str:
@@ -51,7 +52,7 @@ class Daemon:
         with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as notify:
             notify.bind(str(notify_path))
             notify.settimeout(READY_TIMEOUT_S)
-            env = {**os.environ, "NOTIFY_SOCKET": str(notify_path)}
+            env = {**os.environ, **self.env, "NOTIFY_SOCKET": str(notify_path)}
             env.pop("CKPTD_ADDRESS", None)
             log = open(self.log_path, "ab")  # noqa: SIM115 - handed to the child
             self.proc = subprocess.Popen(

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 
 import ckpt
 import pytest
 import torch
+from conftest import CKPTD
 
 pytestmark = pytest.mark.e2e
 
@@ -38,3 +41,24 @@ def test_every_command_speaks_json_and_the_daemon_logs_json_lines(make_daemon, s
     assert {"time", "level", "logger", "message"} <= set(lines[0])
     assert any(line["message"].startswith("ckptd serving on") for line in lines)
     assert lines[-1]["message"] == "stopped"
+
+
+def test_environment_overrides_reach_a_real_daemon_and_a_bad_one_stops_it(make_daemon):
+    node = make_daemon("[retention]\nnvme = 5\n")
+    node.env = {"CKPTD_RETENTION__NVME": "1"}  # over the file's 5
+    node.start()
+    with ckpt.Checkpointer(job="env", address=node.address) as c:
+        for step in (1, 2, 3):
+            c.save_async({"w": torch.ones(4)}, step=step).wait(timeout=60)
+    node.cli("gc")
+    assert sorted(p.name for p in (node.root / "env").iterdir()) == ["3"]
+    node.stop()
+
+    out = subprocess.run(
+        [*CKPTD, "serve", "--config", str(node.config_path)],
+        env={**os.environ, "CKPTD_STAGING__POLICY": "sometimes"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 2 and "staging.policy" in out.stderr
