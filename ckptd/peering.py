@@ -153,26 +153,31 @@ class Peering:
         self.peer_tier.forget()
         return list(await self._run(self.peer_tier.complete_steps, job))
 
-    async def fetch(self, job: str, step: int, rank: int) -> None:
-        """Copy a rank's shard of a complete step from the peers onto this node's NVMe, verified."""
+    async def fetch(self, job: str, step: int, rank: int, replace: bool = False) -> None:
+        """Copy a rank's shard of a complete step from the peers onto this node's NVMe, verified.
+
+        replace: over a copy this node holds that failed its checks.
+        """
         if self.peer_tier is None:
             return
         lock = self._fetch_locks.setdefault((job, step, rank), asyncio.Lock())
         async with lock:
-            if self.nvme.has_shard(job, step, rank) and self.nvme.checked_commit(job, step) is not None:
+            if not replace and self.nvme.has_shard(job, step, rank) and self.nvme.checked_commit(job, step):
                 return  # another load fetched it meanwhile
             self.fetching.add((job, step))
             try:
                 # On threads of their own: whole shards take long, and must not starve the
                 # inventories, receives and seals that share the peer threads.
-                await asyncio.get_running_loop().run_in_executor(self._fetch_threads, self._fetch, job, step, rank)
+                await asyncio.get_running_loop().run_in_executor(
+                    self._fetch_threads, self._fetch, job, step, rank, replace
+                )
             finally:
                 self.fetching.discard((job, step))
 
-    def _fetch(self, job: str, step: int, rank: int) -> None:
+    def _fetch(self, job: str, step: int, rank: int, replace: bool) -> None:
         assert self.peer_tier is not None
         self.peer_tier.forget()
-        meta = fetch_shard(self.peer_tier, self.nvme, job, step, rank)
+        meta = fetch_shard(self.peer_tier, self.nvme, job, step, rank, replace)
         log.info(
             "fetched rank %d shard of %s step %d from the peers (%d bytes, verified)",
             rank,

@@ -485,13 +485,13 @@ class Pipeline:
         return [t for t in self.tiers if t.name == validate_tier(tier)]
 
     async def locate(
-        self, job: str, step: int | None, rank: int, tier: str = "auto"
+        self, job: str, step: int | None, rank: int, tier: str = "auto", refetch: bool = False
     ) -> tuple[int, int, list[ShardSource]]:
         """Return (step, world_size, sources fastest first) for a rank's shard of a complete step.
 
         A shard that no tier of this node holds is fetched from the peers (a wiped disk,
         or the ranks of a lost node), else from the object store, verified and written
-        to NVMe first.
+        to NVMe first. refetch (the client found this node's copies bad) does so over them.
         """
         tiers = self._tiers(tier)
         from_peers = tier in ("", "auto", "peer") and self.peering.peer_tier is not None
@@ -502,7 +502,7 @@ class Pipeline:
             peer_steps = set(await self.peering.complete_steps(job))
         object_steps: set[int] = set()
         store_silent = False  # then "not found" cannot be told: a caller must not start afresh on it
-        if from_object and (step is None or step not in steps | peer_steps):
+        if from_object and (refetch or step is None or step not in steps | peer_steps):
             answer = await self._ask_object_store(self._object_steps, job)
             store_silent, object_steps = answer is None, set(answer or [])
         steps |= peer_steps | object_steps
@@ -519,13 +519,15 @@ class Pipeline:
         record = self._commit_record(job, step)
         if record is not None and rank >= record.world_size:
             raise NotFound(f"{job} step {step} has no rank {rank} (world_size {record.world_size})")
-        sources = self._local_sources(tiers, job, step, rank, record)
+        if refetch and not (from_peers or from_object):
+            raise CorruptCheckpoint(f"{job} step {step} rank {rank}: no other tier to fetch a good copy from")
+        sources = [] if refetch else self._local_sources(tiers, job, step, rank, record)
         fetched_to = ShardSource(
             tier if tier in ("peer", "object") else "nvme", "dir", str(self.nvme.step_dir(job, step)), job, step
         )
-        if not sources and from_peers and step not in object_steps:
+        if not sources and from_peers and (refetch or step not in object_steps):
             try:
-                await self.peering.fetch(job, step, rank)
+                await self.peering.fetch(job, step, rank, replace=refetch)
                 sources = [fetched_to]
             except CheckpointError as e:
                 if not from_object:
@@ -536,7 +538,7 @@ class Pipeline:
                     raise  # the peers' error says more than "not found": the step does exist
                 object_steps = set(answer)
         if not sources and step in object_steps:
-            await self._fetch_from_object(job, step, rank, again=tier == "object")
+            await self._fetch_from_object(job, step, rank, again=tier == "object" or refetch, replace=refetch)
             sources = [fetched_to]
         record = self._commit_record(job, step)
         if record is None or not sources:
@@ -577,7 +579,7 @@ class Pipeline:
             log.warning("%s", e)
             return None
 
-    async def _fetch_from_object(self, job: str, step: int, rank: int, again: bool) -> None:
+    async def _fetch_from_object(self, job: str, step: int, rank: int, again: bool, replace: bool = False) -> None:
         """Copy a rank's shard of a step complete in the object store onto this node's NVMe, verified.
 
         again: read and check the store's copy even if NVMe holds the shard (a load that named tier "object").
@@ -588,7 +590,7 @@ class Pipeline:
                 return  # another load fetched it meanwhile
             self._fetching_from_object[(job, step)] += 1  # ranks of one step may be fetched at once
             try:
-                await self._on_object_threads(self._copy_from_object, job, step, rank)
+                await self._on_object_threads(self._copy_from_object, job, step, rank, replace)
             except CorruptCheckpoint:
                 self.verification_failed("object")
                 raise
@@ -597,10 +599,10 @@ class Pipeline:
                 if not self._fetching_from_object[(job, step)]:
                     del self._fetching_from_object[(job, step)]
 
-    def _copy_from_object(self, job: str, step: int, rank: int) -> None:
+    def _copy_from_object(self, job: str, step: int, rank: int, replace: bool) -> None:
         assert self.object_tier is not None
         started = time.monotonic()
-        meta = fetch_shard(self.object_tier, self.nvme, job, step, rank)
+        meta = fetch_shard(self.object_tier, self.nvme, job, step, rank, replace)
         log.info(
             "fetched rank %d shard of %s step %d from %s (%d bytes, verified, %.2f s)",
             rank,

@@ -60,17 +60,17 @@ def latest_step(tiers: list[Tier], job: str) -> int:
     return max(steps)
 
 
-def fetch_shard(source: Tier, target: DurableTier, job: str, step: int, rank: int) -> ShardMeta:
+def fetch_shard(source: Tier, target: DurableTier, job: str, step: int, rank: int, replace: bool = False) -> ShardMeta:
     """Copy a rank's shard of a complete step from source onto target, verified, and seal the step there.
 
-    Every byte is read and checked even when target holds that exact shard already
-    (then it is not written again): the copy on source is proven good either way.
+    Every byte is read and checked even when target holds that exact shard already:
+    then it is written again only with replace (target's copy failed its checks).
     """
     record = source.commit_record(job, step)
     meta = source.read_meta(job, step, rank)
     with aligned_buffer(meta.data_size_bytes) as buffer:
         source.read_into(meta, buffer)
-        if not target.holds(meta):
+        if replace or not target.holds(meta):
             target.write_shard(meta, buffer)
     target.adopt_commit(record)
     return meta

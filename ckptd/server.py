@@ -109,7 +109,9 @@ class CkptdServicer(ckptd_pb2_grpc.CkptdServicer):
             step = None if request.step == -1 else validate_step(request.step)
             if request.rank < 0:
                 raise InvalidArgument(f"invalid rank {request.rank}")
-            step, world_size, sources = await self.pipeline.locate(job, step, request.rank, request.tier)
+            step, world_size, sources = await self.pipeline.locate(
+                job, step, request.rank, request.tier, refetch=request.refetch
+            )
             return pb.LocateReply(
                 found=True,
                 step=step,

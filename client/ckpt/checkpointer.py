@@ -203,7 +203,18 @@ class Checkpointer:
             "Locate", pb.LocateRequest(job=self.job, step=-1 if step is None else step, rank=self.rank, tier=tier)
         )
         sources = [ShardSource(s.tier, s.kind, s.path, self.job, reply.step) for s in reply.sources]
-        return _load_first_good(sources, self.rank, map_location)
+        try:
+            return _load_first_good(sources, self.rank, map_location)
+        except CorruptCheckpoint as e:
+            if tier not in ("auto", "peer", "object"):
+                raise
+            # Every copy on this node is bad: the daemon fetches a good one from the peers
+            # or the object store, over them, and the load reads that.
+            log.warning("ckpt: %s; asking the daemon for a good copy from another node or the object store", e)
+            request = pb.LocateRequest(job=self.job, step=reply.step, rank=self.rank, tier=tier, refetch=True)
+            again = self._daemon.call("Locate", request)
+            sources = [ShardSource(s.tier, s.kind, s.path, self.job, again.step) for s in again.sources]
+            return _load_first_good(sources, self.rank, map_location)
 
 
 def load_local(path: str | os.PathLike[str], rank: int = 0, map_location: Any = "cpu") -> Any:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 
 import ckpt
@@ -251,3 +252,23 @@ def test_nvme_keeps_a_step_until_the_store_has_it(make_daemon):
     out = node.cli("gc", "--dry-run")
     assert "nvme train step 2" not in out.stdout, out.stdout  # the store does not have it yet
     assert (node.root / JOB / "2" / data_name(0)).exists()
+
+
+def test_a_bad_nvme_copy_is_replaced_by_the_stores_good_one_on_load(make_daemon, short_tmp):
+    store = short_tmp / "bucket"
+    node = make_daemon(f'[object]\nurl = "file://{store}"\n').start()
+    save(node, 5)
+    node.kill()
+    shutil.rmtree(node.staging_dir)  # no copy in memory: NVMe's is the only one on this node
+    data = node.root / JOB / "5" / data_name(0)
+    with open(data, "r+b") as f:
+        f.seek(5 << 20)
+        byte = f.read(1)
+        f.seek(5 << 20)
+        f.write(bytes([byte[0] ^ 1]))
+    node.start()
+    with ckpt.Checkpointer(job=JOB, address=node.address) as c:
+        assert_same(c.load(), rank_state(0, 5))  # NVMe's copy fails its check; the store's replaces it
+    assert f"fetched rank 0 shard of {JOB} step 5 from file://" in node.log()
+    out = node.cli("verify", "--job", JOB, "--tier", "nvme")
+    assert out.returncode == 0, out.stdout  # the bad copy was written over

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import socket
 import time
@@ -289,3 +290,16 @@ def test_nvme_keeps_a_step_until_its_replicas_are_in(make_cluster):
     b.start()
     eventually(lambda: (b.root / ".peer" / JOB / "1" / meta_name(0)).exists(), what="step 1's replica")
     eventually(lambda: "would remove nvme train step 1" in a.cli("gc", "--dry-run").stdout, what="step 1 released")
+
+
+def test_a_bad_nvme_copy_is_replaced_by_a_peers_good_one_on_load(make_cluster):
+    a, _ = (d.start() for d in make_cluster(2))  # the other node keeps a's replica
+    save_step([a], step=4, world_size=1)
+    a.kill()
+    shutil.rmtree(a.staging_dir)  # no copy in memory: NVMe's is the only one on this node
+    _flip_a_byte(a.root / JOB / "4" / data_name(0))
+    a.start()
+    with ckpt.Checkpointer(job=JOB, rank=0, world_size=1, address=a.address) as c:
+        assert_same(c.load(), rank_state(0, 4))
+    assert "fetched rank 0 shard of train step 4 from the peers" in a.log()
+    assert a.cli("verify", "--job", JOB, "--tier", "nvme").returncode == 0

@@ -85,16 +85,18 @@ class WaitShardReply(_message.Message):
     def __init__(self, done: _Optional[bool] = ..., error: _Optional[str] = ...) -> None: ...
 
 class LocateRequest(_message.Message):
-    __slots__ = ("job", "step", "rank", "tier")
+    __slots__ = ("job", "step", "rank", "tier", "refetch")
     JOB_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
+    REFETCH_FIELD_NUMBER: _ClassVar[int]
     job: str
     step: int
     rank: int
     tier: str
-    def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., rank: _Optional[int] = ..., tier: _Optional[str] = ...) -> None: ...
+    refetch: bool
+    def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., rank: _Optional[int] = ..., tier: _Optional[str] = ..., refetch: _Optional[bool] = ...) -> None: ...
 
 class Source(_message.Message):
     __slots__ = ("tier", "kind", "path")
