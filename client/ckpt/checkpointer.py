@@ -212,7 +212,10 @@ class Checkpointer:
             # or the object store, over them, and the load reads that.
             log.warning("ckpt: %s; asking the daemon for a good copy from another node or the object store", e)
             request = pb.LocateRequest(job=self.job, step=reply.step, rank=self.rank, tier=tier, refetch=True)
-            again = self._daemon.call("Locate", request)
+            try:
+                again = self._daemon.call("Locate", request)
+            except CheckpointError as other:
+                raise CorruptCheckpoint(f"{e}; and no good copy elsewhere: {other}") from other
             sources = [ShardSource(s.tier, s.kind, s.path, self.job, again.step) for s in again.sources]
             return _load_first_good(sources, self.rank, map_location)
 
