@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import datetime
 import json
 import logging
 import os
@@ -140,14 +141,17 @@ class JsonLogFormatter(logging.Formatter):
     """Format each record as one JSON object on one line (for journald and log shippers)."""
 
     def format(self, record: logging.LogRecord) -> str:
+        when = datetime.datetime.fromtimestamp(record.created, datetime.UTC)
         line = {
-            "time": self.formatTime(record, "%Y-%m-%dT%H:%M:%S") + f".{int(record.msecs):03d}",
+            "time": when.isoformat(timespec="milliseconds").replace("+00:00", "Z"),
             "level": record.levelname,
             "logger": record.name,
             "message": record.getMessage(),
         }
         if record.exc_info:
             line["exception"] = self.formatException(record.exc_info)
+        if record.stack_info:
+            line["stack"] = self.formatStack(record.stack_info)
         return json.dumps(line)
 
 
@@ -176,6 +180,7 @@ def cmd_serve(args: argparse.Namespace, config: Config) -> int:
         JsonLogFormatter() if args.log_json else logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
     )
     logging.basicConfig(level=args.log_level, handlers=[handler])
+    logging.captureWarnings(True)  # Python's warnings go through the same formatter
     try:
         asyncio.run(serve(config))
     except AlreadyServing as e:

@@ -11,6 +11,7 @@ import asyncio
 import logging
 import math
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,6 +20,9 @@ log = logging.getLogger(__name__)
 
 DURATION_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 900.0)
 MAX_REQUEST_BYTES = 8192
+MAX_CLIENTS = 8  # scrapes served at once; more wait their turn
+CLIENT_TIMEOUT_S = 5.0
+PAGE_TTL_S = 1.0  # a page is rendered at most once a second, however many scrape it
 
 
 @dataclass
@@ -144,23 +148,35 @@ def _number(value: float) -> str:
 
 async def serve(listen: str, page: Callable[[], str]) -> asyncio.Server:
     """Serve GET /metrics on listen (host:port) with page(); anything else gets 404 or 405."""
+    clients = asyncio.Semaphore(MAX_CLIENTS)
+    rendered: list[tuple[float, bytes]] = []
+
+    def cached_page() -> bytes:
+        now = time.monotonic()
+        if not rendered or now - rendered[0][0] > PAGE_TTL_S:
+            rendered[:] = [(now, page().encode())]
+        return rendered[0][1]
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        async with clients:
+            await answer(reader, writer)
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
-            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout=10)
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout=CLIENT_TIMEOUT_S)
             method, path, *_ = [*head[:MAX_REQUEST_BYTES].decode("latin-1").split(" ", 2), "", ""]
             if method not in ("GET", "HEAD"):
                 status, body = "405 Method Not Allowed", b"GET /metrics\n"
             elif path.split("?", 1)[0] != "/metrics":
                 status, body = "404 Not Found", b"see /metrics\n"
             else:
-                status, body = "200 OK", page().encode()
+                status, body = "200 OK", cached_page()
             writer.write(
                 f"HTTP/1.1 {status}\r\nContent-Type: text/plain; version=0.0.4; charset=utf-8\r\n"
                 f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode()
                 + (body if method != "HEAD" else b"")
             )
-            await writer.drain()
+            await asyncio.wait_for(writer.drain(), timeout=CLIENT_TIMEOUT_S)
         except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, TimeoutError, ConnectionError):
             pass  # a client that goes away or sends garbage gets nothing
         except Exception:  # a scrape must never take the daemon down

@@ -269,10 +269,19 @@ class Peering:
             self.replication.retry_due(lambda k: self.nvme.checked_commit(k.job, k.step))
 
     def replicating_steps(self) -> set[tuple[str, int]]:
-        """Return the steps whose replicas are still on their way, among those [retention] peer keeps."""
+        """Return the steps whose replicas are still on their way, among those [retention] peer keeps.
+
+        At most twice [retention] nvme steps per job: a peer that stays down must not fill the disk.
+        """
         if self.replication is None:
             return set()
-        return {(k.job, k.step) for k in self.replication.pending() if self._kept(k)}
+        limit = 2 * self.config.retention.nvme
+
+        def within(key: ShardKey) -> bool:
+            complete = self.nvme.complete_steps(key.job)
+            return limit == 0 or key.step in complete[-limit:] or key.step > max(complete, default=-1)
+
+        return {(k.job, k.step) for k in self.replication.pending() if self._kept(k) and within(k)}
 
     def _kept(self, key: ShardKey) -> bool:
         """Say whether the peers keep a shard's step under [retention] peer (else it is not sent again)."""

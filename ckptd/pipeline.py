@@ -122,6 +122,7 @@ class Pipeline:
             "ckptd_flush_duration_seconds", "From a snapshot committed to its shard durable on NVMe"
         )
         self._replica_bytes_received = 0
+        self._completed_unix_s: dict[str, float] = {}  # tier -> when a step last became complete there
 
     # -- lifecycle ---------------------------------------------------------------
 
@@ -148,6 +149,7 @@ class Pipeline:
                 log.info("resuming flush of %s", slot.shard)
                 self._start_flush(slot)
         await self._finish_interrupted_commits()
+        self._seed_completion_times()
         if self.uploader is not None:
             self.uploader.start()
         if self.peering.peer_tier is not None:
@@ -167,6 +169,7 @@ class Pipeline:
 
     def _replication_changed(self, key: ShardKey, replicated: bool) -> None:
         if replicated:
+            self._completed_unix_s["peer"] = time.time()
             self._remember(key, "peer")  # stays known after the shard is no longer tracked
         self._wake_waiters()
 
@@ -331,6 +334,7 @@ class Pipeline:
         async with self._changed:
             self._changed.notify_all()  # waiters first: retention below may take a while
         if record is not None:
+            self._completed_unix_s["nvme"] = time.time()
             log.info("%s step %d is complete on nvme (%d bytes)", key.job, key.step, record.size_bytes)
             try:
                 await self.collect(dry_run=False, job=key.job, tiers=("nvme", "peer"))
@@ -519,6 +523,8 @@ class Pipeline:
         record = self._commit_record(job, step)
         if record is not None and rank >= record.world_size:
             raise NotFound(f"{job} step {step} has no rank {rank} (world_size {record.world_size})")
+        if refetch:
+            self.verification_failed("nvme")  # the client found this node's copies bad
         if refetch and not (from_peers or from_object):
             raise CorruptCheckpoint(f"{job} step {step} rank {rank}: no other tier to fetch a good copy from")
         sources = [] if refetch else self._local_sources(tiers, job, step, rank, record)
@@ -780,21 +786,22 @@ class Pipeline:
         return metrics.page(self.status(), histograms)
 
     def _newest_step_ages(self) -> dict[str, float]:
-        """Return, per durable tier, seconds since its newest complete step's commit record was written."""
-        ages = {}
+        """Return, per tier, seconds since a step last became complete there (kept in memory: scrapes touch no disk)."""
         now = time.time()
+        ages = {tier: max(0.0, now - t) for tier, t in self._completed_unix_s.items()}
+        if self.uploader is not None and self.uploader.last_commit_unix_s:
+            ages["object"] = max(0.0, now - self.uploader.last_commit_unix_s)
+        return ages
+
+    def _seed_completion_times(self) -> None:
+        """Learn when the newest complete step of each durable tier was committed, once, at start."""
         for tier in self.durable_tiers:
-            newest = 0.0
             for job in tier.jobs():
                 steps = tier.complete_steps(job)
                 if steps:
                     with contextlib.suppress(OSError):
-                        newest = max(newest, tier.committed_unix_s(job, steps[-1]))
-            if newest:
-                ages[tier.name] = max(0.0, now - newest)
-        if self.uploader is not None and self.uploader.last_commit_unix_s:
-            ages["object"] = max(0.0, now - self.uploader.last_commit_unix_s)
-        return ages
+                        t = tier.committed_unix_s(job, steps[-1])
+                        self._completed_unix_s[tier.name] = max(self._completed_unix_s.get(tier.name, 0.0), t)
 
     def status(self) -> dict[str, Any]:
         """Return the status document of `ckptd status --json`."""
@@ -820,7 +827,12 @@ class Pipeline:
             "counters": {
                 **self._counters,
                 "replica_bytes_received": self._replica_bytes_received,
-                "verification_failures": dict(self._verification_failures),
+                "verification_failures": {
+                    **dict.fromkeys(("memory", "nvme", "peer", "object"), 0),
+                    **self._verification_failures,
+                    "nvme": self._verification_failures["nvme"]
+                    + (self.uploader.verification_failures if self.uploader else 0),
+                },
             },
             "newest_complete_age_s": {tier: round(age, 3) for tier, age in self._newest_step_ages().items()},
             "recent_errors": list(self._errors),

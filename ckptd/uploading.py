@@ -25,7 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from ckpt.errors import CheckpointError, NotFound
+from ckpt.errors import CheckpointError, CorruptCheckpoint, NotFound
 from ckpt.format import CommitRecord, ShardMeta, data_name, meta_name
 
 from ckptd import metrics
@@ -84,6 +84,7 @@ class Uploader:
         self.upload_seconds = metrics.Histogram(
             "ckptd_upload_duration_seconds", "Uploading one shard to the object store (a successful attempt)"
         )
+        self.verification_failures = 0  # NVMe copies found bad while read for upload
         self.last_commit_unix_s = 0.0  # when a step of any job last became complete in the store, seen from here
         self.last_error = ""
 
@@ -129,11 +130,14 @@ class Uploader:
         """Start uploading a shard that is durable on NVMe (a step [object] every leaves out is ignored)."""
         if not self.wanted(key.step):
             return
+        # A store slower than the saves: an older step of the job none of whose shards has
+        # begun its upload here is skipped, whole, for the newer one. A step under way goes
+        # on, so some step always completes, and at most two per job wait on NVMe.
+        begun = {(k.job, k.step) for k, s in self._states.items() if s.attempts or s.uploaded or k in self._uploading}
         for older, state in self._states.items():
-            queued = not (state.uploaded or state.gave_up) and older not in self._uploading
-            if queued and (older.job, older.rank) == (key.job, key.rank) and older.step < key.step:
-                # One step behind at most: a store slower than the saves uploads the newest.
-                state.error = f"{older} was not uploaded: {key} came before its upload began"
+            skipped = older.job == key.job and older.step < key.step and (older.job, older.step) not in begun
+            if skipped and not (state.uploaded or state.gave_up):
+                state.error = f"{older} was not uploaded: step {key.step} came before any shard of its step began"
                 state.gave_up = True
                 log.warning("%s", state.error)
                 self._on_change(older, False)
@@ -151,14 +155,13 @@ class Uploader:
         return self._states.get(key)
 
     def busy_steps(self) -> set[tuple[str, int]]:
-        """Return the steps NVMe retention keeps off: not yet complete in the store, and still on their way.
+        """Return the steps NVMe retention keeps off: their shards are still on their way to the store.
 
-        A faster tier never drops its copy of a step before the store has it. This stays
-        bounded while the store is down: a rank's newer step supersedes an older one
-        that is waiting for its next attempt.
+        Bounded while the store is slow or down: a newer step skips older ones not begun
+        (see upload). Once uploaded, a shard no longer needs its NVMe copy.
         """
-        waiting = {(k.job, k.step) for k, s in self._states.items() if not (s.committed or s.gave_up)}
-        return waiting | {(k.job, k.step) for k in self._uploading} | set(self._watching)
+        waiting = {(k.job, k.step) for k, s in self._states.items() if not (s.uploaded or s.gave_up)}
+        return waiting | {(k.job, k.step) for k in self._uploading}
 
     def unsettled_steps(self) -> set[tuple[str, int]]:
         """Return the steps this node is still uploading or committing (object retention keeps off them)."""
@@ -166,8 +169,8 @@ class Uploader:
         return steps | set(self._watching)
 
     def pending(self) -> int:
-        """Return how many shards are not in the store yet."""
-        return sum(1 for s in self._states.values() if not s.uploaded)
+        """Return how many shards are on their way to the store."""
+        return sum(1 for s in self._states.values() if not (s.uploaded or s.gave_up))
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.get_running_loop().create_task(coro)
@@ -191,6 +194,9 @@ class Uploader:
                         error, gone = "", False
                     except (LocalCopyGone, CommitConflict) as e:
                         meta, error, gone = None, str(e), True
+                    except CorruptCheckpoint as e:  # the NVMe copy failed its checks: no retry can help
+                        self.verification_failures += 1
+                        meta, error, gone = None, f"{e}; not uploaded", True
                     except (CheckpointError, OSError) as e:
                         meta, error, gone = None, f"upload of {key} to {self.tier.store.url} failed: {e}", False
                     except Exception as e:  # the loop must outlive any one bad attempt
@@ -298,6 +304,9 @@ class Uploader:
             return "committed"
         except NotFound:
             pass
+        newer = [s for s in self.tier.complete_steps(job) if s > step]
+        if newer:
+            return f"a newer step ({newer[-1]}) is complete there first"
         if writer:
             if not record and (sealed := self.nvme.checked_commit(job, step)) is not None:
                 record.append(sealed)
@@ -323,7 +332,7 @@ class Uploader:
 
     def status(self) -> dict[str, Any]:
         """Return the object tier's part of `ckptd status`."""
-        failing = {str(k): s.error for k, s in self._states.items() if s.failures and not s.uploaded}
+        failing = {str(k): s.error for k, s in self._states.items() if s.failures and not (s.uploaded or s.gave_up)}
         return {
             "enabled": True,
             "url": self.tier.store.url,

@@ -52,6 +52,8 @@ def test_metrics_are_served_after_real_saves(make_daemon, short_tmp):
     assert 0 <= value(page, 'ckptd_newest_complete_step_age_seconds{tier="nvme"}') < 600
     assert 0 <= value(page, 'ckptd_newest_complete_step_age_seconds{tier="object"}') < 600
     assert value(page, "ckptd_snapshots_in_flight") == 0
+    assert value(page, 'ckptd_verification_failures_total{tier="nvme"}') == 0  # there from the start, for increase()
+    assert value(page, "ckptd_uploads_pending") == 0
     assert "# TYPE ckptd_saves_total counter" in page and "# TYPE ckptd_staging_bytes gauge" in page
     with pytest.raises(urllib.error.HTTPError) as e:
         scrape(address, "/")

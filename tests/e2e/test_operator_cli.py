@@ -39,6 +39,7 @@ def test_every_command_speaks_json_and_the_daemon_logs_json_lines(make_daemon, s
     node.stop()
     lines = [json.loads(line) for line in node.log().splitlines()]
     assert {"time", "level", "logger", "message"} <= set(lines[0])
+    assert lines[0]["time"].endswith("Z")  # UTC, the same on every node
     assert any(line["message"].startswith("ckptd serving on") for line in lines)
     assert lines[-1]["message"] == "stopped"
 
