@@ -74,10 +74,22 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--socket", help="override [node] socket: the unix socket for local clients")
     s.add_argument("--staging-dir", help="override [staging] dir: where the shared-memory slots live")
 
-    s = sub.add_parser("status", parents=[common, daemon], help="show the running daemon's state")
+    s = sub.add_parser(
+        "status",
+        parents=[common, daemon],
+        help="show the running daemon's state",
+        epilog=_examples("ckptd status", "ckptd status --json | jq .tiers.object"),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     s.add_argument("--json", action="store_true", help="print one JSON document")
 
-    s = sub.add_parser("ls", parents=[common, daemon], help="list complete steps and the tiers holding them")
+    s = sub.add_parser(
+        "ls",
+        parents=[common, daemon],
+        help="list complete steps and the tiers holding them",
+        epilog=_examples("ckptd ls", "ckptd ls --job llama-7b --json"),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     s.add_argument("--job", help="only this job")
     s.add_argument("--json", action="store_true", help="print one JSON list")
 
@@ -86,6 +98,12 @@ def _parser() -> argparse.ArgumentParser:
         parents=[common],
         help="copy a step out of a tier into a directory (no daemon needed)",
         description="Copy every shard of a step, verified, into DIR/<job>/<step>/, readable by ckpt.load_local.",
+        epilog=_examples(
+            "ckptd restore --job llama-7b --to /mnt/restore                      # latest, fastest good copy",
+            "ckptd restore --job llama-7b --step 1200 --from peer --to /mnt/restore",
+            "ckptd restore --job llama-7b --from s3://ckpts/prod --to /mnt/restore  # nothing left but the bucket",
+        ),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     s.add_argument("--job", required=True, help="the job to restore")
     s.add_argument("--step", default="latest", help="a step number, or latest (default)")
@@ -100,7 +118,16 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--to", required=True, metavar="DIR", type=Path)
     s.add_argument("--json", action="store_true", help='print {"job", "step", "dir"} when done')
 
-    s = sub.add_parser("verify", parents=[common], help="check every byte of a job's steps against their checksums")
+    s = sub.add_parser(
+        "verify",
+        parents=[common],
+        help="check every byte of a job's steps against their checksums",
+        epilog=_examples(
+            "ckptd verify --job llama-7b                       # every complete step, every tier",
+            "ckptd verify --job llama-7b --step 1200 --tier object",
+        ),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     s.add_argument("--json", action="store_true", help="print one JSON list of checks instead of lines")
     s.add_argument("--job", required=True, help="the job to check")
     s.add_argument("--step", type=int, help="only this step (default: every complete step)")
@@ -108,10 +135,20 @@ def _parser() -> argparse.ArgumentParser:
         "--tier", help="only this tier: memory, nvme, peer, object or an object-store URL (default: every tier)"
     )
 
-    s = sub.add_parser("gc", parents=[common, daemon], help="apply retention now")
+    s = sub.add_parser(
+        "gc",
+        parents=[common, daemon],
+        help="apply retention now",
+        epilog=_examples("ckptd gc --dry-run    # what would go, and why", "ckptd gc"),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     s.add_argument("--json", action="store_true", help="print one JSON list of removals")
     s.add_argument("--dry-run", action="store_true", help="show what would be removed and why, remove nothing")
     return p
+
+
+def _examples(*lines: str) -> str:
+    return "examples:\n" + "\n".join(f"  {line}" for line in lines)
 
 
 def main(argv: list[str] | None = None) -> int:

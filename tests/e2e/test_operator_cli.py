@@ -63,3 +63,11 @@ def test_environment_overrides_reach_a_real_daemon_and_a_bad_one_stops_it(make_d
         timeout=60,
     )
     assert out.returncode == 2 and "staging.policy" in out.stderr
+
+
+@pytest.mark.parametrize("command", ["serve", "status", "ls", "restore", "verify", "gc"])
+def test_every_command_has_help(command):
+    out = subprocess.run([*CKPTD, command, "--help"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and "--config" in out.stdout
+    if command != "serve":
+        assert "examples:\n  ckptd " + command in out.stdout
