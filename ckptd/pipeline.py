@@ -430,21 +430,20 @@ class Pipeline:
         if (tier == "object" and self.uploader is None) or (tier == "peer" and self.peering.replication is None):
             return False, f"tier {tier} is not configured on node {self.config.node.name}"
         if tier == "object":
-            return await self._wait_uploaded(key, timeout_s)
+            verdict = await self._upload_verdict(key)
+        elif tier == "peer":
+            verdict = self._replica_verdict(key)
+        else:
+
+            def verdict() -> tuple[bool, str] | None:
+                return (True, "") if self._reached_tier(key, tier) else None
+
         deadline = time.monotonic() + timeout_s
-        attempts_before = self.peering.replicated(key)[3]
-        if tier == "peer" and self.peering.replicated(key)[2] >= FAILURES_REPORTED and self.peering.replication:
-            self.peering.replication.retry_now(key)  # failing so far: a waiter hears how a fresh attempt goes
         async with self._changed:
             while True:
-                if tier == "peer":
-                    done, error, failures, attempts = self.peering.replicated(key)
-                    if done or (key, "peer") in self._reached:
-                        return True, ""
-                    if failures >= FAILURES_REPORTED and attempts > attempts_before:
-                        return False, error
-                elif self._reached_tier(key, tier):
-                    return True, ""
+                answer = verdict()
+                if answer is not None:
+                    return answer
                 if key in self._failures:
                     return False, self._failures[key]
                 remaining = deadline - time.monotonic()
@@ -455,33 +454,45 @@ class Pipeline:
                 except TimeoutError:
                     return False, ""
 
-    async def _wait_uploaded(self, key: ShardKey, timeout_s: float) -> tuple[bool, str]:
+    def _replica_verdict(self, key: ShardKey) -> Callable[[], tuple[bool, str] | None]:
+        """Return what says whether a shard's replicas are in, or why they failed (None: not yet)."""
+        attempts_before = self.peering.replicated(key)[3]
+        if self.peering.replicated(key)[2] >= FAILURES_REPORTED and self.peering.replication:
+            self.peering.replication.retry_now(key)  # failing so far: a waiter hears how a fresh attempt goes
+
+        def verdict() -> tuple[bool, str] | None:
+            done, error, failures, attempts = self.peering.replicated(key)
+            if done or (key, "peer") in self._reached:
+                return True, ""
+            if failures >= FAILURES_REPORTED and attempts > attempts_before:
+                return False, error
+            return None
+
+        return verdict
+
+    async def _upload_verdict(self, key: ShardKey) -> Callable[[], tuple[bool, str] | None]:
+        """Return what says whether a shard's step is complete in the store, or why not (None: not yet)."""
         assert self.uploader is not None
-        if not self.uploader.wanted(key.step):
-            return False, f"{key.job} step {key.step} is not uploaded: [object] every = {self.config.object.every}"
-        deadline = time.monotonic() + timeout_s
-        before = self.uploader.state(key)
+        uploader = self.uploader
+        if not uploader.wanted(key.step):
+            error = f"{key.job} step {key.step} is not uploaded: [object] every = {self.config.object.every}"
+            return lambda: (False, error)
+        before = uploader.state(key)
         attempts_before = before.attempts if before is not None else 0
         if before is None and key.step in (await self._ask_object_store(self._object_steps, key.job) or []):
-            return True, ""  # uploaded and committed before this daemon started
-        async with self._changed:
-            while True:
-                state = self.uploader.state(key)
-                if state is not None and state.committed:
-                    return True, ""
-                if state is not None and (
-                    state.gave_up or (state.failures >= UPLOAD_FAILURES_REPORTED and state.attempts > attempts_before)
-                ):
-                    return False, state.error
-                if key in self._failures:
-                    return False, self._failures[key]
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    return False, ""
-                try:
-                    await asyncio.wait_for(self._changed.wait(), remaining)
-                except TimeoutError:
-                    return False, ""
+            return lambda: (True, "")  # uploaded and committed before this daemon started
+
+        def verdict() -> tuple[bool, str] | None:
+            state = uploader.state(key)
+            if state is not None and state.committed:
+                return True, ""
+            if state is not None and (
+                state.gave_up or (state.failures >= UPLOAD_FAILURES_REPORTED and state.attempts > attempts_before)
+            ):
+                return False, state.error
+            return None
+
+        return verdict
 
     def _tiers(self, tier: str) -> list[Tier]:
         if tier in ("", "auto"):
