@@ -10,6 +10,7 @@ import argparse
 import asyncio
 import dataclasses
 import datetime
+import functools
 import json
 import logging
 import os
@@ -57,8 +58,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--version", action="version", version=f"ckptd {__version__}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    command = functools.partial(sub.add_parser, formatter_class=argparse.RawDescriptionHelpFormatter)
 
-    s = sub.add_parser(
+    s = command(
         "serve",
         parents=[common],
         help="run the daemon in the foreground",
@@ -74,26 +76,24 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--socket", help="override [node] socket: the unix socket for local clients")
     s.add_argument("--staging-dir", help="override [staging] dir: where the shared-memory slots live")
 
-    s = sub.add_parser(
+    s = command(
         "status",
         parents=[common, daemon],
         help="show the running daemon's state",
         epilog=_examples("ckptd status", "ckptd status --json | jq .tiers.object"),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     s.add_argument("--json", action="store_true", help="print one JSON document")
 
-    s = sub.add_parser(
+    s = command(
         "ls",
         parents=[common, daemon],
         help="list complete steps and the tiers holding them",
         epilog=_examples("ckptd ls", "ckptd ls --job llama-7b --json"),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     s.add_argument("--job", help="only this job")
     s.add_argument("--json", action="store_true", help="print one JSON list")
 
-    s = sub.add_parser(
+    s = command(
         "restore",
         parents=[common],
         help="copy a step out of a tier into a directory (no daemon needed)",
@@ -103,7 +103,6 @@ def _parser() -> argparse.ArgumentParser:
             "ckptd restore --job llama-7b --step 1200 --from peer --to /mnt/restore",
             "ckptd restore --job llama-7b --from s3://ckpts/prod --to /mnt/restore  # nothing left but the bucket",
         ),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     s.add_argument("--job", required=True, help="the job to restore")
     s.add_argument("--step", default="latest", help="a step number, or latest (default)")
@@ -118,7 +117,7 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--to", required=True, metavar="DIR", type=Path)
     s.add_argument("--json", action="store_true", help='print {"job", "step", "dir"} when done')
 
-    s = sub.add_parser(
+    s = command(
         "verify",
         parents=[common],
         help="check every byte of a job's steps against their checksums",
@@ -126,7 +125,6 @@ def _parser() -> argparse.ArgumentParser:
             "ckptd verify --job llama-7b                       # every complete step, every tier",
             "ckptd verify --job llama-7b --step 1200 --tier object",
         ),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     s.add_argument("--json", action="store_true", help="print one JSON list of checks instead of lines")
     s.add_argument("--job", required=True, help="the job to check")
@@ -135,12 +133,11 @@ def _parser() -> argparse.ArgumentParser:
         "--tier", help="only this tier: memory, nvme, peer, object or an object-store URL (default: every tier)"
     )
 
-    s = sub.add_parser(
+    s = command(
         "gc",
         parents=[common, daemon],
         help="apply retention now",
         epilog=_examples("ckptd gc --dry-run    # what would go, and why", "ckptd gc"),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     s.add_argument("--json", action="store_true", help="print one JSON list of removals")
     s.add_argument("--dry-run", action="store_true", help="show what would be removed and why, remove nothing")
