@@ -15,7 +15,6 @@ import argparse
 import json
 import mmap
 import os
-import platform
 import shutil
 import signal
 import statistics
@@ -27,14 +26,19 @@ import warnings
 from collections import defaultdict
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import ckpt
 import torch
 import torch.distributed.checkpoint as dcp
-from report import Row, held, table  # benchmarks/report.py: run as scripts, this directory is on sys.path
+from report import (  # benchmarks/report.py: run as scripts, this directory is on sys.path
+    Row,
+    as_json,
+    held,
+    table,
+    write_results,
+)
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 DD_BLOCK_BYTES = 64 << 20
@@ -365,24 +369,19 @@ def main() -> int:
     print()
     print_table(rows, peers)
     print("\nckptd logged:", *daemon_warnings or ["no warnings"], sep="\n  ")
-    load_after = os.getloadavg()
-    print(f"\nload average before {load_before[0]:.2f}, after {load_after[0]:.2f} (on {os.cpu_count()} CPUs)")
-    result = {
-        "argv": sys.argv,
-        "size_bytes": size,
-        "tensors": len(state),
-        "repeats": args.repeats,
-        "dir": str(args.dir.resolve()),
-        "env": {"torch": torch.__version__, "python": platform.python_version(), "cpus": os.cpu_count()},
-        "load_average_1m": {"before": load_before[0], "after": load_after[0]},
-        "rows": [{**asdict(r), "gb_per_s": r.gb_per_s} for r in rows],
-        "peers": [{**asdict(r), "gb_per_s": r.gb_per_s} for r in peers],
-        "raw_s": raw,
-        "daemon_warnings": daemon_warnings,
-    }
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"wrote {args.json}")
+    write_results(
+        args.json,
+        load_before,
+        rows,
+        {"torch": torch.__version__},
+        size_bytes=size,
+        tensors=len(state),
+        repeats=args.repeats,
+        dir=str(args.dir.resolve()),
+        peers=as_json(peers),
+        raw_s=raw,
+        daemon_warnings=daemon_warnings,
+    )
     return 0
 
 

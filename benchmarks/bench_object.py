@@ -16,10 +16,8 @@ See benchmarks/README.md.
 from __future__ import annotations
 
 import argparse
-import json
 import mmap
 import os
-import platform
 import shutil
 import socket
 import statistics
@@ -31,7 +29,6 @@ import time
 import uuid
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +37,12 @@ import botocore
 import moto
 import s3fs
 from ckpt.format import CHUNK_SIZE_BYTES, CommitRecord, ShardMeta, data_name, digest
-from report import Row, held, table  # benchmarks/report.py: run as scripts, this directory is on sys.path
+from report import (  # benchmarks/report.py: run as scripts, this directory is on sys.path
+    Row,
+    held,
+    table,
+    write_results,
+)
 
 from ckptd.object_store import UPLOAD_CONCURRENCY, open_store
 from ckptd.tiers.nvme import LocalDirTier
@@ -315,29 +317,18 @@ def main() -> int:
         f"({MIN_RANGE_BYTES >> 20}-{MAX_RANGE_BYTES >> 20} MiB), {READ_THREADS} threads; "
         f"s3fs: parts of 50 MiB, {s3fs_concurrency} at a time; moto's peak memory {moto_peak_rss / (1 << 30):.2f} GiB"
     )
-    load_after = os.getloadavg()
-    print(f"\nload average before {load_before[0]:.2f}, after {load_after[0]:.2f} (on {os.cpu_count()} CPUs)")
-    result = {
-        "argv": sys.argv,
-        "size_bytes": size,
-        "repeats": args.repeats,
-        "dir": str(args.dir.resolve()),
-        "env": {
-            "python": platform.python_version(),
-            "s3fs": s3fs.__version__,
-            "botocore": botocore.__version__,
-            "moto": moto.__version__,
-            "cpus": os.cpu_count(),
-        },
-        "load_average_1m": {"before": load_before[0], "after": load_after[0]},
-        "rows": [{**asdict(r), "gb_per_s": r.gb_per_s} for r in rows],
-        "raw_s": raw,
-        "zstd_stored_bytes": stored,
-        "moto_peak_rss_bytes": moto_peak_rss,
-    }
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"wrote {args.json}")
+    write_results(
+        args.json,
+        load_before,
+        rows,
+        {"s3fs": s3fs.__version__, "botocore": botocore.__version__, "moto": moto.__version__},
+        size_bytes=size,
+        repeats=args.repeats,
+        dir=str(args.dir.resolve()),
+        raw_s=raw,
+        zstd_stored_bytes=stored,
+        moto_peak_rss_bytes=moto_peak_rss,
+    )
     return 0
 
 

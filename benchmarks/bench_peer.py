@@ -17,7 +17,6 @@ import json
 import mmap
 import multiprocessing
 import os
-import platform
 import queue
 import shutil
 import signal
@@ -30,7 +29,7 @@ import threading
 import time
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -41,7 +40,12 @@ import xxhash
 from ckpt.format import ShardMeta, data_name, meta_name
 from ckpt.transport import DaemonClient
 from ckpt.wire.v1 import ckptd_pb2 as pb
-from report import Row, held, table  # benchmarks/report.py: run as scripts, this directory is on sys.path
+from report import (  # benchmarks/report.py: run as scripts, this directory is on sys.path
+    Row,
+    held,
+    table,
+    write_results,
+)
 
 from ckptd.config import PeerConfig
 from ckptd.peer_link import STREAMS_PER_SHARD, PeerLink
@@ -459,23 +463,18 @@ def main() -> int:
         f"the shard's bytes, {size} in all, were {size / args.size_mib / (1 << 20):.4f}x the tensor"
     )
     print("\nckptd logged:", *daemon_warnings or ["no warnings"], sep="\n  ")
-    load_after = os.getloadavg()
-    print(f"\nload average before {load_before[0]:.2f}, after {load_after[0]:.2f} (on {os.cpu_count()} CPUs)")
-    result = {
-        "argv": sys.argv,
-        "size_bytes": size,
-        "repeats": args.repeats,
-        "dir": str(args.dir.resolve()),
-        "env": {"torch": torch.__version__, "python": platform.python_version(), "cpus": os.cpu_count()},
-        "load_average_1m": {"before": load_before[0], "after": load_after[0]},
-        "rows": [{**asdict(r), "gb_per_s": r.gb_per_s} for r in rows],
-        "raw_s": raw,
-        "peer_status_of_a": peer_status,
-        "daemon_warnings": daemon_warnings,
-    }
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"wrote {args.json}")
+    write_results(
+        args.json,
+        load_before,
+        rows,
+        {"torch": torch.__version__},
+        size_bytes=size,
+        repeats=args.repeats,
+        dir=str(args.dir.resolve()),
+        raw_s=raw,
+        peer_status_of_a=peer_status,
+        daemon_warnings=daemon_warnings,
+    )
     return 0
 
 

@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+import os
+import platform
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -41,3 +47,26 @@ def table(rows: list[Row]) -> str:
         return f"{r.what:<{width}} {r.time_s:>8.3f} {r.gb_per_s:>7.2f}  {r.limit:<16} {ratio:>7} {r.target:>7} {ok:>4}"
 
     return "\n".join([header, "-" * len(header), *map(line, rows)])
+
+
+def as_json(rows: list[Row]) -> list[dict[str, Any]]:
+    """Return rows as JSON objects, bandwidth included."""
+    return [{**asdict(r), "gb_per_s": r.gb_per_s} for r in rows]
+
+
+def write_results(
+    path: Path, load_before: tuple[float, ...], rows: list[Row], env: dict[str, str], **fields: Any
+) -> None:
+    """Print the load average around the run and write its results as JSON to path."""
+    load_after = os.getloadavg()
+    print(f"\nload average before {load_before[0]:.2f}, after {load_after[0]:.2f} (on {os.cpu_count()} CPUs)")
+    result = {
+        "argv": sys.argv,
+        **fields,
+        "env": {"python": platform.python_version(), "cpus": os.cpu_count(), **env},
+        "load_average_1m": {"before": load_before[0], "after": load_after[0]},
+        "rows": as_json(rows),
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"wrote {path}")
