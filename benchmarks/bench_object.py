@@ -44,7 +44,7 @@ from report import (  # benchmarks/report.py: run as scripts, this directory is 
     write_results,
 )
 
-from ckptd.object_store import UPLOAD_CONCURRENCY, open_store
+from ckptd.storage.object_store import UPLOAD_CONCURRENCY, open_store
 from ckptd.tiers.nvme import LocalDirTier
 from ckptd.tiers.object import MAX_RANGE_BYTES, MIN_RANGE_BYTES, PART_BYTES, READ_THREADS, ObjectTier, zstd_name
 

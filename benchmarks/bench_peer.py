@@ -48,7 +48,7 @@ from report import (  # benchmarks/report.py: run as scripts, this directory is 
 )
 
 from ckptd.config import PeerConfig
-from ckptd.peer_link import STREAMS_PER_SHARD, PeerLink
+from ckptd.rpc.peer_link import STREAMS_PER_SHARD, PeerLink
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 DIRECT_IO_ALIGN_BYTES = 4096

@@ -272,7 +272,7 @@ MIXED = "(mixed: each rank has a copy, no single tier has all)"
 
 
 def cmd_ls(args: argparse.Namespace, config: Config) -> int:
-    from ckptd.restore import human_size
+    from ckptd.offline.restore import human_size
 
     job = validate_job(args.job) if args.job else ""
     try:
@@ -280,8 +280,8 @@ def cmd_ls(args: argparse.Namespace, config: Config) -> int:
     except DaemonUnavailable as e:
         if args.address or os.environ.get("CKPTD_ADDRESS"):
             raise  # asked about a particular daemon: this node's disks are no answer
-        from ckptd.catalog import list_steps
-        from ckptd.restore import readable_tiers
+        from ckptd.offline.restore import readable_tiers
+        from ckptd.tiers.catalog import list_steps
 
         print(f"ckptd: {e}\nckptd: listing what this node's own tiers hold instead", file=sys.stderr)
         found = list_steps(readable_tiers(config), job)
@@ -305,7 +305,7 @@ def cmd_ls(args: argparse.Namespace, config: Config) -> int:
 
 
 def cmd_restore(args: argparse.Namespace, config: Config) -> int:
-    from ckptd.restore import latest_step, readable_tiers, restore
+    from ckptd.offline.restore import latest_step, readable_tiers, restore
 
     job = validate_job(args.job)
     tiers = readable_tiers(config, args.source)
@@ -320,7 +320,8 @@ def cmd_restore(args: argparse.Namespace, config: Config) -> int:
 
 
 def cmd_verify(args: argparse.Namespace, config: Config) -> int:
-    from ckptd.restore import readable_tiers, verify
+    from ckptd.offline.restore import readable_tiers
+    from ckptd.offline.verify import verify
 
     job = validate_job(args.job)
     step = None if args.step is None else validate_step(args.step)

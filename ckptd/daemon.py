@@ -15,10 +15,10 @@ from ckpt.wire.v1 import ckptd_pb2_grpc
 
 from ckptd import metrics, sd_notify
 from ckptd.config import Config
-from ckptd.peer_link import grpc_options, server_credentials
-from ckptd.peer_server import PeerServicer, add_peer_servicer
-from ckptd.pipeline import Pipeline
-from ckptd.server import CkptdServicer
+from ckptd.datapath.pipeline import Pipeline
+from ckptd.rpc.peer_link import grpc_options, server_credentials
+from ckptd.rpc.peer_server import PeerServicer, add_peer_servicer
+from ckptd.rpc.server import CkptdServicer
 
 log = logging.getLogger(__name__)
 

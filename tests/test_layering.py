@@ -10,8 +10,11 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-# The modules of ckptd that may touch protobuf messages: the servicer and the programs that call it.
-WIRE_ALLOWED = {"server.py", "daemon.py", "cli.py", "peer_server.py", "peer_link.py"}  # the edges that translate
+# The modules of ckptd that may touch protobuf messages: the RPC edges and the programs that call them.
+WIRE_ALLOWED = {"ckptd/rpc", "ckptd/daemon.py", "ckptd/cli.py"}
+# The daemon's core (the data path, the tiers, the storage mechanisms) never imports the programs or offline tools.
+CORE = ("datapath", "tiers", "storage", "rpc")
+CORE_NEVER_IMPORTS = ("ckptd.offline", "ckptd.cli", "ckptd.daemon")
 
 
 def _imports(path: Path) -> set[str]:
@@ -35,14 +38,28 @@ def test_client_never_imports_the_daemon(path):
 
 @pytest.mark.parametrize("path", _modules(REPO / "ckptd"), ids=lambda p: str(p.relative_to(REPO)))
 def test_below_the_servicer_nothing_sees_protobuf(path):
-    if path.name in WIRE_ALLOWED and path.parent.name == "ckptd":
+    relative = str(path.relative_to(REPO))
+    if any(relative == allowed or relative.startswith(allowed + "/") for allowed in WIRE_ALLOWED):
         return
     assert not any(n.startswith("ckpt.wire") or n.startswith("grpc") for n in _imports(path)), path
 
 
+@pytest.mark.parametrize(
+    "path", [p for part in CORE for p in _modules(REPO / "ckptd" / part)], ids=lambda p: str(p.relative_to(REPO))
+)
+def test_the_core_never_imports_the_programs_or_offline_tools(path):
+    assert not any(n.startswith(CORE_NEVER_IMPORTS) for n in _imports(path)), path
+
+
+def test_every_package_is_covered():
+    packages = {p.parent.name for p in (REPO / "ckptd").rglob("__init__.py")} - {"ckptd"}
+    assert packages <= {*CORE, "offline"}, packages
+
+
 def test_the_daemon_moves_bytes_without_torch():
     code = (
-        "import sys, ckptd.cli, ckptd.daemon, ckptd.pipeline, ckptd.restore, ckptd.server\n"
+        "import sys, ckptd.cli, ckptd.daemon, ckptd.datapath.pipeline, ckptd.offline.restore, ckptd.offline.verify\n"
+        "import ckptd.rpc.server, ckptd.rpc.peer_server\n"
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)

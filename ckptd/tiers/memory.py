@@ -9,7 +9,7 @@ from ckpt.errors import NotFound
 from ckpt.format import CommitRecord, digest
 from ckpt.shard_io import ShardSource
 
-from ckptd.staging import Slot, scan_slots
+from ckptd.datapath.staging import Slot, scan_slots
 from ckptd.tiers.base import Tier
 
 

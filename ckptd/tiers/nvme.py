@@ -7,21 +7,21 @@ written last, once every rank's shard is in. Layout: <root>/<job>/<step>/.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import errno
 import logging
 import os
 import shutil
 import threading
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any
 
+from ckpt.chunks import check_chunks, chunk_digests
 from ckpt.errors import CheckpointError, CorruptCheckpoint, NotFound
 from ckpt.format import (
-    CHUNK_SIZE_BYTES,
     COMMIT_NAME,
     DIRECT_IO_ALIGN_BYTES,
     JOB_RE,
@@ -37,8 +37,10 @@ from ckpt.format import (
 )
 from ckpt.shard_io import ShardSource
 
-from ckptd.cluster import Holding, seal_record
+from ckptd.storage.commit_protocol import StepDirCommit
+from ckptd.storage.durable_write import RangeWriter, fsync_dir
 from ckptd.tiers.base import DurableTier
+from ckptd.tiers.cluster import Holding, seal_record
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +64,7 @@ class LocalDirTier(DurableTier):
         self._holdings: dict[Path, tuple[tuple[int, int, int], Holding | None]] = {}
         self._step_locks: dict[tuple[str, int], threading.Lock] = {}
         self._step_locks_lock = threading.Lock()
+        self.removal_failures = 0  # step directories that could not be deleted (see retry_removals)
 
     def close(self) -> None:
         """Stop the writer threads."""
@@ -179,6 +182,8 @@ class LocalDirTier(DurableTier):
             partial.unlink(missing_ok=True)
             if isinstance(e, OSError):
                 raise ShardWriteError(f"{what}: {e.strerror or e}") from e
+            if isinstance(e, CorruptCheckpoint):  # the bytes to write are not the ones meta describes
+                raise ShardWriteError(str(e)) from e
             raise
         return meta
 
@@ -195,29 +200,23 @@ class LocalDirTier(DurableTier):
         step_dir = self.step_dir(meta.job, meta.step)
         with self._step_lock(meta.job, meta.step):
             self._check_writable(meta, what)
-            if not step_dir.is_dir():
-                step_dir.mkdir(parents=True, exist_ok=True)
-                _fsync_dir(step_dir.parent)
-                _fsync_dir(self.root)
+            StepDirCommit(step_dir).begin()
             # A shard saved again replaces the old one: drop it first, so a failure
             # later leaves the step without this rank rather than with stale bytes.
             (step_dir / meta_name(meta.rank)).unlink(missing_ok=True)
 
     def install_shard(self, meta: ShardMeta, partial: Path, what: str) -> None:
         """Make a fully written and fsynced data file the rank's shard: its record is renamed in last."""
-        step_dir = self.step_dir(meta.job, meta.step)
-        meta_path = step_dir / meta_name(meta.rank)
-        meta_partial = meta_path.with_name(f"{meta_path.name}.{uuid.uuid4().hex[:8]}{PARTIAL_SUFFIX}")
-        try:
-            write_file_durably(meta_partial, meta.to_bytes())
-            with self._step_lock(meta.job, meta.step):
-                self._check_writable(meta, what)
-                os.replace(partial, step_dir / data_name(meta.rank))
-                os.replace(meta_partial, meta_path)  # the shard counts as written from here on
-                _fsync_dir(step_dir)
-        except BaseException:
-            meta_partial.unlink(missing_ok=True)
-            raise
+        StepDirCommit(self.step_dir(meta.job, meta.step)).install_shard(
+            meta.rank, partial, meta.to_bytes(), self._writable(meta, what)
+        )
+
+    @contextlib.contextmanager
+    def _writable(self, meta: ShardMeta, what: str) -> Iterator[None]:
+        """Hold the step's lock, once the shard may still be written there."""
+        with self._step_lock(meta.job, meta.step):
+            self._check_writable(meta, what)
+            yield
 
     def _check_writable(self, meta: ShardMeta, what: str) -> None:
         record = self.checked_commit(meta.job, meta.step)
@@ -228,59 +227,35 @@ class LocalDirTier(DurableTier):
             raise ShardWriteError(f"{what}: the step is already complete; a complete step is never rewritten")
 
     def _write_data(
-        self,
-        path: Path,
-        meta: ShardMeta,
-        data: memoryview,
-        on_hashed: Callable[[ShardMeta], None] | None,
-        what: str,
-        direct: bool = True,
+        self, path: Path, meta: ShardMeta, data: memoryview, on_hashed: Callable[[ShardMeta], None] | None, what: str
     ) -> ShardMeta:
+        """Write the data to path in large blocks on the writer threads, checking or computing each chunk's checksum."""
         size = meta.data_size_bytes
         if len(data) < round_up(size, DIRECT_IO_ALIGN_BYTES):
             raise ValueError(f"{what}: buffer of {len(data)} bytes is short of {size} rounded to 4 KiB")
-        fd, direct = _open_for_write(path, direct)
-        try:
-            return self._write_from(fd, direct, meta, data, on_hashed, what)
-        except _DirectIORefused:
-            return self._write_data(path, meta, data, on_hashed, what, direct=False)
-        finally:
-            os.close(fd)
-
-    def _write_from(
-        self,
-        fd: int,
-        direct: bool,
-        meta: ShardMeta,
-        data: memoryview,
-        on_hashed: Callable[[ShardMeta], None] | None,
-        what: str,
-    ) -> ShardMeta:
-        size = meta.data_size_bytes
-        expected = meta.chunk_xxh3_128 or None
         digests: list[str] = []
         writes: list[Future[Any]] = []
+        writer = RangeWriter(path)
         try:
-            block_bytes = max(1, WRITE_BLOCK_BYTES // CHUNK_SIZE_BYTES) * CHUNK_SIZE_BYTES
+            block_bytes = max(1, WRITE_BLOCK_BYTES // meta.chunk_size_bytes) * meta.chunk_size_bytes
             for offset, length in chunk_ranges(size, block_bytes):
-                for start, n in chunk_ranges(length, meta.chunk_size_bytes):
-                    digests.append(digest(data[offset + start : offset + start + n]))
-                    index = len(digests) - 1
-                    if expected is not None and digests[index] != expected[index]:
-                        lo = offset + start
-                        raise ShardWriteError(f"{what}: chunk {index} (bytes {lo}-{lo + n - 1}) checksum mismatch")
-                padded = round_up(length, DIRECT_IO_ALIGN_BYTES) if direct else length
-                writes.append(self._io.submit(_pwrite_all, fd, data[offset : offset + padded], offset, direct))
-            if expected is None:
-                meta = ShardMeta(**{**meta.__dict__, "chunk_xxh3_128": tuple(digests)})
+                block = data[offset : offset + length]
+                if meta.chunk_xxh3_128:
+                    check_chunks(meta, block, offset, what)
+                else:
+                    digests += chunk_digests(block, meta.chunk_size_bytes)
+                padded = data[offset : offset + round_up(length, DIRECT_IO_ALIGN_BYTES)]
+                writes.append(self._io.submit(writer.write_range, padded, offset, length))
+            if not meta.chunk_xxh3_128:
+                meta = dataclasses.replace(meta, chunk_xxh3_128=tuple(digests))
                 if on_hashed is not None:
                     on_hashed(meta)
             for w in writes:
                 w.result()
-            os.ftruncate(fd, size)
-            os.fsync(fd)
+            writer.finish(size)
         finally:
-            wait(writes)  # never let the caller close the descriptor under a write still running
+            wait(writes)  # never close the file under a write still running
+            writer.close()
         return meta
 
     def try_commit(self, job: str, step: int, world_size: int, run_id: str = "") -> CommitRecord | None:
@@ -374,10 +349,7 @@ class LocalDirTier(DurableTier):
             if state == "damaged":
                 os.replace(commit, step_dir / f"{COMMIT_NAME}.damaged-{uuid.uuid4().hex[:8]}")
                 log.warning("%s step %d on tier %s: moved a damaged commit record aside", job, step, self.name)
-            temporary = step_dir / f"{COMMIT_NAME}.{uuid.uuid4().hex}{PARTIAL_SUFFIX}"  # never shared by two writers
-            write_file_durably(temporary, record.to_bytes())
-            os.replace(temporary, commit)
-            _fsync_dir(step_dir)
+            StepDirCommit(step_dir).write_commit(record.to_bytes())
         return True
 
     def _drop_other_runs(self, job: str, step: int, run_id: str) -> None:
@@ -399,14 +371,14 @@ class LocalDirTier(DurableTier):
                 )
                 path.unlink(missing_ok=True)
                 (step_dir / data_name(rank)).unlink(missing_ok=True)
-        _fsync_dir(step_dir)
+        fsync_dir(step_dir)
 
     def remove_step(self, job: str, step: int) -> None:
         """Unlist the step (commit record first), then delete its directory."""
         step_dir = self.step_dir(job, step)
         if not step_dir.exists():
             raise NotFound(f"{job} step {step} is not on tier {self.name}")
-        doomed = step_dir.parent / f"{DELETING_PREFIX}{step}"
+        doomed = step_dir.parent / f"{DELETING_PREFIX}{step}-{uuid.uuid4().hex[:8]}"  # never an older leftover's name
         (step_dir / COMMIT_NAME).unlink(missing_ok=True)
         self._commits.pop(step_dir / COMMIT_NAME, None)
         for path in [p for p in list(self._holdings) if p.parent == step_dir]:
@@ -414,62 +386,39 @@ class LocalDirTier(DurableTier):
         with self._step_locks_lock:
             self._step_locks.pop((job, step), None)
         os.replace(step_dir, doomed)
-        _fsync_dir(step_dir.parent)
-        shutil.rmtree(doomed, ignore_errors=True)
+        fsync_dir(step_dir.parent)
+        self._delete(doomed)
+
+    def _delete(self, doomed: Path) -> bool:
+        """Delete an unlisted step's directory; a failure is logged and counted, and retry_removals() tries again."""
+        try:
+            shutil.rmtree(doomed)
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            self.removal_failures += 1
+            log.error("cannot remove %s from tier %s (it is unlisted; retried later): %s", doomed, self.name, e)
+            return False
+        return True
+
+    def retry_removals(self) -> list[str]:
+        """Delete what failed removals left (unlisted steps still taking disk); return what was removed."""
+        jobs = [self.root / j for j in self.jobs()]
+        doomed = [job / n for job in jobs for n in _names(job) if n.startswith(DELETING_PREFIX)]
+        return [str(d) for d in doomed if self._delete(d)]
 
     def remove_leftovers(self) -> list[str]:
         """Delete temporary files and half-deleted steps that an interrupted run left; return them."""
-        removed: list[str] = []
+        removed = self.retry_removals()
         for job in self.jobs():
             for name in _names(self.root / job):
                 entry = self.root / job / name
-                if name.startswith(DELETING_PREFIX):
-                    shutil.rmtree(entry, ignore_errors=True)
-                    removed.append(str(entry))
-                elif name.isdigit():
+                if name.isdigit():
                     for f in _names(entry):
                         if f.endswith(PARTIAL_SUFFIX):
                             (entry / f).unlink(missing_ok=True)
                             removed.append(str(entry / f))
         return removed
-
-
-def write_file_durably(path: Path, data: bytes) -> None:
-    """Write a small file and fsync it."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view) :]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-class _DirectIORefused(Exception):
-    """The filesystem took O_DIRECT at open but refused a direct write."""
-
-
-def _open_for_write(path: Path, direct: bool) -> tuple[int, bool]:
-    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
-    if direct:
-        try:
-            return os.open(path, flags | os.O_DIRECT, 0o644), True
-        except OSError as e:
-            if e.errno != errno.EINVAL:
-                raise
-    return os.open(path, flags, 0o644), False
-
-
-def _pwrite_all(fd: int, view: memoryview, offset: int, direct: bool) -> None:
-    while view:
-        try:
-            n = os.pwrite(fd, view, offset)
-        except OSError as e:
-            if direct and e.errno == errno.EINVAL:
-                raise _DirectIORefused() from e
-            raise
-        view, offset = view[n:], offset + n
 
 
 def _names(directory: Path) -> list[str]:
@@ -481,11 +430,3 @@ def _names(directory: Path) -> list[str]:
     except OSError as e:
         log.warning("cannot list %s: %s", directory, e)
         return []
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import zstandard
+from ckpt.chunks import find_bad_chunk, first_bad_chunk
 from ckpt.errors import CheckpointError, CorruptCheckpoint, NotFound
 from ckpt.format import (
     COMMIT_NAME,
@@ -35,7 +36,8 @@ from ckpt.format import (
 )
 from ckpt.shard_io import ShardSource
 
-from ckptd.object_store import ObjectStore
+from ckptd.storage.commit_protocol import ObjectStepCommit
+from ckptd.storage.object_store import ObjectStore
 from ckptd.tiers.base import Tier
 
 log = logging.getLogger(__name__)
@@ -297,19 +299,24 @@ class ObjectTier(Tier):
                 f"{self.store.describe(job, step)} has a commit record for other shards (or a damaged one); "
                 "a complete step is never rewritten"
             )
-        self.store.remove(job, step, meta_name(meta.rank))  # an older copy stops counting before it changes
         frame_sizes: list[int] = []
         parts = _read_parts(meta, data_path, compression, frame_sizes, self._what(meta))
-        if compression == "zstd":
-            self.store.remove(job, step, data_name(meta.rank))  # one format per shard: a reader takes either
-            self.store.put_parts(parts, job, step, zstd_name(meta.rank))
-            index = {"format": "ckpt-zstd-frames", "version": 1, "frame_sizes": frame_sizes}
-            self.store.put(seal(index), job, step, frames_name(meta.rank))
-        else:
-            self.store.remove(job, step, frames_name(meta.rank))
-            self.store.remove(job, step, zstd_name(meta.rank))
-            self.store.put_parts(parts, job, step, data_name(meta.rank))
-        self.store.put(meta.to_bytes(), job, step, meta_name(meta.rank))
+        store = self.store
+        rank = meta.rank
+
+        def data() -> Iterator[tuple[str, Iterator[bytes]]]:
+            # One data format per shard: a reader takes either, so the other one goes first.
+            if compression == "zstd":
+                store.remove(job, step, data_name(rank))
+                yield zstd_name(rank), parts
+                index = {"format": "ckpt-zstd-frames", "version": 1, "frame_sizes": frame_sizes}
+                yield frames_name(rank), iter([seal(index)])  # written once the data is, its sizes known
+            else:
+                store.remove(job, step, frames_name(rank))
+                store.remove(job, step, zstd_name(rank))
+                yield data_name(rank), parts
+
+        ObjectStepCommit(store, job, meta.step).put_shard(rank, data(), meta.to_bytes())
         self._forget_listing(job)
         return True
 
@@ -321,10 +328,11 @@ class ObjectTier(Tier):
 
         def matches(rank: int) -> bool:
             try:
-                meta = ShardMeta.from_bytes(self.store.read(job, step, meta_name(rank)), meta_name(rank))
+                raw = self.store.read(job, step, meta_name(rank))
+                meta = ShardMeta.from_bytes(raw, meta_name(rank))
             except (FileNotFoundError, CheckpointError):
                 return False
-            return digest(meta.to_bytes()) == record.shard_meta_xxh3_128[rank] and self._has_data(meta, names)
+            return digest(raw) == record.shard_meta_xxh3_128[rank] and self._has_data(meta, names)
 
         with ThreadPoolExecutor(max_workers=READ_THREADS, thread_name_prefix="object-check") as pool:
             good = {r for r, ok in zip(present, pool.map(matches, present), strict=True) if ok}
@@ -343,7 +351,7 @@ class ObjectTier(Tier):
         job, step = record.job, str(record.step)
         where = self.store.describe(job, step, COMMIT_NAME)
         try:
-            created = self.store.create(record.to_bytes(), job, step, COMMIT_NAME)
+            created = ObjectStepCommit(self.store, job, record.step).write_commit(record.to_bytes())
         except OSError as e:
             raise CheckpointError(f"object store {where}: {e}") from e
         finally:
@@ -392,18 +400,20 @@ def _read_parts(
         if os.fstat(fd).st_size != meta.data_size_bytes:
             raise CorruptCheckpoint(f"{what}: the local copy {data_path} has the wrong size")
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
-        first_chunk = 0
         for offset, length in chunk_ranges(meta.data_size_bytes, part_bytes(meta)):
             block = os.pread(fd, length, offset)
-            chunks = [memoryview(block)[o : o + n] for o, n in chunk_ranges(length, meta.chunk_size_bytes)]
-            for i, chunk in enumerate(chunks):
-                if digest(chunk) != meta.chunk_xxh3_128[first_chunk + i]:
-                    raise CorruptCheckpoint(f"{what}: chunk {first_chunk + i} of the local copy changed before upload")
-            first_chunk += len(chunks)
+            if len(block) != length:
+                raise CorruptCheckpoint(f"{what}: the local copy {data_path} ended at byte {offset + len(block)}")
+            bad = first_bad_chunk(meta, memoryview(block), offset)
+            if bad is not None:
+                raise CorruptCheckpoint(f"{what}: chunk {bad} of the local copy {data_path} changed before upload")
             if compressor is None:
                 yield block
                 continue
-            frames = compressor.multi_compress_to_buffer([bytes(c) for c in chunks], threads=COMPRESS_THREADS)
+            chunks: list[bytes | bytearray | memoryview] = [
+                block[o : o + n] for o, n in chunk_ranges(length, meta.chunk_size_bytes)
+            ]
+            frames = compressor.multi_compress_to_buffer(chunks, threads=COMPRESS_THREADS)
             for i in range(len(frames)):
                 frame_sizes.append(len(frames[i]))
                 pending += frames[i].tobytes()
@@ -469,9 +479,7 @@ def _unpack(
             buffer[offset : offset + length] = plain
         else:
             buffer[offset : offset + length] = piece
-        for index_offset, n in chunk_ranges(length, meta.chunk_size_bytes):
-            lo = offset + index_offset
-            index = lo // meta.chunk_size_bytes
-            if digest(buffer[lo : lo + n]) != meta.chunk_xxh3_128[index]:
-                return f"chunk {index} (bytes {lo}-{lo + n - 1}) checksum mismatch"
+        bad = find_bad_chunk(meta, buffer[offset : offset + length], offset)
+        if bad is not None:
+            return bad
     return None

@@ -13,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+from ckpt.chunks import find_bad_chunk
 from ckpt.errors import CorruptCheckpoint, NotFound
 from ckpt.format import (
     COMMIT_NAME,
@@ -169,10 +170,4 @@ def _read_block(
     done = pread_into(direct_fd, fd, buffer[offset : offset + want], offset, length)
     if done < length:
         return f"short read at byte {offset + done}"
-    first = offset // meta.chunk_size_bytes
-    for i, (start, n) in enumerate(chunk_ranges(length, meta.chunk_size_bytes)):
-        index = first + i
-        if digest(buffer[offset + start : offset + start + n]) != meta.chunk_xxh3_128[index]:
-            lo = offset + start
-            return f"chunk {index} (bytes {lo}-{lo + n - 1}) checksum mismatch"
-    return None
+    return find_bad_chunk(meta, buffer[offset : offset + length], offset)

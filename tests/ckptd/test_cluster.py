@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from ckptd.cluster import Holding, complete_on, placement, seal_record
+from ckptd.tiers.cluster import Holding, complete_on, placement, seal_record
 
 
 def held(node: str, rank: int, tier: str = "nvme", world_size: int = 4, run_id: str = "r1", meta: str = "") -> Holding:

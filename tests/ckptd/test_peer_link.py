@@ -7,7 +7,7 @@ import os
 import pytest
 from ckpt.wire.v1 import peer_pb2 as pb
 
-from ckptd.peer_link import data_piece, piece_data
+from ckptd.rpc.peer_link import data_piece, piece_data
 
 
 @pytest.mark.parametrize("size", [0, 1, 127, 128, 16383, 16384, 1 << 20, (1 << 20) + 3])

@@ -11,8 +11,8 @@ from ckpt.errors import CorruptCheckpoint, InvalidArgument
 from ckpt.format import ShardMeta, chunk_ranges, digest
 from ckpt.shard_io import read_meta
 
-from ckptd.receiving import ReceiverBusy, ReplicaReceiver
-from ckptd.shard_stream import PIECE_BYTES, byte_ranges
+from ckptd.datapath.receiving import ReceiverBusy, ReplicaReceiver
+from ckptd.rpc.shard_stream import PIECE_BYTES, byte_ranges
 from ckptd.tiers.nvme import LocalDirTier
 
 CHUNK = 1 << 20
@@ -130,9 +130,9 @@ def test_read_meta_of_a_received_step_needs_its_commit(tmp_path):
 
 
 def test_too_many_replicas_at_once_are_refused_until_some_end(tmp_path, monkeypatch):
-    import ckptd.receiving
+    import ckptd.datapath.receiving
 
-    monkeypatch.setattr(ckptd.receiving, "MAX_TRANSFERS", 1)
+    monkeypatch.setattr(ckptd.datapath.receiving, "MAX_TRANSFERS", 1)
     meta, data = make_shard(2 * CHUNK)
     other = ShardMeta(**{**meta.__dict__, "rank": 0, "step": 4})
 

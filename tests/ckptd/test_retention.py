@@ -1,6 +1,6 @@
 """Retention planning: keep the newest N complete steps, drop abandoned partial ones."""
 
-from ckptd.retention import plan_removals
+from ckptd.datapath.retention import plan_removals
 
 
 def test_keeps_the_newest_complete_steps():

@@ -13,7 +13,7 @@ import pytest
 from ckpt.errors import InvalidArgument, ReservationLost
 from ckpt.format import CHUNK_SIZE_BYTES, ShardMeta
 
-from ckptd.staging import ShardKey, SlotPool, Snapshot
+from ckptd.datapath.staging import ShardKey, SlotPool, Snapshot
 
 MIB = 1 << 20
 

@@ -18,7 +18,7 @@ from conftest import eventually, free_port
 from states import assert_same
 
 from ckptd.config import PeerConfig
-from ckptd.peer_link import PeerError, PeerLink
+from ckptd.rpc.peer_link import PeerError, PeerLink
 
 pytestmark = pytest.mark.e2e
 

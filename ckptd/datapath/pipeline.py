@@ -27,22 +27,22 @@ from ckpt.format import CHUNK_SIZE_BYTES, MAX_SHARD_BYTES, CommitRecord, ShardMe
 from ckpt.shard_io import ShardSource
 
 from ckptd import __version__, metrics
-from ckptd.catalog import StepInfo, list_steps, merge_steps
-from ckptd.cluster import StepHoldings
 from ckptd.config import Config
-from ckptd.object_store import open_store
-from ckptd.peering import Peering
-from ckptd.receiving import ReplicaReceiver
-from ckptd.replication import FAILURES_REPORTED
-from ckptd.restore import fetch_shard
-from ckptd.retention import plan_removals
-from ckptd.staging import ShardKey, Slot, SlotPool, Snapshot
+from ckptd.datapath.peering import Peering
+from ckptd.datapath.receiving import ReplicaReceiver
+from ckptd.datapath.replication import FAILURES_REPORTED
+from ckptd.datapath.retention import plan_removals
+from ckptd.datapath.staging import ShardKey, Slot, SlotPool, Snapshot
+from ckptd.datapath.uploading import FAILURES_REPORTED as UPLOAD_FAILURES_REPORTED
+from ckptd.datapath.uploading import Uploader
+from ckptd.storage.object_store import open_store
 from ckptd.tiers.base import DurableTier, Tier
+from ckptd.tiers.catalog import StepInfo, list_steps, merge_steps
+from ckptd.tiers.cluster import StepHoldings
 from ckptd.tiers.memory import MemoryTier
 from ckptd.tiers.nvme import LocalDirTier, ShardWriteError
 from ckptd.tiers.object import ObjectTier
-from ckptd.uploading import FAILURES_REPORTED as UPLOAD_FAILURES_REPORTED
-from ckptd.uploading import Uploader
+from ckptd.tiers.transfer import fetch_shard
 
 log = logging.getLogger(__name__)
 

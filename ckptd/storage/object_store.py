@@ -12,17 +12,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
 import functools
 import os
 import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
+from pathlib import Path
 from typing import Any, TypeVar
 
 import fsspec
 from ckpt.errors import CheckpointError
 from ckpt.format import PARTIAL_SUFFIX
+
+from ckptd.storage.durable_write import fsync_dir, make_dirs, write_file
 
 UPLOAD_CONCURRENCY = 8  # parts of one object in flight at once
 
@@ -148,7 +150,7 @@ class LocalStore(ObjectStore):
         except BaseException:
             os.unlink(temporary)
             raise
-        _fsync_dir(os.path.dirname(target))
+        fsync_dir(os.path.dirname(target))
 
     @_store_errors
     def create(self, data: bytes, *names: str) -> bool:
@@ -160,20 +162,16 @@ class LocalStore(ObjectStore):
             return False
         finally:
             os.unlink(temporary)
-        _fsync_dir(os.path.dirname(target))
+        fsync_dir(os.path.dirname(target))
         return True
 
     def _write_temporary(self, parts: Iterator[bytes], target: str) -> str:
-        _make_dirs_durably(os.path.dirname(target))
+        make_dirs(Path(target).parent)
         temporary = f"{target}.{uuid.uuid4().hex[:8]}{PARTIAL_SUFFIX}"
         try:
-            with open(temporary, "wb") as f:
-                for part in parts:
-                    f.write(part)
-                f.flush()
-                os.fsync(f.fileno())
+            write_file(Path(temporary), parts)
         except BaseException:
-            if os.path.exists(temporary):
+            with contextlib.suppress(FileNotFoundError):
                 os.unlink(temporary)
             raise
         return temporary
@@ -286,26 +284,3 @@ def _chain(first: bytes, second: bytes, rest: Iterator[bytes]) -> Iterator[bytes
     yield first
     yield second
     yield from rest
-
-
-def _make_dirs_durably(path: str) -> None:
-    """Create path and its missing parents, each fsynced into its parent."""
-    missing = []
-    while not os.path.isdir(path):
-        missing.append(path)
-        path = os.path.dirname(path)
-    for directory in reversed(missing):
-        with contextlib.suppress(FileExistsError):
-            os.mkdir(directory)
-        _fsync_dir(os.path.dirname(directory))
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    except OSError as e:
-        if e.errno != errno.EINVAL:
-            raise
-    finally:
-        os.close(fd)

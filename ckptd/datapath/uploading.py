@@ -30,7 +30,7 @@ from ckpt.format import CommitRecord, ShardMeta, data_name, meta_name
 
 from ckptd import metrics
 from ckptd.config import Config
-from ckptd.staging import ShardKey
+from ckptd.datapath.staging import ShardKey
 from ckptd.tiers.nvme import LocalDirTier
 from ckptd.tiers.object import CommitConflict, ObjectTier
 

@@ -19,9 +19,9 @@ from ckpt.format import CommitRecord, ShardMeta, validate_job, validate_step
 from ckpt.wire.v1 import peer_pb2 as pb
 from ckpt.wire.v1 import peer_pb2_grpc
 
-from ckptd.cluster import Holding, StepHoldings
 from ckptd.config import PeerConfig
-from ckptd.shard_stream import byte_ranges, fill_from_pieces, read_pieces
+from ckptd.rpc.shard_stream import byte_ranges, fill_from_pieces, read_pieces
+from ckptd.tiers.cluster import Holding, StepHoldings
 
 MAX_MESSAGE_BYTES = 64 << 20
 INSTANCE_HEADER = "ckptd-instance"

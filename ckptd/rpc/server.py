@@ -13,10 +13,10 @@ from ckpt.format import validate_job, validate_rank, validate_step
 from ckpt.wire.v1 import ckptd_pb2 as pb
 from ckpt.wire.v1 import ckptd_pb2_grpc
 
-from ckptd.peer_link import IsSelf
-from ckptd.pipeline import Pipeline
-from ckptd.receiving import AlreadyHeld, ReceiverBusy
-from ckptd.staging import ShardKey, Snapshot
+from ckptd.datapath.pipeline import Pipeline
+from ckptd.datapath.receiving import AlreadyHeld, ReceiverBusy
+from ckptd.datapath.staging import ShardKey, Snapshot
+from ckptd.rpc.peer_link import IsSelf
 
 T = TypeVar("T")
 MAX_LAYOUT_BYTES = 128 << 20

@@ -11,10 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
 import logging
 import mmap
-import os
 import re
 import time
 from collections.abc import AsyncIterator
@@ -23,9 +21,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
 
+from ckpt.chunks import check_chunks
 from ckpt.errors import CheckpointError, CorruptCheckpoint, InvalidArgument
-from ckpt.format import DIRECT_IO_ALIGN_BYTES, CommitRecord, ShardMeta, chunk_ranges, digest, round_up
+from ckpt.format import DIRECT_IO_ALIGN_BYTES, CommitRecord, ShardMeta, chunk_ranges, round_up
 
+from ckptd.storage.durable_write import RangeWriter
 from ckptd.tiers.nvme import LocalDirTier
 
 log = logging.getLogger(__name__)
@@ -51,21 +51,14 @@ class AlreadyHeld(CheckpointError):
 class _Transfer:
     meta: ShardMeta
     partial: Path
-    fd: int
-    direct_fd: int | None
+    writer: RangeWriter
     chunks_written: set[int] = field(default_factory=set)
     touched_s: float = field(default_factory=time.monotonic)
     ranges_open: int = 0  # ranges being received: the files stay open until the last one ends
     abandoned: bool = False
-    closed: bool = False
-    direct_refused: bool = False  # other ranges may still be using direct_fd: it is closed with the rest
 
     def close(self) -> None:
-        if not self.closed:
-            self.closed = True
-            os.close(self.fd)
-            if self.direct_fd is not None:
-                os.close(self.direct_fd)
+        self.writer.close()
 
     def abandon(self) -> None:
         """Give the transfer up: its file goes once no range is writing to it."""
@@ -165,8 +158,7 @@ class ReplicaReceiver:
             raise
 
     def _install(self, t: _Transfer, record: CommitRecord | None) -> None:
-        os.ftruncate(t.fd, t.meta.data_size_bytes)  # direct writes pad the last block
-        os.fsync(t.fd)
+        t.writer.finish(t.meta.data_size_bytes)
         t.close()
         self.tier.install_shard(t.meta, t.partial, self._what(t.meta))
         if record is not None and (record.job, record.step) == (t.meta.job, t.meta.step):
@@ -194,33 +186,27 @@ class ReplicaReceiver:
             return t
         if len(self._transfers) >= MAX_TRANSFERS:  # bounds the memory and descriptors peers can take
             raise ReceiverBusy(f"{self._what(meta)}: {len(self._transfers)} replicas are being received already")
-        await _finished(self._threads.submit(self.tier.prepare_shard, meta, self._what(meta)))
+        partial = self.tier.partial_path(meta, transfer[:16])
+
+        def prepare() -> RangeWriter | None:
+            self.tier.prepare_shard(meta, self._what(meta))
+            return None if transfer in self._transfers else RangeWriter(partial, truncate=False)
+
+        writer = await _finished(self._threads.submit(prepare))
         t = self._transfers.get(transfer)  # another range of it may have opened it meanwhile
         if t is None:
-            partial = self.tier.partial_path(meta, transfer[:16])
-            fd = os.open(partial, os.O_WRONLY | os.O_CREAT, 0o644)
-            try:
-                direct_fd: int | None = os.open(partial, os.O_WRONLY | os.O_DIRECT)
-            except OSError as e:
-                if e.errno != errno.EINVAL:
-                    os.close(fd)
-                    raise
-                direct_fd = None
-            t = self._transfers[transfer] = _Transfer(meta, partial, fd, direct_fd)
+            assert writer is not None
+            t = self._transfers[transfer] = _Transfer(meta, partial, writer)
+        elif writer is not None:
+            writer.close()
         return t
 
     def _write(self, t: _Transfer, buffer: mmap.mmap, offset: int, length: int) -> None:
         view = memoryview(buffer)
         try:
+            check_chunks(t.meta, view[:length], offset, self._what(t.meta))
+            t.writer.write_range(view, offset, length)
             chunk = t.meta.chunk_size_bytes
-            for start, n in chunk_ranges(length, chunk):
-                index = (offset + start) // chunk
-                if digest(view[start : start + n]) != t.meta.chunk_xxh3_128[index]:
-                    lo = offset + start
-                    raise CorruptCheckpoint(
-                        f"{self._what(t.meta)}: chunk {index} (bytes {lo}-{lo + n - 1}) checksum mismatch"
-                    )
-            _pwrite(t, view, offset, length)
             t.chunks_written.update(range(offset // chunk, (offset + length + chunk - 1) // chunk))
         finally:
             view.release()
@@ -261,21 +247,3 @@ async def _finished(work: Future[T]) -> T:
             with contextlib.suppress(asyncio.CancelledError):  # cancelled again: still wait
                 await asyncio.wait([wrapped])
         raise
-
-
-def _pwrite(t: _Transfer, view: memoryview, offset: int, length: int) -> None:
-    if t.direct_fd is not None and not t.direct_refused:
-        padded = view[: round_up(length, DIRECT_IO_ALIGN_BYTES)]
-        try:
-            while padded:
-                n = os.pwrite(t.direct_fd, padded, offset)
-                padded, offset, length = padded[n:], offset + n, length - n
-            return
-        except OSError as e:
-            if e.errno != errno.EINVAL:
-                raise
-            t.direct_refused = True  # the filesystem took O_DIRECT at open but not for this write
-    data = view[:length]
-    while data:
-        n = os.pwrite(t.fd, data, offset)
-        data, offset = data[n:], offset + n

@@ -8,9 +8,9 @@ import os
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-import xxhash
+from ckpt.chunks import check_chunks
 from ckpt.errors import CorruptCheckpoint
-from ckpt.format import DIRECT_IO_ALIGN_BYTES, ShardMeta, digest, round_up
+from ckpt.format import DIRECT_IO_ALIGN_BYTES, ShardMeta, round_up
 from ckpt.shard_io import open_direct, pread_into
 
 PIECE_BYTES = 1 << 20  # one gRPC message
@@ -41,9 +41,7 @@ def read_pieces(path: Path, meta: ShardMeta, offset: int, length: int, what: str
         for lo in range(offset, offset + length, chunk):
             n = min(chunk, offset + length - lo)
             data = read(lo, n)
-            index = lo // chunk
-            if digest(data) != meta.chunk_xxh3_128[index]:
-                raise CorruptCheckpoint(f"{what}: chunk {index} (bytes {lo}-{lo + n - 1}) checksum mismatch")
+            check_chunks(meta, data, lo, what)
             for p in range(0, n, PIECE_BYTES):
                 yield data[p : p + PIECE_BYTES]
 
@@ -80,23 +78,15 @@ def fill_from_pieces(buffer: memoryview, meta: ShardMeta, pieces: Iterable[memor
     chunk = meta.chunk_size_bytes
     size = meta.data_size_bytes
     filled = 0
-    hasher = xxhash.xxh3_128()
     for piece in pieces:
         view = memoryview(piece)
         if filled + len(view) > size:
             raise CorruptCheckpoint(f"{what}: more bytes than the shard's {size}")
-        while view:
-            part = view[: chunk - filled % chunk]
-            buffer[filled : filled + len(part)] = part
-            hasher.update(part)
-            filled += len(part)
-            view = view[len(part) :]
-            if filled % chunk == 0 or filled == size:
-                index = (filled - 1) // chunk
-                if hasher.hexdigest() != meta.chunk_xxh3_128[index]:
-                    raise CorruptCheckpoint(
-                        f"{what}: chunk {index} (bytes {index * chunk}-{filled - 1}) checksum mismatch"
-                    )
-                hasher.reset()
+        buffer[filled : filled + len(view)] = view
+        checked = filled - filled % chunk  # the chunks before this one were checked as they completed
+        filled += len(view)
+        whole = filled if filled == size else filled - filled % chunk
+        if whole > checked:
+            check_chunks(meta, buffer[checked:whole], checked, what)
     if filled != size:
         raise CorruptCheckpoint(f"{what}: {filled} bytes arrived, expected {size}")

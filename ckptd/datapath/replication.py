@@ -21,9 +21,9 @@ from pathlib import Path
 from ckpt.errors import CheckpointError, CorruptCheckpoint
 from ckpt.format import CommitRecord, ShardMeta, digest
 
-from ckptd.cluster import Holding, placement
-from ckptd.peer_link import STREAMS_PER_SHARD, IsSelf, PeerLink
-from ckptd.staging import ShardKey
+from ckptd.datapath.staging import ShardKey
+from ckptd.rpc.peer_link import STREAMS_PER_SHARD, IsSelf, PeerLink
+from ckptd.tiers.cluster import Holding, placement
 
 log = logging.getLogger(__name__)
 

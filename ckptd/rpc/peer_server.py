@@ -12,10 +12,10 @@ from ckpt.format import CommitRecord, ShardMeta, validate_job, validate_step
 from ckpt.wire.v1 import peer_pb2 as pb
 from ckpt.wire.v1 import peer_pb2_grpc
 
-from ckptd.peer_link import INSTANCE_HEADER, ITSELF, IsSelf, data_piece, holdings_to_pb, piece_data
-from ckptd.pipeline import Pipeline
-from ckptd.server import answer
-from ckptd.shard_stream import read_pieces
+from ckptd.datapath.pipeline import Pipeline
+from ckptd.rpc.peer_link import INSTANCE_HEADER, ITSELF, IsSelf, data_piece, holdings_to_pb, piece_data
+from ckptd.rpc.server import answer
+from ckptd.rpc.shard_stream import read_pieces
 
 
 def _shard_meta(data: bytes) -> ShardMeta:

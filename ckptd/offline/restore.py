@@ -2,24 +2,22 @@
 
 from __future__ import annotations
 
-import mmap
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
 
 from ckpt.errors import CheckpointError, CorruptCheckpoint, NotFound
-from ckpt.format import DIRECT_IO_ALIGN_BYTES, ShardMeta, round_up, validate_tier
+from ckpt.format import validate_tier
 
 from ckptd.config import Config
-from ckptd.object_store import open_store
-from ckptd.peer_link import PeerLink
-from ckptd.tiers.base import DurableTier, Tier
+from ckptd.rpc.peer_link import PeerLink
+from ckptd.storage.object_store import open_store
+from ckptd.tiers.base import Tier
 from ckptd.tiers.memory import MemoryTier
 from ckptd.tiers.nvme import LocalDirTier
 from ckptd.tiers.object import ObjectTier
 from ckptd.tiers.peer import PeerTier
+from ckptd.tiers.transfer import aligned_buffer
 
 Progress = Callable[[str], None]
 
@@ -58,33 +56,6 @@ def latest_step(tiers: list[Tier], job: str) -> int:
     if not steps:
         raise NotFound(f"job {job} has no complete step on tier(s) {', '.join(t.name for t in tiers)}")
     return max(steps)
-
-
-def fetch_shard(source: Tier, target: DurableTier, job: str, step: int, rank: int, replace: bool = False) -> ShardMeta:
-    """Copy a rank's shard of a complete step from source onto target, verified, and seal the step there.
-
-    Every byte is read and checked even when target holds that exact shard already:
-    then it is written again only with replace (target's copy failed its checks).
-    """
-    record = source.commit_record(job, step)
-    meta = source.read_meta(job, step, rank)
-    with aligned_buffer(meta.data_size_bytes) as buffer:
-        source.read_into(meta, buffer)
-        if replace or not target.holds(meta):
-            target.write_shard(meta, buffer)
-    target.adopt_commit(record)
-    return meta
-
-
-@contextmanager
-def aligned_buffer(size_bytes: int) -> Iterator[memoryview]:
-    """Lend a page-aligned buffer of at least size_bytes, rounded up for direct I/O."""
-    with mmap.mmap(-1, max(round_up(size_bytes, DIRECT_IO_ALIGN_BYTES), DIRECT_IO_ALIGN_BYTES)) as m:
-        view = memoryview(m)
-        try:
-            yield view
-        finally:
-            view.release()
 
 
 def restore(tiers: list[Tier], job: str, step: int, target: Path, progress: Progress) -> Path:
@@ -155,48 +126,3 @@ def _knows(tier: Tier, job: str, step: int) -> bool:
     except CheckpointError:
         return False
     return True
-
-
-@dataclass(frozen=True)
-class ShardCheck:
-    """The outcome of checking one shard on one tier."""
-
-    tier: str
-    job: str
-    step: int
-    rank: int
-    error: str  # "" when every byte checks
-
-    @property
-    def ok(self) -> bool:
-        return not self.error
-
-
-def verify(tiers: list[Tier], job: str, step: int | None, spread: bool = False) -> Iterator[ShardCheck]:
-    """Check every shard of step (or of every complete step) of job on each tier.
-
-    With spread (the node has peers), a rank a tier does not hold is not an error:
-    a step spread over nodes keeps the other ranks' shards on other nodes.
-    """
-    for tier in tiers:
-        steps = tier.complete_steps(job) if step is None else [step]
-        if step is not None and len(tiers) > 1 and step not in tier.complete_steps(job):
-            continue  # checking every tier that holds the step; this one does not
-        for s in steps:
-            try:
-                world_size = tier.commit_record(job, s).world_size
-            except CheckpointError as e:
-                yield ShardCheck(tier.name, job, s, -1, str(e))
-                continue
-            for rank in range(world_size):
-                if spread and tier.name in ("nvme", "peer") and not tier.has_shard(job, s, rank):
-                    continue
-                try:
-                    meta = tier.read_meta(job, s, rank)
-                    with aligned_buffer(meta.data_size_bytes) as buf:
-                        tier.read_into(meta, buf)
-                    yield ShardCheck(tier.name, job, s, rank, "")
-                except CheckpointError as e:
-                    if isinstance(e, NotFound) and tier.name == "memory":
-                        continue  # a running daemon reused the slot for a newer snapshot: nothing is wrong
-                    yield ShardCheck(tier.name, job, s, rank, str(e))

@@ -20,16 +20,16 @@ from typing import Any
 from ckpt.errors import CheckpointError
 from ckpt.format import CommitRecord, ShardMeta, data_name, meta_name
 
-from ckptd.catalog import StepInfo
-from ckptd.cluster import Holding, StepHoldings, complete_on, holders, seal_record
 from ckptd.config import Config
-from ckptd.peer_link import PeerLink
-from ckptd.replication import Replication
-from ckptd.restore import fetch_shard
-from ckptd.staging import ShardKey
+from ckptd.datapath.replication import Replication
+from ckptd.datapath.staging import ShardKey
+from ckptd.rpc.peer_link import PeerLink
 from ckptd.tiers.base import DurableTier
+from ckptd.tiers.catalog import StepInfo
+from ckptd.tiers.cluster import Holding, StepHoldings, complete_on, holders, seal_record
 from ckptd.tiers.nvme import LocalDirTier
 from ckptd.tiers.peer import PeerTier
+from ckptd.tiers.transfer import fetch_shard
 
 log = logging.getLogger(__name__)
 

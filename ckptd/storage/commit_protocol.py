@@ -1,0 +1,96 @@
+"""The commit protocol: the one order in which a step becomes complete on any tier (docs/FORMAT.md).
+
+In a directory (NVMe, the replica store, a restore target), for one step:
+
+    1. begin()                         the step directory exists, and is durable in its parent
+    2. per shard, in any order:
+       a. its data is written under temporary(data_name) and fsynced (durable_write.RangeWriter)
+       b. install_shard()              its record is written under a temporary name and fsynced;
+                                       the data is renamed into place, then the record (the shard
+                                       counts from here on), and the directory is fsynced
+    3. write_commit()                  last, once every rank's shard is in: COMMIT.json the same way
+
+In an object store (the uploader), for one step:
+
+    1. per shard: put_shard()          its data objects (a multipart upload is atomic), then its record
+    2. write_commit()                  last, create-only: a commit record already there is never replaced
+
+A crash at any point leaves only temporary names (removed at start-up) or a step
+with no commit record (never listed). The tiers own the locks and the checks
+around these calls; calls block, so they are made from worker threads.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+from contextlib import AbstractContextManager
+from pathlib import Path
+
+from ckpt.format import COMMIT_NAME, PARTIAL_SUFFIX, data_name, meta_name
+
+from ckptd.storage.durable_write import fsync_dir, make_dirs, write_file
+from ckptd.storage.object_store import ObjectStore
+
+
+class StepDirCommit:
+    """Make one step directory complete, shard by shard, commit record last."""
+
+    def __init__(self, step_dir: Path) -> None:
+        self.step_dir = step_dir
+
+    def begin(self) -> None:
+        """Create the step directory (and its job directory), each durable in its parent."""
+        if not self.step_dir.is_dir():
+            make_dirs(self.step_dir)
+
+    def temporary(self, name: str, transfer: str = "") -> Path:
+        """Name a temporary file for name in the step directory (start-up removes what a crash leaves)."""
+        return self.step_dir / f"{name}.{transfer or uuid.uuid4().hex[:8]}{PARTIAL_SUFFIX}"
+
+    def install_shard(
+        self, rank: int, data_temporary: Path, record: bytes, guard: AbstractContextManager[None]
+    ) -> None:
+        """Make a written and fsynced data file rank's shard: the data goes in first, its record last.
+
+        The renames happen inside guard: the caller's lock, and its last checks.
+        """
+        record_temporary = self.temporary(meta_name(rank))
+        try:
+            write_file(record_temporary, [record])
+            with guard:
+                os.replace(data_temporary, self.step_dir / data_name(rank))
+                os.replace(record_temporary, self.step_dir / meta_name(rank))  # the shard counts from here on
+                fsync_dir(self.step_dir)
+        finally:
+            record_temporary.unlink(missing_ok=True)
+
+    def write_commit(self, record: bytes) -> None:
+        """Write the step's commit record, last: from here on the step is complete."""
+        temporary = self.temporary(COMMIT_NAME, uuid.uuid4().hex)  # never shared by two writers
+        try:
+            write_file(temporary, [record])
+            os.replace(temporary, self.step_dir / COMMIT_NAME)
+            fsync_dir(self.step_dir)
+        finally:
+            temporary.unlink(missing_ok=True)
+
+
+class ObjectStepCommit:
+    """Make one step complete in an object store: each shard's data objects, then its record, then the commit."""
+
+    def __init__(self, store: ObjectStore, job: str, step: int) -> None:
+        self.store = store
+        self.names = (job, str(step))
+
+    def put_shard(self, rank: int, data: Iterator[tuple[str, Iterator[bytes]]], record: bytes) -> None:
+        """Upload a shard: each (name, parts) of its data, then its record (it counts once the record is there)."""
+        self.store.remove(*self.names, meta_name(rank))  # an older copy stops counting before its data changes
+        for name, parts in data:
+            self.store.put_parts(parts, *self.names, name)
+        self.store.put(record, *self.names, meta_name(rank))
+
+    def write_commit(self, record: bytes) -> bool:
+        """Write the step's commit record create-only, last; return False if one was there already."""
+        return bool(self.store.create(record, *self.names, COMMIT_NAME))
