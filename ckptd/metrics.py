@@ -12,7 +12,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -79,7 +79,7 @@ class Sample:
 
 
 def page(status: dict[str, Any], histograms: list[Histogram]) -> str:
-    """Return the /metrics page for a daemon's status document (see Pipeline.status) and its histograms."""
+    """Return the /metrics page for a daemon's status document (see StatusReport) and its histograms."""
     c = status["counters"]
     peer = status["tiers"]["peer"].get("counters", {})
     obj = status["tiers"]["object"]
@@ -127,6 +127,18 @@ def page(status: dict[str, Any], histograms: list[Histogram]) -> str:
             by_tier(status["newest_complete_age_s"]),
         ),
         Sample(
+            "ckptd_removal_failures_total",
+            "counter",
+            "Step removals that failed on this node's disks (logged, retried each retention pass)",
+            {"": c["removal_failures"]},
+        ),
+        Sample(
+            "ckptd_event_loop_max_stall_seconds",
+            "gauge",
+            "The longest the daemon's event loop ran late since start (RPCs wait that long)",
+            {"": status["event_loop"]["max_stall_s"]},
+        ),
+        Sample(
             "ckptd_uploads_pending", "gauge", "Shards not yet in the object store", {"": obj.get("pending_uploads", 0)}
         ),
     ]
@@ -146,15 +158,15 @@ def _number(value: float) -> str:
     return repr(float(value)) if not float(value).is_integer() else str(int(value))
 
 
-async def serve(listen: str, page: Callable[[], str]) -> asyncio.Server:
+async def serve(listen: str, page: Callable[[], Awaitable[str]]) -> asyncio.Server:
     """Serve GET /metrics on listen (host:port) with page(); anything else gets 404 or 405."""
     clients = asyncio.Semaphore(MAX_CLIENTS)
     rendered: list[tuple[float, bytes]] = []
 
-    def cached_page() -> bytes:
+    async def cached_page() -> bytes:
         now = time.monotonic()
         if not rendered or now - rendered[0][0] > PAGE_TTL_S:
-            rendered[:] = [(now, page().encode())]
+            rendered[:] = [(now, (await page()).encode())]
         return rendered[0][1]
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -170,7 +182,7 @@ async def serve(listen: str, page: Callable[[], str]) -> asyncio.Server:
             elif path.split("?", 1)[0] != "/metrics":
                 status, body = "404 Not Found", b"see /metrics\n"
             else:
-                status, body = "200 OK", cached_page()
+                status, body = "200 OK", await cached_page()
             writer.write(
                 f"HTTP/1.1 {status}\r\nContent-Type: text/plain; version=0.0.4; charset=utf-8\r\n"
                 f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode()

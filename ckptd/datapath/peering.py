@@ -268,6 +268,10 @@ class Peering:
             self.replication.confirm([h for s in remote for h in s.shards], reachable, asked_at)
             self.replication.retry_due(lambda k: self.nvme.checked_commit(k.job, k.step))
 
+    def busy_steps(self) -> set[tuple[str, int]]:
+        """Return the steps being fetched, or replicated within [retention]: retention keeps off them (BusySteps)."""
+        return self.replicating_steps() | self.fetching
+
     def replicating_steps(self) -> set[tuple[str, int]]:
         """Return the steps whose replicas are still on their way, among those [retention] peer keeps.
 

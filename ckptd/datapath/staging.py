@@ -9,7 +9,8 @@ which snapshots still need flushing:
     <dir>/<job>/rank-00000.slot-0.pending.json  written at commit: which shard, its layout, run and commit time
     <dir>/<job>/rank-00000.slot-0.meta.json     written once checksummed: the shard's metadata
 
-All methods run on the daemon's event loop thread, except record_hashed.
+All methods run on the daemon's event loop thread, except record_hashed and commit (a flush thread, while
+the loop waits for it: its marker carries the layout, megabytes to seal and write).
 """
 
 from __future__ import annotations

@@ -58,7 +58,7 @@ class PeerServicer(peer_pb2_grpc.CkptdPeerServicer):
         self.pipeline = pipeline
 
     def _refuse_itself(self, context: Any) -> None:
-        if dict(context.invocation_metadata()).get(INSTANCE_HEADER) == self.pipeline.peering.instance:
+        if dict(context.invocation_metadata()).get(INSTANCE_HEADER) == self.pipeline.instance:
             raise IsSelf(f"{ITSELF} a peer address in [peer] addresses leads back to this node")
 
     async def PutShard(self, request_iterator: AsyncIterator[bytes], context: Any) -> pb.PutShardReply:

@@ -61,7 +61,7 @@ class CkptdServicer(ckptd_pb2_grpc.CkptdServicer):
             slot, blocked_s, reason = await self.pipeline.reserve(key, request.size_bytes)
             if slot is None:
                 return pb.ReserveReply(skipped=True, reason=reason)
-            spare = self.pipeline.pool.spare(key.job, key.rank)
+            spare = self.pipeline.spare(key.job, key.rank)
             return pb.ReserveReply(
                 slot_path=str(slot.path),
                 slot_size_bytes=slot.size_bytes,
@@ -136,7 +136,7 @@ class CkptdServicer(ckptd_pb2_grpc.CkptdServicer):
 
     async def Status(self, request: pb.StatusRequest, context: Any) -> pb.StatusReply:
         async def work() -> pb.StatusReply:
-            return pb.StatusReply(json=json.dumps(self.pipeline.status()))
+            return pb.StatusReply(json=json.dumps(await self.pipeline.status()))
 
         return await answer(context, work)
 

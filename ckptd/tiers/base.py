@@ -59,7 +59,8 @@ class DurableTier(Tier):
     2. for each shard: write_shard(), which returns once the shard is durable;
     3. after each shard: try_commit(), which seals the step once every rank is in, or
        adopt_commit(), when the step is complete across nodes;
-    4. from retention: remove_step(), for steps the config no longer keeps;
+    4. from retention: remove_step(), for steps the config no longer keeps, and
+       retry_removals() before each pass, for removals that failed earlier;
     5. close() at shutdown.
     """
 
@@ -108,6 +109,12 @@ class DurableTier(Tier):
     @abstractmethod
     def remove_step(self, job: str, step: int) -> None:
         """Remove a step: it stops being listed first, then its shards go."""
+
+    removal_failures: int  # removals that failed (logged, retried by retry_removals)
+
+    @abstractmethod
+    def retry_removals(self) -> list[str]:
+        """Finish removals that failed earlier (their steps are unlisted already); return what was removed."""
 
     @abstractmethod
     def remove_leftovers(self) -> list[str]:

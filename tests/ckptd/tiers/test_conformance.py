@@ -15,8 +15,8 @@ import pytest
 from ckpt.errors import CorruptCheckpoint, NotFound
 from ckpt.format import CHUNK_SIZE_BYTES, CommitRecord, ShardMeta, chunk_ranges, data_name, digest, round_up
 
-from ckptd.storage.object_store import open_store
 from ckptd.datapath.staging import ShardKey, SlotPool, Snapshot
+from ckptd.storage.object_store import open_store
 from ckptd.tiers.base import Tier
 from ckptd.tiers.memory import MemoryTier
 from ckptd.tiers.nvme import LocalDirTier

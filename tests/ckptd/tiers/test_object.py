@@ -10,8 +10,8 @@ import pytest
 from ckpt.errors import CorruptCheckpoint, NotFound
 from ckpt.format import CHUNK_SIZE_BYTES, COMMIT_NAME, CommitRecord, ShardMeta, data_name, digest, meta_name, round_up
 
-from ckptd.storage.object_store import open_store
 from ckptd.offline.verify import verify
+from ckptd.storage.object_store import open_store
 from ckptd.tiers.nvme import LocalDirTier
 from ckptd.tiers.object import PART_BYTES, CommitConflict, ObjectTier, frames_name, zstd_name
 

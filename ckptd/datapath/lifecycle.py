@@ -1,0 +1,144 @@
+"""Wire one node's roles together, recover what an earlier run left, keep up with the peers, and drain.
+
+The daemon builds one Lifecycle (the constructor wires every role), awaits start()
+before serving any RPC, and awaits drain() after the servers stopped. Everything
+runs on the event loop; the roles put their byte work on their own threads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from concurrent.futures import ThreadPoolExecutor
+
+from ckpt.errors import CheckpointError
+
+from ckptd.config import Config
+from ckptd.datapath.flush import Flusher
+from ckptd.datapath.locate import Locator
+from ckptd.datapath.peering import Peering
+from ckptd.datapath.progress import ShardProgress
+from ckptd.datapath.receiving import ReplicaReceiver
+from ckptd.datapath.retention import BusySteps, RetentionRunner
+from ckptd.datapath.staging import ShardKey, SlotPool
+from ckptd.datapath.status import StatusReport
+from ckptd.datapath.uploading import Uploader
+from ckptd.storage.object_store import open_store
+from ckptd.tiers.base import DurableTier, Tier
+from ckptd.tiers.memory import MemoryTier
+from ckptd.tiers.nvme import LocalDirTier
+from ckptd.tiers.object import ObjectTier
+
+log = logging.getLogger(__name__)
+
+PEER_THREADS = 8
+RECONCILE_S = 2.0  # how often a node catches up with its peers
+LOCAL_TIERS = ("nvme", "peer")
+
+
+class Lifecycle:
+    """Own the roles of one node, from start-up recovery to drain."""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.pool = SlotPool(config.staging_dir, config.staging.budget_bytes, config.staging.policy)
+        self.memory = MemoryTier(self.pool.slots)
+        self.nvme = LocalDirTier(config.root)
+        self.replica_store = LocalDirTier(config.replica_root, name="peer")  # replicas other nodes sent here
+        self.tiers: list[Tier] = [self.memory, self.nvme, self.replica_store]  # fastest first: loads try them so
+        self.durable_tiers: list[DurableTier] = [self.nvme, self.replica_store]
+        self.peer_threads = ThreadPoolExecutor(max_workers=PEER_THREADS, thread_name_prefix="peer")
+        # Serving shards to peers reads whole files: on threads of their own, never in the way of seals.
+        self.serve_threads = ThreadPoolExecutor(max_workers=PEER_THREADS, thread_name_prefix="serve")
+        self.receiver = ReplicaReceiver(self.replica_store, self.peer_threads)
+        self.peering = Peering(config, self.nvme, self.replica_store, self.peer_threads, self._replication_changed)
+        self.object_tier: ObjectTier | None = None
+        self.uploader: Uploader | None = None
+        if config.object.url:
+            self.object_tier = ObjectTier(open_store(config.object.url, config.object.storage_options))
+            self.uploader = Uploader(config, self.nvme, self.object_tier, self._upload_changed)
+        self.progress = ShardProgress(self.pool, self.nvme, self.peering, self.uploader)
+        self.flusher = Flusher(self.pool, self.nvme, self.durable_tiers, self.peering, self.uploader, self.progress)
+        self.locator = Locator(config, self.tiers, self.nvme, self.peering, self.object_tier, self.verification_failed)
+        holders: list[BusySteps] = [self.flusher, self.progress, self.locator, self.receiver, self.peering]
+        if self.uploader is not None:
+            holders.append(self.uploader)
+        self.retention = RetentionRunner(
+            config,
+            self.durable_tiers,
+            self.object_tier,
+            self.peering,
+            holders,
+            self.locator.on_object_threads,
+            self.uploader,
+        )
+        self.flusher.retention = lambda job: self.retention.collect_quietly(job, LOCAL_TIERS)
+        self.report = StatusReport(
+            config, self.pool, self.memory, self.nvme, self.durable_tiers,
+            self.flusher, self.progress, self.peering, self.uploader, self.retention,
+        )  # fmt: skip
+        self._background: list[asyncio.Task[None]] = []
+
+    def verification_failed(self, tier: str) -> None:
+        """Count a bad byte caught on its way (see StatusReport)."""
+        self.report.verification_failed(tier)
+
+    async def start(self) -> None:
+        """Clean up after an interrupted run, resume the flushes it left, and start catching up with peers."""
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(self.peer_threads, self._prepare_disk)
+        await self.flusher.resume()
+        for job in await loop.run_in_executor(self.peer_threads, self.nvme.jobs):
+            await self.retention.collect_quietly(job, LOCAL_TIERS, keep_newest=False)
+        await loop.run_in_executor(self.peer_threads, self.report.seed)
+        if self.uploader is not None:
+            self.uploader.start()
+        self._background.append(loop.create_task(self.report.probe_loop()))
+        if self.peering.peer_tier is not None:
+            self._background.append(loop.create_task(self._reconcile_forever()))
+
+    def _prepare_disk(self) -> None:
+        self.config.root.mkdir(parents=True, exist_ok=True)
+        self.config.replica_root.mkdir(exist_ok=True)
+        for tier in self.durable_tiers:
+            for path in tier.remove_leftovers():
+                log.info("removed leftover %s from tier %s", path, tier.name)
+
+    async def _reconcile_forever(self) -> None:
+        while True:
+            try:
+                self.receiver.drop_idle()
+                await self.peering.reconcile(self.flusher.commit_lock, self.flusher.flushing)
+                await self.retention.collect(dry_run=False, tiers=LOCAL_TIERS)  # adopted commits bring retention
+            except (CheckpointError, OSError) as e:
+                log.warning("catching up with the peers failed: %s", e)
+            except Exception:  # the loop must outlive any one bad round
+                log.exception("catching up with the peers failed unexpectedly")
+            await asyncio.sleep(RECONCILE_S)  # a period, not a wait for anything
+
+    def _replication_changed(self, key: ShardKey, replicated: bool) -> None:
+        if replicated:
+            self.progress.step_completed("peer")
+            self.progress.reached(key, "peer")  # stays known after the shard is no longer tracked
+        self.progress.changed_soon()
+
+    def _upload_changed(self, key: ShardKey, committed: bool) -> None:
+        self.progress.changed_soon()
+        if committed:  # a new step in the store: [retention] object may now remove an older one
+            self.retention.collect_soon(key.job, ("object",))
+
+    async def drain(self) -> None:
+        """Wait for every queued flush and replica under way to finish, then release threads and files."""
+        for task in self._background:
+            task.cancel()
+        await self.flusher.drain()
+        await self.peering.drain()
+        if self.uploader is not None:
+            await self.uploader.drain()
+        await self.retention.drain()
+        self.receiver.close()
+        self.peer_threads.shutdown(wait=True)
+        self.serve_threads.shutdown(wait=True)
+        self.locator.close()
+        for tier in self.durable_tiers:
+            tier.close()

@@ -1,0 +1,200 @@
+"""Where each shard stands on each tier, and the waiters who asked: one verdict per tier.
+
+The flusher, the replication and the uploader report here as shards move; WaitShard
+reads the verdicts. Everything runs on the event loop and touches no disk: what was
+durable before this daemon started is looked up once per wait, on a worker thread.
+Every table is bounded (the oldest entries go first).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable
+from typing import Any
+
+from ckpt.format import validate_tier
+
+from ckptd.datapath.peering import Peering
+from ckptd.datapath.replication import FAILURES_REPORTED
+from ckptd.datapath.staging import ShardKey, SlotPool
+from ckptd.datapath.uploading import FAILURES_REPORTED as UPLOAD_FAILURES_REPORTED
+from ckptd.datapath.uploading import Uploader
+from ckptd.tiers.nvme import LocalDirTier
+
+log = logging.getLogger(__name__)
+
+REMEMBERED_SHARDS = 1 << 16  # shards known to have reached a tier, for waiters that come after retention
+RECENT_ERRORS = 20
+
+Verdict = Callable[[], "tuple[bool, str] | None"]  # (done, error), or None: not yet
+
+
+class ShardProgress:
+    """Keep, per shard, which tiers it reached and why it failed; wake the waiters when that changes.
+
+    Order of calls for one copy of a shard: copy_committed() when its save commits;
+    sealing_started() once it is durable on NVMe and its step may be sealed;
+    sealing_done() after the seal was tried (the NVMe verdict turns true);
+    failed() on any error. reached() records the other tiers. changed() after each.
+    """
+
+    def __init__(self, pool: SlotPool, nvme: LocalDirTier, peering: Peering, uploader: Uploader | None) -> None:
+        self.pool = pool
+        self.nvme = nvme
+        self.peering = peering
+        self.uploader = uploader
+        self._condition = asyncio.Condition()
+        self._failures: OrderedDict[ShardKey, str] = OrderedDict()
+        self._reached: OrderedDict[tuple[ShardKey, str], None] = OrderedDict()
+        self._sealing: set[ShardKey] = set()  # flushed, and the step not yet sealed (if it can be)
+        self.errors: deque[dict[str, Any]] = deque(maxlen=RECENT_ERRORS)
+        self.completed_unix_s: dict[str, float] = {}  # tier -> when a step last became complete there
+        self._wakers: set[asyncio.Task[None]] = set()
+
+    # -- reports ------------------------------------------------------------------
+
+    def copy_committed(self, key: ShardKey) -> None:
+        """Forget what an earlier copy of the shard reached: the new copy has reached only memory."""
+        self._failures.pop(key, None)
+        self._reached.pop((key, "nvme"), None)
+        self._reached.pop((key, "peer"), None)
+        self._sealing.discard(key)  # an earlier copy's seal, still queued, must not count for this one
+        self.reached(key, "memory")
+
+    def sealing_started(self, key: ShardKey) -> None:
+        """Say the shard is durable on NVMe, and its step about to be sealed if it can be."""
+        self._sealing.add(key)
+
+    def sealing_done(self, key: ShardKey) -> None:
+        """Say the seal was tried: the shard counts as on NVMe from now on."""
+        if key in self._sealing:  # whatever happened: waiters must hear, retention must not keep off
+            self._sealing.discard(key)
+            self.reached(key, "nvme")
+
+    def reached(self, key: ShardKey, tier: str) -> None:
+        """Remember that the shard reached a tier (kept after retention removes it there)."""
+        self._reached[(key, tier)] = None
+        _bound(self._reached)
+
+    def failed(self, key: ShardKey, tier: str, message: str) -> None:
+        """Record why the shard failed on a tier: its waiters hear it, `status` lists it."""
+        log.error("%s", message)
+        self._failures[key] = message
+        self._failures.move_to_end(key)
+        _bound(self._failures)
+        self.errors.append({"time_unix_s": time.time(), "tier": tier, "shard": str(key), "error": message})
+
+    def step_completed(self, tier: str) -> None:
+        """Note that a step just became complete on a tier (for the age in `status`)."""
+        self.completed_unix_s[tier] = time.time()
+
+    async def changed(self) -> None:
+        """Wake every waiter to look again."""
+        async with self._condition:
+            self._condition.notify_all()
+
+    def changed_soon(self) -> None:
+        """Wake every waiter from a plain callback on the event loop."""
+        task = asyncio.get_running_loop().create_task(self.changed())
+        self._wakers.add(task)
+        task.add_done_callback(self._wakers.discard)
+
+    def busy_steps(self) -> set[tuple[str, int]]:
+        """Return the steps being sealed: retention keeps off them (BusySteps)."""
+        return {(k.job, k.step) for k in self._sealing}
+
+    # -- waiting ------------------------------------------------------------------
+
+    async def wait(self, key: ShardKey, tier: str, timeout_s: float, object_steps: Any) -> tuple[bool, str]:
+        """Return (done, error) for a shard on a tier, waiting up to timeout_s for it.
+
+        object_steps(job) is awaited for the steps complete in the store (or None), when
+        an upload may have finished before this daemon started.
+        """
+        validate_tier(tier)
+        if (tier == "object" and self.uploader is None) or (tier == "peer" and self.peering.replication is None):
+            return False, f"tier {tier} is not configured on node {self.peering.config.node.name}"
+        if tier == "object":
+            verdict = await self._upload_verdict(key, object_steps)
+        elif tier == "peer":
+            verdict = self._replica_verdict(key)
+        else:
+            on_disk = tier == "nvme" and await asyncio.to_thread(self.nvme.has_shard, key.job, key.step, key.rank)
+
+            def verdict() -> tuple[bool, str] | None:
+                return (True, "") if self._reached_tier(key, tier, on_disk) else None
+
+        deadline = time.monotonic() + timeout_s
+        async with self._condition:
+            while True:
+                answer = verdict()
+                if answer is not None:
+                    return answer
+                if key in self._failures:
+                    return False, self._failures[key]
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return False, ""
+                try:
+                    await asyncio.wait_for(self._condition.wait(), remaining)
+                except TimeoutError:
+                    return False, ""
+
+    def _reached_tier(self, key: ShardKey, tier: str, on_disk_before: bool) -> bool:
+        if (key, tier) in self._reached:
+            return True
+        if tier == "memory":
+            return any(s.shard == key and s.state != "writing" for s in self.pool.slots())
+        if (
+            key in self._failures
+            or key in self._sealing
+            or any(s.shard == key and s.state == "pending" for s in self.pool.slots())
+        ):
+            return False  # the copy being flushed is the one asked about, not an older one on disk
+        return on_disk_before  # durable before this daemon started, or before this copy was tracked
+
+    def _replica_verdict(self, key: ShardKey) -> Verdict:
+        attempts_before = self.peering.replicated(key)[3]
+        if self.peering.replicated(key)[2] >= FAILURES_REPORTED and self.peering.replication:
+            self.peering.replication.retry_now(key)  # failing so far: a waiter hears how a fresh attempt goes
+
+        def verdict() -> tuple[bool, str] | None:
+            done, error, failures, attempts = self.peering.replicated(key)
+            if done or (key, "peer") in self._reached:
+                return True, ""
+            if failures >= FAILURES_REPORTED and attempts > attempts_before:
+                return False, error
+            return None
+
+        return verdict
+
+    async def _upload_verdict(self, key: ShardKey, object_steps: Any) -> Verdict:
+        uploader = self.uploader
+        assert uploader is not None
+        if not uploader.wanted(key.step):
+            error = f"{key.job} step {key.step} is not uploaded: [object] every = {uploader.config.object.every}"
+            return lambda: (False, error)
+        before = uploader.state(key)
+        attempts_before = before.attempts if before is not None else 0
+        if before is None and key.step in (await object_steps(key.job) or []):
+            return lambda: (True, "")  # uploaded and committed before this daemon started
+
+        def verdict() -> tuple[bool, str] | None:
+            state = uploader.state(key)
+            if state is not None and state.committed:
+                return True, ""
+            if state is not None and (
+                state.gave_up or (state.failures >= UPLOAD_FAILURES_REPORTED and state.attempts > attempts_before)
+            ):
+                return False, state.error
+            return None
+
+        return verdict
+
+
+def _bound(table: OrderedDict[Any, Any]) -> None:
+    while len(table) > REMEMBERED_SHARDS:
+        table.popitem(last=False)
