@@ -23,6 +23,7 @@ from ckptd.rpc.server import CkptdServicer
 log = logging.getLogger(__name__)
 
 STOP_GRACE_S = 5.0
+MAX_PEER_RPCS = 64  # calls from peers served at once; more are refused (RESOURCE_EXHAUSTED) and retried
 
 
 class AlreadyServing(Exception):
@@ -78,7 +79,7 @@ async def serve(config: Config) -> None:
 
 
 async def _serve_peers(config: Config, pipeline: Pipeline) -> grpc.aio.Server:
-    server = grpc.aio.server(options=grpc_options())
+    server = grpc.aio.server(options=grpc_options(), maximum_concurrent_rpcs=MAX_PEER_RPCS)
     add_peer_servicer(PeerServicer(pipeline), server)
     credentials = server_credentials(config.peer)
     try:

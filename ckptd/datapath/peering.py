@@ -312,10 +312,11 @@ class Peering:
     def status(self) -> dict[str, Any]:
         """Describe the peer tier for `ckptd status`."""
         if self.peer_tier is None:
-            return {"enabled": False, "listen": self.config.node.listen}
+            return {"enabled": False, "listen": self.config.node.listen, "instance": self.instance}
         return {
             "enabled": True,
             "listen": self.config.node.listen,
+            "instance": self.instance,  # this daemon's run: peer calls that carry it are refused as its own
             "replicas": self.config.replicas,
             "tls": bool(self.config.peer.cert),
             "unreachable": dict(self.peer_tier.unreachable),

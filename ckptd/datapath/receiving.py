@@ -36,6 +36,7 @@ MAX_CHUNK_BYTES = 64 << 20
 IDLE_TRANSFER_S = 60.0
 SPARE_BUFFERS = 16
 MAX_TRANSFERS = 32
+MAX_RANGES_IN_FLIGHT = 16  # each holds two blocks of buffers (16 MiB): bounds what peers can make this node hold
 TRANSFER_RE = re.compile(r"[0-9a-f]{8,64}")
 
 
@@ -75,6 +76,7 @@ class ReplicaReceiver:
         self.tier = tier
         self._threads = threads
         self._transfers: dict[str, _Transfer] = {}
+        self._ranges_in_flight = 0
         self._spare_buffers: list[mmap.mmap] = []  # reused: fresh ones would fault in every page per range
 
     async def receive_range(
@@ -82,7 +84,18 @@ class ReplicaReceiver:
     ) -> None:
         """Write one checked range of a replica (CorruptCheckpoint: a bad chunk)."""
         self._check(meta, transfer, offset, length)
-        if self.tier.holds(meta):
+        if self._ranges_in_flight >= MAX_RANGES_IN_FLIGHT:
+            raise ReceiverBusy(f"{self._what(meta)}: {self._ranges_in_flight} ranges are being received already")
+        self._ranges_in_flight += 1
+        try:
+            await self._receive(meta, transfer, offset, length, pieces)
+        finally:
+            self._ranges_in_flight -= 1
+
+    async def _receive(
+        self, meta: ShardMeta, transfer: str, offset: int, length: int, pieces: AsyncIterator[memoryview]
+    ) -> None:
+        if await _finished(self._threads.submit(self.tier.holds, meta)):
             raise AlreadyHeld(f"{self._what(meta)}: held already")
         t = await self._open(meta, transfer)
         t.ranges_open += 1

@@ -218,7 +218,9 @@ class PeerLink:
         """Tell the peer a step is complete."""
         self._call(
             f"commit of {record.job} step {record.step}",
-            lambda: self._stub.CommitStep(pb.CommitStepRequest(commit_json=record.to_bytes()), timeout=timeout_s),
+            lambda: self._stub.CommitStep(
+                pb.CommitStepRequest(commit_json=record.to_bytes()), timeout=timeout_s, metadata=self._metadata
+            ),
         )
 
     def put_shard(
@@ -239,7 +241,10 @@ class PeerLink:
         request = pb.SealShardRequest(
             meta_json=meta_json, transfer=transfer, commit_json=record.to_bytes() if record else b""
         )
-        self._call(f"sealing the replica of {what}", lambda: self._stub.SealShard(request, timeout=CALL_TIMEOUT_S))
+        self._call(
+            f"sealing the replica of {what}",
+            lambda: self._stub.SealShard(request, timeout=CALL_TIMEOUT_S, metadata=self._metadata),
+        )
 
     def _put_range(
         self, meta: ShardMeta, meta_json: bytes, transfer: str, path: Path, offset: int, length: int, what: str

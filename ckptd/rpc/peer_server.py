@@ -87,6 +87,7 @@ class PeerServicer(peer_pb2_grpc.CkptdPeerServicer):
 
     async def SealShard(self, request: pb.SealShardRequest, context: Any) -> pb.SealShardReply:
         async def work() -> pb.SealShardReply:
+            self._refuse_itself(context)
             meta = _shard_meta(request.meta_json)
             record = _commit_record(request.commit_json) if request.commit_json else None
             await self.pipeline.receiver.seal(meta, request.transfer, record)
@@ -130,6 +131,7 @@ class PeerServicer(peer_pb2_grpc.CkptdPeerServicer):
 
     async def CommitStep(self, request: pb.CommitStepRequest, context: Any) -> pb.CommitStepReply:
         async def work() -> pb.CommitStepReply:
+            self._refuse_itself(context)
             await self.pipeline.adopt_commit(_commit_record(request.commit_json))
             return pb.CommitStepReply()
 

@@ -145,15 +145,18 @@ class ObjectTier(Tier):
         parallel) and kept while the step is listed.
         """
         steps = self._steps(job)
-        unread = [s for s in steps if (job, s) not in self._records]
-        states: dict[int, CommitRecord | str] = {s: self._records[(job, s)] for s in steps if s not in unread}
+        with self._lock:  # other threads drop entries meanwhile (a listing, a removal)
+            known = {s: self._records.get((job, s)) for s in steps}
+        unread = [s for s, record in known.items() if record is None]
+        states: dict[int, CommitRecord | str] = {s: r for s, r in known.items() if r is not None}
         # A commit record, once read, is kept; the others are asked for each time, in parallel.
         with ThreadPoolExecutor(max_workers=READ_THREADS, thread_name_prefix="object-list") as pool:
             states.update(zip(unread, pool.map(lambda s: self._commit_state(job, s), unread), strict=True))
         return {s: state for s, state in sorted(states.items()) if state != "missing"}
 
     def _commit_state(self, job: str, step: int) -> CommitRecord | str:
-        cached = self._records.get((job, step))
+        with self._lock:
+            cached = self._records.get((job, step))
         if cached is not None:
             return cached
         where = self.store.describe(job, str(step), COMMIT_NAME)

@@ -202,6 +202,11 @@ class Checkpointer:
         reply = self._daemon.call(
             "Locate", pb.LocateRequest(job=self.job, step=-1 if step is None else step, rank=self.rank, tier=tier)
         )
+        if reply.world_size != self.world_size:
+            raise InvalidArgument(
+                f"{self.job} step {reply.step} was saved by {reply.world_size} ranks, and this Checkpointer has "
+                f"world_size {self.world_size}: rank {self.rank}'s shard of it belongs to another sharding"
+            )
         sources = [ShardSource(s.tier, s.kind, s.path, self.job, reply.step) for s in reply.sources]
         try:
             return _load_first_good(sources, self.rank, map_location)

@@ -11,7 +11,7 @@ from ckpt.errors import CorruptCheckpoint, InvalidArgument
 from ckpt.format import ShardMeta, chunk_ranges, digest
 from ckpt.shard_io import read_meta
 
-from ckptd.datapath.receiving import ReceiverBusy, ReplicaReceiver
+from ckptd.datapath.receiving import MAX_RANGES_IN_FLIGHT, ReceiverBusy, ReplicaReceiver
 from ckptd.rpc.shard_stream import PIECE_BYTES, byte_ranges
 from ckptd.tiers.nvme import LocalDirTier
 
@@ -143,5 +143,29 @@ def test_too_many_replicas_at_once_are_refused_until_some_end(tmp_path, monkeypa
         await receiver.receive_range(meta, "ab" * 8, CHUNK, CHUNK, pieces(data[CHUNK:]))
         await receiver.seal(meta, "ab" * 8, None)
         await receiver.receive_range(other, "cd" * 8, 0, CHUNK, pieces(data[:CHUNK]))
+
+    run(tmp_path, body)
+
+
+def test_ranges_received_at_once_are_bounded(tmp_path):
+    meta, data = make_shard(CHUNK)
+    release = asyncio.Event()
+
+    async def held_open():
+        await release.wait()
+        yield data
+
+    async def body(receiver):
+        ranges = [
+            asyncio.ensure_future(receiver.receive_range(meta, f"{i:016x}", 0, CHUNK, held_open()))
+            for i in range(MAX_RANGES_IN_FLIGHT)
+        ]
+        while receiver._ranges_in_flight < MAX_RANGES_IN_FLIGHT:
+            await asyncio.sleep(0)  # let each range start (no time passes: the loop runs the others)
+        with pytest.raises(ReceiverBusy, match="ranges are being received"):
+            await receiver.receive_range(meta, "ff" * 8, 0, CHUNK, pieces(data))
+        release.set()
+        await asyncio.gather(*ranges, return_exceptions=True)
+        assert receiver._ranges_in_flight == 0
 
     run(tmp_path, body)

@@ -12,6 +12,7 @@ from pathlib import Path
 import ckpt
 import pytest
 import torch
+from ckpt.errors import InvalidArgument
 from ckpt.format import COMMIT_NAME, data_name
 from states import Holder, Point, assert_same, every_kind_state
 
@@ -109,6 +110,15 @@ def test_multi_rank_step_completes_only_with_every_rank(daemon):
     for rank in (0, 1):
         with ckpt.Checkpointer(job="multi", rank=rank, world_size=2, address=daemon.address) as c:
             assert_same(every_kind_state(seed=rank * 1000 + 2), c.load())
+
+
+def test_a_step_saved_by_another_world_size_is_refused_naming_both(daemon):
+    for rank in (0, 1):
+        finish(run_rank(daemon, "resized", rank, 2, [1]))
+    for rank, world_size, step in ((0, 1, None), (1, 3, 1)):
+        c = ckpt.Checkpointer(job="resized", rank=rank, world_size=world_size, address=daemon.address)
+        with c, pytest.raises(InvalidArgument, match=rf"saved by 2 ranks.*world_size {world_size}"):
+            c.load(step=step)
 
 
 def test_ranks_in_parallel_and_jobs_side_by_side(daemon):

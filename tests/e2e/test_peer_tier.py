@@ -7,13 +7,14 @@ import shutil
 import signal
 import socket
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import ckpt
 import pytest
 import torch
 from certs import CertificateAuthority
 from ckpt.errors import CheckpointError, SaveFailed
-from ckpt.format import data_name, meta_name
+from ckpt.format import COMMIT_NAME, CommitRecord, ShardMeta, data_name, meta_name
 from conftest import eventually, free_port
 from states import assert_same
 
@@ -175,6 +176,24 @@ def test_bad_peer_input_is_refused_and_the_unix_socket_is_private(make_cluster):
         link.fetch_meta("train", 1, 0)
     link.close()
     assert a.proc is not None and a.proc.poll() is None, "the daemon lives on"
+
+
+def test_every_peer_call_from_the_node_itself_is_refused(make_cluster):
+    (a,) = (d.start() for d in make_cluster(1))
+    with ckpt.Checkpointer(job=JOB, rank=0, world_size=1, address=a.address) as c:
+        c.save_async(rank_state(0, 1), step=1).wait("nvme", timeout=30)
+    record = CommitRecord.from_bytes((a.root / JOB / "1" / COMMIT_NAME).read_bytes(), "test")
+    instance = json.loads(a.cli("status", "--json").stdout)["tiers"]["peer"]["instance"]
+    itself = PeerLink(a.listen, PeerConfig(), instance)
+    with pytest.raises(PeerError, match="is this node itself"):
+        itself.commit_step(record, timeout_s=5)
+    meta = ShardMeta.from_bytes((a.root / JOB / "1" / meta_name(0)).read_bytes(), "test")
+    with pytest.raises(PeerError, match="is this node itself"):
+        itself.put_shard(meta, a.root / JOB / "1" / data_name(0), ThreadPoolExecutor(2))
+    itself.close()
+    stranger = PeerLink(a.listen, PeerConfig(), "another-instance")
+    stranger.commit_step(record, timeout_s=5)  # the same call from another node is answered
+    stranger.close()
 
 
 def test_replication_left_undone_by_a_killed_daemon_resumes_from_disk(make_cluster):

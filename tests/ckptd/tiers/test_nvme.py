@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import shutil
 
 import pytest
 from ckpt.errors import CorruptCheckpoint, NotFound
@@ -135,3 +136,24 @@ def test_holdings_follow_a_shard_saved_again(tier):
     assert [(h.node, h.rank, h.meta_digest) for h in held] == [("n", 0, digest(second.to_bytes()))]
     tier.remove_step("j", 1)
     assert tier.holdings("j", 1) == []
+
+
+def test_a_failed_removal_is_counted_retried_and_never_blocks_the_step_number(tier, monkeypatch, caplog):
+    real_rmtree = shutil.rmtree
+
+    def refuse(path, *args, **kwargs):
+        raise PermissionError(13, "Permission denied", str(path))
+
+    for _ in range(2):  # the same step number, saved and removed twice while its disk refuses to let go
+        _write(tier, 0, b"abc", world_size=1)
+        tier.try_commit("j", 1, 1)
+        monkeypatch.setattr(shutil, "rmtree", refuse)
+        tier.remove_step("j", 1)
+        monkeypatch.setattr(shutil, "rmtree", real_rmtree)
+        assert tier.complete_steps("j") == [] and tier.all_steps("j") == []  # unlisted all the same
+    assert tier.removal_failures == 2
+    assert "cannot remove" in caplog.text
+    left = [p for p in (tier.root / "j").iterdir() if p.name.startswith(".deleting-")]
+    assert len(left) == 2  # the disk they still take is visible, not silently leaked
+    assert sorted(tier.retry_removals()) == sorted(str(p) for p in left)
+    assert list((tier.root / "j").iterdir()) == []

@@ -153,3 +153,21 @@ def test_verify_reports_a_rank_missing_from_the_store_even_on_a_node_with_peers(
     checks = list(verify([tier], "job", 6, spread=True))  # spread: a node's own tiers hold some ranks, not the store
     assert [(c.rank, c.ok) for c in checks] == [(0, True), (1, False)]
     assert "missing from a complete step" in checks[1].error
+
+
+class _RemovedOnSight(dict):
+    """A record cache from which another thread removes an entry the moment it is checked for."""
+
+    def __contains__(self, key: object) -> bool:
+        found = super().__contains__(key)
+        self.pop(key, None)  # as remove_step or a listing on another thread would, right then
+        return found
+
+
+def test_records_removed_by_another_thread_meanwhile_are_read_again(tier, shards):
+    metas = [shards.write("job", 5, 0, 1, os.urandom(100))]
+    tier.upload_shard(metas[0], shards.path(metas[0]), "none")
+    assert tier.try_commit(_record(metas))
+    assert tier.complete_steps("job") == [5]  # the record is cached now
+    tier._records = _RemovedOnSight(tier._records)
+    assert tier.complete_steps("job") == [5]  # never a KeyError out of the cache
