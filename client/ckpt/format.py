@@ -88,23 +88,43 @@ def chunk_ranges(size_bytes: int, chunk_size_bytes: int = CHUNK_SIZE_BYTES) -> I
         yield offset, min(chunk_size_bytes, size_bytes - offset)
 
 
-def seal(record: dict[str, Any]) -> bytes:
-    """Serialise a record as JSON carrying the xxh3-128 of its own canonical body."""
-    body = json.dumps(record, sort_keys=True, separators=(",", ":"))
-    return json.dumps({"xxh3_128": digest(body.encode()), "record": record}, indent=1, sort_keys=True).encode()
+def seal(record: dict[str, Any], compact: bool = False) -> bytes:
+    """Serialise a record as JSON carrying the xxh3-128 of its own canonical body (sorted keys, no spaces).
+
+    compact writes the body as it is hashed: a record (a shard's, with a layout of
+    megabytes) is escaped once, and a reader checks the hash on the bytes as they lie.
+    Otherwise the record is indented for people to read.
+    """
+    body = json.dumps(record, sort_keys=True, separators=(",", ":")).encode()
+    if compact:
+        return b'{"record":' + body + b',"xxh3_128":"' + digest(body).encode() + b'"}\n'
+    return json.dumps({"xxh3_128": digest(body), "record": record}, indent=1, sort_keys=True).encode()
+
+
+_SEALED_HEAD = b'{"record":'
+_SEALED_TAIL_BYTES = len(b',"xxh3_128":"') + 32 + len(b'"}\n')
 
 
 def unseal(data: bytes, what: str) -> dict[str, Any]:
     """Parse a sealed record, raising CorruptCheckpoint naming what if it does not check."""
-    try:
-        outer = json.loads(data)
-        record = outer["record"]
-        expected = outer["xxh3_128"]
-    except (ValueError, KeyError, TypeError) as e:
-        raise CorruptCheckpoint(f"{what}: unreadable record ({e})") from None
-    body = json.dumps(record, sort_keys=True, separators=(",", ":"))
-    if digest(body.encode()) != expected:
-        raise CorruptCheckpoint(f"{what}: record checksum mismatch")
+    body = data[len(_SEALED_HEAD) : -_SEALED_TAIL_BYTES]
+    tail = data[-_SEALED_TAIL_BYTES:]
+    if data.startswith(_SEALED_HEAD) and tail.startswith(b',"xxh3_128":"') and tail.endswith(b'"}\n'):
+        if digest(body) != tail[13:45].decode("ascii", "replace"):  # the bytes as written by seal()
+            raise CorruptCheckpoint(f"{what}: record checksum mismatch")
+        try:
+            record = json.loads(body)
+        except ValueError as e:
+            raise CorruptCheckpoint(f"{what}: unreadable record ({e})") from None
+    else:  # written by an older ckptd (indented): the body is hashed in its canonical form
+        try:
+            outer = json.loads(data)
+            record = outer["record"]
+            expected = outer["xxh3_128"]
+        except (ValueError, KeyError, TypeError) as e:
+            raise CorruptCheckpoint(f"{what}: unreadable record ({e})") from None
+        if digest(json.dumps(record, sort_keys=True, separators=(",", ":")).encode()) != expected:
+            raise CorruptCheckpoint(f"{what}: record checksum mismatch")
     if not isinstance(record, dict):
         raise CorruptCheckpoint(f"{what}: record is not an object")
     return record
@@ -125,7 +145,7 @@ class ShardMeta:
     run_id: str = ""  # which run of the job wrote it: a step is sealed from one run's shards only
 
     def to_bytes(self) -> bytes:
-        """Serialise as a sealed record."""
+        """Serialise as a sealed record, written as it is hashed (the layout may be megabytes)."""
         return seal(
             {
                 "format": "ckpt-shard",
@@ -139,7 +159,8 @@ class ShardMeta:
                 "chunk_xxh3_128": list(self.chunk_xxh3_128),
                 "layout_json": self.layout_json,
                 "run_id": self.run_id,
-            }
+            },
+            compact=True,
         )
 
     @classmethod
