@@ -2,12 +2,8 @@
 
 Each (job, rank) owns at most two slots: one holds its newest snapshot (the
 memory tier), the other receives the next save while the first is still being
-flushed. A slot's state is kept beside it on disk, so a restarted daemon knows
-which snapshots still need flushing:
-
-    <dir>/<job>/rank-00000.slot-0               the bytes, mapped by client and daemon
-    <dir>/<job>/rank-00000.slot-0.pending.json  written at commit: which shard, its layout, run and commit time
-    <dir>/<job>/rank-00000.slot-0.meta.json     written once checksummed: the shard's metadata
+flushed. A slot's state is kept beside it on disk (see slot_files), so a restarted
+daemon knows which snapshots still need flushing.
 
 All methods run on the daemon's event loop thread, except record_hashed and commit (a flush thread, while
 the loop waits for it: its marker carries the layout, megabytes to seal and write).
@@ -16,35 +12,30 @@ the loop waits for it: its marker carries the layout, megabytes to seal and writ
 from __future__ import annotations
 
 import asyncio
-import fcntl
 import logging
 import os
-import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from ckpt.errors import CheckpointError, InvalidArgument, ReservationLost
-from ckpt.format import ShardMeta, round_up, seal, unseal, validate_job, validate_rank, validate_step
+from ckpt.format import ShardMeta, round_up, seal
+
+# A slot and its files on disk live in slot_files; ShardKey, Slot and scan_slots stay importable from here.
+from ckptd.datapath.slot_files import (
+    SLOT_NAME,
+    ShardKey,
+    Slot,
+    locked_by_a_writer,
+    scan_slots,
+    slot_path,
+    write_replace,
+)
 
 log = logging.getLogger(__name__)
 
 SLOTS_PER_RANK = 2
 SLOT_GRANULE_BYTES = 1 << 20
-_SLOT_NAME = re.compile(r"rank-(\d{5})\.slot-(\d+)")
-
-
-@dataclass(frozen=True)
-class ShardKey:
-    """Name one rank's shard of one step of a job."""
-
-    job: str
-    step: int
-    rank: int
-    world_size: int
-
-    def __str__(self) -> str:
-        return f"rank {self.rank}/{self.world_size} shard of {self.job} step {self.step}"
 
 
 @dataclass(frozen=True)
@@ -57,34 +48,6 @@ class Snapshot:
     data_size_bytes: int
     layout_json: str
     run_id: str = ""
-
-
-@dataclass
-class Slot:
-    """One shared-memory file and the snapshot it holds, if any."""
-
-    path: Path
-    job: str
-    rank: int
-    index: int
-    size_bytes: int
-    state: str = "free"  # allocating | free | writing | pending (flush queued or running) | settled
-    shard: ShardKey | None = None
-    data_size_bytes: int = 0
-    layout_json: str = ""
-    run_id: str = ""
-    meta: ShardMeta | None = None  # set once checksummed: the memory tier can serve it
-    reservation: int = 0  # the token of the current reservation; a stale one cannot commit
-    committed_seq: int = 0  # order of commits across the pool: among two copies of a shard, the later wins
-    allocating_bytes: int = 0  # the size being allocated, counted against the budget meanwhile
-
-    @property
-    def pending_path(self) -> Path:
-        return self.path.with_name(self.path.name + ".pending.json")
-
-    @property
-    def meta_path(self) -> Path:
-        return self.path.with_name(self.path.name + ".meta.json")
 
 
 class SlotPool:
@@ -176,7 +139,7 @@ class SlotPool:
         if len(group) >= SLOTS_PER_RANK or not self._room_for(job, rank, size_bytes, evict=False):
             return None
         index = min(set(range(SLOTS_PER_RANK)) - {s.index for s in group})
-        spare = Slot(self.directory / job / f"rank-{rank:05d}.slot-{index}", job, rank, index, 0, "allocating")
+        spare = Slot(slot_path(self.directory, job, rank, index), job, rank, index, 0, "allocating")
         spare.allocating_bytes = size_bytes
         group.append(spare)
         return spare
@@ -204,7 +167,7 @@ class SlotPool:
         key, slot_path, data_size_bytes = snapshot.key, snapshot.slot_path, snapshot.data_size_bytes
         slot = self._find(key.job, key.rank, slot_path)
         if slot is None:
-            name = _SLOT_NAME.fullmatch(Path(slot_path).name)
+            name = SLOT_NAME.fullmatch(Path(slot_path).name)
             if name and int(name[1]) == key.rank and Path(slot_path).parent == self.directory / key.job:
                 raise ReservationLost(f"{key}: {slot_path} was dropped since it was reserved")
             raise InvalidArgument(f"{key}: {slot_path} is not a staging slot of this rank")
@@ -222,13 +185,13 @@ class SlotPool:
             "run_id": snapshot.run_id,
             "committed_ns": slot.committed_seq,
         }
-        _write_replace(slot.pending_path, seal(record))
+        write_replace(slot.pending_path, seal(record))
         slot.state = "pending"
         return slot
 
     def record_hashed(self, slot: Slot, meta: ShardMeta) -> None:
         """Record a slot's checksums: from now on the memory tier serves it. Any thread."""
-        _write_replace(slot.meta_path, meta.to_bytes())
+        write_replace(slot.meta_path, meta.to_bytes())
         slot.meta = meta
 
     async def settle(self, slot: Slot) -> None:
@@ -262,7 +225,7 @@ class SlotPool:
         for slot in self._slots.get((job, rank), []):
             if slot.state != "writing":
                 continue
-            if _locked_by_a_writer(slot.path):
+            if locked_by_a_writer(slot.path):
                 raise InvalidArgument(
                     f"job {job} rank {rank} is being saved by another live process; "
                     "each rank of a job must be one process (check CKPT_JOB, RANK and WORLD_SIZE)"
@@ -287,7 +250,7 @@ class SlotPool:
             return self._claim(spare[0]), spare[0].size_bytes, ""
         if len(group) < SLOTS_PER_RANK and self._room_for(job, rank, need):
             index = min(set(range(SLOTS_PER_RANK)) - {s.index for s in group})
-            slot = Slot(self.directory / job / f"rank-{rank:05d}.slot-{index}", job, rank, index, 0, "writing")
+            slot = Slot(slot_path(self.directory, job, rank, index), job, rank, index, 0, "writing")
             return slot, need, "new slot"
         newest = self.newest(job, rank)
         last_resort = [newest] if newest is not None and newest.state == "settled" else []
@@ -344,69 +307,3 @@ class SlotPool:
                 slot.path.unlink(missing_ok=True)
             raise CheckpointError(f"cannot allocate {size_bytes} bytes of staging memory in {slot.path}: {e}") from e
         slot.size_bytes = size_bytes
-
-
-def scan_slots(directory: Path) -> list[Slot]:
-    """Read the slots under a staging directory with what each holds; damaged markers count as empty."""
-    found: list[Slot] = []
-    if not directory.is_dir():
-        return found
-    for job_dir in sorted(directory.iterdir()):
-        for path in sorted(job_dir.iterdir()) if job_dir.is_dir() else []:
-            m = _SLOT_NAME.fullmatch(path.name)
-            if not m:
-                continue
-            slot = Slot(path, job_dir.name, int(m[1]), int(m[2]), path.stat().st_size)
-            try:
-                _load_markers(slot)
-            except (CheckpointError, OSError, KeyError, TypeError, ValueError) as e:
-                log.warning("ignoring damaged staging record of %s: %s", path, e)
-                slot.shard, slot.meta, slot.layout_json = None, None, ""
-            found.append(slot)
-    return found
-
-
-def _load_markers(slot: Slot) -> None:
-    record = unseal(slot.pending_path.read_bytes(), str(slot.pending_path)) if slot.pending_path.exists() else None
-    if record is not None:
-        slot.committed_seq = int(record.get("committed_ns", 0))
-    if slot.meta_path.exists():
-        meta = ShardMeta.from_bytes(slot.meta_path.read_bytes(), str(slot.meta_path))
-        slot.meta = meta
-        slot.shard = ShardKey(meta.job, meta.step, meta.rank, meta.world_size)
-        slot.data_size_bytes, slot.layout_json, slot.run_id = (
-            meta.data_size_bytes,
-            meta.layout_json,
-            meta.run_id,
-        )
-    elif record is not None:
-        s = record["shard"]
-        validate_rank(s["rank"], s["world_size"])
-        slot.shard = ShardKey(validate_job(s["job"]), validate_step(s["step"]), s["rank"], s["world_size"])
-        slot.data_size_bytes, slot.layout_json = int(record["data_size_bytes"]), str(record["layout_json"])
-        slot.run_id = str(record.get("run_id", ""))
-    if slot.shard is not None and (slot.shard.job != slot.job or slot.shard.rank != slot.rank):
-        raise ValueError("record names another job or rank")
-    if slot.data_size_bytes > slot.size_bytes:
-        raise ValueError("record is larger than the slot")
-
-
-def _write_replace(path: Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
-
-
-def _locked_by_a_writer(path: Path) -> bool:
-    """Say whether a live process holds the slot's writer lock (flock works across PID namespaces)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except FileNotFoundError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
-    finally:
-        os.close(fd)  # also drops the lock if we got it
-    return False

@@ -3,6 +3,7 @@
 Shards are written with large aligned direct-I/O writes from page-aligned memory,
 under a temporary name, fsynced, then renamed; the step's commit record is
 written last, once every rank's shard is in. Layout: <root>/<job>/<step>/.
+The records of a step directory are read through step_records, each parsed once.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from ckptd.storage.commit_protocol import StepDirCommit
 from ckptd.storage.durable_write import RangeWriter, fsync_dir
 from ckptd.tiers.base import DurableTier
 from ckptd.tiers.cluster import Holding, seal_record
+from ckptd.tiers.step_records import StepRecords, entry_names
 
 log = logging.getLogger(__name__)
 
@@ -60,8 +62,7 @@ class LocalDirTier(DurableTier):
         self.root = root
         self.name = name
         self._io = ThreadPoolExecutor(max_workers=WRITE_THREADS, thread_name_prefix=f"{name}-io")
-        self._commits: dict[Path, tuple[tuple[int, int, int], CommitRecord | str]] = {}
-        self._holdings: dict[Path, tuple[tuple[int, int, int], Holding | None]] = {}
+        self._records = StepRecords(name)
         self._step_locks: dict[tuple[str, int], threading.Lock] = {}
         self._step_locks_lock = threading.Lock()
         self.removal_failures = 0  # step directories that could not be deleted (see retry_removals)
@@ -78,11 +79,11 @@ class LocalDirTier(DurableTier):
 
     def jobs(self) -> list[str]:
         """Return the jobs with a directory under the root (other entries, like lost+found, are not jobs)."""
-        return sorted(name for name in _names(self.root) if JOB_RE.fullmatch(name) and (self.root / name).is_dir())
+        return sorted(name for name in entry_names(self.root) if JOB_RE.fullmatch(name) and (self.root / name).is_dir())
 
     def all_steps(self, job: str) -> list[int]:
         """Return every step directory of the job, complete or not, oldest first."""
-        return sorted(int(n) for n in _names(self.root / job) if n.isdigit())
+        return sorted(int(n) for n in entry_names(self.root / job) if n.isdigit())
 
     def complete_steps(self, job: str) -> list[int]:
         """Return the steps whose commit record is in place and checks; a damaged one is logged and left out."""
@@ -99,22 +100,7 @@ class LocalDirTier(DurableTier):
 
     def _commit_state(self, job: str, step: int) -> CommitRecord | str:
         """Return the step's checked commit record, "missing", or "damaged"."""
-        path = self.root / job / str(step) / COMMIT_NAME
-        try:
-            st = path.stat()
-        except (FileNotFoundError, NotADirectoryError):
-            return "missing"
-        identity = (st.st_ino, st.st_size, st.st_mtime_ns)
-        cached = self._commits.get(path)
-        if cached is not None and cached[0] == identity:
-            return cached[1]
-        try:
-            state: CommitRecord | str = CommitRecord.from_bytes(path.read_bytes(), str(path))
-        except (CheckpointError, OSError) as e:
-            log.error("%s step %d on tier %s has a damaged commit record: %s", job, step, self.name, e)
-            state = "damaged"
-        self._commits[path] = (identity, state)
-        return state
+        return self._records.commit_state(self.root / job / str(step), job, step)
 
     def _step_lock(self, job: str, step: int) -> threading.Lock:
         with self._step_locks_lock:
@@ -278,42 +264,8 @@ class LocalDirTier(DurableTier):
         return record if self.adopt_commit(record) else None
 
     def holdings(self, job: str, step: int, node: str = "") -> list[Holding]:
-        """Return the readable shard records of a step on this tier (a damaged one is logged and left out).
-
-        Peers ask for these every few seconds, and a record carries the whole tensor
-        table: each file is read and parsed once, then known by its identity.
-        """
-        found = []
-        step_dir = self.step_dir(job, step)
-        for name in sorted(_names(step_dir)):
-            if not (name.startswith("rank-") and name.endswith(".meta.json")):
-                continue
-            path = step_dir / name
-            try:
-                st = path.stat()
-                identity = (st.st_ino, st.st_size, st.st_mtime_ns)
-                cached = self._holdings.get(path)
-                if cached is None or cached[0] != identity:
-                    cached = (identity, self._read_holding(path, job, step, name))
-                    self._holdings[path] = cached
-            except FileNotFoundError:
-                continue  # replaced or removed since it was listed
-            if cached[1] is not None:
-                found.append(dataclasses.replace(cached[1], node=node))
-        return found
-
-    def _read_holding(self, path: Path, job: str, step: int, name: str) -> Holding | None:
-        try:
-            raw = path.read_bytes()
-            meta = ShardMeta.from_bytes(raw, str(path))
-        except (CheckpointError, OSError) as e:
-            log.error("ignoring damaged shard record %s: %s", path, e)
-            return None
-        if (meta.job, meta.step, meta_name(meta.rank)) != (job, step, name):
-            log.error("ignoring shard record %s: it describes %s", path, meta_name(meta.rank))
-            return None
-        tier = "peer" if self.name == "peer" else "nvme"
-        return Holding("", tier, job, step, meta.rank, meta.world_size, meta.data_size_bytes, digest(raw), meta.run_id)
+        """Return the readable shard records of a step on this tier, each parsed once (a damaged one is left out)."""
+        return self._records.holdings(self.step_dir(job, step), job, step, node)
 
     def adopt_commit(self, record: CommitRecord) -> bool:
         """Seal a step with its commit record; return whether the step is complete here with that record.
@@ -380,9 +332,7 @@ class LocalDirTier(DurableTier):
             raise NotFound(f"{job} step {step} is not on tier {self.name}")
         doomed = step_dir.parent / f"{DELETING_PREFIX}{step}-{uuid.uuid4().hex[:8]}"  # never an older leftover's name
         (step_dir / COMMIT_NAME).unlink(missing_ok=True)
-        self._commits.pop(step_dir / COMMIT_NAME, None)
-        for path in [p for p in list(self._holdings) if p.parent == step_dir]:
-            self._holdings.pop(path, None)
+        self._records.forget(step_dir)
         with self._step_locks_lock:
             self._step_locks.pop((job, step), None)
         os.replace(step_dir, doomed)
@@ -404,29 +354,18 @@ class LocalDirTier(DurableTier):
     def retry_removals(self) -> list[str]:
         """Delete what failed removals left (unlisted steps still taking disk); return what was removed."""
         jobs = [self.root / j for j in self.jobs()]
-        doomed = [job / n for job in jobs for n in _names(job) if n.startswith(DELETING_PREFIX)]
+        doomed = [job / n for job in jobs for n in entry_names(job) if n.startswith(DELETING_PREFIX)]
         return [str(d) for d in doomed if self._delete(d)]
 
     def remove_leftovers(self) -> list[str]:
         """Delete temporary files and half-deleted steps that an interrupted run left; return them."""
         removed = self.retry_removals()
         for job in self.jobs():
-            for name in _names(self.root / job):
+            for name in entry_names(self.root / job):
                 entry = self.root / job / name
                 if name.isdigit():
-                    for f in _names(entry):
+                    for f in entry_names(entry):
                         if f.endswith(PARTIAL_SUFFIX):
                             (entry / f).unlink(missing_ok=True)
                             removed.append(str(entry / f))
         return removed
-
-
-def _names(directory: Path) -> list[str]:
-    """List a directory's entries; an unreadable or missing one is logged and counts as empty."""
-    try:
-        return os.listdir(directory)
-    except (FileNotFoundError, NotADirectoryError):
-        return []
-    except OSError as e:
-        log.warning("cannot list %s: %s", directory, e)
-        return []

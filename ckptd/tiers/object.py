@@ -4,14 +4,14 @@
 `rank-NNNNN.data.zst` with its frame index `rank-NNNNN.frames.json`), then its
 `rank-NNNNN.meta.json`, and last `COMMIT.json`. A step is listed only through its
 commit record, which is written create-only after every rank's shard is there and
-matches it. Calls block: the daemon makes them from its upload threads, the CLI
-from its own.
+matches it. How a shard's bytes become those objects (names, parts, ranges,
+frames) is object_layout's. Calls block: the daemon makes them from its upload
+threads, the CLI from its own.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections.abc import Iterator
@@ -19,54 +19,39 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-import zstandard
-from ckpt.chunks import find_bad_chunk, first_bad_chunk
 from ckpt.errors import CheckpointError, CorruptCheckpoint, NotFound
-from ckpt.format import (
-    COMMIT_NAME,
-    JOB_RE,
-    CommitRecord,
-    ShardMeta,
-    chunk_ranges,
-    data_name,
-    digest,
-    meta_name,
-    seal,
-    unseal,
-)
+from ckpt.format import COMMIT_NAME, JOB_RE, CommitRecord, ShardMeta, data_name, digest, meta_name
 from ckpt.shard_io import ShardSource
 
 from ckptd.storage.commit_protocol import ObjectStepCommit
 from ckptd.storage.object_store import ObjectStore
 from ckptd.tiers.base import Tier
 
+# The byte layout of a stored shard lives in object_layout; its names stay importable from here.
+from ckptd.tiers.object_layout import MAX_RANGE_BYTES as MAX_RANGE_BYTES
+from ckptd.tiers.object_layout import MIN_RANGE_BYTES as MIN_RANGE_BYTES
+from ckptd.tiers.object_layout import PART_BYTES as PART_BYTES
+from ckptd.tiers.object_layout import (
+    READ_THREADS,
+    Piece,
+    checked_frame_sizes,
+    frame_groups,
+    frame_index,
+    frames_name,
+    plain_pieces,
+    range_bytes,
+    read_parts,
+    unpack_range,
+    zstd_name,
+)
+
 log = logging.getLogger(__name__)
 
-PART_BYTES = 16 << 20  # the size of each part sent (a multiple of the 4 MiB chunk)
-MAX_PARTS = 9000  # S3 takes at most 10,000 parts per object
-READ_THREADS = 8
-# A fetch splits a shard into one range per thread, within these bounds: fewer, larger
-# GETs cost less per byte (some stores read a whole object to serve a range), and the
-# ceiling bounds the memory a fetch holds in flight to READ_THREADS ranges.
 LISTING_TTL_S = 1.0
-MIN_RANGE_BYTES = 16 << 20
-MAX_RANGE_BYTES = 64 << 20
-ZSTD_LEVEL = 1
-COMPRESS_THREADS = 2
 
 
 class CommitConflict(CheckpointError):
     """A commit record other than ours is already in the store: it stays, and the step is not ours to commit."""
-
-
-def zstd_name(rank: int) -> str:
-    """Name the object that holds a rank's compressed data: one zstd frame per checksum chunk."""
-    return f"{data_name(rank)}.zst"
-
-
-def frames_name(rank: int) -> str:
-    """Name the sealed record that lists the compressed size of each frame of a rank's data."""
-    return f"rank-{rank:05d}.frames.json"
 
 
 class ObjectTier(Tier):
@@ -221,25 +206,24 @@ class ObjectTier(Tier):
         names = self.step_names(meta.job, meta.step)
         if zstd_name(meta.rank) in names:
             frame_sizes = self._frame_sizes(meta, what)
-            pieces = list(_frame_groups(meta, frame_sizes, _range_bytes(sum(frame_sizes))))
+            pieces = list(frame_groups(meta, frame_sizes, range_bytes(sum(frame_sizes))))
             name = zstd_name(meta.rank)
         elif data_name(meta.rank) in names:
             if names[data_name(meta.rank)] != meta.data_size_bytes:
                 size = names[data_name(meta.rank)]
                 raise CorruptCheckpoint(f"{what}: {size} bytes stored, expected {meta.data_size_bytes}")
-            ranges = chunk_ranges(meta.data_size_bytes, _range_bytes(meta.data_size_bytes, meta.chunk_size_bytes))
-            pieces = [(o, n, [(o, n, n)]) for o, n in ranges]
+            pieces = plain_pieces(meta)
             name = data_name(meta.rank)
         else:
             raise CorruptCheckpoint(f"{what}: data object missing")
 
-        def fetch(piece: tuple[int, int, list[tuple[int, int, int]]]) -> str | None:
+        def fetch(piece: Piece) -> str | None:
             start, length, frames = piece
             try:
                 blob = self.store.read(meta.job, str(meta.step), name, start=start, end=start + length)
             except OSError as e:  # the way to the store failed: not a bad byte
                 raise CheckpointError(f"{what}: reading bytes {start}-{start + length - 1} of {name}: {e}") from e
-            return _unpack(meta, blob, frames, buffer, compressed=name.endswith(".zst"))
+            return unpack_range(meta, blob, frames, buffer, compressed=name.endswith(".zst"))
 
         with ThreadPoolExecutor(max_workers=READ_THREADS, thread_name_prefix="object-read") as pool:
             for bad in pool.map(fetch, pieces):
@@ -253,16 +237,7 @@ class ObjectTier(Tier):
             raise CorruptCheckpoint(f"{what}: the frame index of its compressed data is missing") from None
         except OSError as e:
             raise CheckpointError(f"{what}: {e}") from e
-        record = unseal(raw, f"{what}, {frames_name(meta.rank)}")
-        sizes = record.get("frame_sizes")
-        if (
-            record.get("format") != "ckpt-zstd-frames"
-            or not isinstance(sizes, list)
-            or len(sizes) != len(meta.chunk_xxh3_128)
-            or not all(isinstance(n, int) and 0 < n <= 2 * meta.chunk_size_bytes + 1024 for n in sizes)
-        ):
-            raise CorruptCheckpoint(f"{what}: its frame index does not fit its shard record")
-        return sizes
+        return checked_frame_sizes(raw, meta, what)
 
     # -- writing ----------------------------------------------------------------------
 
@@ -303,7 +278,7 @@ class ObjectTier(Tier):
                 "a complete step is never rewritten"
             )
         frame_sizes: list[int] = []
-        parts = _read_parts(meta, data_path, compression, frame_sizes, self._what(meta))
+        parts = read_parts(meta, data_path, compression, frame_sizes, self._what(meta))
         store = self.store
         rank = meta.rank
 
@@ -312,8 +287,7 @@ class ObjectTier(Tier):
             if compression == "zstd":
                 store.remove(job, step, data_name(rank))
                 yield zstd_name(rank), parts
-                index = {"format": "ckpt-zstd-frames", "version": 1, "frame_sizes": frame_sizes}
-                yield frames_name(rank), iter([seal(index)])  # written once the data is, its sizes known
+                yield frames_name(rank), iter([frame_index(frame_sizes)])  # written once the data is, its sizes known
             else:
                 store.remove(job, step, frames_name(rank))
                 store.remove(job, step, zstd_name(rank))
@@ -390,99 +364,3 @@ class ObjectTier(Tier):
 
     def close(self) -> None:
         """Nothing to release: the store's connections belong to fsspec."""
-
-
-def _read_parts(
-    meta: ShardMeta, data_path: Path, compression: str, frame_sizes: list[int], what: str
-) -> Iterator[bytes]:
-    """Yield the object's parts from a local data file, each chunk checked; fill frame_sizes when compressing."""
-    compressor = zstandard.ZstdCompressor(level=ZSTD_LEVEL) if compression == "zstd" else None
-    pending = bytearray()
-    fd = os.open(data_path, os.O_RDONLY)
-    try:
-        if os.fstat(fd).st_size != meta.data_size_bytes:
-            raise CorruptCheckpoint(f"{what}: the local copy {data_path} has the wrong size")
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
-        for offset, length in chunk_ranges(meta.data_size_bytes, part_bytes(meta)):
-            block = os.pread(fd, length, offset)
-            if len(block) != length:
-                raise CorruptCheckpoint(f"{what}: the local copy {data_path} ended at byte {offset + len(block)}")
-            bad = first_bad_chunk(meta, memoryview(block), offset)
-            if bad is not None:
-                raise CorruptCheckpoint(f"{what}: chunk {bad} of the local copy {data_path} changed before upload")
-            if compressor is None:
-                yield block
-                continue
-            chunks: list[bytes | bytearray | memoryview] = [
-                block[o : o + n] for o, n in chunk_ranges(length, meta.chunk_size_bytes)
-            ]
-            frames = compressor.multi_compress_to_buffer(chunks, threads=COMPRESS_THREADS)
-            for i in range(len(frames)):
-                frame_sizes.append(len(frames[i]))
-                pending += frames[i].tobytes()
-            if len(pending) >= part_bytes(meta):
-                yield bytes(pending)
-                pending.clear()
-        if compressor is not None and (pending or not frame_sizes):
-            yield bytes(pending)
-    finally:
-        os.close(fd)
-
-
-def part_bytes(meta: ShardMeta) -> int:
-    """Return the size of each part sent for a shard: PART_BYTES, or more for a shard of over MAX_PARTS of them."""
-    return max(PART_BYTES, -(-meta.data_size_bytes // MAX_PARTS // meta.chunk_size_bytes) * meta.chunk_size_bytes)
-
-
-def _range_bytes(size_bytes: int, multiple: int = 1) -> int:
-    """Return the size of each ranged GET for an object of size_bytes: one range per thread, within bounds."""
-    per_thread = -(-size_bytes // READ_THREADS)
-    return max(multiple, -(-min(max(per_thread, MIN_RANGE_BYTES), MAX_RANGE_BYTES) // multiple) * multiple)
-
-
-def _frame_groups(
-    meta: ShardMeta, frame_sizes: list[int], range_bytes: int
-) -> Iterator[tuple[int, int, list[tuple[int, int, int]]]]:
-    """Yield (stored offset, stored length, frames) ranges of about range_bytes.
-
-    A frame is (data offset, data size, stored size).
-    """
-    stored = 0
-    group: list[tuple[int, int, int]] = []
-    group_start = 0
-    chunks = chunk_ranges(meta.data_size_bytes, meta.chunk_size_bytes)
-    for (offset, length), size in zip(chunks, frame_sizes, strict=True):
-        group.append((offset, length, size))
-        stored += size
-        if stored - group_start >= range_bytes:
-            yield group_start, stored - group_start, group
-            group, group_start = [], stored
-    if group:
-        yield group_start, stored - group_start, group
-
-
-def _unpack(
-    meta: ShardMeta, blob: bytes, frames: list[tuple[int, int, int]], buffer: memoryview, compressed: bool
-) -> str | None:
-    """Place a fetched range's chunks into buffer, checking each; return what is wrong, or None."""
-    if len(blob) != sum(stored for _, _, stored in frames):
-        return f"short read: {len(blob)} bytes"
-    decompressor = zstandard.ZstdDecompressor() if compressed else None
-    at = 0
-    for offset, length, stored in frames:
-        piece = memoryview(blob)[at : at + stored]
-        at += stored
-        if decompressor is not None:
-            try:
-                plain = decompressor.decompress(piece, max_output_size=length)
-            except zstandard.ZstdError as e:
-                return f"the compressed chunk at byte {offset} does not decompress: {e}"
-            if len(plain) != length:
-                return f"the compressed chunk at byte {offset} holds {len(plain)} bytes, expected {length}"
-            buffer[offset : offset + length] = plain
-        else:
-            buffer[offset : offset + length] = piece
-        bad = find_bad_chunk(meta, buffer[offset : offset + length], offset)
-        if bad is not None:
-            return bad
-    return None

@@ -1,0 +1,141 @@
+"""Name, read and write the files of the staging slots: the bytes and the markers beside them.
+
+    <dir>/<job>/rank-00000.slot-0               the bytes, mapped by client and daemon
+    <dir>/<job>/rank-00000.slot-0.pending.json  written at commit: which shard, its layout, run and commit time
+    <dir>/<job>/rank-00000.slot-0.meta.json     written once checksummed: the shard's metadata
+
+SlotPool (in staging) calls these: scan_slots from recover (on a flush thread, at
+start-up), locked_by_a_writer on the event loop thread when a rank reserves a slot,
+write_replace from commit and record_hashed (on a flush thread). MemoryTier.from_directory
+calls scan_slots on the thread of the offline tool that reads the slots.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from ckpt.errors import CheckpointError
+from ckpt.format import ShardMeta, unseal, validate_job, validate_rank, validate_step
+
+log = logging.getLogger(__name__)
+
+SLOT_NAME = re.compile(r"rank-(\d{5})\.slot-(\d+)")
+
+
+@dataclass(frozen=True)
+class ShardKey:
+    """Name one rank's shard of one step of a job."""
+
+    job: str
+    step: int
+    rank: int
+    world_size: int
+
+    def __str__(self) -> str:
+        return f"rank {self.rank}/{self.world_size} shard of {self.job} step {self.step}"
+
+
+@dataclass
+class Slot:
+    """One shared-memory file and the snapshot it holds, if any."""
+
+    path: Path
+    job: str
+    rank: int
+    index: int
+    size_bytes: int
+    state: str = "free"  # allocating | free | writing | pending (flush queued or running) | settled
+    shard: ShardKey | None = None
+    data_size_bytes: int = 0
+    layout_json: str = ""
+    run_id: str = ""
+    meta: ShardMeta | None = None  # set once checksummed: the memory tier can serve it
+    reservation: int = 0  # the token of the current reservation; a stale one cannot commit
+    committed_seq: int = 0  # order of commits across the pool: among two copies of a shard, the later wins
+    allocating_bytes: int = 0  # the size being allocated, counted against the budget meanwhile
+
+    @property
+    def pending_path(self) -> Path:
+        return self.path.with_name(self.path.name + ".pending.json")
+
+    @property
+    def meta_path(self) -> Path:
+        return self.path.with_name(self.path.name + ".meta.json")
+
+
+def slot_path(directory: Path, job: str, rank: int, index: int) -> Path:
+    """Name the shared-memory file of a rank's slot under a staging directory."""
+    return directory / job / f"rank-{rank:05d}.slot-{index}"
+
+
+def scan_slots(directory: Path) -> list[Slot]:
+    """Read the slots under a staging directory with what each holds; damaged markers count as empty."""
+    found: list[Slot] = []
+    if not directory.is_dir():
+        return found
+    for job_dir in sorted(directory.iterdir()):
+        for path in sorted(job_dir.iterdir()) if job_dir.is_dir() else []:
+            m = SLOT_NAME.fullmatch(path.name)
+            if not m:
+                continue
+            slot = Slot(path, job_dir.name, int(m[1]), int(m[2]), path.stat().st_size)
+            try:
+                _load_markers(slot)
+            except (CheckpointError, OSError, KeyError, TypeError, ValueError) as e:
+                log.warning("ignoring damaged staging record of %s: %s", path, e)
+                slot.shard, slot.meta, slot.layout_json = None, None, ""
+            found.append(slot)
+    return found
+
+
+def _load_markers(slot: Slot) -> None:
+    """Fill a slot from its markers: the shard record if checksummed, else the commit marker."""
+    record = unseal(slot.pending_path.read_bytes(), str(slot.pending_path)) if slot.pending_path.exists() else None
+    if record is not None:
+        slot.committed_seq = int(record.get("committed_ns", 0))
+    if slot.meta_path.exists():
+        meta = ShardMeta.from_bytes(slot.meta_path.read_bytes(), str(slot.meta_path))
+        slot.meta = meta
+        slot.shard = ShardKey(meta.job, meta.step, meta.rank, meta.world_size)
+        slot.data_size_bytes, slot.layout_json, slot.run_id = (
+            meta.data_size_bytes,
+            meta.layout_json,
+            meta.run_id,
+        )
+    elif record is not None:
+        s = record["shard"]
+        validate_rank(s["rank"], s["world_size"])
+        slot.shard = ShardKey(validate_job(s["job"]), validate_step(s["step"]), s["rank"], s["world_size"])
+        slot.data_size_bytes, slot.layout_json = int(record["data_size_bytes"]), str(record["layout_json"])
+        slot.run_id = str(record.get("run_id", ""))
+    if slot.shard is not None and (slot.shard.job != slot.job or slot.shard.rank != slot.rank):
+        raise ValueError("record names another job or rank")
+    if slot.data_size_bytes > slot.size_bytes:
+        raise ValueError("record is larger than the slot")
+
+
+def write_replace(path: Path, data: bytes) -> None:
+    """Replace a marker whole: written beside it, then renamed over it."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def locked_by_a_writer(path: Path) -> bool:
+    """Say whether a live process holds the slot's writer lock (flock works across PID namespaces)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # also drops the lock if we got it
+    return False

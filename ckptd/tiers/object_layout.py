@@ -1,0 +1,165 @@
+"""Lay out a shard's bytes as objects: the names, the parts sent, the ranges fetched.
+
+A rank's data is stored whole (`rank-NNNNN.data`) or compressed, one zstd frame per
+checksum chunk (`rank-NNNNN.data.zst`), beside a sealed frame index
+(`rank-NNNNN.frames.json`) that lists each frame's compressed size. Uploads are cut
+into parts of part_bytes; fetches into ranges of range_bytes, whole frames each.
+ObjectTier calls these: read_parts on the upload thread that calls upload_shard,
+unpack_range on its read threads (one fetched range each), the rest on any thread.
+Nothing here touches the store.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import zstandard
+from ckpt.chunks import find_bad_chunk, first_bad_chunk
+from ckpt.errors import CorruptCheckpoint
+from ckpt.format import ShardMeta, chunk_ranges, data_name, seal, unseal
+
+PART_BYTES = 16 << 20  # the size of each part sent (a multiple of the 4 MiB chunk)
+MAX_PARTS = 9000  # S3 takes at most 10,000 parts per object
+READ_THREADS = 8
+# A fetch splits a shard into one range per thread, within these bounds: fewer, larger
+# GETs cost less per byte (some stores read a whole object to serve a range), and the
+# ceiling bounds the memory a fetch holds in flight to READ_THREADS ranges.
+MIN_RANGE_BYTES = 16 << 20
+MAX_RANGE_BYTES = 64 << 20
+ZSTD_LEVEL = 1
+COMPRESS_THREADS = 2
+FRAME_INDEX_FORMAT = "ckpt-zstd-frames"
+
+# One stored range: (stored offset, stored length, frames), a frame being (data offset, data size, stored size).
+Piece = tuple[int, int, list[tuple[int, int, int]]]
+
+
+def zstd_name(rank: int) -> str:
+    """Name the object that holds a rank's compressed data: one zstd frame per checksum chunk."""
+    return f"{data_name(rank)}.zst"
+
+
+def frames_name(rank: int) -> str:
+    """Name the sealed record that lists the compressed size of each frame of a rank's data."""
+    return f"rank-{rank:05d}.frames.json"
+
+
+def frame_index(frame_sizes: list[int]) -> bytes:
+    """Return the sealed frame index of a compressed shard, written once its data is."""
+    return seal({"format": FRAME_INDEX_FORMAT, "version": 1, "frame_sizes": frame_sizes})
+
+
+def checked_frame_sizes(raw: bytes, meta: ShardMeta, what: str) -> list[int]:
+    """Return the frame sizes a sealed frame index lists, once they fit the shard's record."""
+    record = unseal(raw, f"{what}, {frames_name(meta.rank)}")
+    sizes = record.get("frame_sizes")
+    if (
+        record.get("format") != FRAME_INDEX_FORMAT
+        or not isinstance(sizes, list)
+        or len(sizes) != len(meta.chunk_xxh3_128)
+        or not all(isinstance(n, int) and 0 < n <= 2 * meta.chunk_size_bytes + 1024 for n in sizes)
+    ):
+        raise CorruptCheckpoint(f"{what}: its frame index does not fit its shard record")
+    return sizes
+
+
+def read_parts(
+    meta: ShardMeta, data_path: Path, compression: str, frame_sizes: list[int], what: str
+) -> Iterator[bytes]:
+    """Yield the object's parts from a local data file, each chunk checked; fill frame_sizes when compressing."""
+    compressor = zstandard.ZstdCompressor(level=ZSTD_LEVEL) if compression == "zstd" else None
+    pending = bytearray()
+    fd = os.open(data_path, os.O_RDONLY)
+    try:
+        if os.fstat(fd).st_size != meta.data_size_bytes:
+            raise CorruptCheckpoint(f"{what}: the local copy {data_path} has the wrong size")
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        for offset, length in chunk_ranges(meta.data_size_bytes, part_bytes(meta)):
+            block = os.pread(fd, length, offset)
+            if len(block) != length:
+                raise CorruptCheckpoint(f"{what}: the local copy {data_path} ended at byte {offset + len(block)}")
+            bad = first_bad_chunk(meta, memoryview(block), offset)
+            if bad is not None:
+                raise CorruptCheckpoint(f"{what}: chunk {bad} of the local copy {data_path} changed before upload")
+            if compressor is None:
+                yield block
+                continue
+            chunks: list[bytes | bytearray | memoryview] = [
+                block[o : o + n] for o, n in chunk_ranges(length, meta.chunk_size_bytes)
+            ]
+            frames = compressor.multi_compress_to_buffer(chunks, threads=COMPRESS_THREADS)
+            for i in range(len(frames)):
+                frame_sizes.append(len(frames[i]))
+                pending += frames[i].tobytes()
+            if len(pending) >= part_bytes(meta):
+                yield bytes(pending)
+                pending.clear()
+        if compressor is not None and (pending or not frame_sizes):
+            yield bytes(pending)
+    finally:
+        os.close(fd)
+
+
+def part_bytes(meta: ShardMeta) -> int:
+    """Return the size of each part sent for a shard: PART_BYTES, or more for a shard of over MAX_PARTS of them."""
+    return max(PART_BYTES, -(-meta.data_size_bytes // MAX_PARTS // meta.chunk_size_bytes) * meta.chunk_size_bytes)
+
+
+def range_bytes(size_bytes: int, multiple: int = 1) -> int:
+    """Return the size of each ranged GET for an object of size_bytes: one range per thread, within bounds."""
+    per_thread = -(-size_bytes // READ_THREADS)
+    return max(multiple, -(-min(max(per_thread, MIN_RANGE_BYTES), MAX_RANGE_BYTES) // multiple) * multiple)
+
+
+def plain_pieces(meta: ShardMeta) -> list[Piece]:
+    """Return the ranges to fetch of a shard stored whole: each one frame, stored as it is."""
+    ranges = chunk_ranges(meta.data_size_bytes, range_bytes(meta.data_size_bytes, meta.chunk_size_bytes))
+    return [(o, n, [(o, n, n)]) for o, n in ranges]
+
+
+def frame_groups(meta: ShardMeta, frame_sizes: list[int], group_bytes: int) -> Iterator[Piece]:
+    """Yield (stored offset, stored length, frames) ranges of about group_bytes.
+
+    A frame is (data offset, data size, stored size).
+    """
+    stored = 0
+    group: list[tuple[int, int, int]] = []
+    group_start = 0
+    chunks = chunk_ranges(meta.data_size_bytes, meta.chunk_size_bytes)
+    for (offset, length), size in zip(chunks, frame_sizes, strict=True):
+        group.append((offset, length, size))
+        stored += size
+        if stored - group_start >= group_bytes:
+            yield group_start, stored - group_start, group
+            group, group_start = [], stored
+    if group:
+        yield group_start, stored - group_start, group
+
+
+def unpack_range(
+    meta: ShardMeta, blob: bytes, frames: list[tuple[int, int, int]], buffer: memoryview, compressed: bool
+) -> str | None:
+    """Place a fetched range's chunks into buffer, checking each; return what is wrong, or None."""
+    if len(blob) != sum(stored for _, _, stored in frames):
+        return f"short read: {len(blob)} bytes"
+    decompressor = zstandard.ZstdDecompressor() if compressed else None
+    at = 0
+    for offset, length, stored in frames:
+        piece = memoryview(blob)[at : at + stored]
+        at += stored
+        if decompressor is not None:
+            try:
+                plain = decompressor.decompress(piece, max_output_size=length)
+            except zstandard.ZstdError as e:
+                return f"the compressed chunk at byte {offset} does not decompress: {e}"
+            if len(plain) != length:
+                return f"the compressed chunk at byte {offset} holds {len(plain)} bytes, expected {length}"
+            buffer[offset : offset + length] = plain
+        else:
+            buffer[offset : offset + length] = piece
+        bad = find_bad_chunk(meta, buffer[offset : offset + length], offset)
+        if bad is not None:
+            return bad
+    return None
