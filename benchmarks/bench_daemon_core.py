@@ -28,6 +28,7 @@ import itertools
 import json
 import math
 import mmap
+import multiprocessing
 import os
 import shutil
 import signal
@@ -55,7 +56,15 @@ WAIT_SLICE_S = 60.0  # one WaitShard RPC waits at most this long in the daemon, 
 RPC_TIMEOUT_S = 120.0
 STALL_RANKS = 8
 STALL_SHARD_BYTES = 1 << 20
-IDLE_PROBE_S = 1.0  # probes on the idle daemon, before the rounds: the reference latency
+# The layout OPERATIONS.md recommends: the daemon on a core of its own, the ranks on the others.
+# With one CPU (or --shared-cpus) everything shares every core, and the stall measures the machine too.
+ALL_CPUS = sorted(os.sched_getaffinity(0))
+DAEMON_CPUS: set[int] = {ALL_CPUS[-1]} if len(ALL_CPUS) > 1 else set()
+RANK_CPUS: set[int] = set(ALL_CPUS[:-1]) if len(ALL_CPUS) > 1 else set()
+# Daemons that take the layout in the slot (after the data, at the next 4 KiB) get it there, as the client sends it;
+# older ones (the protocol without layout_size_bytes) in the Commit message.
+LAYOUT_IN_SLOT = "layout_size_bytes" in pb.CommitRequest.DESCRIPTOR.fields_by_name
+IDLE_PROBE_S = 1.0  # probes on the idle daemon, after the rounds: the reference latency
 RSS_JOBS = ("rss-a", "rss-b")
 RSS_RANKS = 4
 RSS_SHARD_BYTES = 64 << 10
@@ -112,6 +121,7 @@ class Daemon:
                     stderr=subprocess.STDOUT,
                     env={**daemon_env(), "NOTIFY_SOCKET": str(notify_path)},
                     cwd=self.work,
+                    preexec_fn=lambda: os.sched_setaffinity(0, DAEMON_CPUS) if DAEMON_CPUS else None,
                 )
             deadline = time.monotonic() + READY_TIMEOUT_S
             while True:
@@ -218,17 +228,24 @@ def running_daemon(parent: Path, name: str, warnings: list[str]) -> Iterator[Dae
 # -- one save, as ckpt.Checkpointer makes it -----------------------------------------------
 
 
+def layout_at(data_size_bytes: int) -> int:
+    """Return where the layout goes in a slot: after the data, at the next 4 KiB (ckpt.format.layout_offset)."""
+    return -(-data_size_bytes // 4096) * 4096
+
+
 def shard_id(job: str, step: int, rank: int, world_size: int) -> pb.ShardId:
     return pb.ShardId(job=job, step=step, rank=rank, world_size=world_size)
 
 
 @contextlib.contextmanager
-def staged(client: DaemonClient, shard: pb.ShardId, data: bytes) -> Iterator[pb.ReserveReply]:
-    """Reserve a slot and copy data into it; yield the reservation with the slot's writer lock held, for Commit.
+def staged(client: DaemonClient, shard: pb.ShardId, data: bytes, layout: bytes) -> Iterator[pb.ReserveReply]:
+    """Reserve a slot and copy data (and the layout, where the daemon takes it there) into it; yield the
+    reservation with the slot's writer lock held, for Commit.
 
     The client's own sequence (ckpt/checkpointer.py): Reserve, flock the slot, map it, copy, Commit.
     """
-    reserved = client.call("Reserve", pb.ReserveRequest(shard=shard, size_bytes=len(data)), timeout_s=None)
+    size_bytes = layout_at(len(data)) + len(layout) if LAYOUT_IN_SLOT else len(data)
+    reserved = client.call("Reserve", pb.ReserveRequest(shard=shard, size_bytes=size_bytes), timeout_s=None)
     if reserved.skipped:
         raise RuntimeError(f"the daemon skipped {shard.job} step {shard.step} rank {shard.rank}: {reserved.reason}")
     fd = os.open(reserved.slot_path, os.O_RDWR)
@@ -236,6 +253,8 @@ def staged(client: DaemonClient, shard: pb.ShardId, data: bytes) -> Iterator[pb.
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         with mmap.mmap(fd, reserved.slot_size_bytes) as slot:
             slot[: len(data)] = data
+            if LAYOUT_IN_SLOT:
+                slot[layout_at(len(data)) : layout_at(len(data)) + len(layout)] = layout
         yield reserved
     finally:
         os.close(fd)  # drops the lock
@@ -243,12 +262,12 @@ def staged(client: DaemonClient, shard: pb.ShardId, data: bytes) -> Iterator[pb.
 
 def commit(client: DaemonClient, shard: pb.ShardId, reserved: pb.ReserveReply, size_bytes: int, layout: bytes) -> None:
     request = pb.CommitRequest(
-        shard=shard,
-        slot_path=reserved.slot_path,
-        data_size_bytes=size_bytes,
-        layout_json=layout,
-        reservation=reserved.reservation,
+        shard=shard, slot_path=reserved.slot_path, data_size_bytes=size_bytes, reservation=reserved.reservation
     )
+    if LAYOUT_IN_SLOT:
+        request.layout_size_bytes = len(layout)
+    else:
+        request.layout_json = layout
     client.call("Commit", request, timeout_s=RPC_TIMEOUT_S)
 
 
@@ -265,7 +284,7 @@ def wait_durable(client: DaemonClient, shard: pb.ShardId) -> None:
 
 def save(client: DaemonClient, shard: pb.ShardId, data: bytes, layout: bytes) -> None:
     """Save one shard and wait until it is durable on NVMe."""
-    with staged(client, shard, data) as reserved:
+    with staged(client, shard, data, layout) as reserved:
         commit(client, shard, reserved, len(data), layout)
     wait_durable(client, shard)
 
@@ -339,6 +358,44 @@ def first_error(futures: list[Future[Any]]) -> None:
 # -- measurement 1: event-loop stall -------------------------------------------------------
 
 
+def stall_rank(
+    address: str,
+    r: int,
+    rounds: int,
+    layout: bytes,
+    size_bytes: int,
+    commit_barrier: Any,
+    round_barrier: Any,
+    results: Any,
+    rank_cpus: set[int],
+) -> None:
+    """Save rounds steps as rank r (a process of its own): commit together with the others, wait until durable."""
+    report: dict[str, Any] = {"rank": r, "released": [], "durable_at": [], "commit_s": [], "error": ""}
+    if rank_cpus:
+        os.sched_setaffinity(0, rank_cpus)
+    client = DaemonClient(address)
+    data = os.urandom(size_bytes)
+    try:
+        for i in range(rounds):
+            shard = shard_id("bench-stall", i + 1, r, STALL_RANKS)
+            with staged(client, shard, data, layout) as reserved:
+                commit_barrier.wait()
+                start = time.perf_counter()  # CLOCK_MONOTONIC: one clock for every process of the machine
+                report["released"].append(start)
+                commit(client, shard, reserved, len(data), layout)
+                report["commit_s"].append(time.perf_counter() - start)
+            wait_durable(client, shard)
+            report["durable_at"].append(time.perf_counter())
+            round_barrier.wait()  # the next step starts once this one is durable everywhere
+    except BaseException as e:
+        report["error"] = f"rank {r}: {type(e).__name__}: {e}"
+        commit_barrier.abort()
+        round_barrier.abort()
+    finally:
+        client.close()
+        results.put(report)
+
+
 def measure_stall(daemon: Daemon, rounds: int, tensors: int) -> dict[str, Any]:
     """Commit STALL_RANKS shards with large layouts at once, for rounds steps, while probes time cheap RPCs."""
     layout = synthetic_layout(tensors)
@@ -358,52 +415,55 @@ def measure_stall(daemon: Daemon, rounds: int, tensors: int) -> dict[str, Any]:
             ),
         ),
     ]
-    released: list[float] = []  # when each round's commits began
-    commit_barrier = threading.Barrier(STALL_RANKS, action=lambda: released.append(time.perf_counter()))
-    round_barrier = threading.Barrier(STALL_RANKS)
-    durable_at = [[math.nan] * STALL_RANKS for _ in range(rounds)]
-    commit_s = [[math.nan] * STALL_RANKS for _ in range(rounds)]
-
-    def rank(r: int) -> None:
-        client = daemon.client()
-        try:
-            for i in range(rounds):
-                shard = shard_id("bench-stall", i + 1, r, STALL_RANKS)
-                with staged(client, shard, data) as reserved:
-                    commit_barrier.wait()
-                    start = time.perf_counter()
-                    commit(client, shard, reserved, len(data), layout)
-                    commit_s[i][r] = time.perf_counter() - start
-                wait_durable(client, shard)
-                durable_at[i][r] = time.perf_counter()
-                round_barrier.wait()  # the next step starts once this one is durable everywhere
-        except BaseException:
-            commit_barrier.abort()
-            round_barrier.abort()
-            raise
-        finally:
-            client.close()
-
+    # Ranks are processes of their own, as training ranks are: the probes time the daemon, not this process's GIL.
+    spawn = multiprocessing.get_context("spawn")
+    commit_barrier = spawn.Barrier(STALL_RANKS + 1)  # this process releases each round's commits too
+    round_barrier = spawn.Barrier(STALL_RANKS)
+    results = spawn.Queue()
+    address = str(daemon.socket_path)
+    ranks = [
+        spawn.Process(
+            target=stall_rank,
+            args=(address, r, rounds, layout, len(data), commit_barrier, round_barrier, results, RANK_CPUS),
+            name=f"rank-{r}",
+        )
+        for r in range(STALL_RANKS)
+    ]
     stop = threading.Event()
+    reports: list[dict[str, Any]] = []
     with ThreadPoolExecutor(len(probes), thread_name_prefix="probe") as probe_pool:
         probe_futures = [probe_pool.submit(p.run, stop) for p in probes]
         try:
-            idle_begin = time.perf_counter()
-            stop.wait(IDLE_PROBE_S)  # a measurement window, not synchronisation
-            load_begin = time.perf_counter()
-            with ThreadPoolExecutor(STALL_RANKS, thread_name_prefix="rank") as ranks:
-                futures = [ranks.submit(rank, r) for r in range(STALL_RANKS)]
+            for process in ranks:
+                process.start()
+            for i in range(rounds):
+                commit_barrier.wait(timeout=RPC_TIMEOUT_S)  # every rank has its slot: the round's commits go
+                if i == 0:
+                    load_begin = time.perf_counter()
+            reports = [results.get(timeout=RPC_TIMEOUT_S * rounds) for _ in ranks]
             load_end = time.perf_counter()
-            first_error(futures)
+            idle_begin = time.perf_counter()
+            stop.wait(IDLE_PROBE_S)  # a measurement window after the rounds, not synchronisation
+            idle_end = time.perf_counter()
         finally:
             stop.set()
+            for process in ranks:
+                process.join(timeout=RPC_TIMEOUT_S)
+                if process.is_alive():
+                    process.kill()
         first_error(probe_futures)
     status = daemon.status()
     for client in (setup, *probe_clients):
         client.close()
+    failed = [r["error"] for r in reports if r.get("error")]
+    if failed:
+        raise RuntimeError(f"a rank failed: {failed[0]}")
+    released = [min(r["released"][i] for r in reports) for i in range(rounds)]
+    durable_at = [[r["durable_at"][i] for r in reports] for i in range(rounds)]
+    commit_s = [[r["commit_s"][i] for r in reports] for i in range(rounds)]
 
     durable_s = [max(durable_at[i]) - released[i] for i in range(rounds)]
-    all_idle = [x for p in probes for x in p.latencies(idle_begin, load_begin)]
+    all_idle = [x for p in probes for x in p.latencies(idle_begin, idle_end)]
     all_load = [x for p in probes for x in p.latencies(load_begin, load_end)]
     loop = status.get("event_loop")
     max_stall_s = loop.get("max_stall_s") if isinstance(loop, dict) else None
@@ -415,7 +475,7 @@ def measure_stall(daemon: Daemon, rounds: int, tensors: int) -> dict[str, Any]:
         "shard_bytes": STALL_SHARD_BYTES,
         "probes_idle": {
             "all": summary(all_idle),
-            **{p.name: summary(p.latencies(idle_begin, load_begin)) for p in probes},
+            **{p.name: summary(p.latencies(idle_begin, idle_end)) for p in probes},
         },
         "probes_during_rounds": {
             "all": summary(all_load),
@@ -577,6 +637,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--tensors", type=int, default=100_000, help="tensors the stall layout describes (default 100000)")
     p.add_argument("--saves", type=int, default=2000, help="small saves for the memory measurement (default 2000)")
     p.add_argument("--only", choices=["stall", "rss"], help="run one measurement only")
+    p.add_argument(
+        "--shared-cpus",
+        action="store_true",
+        help="let the daemon and the ranks share every CPU (default: the daemon on the last CPU, ranks on the rest)",
+    )
     p.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()), help="where the daemons' roots go")
     p.add_argument("--json", type=Path, default=RESULTS_DIR / "daemon_core.json", help="where to write the results")
     args = p.parse_args()
@@ -588,6 +653,10 @@ def parse_args() -> argparse.Namespace:
 def main() -> int:
     """Run the measurements, each on a daemon of its own, print the table and write the JSON."""
     args = parse_args()
+    if args.shared_cpus:
+        DAEMON_CPUS.clear()
+        RANK_CPUS.clear()
+    print(f"daemon on CPUs {sorted(DAEMON_CPUS) or 'all'}, ranks on CPUs {sorted(RANK_CPUS) or 'all'}")
     load_before = os.getloadavg()
     args.dir.mkdir(parents=True, exist_ok=True)
     module = daemon_module()

@@ -1,7 +1,8 @@
 """Name, read and write the files of the staging slots: the bytes and the markers beside them.
 
     <dir>/<job>/rank-00000.slot-0               the bytes, mapped by client and daemon
-    <dir>/<job>/rank-00000.slot-0.pending.json  written at commit: which shard, its layout, run and commit time
+    <dir>/<job>/rank-00000.slot-0.layout        written at commit: the shard's layout, as the client sent it
+    <dir>/<job>/rank-00000.slot-0.pending.json  written next: which shard, its layout's checksum, run and commit time
     <dir>/<job>/rank-00000.slot-0.meta.json     written once checksummed: the shard's metadata
 
 SlotPool (in staging) calls these: scan_slots from recover (on a flush thread, at
@@ -18,9 +19,10 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from ckpt.errors import CheckpointError
-from ckpt.format import ShardMeta, unseal, validate_job, validate_rank, validate_step
+from ckpt.errors import CheckpointError, CorruptCheckpoint
+from ckpt.format import ShardMeta, digest, unseal, validate_job, validate_rank, validate_step
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +64,10 @@ class Slot:
     @property
     def pending_path(self) -> Path:
         return self.path.with_name(self.path.name + ".pending.json")
+
+    @property
+    def layout_path(self) -> Path:
+        return self.path.with_name(self.path.name + ".layout")
 
     @property
     def meta_path(self) -> Path:
@@ -111,12 +117,22 @@ def _load_markers(slot: Slot) -> None:
         s = record["shard"]
         validate_rank(s["rank"], s["world_size"])
         slot.shard = ShardKey(validate_job(s["job"]), validate_step(s["step"]), s["rank"], s["world_size"])
-        slot.data_size_bytes, slot.layout_json = int(record["data_size_bytes"]), str(record["layout_json"])
+        slot.data_size_bytes, slot.layout_json = int(record["data_size_bytes"]), _layout(slot, record)
         slot.run_id = str(record.get("run_id", ""))
     if slot.shard is not None and (slot.shard.job != slot.job or slot.shard.rank != slot.rank):
         raise ValueError("record names another job or rank")
     if slot.data_size_bytes > slot.size_bytes:
         raise ValueError("record is larger than the slot")
+
+
+def _layout(slot: Slot, record: dict[str, Any]) -> str:
+    """Return the layout a commit marker names: in its own file, checked (or, from older daemons, inside it)."""
+    if "layout_json" in record:
+        return str(record["layout_json"])
+    layout = slot.layout_path.read_bytes()
+    if digest(layout) != record["layout_xxh3_128"]:
+        raise CorruptCheckpoint(f"{slot.layout_path}: does not match its commit marker")
+    return layout.decode()
 
 
 def write_replace(path: Path, data: bytes) -> None:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ckpt.errors import CheckpointError, InvalidArgument, ReservationLost
-from ckpt.format import ShardMeta, round_up, seal
+from ckpt.format import ShardMeta, digest, layout_offset, round_up, seal
 
 # A slot and its files on disk live in slot_files; ShardKey, Slot and scan_slots stay importable from here.
 from ckptd.datapath.slot_files import (
@@ -48,6 +48,7 @@ class Snapshot:
     data_size_bytes: int
     layout_json: str
     run_id: str = ""
+    layout_size_bytes: int = 0  # > 0: the layout lies in the slot at layout_offset(data_size_bytes), not in layout_json
 
 
 class SlotPool:
@@ -175,13 +176,19 @@ class SlotPool:
             raise ReservationLost(f"{key}: {slot_path} is no longer reserved for this save")
         if not 0 <= data_size_bytes <= slot.size_bytes:
             raise InvalidArgument(f"{key}: data_size_bytes {data_size_bytes} does not fit the slot")
+        layout_json = snapshot.layout_json
+        if snapshot.layout_size_bytes:
+            layout_json = _layout_in_slot(slot, data_size_bytes, snapshot.layout_size_bytes, str(key))
         self._commits = max(self._commits + 1, time.time_ns())  # ordered across daemon restarts too
         slot.shard, slot.data_size_bytes, slot.meta = key, data_size_bytes, None
-        slot.layout_json, slot.run_id, slot.committed_seq = snapshot.layout_json, snapshot.run_id, self._commits
+        slot.layout_json, slot.run_id, slot.committed_seq = layout_json, snapshot.run_id, self._commits
+        # The layout (megabytes for a large model) goes beside the marker as it is: never escaped into JSON.
+        layout = layout_json.encode()
+        write_replace(slot.layout_path, layout)
         record = {
             "shard": key.__dict__,
             "data_size_bytes": data_size_bytes,
-            "layout_json": snapshot.layout_json,
+            "layout_xxh3_128": digest(layout),
             "run_id": snapshot.run_id,
             "committed_ns": slot.committed_seq,
         }
@@ -266,6 +273,7 @@ class SlotPool:
     def _claim(self, slot: Slot) -> Slot:
         slot.meta_path.unlink(missing_ok=True)  # the old snapshot stops being served before it is overwritten
         slot.pending_path.unlink(missing_ok=True)
+        slot.layout_path.unlink(missing_ok=True)
         slot.shard, slot.meta, slot.layout_json, slot.state = None, None, "", "writing"
         return slot
 
@@ -286,7 +294,7 @@ class SlotPool:
                     return
                 want_bytes -= slot.size_bytes
                 group.remove(slot)
-                for p in (slot.path, slot.meta_path, slot.pending_path):
+                for p in (slot.path, slot.meta_path, slot.pending_path, slot.layout_path):
                     p.unlink(missing_ok=True)
 
     def _hand_out(self, slot: Slot, size_bytes: int) -> None:
@@ -307,3 +315,16 @@ class SlotPool:
                 slot.path.unlink(missing_ok=True)
             raise CheckpointError(f"cannot allocate {size_bytes} bytes of staging memory in {slot.path}: {e}") from e
         slot.size_bytes = size_bytes
+
+
+def _layout_in_slot(slot: Slot, data_size_bytes: int, size_bytes: int, what: str) -> str:
+    """Read a layout the client wrote into its slot after the data (a flush thread)."""
+    at = layout_offset(data_size_bytes)
+    if at + size_bytes > slot.size_bytes:
+        raise InvalidArgument(f"{what}: a layout of {size_bytes} bytes at byte {at} does not fit the slot")
+    with open(slot.path, "rb", buffering=0) as f:
+        layout = os.pread(f.fileno(), size_bytes, at)
+    try:
+        return layout.decode()
+    except UnicodeDecodeError:
+        raise InvalidArgument(f"{what}: layout is not UTF-8 text") from None

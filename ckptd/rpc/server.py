@@ -77,17 +77,25 @@ class CkptdServicer(ckptd_pb2_grpc.CkptdServicer):
     async def Commit(self, request: pb.CommitRequest, context: Any) -> pb.CommitReply:
         async def work() -> pb.CommitReply:
             key = _shard_key(request.shard)
-            if len(request.layout_json) > MAX_LAYOUT_BYTES:
-                raise InvalidArgument(f"{key}: layout of {len(request.layout_json)} bytes is too large")
+            in_slot = request.layout_size_bytes
+            if max(len(request.layout_json), in_slot) > MAX_LAYOUT_BYTES or in_slot < 0:
+                raise InvalidArgument(f"{key}: layout of {max(len(request.layout_json), in_slot)} bytes is too large")
+            if in_slot and request.layout_json:
+                raise InvalidArgument(f"{key}: a layout both in the slot and in the message")
             try:
                 layout_json = request.layout_json.decode()  # opaque here: only the client reads it
             except UnicodeDecodeError:
                 raise InvalidArgument(f"{key}: layout is not UTF-8 text") from None
-            await self.pipeline.commit(
-                Snapshot(
-                    key, request.slot_path, request.reservation, request.data_size_bytes, layout_json, request.run_id
-                )
+            snapshot = Snapshot(
+                key,
+                request.slot_path,
+                request.reservation,
+                request.data_size_bytes,
+                layout_json,
+                request.run_id,
+                in_slot,
             )
+            await self.pipeline.commit(snapshot)
             return pb.CommitReply()
 
         return await answer(context, work)

@@ -199,10 +199,11 @@ class LocalDirTier(DurableTier):
 
     @contextlib.contextmanager
     def _writable(self, meta: ShardMeta, what: str) -> Iterator[None]:
-        """Hold the step's lock, once the shard may still be written there."""
+        """Hold the step's lock, once the shard may still be written there; learn its record once installed."""
         with self._step_lock(meta.job, meta.step):
             self._check_writable(meta, what)
             yield
+            self._records.learn(self.step_dir(meta.job, meta.step), meta)
 
     def _check_writable(self, meta: ShardMeta, what: str) -> None:
         record = self.checked_commit(meta.job, meta.step)

@@ -73,6 +73,21 @@ class StepRecords:
                 found.append(dataclasses.replace(cached[1], node=node))
         return found
 
+    def learn(self, step_dir: Path, meta: ShardMeta) -> None:
+        """Know a shard record just installed without reading it back (a large layout costs tens of ms to parse)."""
+        path = step_dir / meta_name(meta.rank)
+        try:
+            st = path.stat()
+        except FileNotFoundError:
+            return
+        self._holdings[path] = ((st.st_ino, st.st_size, st.st_mtime_ns), self._holding(meta, meta.to_bytes()))
+
+    def _holding(self, meta: ShardMeta, raw: bytes) -> Holding:
+        tier = "peer" if self.tier == "peer" else "nvme"
+        return Holding(
+            "", tier, meta.job, meta.step, meta.rank, meta.world_size, meta.data_size_bytes, digest(raw), meta.run_id
+        )
+
     def _read_holding(self, path: Path, job: str, step: int, name: str) -> Holding | None:
         try:
             raw = path.read_bytes()
@@ -83,8 +98,7 @@ class StepRecords:
         if (meta.job, meta.step, meta_name(meta.rank)) != (job, step, name):
             log.error("ignoring shard record %s: it describes %s", path, meta_name(meta.rank))
             return None
-        tier = "peer" if self.tier == "peer" else "nvme"
-        return Holding("", tier, job, step, meta.rank, meta.world_size, meta.data_size_bytes, digest(raw), meta.run_id)
+        return self._holding(meta, raw)
 
     def forget(self, step_dir: Path) -> None:
         """Drop what is kept of a step directory's records: the step is being removed."""

@@ -23,7 +23,15 @@ from ckpt.errors import (
     SaveSkipped,
 )
 from ckpt.flatten import flatten, unflatten
-from ckpt.format import DIRECT_IO_ALIGN_BYTES, round_up, validate_job, validate_rank, validate_step, validate_tier
+from ckpt.format import (
+    DIRECT_IO_ALIGN_BYTES,
+    layout_offset,
+    round_up,
+    validate_job,
+    validate_rank,
+    validate_step,
+    validate_tier,
+)
 from ckpt.shard_io import ShardSource, read_meta, read_shard_into, step_dir_source
 from ckpt.staging import SlotMappings, copy_into, writer_lock
 from ckpt.transport import DaemonClient
@@ -151,8 +159,11 @@ class Checkpointer:
             step = 0 if latest is None else latest + 1
         validate_step(step)
         flat = flatten(state)
+        layout = json.dumps(flat.layout()).encode()
+        # The layout travels in the slot, after the data: megabytes for a large model never cross the socket.
+        size_bytes = layout_offset(flat.data_size_bytes) + len(layout)
         reserved = self._daemon.call(
-            "Reserve", pb.ReserveRequest(shard=self._shard(step), size_bytes=flat.data_size_bytes), timeout_s=None
+            "Reserve", pb.ReserveRequest(shard=self._shard(step), size_bytes=size_bytes), timeout_s=None
         )
         if reserved.skipped:
             log.warning("ckpt: save of %s step %d skipped: %s", self.job, step, reserved.reason)
@@ -164,6 +175,8 @@ class Checkpointer:
             if reserved.spare_slot_path:
                 self._slots.prefault(reserved.spare_slot_path, reserved.spare_slot_size_bytes)
             copy_into(flat, slot, self._copy_pool, self._copy_threads)
+            at = layout_offset(flat.data_size_bytes)
+            slot[at : at + len(layout)].numpy()[:] = np.frombuffer(layout, dtype=np.uint8)
             try:
                 self._daemon.call(
                     "Commit",
@@ -171,7 +184,7 @@ class Checkpointer:
                         shard=self._shard(step),
                         slot_path=reserved.slot_path,
                         data_size_bytes=flat.data_size_bytes,
-                        layout_json=json.dumps(flat.layout()).encode(),
+                        layout_size_bytes=len(layout),
                         reservation=reserved.reservation,
                         run_id=self.run_id,
                     ),

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -77,6 +78,11 @@ def round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
+def layout_offset(data_size_bytes: int) -> int:
+    """Return where a shard's layout lies in its staging slot: right after the data, at the next 4 KiB."""
+    return round_up(data_size_bytes, DIRECT_IO_ALIGN_BYTES)
+
+
 def digest(data: Any) -> str:
     """Return the xxh3-128 digest of a bytes-like object, as 32 hex digits."""
     return xxhash.xxh3_128_hexdigest(data)
@@ -130,6 +136,10 @@ def unseal(data: bytes, what: str) -> dict[str, Any]:
     return record
 
 
+KEEP_SEALED_LAYOUT_BYTES = 1 << 16
+_SEALED: dict[int, bytes] = {}  # id(ShardMeta) -> its sealed bytes, for records with a large layout
+
+
 @dataclass(frozen=True)
 class ShardMeta:
     """Describe one rank's shard of one step: its size, checksums and tensor layout."""
@@ -145,7 +155,24 @@ class ShardMeta:
     run_id: str = ""  # which run of the job wrote it: a step is sealed from one run's shards only
 
     def to_bytes(self) -> bytes:
-        """Serialise as a sealed record, written as it is hashed (the layout may be megabytes)."""
+        """Serialise as a sealed record, written as it is hashed.
+
+        A record with a large layout is sealed once and its bytes kept while the
+        record lives (sealing megabytes of layout holds the GIL for tens of ms);
+        one read from bytes keeps those very bytes.
+        """
+        sealed = _SEALED.get(id(self))
+        if sealed is None:
+            sealed = self._seal()
+            self._keep_sealed(sealed)
+        return sealed
+
+    def _keep_sealed(self, sealed: bytes) -> None:
+        if len(self.layout_json) >= KEEP_SEALED_LAYOUT_BYTES and id(self) not in _SEALED:
+            _SEALED[id(self)] = sealed
+            weakref.finalize(self, _SEALED.pop, id(self), None)  # runs before the id can be reused
+
+    def _seal(self) -> bytes:
         return seal(
             {
                 "format": "ckpt-shard",
@@ -189,6 +216,7 @@ class ShardMeta:
             raise CorruptCheckpoint(f"{what}: sizes out of range")
         if len(meta.chunk_xxh3_128) != -(-meta.data_size_bytes // meta.chunk_size_bytes):
             raise CorruptCheckpoint(f"{what}: chunk checksums do not cover the data")
+        meta._keep_sealed(bytes(data))  # the bytes as they lie: what a commit record's digest is of
         return meta
 
 

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x63kpt/wire/v1/ckptd.proto\x12\x0c\x63kpt.wire.v1\"F\n\x07ShardId\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\x12\n\nworld_size\x18\x04 \x01(\x05\"J\n\x0eReserveRequest\x12$\n\x05shard\x18\x01 \x01(\x0b\x32\x15.ckpt.wire.v1.ShardId\x12\x12\n\nsize_bytes\x18\x02 \x01(\x03\"\xbb\x01\n\x0cReserveReply\x12\x0f\n\x07skipped\x18\x01 \x01(\x08\x12\x11\n\tslot_path\x18\x02 \x01(\t\x12\x17\n\x0fslot_size_bytes\x18\x03 \x01(\x03\x12\x11\n\tblocked_s\x18\x04 \x01(\x01\x12\x0e\n\x06reason\x18\x05 \x01(\t\x12\x13\n\x0breservation\x18\x06 \x01(\x03\x12\x17\n\x0fspare_slot_path\x18\x07 \x01(\t\x12\x1d\n\x15spare_slot_size_bytes\x18\x08 \x01(\x03\"\x9b\x01\n\rCommitRequest\x12$\n\x05shard\x18\x01 \x01(\x0b\x32\x15.ckpt.wire.v1.ShardId\x12\x11\n\tslot_path\x18\x02 \x01(\t\x12\x17\n\x0f\x64\x61ta_size_bytes\x18\x03 \x01(\x03\x12\x13\n\x0blayout_json\x18\x04 \x01(\x0c\x12\x13\n\x0breservation\x18\x05 \x01(\x03\x12\x0e\n\x06run_id\x18\x06 \x01(\t\"\r\n\x0b\x43ommitReply\"Y\n\x10WaitShardRequest\x12$\n\x05shard\x18\x01 \x01(\x0b\x32\x15.ckpt.wire.v1.ShardId\x12\x0c\n\x04tier\x18\x02 \x01(\t\x12\x11\n\ttimeout_s\x18\x03 \x01(\x01\"-\n\x0eWaitShardReply\x12\x0c\n\x04\x64one\x18\x01 \x01(\x08\x12\r\n\x05\x65rror\x18\x02 \x01(\t\"W\n\rLocateRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\x0c\n\x04tier\x18\x04 \x01(\t\x12\x0f\n\x07refetch\x18\x05 \x01(\x08\"2\n\x06Source\x12\x0c\n\x04tier\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x0c\n\x04path\x18\x03 \x01(\t\"e\n\x0bLocateReply\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x12\n\nworld_size\x18\x03 \x01(\x05\x12%\n\x07sources\x18\x04 \x03(\x0b\x32\x14.ckpt.wire.v1.Source\"\x1a\n\x0bListRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\"\\\n\x08StepInfo\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x12\n\nworld_size\x18\x03 \x01(\x05\x12\x12\n\nsize_bytes\x18\x04 \x01(\x03\x12\r\n\x05tiers\x18\x05 \x03(\t\"2\n\tListReply\x12%\n\x05steps\x18\x01 \x03(\x0b\x32\x16.ckpt.wire.v1.StepInfo\"\x0f\n\rStatusRequest\"\x1b\n\x0bStatusReply\x12\x0c\n\x04json\x18\x01 \x01(\t\"!\n\x0e\x43ollectRequest\x12\x0f\n\x07\x64ry_run\x18\x01 \x01(\x08\"B\n\x07Removal\x12\x0c\n\x04tier\x18\x01 \x01(\t\x12\x0b\n\x03job\x18\x02 \x01(\t\x12\x0c\n\x04step\x18\x03 \x01(\x03\x12\x0e\n\x06reason\x18\x04 \x01(\t\"7\n\x0c\x43ollectReply\x12\'\n\x08removals\x18\x01 \x03(\x0b\x32\x15.ckpt.wire.v1.Removal2\xde\x03\n\x05\x43kptd\x12\x43\n\x07Reserve\x12\x1c.ckpt.wire.v1.ReserveRequest\x1a\x1a.ckpt.wire.v1.ReserveReply\x12@\n\x06\x43ommit\x12\x1b.ckpt.wire.v1.CommitRequest\x1a\x19.ckpt.wire.v1.CommitReply\x12I\n\tWaitShard\x12\x1e.ckpt.wire.v1.WaitShardRequest\x1a\x1c.ckpt.wire.v1.WaitShardReply\x12@\n\x06Locate\x12\x1b.ckpt.wire.v1.LocateRequest\x1a\x19.ckpt.wire.v1.LocateReply\x12:\n\x04List\x12\x19.ckpt.wire.v1.ListRequest\x1a\x17.ckpt.wire.v1.ListReply\x12@\n\x06Status\x12\x1b.ckpt.wire.v1.StatusRequest\x1a\x19.ckpt.wire.v1.StatusReply\x12\x43\n\x07\x43ollect\x12\x1c.ckpt.wire.v1.CollectRequest\x1a\x1a.ckpt.wire.v1.CollectReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x63kpt/wire/v1/ckptd.proto\x12\x0c\x63kpt.wire.v1\"F\n\x07ShardId\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\x12\n\nworld_size\x18\x04 \x01(\x05\"J\n\x0eReserveRequest\x12$\n\x05shard\x18\x01 \x01(\x0b\x32\x15.ckpt.wire.v1.ShardId\x12\x12\n\nsize_bytes\x18\x02 \x01(\x03\"\xbb\x01\n\x0cReserveReply\x12\x0f\n\x07skipped\x18\x01 \x01(\x08\x12\x11\n\tslot_path\x18\x02 \x01(\t\x12\x17\n\x0fslot_size_bytes\x18\x03 \x01(\x03\x12\x11\n\tblocked_s\x18\x04 \x01(\x01\x12\x0e\n\x06reason\x18\x05 \x01(\t\x12\x13\n\x0breservation\x18\x06 \x01(\x03\x12\x17\n\x0fspare_slot_path\x18\x07 \x01(\t\x12\x1d\n\x15spare_slot_size_bytes\x18\x08 \x01(\x03\"\xb6\x01\n\rCommitRequest\x12$\n\x05shard\x18\x01 \x01(\x0b\x32\x15.ckpt.wire.v1.ShardId\x12\x11\n\tslot_path\x18\x02 \x01(\t\x12\x17\n\x0f\x64\x61ta_size_bytes\x18\x03 \x01(\x03\x12\x13\n\x0blayout_json\x18\x04 \x01(\x0c\x12\x13\n\x0breservation\x18\x05 \x01(\x03\x12\x0e\n\x06run_id\x18\x06 \x01(\t\x12\x19\n\x11layout_size_bytes\x18\x07 \x01(\x03\"\r\n\x0b\x43ommitReply\"Y\n\x10WaitShardRequest\x12$\n\x05shard\x18\x01 \x01(\x0b\x32\x15.ckpt.wire.v1.ShardId\x12\x0c\n\x04tier\x18\x02 \x01(\t\x12\x11\n\ttimeout_s\x18\x03 \x01(\x01\"-\n\x0eWaitShardReply\x12\x0c\n\x04\x64one\x18\x01 \x01(\x08\x12\r\n\x05\x65rror\x18\x02 \x01(\t\"W\n\rLocateRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\x0c\n\x04tier\x18\x04 \x01(\t\x12\x0f\n\x07refetch\x18\x05 \x01(\x08\"2\n\x06Source\x12\x0c\n\x04tier\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x0c\n\x04path\x18\x03 \x01(\t\"e\n\x0bLocateReply\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x12\n\nworld_size\x18\x03 \x01(\x05\x12%\n\x07sources\x18\x04 \x03(\x0b\x32\x14.ckpt.wire.v1.Source\"\x1a\n\x0bListRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\"\\\n\x08StepInfo\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x12\n\nworld_size\x18\x03 \x01(\x05\x12\x12\n\nsize_bytes\x18\x04 \x01(\x03\x12\r\n\x05tiers\x18\x05 \x03(\t\"2\n\tListReply\x12%\n\x05steps\x18\x01 \x03(\x0b\x32\x16.ckpt.wire.v1.StepInfo\"\x0f\n\rStatusRequest\"\x1b\n\x0bStatusReply\x12\x0c\n\x04json\x18\x01 \x01(\t\"!\n\x0e\x43ollectRequest\x12\x0f\n\x07\x64ry_run\x18\x01 \x01(\x08\"B\n\x07Removal\x12\x0c\n\x04tier\x18\x01 \x01(\t\x12\x0b\n\x03job\x18\x02 \x01(\t\x12\x0c\n\x04step\x18\x03 \x01(\x03\x12\x0e\n\x06reason\x18\x04 \x01(\t\"7\n\x0c\x43ollectReply\x12\'\n\x08removals\x18\x01 \x03(\x0b\x32\x15.ckpt.wire.v1.Removal2\xde\x03\n\x05\x43kptd\x12\x43\n\x07Reserve\x12\x1c.ckpt.wire.v1.ReserveRequest\x1a\x1a.ckpt.wire.v1.ReserveReply\x12@\n\x06\x43ommit\x12\x1b.ckpt.wire.v1.CommitRequest\x1a\x19.ckpt.wire.v1.CommitReply\x12I\n\tWaitShard\x12\x1e.ckpt.wire.v1.WaitShardRequest\x1a\x1c.ckpt.wire.v1.WaitShardReply\x12@\n\x06Locate\x12\x1b.ckpt.wire.v1.LocateRequest\x1a\x19.ckpt.wire.v1.LocateReply\x12:\n\x04List\x12\x19.ckpt.wire.v1.ListRequest\x1a\x17.ckpt.wire.v1.ListReply\x12@\n\x06Status\x12\x1b.ckpt.wire.v1.StatusRequest\x1a\x19.ckpt.wire.v1.StatusReply\x12\x43\n\x07\x43ollect\x12\x1c.ckpt.wire.v1.CollectRequest\x1a\x1a.ckpt.wire.v1.CollectReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,35 +38,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_RESERVEREPLY']._serialized_start=191
   _globals['_RESERVEREPLY']._serialized_end=378
   _globals['_COMMITREQUEST']._serialized_start=381
-  _globals['_COMMITREQUEST']._serialized_end=536
-  _globals['_COMMITREPLY']._serialized_start=538
-  _globals['_COMMITREPLY']._serialized_end=551
-  _globals['_WAITSHARDREQUEST']._serialized_start=553
-  _globals['_WAITSHARDREQUEST']._serialized_end=642
-  _globals['_WAITSHARDREPLY']._serialized_start=644
-  _globals['_WAITSHARDREPLY']._serialized_end=689
-  _globals['_LOCATEREQUEST']._serialized_start=691
-  _globals['_LOCATEREQUEST']._serialized_end=778
-  _globals['_SOURCE']._serialized_start=780
-  _globals['_SOURCE']._serialized_end=830
-  _globals['_LOCATEREPLY']._serialized_start=832
-  _globals['_LOCATEREPLY']._serialized_end=933
-  _globals['_LISTREQUEST']._serialized_start=935
-  _globals['_LISTREQUEST']._serialized_end=961
-  _globals['_STEPINFO']._serialized_start=963
-  _globals['_STEPINFO']._serialized_end=1055
-  _globals['_LISTREPLY']._serialized_start=1057
-  _globals['_LISTREPLY']._serialized_end=1107
-  _globals['_STATUSREQUEST']._serialized_start=1109
-  _globals['_STATUSREQUEST']._serialized_end=1124
-  _globals['_STATUSREPLY']._serialized_start=1126
-  _globals['_STATUSREPLY']._serialized_end=1153
-  _globals['_COLLECTREQUEST']._serialized_start=1155
-  _globals['_COLLECTREQUEST']._serialized_end=1188
-  _globals['_REMOVAL']._serialized_start=1190
-  _globals['_REMOVAL']._serialized_end=1256
-  _globals['_COLLECTREPLY']._serialized_start=1258
-  _globals['_COLLECTREPLY']._serialized_end=1313
-  _globals['_CKPTD']._serialized_start=1316
-  _globals['_CKPTD']._serialized_end=1794
+  _globals['_COMMITREQUEST']._serialized_end=563
+  _globals['_COMMITREPLY']._serialized_start=565
+  _globals['_COMMITREPLY']._serialized_end=578
+  _globals['_WAITSHARDREQUEST']._serialized_start=580
+  _globals['_WAITSHARDREQUEST']._serialized_end=669
+  _globals['_WAITSHARDREPLY']._serialized_start=671
+  _globals['_WAITSHARDREPLY']._serialized_end=716
+  _globals['_LOCATEREQUEST']._serialized_start=718
+  _globals['_LOCATEREQUEST']._serialized_end=805
+  _globals['_SOURCE']._serialized_start=807
+  _globals['_SOURCE']._serialized_end=857
+  _globals['_LOCATEREPLY']._serialized_start=859
+  _globals['_LOCATEREPLY']._serialized_end=960
+  _globals['_LISTREQUEST']._serialized_start=962
+  _globals['_LISTREQUEST']._serialized_end=988
+  _globals['_STEPINFO']._serialized_start=990
+  _globals['_STEPINFO']._serialized_end=1082
+  _globals['_LISTREPLY']._serialized_start=1084
+  _globals['_LISTREPLY']._serialized_end=1134
+  _globals['_STATUSREQUEST']._serialized_start=1136
+  _globals['_STATUSREQUEST']._serialized_end=1151
+  _globals['_STATUSREPLY']._serialized_start=1153
+  _globals['_STATUSREPLY']._serialized_end=1180
+  _globals['_COLLECTREQUEST']._serialized_start=1182
+  _globals['_COLLECTREQUEST']._serialized_end=1215
+  _globals['_REMOVAL']._serialized_start=1217
+  _globals['_REMOVAL']._serialized_end=1283
+  _globals['_COLLECTREPLY']._serialized_start=1285
+  _globals['_COLLECTREPLY']._serialized_end=1340
+  _globals['_CKPTD']._serialized_start=1343
+  _globals['_CKPTD']._serialized_end=1821
 # @@protoc_insertion_point(module_scope)

@@ -47,20 +47,22 @@ class ReserveReply(_message.Message):
     def __init__(self, skipped: _Optional[bool] = ..., slot_path: _Optional[str] = ..., slot_size_bytes: _Optional[int] = ..., blocked_s: _Optional[float] = ..., reason: _Optional[str] = ..., reservation: _Optional[int] = ..., spare_slot_path: _Optional[str] = ..., spare_slot_size_bytes: _Optional[int] = ...) -> None: ...
 
 class CommitRequest(_message.Message):
-    __slots__ = ("shard", "slot_path", "data_size_bytes", "layout_json", "reservation", "run_id")
+    __slots__ = ("shard", "slot_path", "data_size_bytes", "layout_json", "reservation", "run_id", "layout_size_bytes")
     SHARD_FIELD_NUMBER: _ClassVar[int]
     SLOT_PATH_FIELD_NUMBER: _ClassVar[int]
     DATA_SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_JSON_FIELD_NUMBER: _ClassVar[int]
     RESERVATION_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
     shard: ShardId
     slot_path: str
     data_size_bytes: int
     layout_json: bytes
     reservation: int
     run_id: str
-    def __init__(self, shard: _Optional[_Union[ShardId, _Mapping]] = ..., slot_path: _Optional[str] = ..., data_size_bytes: _Optional[int] = ..., layout_json: _Optional[bytes] = ..., reservation: _Optional[int] = ..., run_id: _Optional[str] = ...) -> None: ...
+    layout_size_bytes: int
+    def __init__(self, shard: _Optional[_Union[ShardId, _Mapping]] = ..., slot_path: _Optional[str] = ..., data_size_bytes: _Optional[int] = ..., layout_json: _Optional[bytes] = ..., reservation: _Optional[int] = ..., run_id: _Optional[str] = ..., layout_size_bytes: _Optional[int] = ...) -> None: ...
 
 class CommitReply(_message.Message):
     __slots__ = ()
