@@ -32,6 +32,7 @@ from ckptd.tiers.nvme import LocalDirTier
 log = logging.getLogger(__name__)
 
 FLUSH_THREADS = 2
+SAVE_THREADS = 4
 
 Retention = Callable[[str], Awaitable[None]]  # runs retention for a job on NVMe and the replica store
 
@@ -56,6 +57,8 @@ class Flusher:
         self.progress = progress
         self.retention: Retention | None = None  # set by the pipeline once retention exists
         self.threads = ThreadPoolExecutor(max_workers=FLUSH_THREADS, thread_name_prefix="flush")
+        # Reserve and Commit block a training rank: their disk work never queues behind a flush.
+        self.save_threads = ThreadPoolExecutor(max_workers=SAVE_THREADS, thread_name_prefix="save")
         self.commit_lock = asyncio.Lock()  # one seal at a time on this node (reconciliation takes it too)
         self._rank_locks: dict[tuple[str, int], asyncio.Lock] = {}  # only while a flush of the rank is queued
         self._latest_run: OrderedDict[tuple[str, int], str] = OrderedDict()  # the run that committed a step last
@@ -97,8 +100,8 @@ class Flusher:
             raise InvalidArgument(f"{key}: run_id is longer than 256 characters")
         if await self.is_complete(key.job, key.step):
             raise InvalidArgument(f"{key.job} step {key.step} is already complete; a complete step is never rewritten")
-        # On a flush thread: the slot's marker carries the layout, megabytes to seal and write.
-        slot = await asyncio.get_running_loop().run_in_executor(self.threads, self.pool.commit, snapshot)
+        # Off the event loop: the slot's layout, megabytes, is read and written beside it.
+        slot = await asyncio.get_running_loop().run_in_executor(self.save_threads, self.pool.commit, snapshot)
         reserved_at = self._reserved_at.pop((key.job, key.rank), None)
         if reserved_at is not None:
             self.save_seconds.observe(time.monotonic() - reserved_at)
@@ -116,7 +119,7 @@ class Flusher:
         def complete() -> bool:
             return any(step in t.complete_steps(job) for t in self.durable_tiers)
 
-        return await asyncio.get_running_loop().run_in_executor(self.threads, complete)
+        return await asyncio.get_running_loop().run_in_executor(self.save_threads, complete)
 
     def start(self, slot: Slot) -> None:
         """Queue a committed slot's flush."""
@@ -280,3 +283,4 @@ class Flusher:
         while self.tasks:
             await asyncio.gather(*list(self.tasks), return_exceptions=True)
         self.threads.shutdown(wait=True)
+        self.save_threads.shutdown(wait=True)

@@ -5,7 +5,7 @@ memory tier), the other receives the next save while the first is still being
 flushed. A slot's state is kept beside it on disk (see slot_files), so a restarted
 daemon knows which snapshots still need flushing.
 
-All methods run on the daemon's event loop thread, except record_hashed and commit (a flush thread, while
+All methods run on the daemon's event loop thread, except record_hashed and commit (a save thread, while
 the loop waits for it: its marker carries the layout, megabytes to seal and write).
 """
 

@@ -136,8 +136,7 @@ def unseal(data: bytes, what: str) -> dict[str, Any]:
     return record
 
 
-KEEP_SEALED_LAYOUT_BYTES = 1 << 16
-_SEALED: dict[int, bytes] = {}  # id(ShardMeta) -> its sealed bytes, for records with a large layout
+_SEALED: dict[int, bytes] = {}  # id(ShardMeta) -> its sealed bytes, dropped when the record dies
 
 
 @dataclass(frozen=True)
@@ -157,9 +156,10 @@ class ShardMeta:
     def to_bytes(self) -> bytes:
         """Serialise as a sealed record, written as it is hashed.
 
-        A record with a large layout is sealed once and its bytes kept while the
-        record lives (sealing megabytes of layout holds the GIL for tens of ms);
-        one read from bytes keeps those very bytes.
+        A record is sealed once and its bytes kept while it lives (sealing megabytes
+        of layout holds the GIL for tens of ms); one read from bytes keeps those very
+        bytes, which commit records' digests are of (records written by older
+        versions are indented, and must not be re-sealed in another form).
         """
         sealed = _SEALED.get(id(self))
         if sealed is None:
@@ -168,7 +168,7 @@ class ShardMeta:
         return sealed
 
     def _keep_sealed(self, sealed: bytes) -> None:
-        if len(self.layout_json) >= KEEP_SEALED_LAYOUT_BYTES and id(self) not in _SEALED:
+        if id(self) not in _SEALED:
             _SEALED[id(self)] = sealed
             weakref.finalize(self, _SEALED.pop, id(self), None)  # runs before the id can be reused
 

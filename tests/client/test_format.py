@@ -61,3 +61,16 @@ def test_a_hostile_shard_record_is_refused_before_anything_is_sized_from_it():
         record = seal({**base, **sizes, "chunk_xxh3_128": [], "layout_json": "{}"})
         with pytest.raises(CorruptCheckpoint, match=r"sizes out of range|do not cover"):
             ShardMeta.from_bytes(record, "from a peer")
+
+
+def test_a_shard_record_of_an_older_version_keeps_its_bytes_and_compact_ones_check_as_they_lie():
+    meta = ShardMeta("j", 3, 1, 2, 10 << 20, 4 << 20, ("a" * 32, "b" * 32, "c" * 32), '{"tensors": []}')
+    compact = meta.to_bytes()
+    assert compact.startswith(b'{"record":') and unseal(compact, "m")["job"] == "j"
+    indented = seal(unseal(compact, "m"))  # as version 1 daemons wrote every record
+    assert indented != compact
+    read = ShardMeta.from_bytes(indented, "m")
+    assert read == meta and read.to_bytes() == indented  # commit records hold the digest of these very bytes
+    tampered = compact.replace(b'"step":3', b'"step":4')
+    with pytest.raises(CorruptCheckpoint, match="checksum mismatch"):
+        unseal(tampered, "m")
