@@ -22,6 +22,7 @@ from ckpt.errors import CheckpointError, InvalidArgument
 from ckpt.format import CHUNK_SIZE_BYTES, MAX_SHARD_BYTES, CommitRecord, ShardMeta
 
 from ckptd import metrics
+from ckptd.datapath.keyed import KeyedLocks
 from ckptd.datapath.peering import Peering
 from ckptd.datapath.progress import REMEMBERED_SHARDS, ShardProgress
 from ckptd.datapath.staging import ShardKey, Slot, SlotPool, Snapshot
@@ -34,7 +35,7 @@ log = logging.getLogger(__name__)
 FLUSH_THREADS = 2
 SAVE_THREADS = 4
 
-Retention = Callable[[str], Awaitable[None]]  # runs retention for a job on NVMe and the replica store
+Retention = Callable[[str], Awaitable[object]]  # runs retention for a job on NVMe and the replica store
 
 
 class Flusher:
@@ -60,7 +61,7 @@ class Flusher:
         # Reserve and Commit block a training rank: their disk work never queues behind a flush.
         self.save_threads = ThreadPoolExecutor(max_workers=SAVE_THREADS, thread_name_prefix="save")
         self.commit_lock = asyncio.Lock()  # one seal at a time on this node (reconciliation takes it too)
-        self._rank_locks: dict[tuple[str, int], asyncio.Lock] = {}  # only while a flush of the rank is queued
+        self._rank_locks: KeyedLocks[tuple[str, int]] = KeyedLocks()  # a rank's flushes run one at a time, in order
         self._latest_run: OrderedDict[tuple[str, int], str] = OrderedDict()  # the run that committed a step last
         self._reserved_at: dict[tuple[str, int], float] = {}  # (job, rank) -> when its slot was reserved
         self.tasks: set[asyncio.Task[None]] = set()
@@ -100,8 +101,23 @@ class Flusher:
             raise InvalidArgument(f"{key}: run_id is longer than 256 characters")
         if await self.is_complete(key.job, key.step):
             raise InvalidArgument(f"{key.job} step {key.step} is already complete; a complete step is never rewritten")
-        # Off the event loop: the slot's layout, megabytes, is read and written beside it.
-        slot = await asyncio.get_running_loop().run_in_executor(self.save_threads, self.pool.commit, snapshot)
+        slot = self.pool.take(snapshot)
+        # Once taken, the slot is committed and flushed even if the client goes away meanwhile.
+        task = asyncio.get_running_loop().create_task(self._take_over(slot, snapshot))
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+        await asyncio.shield(task)
+
+    async def _take_over(self, slot: Slot, snapshot: Snapshot) -> None:
+        key = snapshot.key
+        try:
+            # Off the event loop: the slot's layout, megabytes, is read and written beside it.
+            loop = asyncio.get_running_loop()
+            layout_json = await loop.run_in_executor(self.save_threads, self.pool.write_markers, slot, snapshot)
+        except BaseException:
+            self.pool.abandon(slot)
+            raise
+        self.pool.committed(slot, snapshot, layout_json)
         reserved_at = self._reserved_at.pop((key.job, key.rank), None)
         if reserved_at is not None:
             self.save_seconds.observe(time.monotonic() - reserved_at)
@@ -130,9 +146,7 @@ class Flusher:
     async def _flush(self, slot: Slot) -> None:
         key = slot.shard
         assert key is not None
-        rank = (key.job, key.rank)
-        lock = self._rank_locks.setdefault(rank, asyncio.Lock())
-        async with lock:
+        async with self._rank_locks.hold((key.job, key.rank)):
             try:
                 hashed_before = slot.meta is not None  # a flush resumed after a restart
                 started = time.monotonic()
@@ -154,8 +168,6 @@ class Flusher:
                 self.progress.failed(key, "nvme", str(e))
             finally:
                 await self.pool.settle(slot)
-        if not lock.locked() and self._rank_locks.get(rank) is lock:
-            del self._rank_locks[rank]  # no flush of the rank is queued: the table holds only busy ranks
         await self.after_flush(key)  # outside the rank's lock: its next flush need not wait for retention
 
     def _flush_to_nvme(self, slot: Slot, key: ShardKey, loop: asyncio.AbstractEventLoop) -> None:
@@ -242,23 +254,26 @@ class Flusher:
     # -- recovery -------------------------------------------------------------------
 
     async def resume(self) -> None:
-        """Take over the slots an earlier run left: flush what is not on NVMe yet, seal what a crash left whole."""
+        """Take over the slots an earlier run left: flush what is not on NVMe yet, seal what a crash left whole.
+
+        The checks run on the save threads: resumed flushes take the flush threads meanwhile.
+        """
         loop = asyncio.get_running_loop()
-        held = await loop.run_in_executor(self.threads, self.pool.recover)
+        held = await loop.run_in_executor(self.save_threads, self.pool.recover)
         for slot in sorted(held, key=lambda s: s.committed_seq):
             assert slot.shard is not None
             self.note_run(slot.shard, slot.run_id)
         for slot in sorted(held, key=lambda s: s.shard.step if s.shard else 0):
             key = slot.shard
             assert key is not None
-            if await loop.run_in_executor(self.threads, self._flushed_already, slot, key):
+            if await loop.run_in_executor(self.save_threads, self._flushed_already, slot, key):
                 await self.pool.settle(slot)
             else:
                 log.info("resuming flush of %s", slot.shard)
                 self.start(slot)
         # A crash between the last shard's rename and the commit record leaves a
         # step with every shard in place: commit it now.
-        for job, step, world_size in await loop.run_in_executor(self.threads, self._interrupted_commits):
+        for job, step, world_size in await loop.run_in_executor(self.save_threads, self._interrupted_commits):
             await self.after_flush(ShardKey(job, step, 0, world_size))
 
     def _flushed_already(self, slot: Slot, key: ShardKey) -> bool:

@@ -42,7 +42,7 @@ class Lifecycle:
     def __init__(self, config: Config) -> None:
         self.config = config
         self.pool = SlotPool(config.staging_dir, config.staging.budget_bytes, config.staging.policy)
-        self.memory = MemoryTier(self.pool.slots)
+        self.memory = MemoryTier(self.pool.copies)  # read on worker threads
         self.nvme = LocalDirTier(config.root)
         self.replica_store = LocalDirTier(config.replica_root, name="peer")  # replicas other nodes sent here
         self.tiers: list[Tier] = [self.memory, self.nvme, self.replica_store]  # fastest first: loads try them so
@@ -72,7 +72,7 @@ class Lifecycle:
             self.locator.on_object_threads,
             self.uploader,
         )
-        self.flusher.retention = lambda job: self.retention.collect_quietly(job, LOCAL_TIERS)
+        self.flusher.retention = lambda job: self.retention.collect(dry_run=False, job=job, tiers=LOCAL_TIERS)
         self.report = StatusReport(
             config, self.pool, self.memory, self.nvme, self.durable_tiers,
             self.flusher, self.progress, self.peering, self.uploader, self.retention,

@@ -22,6 +22,7 @@ from ckpt.format import CommitRecord, ShardMeta, digest, validate_tier
 from ckpt.shard_io import ShardSource
 
 from ckptd.config import Config
+from ckptd.datapath.keyed import KeyCounts, KeyedLocks
 from ckptd.datapath.peering import Peering
 from ckptd.tiers.base import Tier
 from ckptd.tiers.catalog import StepInfo, list_steps, merge_steps
@@ -57,8 +58,8 @@ class Locator:
         self._verification_failed = verification_failed
         self.threads = ThreadPoolExecutor(max_workers=LOCATE_THREADS, thread_name_prefix="locate")
         self.object_threads = ThreadPoolExecutor(max_workers=OBJECT_THREADS, thread_name_prefix="object")
-        self._fetch_locks: dict[tuple[str, int, int], asyncio.Lock] = {}  # only while a fetch of it is under way
-        self._fetching_from_object: dict[tuple[str, int], int] = {}  # ranks of one step may be fetched at once
+        self._fetch_locks: KeyedLocks[tuple[str, int, int]] = KeyedLocks()  # one fetch of a shard at a time
+        self._fetching_from_object: KeyCounts[tuple[str, int]] = KeyCounts()  # ranks of a step may be fetched at once
         self._being_read: dict[tuple[str, int], float] = {}  # steps a client was pointed at, until when
 
     async def _here(self, fn: Callable[..., Any], *args: Any) -> Any:
@@ -165,7 +166,7 @@ class Locator:
     def busy_steps(self) -> set[tuple[str, int]]:
         """Return the steps being read by a client or fetched from the store: retention keeps off them (BusySteps)."""
         now = time.monotonic()
-        return {step for step, until in self._being_read.items() if until > now} | set(self._fetching_from_object)
+        return {step for step, until in self._being_read.items() if until > now} | self._fetching_from_object.keys()
 
     # -- the object store ------------------------------------------------------------
 
@@ -202,26 +203,15 @@ class Locator:
 
         again: read and check the store's copy even if NVMe holds the shard (a load that named tier "object").
         """
-        key = (job, step, rank)
-        lock = self._fetch_locks.setdefault(key, asyncio.Lock())
-        try:
-            async with lock:
-                held = await self._here(lambda: self.nvme.has_shard(*key) and self.nvme.checked_commit(job, step))
-                if not again and held:
-                    return  # another load fetched it meanwhile
-                self._fetching_from_object[(job, step)] = self._fetching_from_object.get((job, step), 0) + 1
+        async with self._fetch_locks.hold((job, step, rank)):
+            if not again and await self._here(self.nvme.has_committed_shard, job, step, rank):
+                return  # another load fetched it meanwhile
+            with self._fetching_from_object.counting((job, step)):
                 try:
                     await self.on_object_threads(self._copy_from_object, job, step, rank, replace)
                 except CorruptCheckpoint:
                     self._verification_failed("object")
                     raise
-                finally:
-                    self._fetching_from_object[(job, step)] -= 1
-                    if not self._fetching_from_object[(job, step)]:
-                        del self._fetching_from_object[(job, step)]
-        finally:
-            if not lock.locked() and self._fetch_locks.get(key) is lock:
-                del self._fetch_locks[key]  # no fetch of it is waiting: the table holds only fetches under way
 
     def _copy_from_object(self, job: str, step: int, rank: int, replace: bool) -> None:
         assert self.object_tier is not None

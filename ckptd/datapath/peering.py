@@ -21,6 +21,7 @@ from ckpt.errors import CheckpointError
 from ckpt.format import CommitRecord, ShardMeta, data_name, meta_name
 
 from ckptd.config import Config
+from ckptd.datapath.keyed import KeyCounts, KeyedLocks
 from ckptd.datapath.replication import Replication
 from ckptd.datapath.staging import ShardKey
 from ckptd.rpc.peer_link import PeerLink
@@ -58,8 +59,12 @@ class Peering:
         links = [PeerLink(address, config.peer, self.instance) for address in config.peers]
         self.peer_tier = PeerTier(links) if links else None
         self.replication = Replication(links, config.replicas, on_change) if links and config.replicas else None
-        self._fetch_locks: dict[tuple[str, int, int], asyncio.Lock] = {}
-        self.fetching: set[tuple[str, int]] = set()  # (job, step) being fetched: retention keeps off
+        self._fetch_locks: KeyedLocks[tuple[str, int, int]] = KeyedLocks()  # one fetch of a shard at a time
+        self._fetching: KeyCounts[tuple[str, int]] = KeyCounts()  # steps being fetched: retention keeps off
+        # NVMe's complete steps by job, as the last reconciliation listed them (on a thread): what the
+        # replicas still owed keep off retention is judged on the event loop, which must not list the disk.
+        # Older by at most one round, it only ever keeps more: steps leave the old end and join the new one.
+        self._nvme_complete: dict[str, list[int]] = {}
         self._fetch_threads = ThreadPoolExecutor(max_workers=FETCH_THREADS, thread_name_prefix="fetch")
         self._notify_threads = ThreadPoolExecutor(max_workers=2, thread_name_prefix="notify")
         self._broadcasts: set[asyncio.Task[None]] = set()
@@ -135,8 +140,7 @@ class Peering:
         """Seal this node's incomplete steps of a job that the peers know to be complete."""
         if self.peer_tier is None:
             return
-        complete = set(tier.complete_steps(job))
-        incomplete = [s for s in tier.all_steps(job) if s not in complete]
+        incomplete: list[int] = await self._run(_incomplete_steps, tier, job)
         if not incomplete:
             return
         records = {s.step: s.record for s in await self._run(self.peer_tier.inventories, job) if s.record is not None}
@@ -160,19 +164,15 @@ class Peering:
         """
         if self.peer_tier is None:
             return
-        lock = self._fetch_locks.setdefault((job, step, rank), asyncio.Lock())
-        async with lock:
-            if not replace and self.nvme.has_shard(job, step, rank) and self.nvme.checked_commit(job, step):
+        async with self._fetch_locks.hold((job, step, rank)):
+            if not replace and await self._run(self.nvme.has_committed_shard, job, step, rank):
                 return  # another load fetched it meanwhile
-            self.fetching.add((job, step))
-            try:
+            with self._fetching.counting((job, step)):
                 # On threads of their own: whole shards take long, and must not starve the
                 # inventories, receives and seals that share the peer threads.
                 await asyncio.get_running_loop().run_in_executor(
                     self._fetch_threads, self._fetch, job, step, rank, replace
                 )
-            finally:
-                self.fetching.discard((job, step))
 
     def _fetch(self, job: str, step: int, rank: int, replace: bool) -> None:
         assert self.peer_tier is not None
@@ -261,16 +261,23 @@ class Peering:
                     log.info("%s step %d is complete across the cluster", job, step)
                     self._broadcast(record)
         if self.replication is not None:
+            self._nvme_complete = await self._run(lambda: {j: self.nvme.complete_steps(j) for j in self.nvme.jobs()})
             await self._run(self._track_local_shards, local)
             reachable = self.peer_tier.reachable()
+            on_disk = await self._run(self._steps_on_disk, self.replication.tracked())
             # A step directory goes only with retention (a shard still being flushed has one already).
-            self.replication.forget(lambda k: self.nvme.step_dir(k.job, k.step).is_dir() and self._kept(k))
+            self.replication.forget(lambda k: on_disk.get((k.job, k.step), (True, None))[0] and self._kept(k))
             self.replication.confirm([h for s in remote for h in s.shards], reachable, asked_at)
-            self.replication.retry_due(lambda k: self.nvme.checked_commit(k.job, k.step))
+            self.replication.retry_due(lambda k: on_disk.get((k.job, k.step), (True, None))[1])
+
+    def _steps_on_disk(self, keys: list[ShardKey]) -> dict[tuple[str, int], tuple[bool, CommitRecord | None]]:
+        """Return, for the steps of keys, whether each has a directory on NVMe and its commit record (a thread)."""
+        steps = {(k.job, k.step) for k in keys}
+        return {(j, s): (self.nvme.step_dir(j, s).is_dir(), self.nvme.checked_commit(j, s)) for j, s in steps}
 
     def busy_steps(self) -> set[tuple[str, int]]:
         """Return the steps being fetched, or replicated within [retention]: retention keeps off them (BusySteps)."""
-        return self.replicating_steps() | self.fetching
+        return self.replicating_steps() | self._fetching.keys()
 
     def replicating_steps(self) -> set[tuple[str, int]]:
         """Return the steps whose replicas are still on their way, among those [retention] peer keeps.
@@ -282,7 +289,9 @@ class Peering:
         limit = 2 * self.config.retention.nvme
 
         def within(key: ShardKey) -> bool:
-            complete = self.nvme.complete_steps(key.job)
+            complete = self._nvme_complete.get(key.job)
+            if complete is None:  # not listed yet: kept until the next reconciliation says
+                return True
             return limit == 0 or key.step in complete[-limit:] or key.step > max(complete, default=-1)
 
         return {(k.job, k.step) for k in self.replication.pending() if self._kept(k) and within(k)}
@@ -290,7 +299,9 @@ class Peering:
     def _kept(self, key: ShardKey) -> bool:
         """Say whether the peers keep a shard's step under [retention] peer (else it is not sent again)."""
         keep = self.config.retention.peer
-        complete = self.nvme.complete_steps(key.job)
+        complete = self._nvme_complete.get(key.job)
+        if complete is None:  # not listed yet: kept until the next reconciliation says
+            return True
         return keep == 0 or key.step in complete[-keep:] or key.step > max(complete, default=-1)
 
     def _track_local_shards(self, local: list[StepHoldings]) -> None:
@@ -340,3 +351,8 @@ class Peering:
 def _every_rank(shards: list[Holding]) -> bool:
     sizes = {h.world_size for h in shards}
     return len(sizes) == 1 and {h.rank for h in shards} >= set(range(sizes.pop()))
+
+
+def _incomplete_steps(tier: DurableTier, job: str) -> list[int]:
+    complete = set(tier.complete_steps(job))
+    return [s for s in tier.all_steps(job) if s not in complete]

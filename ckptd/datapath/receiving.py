@@ -229,6 +229,11 @@ class ReplicaReceiver:
         if t is not None:
             t.abandon()
 
+    def known_meta(self, transfer: str, raw: bytes) -> ShardMeta | None:
+        """Return the shard record of a transfer under way if raw is its very bytes (no need to parse them again)."""
+        t = self._transfers.get(transfer)
+        return t.meta if t is not None and t.meta.to_bytes() == raw else None
+
     def drop_idle(self) -> None:
         """Drop transfers whose sender went quiet (died, or never sealed): their files and slots go."""
         now = time.monotonic()

@@ -126,6 +126,10 @@ class Replication:
                     log.warning("peer %s no longer holds the replica of %s: sending it again", target, shard.key)
                     del shard.done[target]
 
+    def tracked(self) -> list[ShardKey]:
+        """Return every shard being followed."""
+        return list(self._shards)
+
     def pending(self) -> list[ShardKey]:
         """Return the shards whose replicas are not all in yet."""
         return [k for k, shard in self._shards.items() if not shard.replicated]

@@ -210,7 +210,7 @@ class RetentionRunner:
 
     async def drain(self) -> None:
         """Let passes under way finish, then stop the cleanup thread."""
-        if self._tasks:
+        while self._tasks:  # a pass may start another as it ends
             await asyncio.gather(*list(self._tasks), return_exceptions=True)
         self.cleanup_thread.shutdown(wait=True)
 

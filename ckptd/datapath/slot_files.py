@@ -51,7 +51,7 @@ class Slot:
     rank: int
     index: int
     size_bytes: int
-    state: str = "free"  # allocating | free | writing | pending (flush queued or running) | settled
+    state: str = "free"  # allocating | free | writing | committing | pending (flush queued or running) | settled
     shard: ShardKey | None = None
     data_size_bytes: int = 0
     layout_json: str = ""

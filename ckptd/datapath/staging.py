@@ -5,13 +5,15 @@ memory tier), the other receives the next save while the first is still being
 flushed. A slot's state is kept beside it on disk (see slot_files), so a restarted
 daemon knows which snapshots still need flushing.
 
-All methods run on the daemon's event loop thread, except record_hashed and commit (a save thread, while
-the loop waits for it: its marker carries the layout, megabytes to seal and write).
+All methods run on the daemon's event loop thread, except record_hashed and write_markers (worker threads:
+the markers carry the layout, megabytes to read and write).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import logging
 import os
 import time
@@ -46,7 +48,7 @@ class Snapshot:
     slot_path: str
     reservation: int
     data_size_bytes: int
-    layout_json: str
+    layout_json: str | bytes  # bytes as it came (UTF-8 text), decoded off the event loop
     run_id: str = ""
     layout_size_bytes: int = 0  # > 0: the layout lies in the slot at layout_offset(data_size_bytes), not in layout_json
 
@@ -62,12 +64,18 @@ class SlotPool:
         self._changed = asyncio.Condition()
         self._reservations = time.time_ns()  # tokens never repeat across daemon restarts
         self._commits = 0
+        self._evicted: list[Path] = []  # files of evicted slots, unlinked by the next allocation's thread
 
     # -- queries ---------------------------------------------------------------
 
     def slots(self) -> list[Slot]:
         """Return every slot."""
-        return [s for group in self._slots.values() for s in group]
+        groups = list(self._slots.values())  # worker threads list them too (the memory tier) while the loop adds
+        return [s for group in groups for s in list(group)]
+
+    def copies(self) -> list[Slot]:
+        """Return a copy of every slot, for readers on other threads (the memory tier): the loop changes the slots."""
+        return [dataclasses.replace(s) for s in self.slots()]
 
     def in_use_bytes(self) -> int:
         """Return the bytes of shared memory the slots take, or are being allocated to take."""
@@ -164,7 +172,23 @@ class SlotPool:
         return free[0] if free else None
 
     def commit(self, snapshot: Snapshot) -> Slot:
-        """Record that a slot now holds a whole snapshot; the caller flushes it next."""
+        """Record that a slot now holds a whole snapshot, all three steps below at once (tests, tools)."""
+        slot = self.take(snapshot)
+        try:
+            layout_json = self.write_markers(slot, snapshot)
+        except BaseException:
+            self.abandon(slot)
+            raise
+        self.committed(slot, snapshot, layout_json)
+        return slot
+
+    def take(self, snapshot: Snapshot) -> Slot:
+        """Check a Commit against the slot's reservation and hold the slot while its markers are written.
+
+        Order of calls (the flusher's): take() on the event loop; write_markers() on a
+        worker thread; then committed() on the event loop, or abandon() if writing failed.
+        A slot being committed is neither reused nor abandoned by a reservation meanwhile.
+        """
         key, slot_path, data_size_bytes = snapshot.key, snapshot.slot_path, snapshot.data_size_bytes
         slot = self._find(key.job, key.rank, slot_path)
         if slot is None:
@@ -176,25 +200,47 @@ class SlotPool:
             raise ReservationLost(f"{key}: {slot_path} is no longer reserved for this save")
         if not 0 <= data_size_bytes <= slot.size_bytes:
             raise InvalidArgument(f"{key}: data_size_bytes {data_size_bytes} does not fit the slot")
-        layout_json = snapshot.layout_json
-        if snapshot.layout_size_bytes:
-            layout_json = _layout_in_slot(slot, data_size_bytes, snapshot.layout_size_bytes, str(key))
+        at = layout_offset(data_size_bytes)
+        if snapshot.layout_size_bytes and at + snapshot.layout_size_bytes > slot.size_bytes:
+            raise InvalidArgument(
+                f"{key}: a layout of {snapshot.layout_size_bytes} bytes at {at} does not fit the slot"
+            )
         self._commits = max(self._commits + 1, time.time_ns())  # ordered across daemon restarts too
-        slot.shard, slot.data_size_bytes, slot.meta = key, data_size_bytes, None
-        slot.layout_json, slot.run_id, slot.committed_seq = layout_json, snapshot.run_id, self._commits
-        # The layout (megabytes for a large model) goes beside the marker as it is: never escaped into JSON.
-        layout = layout_json.encode()
-        write_replace(slot.layout_path, layout)
-        record = {
-            "shard": key.__dict__,
-            "data_size_bytes": data_size_bytes,
-            "layout_xxh3_128": digest(layout),
-            "run_id": snapshot.run_id,
-            "committed_ns": slot.committed_seq,
-        }
-        write_replace(slot.pending_path, seal(record))
-        slot.state = "pending"
+        slot.committed_seq, slot.state = self._commits, "committing"
         return slot
+
+    def write_markers(self, slot: Slot, snapshot: Snapshot) -> str:
+        """Write the markers a restart recovers the snapshot from; return its layout (a worker thread)."""
+        try:
+            layout_json = _text(snapshot.layout_json, str(snapshot.key))
+            if snapshot.layout_size_bytes:
+                key, size = str(snapshot.key), snapshot.layout_size_bytes
+                layout_json = _layout_in_slot(slot, snapshot.data_size_bytes, size, key)
+            # The layout (megabytes for a large model) goes beside the marker as it is: never escaped into JSON.
+            layout = layout_json.encode()
+            write_replace(slot.layout_path, layout)
+            record = {
+                "shard": snapshot.key.__dict__,
+                "data_size_bytes": snapshot.data_size_bytes,
+                "layout_xxh3_128": digest(layout),
+                "run_id": snapshot.run_id,
+                "committed_ns": slot.committed_seq,
+            }
+            write_replace(slot.pending_path, seal(record))
+        except BaseException:
+            for path in (slot.pending_path, slot.layout_path):  # nothing half-written names the slot
+                path.unlink(missing_ok=True)
+            raise
+        return layout_json
+
+    def committed(self, slot: Slot, snapshot: Snapshot, layout_json: str) -> None:
+        """Make the slot hold the snapshot, its flush next (event loop)."""
+        slot.shard, slot.data_size_bytes, slot.meta = snapshot.key, snapshot.data_size_bytes, None
+        slot.layout_json, slot.run_id, slot.state = layout_json, snapshot.run_id, "pending"
+
+    def abandon(self, slot: Slot) -> None:
+        """Give up a slot whose markers could not be written: it holds nothing worth keeping (event loop)."""
+        slot.state = "free"
 
     def record_hashed(self, slot: Slot, meta: ShardMeta) -> None:
         """Record a slot's checksums: from now on the memory tier serves it. Any thread."""
@@ -294,11 +340,14 @@ class SlotPool:
                     return
                 want_bytes -= slot.size_bytes
                 group.remove(slot)
-                for p in (slot.path, slot.meta_path, slot.pending_path, slot.layout_path):
-                    p.unlink(missing_ok=True)
+                # Unlinked by the allocation that follows, on its thread: freeing gigabytes takes a while.
+                self._evicted += [slot.path, slot.meta_path, slot.pending_path, slot.layout_path]
 
     def _hand_out(self, slot: Slot, size_bytes: int) -> None:
         """Make the slot's file size_bytes long, its memory allocated. Runs on a worker thread."""
+        with contextlib.suppress(IndexError):  # another allocation's thread may take the last one
+            while self._evicted:  # the memory of slots evicted to make room goes first
+                self._evicted.pop().unlink(missing_ok=True)
         if size_bytes == slot.size_bytes and slot.path.exists():
             return
         try:
@@ -317,14 +366,15 @@ class SlotPool:
         slot.size_bytes = size_bytes
 
 
-def _layout_in_slot(slot: Slot, data_size_bytes: int, size_bytes: int, what: str) -> str:
-    """Read a layout the client wrote into its slot after the data (a flush thread)."""
-    at = layout_offset(data_size_bytes)
-    if at + size_bytes > slot.size_bytes:
-        raise InvalidArgument(f"{what}: a layout of {size_bytes} bytes at byte {at} does not fit the slot")
-    with open(slot.path, "rb", buffering=0) as f:
-        layout = os.pread(f.fileno(), size_bytes, at)
+def _text(layout: str | bytes, what: str) -> str:
     try:
-        return layout.decode()
+        return layout if isinstance(layout, str) else layout.decode()
     except UnicodeDecodeError:
         raise InvalidArgument(f"{what}: layout is not UTF-8 text") from None
+
+
+def _layout_in_slot(slot: Slot, data_size_bytes: int, size_bytes: int, what: str) -> str:
+    """Read a layout the client wrote into its slot after the data (a worker thread)."""
+    at = layout_offset(data_size_bytes)
+    with open(slot.path, "rb", buffering=0) as f:
+        return _text(os.pread(f.fileno(), size_bytes, at), what)

@@ -30,6 +30,7 @@ from ckpt.format import CommitRecord, ShardMeta, data_name, meta_name
 
 from ckptd import metrics
 from ckptd.config import Config
+from ckptd.datapath.keyed import KeyedLocks
 from ckptd.datapath.staging import ShardKey
 from ckptd.tiers.nvme import LocalDirTier
 from ckptd.tiers.object import CommitConflict, ObjectTier
@@ -75,7 +76,7 @@ class Uploader:
         self.io = ThreadPoolExecutor(max_workers=UPLOAD_THREADS + 1, thread_name_prefix="upload")
         self._on_change = on_change
         self._states: dict[ShardKey, UploadState] = {}
-        self._locks: dict[tuple[str, int, int], asyncio.Lock] = {}
+        self._locks: KeyedLocks[tuple[str, int, int]] = KeyedLocks()
         self._uploading: set[ShardKey] = set()
         self._watching: dict[tuple[str, int], set[ShardKey]] = {}  # steps waiting for their commit record
         self._tasks: set[asyncio.Task[None]] = set()
@@ -181,9 +182,9 @@ class Uploader:
 
     async def _upload(self, key: ShardKey, state: UploadState) -> None:
         loop = asyncio.get_running_loop()
-        lock = self._locks.setdefault((key.job, key.step, key.rank), asyncio.Lock())
         delay = BACKOFF_MIN_S
-        async with lock:  # one copy of a shard at a time: a re-save waits for the copy before it
+        # One copy of a shard at a time: a re-save waits for the copy before it.
+        async with self._locks.hold((key.job, key.step, key.rank)):
             while self._states.get(key) is state and not state.gave_up:
                 async with self._slots:
                     if state.gave_up:  # superseded while it waited for a slot
@@ -304,10 +305,7 @@ class Uploader:
             return "committed"
         except NotFound:
             pass
-        newer = [s for s in self.tier.complete_steps(job) if s > step]
-        if newer:
-            return f"a newer step ({newer[-1]}) is complete there first"
-        if writer:
+        if writer:  # first: a step whose every shard is in commits, even after a newer one did
             if not record and (sealed := self.nvme.checked_commit(job, step)) is not None:
                 record.append(sealed)
             if record:
@@ -319,6 +317,9 @@ class Uploader:
                     return str(e)
             elif step not in self.nvme.all_steps(job):
                 return "it left NVMe (retention) before it was complete in the cluster"
+        newer = [s for s in self.tier.complete_steps(job) if s > step]
+        if newer:
+            return f"a newer step ({newer[-1]}) is complete there first"
         if time.monotonic() - since > COMMIT_WATCH_LIMIT_S:
             return f"its commit record did not appear in the store within {COMMIT_WATCH_LIMIT_S:.0f} s"
         return "waiting"

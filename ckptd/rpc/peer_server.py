@@ -57,6 +57,11 @@ class PeerServicer(peer_pb2_grpc.CkptdPeerServicer):
     def __init__(self, pipeline: Pipeline) -> None:
         self.pipeline = pipeline
 
+    async def _shard_meta(self, transfer: str, raw: bytes) -> ShardMeta:
+        """Parse a shard record a peer sent, once per transfer (its layout may be megabytes: on a thread)."""
+        known = self.pipeline.receiver.known_meta(transfer, raw)
+        return known if known is not None else await asyncio.to_thread(_shard_meta, raw)
+
     def _refuse_itself(self, context: Any) -> None:
         if dict(context.invocation_metadata()).get(INSTANCE_HEADER) == self.pipeline.instance:
             raise IsSelf(f"{ITSELF} a peer address in [peer] addresses leads back to this node")
@@ -68,7 +73,7 @@ class PeerServicer(peer_pb2_grpc.CkptdPeerServicer):
             if raw is None:
                 raise InvalidArgument("PutShard carried no pieces")
             first = pb.ShardPiece.FromString(raw)
-            meta = _shard_meta(first.meta_json)
+            meta = await self._shard_meta(first.transfer, first.meta_json)
 
             async def data() -> AsyncIterator[memoryview]:
                 if first.data:
@@ -88,7 +93,7 @@ class PeerServicer(peer_pb2_grpc.CkptdPeerServicer):
     async def SealShard(self, request: pb.SealShardRequest, context: Any) -> pb.SealShardReply:
         async def work() -> pb.SealShardReply:
             self._refuse_itself(context)
-            meta = _shard_meta(request.meta_json)
+            meta = await self._shard_meta(request.transfer, request.meta_json)
             record = _commit_record(request.commit_json) if request.commit_json else None
             await self.pipeline.receiver.seal(meta, request.transfer, record)
             await self.pipeline.replica_arrived(meta)

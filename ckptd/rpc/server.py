@@ -70,6 +70,7 @@ class CkptdServicer(ckptd_pb2_grpc.CkptdServicer):
                 reservation=slot.reservation,
                 spare_slot_path=str(spare.path) if spare else "",
                 spare_slot_size_bytes=spare.size_bytes if spare else 0,
+                layout_in_slot=True,
             )
 
         return await answer(context, work)
@@ -82,10 +83,7 @@ class CkptdServicer(ckptd_pb2_grpc.CkptdServicer):
                 raise InvalidArgument(f"{key}: layout of {max(len(request.layout_json), in_slot)} bytes is too large")
             if in_slot and request.layout_json:
                 raise InvalidArgument(f"{key}: a layout both in the slot and in the message")
-            try:
-                layout_json = request.layout_json.decode()  # opaque here: only the client reads it
-            except UnicodeDecodeError:
-                raise InvalidArgument(f"{key}: layout is not UTF-8 text") from None
+            layout_json = request.layout_json  # opaque here (only the client reads it), checked off the event loop
             snapshot = Snapshot(
                 key,
                 request.slot_path,

@@ -66,6 +66,7 @@ class LocalDirTier(DurableTier):
         self._step_locks: dict[tuple[str, int], threading.Lock] = {}
         self._step_locks_lock = threading.Lock()
         self.removal_failures = 0  # step directories that could not be deleted (see retry_removals)
+        self._undeleted: set[Path] = set()  # those still there, retried before every retention pass
 
     def close(self) -> None:
         """Stop the writer threads."""
@@ -124,6 +125,10 @@ class LocalDirTier(DurableTier):
     def has_shard(self, job: str, step: int, rank: int) -> bool:
         """Say whether a rank's shard is fully written (its metadata is renamed last)."""
         return (self.step_dir(job, step) / meta_name(rank)).exists()
+
+    def has_committed_shard(self, job: str, step: int, rank: int) -> bool:
+        """Say whether a rank's shard is here in a step complete here."""
+        return self.has_shard(job, step, rank) and self.checked_commit(job, step) is not None
 
     def holds(self, meta: ShardMeta) -> bool:
         """Say whether this exact shard record is installed here."""
@@ -347,9 +352,12 @@ class LocalDirTier(DurableTier):
         except FileNotFoundError:
             pass
         except OSError as e:
-            self.removal_failures += 1
-            log.error("cannot remove %s from tier %s (it is unlisted; retried later): %s", doomed, self.name, e)
+            if doomed not in self._undeleted:  # counted once per directory, however often retried
+                self._undeleted.add(doomed)
+                self.removal_failures += 1
+                log.error("cannot remove %s from tier %s (it is unlisted; retried later): %s", doomed, self.name, e)
             return False
+        self._undeleted.discard(doomed)
         return True
 
     def retry_removals(self) -> list[str]:

@@ -175,8 +175,10 @@ class Checkpointer:
             if reserved.spare_slot_path:
                 self._slots.prefault(reserved.spare_slot_path, reserved.spare_slot_size_bytes)
             copy_into(flat, slot, self._copy_pool, self._copy_threads)
-            at = layout_offset(flat.data_size_bytes)
-            slot[at : at + len(layout)].numpy()[:] = np.frombuffer(layout, dtype=np.uint8)
+            in_slot = reserved.layout_in_slot  # a daemon of an older version takes it in the message
+            if in_slot:
+                at = layout_offset(flat.data_size_bytes)
+                slot[at : at + len(layout)].numpy()[:] = np.frombuffer(layout, dtype=np.uint8)
             try:
                 self._daemon.call(
                     "Commit",
@@ -184,7 +186,8 @@ class Checkpointer:
                         shard=self._shard(step),
                         slot_path=reserved.slot_path,
                         data_size_bytes=flat.data_size_bytes,
-                        layout_size_bytes=len(layout),
+                        layout_size_bytes=len(layout) if in_slot else 0,
+                        layout_json=b"" if in_slot else layout,
                         reservation=reserved.reservation,
                         run_id=self.run_id,
                     ),

@@ -14,6 +14,7 @@ import pytest
 import torch
 from ckpt.errors import InvalidArgument
 from ckpt.format import COMMIT_NAME, data_name
+from ckpt.transport import DaemonClient
 from states import Holder, Point, assert_same, every_kind_state
 
 pytestmark = pytest.mark.e2e
@@ -57,6 +58,29 @@ def test_every_dtype_and_structure_round_trips_through_the_daemon(daemon):
         for tier in ("memory", "nvme", "auto"):
             assert_same(state, c.load(5, tier=tier))
         assert c.latest_step() == 5
+
+
+@pytest.mark.parametrize("in_slot", [True, False], ids=["layout-in-slot", "layout-in-message"])
+def test_the_layout_travels_in_the_slot_or_for_older_daemons_in_the_message(daemon, monkeypatch, in_slot):
+    sent = []
+    real_call = DaemonClient.call
+
+    def call(self, method, request, timeout_s=60.0):
+        if method == "Commit":
+            sent.append((request.layout_size_bytes, len(request.layout_json)))
+        reply = real_call(self, method, request, timeout_s)
+        if method == "Reserve" and not in_slot:
+            reply.layout_in_slot = False  # as a daemon of an older version answers
+        return reply
+
+    monkeypatch.setattr(DaemonClient, "call", call)
+    state = every_kind_state(seed=11)
+    with ckpt.Checkpointer(job=f"layout-{in_slot}", address=daemon.address) as c:
+        c.save_async(state, step=1).wait("nvme", timeout=60)
+        assert_same(state, c.load(1, tier="nvme"))
+        assert_same(state, c.load(1, tier="memory"))
+    (in_slot_bytes, in_message_bytes) = sent[0]
+    assert (in_slot_bytes > 0, in_message_bytes > 0) == (in_slot, not in_slot)
 
 
 def test_snapshot_is_taken_when_save_async_returns(daemon):

@@ -27,7 +27,7 @@ class ReserveRequest(_message.Message):
     def __init__(self, shard: _Optional[_Union[ShardId, _Mapping]] = ..., size_bytes: _Optional[int] = ...) -> None: ...
 
 class ReserveReply(_message.Message):
-    __slots__ = ("skipped", "slot_path", "slot_size_bytes", "blocked_s", "reason", "reservation", "spare_slot_path", "spare_slot_size_bytes")
+    __slots__ = ("skipped", "slot_path", "slot_size_bytes", "blocked_s", "reason", "reservation", "spare_slot_path", "spare_slot_size_bytes", "layout_in_slot")
     SKIPPED_FIELD_NUMBER: _ClassVar[int]
     SLOT_PATH_FIELD_NUMBER: _ClassVar[int]
     SLOT_SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -36,6 +36,7 @@ class ReserveReply(_message.Message):
     RESERVATION_FIELD_NUMBER: _ClassVar[int]
     SPARE_SLOT_PATH_FIELD_NUMBER: _ClassVar[int]
     SPARE_SLOT_SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_IN_SLOT_FIELD_NUMBER: _ClassVar[int]
     skipped: bool
     slot_path: str
     slot_size_bytes: int
@@ -44,7 +45,8 @@ class ReserveReply(_message.Message):
     reservation: int
     spare_slot_path: str
     spare_slot_size_bytes: int
-    def __init__(self, skipped: _Optional[bool] = ..., slot_path: _Optional[str] = ..., slot_size_bytes: _Optional[int] = ..., blocked_s: _Optional[float] = ..., reason: _Optional[str] = ..., reservation: _Optional[int] = ..., spare_slot_path: _Optional[str] = ..., spare_slot_size_bytes: _Optional[int] = ...) -> None: ...
+    layout_in_slot: bool
+    def __init__(self, skipped: _Optional[bool] = ..., slot_path: _Optional[str] = ..., slot_size_bytes: _Optional[int] = ..., blocked_s: _Optional[float] = ..., reason: _Optional[str] = ..., reservation: _Optional[int] = ..., spare_slot_path: _Optional[str] = ..., spare_slot_size_bytes: _Optional[int] = ..., layout_in_slot: _Optional[bool] = ...) -> None: ...
 
 class CommitRequest(_message.Message):
     __slots__ = ("shard", "slot_path", "data_size_bytes", "layout_json", "reservation", "run_id", "layout_size_bytes")

@@ -1,0 +1,63 @@
+"""Locks and counts by key that hold an entry only while something uses it: tables that never grow.
+
+The flusher serialises a rank's flushes, fetches and uploads serialise per shard, and
+several roles count the steps they are working on (retention keeps off them). Each
+used a dict of locks or counts that grew with every key ever seen; these two do the
+same and drop a key once its last user is gone. Event loop only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Hashable, Iterator
+from typing import Generic, TypeVar
+
+K = TypeVar("K", bound=Hashable)
+
+
+class KeyedLocks(Generic[K]):
+    """One asyncio.Lock per key, held in first-come order, kept only while a task holds or waits for it."""
+
+    def __init__(self) -> None:
+        self._locks: dict[K, tuple[asyncio.Lock, int]] = {}  # key -> (lock, tasks holding or waiting)
+
+    @contextlib.asynccontextmanager
+    async def hold(self, key: K) -> AsyncIterator[None]:
+        """Hold key's lock for the body (waiting behind earlier holders of the same key)."""
+        lock, users = self._locks.get(key, (asyncio.Lock(), 0))
+        self._locks[key] = (lock, users + 1)
+        try:
+            async with lock:
+                yield
+        finally:
+            lock, users = self._locks[key]
+            if users == 1:
+                del self._locks[key]
+            else:
+                self._locks[key] = (lock, users - 1)
+
+    def __len__(self) -> int:
+        return len(self._locks)
+
+
+class KeyCounts(Generic[K]):
+    """How many tasks are working on each key, kept only for keys with at least one."""
+
+    def __init__(self) -> None:
+        self._counts: dict[K, int] = {}
+
+    @contextlib.contextmanager
+    def counting(self, key: K) -> Iterator[None]:
+        """Count key as worked on for the body."""
+        self._counts[key] = self._counts.get(key, 0) + 1
+        try:
+            yield
+        finally:
+            self._counts[key] -= 1
+            if not self._counts[key]:
+                del self._counts[key]
+
+    def keys(self) -> set[K]:
+        """Return the keys being worked on now."""
+        return set(self._counts)
