@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from ckptd.datapath import flush, progress
 from ckptd.datapath.flush import Flusher
+from ckptd.datapath.keyed import KeyCounts, KeyedLocks
 from ckptd.datapath.progress import ShardProgress
 from ckptd.datapath.staging import ShardKey, SlotPool
 from ckptd.tiers.nvme import LocalDirTier
@@ -46,3 +49,44 @@ def test_the_run_that_committed_each_step_is_remembered_for_the_newest_steps_onl
         flusher.note_run(ShardKey("j", step, 0, 1), f"run-{step}")
     assert len(flusher._latest_run) == BOUND
     assert flusher._latest_run[("j", 99)] == "run-99"
+
+
+def test_keyed_locks_serialise_in_order_and_keep_nothing_once_unused():
+    locks: KeyedLocks[str] = KeyedLocks()
+    events: list[str] = []
+    inside = 0
+
+    async def flush(name: str, release: asyncio.Event) -> None:
+        nonlocal inside
+        async with locks.hold("rank-0"):
+            inside += 1
+            assert inside == 1, "two holders of one key at once"
+            events.append(f"{name} in")
+            await release.wait()
+            events.append(f"{name} out")
+            inside -= 1
+
+    async def body() -> None:
+        releases = [asyncio.Event() for _ in range(3)]
+        tasks = [asyncio.ensure_future(flush(n, r)) for n, r in zip("abc", releases, strict=True)]
+        for release in releases:
+            while len(events) % 2 == 0:  # wait until the next holder is in (the loop runs the others)
+                await asyncio.sleep(0)
+            assert len(locks) == 1
+            release.set()
+            while len(events) % 2 == 1:
+                await asyncio.sleep(0)
+        await asyncio.gather(*tasks)
+
+    asyncio.run(body())
+    assert events == ["a in", "a out", "b in", "b out", "c in", "c out"]
+    assert len(locks) == 0
+
+
+def test_key_counts_forget_a_key_once_its_last_user_is_done():
+    counts: KeyCounts[tuple[str, int]] = KeyCounts()
+    with counts.counting(("j", 1)):
+        with counts.counting(("j", 1)):
+            assert counts.keys() == {("j", 1)}
+        assert counts.keys() == {("j", 1)}  # the other fetch of the step is still under way
+    assert counts.keys() == set()
