@@ -7,6 +7,7 @@ See docs/FORMAT.md for the byte-level description.
 from __future__ import annotations
 
 import json
+import json.encoder
 import re
 import weakref
 from collections.abc import Iterator
@@ -101,10 +102,39 @@ def seal(record: dict[str, Any], compact: bool = False) -> bytes:
     megabytes) is escaped once, and a reader checks the hash on the bytes as they lie.
     Otherwise the record is indented for people to read.
     """
-    body = json.dumps(record, sort_keys=True, separators=(",", ":")).encode()
     if compact:
-        return b'{"record":' + body + b',"xxh3_128":"' + digest(body).encode() + b'"}\n'
+        pieces = _canonical_pieces(record)
+        hasher = xxhash.xxh3_128()
+        for piece in pieces:
+            hasher.update(piece)
+        return b"".join([b'{"record":', *pieces, b',"xxh3_128":"', hasher.hexdigest().encode(), b'"}\n'])
+    body = json.dumps(record, sort_keys=True, separators=(",", ":")).encode()
     return json.dumps({"xxh3_128": digest(body), "record": record}, indent=1, sort_keys=True).encode()
+
+
+LARGE_TEXT_CHARS = 1 << 20  # text values longer than this are escaped a piece at a time
+
+
+def _canonical_pieces(record: dict[str, Any]) -> list[bytes]:
+    """Return the canonical body of record in pieces: a long text value (a layout) is escaped a MiB at a time.
+
+    Escaping 18 MB of layout in one call holds the GIL for tens of ms, and every other
+    thread of the process (a daemon's event loop) waits that long; a piece at a time, it
+    waits a millisecond. The pieces join into exactly json.dumps(record, canonical).
+    """
+    long = {k for k, v in record.items() if isinstance(v, str) and len(v) > LARGE_TEXT_CHARS}
+    text = json.dumps({k: "" if k in long else v for k, v in record.items()}, sort_keys=True, separators=(",", ":"))
+    pieces: list[bytes] = []
+    for key in sorted(long):
+        marker = json.dumps(key) + ':""'  # a key's own quotes never occur unescaped inside a value
+        head, text = text.split(marker, 1)
+        pieces.append((head + marker[:-1]).encode())
+        value = record[key]
+        for at in range(0, len(value), LARGE_TEXT_CHARS):
+            pieces.append(json.encoder.encode_basestring_ascii(value[at : at + LARGE_TEXT_CHARS])[1:-1].encode())
+        text = '"' + text
+    pieces.append(text.encode())
+    return pieces
 
 
 _SEALED_HEAD = b'{"record":'

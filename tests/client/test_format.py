@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+
+import ckpt.format as format_module
 import pytest
 from ckpt.errors import CorruptCheckpoint, InvalidArgument
 from ckpt.format import CommitRecord, ShardMeta, seal, unseal, validate_job, validate_rank, validate_step
@@ -74,3 +77,15 @@ def test_a_shard_record_of_an_older_version_keeps_its_bytes_and_compact_ones_che
     tampered = compact.replace(b'"step":3', b'"step":4')
     with pytest.raises(CorruptCheckpoint, match="checksum mismatch"):
         unseal(tampered, "m")
+
+
+def test_a_long_layout_is_escaped_in_pieces_into_exactly_the_canonical_body(monkeypatch):
+    monkeypatch.setattr(format_module, "LARGE_TEXT_CHARS", 7)  # pieces end inside escapes and wide characters
+    layout = json.dumps({"tensors": [{"key": f'w"{i}\\é😀\n', "shape": [i, 2]} for i in range(50)]})
+    meta = ShardMeta("j", 3, 1, 2, 10 << 20, 4 << 20, ("a" * 32,) * 3, layout, run_id='"layout_json":""')
+    sealed = meta.to_bytes()
+    record = unseal(sealed, "m")
+    assert record["layout_json"] == layout and record["run_id"] == '"layout_json":""'
+    canonical = json.dumps(record, sort_keys=True, separators=(",", ":")).encode()
+    assert sealed == b'{"record":' + canonical + sealed[len(canonical) + 10 :]  # the body is the canonical one
+    assert ShardMeta.from_bytes(sealed, "m") == meta
