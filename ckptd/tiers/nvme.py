@@ -180,7 +180,7 @@ class LocalDirTier(DurableTier):
 
     def partial_path(self, meta: ShardMeta, transfer: str) -> Path:
         """Name the temporary file that receives a shard's bytes before install_shard (removed at start-up)."""
-        return self.step_dir(meta.job, meta.step) / f"{data_name(meta.rank)}.{transfer}{PARTIAL_SUFFIX}"
+        return StepDirCommit(self.step_dir(meta.job, meta.step)).temporary(data_name(meta.rank), transfer)
 
     def prepare_shard(self, meta: ShardMeta, what: str) -> None:
         """Make the step directory ready for a shard, and drop an older copy of it.
