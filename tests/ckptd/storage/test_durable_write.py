@@ -46,6 +46,9 @@ class FlakyDirectIO:
             if fd not in self.direct:
                 return real_pwrite(fd, data, offset)
             self.calls += 1
+            if offset % 4096 or len(data) % 4096:  # as the kernel answers a direct write that is not aligned
+                self.refused = True
+                raise OSError(errno.EINVAL, "Invalid argument")
             if self.calls == self.at_call:
                 return real_pwrite(fd, memoryview(data)[: min(self.short_bytes, len(data))], offset)
             if self.calls == self.at_call + 1 and self.einval_after:
@@ -103,5 +106,5 @@ def test_a_replica_written_after_a_refused_direct_write_is_the_sent_bytes(
         asyncio.run(body(ReplicaReceiver(tier, threads)))
     tier.close()
     assert faults.calls >= at_call  # the fault was reached
-    assert faults.refused == einval_after
+    assert faults.refused or not einval_after  # refused as asked (or, after an unaligned short write, anyway)
     assert (tier.step_dir("j", 3) / "rank-00000.data").read_bytes() == data
