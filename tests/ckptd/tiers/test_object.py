@@ -171,3 +171,20 @@ def test_records_removed_by_another_thread_meanwhile_are_read_again(tier, shards
     assert tier.complete_steps("job") == [5]  # the record is cached now
     tier._records = _RemovedOnSight(tier._records)
     assert tier.complete_steps("job") == [5]  # never a KeyError out of the cache
+
+
+def test_a_record_removed_right_after_the_listing_is_read_again(tier, shards):
+    metas = [shards.write("job", 6, 0, 1, os.urandom(100))]
+    tier.upload_shard(metas[0], shards.path(metas[0]), "none")
+    assert tier.try_commit(_record(metas))
+    assert tier.complete_steps("job") == [6]  # the record is cached now
+    listed = tier._steps
+
+    def listed_then_removed(job: str) -> list[int]:
+        steps = listed(job)
+        tier._records.pop((job, 6), None)  # another thread's removal, right after the listing
+        return steps
+
+    tier._steps = listed_then_removed
+    assert tier.complete_steps("job") == [6]
+    assert ("job", 6) in tier._records  # read from the store again, and kept
