@@ -31,8 +31,6 @@ import mmap
 import multiprocessing
 import os
 import shutil
-import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -47,11 +45,10 @@ from typing import Any
 
 from ckpt.transport import DaemonClient
 from ckpt.wire.v1 import ckptd_pb2 as pb
+from daemon import BenchDaemon, daemon_env
 from report import Row, write_results  # benchmarks/report.py: run as scripts, this directory is on sys.path
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
-READY_TIMEOUT_S = 60.0
-STOP_TIMEOUT_S = 120.0
 WAIT_SLICE_S = 60.0  # one WaitShard RPC waits at most this long in the daemon, as SaveHandle.wait does
 RPC_TIMEOUT_S = 120.0
 STALL_RANKS = 8
@@ -78,121 +75,6 @@ MIB = 1 << 20
 # -- the daemon ----------------------------------------------------------------------------
 
 
-@dataclass
-class Daemon:
-    """One `ckptd serve` process with its root and socket under work and its staging slots in staging.
-
-    start() writes the config and returns once the daemon has said READY=1 over the notify protocol;
-    stop() sends SIGTERM and waits for it to drain; kill() is for the way out of a failed run.
-    """
-
-    work: Path
-    staging: Path
-    proc: subprocess.Popen[bytes] | None = None
-
-    @property
-    def socket_path(self) -> Path:
-        return self.work / "d.sock"
-
-    @property
-    def root(self) -> Path:
-        return self.work / "root"
-
-    @property
-    def log_path(self) -> Path:
-        return self.work / "ckptd.log"
-
-    def start(self) -> Daemon:
-        """Start serving on the default retention and return once the daemon says it is ready."""
-        config = self.work / "ckptd.toml"
-        # json.dumps quotes a path the way a TOML basic string wants it.
-        config.write_text(
-            f"[node]\nroot = {json.dumps(str(self.root))}\nsocket = {json.dumps(str(self.socket_path))}\n\n"
-            f"[staging]\ndir = {json.dumps(str(self.staging))}\n"
-        )
-        notify_path = self.work / "notify.sock"
-        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as notify:
-            notify.bind(str(notify_path))
-            notify.settimeout(0.5)  # so that a daemon that exits at start-up is noticed
-            with open(self.log_path, "wb") as log:
-                self.proc = subprocess.Popen(
-                    [sys.executable, "-m", "ckptd", "serve", "--config", str(config)],
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    env={**daemon_env(), "NOTIFY_SOCKET": str(notify_path)},
-                    cwd=self.work,
-                    preexec_fn=lambda: os.sched_setaffinity(0, DAEMON_CPUS) if DAEMON_CPUS else None,
-                )
-            deadline = time.monotonic() + READY_TIMEOUT_S
-            while True:
-                if self.proc.poll() is not None:
-                    raise RuntimeError(f"ckptd exited with {self.proc.returncode} at start-up:\n{self.log()}")
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"ckptd did not say READY=1 within {READY_TIMEOUT_S} s:\n{self.log()}")
-                try:
-                    message = notify.recv(4096).decode()
-                except TimeoutError:
-                    continue
-                if "READY=1" in message.split("\n"):
-                    return self
-
-    def client(self) -> DaemonClient:
-        return DaemonClient(str(self.socket_path))
-
-    def status(self) -> dict[str, Any]:
-        """Return the daemon's status document (what `ckptd status --json` prints)."""
-        client = self.client()
-        try:
-            return json.loads(client.call("Status", pb.StatusRequest(), timeout_s=RPC_TIMEOUT_S).json)
-        finally:
-            client.close()
-
-    def memory(self) -> dict[str, int]:
-        """Return the daemon's resident memory (VmRSS and its parts, in bytes), threads and open files."""
-        assert self.proc is not None
-        fields = {}
-        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
-            name, _, value = line.partition(":")
-            if name in ("VmRSS", "RssAnon", "RssFile", "RssShmem"):
-                fields[name] = int(value.split()[0]) * KIB
-            elif name == "Threads":
-                fields[name] = int(value)
-        fields["open_fds"] = len(os.listdir(f"/proc/{self.proc.pid}/fd"))
-        return fields
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")[-3000:] if self.log_path.exists() else ""
-
-    def stop(self) -> list[str]:
-        """Send SIGTERM, wait for the daemon to drain and exit; return the warnings and errors it logged."""
-        if self.proc is None:
-            return []
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                self.kill()
-        if self.proc.returncode != 0:
-            print(f"warning: ckptd exited with {self.proc.returncode}:\n{self.log()}", file=sys.stderr)
-        lines = self.log_path.read_text(errors="replace").splitlines() if self.log_path.exists() else []
-        return [line for line in lines if " WARNING " in line or " ERROR " in line]
-
-    def kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-
-
-def daemon_env() -> dict[str, str]:
-    """Return the daemon's environment: this one's, PYTHONPATH (which code it runs) included, less CKPTD_* overrides.
-
-    The daemon also runs in a directory of its own: `python -m` puts the working directory first
-    on sys.path, and a checkout there would win over PYTHONPATH.
-    """
-    return {k: v for k, v in os.environ.items() if not k.startswith("CKPTD_")}
-
-
 def daemon_module() -> str:
     """Return the file the daemon's `ckptd` package is imported from, started as the daemon is."""
     with tempfile.TemporaryDirectory() as cwd:
@@ -208,11 +90,11 @@ def daemon_module() -> str:
 
 
 @contextlib.contextmanager
-def running_daemon(parent: Path, name: str, warnings: list[str]) -> Iterator[Daemon]:
+def running_daemon(parent: Path, name: str, warnings: list[str]) -> Iterator[BenchDaemon]:
     """Yield a started daemon in fresh directories; stop it and remove everything it made, also on failure."""
     work = Path(tempfile.mkdtemp(prefix=f"bench-core-{name}-", dir=parent))
     staging = Path(tempfile.mkdtemp(prefix=f"ckptd-bench-core-{name}-", dir="/dev/shm"))
-    daemon = Daemon(work, staging)
+    daemon = BenchDaemon(name, work, staging, cpus=DAEMON_CPUS)
     try:
         yield daemon.start()
         warnings += daemon.stop()
@@ -396,7 +278,7 @@ def stall_rank(
         results.put(report)
 
 
-def measure_stall(daemon: Daemon, rounds: int, tensors: int) -> dict[str, Any]:
+def measure_stall(daemon: BenchDaemon, rounds: int, tensors: int) -> dict[str, Any]:
     """Commit STALL_RANKS shards with large layouts at once, for rounds steps, while probes time cheap RPCs."""
     layout = synthetic_layout(tensors)
     data = os.urandom(STALL_SHARD_BYTES)
@@ -492,7 +374,7 @@ def measure_stall(daemon: Daemon, rounds: int, tensors: int) -> dict[str, Any]:
 # -- measurement 2: bounded memory ---------------------------------------------------------
 
 
-def measure_rss(daemon: Daemon, saves: int) -> dict[str, Any]:
+def measure_rss(daemon: BenchDaemon, saves: int) -> dict[str, Any]:
     """Make saves small saves (2 jobs x 4 ranks per step) and read the daemon's memory after a warm-up and along."""
     per_step = len(RSS_JOBS) * RSS_RANKS
     steps = max(2, saves // per_step)

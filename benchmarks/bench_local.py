@@ -12,11 +12,9 @@ JSON; it is not a test. See benchmarks/README.md.
 from __future__ import annotations
 
 import argparse
-import json
 import mmap
 import os
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -32,6 +30,7 @@ from typing import Any
 import ckpt
 import torch
 import torch.distributed.checkpoint as dcp
+from daemon import BenchDaemon
 from report import (  # benchmarks/report.py: run as scripts, this directory is on sys.path
     Row,
     as_json,
@@ -46,7 +45,6 @@ DIRECT_IO_ALIGN_BYTES = 4096
 IO_BLOCK_BYTES = 32 << 20
 IO_THREADS = 4
 WARMUP_SAVES = 2
-READY_TIMEOUT_S = 60.0
 WAIT_TIMEOUT_S = 600.0
 JOB = "bench"
 
@@ -153,52 +151,6 @@ def plain_copier(state: dict[str, torch.Tensor]) -> Callable[[], None]:
 def clone_all(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Copy every tensor into fresh memory, page faults included, as any load that returns new tensors must."""
     return {name: t.clone() for name, t in state.items()}
-
-
-def start_daemon(work: Path, staging: Path) -> tuple[subprocess.Popen[bytes], Path, Path]:
-    """Write a config under work and start `ckptd serve` on it; return the process, its socket and its log."""
-    sock, config, log_path = work / "d.sock", work / "ckptd.toml", work / "ckptd.log"
-    # json.dumps quotes a path the way a TOML basic string wants it.
-    config.write_text(
-        f"[node]\nroot = {json.dumps(str(work / 'root'))}\nsocket = {json.dumps(str(sock))}\n\n"
-        f"[staging]\ndir = {json.dumps(str(staging))}\n\n[retention]\nnvme = 2\n"
-    )
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "ckptd", "serve", "--config", str(config)], stdout=log, stderr=subprocess.STDOUT
-        )
-    return proc, sock, log_path
-
-
-def wait_ready(proc: subprocess.Popen[bytes], sock: Path, log_path: Path) -> None:
-    """Poll until the daemon answers latest_step() on its socket; raise if it exits or never answers."""
-    deadline = time.monotonic() + READY_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"ckptd exited with {proc.returncode}:\n{log_path.read_text()[-3000:]}")
-        if sock.exists():
-            try:
-                with ckpt.Checkpointer(job=JOB, rank=0, world_size=1, address=str(sock)) as c:
-                    c.latest_step()
-                return
-            except ckpt.DaemonUnavailable:
-                pass
-        time.sleep(0.05)
-    raise TimeoutError(f"ckptd did not answer on {sock} within {READY_TIMEOUT_S} s")
-
-
-def stop_daemon(proc: subprocess.Popen[bytes], log_path: Path) -> list[str]:
-    """Send SIGTERM and wait for the daemon to drain and exit; return the warnings and errors it logged."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=WAIT_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-    if proc.returncode != 0:
-        print(f"warning: ckptd exited with {proc.returncode}:\n{log_path.read_text()[-3000:]}", file=sys.stderr)
-    return [line for line in log_path.read_text().splitlines() if " WARNING " in line or " ERROR " in line]
 
 
 def bench_ckpt(state: dict[str, torch.Tensor], sock: Path, root: Path, repeats: int) -> dict[str, list[float]]:
@@ -352,12 +304,13 @@ def main() -> int:
     staging = Path(tempfile.mkdtemp(prefix="ckptd-bench-", dir="/dev/shm"))
     print(f"{len(state)} tensors, {size / 1e9:.3f} GB; working in {work}, staging in {staging}", flush=True)
     try:
-        proc, sock, log_path = start_daemon(work, staging)
+        daemon = BenchDaemon("bench-local", work, staging, toml="[retention]\nnvme = 2\n")
         try:
-            wait_ready(proc, sock, log_path)
-            raw = bench_ckpt(state, sock, work / "root", args.repeats)
+            daemon.start()
+            raw = bench_ckpt(state, daemon.socket_path, daemon.root, args.repeats)
         finally:
-            daemon_warnings = stop_daemon(proc, log_path)
+            daemon_warnings = daemon.stop()
+            daemon.kill()
         shutil.rmtree(staging)
         # dcp warns that it assumes a single process, which is what no_dist=True asks for.
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")

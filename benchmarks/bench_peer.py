@@ -19,17 +19,14 @@ import multiprocessing
 import os
 import queue
 import shutil
-import signal
 import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
 import time
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -38,8 +35,7 @@ import ckpt
 import torch
 import xxhash
 from ckpt.format import ShardMeta, data_name, meta_name
-from ckpt.transport import DaemonClient
-from ckpt.wire.v1 import ckptd_pb2 as pb
+from daemon import BenchDaemon
 from report import (  # benchmarks/report.py: run as scripts, this directory is on sys.path
     Row,
     held,
@@ -56,15 +52,18 @@ DISK_BLOCK_BYTES = 8 << 20  # the receiver's write size, as ckptd's receiver wri
 CHUNK_BYTES = 4 << 20  # checked one by one, as ckptd checks them
 DISK_THREADS = 4
 RECV_BYTES = 4 << 20  # the most one recv_into asks for
-READY_TIMEOUT_S = 60.0
 WAIT_TIMEOUT_S = 600.0
 WARMUP_SAVES = 2
 TARGET = ">= 0.8"
 JOB = "bench-peer"
-CLOCK_TICKS_PER_S = os.sysconf("SC_CLK_TCK")
 
 
 # -- the daemons --------------------------------------------------------------------------
+
+
+def peer_toml(peer: str) -> str:
+    """Return the rest of a node's config: the other node as its one peer, and short retention."""
+    return f"[peer]\naddresses = [{json.dumps(peer)}]\nreplicas = 1\n\n[retention]\nnvme = 2\npeer = 2\n"
 
 
 def free_port() -> int:
@@ -72,99 +71,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-@dataclass
-class Node:
-    """One `ckptd serve` process of the pair, with its directories and its peer address."""
-
-    name: str
-    work: Path
-    staging: Path
-    listen: str
-    root_parent: Path | None = None  # where the root goes instead of the work dir (another "disk")
-    proc: subprocess.Popen[bytes] | None = None
-
-    @property
-    def socket_path(self) -> Path:
-        return self.work / "d.sock"
-
-    @property
-    def root(self) -> Path:
-        return (self.root_parent or self.work) / "root"
-
-    @property
-    def log_path(self) -> Path:
-        return self.work / "ckptd.log"
-
-    def launch(self, peer: str) -> socket.socket:
-        """Write the config and start `ckptd serve`; return the socket on which it will say READY=1."""
-        config = self.work / "ckptd.toml"
-        # json.dumps quotes a string the way a TOML basic string wants it.
-        config.write_text(
-            f"[node]\nname = {json.dumps(self.name)}\nroot = {json.dumps(str(self.root))}\n"
-            f"socket = {json.dumps(str(self.socket_path))}\nlisten = {json.dumps(self.listen)}\n\n"
-            f"[staging]\ndir = {json.dumps(str(self.staging))}\n\n"
-            f"[peer]\naddresses = [{json.dumps(peer)}]\nreplicas = 1\n\n[retention]\nnvme = 2\npeer = 2\n"
-        )
-        notify_path = self.work / "notify.sock"
-        notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        notify.bind(str(notify_path))
-        env = {**os.environ, "NOTIFY_SOCKET": str(notify_path)}
-        env.pop("CKPTD_ADDRESS", None)
-        with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "ckptd", "serve", "--config", str(config)],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=env,
-            )
-        return notify
-
-    def wait_ready(self, notify: socket.socket) -> None:
-        """Return once the daemon has said READY=1 on notify (then closed); raise if it never does."""
-        with notify:
-            notify.settimeout(READY_TIMEOUT_S)
-            while True:
-                try:
-                    message = notify.recv(4096).decode()
-                except TimeoutError:
-                    raise TimeoutError(f"ckptd {self.name} not ready in {READY_TIMEOUT_S} s:\n{self.log()}") from None
-                if "READY=1" in message.split("\n"):
-                    return
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")[-3000:] if self.log_path.exists() else ""
-
-    def status(self) -> dict[str, Any]:
-        """Return the daemon's status document (what `ckptd status --json` prints)."""
-        client = DaemonClient(str(self.socket_path))
-        try:
-            return json.loads(client.call("Status", pb.StatusRequest()).json)
-        finally:
-            client.close()
-
-    def cpu_s(self) -> float:
-        """Return the CPU seconds (user + system) the daemon has used so far."""
-        assert self.proc is not None
-        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS_PER_S  # utime, stime
-
-    def stop(self) -> list[str]:
-        """Send SIGTERM, wait for the daemon to drain and exit; return the warnings and errors it logged."""
-        if self.proc is None:
-            return []
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=WAIT_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        if self.proc.returncode != 0:
-            print(f"warning: ckptd {self.name} exited with {self.proc.returncode}:\n{self.log()}", file=sys.stderr)
-        lines = self.log_path.read_text(errors="replace").splitlines()
-        return [f"{self.name}: {line}" for line in lines if " WARNING " in line or " ERROR " in line]
 
 
 # -- the raw socket limit ------------------------------------------------------------------
@@ -293,7 +199,7 @@ class RawSocket:
 # -- the run ---------------------------------------------------------------------------------
 
 
-def replicate_alone(a: Node, b: Node, step: int) -> float:
+def replicate_alone(a: BenchDaemon, b: BenchDaemon, step: int) -> float:
     """Send A's NVMe copy of a step to B once more with ckptd's own sender, nothing else running; return seconds.
 
     The daemon starts a replica beside its NVMe flush, so on a small machine the two share
@@ -313,7 +219,9 @@ def replicate_alone(a: Node, b: Node, step: int) -> float:
         link.close()
 
 
-def replicate(c: ckpt.Checkpointer, a: Node, b: Node, state: dict[str, torch.Tensor], step: int) -> dict[str, float]:
+def replicate(
+    c: ckpt.Checkpointer, a: BenchDaemon, b: BenchDaemon, state: dict[str, torch.Tensor], step: int
+) -> dict[str, float]:
     """Save one step through A, wait for "nvme" then "peer"; return the timings and A's account of the transfer."""
     before = a.status()["tiers"]["peer"]["counters"]
     start = time.perf_counter()
@@ -344,7 +252,7 @@ def replicate(c: ckpt.Checkpointer, a: Node, b: Node, state: dict[str, torch.Ten
 
 
 def bench(
-    state: dict[str, torch.Tensor], a: Node, b: Node, work: Path, repeats: int
+    state: dict[str, torch.Tensor], a: BenchDaemon, b: BenchDaemon, work: Path, repeats: int
 ) -> tuple[int, dict[str, list[float]], dict[str, Any]]:
     """Replicate each step interleaved with raw socket transfers of the same bytes.
 
@@ -435,8 +343,9 @@ def main() -> int:
     staging = Path(tempfile.mkdtemp(prefix="ckptd-bench-peer-", dir="/dev/shm"))
     print(f"one tensor of {args.size_mib} MiB; working in {work}, staging in {staging}", flush=True)
     a_listen, b_listen = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
-    a = Node("a", work / "a", staging / "a", a_listen)
-    b = Node("b", work / "b", staging / "b", b_listen, staging / "b-disk" if args.peer_disk == "memory" else None)
+    a = BenchDaemon("a", work / "a", staging / "a", a_listen, peer_toml(b_listen))
+    b_disk = staging / "b-disk" if args.peer_disk == "memory" else None
+    b = BenchDaemon("b", work / "b", staging / "b", b_listen, peer_toml(a_listen), root_parent=b_disk)
     daemon_warnings: list[str] = []
     try:
         for node in (a, b):
@@ -444,7 +353,7 @@ def main() -> int:
             node.staging.mkdir()
         try:
             # Both start before either is waited for, so neither asks a peer that is not there yet.
-            notify_a, notify_b = a.launch(peer=b_listen), b.launch(peer=a_listen)
+            notify_a, notify_b = a.launch(), b.launch()
             a.wait_ready(notify_a)
             b.wait_ready(notify_b)
             size, raw, peer_status = bench(state, a, b, work, args.repeats)

@@ -212,12 +212,13 @@ class SlotPool:
     def write_markers(self, slot: Slot, snapshot: Snapshot) -> str:
         """Write the markers a restart recovers the snapshot from; return its layout (a worker thread)."""
         try:
-            layout_json = _text(snapshot.layout_json, str(snapshot.key))
+            layout = snapshot.layout_json
             if snapshot.layout_size_bytes:
-                key, size = str(snapshot.key), snapshot.layout_size_bytes
-                layout_json = _layout_in_slot(slot, snapshot.data_size_bytes, size, key)
-            # The layout (megabytes for a large model) goes beside the marker as it is: never escaped into JSON.
-            layout = layout_json.encode()
+                layout = _layout_in_slot(slot, snapshot.data_size_bytes, snapshot.layout_size_bytes)
+            elif isinstance(layout, str):
+                layout = layout.encode()
+            layout_json = _text(layout, str(snapshot.key))
+            # The layout (megabytes for a large model) goes beside the marker as it came: never escaped into JSON.
             write_replace(slot.layout_path, layout)
             record = {
                 "shard": snapshot.key.__dict__,
@@ -366,15 +367,14 @@ class SlotPool:
         slot.size_bytes = size_bytes
 
 
-def _text(layout: str | bytes, what: str) -> str:
+def _text(layout: bytes, what: str) -> str:
     try:
-        return layout if isinstance(layout, str) else layout.decode()
+        return layout.decode()
     except UnicodeDecodeError:
         raise InvalidArgument(f"{what}: layout is not UTF-8 text") from None
 
 
-def _layout_in_slot(slot: Slot, data_size_bytes: int, size_bytes: int, what: str) -> str:
+def _layout_in_slot(slot: Slot, data_size_bytes: int, size_bytes: int) -> bytes:
     """Read a layout the client wrote into its slot after the data (a worker thread)."""
-    at = layout_offset(data_size_bytes)
     with open(slot.path, "rb", buffering=0) as f:
-        return _text(os.pread(f.fileno(), size_bytes, at), what)
+        return os.pread(f.fileno(), size_bytes, layout_offset(data_size_bytes))
