@@ -20,6 +20,7 @@ from ckptd.datapath.peering import Peering
 from ckptd.datapath.progress import ShardProgress
 from ckptd.datapath.receiving import ReplicaReceiver
 from ckptd.datapath.retention import BusySteps, RetentionRunner
+from ckptd.datapath.sharded_reads import ShardedReads
 from ckptd.datapath.staging import ShardKey, SlotPool
 from ckptd.datapath.status import StatusReport
 from ckptd.datapath.uploading import Uploader
@@ -60,6 +61,7 @@ class Lifecycle:
         self.progress = ShardProgress(self.pool, self.nvme, self.peering, self.uploader)
         self.flusher = Flusher(self.pool, self.nvme, self.durable_tiers, self.peering, self.uploader, self.progress)
         self.locator = Locator(config, self.tiers, self.nvme, self.peering, self.object_tier, self.verification_failed)
+        self.sharded_reads = ShardedReads(self.locator)
         holders: list[BusySteps] = [self.flusher, self.progress, self.locator, self.receiver, self.peering]
         if self.uploader is not None:
             holders.append(self.uploader)

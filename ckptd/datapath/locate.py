@@ -55,24 +55,25 @@ class Locator:
         self.nvme = nvme
         self.peering = peering
         self.object_tier = object_tier
-        self._verification_failed = verification_failed
+        self.verification_failed = verification_failed
         self.threads = ThreadPoolExecutor(max_workers=LOCATE_THREADS, thread_name_prefix="locate")
         self.object_threads = ThreadPoolExecutor(max_workers=OBJECT_THREADS, thread_name_prefix="object")
         self._fetch_locks: KeyedLocks[tuple[str, int, int]] = KeyedLocks()  # one fetch of a shard at a time
         self._fetching_from_object: KeyCounts[tuple[str, int]] = KeyCounts()  # ranks of a step may be fetched at once
         self._being_read: dict[tuple[str, int], float] = {}  # steps a client was pointed at, until when
 
-    async def _here(self, fn: Callable[..., Any], *args: Any) -> Any:
+    async def on_locate_threads(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run fn(*args) on a locate thread (this node's tiers)."""
         return await asyncio.get_running_loop().run_in_executor(self.threads, fn, *args)
 
     async def locate(
         self, job: str, step: int | None, rank: int, tier: str = "auto", refetch: bool = False
     ) -> tuple[int, int, list[ShardSource]]:
         """Return (step, world_size, sources fastest first) for a rank's shard of a complete step."""
-        tiers = self._tiers(tier)
+        tiers = self.tiers_for(tier)
         from_peers = tier in ("", "auto", "peer") and self.peering.peer_tier is not None
         from_object = tier in ("", "auto", "object") and self.object_tier is not None
-        steps: set[int] = await self._here(lambda: {s for t in tiers for s in t.complete_steps(job)})
+        steps: set[int] = await self.on_locate_threads(lambda: {s for t in tiers for s in t.complete_steps(job)})
         peer_steps: set[int] = set()
         if from_peers and (step is None or step not in steps):
             peer_steps = set(await self.peering.complete_steps(job))
@@ -92,14 +93,14 @@ class Locator:
                     "did not answer: it may hold it; try again"
                 )
             raise NotFound(f"{what} on tier {tier or 'auto'}")
-        record = await self._here(self._commit_record, job, step)
+        record = await self.on_locate_threads(self.commit_record_here, job, step)
         if record is not None and rank >= record.world_size:
             raise NotFound(f"{job} step {step} has no rank {rank} (world_size {record.world_size})")
         if refetch:
-            self._verification_failed("nvme")  # the client found this node's copies bad
+            self.verification_failed("nvme")  # the client found this node's copies bad
         if refetch and not (from_peers or from_object):
             raise CorruptCheckpoint(f"{job} step {step} rank {rank}: no other tier to fetch a good copy from")
-        sources = [] if refetch else await self._here(self._local_sources, tiers, job, step, rank, record)
+        sources = [] if refetch else await self.on_locate_threads(self.local_sources, tiers, job, step, rank, record)
         fetched_to = ShardSource(
             tier if tier in ("peer", "object") else "nvme", "dir", str(self.nvme.step_dir(job, step)), job, step
         )
@@ -118,26 +119,28 @@ class Locator:
         if not sources and step in object_steps:
             await self._fetch_from_object(job, step, rank, again=tier == "object" or refetch, replace=refetch)
             sources = [fetched_to]
-        record = await self._here(self._commit_record, job, step)
+        record = await self.on_locate_threads(self.commit_record_here, job, step)
         if record is None or not sources:
             world_size = record.world_size if record else 0
             raise NotFound(f"{job} step {step} has no rank {rank} on tier {tier or 'auto'} (world_size {world_size})")
-        self._lease_for_reading(job, step)
+        self.lease_for_reading(job, step)
         return step, record.world_size, sources
 
-    def _tiers(self, tier: str) -> list[Tier]:
+    def tiers_for(self, tier: str) -> list[Tier]:
+        """Return this node's tiers that a load naming tier may read."""
         if tier in ("", "auto"):
             return self.tiers
         return [t for t in self.tiers if t.name == validate_tier(tier)]
 
-    def _commit_record(self, job: str, step: int) -> CommitRecord | None:
+    def commit_record_here(self, job: str, step: int) -> CommitRecord | None:
+        """Return the step's commit record from this node's tiers, or None."""
         for t in self.tiers:
             if step in t.complete_steps(job):
                 return t.commit_record(job, step)
         return None
 
     @staticmethod
-    def _local_sources(
+    def local_sources(
         tiers: list[Tier], job: str, step: int, rank: int, record: CommitRecord | None
     ) -> list[ShardSource]:
         """Return the copies of a rank's shard on this node that belong to the step's commit record."""
@@ -156,7 +159,7 @@ class Locator:
             sources.append(t.shard_source(job, step, rank))
         return sources
 
-    def _lease_for_reading(self, job: str, step: int) -> None:
+    def lease_for_reading(self, job: str, step: int) -> None:
         """Keep retention off a step a client is about to read, for LOAD_LEASE_S."""
         now = time.monotonic()
         for key in [k for k, until in self._being_read.items() if until <= now]:
@@ -204,13 +207,13 @@ class Locator:
         again: read and check the store's copy even if NVMe holds the shard (a load that named tier "object").
         """
         async with self._fetch_locks.hold((job, step, rank)):
-            if not again and await self._here(self.nvme.has_committed_shard, job, step, rank):
+            if not again and await self.on_locate_threads(self.nvme.has_committed_shard, job, step, rank):
                 return  # another load fetched it meanwhile
             with self._fetching_from_object.counting((job, step)):
                 try:
                     await self.on_object_threads(self._copy_from_object, job, step, rank, replace)
                 except CorruptCheckpoint:
-                    self._verification_failed("object")
+                    self.verification_failed("object")
                     raise
 
     def _copy_from_object(self, job: str, step: int, rank: int, replace: bool) -> None:
@@ -228,7 +231,7 @@ class Locator:
 
     async def list_steps(self, job: str = "") -> list[StepInfo]:
         """Return every complete step on any tier, by job and step (with peers, as the cluster sees it)."""
-        steps = await self.peering.list_steps(await self._here(list_steps, self.tiers, job), job)
+        steps = await self.peering.list_steps(await self.on_locate_threads(list_steps, self.tiers, job), job)
         if self.object_tier is None:
             return steps
         return merge_steps(steps, await self.ask_object_store(_listed_or_nothing, self.object_tier, job) or [])
@@ -245,7 +248,7 @@ class Locator:
             node = self.config.node.name
             raise NotFound(f"node {node} holds no rank {rank} shard of {job} step {step} on tier {tier or 'any'}")
 
-        result: tuple[ShardMeta, bytes, Path] = await self._here(find)
+        result: tuple[ShardMeta, bytes, Path] = await self.on_locate_threads(find)
         return result
 
     def close(self) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -76,6 +77,16 @@ class Pipeline:
     ) -> tuple[int, int, list[ShardSource]]:
         """Return (step, world_size, sources fastest first) for a rank's shard of a complete step."""
         return await self.node.locator.locate(job, step, rank, tier, refetch)
+
+    async def locate_step(
+        self, job: str, step: int | None, tier: str = "auto"
+    ) -> tuple[CommitRecord, bytes, list[list[ShardSource]]]:
+        """Return (commit record, sealed index, this node's sources by rank) of a complete step: sharded loads."""
+        return await self.node.sharded_reads.locate_step(job, step, tier)
+
+    def read_shard(self, job: str, step: int, rank: int, ranges: list[tuple[int, int]]) -> AsyncIterator[bytes]:
+        """Yield a rank's shard record, then ranges of its bytes from the peers or the store (see ShardedReads)."""
+        return self.node.sharded_reads.read_shard(job, step, rank, ranges)
 
     async def list_steps(self, job: str = "") -> list[StepInfo]:
         """Return every complete step on any tier, as the cluster sees it."""

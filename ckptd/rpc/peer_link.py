@@ -282,17 +282,22 @@ class PeerLink:
             return ShardMeta.from_bytes(pb.ShardPiece.FromString(raw).meta_json, f"{what} from peer {self.address}")
         raise PeerError(f"peer {self.address} sent nothing for {what}")
 
-    def fetch_into(self, meta: ShardMeta, buffer: memoryview, tier: str = "") -> None:
-        """Fill buffer with a shard's bytes from the peer, checking every chunk against meta."""
-        request = pb.GetShardRequest(job=meta.job, step=meta.step, rank=meta.rank, tier=tier)
+    def fetch_into(
+        self, meta: ShardMeta, buffer: memoryview, tier: str = "", offset: int = 0, length: int = -1
+    ) -> None:
+        """Fill buffer with a shard's bytes from the peer (a range: from offset, length bytes), every chunk checked."""
+        length = meta.data_size_bytes - offset if length < 0 else length
+        request = pb.GetShardRequest(
+            job=meta.job, step=meta.step, rank=meta.rank, tier=tier, offset=offset, length=length, ranged=True
+        )
         what = f"rank {meta.rank} shard of {meta.job} step {meta.step} from peer {self.address}"
-        timeout_s = CALL_TIMEOUT_S + meta.data_size_bytes / MIN_TRANSFER_BYTES_PER_S
+        timeout_s = CALL_TIMEOUT_S + length / MIN_TRANSFER_BYTES_PER_S
 
         def fill() -> None:
             replies = iter(self._get_shard(request, timeout=timeout_s))
             first = next(replies, None)
             if first is None or pb.ShardPiece.FromString(first).meta_json != meta.to_bytes():
                 raise CorruptCheckpoint(f"{what}: the peer holds a different copy of the shard")
-            fill_from_pieces(buffer, meta, (piece_data(r) for r in replies), what)
+            fill_from_pieces(buffer, meta, (piece_data(r) for r in replies), what, offset, length)
 
         self._call(what, fill)

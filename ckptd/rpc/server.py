@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 import grpc
@@ -126,6 +126,39 @@ class CkptdServicer(ckptd_pb2_grpc.CkptdServicer):
             )
 
         return await answer(context, work)
+
+    async def LocateStep(self, request: pb.LocateStepRequest, context: Any) -> pb.LocateStepReply:
+        async def work() -> pb.LocateStepReply:
+            job = validate_job(request.job)
+            step = None if request.step == -1 else validate_step(request.step)
+            record, index, sources = await self.pipeline.locate_step(job, step, request.tier)
+            return pb.LocateStepReply(
+                step=record.step,
+                world_size=record.world_size,
+                commit_json=record.to_bytes(),
+                index_json=index,
+                ranks=[
+                    pb.RankSources(sources=[pb.Source(tier=s.tier, kind=s.kind, path=s.path) for s in by_rank])
+                    for by_rank in sources
+                ],
+            )
+
+        return await answer(context, work)
+
+    async def ReadShard(self, request: pb.ReadShardRequest, context: Any) -> AsyncIterator[pb.ReadShardPiece]:
+        async def start() -> AsyncIterator[bytes]:
+            job, step = validate_job(request.job), validate_step(request.step)
+            ranges = [(r.offset, r.length) for r in request.ranges]
+            return self.pipeline.read_shard(job, step, request.rank, ranges)
+
+        pieces = await answer(context, start)
+        first = True
+        while True:
+            piece = await answer(context, lambda: anext(pieces, None))
+            if piece is None:
+                return
+            yield pb.ReadShardPiece(meta_json=piece) if first else pb.ReadShardPiece(data=piece)
+            first = False
 
     async def List(self, request: pb.ListRequest, context: Any) -> pb.ListReply:
         async def work() -> pb.ListReply:

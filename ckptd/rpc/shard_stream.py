@@ -73,20 +73,26 @@ class _Reader:
         return self._view[:length]
 
 
-def fill_from_pieces(buffer: memoryview, meta: ShardMeta, pieces: Iterable[memoryview], what: str) -> None:
-    """Copy a whole shard arriving in pieces into buffer, checking each chunk as it completes."""
+def fill_from_pieces(
+    buffer: memoryview, meta: ShardMeta, pieces: Iterable[memoryview], what: str, offset: int = 0, length: int = -1
+) -> None:
+    """Copy a range of a shard arriving in pieces into buffer, checking each chunk as it completes.
+
+    The range starts at offset (a multiple of the chunk size) and runs for length bytes
+    (-1: to the end of the data); buffer holds it from its first byte.
+    """
     chunk = meta.chunk_size_bytes
-    size = meta.data_size_bytes
+    size = meta.data_size_bytes - offset if length < 0 else length
     filled = 0
     for piece in pieces:
         view = memoryview(piece)
         if filled + len(view) > size:
-            raise CorruptCheckpoint(f"{what}: more bytes than the shard's {size}")
+            raise CorruptCheckpoint(f"{what}: more bytes than the {size} asked for")
         buffer[filled : filled + len(view)] = view
         checked = filled - filled % chunk  # the chunks before this one were checked as they completed
         filled += len(view)
         whole = filled if filled == size else filled - filled % chunk
         if whole > checked:
-            check_chunks(meta, buffer[checked:whole], checked, what)
+            check_chunks(meta, buffer[checked:whole], offset + checked, what)
     if filled != size:
         raise CorruptCheckpoint(f"{what}: {filled} bytes arrived, expected {size}")

@@ -8,12 +8,14 @@ In a directory (NVMe, the replica store, a restore target), for one step:
        b. install_shard()              its record is written under a temporary name and fsynced;
                                        the data is renamed into place, then the record (the shard
                                        counts from here on), and the directory is fsynced
-    3. write_commit()                  last, once every rank's shard is in: COMMIT.json the same way
+    3. write_index()                   where every rank's record is here and some are sharded: INDEX.json
+    4. write_commit()                  last, once every rank's shard is in: COMMIT.json the same way
 
 In an object store (the uploader), for one step:
 
     1. per shard: put_shard()          its data objects (a multipart upload is atomic), then its record
-    2. write_commit()                  last, create-only: a commit record already there is never replaced
+    2. put_index()                     where some records are sharded: INDEX.json
+    3. write_commit()                  last, create-only: a commit record already there is never replaced
 
 A crash at any point leaves only temporary names (removed at start-up) or a step
 with no commit record (never listed). The tiers own the locks and the checks
@@ -22,16 +24,21 @@ around these calls; calls block, so they are made from worker threads.
 
 from __future__ import annotations
 
+import logging
 import os
 import uuid
 from collections.abc import Iterator
 from contextlib import AbstractContextManager
 from pathlib import Path
 
-from ckpt.format import COMMIT_NAME, PARTIAL_SUFFIX, data_name, meta_name
+from ckpt.errors import CheckpointError
+from ckpt.format import COMMIT_NAME, INDEX_NAME, PARTIAL_SUFFIX, CommitRecord, ShardMeta, data_name, meta_name
+from ckpt.step_index import index_bytes
 
 from ckptd.storage.durable_write import fsync_dir, make_dirs, write_file
 from ckptd.storage.object_store import ObjectStore
+
+log = logging.getLogger(__name__)
 
 
 class StepDirCommit:
@@ -66,12 +73,34 @@ class StepDirCommit:
         finally:
             record_temporary.unlink(missing_ok=True)
 
+    def write_index(self, record: CommitRecord) -> None:
+        """Write the step's index (docs/FORMAT.md) from its records here, before its commit record.
+
+        Only where some record is sharded. An index that cannot be built is logged, not
+        written: loads build it from the records, and say what is wrong with them.
+        """
+
+        def meta(rank: int) -> ShardMeta:
+            path = self.step_dir / meta_name(rank)
+            return ShardMeta.from_bytes(path.read_bytes(), str(path))
+
+        try:
+            index = index_bytes(record, meta)
+        except (CheckpointError, OSError) as e:
+            log.error("%s step %d: no index written in %s: %s", record.job, record.step, self.step_dir, e)
+            return
+        if index is not None:
+            self._write_whole(INDEX_NAME, index)
+
     def write_commit(self, record: bytes) -> None:
         """Write the step's commit record, last: from here on the step is complete."""
-        temporary = self.temporary(COMMIT_NAME, uuid.uuid4().hex)  # never shared by two writers
+        self._write_whole(COMMIT_NAME, record)
+
+    def _write_whole(self, name: str, data: bytes) -> None:
+        temporary = self.temporary(name, uuid.uuid4().hex)  # never shared by two writers
         try:
-            write_file(temporary, [record])
-            os.replace(temporary, self.step_dir / COMMIT_NAME)
+            write_file(temporary, [data])
+            os.replace(temporary, self.step_dir / name)
             fsync_dir(self.step_dir)
         finally:
             temporary.unlink(missing_ok=True)
@@ -90,6 +119,10 @@ class ObjectStepCommit:
         for name, parts in data:
             self.store.put_parts(parts, *self.names, name)
         self.store.put(record, *self.names, meta_name(rank))
+
+    def put_index(self, index: bytes) -> None:
+        """Upload the step's index (docs/FORMAT.md), before its commit record."""
+        self.store.put(index, *self.names, INDEX_NAME)
 
     def write_commit(self, record: bytes) -> bool:
         """Write the step's commit record create-only, last; return False if one was there already."""

@@ -44,9 +44,14 @@ class Tier(ABC):
         """Return a rank's shard record of a complete step, checked against the step's commit record."""
         return shard_io.read_meta(self.shard_source(job, step, rank), rank)
 
-    def read_into(self, meta: ShardMeta, buffer: memoryview) -> None:
-        """Fill buffer with the shard's bytes, checking every chunk; raise CorruptCheckpoint naming the tier."""
-        shard_io.read_shard_into(self.shard_source(meta.job, meta.step, meta.rank), meta, buffer)
+    def read_into(self, meta: ShardMeta, buffer: memoryview, offset: int = 0, length: int = -1) -> None:
+        """Fill buffer with the shard's bytes, every chunk checked; raise CorruptCheckpoint naming the tier.
+
+        A range: from offset (a multiple of the chunk size), length bytes (-1: to the
+        end); buffer holds it from its first byte.
+        """
+        source = self.shard_source(meta.job, meta.step, meta.rank)
+        shard_io.read_shard_into(source, meta, buffer, offset, length)
 
 
 class DurableTier(Tier):

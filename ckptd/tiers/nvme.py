@@ -36,7 +36,7 @@ from ckpt.format import (
     round_up,
     validate_job,
 )
-from ckpt.shard_io import ShardSource
+from ckpt.shard_io import ShardSource, read_index
 
 from ckptd.storage.commit_protocol import StepDirCommit
 from ckptd.storage.durable_write import RangeWriter, fsync_dir
@@ -269,6 +269,10 @@ class LocalDirTier(DurableTier):
             return None
         return record if self.adopt_commit(record) else None
 
+    def read_index(self, record: CommitRecord) -> bytes | None:
+        """Return the step's sealed index if this tier keeps one that belongs to record."""
+        return read_index(self.step_dir(record.job, record.step), record)
+
     def holdings(self, job: str, step: int, node: str = "") -> list[Holding]:
         """Return the readable shard records of a step on this tier, each parsed once (a damaged one is left out)."""
         return self._records.holdings(self.step_dir(job, step), job, step, node)
@@ -292,22 +296,22 @@ class LocalDirTier(DurableTier):
                 return state == record
             if not step_dir.is_dir():
                 return False
+            kept = 0
             for h in self.holdings(job, step):
-                if h.rank >= record.world_size or record.shard_meta_xxh3_128[h.rank] != h.meta_digest:
-                    log.warning(
-                        "%s step %d on tier %s: dropping rank %d's shard, not the committed one",
-                        job,
-                        step,
-                        self.name,
-                        h.rank,
-                    )
-                    (step_dir / meta_name(h.rank)).unlink(missing_ok=True)
-                    (step_dir / data_name(h.rank)).unlink(missing_ok=True)
-            commit = step_dir / COMMIT_NAME
+                if h.rank < record.world_size and record.shard_meta_xxh3_128[h.rank] == h.meta_digest:
+                    kept += 1
+                    continue
+                why = "dropping rank %d's shard, not the committed one"
+                log.warning("%s step %d on tier %s: " + why, job, step, self.name, h.rank)
+                (step_dir / meta_name(h.rank)).unlink(missing_ok=True)
+                (step_dir / data_name(h.rank)).unlink(missing_ok=True)
+            commit = StepDirCommit(step_dir)
             if state == "damaged":
-                os.replace(commit, step_dir / f"{COMMIT_NAME}.damaged-{uuid.uuid4().hex[:8]}")
+                os.replace(step_dir / COMMIT_NAME, step_dir / f"{COMMIT_NAME}.damaged-{uuid.uuid4().hex[:8]}")
                 log.warning("%s step %d on tier %s: moved a damaged commit record aside", job, step, self.name)
-            StepDirCommit(step_dir).write_commit(record.to_bytes())
+            if kept == record.world_size:  # every rank's record is here: so is the step's index
+                commit.write_index(record)
+            commit.write_commit(record.to_bytes())
         return True
 
     def _drop_other_runs(self, job: str, step: int, run_id: str) -> None:

@@ -20,8 +20,9 @@ from pathlib import Path
 from typing import Any
 
 from ckpt.errors import CheckpointError, CorruptCheckpoint, NotFound
-from ckpt.format import COMMIT_NAME, JOB_RE, CommitRecord, ShardMeta, data_name, digest, meta_name
+from ckpt.format import COMMIT_NAME, INDEX_NAME, JOB_RE, CommitRecord, ShardMeta, data_name, digest, meta_name
 from ckpt.shard_io import ShardSource
+from ckpt.step_index import StepIndex, index_bytes
 
 from ckptd.storage.commit_protocol import ObjectStepCommit
 from ckptd.storage.object_store import ObjectStore
@@ -181,9 +182,9 @@ class ObjectTier(Tier):
         where = self.store.describe(meta.job, str(meta.step))
         return f"rank {meta.rank} shard of {meta.job} step {meta.step} on tier object ({where})"
 
-    def read_meta(self, job: str, step: int, rank: int) -> ShardMeta:
-        """Return a rank's shard record, checked against the step's commit record."""
-        record = self.commit_record(job, step)
+    def read_meta(self, job: str, step: int, rank: int, record: CommitRecord | None = None) -> ShardMeta:
+        """Return a rank's shard record, checked against the step's commit record (given, or the store's)."""
+        record = record or self.commit_record(job, step)
         if rank >= record.world_size:
             raise NotFound(f"{job} step {step} has no rank {rank} (world_size {record.world_size})")
         where = self.store.describe(job, str(step), meta_name(rank))
@@ -200,30 +201,47 @@ class ObjectTier(Tier):
             raise CorruptCheckpoint(f"{where}: describes rank {meta.rank} of {meta.job} step {meta.step}")
         return meta
 
-    def read_into(self, meta: ShardMeta, buffer: memoryview) -> None:
-        """Fill buffer with the shard's bytes, fetched in parallel ranges, every chunk checked."""
+    def read_index(self, record: CommitRecord) -> bytes | None:
+        """Return the step's sealed index if the store keeps one that belongs to record."""
+        where = self.store.describe(record.job, str(record.step), INDEX_NAME)
+        try:
+            data = self.store.read(record.job, str(record.step), INDEX_NAME)
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            raise CheckpointError(f"{where}: {e}") from e
+        StepIndex.from_bytes(data, where).check(record, where)
+        return data
+
+    def read_into(self, meta: ShardMeta, buffer: memoryview, offset: int = 0, length: int = -1) -> None:
+        """Fill buffer with the shard's bytes, fetched in parallel ranged GETs, every chunk checked.
+
+        A range as in Tier.read_into: only the stored bytes (or compressed frames) that
+        hold it are fetched.
+        """
         what = self._what(meta)
+        length = meta.data_size_bytes - offset if length < 0 else length
         names = self.step_names(meta.job, meta.step)
         if zstd_name(meta.rank) in names:
             frame_sizes = self._frame_sizes(meta, what)
-            pieces = list(frame_groups(meta, frame_sizes, range_bytes(sum(frame_sizes))))
+            pieces = list(frame_groups(meta, frame_sizes, range_bytes(sum(frame_sizes)), offset, length))
             name = zstd_name(meta.rank)
         elif data_name(meta.rank) in names:
             if names[data_name(meta.rank)] != meta.data_size_bytes:
                 size = names[data_name(meta.rank)]
                 raise CorruptCheckpoint(f"{what}: {size} bytes stored, expected {meta.data_size_bytes}")
-            pieces = plain_pieces(meta)
+            pieces = plain_pieces(meta, offset, length)
             name = data_name(meta.rank)
         else:
             raise CorruptCheckpoint(f"{what}: data object missing")
 
         def fetch(piece: Piece) -> str | None:
-            start, length, frames = piece
+            start, stored, frames = piece
             try:
-                blob = self.store.read(meta.job, str(meta.step), name, start=start, end=start + length)
+                blob = self.store.read(meta.job, str(meta.step), name, start=start, end=start + stored)
             except OSError as e:  # the way to the store failed: not a bad byte
-                raise CheckpointError(f"{what}: reading bytes {start}-{start + length - 1} of {name}: {e}") from e
-            return unpack_range(meta, blob, frames, buffer, compressed=name.endswith(".zst"))
+                raise CheckpointError(f"{what}: reading bytes {start}-{start + stored - 1} of {name}: {e}") from e
+            return unpack_range(meta, blob, frames, buffer, compressed=name.endswith(".zst"), base=offset)
 
         with ThreadPoolExecutor(max_workers=READ_THREADS, thread_name_prefix="object-read") as pool:
             for bad in pool.map(fetch, pieces):
@@ -328,7 +346,11 @@ class ObjectTier(Tier):
         job, step = record.job, str(record.step)
         where = self.store.describe(job, step, COMMIT_NAME)
         try:
-            created = ObjectStepCommit(self.store, job, record.step).write_commit(record.to_bytes())
+            commit = ObjectStepCommit(self.store, job, record.step)
+            index = index_bytes(record, lambda rank: self.read_meta(job, record.step, rank, record))
+            if index is not None:
+                commit.put_index(index)
+            created = commit.write_commit(record.to_bytes())
         except OSError as e:
             raise CheckpointError(f"object store {where}: {e}") from e
         finally:

@@ -113,23 +113,34 @@ def range_bytes(size_bytes: int, multiple: int = 1) -> int:
     return max(multiple, -(-min(max(per_thread, MIN_RANGE_BYTES), MAX_RANGE_BYTES) // multiple) * multiple)
 
 
-def plain_pieces(meta: ShardMeta) -> list[Piece]:
-    """Return the ranges to fetch of a shard stored whole: each one frame, stored as it is."""
-    ranges = chunk_ranges(meta.data_size_bytes, range_bytes(meta.data_size_bytes, meta.chunk_size_bytes))
-    return [(o, n, [(o, n, n)]) for o, n in ranges]
+def plain_pieces(meta: ShardMeta, offset: int = 0, length: int = -1) -> list[Piece]:
+    """Return the ranges to fetch of (a range of) a shard stored whole: each one frame, stored as it is."""
+    length = meta.data_size_bytes - offset if length < 0 else length
+    ranges = chunk_ranges(length, range_bytes(length, meta.chunk_size_bytes))
+    return [(offset + o, n, [(offset + o, n, n)]) for o, n in ranges]
 
 
-def frame_groups(meta: ShardMeta, frame_sizes: list[int], group_bytes: int) -> Iterator[Piece]:
-    """Yield (stored offset, stored length, frames) ranges of about group_bytes.
+def frame_groups(
+    meta: ShardMeta, frame_sizes: list[int], group_bytes: int, offset: int = 0, length: int = -1
+) -> Iterator[Piece]:
+    """Yield (stored offset, stored length, frames) ranges of about group_bytes, covering a range of the data.
 
-    A frame is (data offset, data size, stored size).
+    A frame is (data offset, data size, stored size); the range starts on a chunk
+    boundary (-1: to the end), and only the frames holding it are fetched.
     """
+    end = meta.data_size_bytes if length < 0 else offset + length
     stored = 0
     group: list[tuple[int, int, int]] = []
     group_start = 0
     chunks = chunk_ranges(meta.data_size_bytes, meta.chunk_size_bytes)
-    for (offset, length), size in zip(chunks, frame_sizes, strict=True):
-        group.append((offset, length, size))
+    for (at, n), size in zip(chunks, frame_sizes, strict=True):
+        if at >= end:
+            break
+        if at < offset:
+            stored += size
+            group_start = stored
+            continue
+        group.append((at, n, size))
         stored += size
         if stored - group_start >= group_bytes:
             yield group_start, stored - group_start, group
@@ -139,9 +150,17 @@ def frame_groups(meta: ShardMeta, frame_sizes: list[int], group_bytes: int) -> I
 
 
 def unpack_range(
-    meta: ShardMeta, blob: bytes, frames: list[tuple[int, int, int]], buffer: memoryview, compressed: bool
+    meta: ShardMeta,
+    blob: bytes,
+    frames: list[tuple[int, int, int]],
+    buffer: memoryview,
+    compressed: bool,
+    base: int = 0,
 ) -> str | None:
-    """Place a fetched range's chunks into buffer, checking each; return what is wrong, or None."""
+    """Place a fetched range's chunks into buffer (whose first byte is byte base of the data), checking each.
+
+    Return what is wrong, or None.
+    """
     if len(blob) != sum(stored for _, _, stored in frames):
         return f"short read: {len(blob)} bytes"
     decompressor = zstandard.ZstdDecompressor() if compressed else None
@@ -156,10 +175,10 @@ def unpack_range(
                 return f"the compressed chunk at byte {offset} does not decompress: {e}"
             if len(plain) != length:
                 return f"the compressed chunk at byte {offset} holds {len(plain)} bytes, expected {length}"
-            buffer[offset : offset + length] = plain
+            buffer[offset - base : offset - base + length] = plain
         else:
-            buffer[offset : offset + length] = piece
-        bad = find_bad_chunk(meta, buffer[offset : offset + length], offset)
+            buffer[offset - base : offset - base + length] = piece
+        bad = find_bad_chunk(meta, buffer[offset - base : offset - base + length], offset)
         if bad is not None:
             return bad
     return None

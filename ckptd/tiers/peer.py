@@ -143,13 +143,16 @@ class PeerTier(Tier):
             errors.append(f"peer {link.address} holds a record that does not match the step's commit record")
         raise CorruptCheckpoint(f"no good copy of rank {rank} shard record of {job} step {step}: " + "; ".join(errors))
 
-    def read_into(self, meta: ShardMeta, buffer: memoryview) -> None:
-        """Fill buffer from the first peer whose copy checks; a bad or missing copy is skipped for the next."""
+    def read_into(self, meta: ShardMeta, buffer: memoryview, offset: int = 0, length: int = -1) -> None:
+        """Fill buffer from the first peer whose copy checks; a bad or missing copy is skipped for the next.
+
+        A range as in Tier.read_into.
+        """
         errors = []
         for link in self._holders(meta.job, meta.step, meta.rank):
             try:
                 link.connect()
-                link.fetch_into(meta, buffer)
+                link.fetch_into(meta, buffer, offset=offset, length=length)
                 return
             except (CheckpointError, PeerError) as e:
                 log.warning("%s; trying the next copy", e)

@@ -79,9 +79,9 @@ def save_async(state: Any, step: int | None = None) -> SaveHandle:
     return _checkpointer().save_async(state, step)
 
 
-def load(step: int | None = None, map_location: Any = "cpu", tier: str = "auto") -> Any:
+def load(step: int | None = None, map_location: Any = "cpu", tier: str = "auto", into: Any = None) -> Any:
     """Load with the default Checkpointer; see Checkpointer.load."""
-    return _checkpointer().load(step, map_location, tier)
+    return _checkpointer().load(step, map_location, tier, into)
 
 
 def latest_step() -> int | None:

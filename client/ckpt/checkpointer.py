@@ -6,6 +6,7 @@ import json
 import logging
 import os
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,8 @@ from ckpt.errors import (
 from ckpt.flatten import flatten, unflatten
 from ckpt.format import (
     DIRECT_IO_ALIGN_BYTES,
+    INDEX_NAME,
+    CommitRecord,
     layout_offset,
     round_up,
     validate_job,
@@ -32,8 +35,11 @@ from ckpt.format import (
     validate_step,
     validate_tier,
 )
-from ckpt.shard_io import ShardSource, read_meta, read_shard_into, step_dir_source
+from ckpt.range_read import StepReader, fresh_buffer
+from ckpt.reshard import load_into
+from ckpt.shard_io import ShardSource, read_commit, read_index, read_meta, read_shard_into, step_dir_source
 from ckpt.staging import SlotMappings, copy_into, writer_lock
+from ckpt.step_index import StepIndex, index_bytes, is_sharded
 from ckpt.transport import DaemonClient
 from ckpt.wire.v1 import ckptd_pb2 as pb
 
@@ -205,16 +211,22 @@ class Checkpointer:
             return None
         return int(reply.step)
 
-    def load(self, step: int | None = None, map_location: Any = "cpu", tier: str = "auto") -> Any:
+    def load(self, step: int | None = None, map_location: Any = "cpu", tier: str = "auto", into: Any = None) -> Any:
         """Return this rank's state at step (default: the latest complete step), bit for bit as saved.
 
         tier picks one tier instead of the fastest verified copy ("auto"). The bytes
         are read once, straight into the memory the returned tensors use.
+
+        With into, fill its tensors and DTensors in place from the step, whatever the
+        sharding, world size and mesh on either side, replace its other values, and
+        return it (ckpt.reshard). A step that holds DTensors needs into.
         """
         if step is not None:
             validate_step(step)
         if tier != "auto":
             validate_tier(tier)
+        if into is not None:
+            return self._load_into(into, step, tier)
         reply = self._daemon.call(
             "Locate", pb.LocateRequest(job=self.job, step=-1 if step is None else step, rank=self.rank, tier=tier)
         )
@@ -240,13 +252,58 @@ class Checkpointer:
             sources = [ShardSource(s.tier, s.kind, s.path, self.job, again.step) for s in again.sources]
             return _load_first_good(sources, self.rank, map_location)
 
+    def _load_into(self, into: Any, step: int | None, tier: str) -> Any:
+        """Fill into from a step: the ranks this node holds read from their files, the rest through the daemon."""
+        request = pb.LocateStepRequest(job=self.job, step=-1 if step is None else step, tier=tier)
+        reply = self._daemon.call("LocateStep", request)
+        record = CommitRecord.from_bytes(reply.commit_json, f"commit record of {self.job} step {reply.step}")
+        local = {
+            rank: [ShardSource(s.tier, s.kind, s.path, self.job, record.step) for s in held.sources]
+            for rank, held in enumerate(reply.ranks)
+        }
 
-def load_local(path: str | os.PathLike[str], rank: int = 0, map_location: Any = "cpu") -> Any:
-    """Read one rank's state from a step directory on a local filesystem, with no daemon."""
+        def remote_meta(rank: int) -> bytes:
+            request = pb.ReadShardRequest(job=self.job, step=record.step, rank=rank)
+            return bytes(next(iter(self._daemon.stream("ReadShard", request))).meta_json)
+
+        def remote_runs(rank: int, runs: list[tuple[int, int]]) -> Iterator[bytes]:
+            ranges = [pb.ByteRange(offset=a, length=b - a) for a, b in runs]
+            replies = self._daemon.stream(
+                "ReadShard", pb.ReadShardRequest(job=self.job, step=record.step, rank=rank, ranges=ranges)
+            )
+            next(replies, None)  # the record, known already
+            return (r.data for r in replies)
+
+        reader = StepReader(self.job, record.step, record.shard_meta_xxh3_128, local, (remote_meta, remote_runs))
+        index = _index(reply.index_json, record, f"index of {self.job} step {record.step}")
+        return load_into(into, reader, index, self.rank)
+
+
+def load_local(path: str | os.PathLike[str], rank: int = 0, map_location: Any = "cpu", into: Any = None) -> Any:
+    """Read one rank's state from a step directory on a local filesystem, with no daemon.
+
+    With into, fill it in place as Checkpointer.load does (rank is the loading rank).
+    """
     step_dir = Path(path)
     if not step_dir.is_dir():
         raise NotFound(f"{step_dir} is not a directory")
-    return _load_first_good([step_dir_source(step_dir, "local")], rank, map_location)
+    source = step_dir_source(step_dir, "local")
+    if into is None:
+        return _load_first_good([source], rank, map_location)
+    record = read_commit(step_dir)
+    data = read_index(step_dir, record) or index_bytes(record, lambda r: read_meta(source, r))
+    reader = StepReader(
+        record.job, record.step, record.shard_meta_xxh3_128, {r: [source] for r in range(record.world_size)}
+    )
+    return load_into(into, reader, _index(data or b"", record, str(step_dir / INDEX_NAME)), rank)
+
+
+def _index(data: bytes, record: CommitRecord, what: str) -> StepIndex | None:
+    if not data:
+        return None
+    index = StepIndex.from_bytes(data, what)
+    index.check(record, what)
+    return index
 
 
 def _load_first_good(sources: list[ShardSource], rank: int, map_location: Any) -> Any:
@@ -275,23 +332,17 @@ def _load_first_good(sources: list[ShardSource], rank: int, map_location: Any) -
 
 def _load_shard(source: ShardSource, rank: int, device: torch.device | None) -> Any:
     meta = read_meta(source, rank)
-    buffer = _fresh_buffer(round_up(meta.data_size_bytes, DIRECT_IO_ALIGN_BYTES))
+    if is_sharded(meta):
+        raise InvalidArgument(
+            f"{meta.job} step {meta.step} holds DTensors: load it with load(into=state), a state with the "
+            "DTensors to fill (a device mesh cannot be guessed)"
+        )
+    buffer = fresh_buffer(round_up(meta.data_size_bytes, DIRECT_IO_ALIGN_BYTES))
     read_shard_into(source, meta, memoryview(buffer))  # type: ignore[arg-type]  # ndarray is a buffer
     try:
         return unflatten(json.loads(meta.layout_json), buffer[: meta.data_size_bytes], device)
     except (KeyError, TypeError, ValueError) as e:
         raise CorruptCheckpoint(f"rank {rank} shard on tier {source.tier}: bad layout ({e})") from None
-
-
-def _fresh_buffer(size_bytes: int) -> np.ndarray:
-    """Return new page-aligned memory (direct I/O needs the alignment).
-
-    numpy's allocator asks the kernel for huge pages on large arrays, which makes
-    faulting in fresh memory several times cheaper than plain 4 KiB pages.
-    """
-    raw = np.empty(size_bytes + DIRECT_IO_ALIGN_BYTES, dtype=np.uint8)
-    skip = -raw.ctypes.data % DIRECT_IO_ALIGN_BYTES
-    return raw[skip : skip + size_bytes]
 
 
 def _default_run_id() -> str:

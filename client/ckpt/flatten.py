@@ -3,6 +3,8 @@
 The skeleton is the state pickled with every tensor and numpy array replaced by
 a reference into the table, so any nesting of dicts, lists, tuples and picklable
 objects round-trips exactly, and a tensor that appears twice comes back as one.
+A DTensor is replaced by its key (ckpt.sharding): the layout records its global
+shape and placements, and the table holds the chunks of it that this rank writes.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch
 
 from ckpt.errors import InvalidArgument
 from ckpt.format import TENSOR_ALIGN_BYTES, round_up
+from ckpt.sharding import check_plain_tensor, describe, is_dtensor, owned_chunks, tensor_keys
 
 PICKLE_PROTOCOL = 5
 
@@ -27,16 +30,23 @@ class Flattened:
     """A state ready for staging: its arrays, where each goes, and the skeleton."""
 
     arrays: list[torch.Tensor | np.ndarray]
-    entries: list[dict[str, Any]]  # one per array: kind, dtype, shape, offset, nbytes
+    entries: list[dict[str, Any]]  # one per array: kind, dtype, shape, offset, nbytes (a chunk: key, offsets)
     skeleton: bytes
     data_size_bytes: int
+    dtensors: dict[str, dict[str, Any]]  # by key: global shape, dtype, placements, mesh shape
 
     def layout(self) -> dict[str, Any]:
         """Return the JSON-able layout stored in the shard metadata."""
-        return {"tensors": self.entries, "skeleton_pickle_b64": base64.b64encode(self.skeleton).decode()}
+        layout: dict[str, Any] = {
+            "tensors": self.entries,
+            "skeleton_pickle_b64": base64.b64encode(self.skeleton).decode(),
+        }
+        if self.dtensors:
+            layout["dtensors"] = self.dtensors
+        return layout
 
 
-def _entry(obj: torch.Tensor | np.ndarray, offset: int) -> dict[str, Any]:
+def _entry(obj: torch.Tensor | np.ndarray) -> dict[str, Any]:
     if isinstance(obj, torch.Tensor):
         if obj.layout != torch.strided:
             raise InvalidArgument(f"cannot checkpoint a {obj.layout} tensor; convert it to dense first")
@@ -59,7 +69,6 @@ def _entry(obj: torch.Tensor | np.ndarray, offset: int) -> dict[str, Any]:
             "shape": list(obj.shape),
             "nbytes": int(obj.nbytes),
         }
-    entry["offset"] = offset
     return entry
 
 
@@ -68,20 +77,43 @@ def flatten(state: Any) -> Flattened:
     arrays: list[torch.Tensor | np.ndarray] = []
     entries: list[dict[str, Any]] = []
     index_of: dict[int, int] = {}
+    dtensors: dict[str, dict[str, Any]] = {}
+    keys = tensor_keys(state)
     offset = 0
+
+    def add(array: torch.Tensor | np.ndarray, entry: dict[str, Any]) -> None:
+        nonlocal offset
+        entry["offset"] = offset
+        offset = round_up(offset + entry["nbytes"], TENSOR_ALIGN_BYTES)
+        arrays.append(array)
+        entries.append(entry)
+
+    def add_dtensor(dt: Any) -> str:
+        key = keys.get(id(dt))
+        if key is None:
+            raise InvalidArgument(
+                "a DTensor inside an object that is not a dict, list or tuple has no key to reshard it by; "
+                "keep DTensors in dicts, lists and tuples"
+            )
+        if key not in dtensors:
+            dtensors[key] = describe(dt)
+            for chunk in owned_chunks(dt, key):
+                entry = _entry(chunk.data)
+                add(chunk.data, {**entry, "kind": "chunk", "key": key, "offsets": list(chunk.offsets)})
+        return key
 
     class Pickler(pickle.Pickler):
         def persistent_id(self, obj: Any) -> Any:
-            nonlocal offset
+            if is_dtensor(obj):
+                return ("ckpt-dtensor", add_dtensor(obj))
             is_array = isinstance(obj, np.ndarray) and not obj.dtype.hasobject
             if not (isinstance(obj, torch.Tensor) or is_array):
                 return None
             if id(obj) not in index_of:
-                entry = _entry(obj, offset)
-                offset = round_up(offset + entry["nbytes"], TENSOR_ALIGN_BYTES)
+                if isinstance(obj, torch.Tensor):
+                    check_plain_tensor(obj, keys.get(id(obj), ""))
                 index_of[id(obj)] = len(arrays)
-                arrays.append(obj)
-                entries.append(entry)
+                add(obj, _entry(obj))
             return ("ckpt", index_of[id(obj)])
 
     buf = io.BytesIO()
@@ -93,16 +125,19 @@ def flatten(state: Any) -> Flattened:
         raise InvalidArgument(
             f"the state holds an object that cannot be checkpointed: {type(e).__name__}: {e}"
         ) from None
-    return Flattened(arrays, entries, buf.getvalue(), offset)
+    return Flattened(arrays, entries, buf.getvalue(), offset, dtensors)
 
 
-def unflatten(layout: dict[str, Any], data: np.ndarray, device: torch.device | None = None) -> Any:
+def unflatten(
+    layout: dict[str, Any], data: np.ndarray, device: torch.device | None = None, dtensor_ref: Any = None
+) -> Any:
     """Rebuild a state from its layout and a uint8 array of its shard bytes, without copying them.
 
     Each tensor gets a storage of its own that starts at its first byte (torch
     code that assumes storage_offset 0, such as set_rng_state, works on it),
     while all of them share data's memory. With a device other than the CPU,
-    every tensor, wherever it sits in the state, is moved there.
+    every tensor, wherever it sits in the state, is moved there. A DTensor of the
+    step becomes dtensor_ref(key); with no dtensor_ref, it is an InvalidArgument.
     """
     entries = layout["tensors"]
     built: list[Any] = [None] * len(entries)
@@ -129,6 +164,10 @@ def unflatten(layout: dict[str, Any], data: np.ndarray, device: torch.device | N
     class Unpickler(pickle.Unpickler):
         def persistent_load(self, pid: Any) -> Any:
             tag, i = pid
+            if tag == "ckpt-dtensor" and dtensor_ref is not None:
+                return dtensor_ref(i)
+            if tag == "ckpt-dtensor":
+                raise InvalidArgument(f"the step holds DTensor {i!r}: load it with load(into=state)")
             if tag != "ckpt" or not 0 <= i < len(entries):
                 raise pickle.UnpicklingError(f"unknown reference {pid!r}")
             if built[i] is None:

@@ -18,13 +18,15 @@ import xxhash
 
 from ckpt.errors import CorruptCheckpoint, InvalidArgument
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # version 2 adds sharded (DTensor) chunks to the layout and the step index
+READABLE_VERSIONS = (1, 2)
 CHUNK_SIZE_BYTES = 4 << 20
 MAX_CHUNK_SIZE_BYTES = 1 << 30
 MAX_SHARD_BYTES = 1 << 50
 TENSOR_ALIGN_BYTES = 64
 DIRECT_IO_ALIGN_BYTES = 4096
 COMMIT_NAME = "COMMIT.json"
+INDEX_NAME = "INDEX.json"
 PARTIAL_SUFFIX = ".partial"
 TIERS = ("memory", "nvme", "peer", "object")
 
@@ -225,8 +227,8 @@ class ShardMeta:
         """Parse a sealed shard record, raising CorruptCheckpoint if it does not check."""
         r = unseal(data, what)
         try:
-            if r["format"] != "ckpt-shard" or r["version"] != FORMAT_VERSION:
-                raise CorruptCheckpoint(f"{what}: not a version {FORMAT_VERSION} shard record")
+            if r["format"] != "ckpt-shard" or r["version"] not in READABLE_VERSIONS:
+                raise CorruptCheckpoint(f"{what}: not a shard record of version {READABLE_VERSIONS}")
             meta = cls(
                 job=validate_job(r["job"]),
                 step=validate_step(r["step"]),
@@ -279,8 +281,8 @@ class CommitRecord:
         """Parse a sealed commit record, raising CorruptCheckpoint if it does not check."""
         r = unseal(data, what)
         try:
-            if r["format"] != "ckpt-commit" or r["version"] != FORMAT_VERSION:
-                raise CorruptCheckpoint(f"{what}: not a version {FORMAT_VERSION} commit record")
+            if r["format"] != "ckpt-commit" or r["version"] not in READABLE_VERSIONS:
+                raise CorruptCheckpoint(f"{what}: not a commit record of version {READABLE_VERSIONS}")
             rec = cls(
                 job=validate_job(r["job"]),
                 step=validate_step(r["step"]),

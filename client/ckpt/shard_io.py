@@ -18,6 +18,7 @@ from ckpt.errors import CorruptCheckpoint, NotFound
 from ckpt.format import (
     COMMIT_NAME,
     DIRECT_IO_ALIGN_BYTES,
+    INDEX_NAME,
     CommitRecord,
     ShardMeta,
     chunk_ranges,
@@ -59,6 +60,19 @@ def read_commit(step_dir: Path) -> CommitRecord:
     return CommitRecord.from_bytes(data, str(path))
 
 
+def read_index(step_dir: Path, record: CommitRecord) -> bytes | None:
+    """Return a step directory's sealed index if it has one that belongs to record, else None (build it then)."""
+    from ckpt.step_index import StepIndex  # the index module builds on this one's records
+
+    path = step_dir / INDEX_NAME
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return None
+    StepIndex.from_bytes(data, str(path)).check(record, str(path))
+    return data
+
+
 def read_meta(source: ShardSource, rank: int) -> ShardMeta:
     """Read and check a shard's metadata: it must be the source's job, step and rank, and match the commit."""
     path = source.meta_path(rank)
@@ -90,15 +104,19 @@ def step_dir_source(step_dir: Path, tier: str) -> ShardSource:
     return ShardSource(tier, "dir", str(step_dir), commit.job, commit.step)
 
 
-def read_shard_into(source: ShardSource, meta: ShardMeta, buffer: memoryview) -> None:
-    """Fill buffer with the shard's bytes, checking each chunk against meta.
+def read_shard_into(
+    source: ShardSource, meta: ShardMeta, buffer: memoryview, offset: int = 0, length: int = -1
+) -> None:
+    """Fill buffer with the shard's bytes (a range: from offset, length bytes; -1: to the end), each chunk checked.
 
-    buffer must be writable and hold at least the data size rounded up to 4 KiB;
-    where it is 4 KiB aligned the read uses direct I/O. Raises CorruptCheckpoint
-    naming the shard, the tier and the first bad chunk.
+    offset is a multiple of the chunk size; buffer holds the range from its first byte
+    and must be writable and hold at least its length rounded up to 4 KiB; where it is
+    4 KiB aligned the read uses direct I/O. Raises CorruptCheckpoint naming the shard,
+    the tier and the first bad chunk.
     """
     path = source.data_path(meta.rank)
     what = f"rank {meta.rank} shard of {meta.job} step {meta.step} on tier {source.tier} ({path})"
+    length = meta.data_size_bytes - offset if length < 0 else length
     try:
         size = os.stat(path).st_size
     except FileNotFoundError:
@@ -109,9 +127,9 @@ def read_shard_into(source: ShardSource, meta: ShardMeta, buffer: memoryview) ->
     fd = os.open(path, os.O_RDONLY)
     try:
         block_bytes = max(1, READ_BLOCK_BYTES // meta.chunk_size_bytes) * meta.chunk_size_bytes
-        blocks = list(chunk_ranges(meta.data_size_bytes, block_bytes))
+        blocks = [(offset + o, n) for o, n in chunk_ranges(length, block_bytes)]
         with ThreadPoolExecutor(max_workers=min(READ_THREADS, max(1, len(blocks)))) as pool:
-            for bad in pool.map(lambda b: _read_block(direct_fd, fd, meta, buffer, *b), blocks):
+            for bad in pool.map(lambda b: _read_block(direct_fd, fd, meta, buffer, offset, *b), blocks):
                 if bad is not None and source.kind == "slot" and not _still_holds(source, meta):
                     raise NotFound(f"{what}: the slot was reused for a newer snapshot while being read")
                 if bad is not None:
@@ -163,11 +181,12 @@ def open_direct(path: Path) -> int | None:
 
 
 def _read_block(
-    direct_fd: int | None, fd: int, meta: ShardMeta, buffer: memoryview, offset: int, length: int
+    direct_fd: int | None, fd: int, meta: ShardMeta, buffer: memoryview, base: int, offset: int, length: int
 ) -> str | None:
-    """Read one block and check its chunks; return a description of a bad chunk, or None."""
-    want = min(-(-length // DIRECT_IO_ALIGN_BYTES) * DIRECT_IO_ALIGN_BYTES, len(buffer) - offset)
-    done = pread_into(direct_fd, fd, buffer[offset : offset + want], offset, length)
+    """Read one block (buffer[0] is byte base of the data) and check its chunks; describe a bad chunk, or None."""
+    at = offset - base
+    want = min(-(-length // DIRECT_IO_ALIGN_BYTES) * DIRECT_IO_ALIGN_BYTES, len(buffer) - at)
+    done = pread_into(direct_fd, fd, buffer[at : at + want], offset, length)
     if done < length:
         return f"short read at byte {offset + done}"
-    return find_bad_chunk(meta, buffer[offset : offset + length], offset)
+    return find_bad_chunk(meta, buffer[at : at + length], offset)

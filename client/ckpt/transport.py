@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -59,24 +60,33 @@ class DaemonClient:
         try:
             return getattr(self._stub, method)(request, timeout=timeout_s)
         except grpc.RpcError as e:
-            code = e.code()
-            detail = e.details() or str(code)
-            if code == grpc.StatusCode.UNAVAILABLE:
-                raise DaemonUnavailable(
-                    f"ckptd is not reachable at {self.target} ({detail}); "
-                    "start it with `ckptd serve` or set CKPTD_ADDRESS"
-                ) from None
-            if code == grpc.StatusCode.INVALID_ARGUMENT:
-                raise InvalidArgument(detail) from None
-            if code == grpc.StatusCode.NOT_FOUND:
-                raise NotFound(detail) from None
-            if code == grpc.StatusCode.DATA_LOSS:
-                raise CorruptCheckpoint(detail) from None
-            if code == grpc.StatusCode.FAILED_PRECONDITION:
-                raise ReservationLost(detail) from None
-            if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-                raise TimeoutError(f"ckptd at {self.target} did not answer {method} in time") from None
-            raise CheckpointError(f"ckptd {method} failed: {detail}") from None
+            raise self._error(method, e) from None
+
+    def stream(self, method: str, request: Any, timeout_s: float | None = None) -> Iterator[Any]:
+        """Call one server-streaming RPC by name and yield its replies."""
+        try:
+            yield from getattr(self._stub, method)(request, timeout=timeout_s)
+        except grpc.RpcError as e:
+            raise self._error(method, e) from None
+
+    def _error(self, method: str, e: grpc.RpcError) -> Exception:
+        code = e.code()
+        detail = e.details() or str(code)
+        if code == grpc.StatusCode.UNAVAILABLE:
+            return DaemonUnavailable(
+                f"ckptd is not reachable at {self.target} ({detail}); start it with `ckptd serve` or set CKPTD_ADDRESS"
+            )
+        errors: dict[Any, type[Exception]] = {
+            grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument,
+            grpc.StatusCode.NOT_FOUND: NotFound,
+            grpc.StatusCode.DATA_LOSS: CorruptCheckpoint,
+            grpc.StatusCode.FAILED_PRECONDITION: ReservationLost,
+        }
+        if code in errors:
+            return errors[code](detail)
+        if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+            return TimeoutError(f"ckptd at {self.target} did not answer {method} in time")
+        return CheckpointError(f"ckptd {method} failed: {detail}")
 
     def close(self) -> None:
         """Close the channel."""

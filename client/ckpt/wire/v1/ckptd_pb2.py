@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x63kpt/wire/v1/ckptd.proto\x12\x0c\x63kpt.wire.v1\"F\n\x07ShardId\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\x12\n\nworld_size\x18\x04 \x01(\x05\"J\n\x0eReserveRequest\x12$\n\x05shard\x18\x01 \x01(\x0b\x32\x15.ckpt.wire.v1.ShardId\x12\x12\n\nsize_bytes\x18\x02 \x01(\x03\"\xd3\x01\n\x0cReserveReply\x12\x0f\n\x07skipped\x18\x01 \x01(\x08\x12\x11\n\tslot_path\x18\x02 \x01(\t\x12\x17\n\x0fslot_size_bytes\x18\x03 \x01(\x03\x12\x11\n\tblocked_s\x18\x04 \x01(\x01\x12\x0e\n\x06reason\x18\x05 \x01(\t\x12\x13\n\x0breservation\x18\x06 \x01(\x03\x12\x17\n\x0fspare_slot_path\x18\x07 \x01(\t\x12\x1d\n\x15spare_slot_size_bytes\x18\x08 \x01(\x03\x12\x16\n\x0elayout_in_slot\x18\t \x01(\x08\"\xb6\x01\n\rCommitRequest\x12$\n\x05shard\x18\x01 \x01(\x0b\x32\x15.ckpt.wire.v1.ShardId\x12\x11\n\tslot_path\x18\x02 \x01(\t\x12\x17\n\x0f\x64\x61ta_size_bytes\x18\x03 \x01(\x03\x12\x13\n\x0blayout_json\x18\x04 \x01(\x0c\x12\x13\n\x0breservation\x18\x05 \x01(\x03\x12\x0e\n\x06run_id\x18\x06 \x01(\t\x12\x19\n\x11layout_size_bytes\x18\x07 \x01(\x03\"\r\n\x0b\x43ommitReply\"Y\n\x10WaitShardRequest\x12$\n\x05shard\x18\x01 \x01(\x0b\x32\x15.ckpt.wire.v1.ShardId\x12\x0c\n\x04tier\x18\x02 \x01(\t\x12\x11\n\ttimeout_s\x18\x03 \x01(\x01\"-\n\x0eWaitShardReply\x12\x0c\n\x04\x64one\x18\x01 \x01(\x08\x12\r\n\x05\x65rror\x18\x02 \x01(\t\"W\n\rLocateRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\x0c\n\x04tier\x18\x04 \x01(\t\x12\x0f\n\x07refetch\x18\x05 \x01(\x08\"2\n\x06Source\x12\x0c\n\x04tier\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x0c\n\x04path\x18\x03 \x01(\t\"e\n\x0bLocateReply\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x12\n\nworld_size\x18\x03 \x01(\x05\x12%\n\x07sources\x18\x04 \x03(\x0b\x32\x14.ckpt.wire.v1.Source\"\x1a\n\x0bListRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\"\\\n\x08StepInfo\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x12\n\nworld_size\x18\x03 \x01(\x05\x12\x12\n\nsize_bytes\x18\x04 \x01(\x03\x12\r\n\x05tiers\x18\x05 \x03(\t\"2\n\tListReply\x12%\n\x05steps\x18\x01 \x03(\x0b\x32\x16.ckpt.wire.v1.StepInfo\"\x0f\n\rStatusRequest\"\x1b\n\x0bStatusReply\x12\x0c\n\x04json\x18\x01 \x01(\t\"!\n\x0e\x43ollectRequest\x12\x0f\n\x07\x64ry_run\x18\x01 \x01(\x08\"B\n\x07Removal\x12\x0c\n\x04tier\x18\x01 \x01(\t\x12\x0b\n\x03job\x18\x02 \x01(\t\x12\x0c\n\x04step\x18\x03 \x01(\x03\x12\x0e\n\x06reason\x18\x04 \x01(\t\"7\n\x0c\x43ollectReply\x12\'\n\x08removals\x18\x01 \x03(\x0b\x32\x15.ckpt.wire.v1.Removal2\xde\x03\n\x05\x43kptd\x12\x43\n\x07Reserve\x12\x1c.ckpt.wire.v1.ReserveRequest\x1a\x1a.ckpt.wire.v1.ReserveReply\x12@\n\x06\x43ommit\x12\x1b.ckpt.wire.v1.CommitRequest\x1a\x19.ckpt.wire.v1.CommitReply\x12I\n\tWaitShard\x12\x1e.ckpt.wire.v1.WaitShardRequest\x1a\x1c.ckpt.wire.v1.WaitShardReply\x12@\n\x06Locate\x12\x1b.ckpt.wire.v1.LocateRequest\x1a\x19.ckpt.wire.v1.LocateReply\x12:\n\x04List\x12\x19.ckpt.wire.v1.ListRequest\x1a\x17.ckpt.wire.v1.ListReply\x12@\n\x06Status\x12\x1b.ckpt.wire.v1.StatusRequest\x1a\x19.ckpt.wire.v1.StatusReply\x12\x43\n\x07\x43ollect\x12\x1c.ckpt.wire.v1.CollectRequest\x1a\x1a.ckpt.wire.v1.CollectReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x63kpt/wire/v1/ckptd.proto\x12\x0c\x63kpt.wire.v1\"F\n\x07ShardId\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\x12\n\nworld_size\x18\x04 \x01(\x05\"J\n\x0eReserveRequest\x12$\n\x05shard\x18\x01 \x01(\x0b\x32\x15.ckpt.wire.v1.ShardId\x12\x12\n\nsize_bytes\x18\x02 \x01(\x03\"\xd3\x01\n\x0cReserveReply\x12\x0f\n\x07skipped\x18\x01 \x01(\x08\x12\x11\n\tslot_path\x18\x02 \x01(\t\x12\x17\n\x0fslot_size_bytes\x18\x03 \x01(\x03\x12\x11\n\tblocked_s\x18\x04 \x01(\x01\x12\x0e\n\x06reason\x18\x05 \x01(\t\x12\x13\n\x0breservation\x18\x06 \x01(\x03\x12\x17\n\x0fspare_slot_path\x18\x07 \x01(\t\x12\x1d\n\x15spare_slot_size_bytes\x18\x08 \x01(\x03\x12\x16\n\x0elayout_in_slot\x18\t \x01(\x08\"\xb6\x01\n\rCommitRequest\x12$\n\x05shard\x18\x01 \x01(\x0b\x32\x15.ckpt.wire.v1.ShardId\x12\x11\n\tslot_path\x18\x02 \x01(\t\x12\x17\n\x0f\x64\x61ta_size_bytes\x18\x03 \x01(\x03\x12\x13\n\x0blayout_json\x18\x04 \x01(\x0c\x12\x13\n\x0breservation\x18\x05 \x01(\x03\x12\x0e\n\x06run_id\x18\x06 \x01(\t\x12\x19\n\x11layout_size_bytes\x18\x07 \x01(\x03\"\r\n\x0b\x43ommitReply\"Y\n\x10WaitShardRequest\x12$\n\x05shard\x18\x01 \x01(\x0b\x32\x15.ckpt.wire.v1.ShardId\x12\x0c\n\x04tier\x18\x02 \x01(\t\x12\x11\n\ttimeout_s\x18\x03 \x01(\x01\"-\n\x0eWaitShardReply\x12\x0c\n\x04\x64one\x18\x01 \x01(\x08\x12\r\n\x05\x65rror\x18\x02 \x01(\t\"W\n\rLocateRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\x0c\n\x04tier\x18\x04 \x01(\t\x12\x0f\n\x07refetch\x18\x05 \x01(\x08\"2\n\x06Source\x12\x0c\n\x04tier\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x0c\n\x04path\x18\x03 \x01(\t\"e\n\x0bLocateReply\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x12\n\nworld_size\x18\x03 \x01(\x05\x12%\n\x07sources\x18\x04 \x03(\x0b\x32\x14.ckpt.wire.v1.Source\"<\n\x11LocateStepRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x0c\n\x04tier\x18\x03 \x01(\t\"4\n\x0bRankSources\x12%\n\x07sources\x18\x01 \x03(\x0b\x32\x14.ckpt.wire.v1.Source\"\x86\x01\n\x0fLocateStepReply\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x12\n\nworld_size\x18\x02 \x01(\x05\x12\x13\n\x0b\x63ommit_json\x18\x03 \x01(\x0c\x12\x12\n\nindex_json\x18\x04 \x01(\x0c\x12(\n\x05ranks\x18\x05 \x03(\x0b\x32\x19.ckpt.wire.v1.RankSources\"+\n\tByteRange\x12\x0e\n\x06offset\x18\x01 \x01(\x03\x12\x0e\n\x06length\x18\x02 \x01(\x03\"d\n\x10ReadShardRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\'\n\x06ranges\x18\x04 \x03(\x0b\x32\x17.ckpt.wire.v1.ByteRange\"1\n\x0eReadShardPiece\x12\x11\n\tmeta_json\x18\x01 \x01(\x0c\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"\x1a\n\x0bListRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\"\\\n\x08StepInfo\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x12\n\nworld_size\x18\x03 \x01(\x05\x12\x12\n\nsize_bytes\x18\x04 \x01(\x03\x12\r\n\x05tiers\x18\x05 \x03(\t\"2\n\tListReply\x12%\n\x05steps\x18\x01 \x03(\x0b\x32\x16.ckpt.wire.v1.StepInfo\"\x0f\n\rStatusRequest\"\x1b\n\x0bStatusReply\x12\x0c\n\x04json\x18\x01 \x01(\t\"!\n\x0e\x43ollectRequest\x12\x0f\n\x07\x64ry_run\x18\x01 \x01(\x08\"B\n\x07Removal\x12\x0c\n\x04tier\x18\x01 \x01(\t\x12\x0b\n\x03job\x18\x02 \x01(\t\x12\x0c\n\x04step\x18\x03 \x01(\x03\x12\x0e\n\x06reason\x18\x04 \x01(\t\"7\n\x0c\x43ollectReply\x12\'\n\x08removals\x18\x01 \x03(\x0b\x32\x15.ckpt.wire.v1.Removal2\xf9\x04\n\x05\x43kptd\x12\x43\n\x07Reserve\x12\x1c.ckpt.wire.v1.ReserveRequest\x1a\x1a.ckpt.wire.v1.ReserveReply\x12@\n\x06\x43ommit\x12\x1b.ckpt.wire.v1.CommitRequest\x1a\x19.ckpt.wire.v1.CommitReply\x12I\n\tWaitShard\x12\x1e.ckpt.wire.v1.WaitShardRequest\x1a\x1c.ckpt.wire.v1.WaitShardReply\x12@\n\x06Locate\x12\x1b.ckpt.wire.v1.LocateRequest\x1a\x19.ckpt.wire.v1.LocateReply\x12L\n\nLocateStep\x12\x1f.ckpt.wire.v1.LocateStepRequest\x1a\x1d.ckpt.wire.v1.LocateStepReply\x12K\n\tReadShard\x12\x1e.ckpt.wire.v1.ReadShardRequest\x1a\x1c.ckpt.wire.v1.ReadShardPiece0\x01\x12:\n\x04List\x12\x19.ckpt.wire.v1.ListRequest\x1a\x17.ckpt.wire.v1.ListReply\x12@\n\x06Status\x12\x1b.ckpt.wire.v1.StatusRequest\x1a\x19.ckpt.wire.v1.StatusReply\x12\x43\n\x07\x43ollect\x12\x1c.ckpt.wire.v1.CollectRequest\x1a\x1a.ckpt.wire.v1.CollectReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -51,22 +51,34 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SOURCE']._serialized_end=881
   _globals['_LOCATEREPLY']._serialized_start=883
   _globals['_LOCATEREPLY']._serialized_end=984
-  _globals['_LISTREQUEST']._serialized_start=986
-  _globals['_LISTREQUEST']._serialized_end=1012
-  _globals['_STEPINFO']._serialized_start=1014
-  _globals['_STEPINFO']._serialized_end=1106
-  _globals['_LISTREPLY']._serialized_start=1108
-  _globals['_LISTREPLY']._serialized_end=1158
-  _globals['_STATUSREQUEST']._serialized_start=1160
-  _globals['_STATUSREQUEST']._serialized_end=1175
-  _globals['_STATUSREPLY']._serialized_start=1177
-  _globals['_STATUSREPLY']._serialized_end=1204
-  _globals['_COLLECTREQUEST']._serialized_start=1206
-  _globals['_COLLECTREQUEST']._serialized_end=1239
-  _globals['_REMOVAL']._serialized_start=1241
-  _globals['_REMOVAL']._serialized_end=1307
-  _globals['_COLLECTREPLY']._serialized_start=1309
-  _globals['_COLLECTREPLY']._serialized_end=1364
-  _globals['_CKPTD']._serialized_start=1367
-  _globals['_CKPTD']._serialized_end=1845
+  _globals['_LOCATESTEPREQUEST']._serialized_start=986
+  _globals['_LOCATESTEPREQUEST']._serialized_end=1046
+  _globals['_RANKSOURCES']._serialized_start=1048
+  _globals['_RANKSOURCES']._serialized_end=1100
+  _globals['_LOCATESTEPREPLY']._serialized_start=1103
+  _globals['_LOCATESTEPREPLY']._serialized_end=1237
+  _globals['_BYTERANGE']._serialized_start=1239
+  _globals['_BYTERANGE']._serialized_end=1282
+  _globals['_READSHARDREQUEST']._serialized_start=1284
+  _globals['_READSHARDREQUEST']._serialized_end=1384
+  _globals['_READSHARDPIECE']._serialized_start=1386
+  _globals['_READSHARDPIECE']._serialized_end=1435
+  _globals['_LISTREQUEST']._serialized_start=1437
+  _globals['_LISTREQUEST']._serialized_end=1463
+  _globals['_STEPINFO']._serialized_start=1465
+  _globals['_STEPINFO']._serialized_end=1557
+  _globals['_LISTREPLY']._serialized_start=1559
+  _globals['_LISTREPLY']._serialized_end=1609
+  _globals['_STATUSREQUEST']._serialized_start=1611
+  _globals['_STATUSREQUEST']._serialized_end=1626
+  _globals['_STATUSREPLY']._serialized_start=1628
+  _globals['_STATUSREPLY']._serialized_end=1655
+  _globals['_COLLECTREQUEST']._serialized_start=1657
+  _globals['_COLLECTREQUEST']._serialized_end=1690
+  _globals['_REMOVAL']._serialized_start=1692
+  _globals['_REMOVAL']._serialized_end=1758
+  _globals['_COLLECTREPLY']._serialized_start=1760
+  _globals['_COLLECTREPLY']._serialized_end=1815
+  _globals['_CKPTD']._serialized_start=1818
+  _globals['_CKPTD']._serialized_end=2451
 # @@protoc_insertion_point(module_scope)

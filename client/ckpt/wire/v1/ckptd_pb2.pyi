@@ -124,6 +124,64 @@ class LocateReply(_message.Message):
     sources: _containers.RepeatedCompositeFieldContainer[Source]
     def __init__(self, found: _Optional[bool] = ..., step: _Optional[int] = ..., world_size: _Optional[int] = ..., sources: _Optional[_Iterable[_Union[Source, _Mapping]]] = ...) -> None: ...
 
+class LocateStepRequest(_message.Message):
+    __slots__ = ("job", "step", "tier")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    step: int
+    tier: str
+    def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., tier: _Optional[str] = ...) -> None: ...
+
+class RankSources(_message.Message):
+    __slots__ = ("sources",)
+    SOURCES_FIELD_NUMBER: _ClassVar[int]
+    sources: _containers.RepeatedCompositeFieldContainer[Source]
+    def __init__(self, sources: _Optional[_Iterable[_Union[Source, _Mapping]]] = ...) -> None: ...
+
+class LocateStepReply(_message.Message):
+    __slots__ = ("step", "world_size", "commit_json", "index_json", "ranks")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_JSON_FIELD_NUMBER: _ClassVar[int]
+    INDEX_JSON_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    world_size: int
+    commit_json: bytes
+    index_json: bytes
+    ranks: _containers.RepeatedCompositeFieldContainer[RankSources]
+    def __init__(self, step: _Optional[int] = ..., world_size: _Optional[int] = ..., commit_json: _Optional[bytes] = ..., index_json: _Optional[bytes] = ..., ranks: _Optional[_Iterable[_Union[RankSources, _Mapping]]] = ...) -> None: ...
+
+class ByteRange(_message.Message):
+    __slots__ = ("offset", "length")
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    offset: int
+    length: int
+    def __init__(self, offset: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
+
+class ReadShardRequest(_message.Message):
+    __slots__ = ("job", "step", "rank", "ranges")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    RANGES_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    step: int
+    rank: int
+    ranges: _containers.RepeatedCompositeFieldContainer[ByteRange]
+    def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., rank: _Optional[int] = ..., ranges: _Optional[_Iterable[_Union[ByteRange, _Mapping]]] = ...) -> None: ...
+
+class ReadShardPiece(_message.Message):
+    __slots__ = ("meta_json", "data")
+    META_JSON_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    meta_json: bytes
+    data: bytes
+    def __init__(self, meta_json: _Optional[bytes] = ..., data: _Optional[bytes] = ...) -> None: ...
+
 class ListRequest(_message.Message):
     __slots__ = ("job",)
     JOB_FIELD_NUMBER: _ClassVar[int]

@@ -54,6 +54,16 @@ class CkptdStub:
                 request_serializer=ckpt_dot_wire_dot_v1_dot_ckptd__pb2.LocateRequest.SerializeToString,
                 response_deserializer=ckpt_dot_wire_dot_v1_dot_ckptd__pb2.LocateReply.FromString,
                 _registered_method=True)
+        self.LocateStep = channel.unary_unary(
+                '/ckpt.wire.v1.Ckptd/LocateStep',
+                request_serializer=ckpt_dot_wire_dot_v1_dot_ckptd__pb2.LocateStepRequest.SerializeToString,
+                response_deserializer=ckpt_dot_wire_dot_v1_dot_ckptd__pb2.LocateStepReply.FromString,
+                _registered_method=True)
+        self.ReadShard = channel.unary_stream(
+                '/ckpt.wire.v1.Ckptd/ReadShard',
+                request_serializer=ckpt_dot_wire_dot_v1_dot_ckptd__pb2.ReadShardRequest.SerializeToString,
+                response_deserializer=ckpt_dot_wire_dot_v1_dot_ckptd__pb2.ReadShardPiece.FromString,
+                _registered_method=True)
         self.List = channel.unary_unary(
                 '/ckpt.wire.v1.Ckptd/List',
                 request_serializer=ckpt_dot_wire_dot_v1_dot_ckptd__pb2.ListRequest.SerializeToString,
@@ -105,6 +115,24 @@ class CkptdServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LocateStep(self, request, context):
+        """For a sharded load: the step's commit record and index, and where each rank's
+        shard can be read on this node (nothing is fetched; a rank with no source here
+        is read through ReadShard).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReadShard(self, request, context):
+        """Stream byte ranges of a rank's shard that this node does not hold, fetched from
+        the peers or the object store, every chunk checked: the record first, then the
+        ranges' bytes in order. The one place shard bytes cross this socket.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def List(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -145,6 +173,16 @@ def add_CkptdServicer_to_server(servicer, server):
                     servicer.Locate,
                     request_deserializer=ckpt_dot_wire_dot_v1_dot_ckptd__pb2.LocateRequest.FromString,
                     response_serializer=ckpt_dot_wire_dot_v1_dot_ckptd__pb2.LocateReply.SerializeToString,
+            ),
+            'LocateStep': grpc.unary_unary_rpc_method_handler(
+                    servicer.LocateStep,
+                    request_deserializer=ckpt_dot_wire_dot_v1_dot_ckptd__pb2.LocateStepRequest.FromString,
+                    response_serializer=ckpt_dot_wire_dot_v1_dot_ckptd__pb2.LocateStepReply.SerializeToString,
+            ),
+            'ReadShard': grpc.unary_stream_rpc_method_handler(
+                    servicer.ReadShard,
+                    request_deserializer=ckpt_dot_wire_dot_v1_dot_ckptd__pb2.ReadShardRequest.FromString,
+                    response_serializer=ckpt_dot_wire_dot_v1_dot_ckptd__pb2.ReadShardPiece.SerializeToString,
             ),
             'List': grpc.unary_unary_rpc_method_handler(
                     servicer.List,
@@ -270,6 +308,60 @@ class Ckptd:
             '/ckpt.wire.v1.Ckptd/Locate',
             ckpt_dot_wire_dot_v1_dot_ckptd__pb2.LocateRequest.SerializeToString,
             ckpt_dot_wire_dot_v1_dot_ckptd__pb2.LocateReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LocateStep(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ckpt.wire.v1.Ckptd/LocateStep',
+            ckpt_dot_wire_dot_v1_dot_ckptd__pb2.LocateStepRequest.SerializeToString,
+            ckpt_dot_wire_dot_v1_dot_ckptd__pb2.LocateStepReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReadShard(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/ckpt.wire.v1.Ckptd/ReadShard',
+            ckpt_dot_wire_dot_v1_dot_ckptd__pb2.ReadShardRequest.SerializeToString,
+            ckpt_dot_wire_dot_v1_dot_ckptd__pb2.ReadShardPiece.FromString,
             options,
             channel_credentials,
             insecure,

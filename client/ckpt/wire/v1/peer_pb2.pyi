@@ -39,18 +39,24 @@ class SealShardReply(_message.Message):
     def __init__(self) -> None: ...
 
 class GetShardRequest(_message.Message):
-    __slots__ = ("job", "step", "rank", "tier", "meta_only")
+    __slots__ = ("job", "step", "rank", "tier", "meta_only", "ranged", "offset", "length")
     JOB_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
     META_ONLY_FIELD_NUMBER: _ClassVar[int]
+    RANGED_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
     job: str
     step: int
     rank: int
     tier: str
     meta_only: bool
-    def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., rank: _Optional[int] = ..., tier: _Optional[str] = ..., meta_only: _Optional[bool] = ...) -> None: ...
+    ranged: bool
+    offset: int
+    length: int
+    def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., rank: _Optional[int] = ..., tier: _Optional[str] = ..., meta_only: _Optional[bool] = ..., ranged: _Optional[bool] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
 
 class InventoryRequest(_message.Message):
     __slots__ = ("job", "step")

@@ -1,0 +1,159 @@
+"""Serve sharded loads: a step's index and where each rank's shard lies here, and ranges of the others' shards.
+
+A client loading into a sharded state (ckpt.reshard) calls LocateStep once, then
+reads the ranks this node holds straight from their files, and asks ReadShard for
+ranges of the ranks it does not hold. Both RPCs call in here on the event loop;
+everything that reads a disk, a peer or the store runs on the locator's threads.
+A step's index is read where a tier keeps one (written at commit where a tier holds
+every rank's record) or else built from the ranks' records, from the fastest tier
+holding each, and kept for the next rank that asks (the last INDEX_CACHE_STEPS).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import AsyncIterator
+
+from ckpt.errors import CheckpointError, CorruptCheckpoint, InvalidArgument, NotFound
+from ckpt.format import CommitRecord, ShardMeta
+from ckpt.shard_io import ShardSource
+from ckpt.step_index import StepIndex, index_bytes
+
+from ckptd.datapath.locate import Locator
+from ckptd.tiers.base import Tier
+from ckptd.tiers.transfer import aligned_buffer
+
+log = logging.getLogger(__name__)
+
+INDEX_CACHE_STEPS = 8
+FETCH_RANGE_BYTES = 64 << 20  # a range asked for is fetched and sent this much at a time
+PIECE_BYTES = 1 << 20
+
+
+class ShardedReads:
+    """Answer LocateStep and ReadShard for one node."""
+
+    def __init__(self, locator: Locator) -> None:
+        self.locator = locator
+        self._indexes: OrderedDict[tuple[str, int], bytes] = OrderedDict()
+
+    def _remote_tiers(self) -> list[Tier]:
+        """Return the tiers that reach beyond this node, in the order a range is fetched from them."""
+        peering, store = self.locator.peering, self.locator.object_tier
+        return [t for t in (peering.peer_tier, store) if t is not None]
+
+    async def locate_step(
+        self, job: str, step: int | None, tier: str = "auto"
+    ) -> tuple[CommitRecord, bytes, list[list[ShardSource]]]:
+        """Return (commit record, sealed index, this node's sources of each rank's shard) of a complete step."""
+        locator = self.locator
+        tiers = locator.tiers_for(tier)
+        steps: set[int] = await locator.on_locate_threads(lambda: {s for t in tiers for s in t.complete_steps(job)})
+        if step is None or step not in steps:
+            if tier in ("", "auto", "peer"):
+                steps |= set(await locator.peering.complete_steps(job))
+            if tier in ("", "auto", "object"):
+                steps |= set(await locator.object_steps(job) or [])
+        if step is None and steps:
+            step = max(steps)
+        if step is None or step not in steps:
+            what = f"job {job} has no complete step" if step is None else f"{job} step {step} is not complete"
+            raise NotFound(f"{what} on tier {tier or 'auto'}")
+        record = await locator.on_locate_threads(self._commit_record, job, step)
+        sources = await locator.on_locate_threads(
+            lambda: [locator.local_sources(tiers, job, step, r, record) for r in range(record.world_size)]
+        )
+        index = await self._index(record)
+        locator.lease_for_reading(job, step)
+        return record, index, sources
+
+    def _commit_record(self, job: str, step: int) -> CommitRecord:
+        record = self.locator.commit_record_here(job, step)
+        if record is not None:
+            return record
+        for t in self._remote_tiers():
+            try:
+                return t.commit_record(job, step)
+            except CheckpointError:
+                continue
+        raise NotFound(f"{job} step {step} is not complete on any tier")
+
+    async def _index(self, record: CommitRecord) -> bytes:
+        key = (record.job, record.step)
+        cached = self._indexes.get(key)
+        if cached is not None and StepIndex.from_bytes(cached, "cached index").shard_meta_xxh3_128 == tuple(
+            record.shard_meta_xxh3_128
+        ):
+            self._indexes.move_to_end(key)
+            return cached
+        data: bytes = await self.locator.on_object_threads(self._read_or_build_index, record)
+        self._indexes[key] = data
+        while len(self._indexes) > INDEX_CACHE_STEPS:
+            self._indexes.popitem(last=False)
+        return data
+
+    def _read_or_build_index(self, record: CommitRecord) -> bytes:
+        """Return the step's index as a tier keeps it, or built from the ranks' records (b"" if none is sharded)."""
+        for t in [*self.locator.tiers, *self._remote_tiers()]:
+            read_index = getattr(t, "read_index", None)
+            if read_index is None:
+                continue
+            try:
+                data: bytes | None = read_index(record)
+            except CheckpointError as e:
+                log.warning("%s; building the index from the shard records", e)
+                continue
+            if data is not None:
+                return data
+        return index_bytes(record, lambda rank: self._meta(record, rank)) or b""
+
+    def _meta(self, record: CommitRecord, rank: int) -> ShardMeta:
+        errors = []
+        for t in [*self.locator.tiers, *self._remote_tiers()]:
+            try:
+                if t in self.locator.tiers and not t.has_shard(record.job, record.step, rank):
+                    continue
+                return t.read_meta(record.job, record.step, rank)
+            except CheckpointError as e:
+                errors.append(str(e))
+        raise NotFound(f"rank {rank} shard record of {record.job} step {record.step}: " + "; ".join(errors))
+
+    async def read_shard(self, job: str, step: int, rank: int, ranges: list[tuple[int, int]]) -> AsyncIterator[bytes]:
+        """Yield a rank's sealed shard record, then the bytes of each range, fetched from the peers or the store."""
+        locator = self.locator
+        record = await locator.on_locate_threads(self._commit_record, job, step)
+        if not 0 <= rank < record.world_size:
+            raise InvalidArgument(f"{job} step {step} has no rank {rank} (world_size {record.world_size})")
+        meta: ShardMeta = await locator.on_object_threads(self._meta, record, rank)
+        for offset, length in ranges:
+            if offset % meta.chunk_size_bytes or length < 0 or offset + length > meta.data_size_bytes:
+                raise InvalidArgument(f"rank {rank} shard of {job} step {step}: no range {offset}+{length}")
+        yield meta.to_bytes()
+        for offset, length in ranges:
+            for at in range(offset, offset + length, FETCH_RANGE_BYTES):
+                data, bad_tiers = await locator.on_object_threads(
+                    self._fetch, meta, at, min(FETCH_RANGE_BYTES, offset + length - at)
+                )
+                for name in bad_tiers:
+                    locator.verification_failed(name)
+                for p in range(0, len(data), PIECE_BYTES):
+                    yield data[p : p + PIECE_BYTES]
+
+    def _fetch(self, meta: ShardMeta, offset: int, length: int) -> tuple[bytes, list[str]]:
+        """Return a range of a shard from the first tier beyond this node whose copy checks, and the failed tiers."""
+        errors: list[str] = []
+        bad_tiers: list[str] = []
+        for t in self._remote_tiers():
+            with aligned_buffer(length) as buffer:
+                try:
+                    t.read_into(meta, buffer, offset, length)
+                    return bytes(buffer[:length]), bad_tiers
+                except CorruptCheckpoint as e:
+                    bad_tiers.append(t.name)
+                    log.warning("%s; trying the next copy", e)
+                    errors.append(str(e))
+                except CheckpointError as e:
+                    errors.append(str(e))
+        what = f"rank {meta.rank} shard of {meta.job} step {meta.step}, bytes {offset}-{offset + length - 1}"
+        raise CorruptCheckpoint(f"{what}: no other node or store holds a good copy: " + "; ".join(errors))

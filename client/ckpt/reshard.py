@@ -1,0 +1,294 @@
+"""Fill a state in place from a saved step, whatever the sharding on either side: the load(into=...) path.
+
+Checkpointer.load and load_local call load_into on the loading thread, in this order:
+1. the home rank's layout (this rank's own number in the saved step, or rank 0 when
+   the step had fewer ranks) gives the saved structure, its plain tensors and values;
+2. plan(): `into` is walked beside it; every tensor and DTensor of `into` is matched
+   by key with a saved one, and shapes and dtypes are checked, before any byte moves;
+3. each target's local box (DTensor.__create_chunk_list__) is intersected with the
+   saved chunks of the step index; each overlap becomes a row range of one saved
+   chunk, a byte range of one rank's data;
+4. StepReader reads those ranges, rank by rank, checked chunk by chunk, and each
+   overlap is copied into its target as its run arrives (on the reading threads);
+5. values that are not tensors are replaced by the saved ones.
+Every rank plans alone, from the index: no collective.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import pickle
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import numpy as np
+import torch
+
+from ckpt.errors import CorruptCheckpoint, InvalidArgument
+from ckpt.flatten import unflatten
+from ckpt.range_read import StepReader
+from ckpt.sharding import is_dtensor, local_box
+from ckpt.step_index import SavedChunk, SavedTensor, StepIndex
+
+
+@dataclass(frozen=True)
+class _TensorRef:
+    """A plain tensor or array of the home rank's layout, by its entry."""
+
+    entry: int
+
+
+@dataclass(frozen=True)
+class _DTensorRef:
+    """A sharded tensor of the step, by its key in the index."""
+
+    key: str
+
+
+@dataclass(frozen=True)
+class _Copy:
+    """Copy one overlap: rows [row_lo, row_hi) of a saved chunk, sliced, into a region of a target."""
+
+    chunk: SavedChunk
+    dtype: torch.dtype
+    row_lo: int
+    row_hi: int
+    source_slices: tuple[slice, ...]  # in the rows read, every dimension
+    target: torch.Tensor  # the target's region, a view
+
+    def byte_range(self) -> tuple[int, int]:
+        if not self.chunk.lengths:  # 0-d: the whole chunk
+            return self.chunk.offset, self.chunk.offset + self.chunk.nbytes
+        row_bytes = self.chunk.nbytes // self.chunk.lengths[0]
+        return self.chunk.offset + self.row_lo * row_bytes, self.chunk.offset + self.row_hi * row_bytes
+
+    def apply(self, run_start: int, run: np.ndarray) -> None:
+        lo, hi = self.byte_range()
+        rows = torch.from_numpy(run[lo - run_start : hi - run_start]).view(self.dtype)
+        shape = (self.row_hi - self.row_lo, *self.chunk.lengths[1:]) if self.chunk.lengths else ()
+        self.target.copy_(rows.view(shape)[self.source_slices])
+
+
+def load_into(into: Any, reader: StepReader, index: StepIndex | None, rank: int) -> Any:
+    """Fill into from what reader reads (see the module docstring) and return it; rank is this rank's."""
+    home = rank if rank < len(reader.digests) else 0
+    meta = reader.meta(home)
+    try:
+        layout = json.loads(meta.layout_json)
+        saved = _load_skeleton(layout)
+    except (KeyError, TypeError, ValueError, pickle.UnpicklingError) as e:
+        raise CorruptCheckpoint(f"rank {home} layout of {meta.job} step {meta.step}: {e!r}") from None
+    planner = _Planner(layout["tensors"], index, home)
+    result = planner.walk(into, saved, "")
+    by_rank: dict[int, list[_Copy]] = defaultdict(list)
+    for copy in planner.copies:
+        by_rank[copy.chunk.rank].append(copy)
+    for saved_rank, copies in sorted(by_rank.items()):
+        _read_and_copy(reader, saved_rank, copies)
+    if planner.replaced:
+        needed = set().union(*(_refs_in(_at(saved, path)) for _, path in planner.replaced))
+        values = _realize(reader, home, layout, needed)
+        for assign, path in planner.replaced:
+            assign(_at(values, path))
+    return result
+
+
+def _read_and_copy(reader: StepReader, rank: int, copies: list[_Copy]) -> None:
+    spans = sorted((c.byte_range(), i) for i, c in enumerate(copies))
+
+    def consume(run_start: int, run: np.ndarray) -> None:
+        run_end = run_start + len(run)
+        for (lo, hi), i in spans:
+            if run_start <= lo and hi <= run_end:
+                copies[i].apply(run_start, run)
+
+    reader.read(rank, [span for span, _ in spans], consume)
+
+
+def _load_skeleton(layout: dict[str, Any]) -> Any:
+    class Unpickler(pickle.Unpickler):
+        def persistent_load(self, pid: Any) -> Any:
+            tag, i = pid
+            if tag == "ckpt-dtensor":
+                return _DTensorRef(str(i))
+            if tag != "ckpt" or not 0 <= i < len(layout["tensors"]):
+                raise pickle.UnpicklingError(f"unknown reference {pid!r}")
+            return _TensorRef(i)
+
+    return Unpickler(io.BytesIO(base64.b64decode(layout["skeleton_pickle_b64"]))).load()
+
+
+def _refs_in(value: Any) -> set[int]:
+    """Return the entries of the plain tensors and arrays that a saved value holds, wherever they sit in it."""
+    found: set[int] = set()
+
+    class Finder(pickle.Pickler):
+        def persistent_id(self, obj: Any) -> Any:
+            if isinstance(obj, _TensorRef | _DTensorRef):
+                if isinstance(obj, _TensorRef):
+                    found.add(obj.entry)
+                return 0
+            return None
+
+    Finder(io.BytesIO()).dump(value)
+    return found
+
+
+def _realize(reader: StepReader, home: int, layout: dict[str, Any], needed: set[int]) -> Any:
+    """Rebuild the home rank's state with the needed plain tensors read and checked (the rest stay zeros).
+
+    DTensors stay references: the planner has made sure none sits where a value is replaced.
+    """
+    entries = [layout["tensors"][i] for i in sorted(needed)]
+    size = max((e["offset"] + e["nbytes"] for e in layout["tensors"] if e["kind"] != "chunk"), default=0)
+    data = np.zeros(size, dtype=np.uint8)  # pages never written are never allocated
+
+    def consume(run_start: int, run: np.ndarray) -> None:
+        end = min(run_start + len(run), size)
+        data[run_start:end] = run[: end - run_start]
+
+    reader.read(home, [(e["offset"], e["offset"] + e["nbytes"]) for e in entries], consume)
+    return unflatten(layout, data, None, dtensor_ref=_DTensorRef)
+
+
+def _at(value: Any, path: tuple[Any, ...]) -> Any:
+    for step in path:
+        value = value[step]
+    return value
+
+
+def _describe(path: str) -> str:
+    return repr(path) if path else "the state"
+
+
+class _Planner:
+    """Walk `into` beside the saved structure; collect the copies and replacements, or raise before any read."""
+
+    def __init__(self, entries: list[dict[str, Any]], index: StepIndex | None, home: int) -> None:
+        self.entries = entries
+        self.index = index
+        self.home = home
+        self.copies: list[_Copy] = []
+        self.replaced: list[tuple[Callable[[Any], None], tuple[Any, ...]]] = []
+        self._path: list[Any] = []
+
+    def walk(self, into: Any, saved: Any, key: str) -> Any:
+        """Return what replaces into at key: into itself, filled in place, or (not a tensor) a saved value."""
+        if isinstance(into, torch.Tensor):
+            self._fill(into, self._saved_tensor(saved, key), key)
+            return into
+        if isinstance(into, dict):
+            if not isinstance(saved, dict):
+                raise InvalidArgument(f"{_describe(key)} is a dict in `into` but a {type(saved).__name__} in the step")
+            for k in list(into):
+                if k not in saved:
+                    raise InvalidArgument(f"{_join(key, k)!r} is missing from the step")
+                self._path.append(k)
+                into[k] = self._child(into[k], saved[k], _join(key, k), partial(_assign, into, k))
+                self._path.pop()
+            for k in saved:
+                if k not in into:
+                    if _holds_tensors(saved[k]):
+                        raise InvalidArgument(f"{_join(key, k)!r} is in the step but missing from `into`")
+                    self.replaced.append((partial(_assign, into, k), (*self._path, k)))
+            return into
+        if isinstance(into, list | tuple) and isinstance(saved, list | tuple) and len(into) == len(saved):
+            items = list(into)
+            for i in range(len(items)):
+                self._path.append(i)
+                items[i] = self._child(items[i], saved[i], _join(key, i), partial(_assign, items, i))
+                self._path.pop()
+            if isinstance(into, list):
+                into[:] = items
+                return into
+            return type(into)(items) if not hasattr(into, "_fields") else type(into)(*items)
+        if _holds_dtensors(saved):
+            raise InvalidArgument(f"{_describe(key)} holds DTensors in the step: `into` must hold tensors there")
+        return _Later(tuple(self._path))
+
+    def _child(self, into: Any, saved: Any, key: str, assign: Callable[[Any], None]) -> Any:
+        value = self.walk(into, saved, key)
+        if isinstance(value, _Later):
+            self.replaced.append((assign, value.path))
+            return into
+        return value
+
+    def _saved_tensor(self, saved: Any, key: str) -> SavedTensor:
+        if isinstance(saved, _DTensorRef):
+            if self.index is None or saved.key not in self.index.tensors:
+                raise CorruptCheckpoint(f"{key!r}: the step's index has no {saved.key!r}")
+            return self.index.tensors[saved.key]
+        if isinstance(saved, _TensorRef):
+            e = self.entries[saved.entry]
+            if e["kind"] != "torch":
+                raise InvalidArgument(f"{key!r} is a numpy array in the step and a tensor in `into`")
+            shape = tuple(e["shape"])
+            chunk = SavedChunk(self.home, e["offset"], e["nbytes"], (0,) * len(shape), shape)
+            return SavedTensor(key, shape, e["dtype"], (chunk,))
+        raise InvalidArgument(f"{key!r} is a tensor in `into` but a {type(saved).__name__} in the step")
+
+    def _fill(self, target: Any, saved: SavedTensor, key: str) -> None:
+        dtype_name = str(target.dtype).removeprefix("torch.")
+        if tuple(target.shape) != saved.shape:
+            raise InvalidArgument(f"{key!r}: the step holds shape {list(saved.shape)}, `into` {list(target.shape)}")
+        if dtype_name != saved.dtype:
+            raise InvalidArgument(f"{key!r}: the step holds dtype {saved.dtype}, `into` {dtype_name}")
+        if is_dtensor(target):
+            local, offsets = local_box(target, key)
+        else:
+            local, offsets = target, (0,) * target.dim()
+        if local.numel() == 0:
+            return
+        local = local.detach()
+        dtype = local.dtype
+        box = list(zip(offsets, local.shape, strict=True))
+        for chunk in saved.chunks:
+            lo = [max(o, t) for o, (t, _) in zip(chunk.offsets, box, strict=True)]
+            hi = [min(o + n, t + s) for o, n, (t, s) in zip(chunk.offsets, chunk.lengths, box, strict=True)]
+            if any(h <= low for low, h in zip(lo, hi, strict=True)):
+                continue
+            if not box:  # a 0-d tensor: the whole chunk
+                self.copies.append(_Copy(chunk, dtype, 0, 0, (), local))
+                continue
+            across = zip(lo[1:], hi[1:], chunk.offsets[1:], strict=True)
+            source = (slice(0, hi[0] - lo[0]), *(slice(a - o, b - o) for a, b, o in across))
+            region = local[tuple(slice(a - t, b - t) for a, b, (t, _) in zip(lo, hi, box, strict=True))]
+            row_lo, row_hi = lo[0] - chunk.offsets[0], hi[0] - chunk.offsets[0]
+            self.copies.append(_Copy(chunk, dtype, row_lo, row_hi, source, region))
+
+
+@dataclass(frozen=True)
+class _Later:
+    """A value of `into` to replace with the saved one at path, once the plain tensors are read."""
+
+    path: tuple[Any, ...]
+
+
+def _assign(container: Any, k: Any, value: Any) -> None:
+    container[k] = value
+
+
+def _join(key: str, k: Any) -> str:
+    return f"{key}.{k}" if key else str(k)
+
+
+def _holds_dtensors(value: Any) -> bool:
+    return isinstance(value, _DTensorRef) or (
+        isinstance(value, dict | list | tuple)
+        and any(_holds_dtensors(v) for v in (value.values() if isinstance(value, dict) else value))
+    )
+
+
+def _holds_tensors(value: Any) -> bool:
+    if isinstance(value, _TensorRef | _DTensorRef | torch.Tensor):
+        return True
+    if isinstance(value, dict):
+        return any(_holds_tensors(v) for v in value.values())
+    if isinstance(value, list | tuple):
+        return any(_holds_tensors(v) for v in value)
+    return False
