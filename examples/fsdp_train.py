@@ -27,7 +27,7 @@ from typing import Any
 
 import ckpt
 import torch
-import torch._dynamo  # noqa: F401  # before init_process_group (see torchrun_train.py)
+import torch._dynamo  # before init_process_group (see torchrun_train.py)
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -37,7 +37,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from torchrun_train import daemon_address  # noqa: E402
+from torchrun_train import daemon_address
 
 SEED = 4321
 FEATURES = 16
@@ -109,6 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dump-after-load", action="store_true", help="dump right after loading, then stop")
     args = p.parse_args(argv)
 
+    ckpt.Checkpointer  # noqa: B018  # load ckpt's torch side before the process group too (see torchrun_train.py)
     dist.init_process_group("gloo")
     rank, world_size = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(1)

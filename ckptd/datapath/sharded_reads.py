@@ -148,6 +148,10 @@ class ShardedReads:
             with aligned_buffer(length) as buffer:
                 try:
                     t.read_into(meta, buffer, offset, length)
+                    log.info(
+                        "read bytes %d-%d of rank %d shard of %s step %d from tier %s (verified)",
+                        *(offset, offset + length - 1, meta.rank, meta.job, meta.step, t.name),
+                    )
                     return bytes(buffer[:length]), bad_tiers
                 except CorruptCheckpoint as e:
                     bad_tiers.append(t.name)

@@ -205,11 +205,10 @@ class Checkpointer:
 
     def latest_step(self) -> int | None:
         """Return the newest step of this job complete on any tier, or None."""
-        try:
-            reply = self._daemon.call("Locate", pb.LocateRequest(job=self.job, step=-1, rank=self.rank))
-        except NotFound:
-            return None
-        return int(reply.step)
+        # Asked of the step listing, not of this rank's shard: a job restarted with more
+        # ranks than the step has must learn it too, and nothing is fetched to answer.
+        reply = self._daemon.call("List", pb.ListRequest(job=self.job))
+        return max((int(s.step) for s in reply.steps if s.job == self.job), default=None)
 
     def load(self, step: int | None = None, map_location: Any = "cpu", tier: str = "auto", into: Any = None) -> Any:
         """Return this rank's state at step (default: the latest complete step), bit for bit as saved.
@@ -254,6 +253,15 @@ class Checkpointer:
 
     def _load_into(self, into: Any, step: int | None, tier: str) -> Any:
         """Fill into from a step: the ranks this node holds read from their files, the rest through the daemon."""
+        reader, index = self.open_step(step, tier)
+        return load_into(into, reader, index, self.rank)
+
+    def open_step(self, step: int | None = None, tier: str = "auto") -> tuple[StepReader, StepIndex | None]:
+        """Return a reader of every rank's bytes of a complete step (default: the latest), and the step's index.
+
+        Called on the loading thread by load(into=...) and ckpt.dcp's Reader. The ranks
+        this node holds are read from their files, the rest through the daemon.
+        """
         request = pb.LocateStepRequest(job=self.job, step=-1 if step is None else step, tier=tier)
         reply = self._daemon.call("LocateStep", request)
         record = CommitRecord.from_bytes(reply.commit_json, f"commit record of {self.job} step {reply.step}")
@@ -275,8 +283,7 @@ class Checkpointer:
             return (r.data for r in replies)
 
         reader = StepReader(self.job, record.step, record.shard_meta_xxh3_128, local, (remote_meta, remote_runs))
-        index = _index(reply.index_json, record, f"index of {self.job} step {record.step}")
-        return load_into(into, reader, index, self.rank)
+        return reader, _index(reply.index_json, record, f"index of {self.job} step {record.step}")
 
 
 def load_local(path: str | os.PathLike[str], rank: int = 0, map_location: Any = "cpu", into: Any = None) -> Any:
@@ -287,15 +294,20 @@ def load_local(path: str | os.PathLike[str], rank: int = 0, map_location: Any = 
     step_dir = Path(path)
     if not step_dir.is_dir():
         raise NotFound(f"{step_dir} is not a directory")
-    source = step_dir_source(step_dir, "local")
     if into is None:
-        return _load_first_good([source], rank, map_location)
+        return _load_first_good([step_dir_source(step_dir, "local")], rank, map_location)
+    return load_into(into, *open_step_dir(step_dir), rank)
+
+
+def open_step_dir(step_dir: Path) -> tuple[StepReader, StepIndex | None]:
+    """Return a reader of every rank's bytes of the step in a local directory, and the step's index (no daemon)."""
+    source = step_dir_source(step_dir, "local")
     record = read_commit(step_dir)
     data = read_index(step_dir, record) or index_bytes(record, lambda r: read_meta(source, r))
     reader = StepReader(
         record.job, record.step, record.shard_meta_xxh3_128, {r: [source] for r in range(record.world_size)}
     )
-    return load_into(into, reader, _index(data or b"", record, str(step_dir / INDEX_NAME)), rank)
+    return reader, _index(data or b"", record, str(step_dir / INDEX_NAME))
 
 
 def _index(data: bytes, record: CommitRecord, what: str) -> StepIndex | None:

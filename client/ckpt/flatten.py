@@ -20,7 +20,7 @@ import torch
 
 from ckpt.errors import InvalidArgument
 from ckpt.format import TENSOR_ALIGN_BYTES, round_up
-from ckpt.sharding import check_plain_tensor, describe, is_dtensor, owned_chunks, tensor_keys
+from ckpt.sharding import check_plain_tensor, describe, is_sharded_value, owned_chunks, tensor_keys
 
 PICKLE_PROTOCOL = 5
 
@@ -104,7 +104,7 @@ def flatten(state: Any) -> Flattened:
 
     class Pickler(pickle.Pickler):
         def persistent_id(self, obj: Any) -> Any:
-            if is_dtensor(obj):
+            if is_sharded_value(obj):
                 return ("ckpt-dtensor", add_dtensor(obj))
             is_array = isinstance(obj, np.ndarray) and not obj.dtype.hasobject
             if not (isinstance(obj, torch.Tensor) or is_array):

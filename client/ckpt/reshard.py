@@ -85,17 +85,22 @@ def load_into(into: Any, reader: StepReader, index: StepIndex | None, rank: int)
         raise CorruptCheckpoint(f"rank {home} layout of {meta.job} step {meta.step}: {e!r}") from None
     planner = _Planner(layout["tensors"], index, home)
     result = planner.walk(into, saved, "")
-    by_rank: dict[int, list[_Copy]] = defaultdict(list)
-    for copy in planner.copies:
-        by_rank[copy.chunk.rank].append(copy)
-    for saved_rank, copies in sorted(by_rank.items()):
-        _read_and_copy(reader, saved_rank, copies)
+    _execute(reader, planner.copies)
     if planner.replaced:
         needed = set().union(*(_refs_in(_at(saved, path)) for _, path in planner.replaced))
         values = _realize(reader, home, layout, needed)
         for assign, path in planner.replaced:
             assign(_at(values, path))
     return result
+
+
+def _execute(reader: StepReader, copies: list[_Copy]) -> None:
+    """Read what the copies need, rank by rank, and copy each overlap into its target as its run arrives."""
+    by_rank: dict[int, list[_Copy]] = defaultdict(list)
+    for copy in copies:
+        by_rank[copy.chunk.rank].append(copy)
+    for rank, of_rank in sorted(by_rank.items()):
+        _read_and_copy(reader, rank, of_rank)
 
 
 def _read_and_copy(reader: StepReader, rank: int, copies: list[_Copy]) -> None:
@@ -139,10 +144,13 @@ def _refs_in(value: Any) -> set[int]:
     return found
 
 
-def _realize(reader: StepReader, home: int, layout: dict[str, Any], needed: set[int]) -> Any:
+def _realize(
+    reader: StepReader, home: int, layout: dict[str, Any], needed: set[int], dtensor_ref: Any = None
+) -> Any:
     """Rebuild the home rank's state with the needed plain tensors read and checked (the rest stay zeros).
 
-    DTensors stay references: the planner has made sure none sits where a value is replaced.
+    DTensors become dtensor_ref(key), references by default: the planner has made sure
+    none sits where a value is replaced.
     """
     entries = [layout["tensors"][i] for i in sorted(needed)]
     size = max((e["offset"] + e["nbytes"] for e in layout["tensors"] if e["kind"] != "chunk"), default=0)
@@ -153,7 +161,7 @@ def _realize(reader: StepReader, home: int, layout: dict[str, Any], needed: set[
         data[run_start:end] = run[: end - run_start]
 
     reader.read(home, [(e["offset"], e["offset"] + e["nbytes"]) for e in entries], consume)
-    return unflatten(layout, data, None, dtensor_ref=_DTensorRef)
+    return unflatten(layout, data, None, dtensor_ref=dtensor_ref or _DTensorRef)
 
 
 def _at(value: Any, path: tuple[Any, ...]) -> Any:
@@ -242,24 +250,54 @@ class _Planner:
             local, offsets = local_box(target, key)
         else:
             local, offsets = target, (0,) * target.dim()
-        if local.numel() == 0:
-            return
-        local = local.detach()
-        dtype = local.dtype
-        box = list(zip(offsets, local.shape, strict=True))
-        for chunk in saved.chunks:
-            lo = [max(o, t) for o, (t, _) in zip(chunk.offsets, box, strict=True)]
-            hi = [min(o + n, t + s) for o, n, (t, s) in zip(chunk.offsets, chunk.lengths, box, strict=True)]
-            if any(h <= low for low, h in zip(lo, hi, strict=True)):
-                continue
-            if not box:  # a 0-d tensor: the whole chunk
-                self.copies.append(_Copy(chunk, dtype, 0, 0, (), local))
-                continue
-            across = zip(lo[1:], hi[1:], chunk.offsets[1:], strict=True)
-            source = (slice(0, hi[0] - lo[0]), *(slice(a - o, b - o) for a, b, o in across))
-            region = local[tuple(slice(a - t, b - t) for a, b, (t, _) in zip(lo, hi, box, strict=True))]
-            row_lo, row_hi = lo[0] - chunk.offsets[0], hi[0] - chunk.offsets[0]
-            self.copies.append(_Copy(chunk, dtype, row_lo, row_hi, source, region))
+        self.copies += plan_copies(saved, local.detach(), offsets)
+
+
+def plan_copies(saved: SavedTensor, local: torch.Tensor, offsets: tuple[int, ...]) -> list[_Copy]:
+    """Return the copies that fill local, the box of saved's global tensor at offsets, from its saved chunks."""
+    if local.numel() == 0:
+        return []
+    copies = []
+    box = list(zip(offsets, local.shape, strict=True))
+    for chunk in saved.chunks:
+        lo = [max(o, t) for o, (t, _) in zip(chunk.offsets, box, strict=True)]
+        hi = [min(o + n, t + s) for o, n, (t, s) in zip(chunk.offsets, chunk.lengths, box, strict=True)]
+        if any(h <= low for low, h in zip(lo, hi, strict=True)):
+            continue
+        if not box:  # a 0-d tensor: the whole chunk
+            copies.append(_Copy(chunk, local.dtype, 0, 0, (), local))
+            continue
+        across = zip(lo[1:], hi[1:], chunk.offsets[1:], strict=True)
+        source = (slice(0, hi[0] - lo[0]), *(slice(a - o, b - o) for a, b, o in across))
+        region = local[tuple(slice(a - t, b - t) for a, b, (t, _) in zip(lo, hi, box, strict=True))]
+        row_lo, row_hi = lo[0] - chunk.offsets[0], hi[0] - chunk.offsets[0]
+        copies.append(_Copy(chunk, local.dtype, row_lo, row_hi, source, region))
+    return copies
+
+
+def fill_boxes(reader: StepReader, fills: list[tuple[SavedTensor, torch.Tensor, tuple[int, ...]]]) -> None:
+    """Fill each (saved tensor, local box, its global offsets) from the step, reading each rank's ranges once."""
+    _execute(reader, [copy for saved, local, offsets in fills for copy in plan_copies(saved, local, offsets)])
+
+
+def load_full(reader: StepReader, index: StepIndex | None) -> Any:
+    """Return rank 0's saved state with every sharded tensor whole (for export: it all lives in memory)."""
+    layout = json.loads(reader.meta(0).layout_json)
+    fills = []
+    full: dict[str, torch.Tensor] = {}
+    for key, saved in (index.tensors if index else {}).items():
+        full[key] = torch.empty(saved.shape, dtype=_torch_dtype(saved.dtype))
+        fills.append((saved, full[key], (0,) * len(saved.shape)))
+    fill_boxes(reader, fills)
+    plain = {i for i, e in enumerate(layout["tensors"]) if e["kind"] != "chunk"}
+    return _realize(reader, 0, layout, plain, dtensor_ref=full.__getitem__)
+
+
+def _torch_dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise InvalidArgument(f"this torch has no dtype {name}; load with a newer torch")
+    return dtype
 
 
 @dataclass(frozen=True)

@@ -36,6 +36,31 @@ def is_dtensor(obj: Any) -> bool:
     return cls is not None and isinstance(obj, cls)
 
 
+@dataclass(frozen=True)
+class OwnedChunk:
+    """A local chunk of a sharded tensor that this rank writes: its data and where it lies in the global tensor."""
+
+    data: torch.Tensor
+    offsets: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class LocalChunks:
+    """Chunks of one global tensor that this rank writes, already chosen by a planner (ckpt.dcp's Writer).
+
+    save_async treats it as a DTensor whose owned chunks these are.
+    """
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    chunks: tuple[OwnedChunk, ...]
+
+
+def is_sharded_value(obj: Any) -> bool:
+    """Say whether save_async stores obj as chunks of a global tensor: a DTensor or LocalChunks."""
+    return isinstance(obj, LocalChunks) or is_dtensor(obj)
+
+
 def tensor_keys(state: Any) -> dict[int, str]:
     """Return the key of each tensor reachable through dicts, lists and tuples: its path, joined with dots.
 
@@ -46,7 +71,7 @@ def tensor_keys(state: Any) -> dict[int, str]:
     seen: set[int] = set()
 
     def walk(obj: Any, path: str) -> None:
-        if isinstance(obj, torch.Tensor):
+        if isinstance(obj, torch.Tensor | LocalChunks):
             keys.setdefault(id(obj), path)
         elif isinstance(obj, dict | list | tuple) and id(obj) not in seen:
             seen.add(id(obj))
@@ -67,20 +92,15 @@ def check_plain_tensor(obj: torch.Tensor, key: str) -> None:
         )
 
 
-@dataclass(frozen=True)
-class OwnedChunk:
-    """A local chunk of a DTensor that this rank writes: its data and where it lies in the global tensor."""
-
-    data: torch.Tensor
-    offsets: tuple[int, ...]
-
-
 def describe(dt: Any) -> dict[str, Any]:
     """Return what the layout records of a DTensor besides its chunks: global shape, dtype, placements, mesh."""
+    if isinstance(dt, LocalChunks):
+        dtype = str(dt.dtype).removeprefix("torch.")
+        return {"shape": list(dt.shape), "dtype": dtype, "placements": [], "mesh_shape": [], "requires_grad": False}
     return {
         "shape": list(dt.shape),
         "dtype": str(dt.dtype).removeprefix("torch."),
-        "placements": [str(p) for p in dt.placements],
+        "placements": [repr(p) for p in dt.placements],
         "mesh_shape": list(dt.device_mesh.shape),
         "requires_grad": bool(dt.requires_grad),
         "parameter": isinstance(dt, torch.nn.Parameter),
@@ -89,6 +109,8 @@ def describe(dt: Any) -> dict[str, Any]:
 
 def owned_chunks(dt: Any, key: str) -> list[OwnedChunk]:
     """Return the non-empty local chunks of a DTensor that this rank writes (see the module docstring)."""
+    if isinstance(dt, LocalChunks):
+        return [c for c in dt.chunks if c.data.numel()]
     if any(p.is_partial() for p in dt.placements):
         raise InvalidArgument(
             f"cannot checkpoint {key}: a DTensor with a Partial placement holds partial sums; "
