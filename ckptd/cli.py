@@ -1,4 +1,4 @@
-"""The ckptd command: serve, status, ls, restore, verify, gc.
+"""The ckptd command: serve, status, ls, restore, verify, gc, export.
 
 Exit codes: 0 success, 1 failure (not found, verification failed, daemon
 error), 2 usage or config error.
@@ -26,6 +26,7 @@ from ckpt.wire.v1 import ckptd_pb2 as pb
 
 from ckptd import __version__
 from ckptd.config import Config, ConfigError, load_config
+from ckptd.offline import export
 
 EXAMPLES = """\
 examples:
@@ -37,6 +38,7 @@ examples:
   ckptd verify --job llama-7b --tier object
   ckptd verify --job llama-7b --step 1200
   ckptd gc --dry-run
+  ckptd export --job llama-7b --format dcp --to /mnt/export/llama-7b-dcp
 """
 
 
@@ -141,6 +143,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--json", action="store_true", help="print one JSON list of removals")
     s.add_argument("--dry-run", action="store_true", help="show what would be removed and why, remove nothing")
+    export.add_parser(command, common)
     return p
 
 
@@ -374,4 +377,5 @@ COMMANDS = {
     "restore": cmd_restore,
     "verify": cmd_verify,
     "gc": cmd_gc,
+    "export": export.cmd_export,
 }

@@ -109,12 +109,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dump-after-load", action="store_true", help="dump right after loading, then stop")
     args = p.parse_args(argv)
 
-    ckpt.Checkpointer  # noqa: B018  # load ckpt's torch side before the process group too (see torchrun_train.py)
+    # The Checkpointer (and its gRPC channel) before the process group: what is first set up
+    # at exit is torn down last, and gloo's threads must not outlive the group (see torchrun_train.py).
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    checkpointer = ckpt.Checkpointer(job=args.job, address=daemon_address(rank, world_size))
     dist.init_process_group("gloo")
-    rank, world_size = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(1)
     model, optimizer, dp_rank, dp_size = build(args.mesh, world_size)
-    checkpointer = ckpt.Checkpointer(job=args.job, address=daemon_address(rank, world_size))
     completed = 0
     latest = torch.tensor([-1 if (s := checkpointer.latest_step()) is None else s])
     dist.all_reduce(latest, op=dist.ReduceOp.MIN)  # every rank loads the same step
@@ -127,6 +128,8 @@ def main(argv: list[str] | None = None) -> int:
             dumped = full_tensors(training_state(model, optimizer, completed))
             if rank == 0 and args.dump is not None:
                 torch.save(dumped, args.dump)
+            del state, dumped
+            dist.barrier()  # every gather of full_tensor() is done everywhere before the group goes
             checkpointer.close()
             dist.destroy_process_group()
             return 0

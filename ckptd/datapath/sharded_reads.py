@@ -16,7 +16,7 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator
 
 from ckpt.errors import CheckpointError, CorruptCheckpoint, InvalidArgument, NotFound
-from ckpt.format import CommitRecord, ShardMeta
+from ckpt.format import CommitRecord, ShardMeta, digest
 from ckpt.shard_io import ShardSource
 from ckpt.step_index import StepIndex, index_bytes
 
@@ -82,7 +82,8 @@ class ShardedReads:
     async def _index(self, record: CommitRecord) -> bytes:
         key = (record.job, record.step)
         cached = self._indexes.get(key)
-        if cached is not None and StepIndex.from_bytes(cached, "cached index").shard_meta_xxh3_128 == tuple(
+        # An empty index (no tensor of the step is sharded) names no record to check it by: build it again.
+        if cached and StepIndex.from_bytes(cached, "cached index").shard_meta_xxh3_128 == tuple(
             record.shard_meta_xxh3_128
         ):
             self._indexes.move_to_end(key)
@@ -114,7 +115,10 @@ class ShardedReads:
             try:
                 if t in self.locator.tiers and not t.has_shard(record.job, record.step, rank):
                     continue
-                return t.read_meta(record.job, record.step, rank)
+                meta = t.read_meta(record.job, record.step, rank)
+                if digest(meta.to_bytes()) == record.shard_meta_xxh3_128[rank]:
+                    return meta
+                errors.append(f"tier {t.name} holds another record of rank {rank}")
             except CheckpointError as e:
                 errors.append(str(e))
         raise NotFound(f"rank {rank} shard record of {record.job} step {record.step}: " + "; ".join(errors))

@@ -328,6 +328,8 @@ def _load_first_good(sources: list[ShardSource], rank: int, map_location: Any) -
     for source in sources:
         try:
             return _load_shard(source, rank, device)
+        except InvalidArgument:
+            raise  # the step itself does not fit this load: another tier's copy would not either
         except (CheckpointError, OSError) as e:
             if source is not sources[-1]:
                 log.warning("ckpt: %s; trying the next tier", e)

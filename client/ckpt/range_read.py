@@ -75,7 +75,6 @@ class StepReader:
         self.local = local
         self.remote = remote  # (fetch a rank's record, fetch runs of its data), or None with no daemon
         self._metas: dict[int, ShardMeta] = {}
-        self.bytes_read_remotely = 0
 
     def meta(self, rank: int) -> ShardMeta:
         """Return a rank's shard record, from a local copy or the daemon, checked against the step's commit."""
@@ -177,7 +176,6 @@ class StepReader:
             if bad is not None:
                 raise CorruptCheckpoint(f"{what}: {bad}")
             consume(start, buffer)
-            self.bytes_read_remotely += end - start
 
 
 class _Partial(CheckpointError):

@@ -20,6 +20,7 @@ import base64
 import io
 import json
 import pickle
+from bisect import bisect_left
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -105,11 +106,13 @@ def _execute(reader: StepReader, copies: list[_Copy]) -> None:
 
 def _read_and_copy(reader: StepReader, rank: int, copies: list[_Copy]) -> None:
     spans = sorted((c.byte_range(), i) for i, c in enumerate(copies))
+    starts = [lo for (lo, _), _ in spans]
 
     def consume(run_start: int, run: np.ndarray) -> None:
+        # A run is whole chunks around whole spans: the spans that start in it end in it.
         run_end = run_start + len(run)
-        for (lo, hi), i in spans:
-            if run_start <= lo and hi <= run_end:
+        for (_, hi), i in spans[bisect_left(starts, run_start) : bisect_left(starts, run_end)]:
+            if hi <= run_end:
                 copies[i].apply(run_start, run)
 
     reader.read(rank, [span for span, _ in spans], consume)
@@ -144,9 +147,7 @@ def _refs_in(value: Any) -> set[int]:
     return found
 
 
-def _realize(
-    reader: StepReader, home: int, layout: dict[str, Any], needed: set[int], dtensor_ref: Any = None
-) -> Any:
+def _realize(reader: StepReader, home: int, layout: dict[str, Any], needed: set[int], dtensor_ref: Any = None) -> Any:
     """Rebuild the home rank's state with the needed plain tensors read and checked (the rest stay zeros).
 
     DTensors become dtensor_ref(key), references by default: the planner has made sure

@@ -22,3 +22,23 @@ def test_pieces_are_protobuf_on_the_wire(size):
 def test_other_shapes_of_a_piece_still_parse():
     wire = pb.ShardPiece(data=b"abc", offset=7).SerializeToString()
     assert bytes(piece_data(wire)) == b"abc"
+
+
+def test_a_range_arriving_in_pieces_is_checked_against_its_own_chunks():
+    from ckpt.chunks import chunk_digests
+    from ckpt.errors import CorruptCheckpoint
+    from ckpt.format import ShardMeta
+
+    from ckptd.rpc.shard_stream import fill_from_pieces
+
+    chunk = 1 << 16
+    data = os.urandom(5 * chunk + 7)
+    meta = ShardMeta("j", 1, 0, 1, len(data), chunk, tuple(chunk_digests(memoryview(data), chunk)), "{}")
+    offset, length = 2 * chunk, 3 * chunk + 7  # the last three chunks, the short one included
+    pieces = [memoryview(data)[at : at + 1000] for at in range(offset, offset + length, 1000)]
+    buffer = bytearray(length)
+    fill_from_pieces(memoryview(buffer), meta, pieces, "range", offset, length)
+    assert bytes(buffer) == data[offset:]
+    shifted = [memoryview(data)[at : at + 1000] for at in range(chunk, chunk + length, 1000)]  # the wrong bytes
+    with pytest.raises(CorruptCheckpoint, match="chunk 2 "):
+        fill_from_pieces(memoryview(bytearray(length)), meta, shifted, "range", offset, length)

@@ -188,3 +188,15 @@ def test_a_record_removed_right_after_the_listing_is_read_again(tier, shards):
     tier._steps = listed_then_removed
     assert tier.complete_steps("job") == [6]
     assert ("job", 6) in tier._records  # read from the store again, and kept
+
+
+@pytest.mark.parametrize("compression", ["none", "zstd"])
+def test_a_range_of_a_shard_is_read_alone_from_the_store(tier, shards, compression):
+    payload = os.urandom(5 * CHUNK_SIZE_BYTES + 99)
+    meta = shards.write("job", 2, 0, 1, payload)
+    tier.upload_shard(meta, shards.path(meta), compression)
+    assert tier.try_commit(_record([meta]))
+    for offset, length in [(CHUNK_SIZE_BYTES, 2 * CHUNK_SIZE_BYTES), (4 * CHUNK_SIZE_BYTES, CHUNK_SIZE_BYTES + 99)]:
+        buf = memoryview(mmap.mmap(-1, round_up(length, 4096)))
+        tier.read_into(tier.read_meta("job", 2, 0), buf, offset, length)
+        assert bytes(buf[:length]) == payload[offset : offset + length]

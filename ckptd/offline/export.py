@@ -1,0 +1,266 @@
+"""Write a complete step as a stock checkpoint other tools read, with no daemon: `ckptd export`.
+
+cli.py calls add_parser() while it builds its parser and cmd_export() to run the
+command; cmd_export runs on the main thread, in this order:
+1. checks --to (absent or an empty directory) and that torch (and safetensors) can be imported;
+2. finds the step's directory: a local tier's own (the NVMe root, this node's replica
+   store) when the step is complete there with every rank's shard; otherwise it restores
+   the step with ckptd.offline.restore into a temporary directory beside --to;
+3. reads the whole state with ckpt.reshard.load_full (rank 0's structure, every sharded
+   tensor whole, every chunk checked) and writes it into another temporary directory
+   beside --to, which is then renamed to --to;
+4. removes the temporary directories, also on failure.
+The daemon never needs torch: this module imports it only inside cmd_export.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ckpt.errors import CheckpointError, InvalidArgument
+from ckpt.format import validate_job, validate_step
+
+from ckptd.config import Config
+
+if TYPE_CHECKING:
+    import torch
+
+    from ckptd.tiers.base import Tier
+
+FORMATS = ("dcp", "safetensors")
+SAFETENSORS_NAME = "model.safetensors"
+DESCRIPTION = """\
+Write a complete step as a stock checkpoint: rank 0's state with every sharded tensor
+(DTensor: FSDP2, TP, HSDP) whole, read and checked from this node's NVMe root or replica
+store when the step is whole there, else restored first (as `ckptd restore --from` would)
+into a temporary directory beside DIR. Needs torch (the daemon does not).
+
+  --format dcp          a torch.distributed.checkpoint directory with the same keys as the
+                        saved state: dcp.load(state, storage_reader=FileSystemReader(DIR)),
+                        or format_utils.dcp_to_torch_save(DIR, FILE)
+  --format safetensors  DIR/model.safetensors: every tensor of the state (dot-joined keys,
+                        e.g. model.up.weight); other values are left out. Needs safetensors.
+
+The whole state is held in memory once. DIR must be absent or empty; it appears whole or not
+at all (written beside it, then renamed). Progress goes to stderr, DIR to stdout."""
+
+
+def add_parser(command: Any, common: argparse.ArgumentParser) -> None:
+    """Add the export subcommand and its flags; cli.py calls this once, from its _parser()."""
+    s = command(
+        "export",
+        parents=[common],
+        help="write a step as a stock DCP or safetensors checkpoint (needs torch)",
+        description=DESCRIPTION,
+        epilog="examples:\n"
+        "  ckptd export --job llama-7b --format dcp --to /mnt/export/llama-7b-dcp\n"
+        "  ckptd export --job llama-7b --step 1200 --format safetensors --to /mnt/export/llama-7b-1200\n"
+        "  ckptd export --job llama-7b --from s3://ckpts/prod --format dcp --to /mnt/export/dcp",
+    )
+    s.add_argument("--job", required=True, help="the job to export")
+    s.add_argument("--step", default="latest", help="a step number, or latest (default)")
+    s.add_argument("--format", required=True, choices=FORMATS, help="dcp or safetensors")
+    s.add_argument(
+        "--from",
+        dest="source",
+        default="auto",
+        help="where to read the step, as for restore: auto (default), memory, nvme, peer, object, or an "
+        "object-store URL",
+    )
+    s.add_argument("--to", required=True, metavar="DIR", type=Path, help="an absent or empty directory")
+    s.add_argument("--json", action="store_true", help='print {"job", "step", "format", "dir"} when done')
+
+
+def cmd_export(args: argparse.Namespace, config: Config) -> int:
+    """Run `ckptd export` (see the module docstring); return the exit code, raise CheckpointError on failure."""
+    from ckptd.offline.restore import latest_step, readable_tiers
+
+    job = validate_job(args.job)
+    step = None if args.step == "latest" else _parse_step(args.step)
+    to = args.to.absolute()
+    _check_target(to)
+    try:
+        import torch  # noqa: F401 - only to say clearly that it is missing
+    except ImportError:
+        print("ckptd export needs torch: pip install torch", file=sys.stderr)
+        return 2
+    if args.format == "safetensors":
+        try:
+            import safetensors.torch  # noqa: F401
+        except ImportError:
+            print("ckptd export --format safetensors needs safetensors: pip install safetensors", file=sys.stderr)
+            return 2
+
+    tiers = readable_tiers(config, args.source)
+    step = latest_step(tiers, job) if step is None else step
+    to.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=f".{to.name}.export-", dir=to.parent))
+    try:
+        step_dir = _local_step_dir(tiers, job, step) or _restore(tiers, job, step, work / "restore")
+        state = _read_state(step_dir)
+        out = work / "out"
+        if args.format == "dcp":
+            _write_dcp(state, out)
+        else:
+            _write_safetensors(state, out)
+        _install(out, to)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    print(json.dumps({"job": job, "step": step, "format": args.format, "dir": str(to)}) if args.json else to)
+    return 0
+
+
+def _progress(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def _parse_step(text: str) -> int:
+    if not text.isdigit():
+        raise InvalidArgument(f"invalid step {text!r}: a number or latest")
+    return validate_step(int(text))
+
+
+def _check_target(to: Path) -> None:
+    """Refuse a --to that is not a directory or not empty, before any work (exit 2)."""
+    if not to.exists():
+        return
+    if not to.is_dir():
+        raise InvalidArgument(f"--to {to} exists and is not a directory")
+    if any(to.iterdir()):
+        raise InvalidArgument(f"--to {to} is not empty; export into an absent or empty directory")
+
+
+def _local_step_dir(tiers: list[Tier], job: str, step: int) -> Path | None:
+    """Return the step's directory on a local tier that holds it complete with every rank's shard, else None.
+
+    A step spread over nodes is sealed on each with only part of its shards: such a
+    directory is not enough, and the step is restored instead.
+    """
+    from ckptd.tiers.nvme import LocalDirTier
+
+    for tier in tiers:
+        if not isinstance(tier, LocalDirTier):
+            continue
+        record = tier.checked_commit(job, step)
+        if record is not None and all(tier.has_shard(job, step, r) for r in range(record.world_size)):
+            _progress(f"{job} step {step}: reading it on tier {tier.name} ({tier.step_dir(job, step)})")
+            return tier.step_dir(job, step)
+    return None
+
+
+def _restore(tiers: list[Tier], job: str, step: int, target: Path) -> Path:
+    from ckptd.offline.restore import restore
+
+    _progress(f"{job} step {step}: not whole in a local directory; restoring it into {target} first")
+    return restore(tiers, job, step, target, progress=_progress)
+
+
+def _read_state(step_dir: Path) -> Any:
+    """Return rank 0's state of the step in step_dir with every sharded tensor whole, every chunk checked."""
+    from ckpt.range_read import StepReader
+    from ckpt.reshard import load_full
+    from ckpt.shard_io import read_commit, read_index, read_meta, step_dir_source
+    from ckpt.step_index import StepIndex, index_bytes
+
+    record = read_commit(step_dir)
+    source = step_dir_source(step_dir, "local")
+    data = read_index(step_dir, record) or index_bytes(record, lambda r: read_meta(source, r))
+    index = None
+    if data:
+        index = StepIndex.from_bytes(data, str(step_dir))
+        index.check(record, str(step_dir))
+    reader = StepReader(
+        record.job, record.step, record.shard_meta_xxh3_128, {r: [source] for r in range(record.world_size)}
+    )
+    started = time.monotonic()
+    state = load_full(reader, index)
+    tensors = _tensors(state)
+    size = sum(t.nbytes for t in tensors.values())
+    _progress(
+        f"read {len(tensors)} tensors ({size / 2**30:.2f} GiB) of {record.world_size} rank(s) "
+        f"in {time.monotonic() - started:.1f} s"
+    )
+    return state
+
+
+def _write_dcp(state: Any, out: Path) -> None:
+    """Write state as a one-process DCP checkpoint into out (created), with no process group."""
+    import torch.distributed.checkpoint as dcp
+
+    if not isinstance(state, dict):
+        _progress(f"the saved state is a {type(state).__name__}, not a dict: it is exported under the key 'state'")
+        state = {"state": state}
+    started = time.monotonic()
+    _progress(f"writing a DCP checkpoint to {out} ...")
+    writer = dcp.FileSystemWriter(out, thread_count=min(4, os.cpu_count() or 1), sync_files=True)
+    try:
+        with warnings.catch_warnings():
+            # "assuming the intent is to save in a single process": it is, no_dist says so.
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.save(state, storage_writer=writer, no_dist=True)
+    except dcp.CheckpointException as e:  # a BaseException: not to escape as one
+        raise CheckpointError(f"writing the DCP checkpoint failed: {e}") from None
+    _progress(f"wrote the DCP checkpoint in {time.monotonic() - started:.1f} s")
+
+
+def _write_safetensors(state: Any, out: Path) -> None:
+    """Write every tensor of state, by its dot-joined key, into out/model.safetensors."""
+    import torch
+    from safetensors.torch import save_file
+
+    tensors = _tensors(state)
+    # safetensors refuses tensors that share memory; plain tensors of a step are views of one buffer.
+    owned = {k: t if _owns_storage(t) else t.clone(memory_format=torch.contiguous_format) for k, t in tensors.items()}
+    out.mkdir()
+    started = time.monotonic()
+    _progress(f"writing {len(owned)} tensors to {out / SAFETENSORS_NAME} ...")
+    save_file(owned, str(out / SAFETENSORS_NAME), metadata={"format": "pt"})
+    _fsync(out / SAFETENSORS_NAME)
+    _progress(f"wrote {out / SAFETENSORS_NAME} in {time.monotonic() - started:.1f} s")
+
+
+def _tensors(state: Any, prefix: str = "") -> dict[str, torch.Tensor]:
+    """Return every tensor of state by its dot-joined key (dict keys, list and tuple positions)."""
+    import torch
+
+    if isinstance(state, torch.Tensor):
+        return {prefix: state}
+    if isinstance(state, dict):
+        items: Any = state.items()
+    elif isinstance(state, list | tuple):
+        items = enumerate(state)
+    else:
+        return {}
+    found: dict[str, torch.Tensor] = {}
+    for k, v in items:
+        found.update(_tensors(v, f"{prefix}.{k}" if prefix else str(k)))
+    return found
+
+
+def _owns_storage(t: torch.Tensor) -> bool:
+    return t.is_contiguous() and t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.nbytes
+
+
+def _install(out: Path, to: Path) -> None:
+    """Rename the finished output to --to (replacing an empty directory) and make the rename durable."""
+    if to.exists():
+        to.rmdir()  # empty (checked first); rename(2) would replace it too, but not on every filesystem
+    os.replace(out, to)
+    _fsync(to.parent)
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

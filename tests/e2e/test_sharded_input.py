@@ -1,0 +1,109 @@
+"""Sharded saves and in-place loads through a real daemon, in one process; bad input is a clear error, early."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import ckpt
+import pytest
+import torch
+import torch.distributed as dist
+from ckpt import InvalidArgument
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.testing._internal.two_tensor import TwoTensor
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(scope="module")
+def mesh(tmp_path_factory) -> Iterator:
+    """A one-rank gloo process group (a file store: no port) and a 1-D mesh over it."""
+    store = dist.FileStore(str(tmp_path_factory.mktemp("pg") / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        yield init_device_mesh("cpu", (1,))
+    finally:
+        dist.destroy_process_group()
+
+
+def sharded(mesh, value: torch.Tensor, placement=None) -> DTensor:
+    return distribute_tensor(value, mesh, [placement or Shard(0)])
+
+
+def test_a_dtensor_step_loads_in_place_and_only_with_into(daemon, mesh):
+    weights = torch.arange(24.0).view(6, 4)
+    with ckpt.Checkpointer(job="d", rank=0, world_size=1, address=daemon.address) as c:
+        state = {
+            "w": sharded(mesh, weights),
+            "r": sharded(mesh, torch.ones(3), Replicate()),
+            "n": 3,
+            "t": torch.ones(2),
+        }
+        c.save_async(state, step=1).wait("nvme")
+        with pytest.raises(InvalidArgument, match=r"holds DTensors: load it with load\(into=state\)"):
+            c.load(1)
+        into = {"w": sharded(mesh, torch.zeros(6, 4)), "r": sharded(mesh, torch.zeros(3), Replicate())}
+        into |= {"n": 0, "t": torch.zeros(2)}
+        loaded = c.load(1, into=into)
+    assert loaded is into
+    assert torch.equal(into["w"].full_tensor(), weights)
+    assert torch.equal(into["r"].full_tensor(), torch.ones(3))
+    assert into["n"] == 3
+    assert torch.equal(into["t"], torch.ones(2))
+    # With no daemon, from the step directory; a plain tensor takes the whole of a DTensor.
+    whole = {"w": torch.zeros(6, 4), "r": torch.zeros(3), "n": 0, "t": torch.zeros(2)}
+    ckpt.load_local(daemon.root / "d" / "1", into=whole)
+    assert torch.equal(whole["w"], weights)
+
+
+@dataclass
+class Holder:
+    weight: DTensor
+
+
+def test_what_cannot_be_saved_is_named_before_anything_is_reserved(mesh):
+    cases = [
+        ({"model": {"x": TwoTensor(torch.ones(2), torch.ones(2))}}, "model.x: a TwoTensor is a wrapper"),
+        ({"p": sharded(mesh, torch.ones(2), Partial())}, "cannot checkpoint p: a DTensor with a Partial placement"),
+        ({"h": Holder(sharded(mesh, torch.ones(2)))}, "a DTensor inside an object"),
+    ]
+    # No daemon at this address: an error other than DaemonUnavailable means nothing was asked of one.
+    with ckpt.Checkpointer(job="bad", rank=0, world_size=1, address="/nonexistent/ckptd.sock") as c:
+        for state, message in cases:
+            with pytest.raises(InvalidArgument, match=message):
+                c.save_async(state, step=1)
+
+
+@pytest.mark.parametrize(
+    "into, message",
+    [
+        ({"a": torch.zeros(3, 4), "b": {"c": torch.zeros(2), "d": torch.zeros(1)}}, r"'b.d' is missing from the step"),
+        ({"a": torch.zeros(3, 4)}, r"'b' is in the step but missing from `into`"),
+        ({"a": torch.zeros(4, 3), "b": {"c": torch.zeros(2)}}, r"'a': the step holds shape \[3, 4\], `into` \[4, 3\]"),
+        (
+            {"a": torch.zeros(3, 4, dtype=torch.float64), "b": {"c": torch.zeros(2)}},
+            r"'a': .* dtype float32, `into` float64",
+        ),
+    ],
+)
+def test_an_into_that_does_not_fit_the_step_is_named_and_left_untouched(daemon, into, message):
+    with ckpt.Checkpointer(job="p", rank=0, world_size=1, address=daemon.address) as c:
+        c.save_async({"a": torch.ones(3, 4), "b": {"c": torch.ones(2)}, "s": "x"}, step=1).wait("nvme")
+        before = {k: v.clone() for k, v in into.items() if isinstance(v, torch.Tensor)}
+        with pytest.raises(InvalidArgument, match=message):
+            c.load(1, into=into)
+    assert all(torch.equal(into[k], v) for k, v in before.items())  # no byte moved
+
+
+def test_a_plain_state_fills_in_place_and_takes_the_saved_values(daemon):
+    with ckpt.Checkpointer(job="q", rank=0, world_size=1, address=daemon.address) as c:
+        saved = {"a": torch.arange(12).view(3, 4), "opt": {"lr": 0.5, "steps": [torch.tensor(7)]}, "extra": (1, 2)}
+        c.save_async(saved, step=4).wait("nvme")
+        target = torch.zeros(3, 4, dtype=torch.int64)
+        into = {"a": target, "opt": {"lr": 0.1, "steps": [torch.tensor(0)]}}
+        loaded = c.load(into=into)
+    assert loaded["a"] is target and torch.equal(target, saved["a"])
+    assert loaded["opt"]["lr"] == 0.5 and loaded["opt"]["steps"][0].item() == 7
+    assert loaded["extra"] == (1, 2)  # a value the step has and into lacked is added
