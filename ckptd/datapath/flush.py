@@ -33,6 +33,10 @@ from ckptd.tiers.nvme import LocalDirTier
 log = logging.getLogger(__name__)
 
 FLUSH_THREADS = 2
+# A flush waits (this long at most) while other ranks of its step on this node are still
+# copying into their slots: hashing and writing beside their copies would slow the very
+# copies their save_async waits for, on a node whose cores the daemon shares.
+FLUSH_HOLD_MAX_S = 2.0
 SAVE_THREADS = 4
 
 Retention = Callable[[str], Awaitable[object]]  # runs retention for a job on NVMe and the replica store
@@ -63,7 +67,8 @@ class Flusher:
         self.commit_lock = asyncio.Lock()  # one seal at a time on this node (reconciliation takes it too)
         self._rank_locks: KeyedLocks[tuple[str, int]] = KeyedLocks()  # a rank's flushes run one at a time, in order
         self._latest_run: OrderedDict[tuple[str, int], str] = OrderedDict()  # the run that committed a step last
-        self._reserved_at: dict[tuple[str, int], float] = {}  # (job, rank) -> when its slot was reserved
+        self._reserved_at: dict[tuple[str, int], tuple[float, int]] = {}  # (job, rank) -> (when, step) reserved
+        self._copies_changed = asyncio.Condition()  # a reserved copy was committed
         self.tasks: set[asyncio.Task[None]] = set()
         self.counters = {"saves": 0, "skipped": 0, "flushed": 0, "flush_failures": 0, "bytes_flushed": 0}
         self.save_seconds = metrics.Histogram(
@@ -79,19 +84,26 @@ class Flusher:
         """Find staging room for a shard (see SlotPool.reserve)."""
         if not 0 <= size_bytes <= MAX_SHARD_BYTES:
             raise InvalidArgument(f"{key}: size_bytes {size_bytes} is out of range (0 to {MAX_SHARD_BYTES})")
-        if await self.is_complete(key.job, key.step):
+        # Asked beside the reservation, not before it: each is a hop to a thread, and a save waits for both.
+        complete = asyncio.ensure_future(self.is_complete(key.job, key.step))
+        try:
+            slot, blocked_s, reason = await self.pool.reserve(key.job, key.rank, size_bytes)
+        finally:
+            already = await complete
+        if already:
+            if slot is not None:
+                await self.pool.release(slot)
             reason = f"{key.job} step {key.step} is already complete; a complete step is never rewritten"
             log.warning("skipped %s: %s", key, reason)
             self.counters["skipped"] += 1
             return None, 0.0, reason
-        slot, blocked_s, reason = await self.pool.reserve(key.job, key.rank, size_bytes)
         if slot is None:
             self.counters["skipped"] += 1
             log.warning("skipped %s: %s (staging.policy = skip)", key, reason)
         elif blocked_s > 0.5:
             log.warning("%s waited %.1f s for staging room", key, blocked_s)
         if slot is not None:
-            self._reserved_at[(key.job, key.rank)] = time.monotonic()
+            self._reserved_at[(key.job, key.rank)] = (time.monotonic(), key.step)
         return slot, blocked_s, reason
 
     async def commit(self, snapshot: Snapshot) -> None:
@@ -99,8 +111,6 @@ class Flusher:
         key = snapshot.key
         if len(snapshot.run_id) > 256:
             raise InvalidArgument(f"{key}: run_id is longer than 256 characters")
-        if await self.is_complete(key.job, key.step):
-            raise InvalidArgument(f"{key.job} step {key.step} is already complete; a complete step is never rewritten")
         slot = self.pool.take(snapshot)
         # Once taken, the slot is committed and flushed even if the client goes away meanwhile.
         task = asyncio.get_running_loop().create_task(self._take_over(slot, snapshot))
@@ -113,14 +123,16 @@ class Flusher:
         try:
             # Off the event loop: the slot's layout, megabytes, is read and written beside it.
             loop = asyncio.get_running_loop()
-            layout_json = await loop.run_in_executor(self.save_threads, self.pool.write_markers, slot, snapshot)
+            layout_json = await loop.run_in_executor(self.save_threads, self._write_markers, slot, snapshot)
         except BaseException:
             self.pool.abandon(slot)
             raise
         self.pool.committed(slot, snapshot, layout_json)
-        reserved_at = self._reserved_at.pop((key.job, key.rank), None)
-        if reserved_at is not None:
-            self.save_seconds.observe(time.monotonic() - reserved_at)
+        reserved = self._reserved_at.pop((key.job, key.rank), None)
+        if reserved is not None:
+            self.save_seconds.observe(time.monotonic() - reserved[0])
+            async with self._copies_changed:
+                self._copies_changed.notify_all()
         self.note_run(key, snapshot.run_id)
         self.progress.copy_committed(key)
         self.peering.forget_replicas(key)
@@ -129,13 +141,19 @@ class Flusher:
         self.counters["saves"] += 1
         self.start(slot)
 
+    def _write_markers(self, slot: Slot, snapshot: Snapshot) -> str:
+        """Refuse a snapshot of a step complete meanwhile, else mark the slot committed (one hop: a save thread)."""
+        key = snapshot.key
+        if self._complete(key.job, key.step):
+            raise InvalidArgument(f"{key.job} step {key.step} is already complete; a complete step is never rewritten")
+        return self.pool.write_markers(slot, snapshot)
+
+    def _complete(self, job: str, step: int) -> bool:
+        return any(t.is_complete(job, step) for t in self.durable_tiers)
+
     async def is_complete(self, job: str, step: int) -> bool:
         """Say whether a durable tier holds the step complete (one complete in memory alone may be saved again)."""
-
-        def complete() -> bool:
-            return any(step in t.complete_steps(job) for t in self.durable_tiers)
-
-        return await asyncio.get_running_loop().run_in_executor(self.save_threads, complete)
+        return await asyncio.get_running_loop().run_in_executor(self.save_threads, self._complete, job, step)
 
     def start(self, slot: Slot) -> None:
         """Queue a committed slot's flush."""
@@ -147,6 +165,7 @@ class Flusher:
         key = slot.shard
         assert key is not None
         async with self._rank_locks.hold((key.job, key.rank)):
+            await self._while_others_copy(key)
             try:
                 hashed_before = slot.meta is not None  # a flush resumed after a restart
                 started = time.monotonic()
@@ -169,6 +188,19 @@ class Flusher:
             finally:
                 await self.pool.settle(slot)
         await self.after_flush(key)  # outside the rank's lock: its next flush need not wait for retention
+
+    async def _while_others_copy(self, key: ShardKey) -> None:
+        """Wait (up to FLUSH_HOLD_MAX_S) until no other rank of the step on this node is copying into its slot."""
+
+        def others_copying() -> bool:
+            return any(
+                job == key.job and rank != key.rank and step == key.step and time.monotonic() - at < FLUSH_HOLD_MAX_S
+                for (job, rank), (at, step) in self._reserved_at.items()
+            )
+
+        async with self._copies_changed:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._copies_changed.wait_for(lambda: not others_copying()), FLUSH_HOLD_MAX_S)
 
     def _flush_to_nvme(self, slot: Slot, key: ShardKey, loop: asyncio.AbstractEventLoop) -> None:
         """Write a slot's snapshot to NVMe (a flush thread); replicas start as soon as its checksums are known."""

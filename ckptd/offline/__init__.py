@@ -1,1 +1,1 @@
-"""The tools that read tiers with no daemon: restore and verify (the CLI calls them; the daemon core never does)."""
+"""The tools that read tiers with no daemon: restore, verify and export (the CLI calls them; the core never does)."""

@@ -79,6 +79,10 @@ class DurableTier(Tier):
         if not, they are computed once and on_hashed receives the completed metadata.
         """
 
+    def is_complete(self, job: str, step: int) -> bool:
+        """Say whether the step is complete here (a tier may answer without listing every step)."""
+        return step in self.complete_steps(job)
+
     @abstractmethod
     def committed_unix_s(self, job: str, step: int) -> float:
         """Return when a complete step's commit record was written here (raise OSError if it is gone)."""

@@ -95,6 +95,10 @@ class LocalDirTier(DurableTier):
         record = self._commit_state(job, step)
         return record if isinstance(record, CommitRecord) else None
 
+    def is_complete(self, job: str, step: int) -> bool:
+        """Say whether the step is complete here: one stat of its commit record (parsed once)."""
+        return self.checked_commit(job, step) is not None
+
     def damaged_steps(self, job: str) -> list[int]:
         """Return the steps whose commit record is there but does not check: never removed, only reported."""
         return [s for s in self.all_steps(job) if self._commit_state(job, s) == "damaged"]

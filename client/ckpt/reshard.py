@@ -38,14 +38,14 @@ from ckpt.step_index import SavedChunk, SavedTensor, StepIndex
 
 
 @dataclass(frozen=True)
-class _TensorRef:
+class TensorRef:
     """A plain tensor or array of the home rank's layout, by its entry."""
 
     entry: int
 
 
 @dataclass(frozen=True)
-class _DTensorRef:
+class DTensorRef:
     """A sharded tensor of the step, by its key in the index."""
 
     key: str
@@ -81,18 +81,21 @@ def load_into(into: Any, reader: StepReader, index: StepIndex | None, rank: int)
     meta = reader.meta(home)
     try:
         layout = json.loads(meta.layout_json)
-        saved = _load_skeleton(layout)
+        saved = load_skeleton(layout)
     except (KeyError, TypeError, ValueError, pickle.UnpicklingError) as e:
         raise CorruptCheckpoint(f"rank {home} layout of {meta.job} step {meta.step}: {e!r}") from None
     planner = _Planner(layout["tensors"], index, home)
-    result = planner.walk(into, saved, "")
+    result = [into]
+    planner.walk(into, saved, "", partial(_assign, result, 0))
     _execute(reader, planner.copies)
     if planner.replaced:
-        needed = set().union(*(_refs_in(_at(saved, path)) for _, path in planner.replaced))
-        values = _realize(reader, home, layout, needed)
+        needed = set().union(*(refs_in(_at(saved, path)) for _, path in planner.replaced))
+        values = realize(reader, home, layout, needed)
         for assign, path in planner.replaced:
             assign(_at(values, path))
-    return result
+    for rebuild in planner.rebuilds:
+        rebuild()
+    return result[0]
 
 
 def _execute(reader: StepReader, copies: list[_Copy]) -> None:
@@ -118,27 +121,29 @@ def _read_and_copy(reader: StepReader, rank: int, copies: list[_Copy]) -> None:
     reader.read(rank, [span for span, _ in spans], consume)
 
 
-def _load_skeleton(layout: dict[str, Any]) -> Any:
+def load_skeleton(layout: dict[str, Any]) -> Any:
+    """Unpickle a rank's saved structure with TensorRef and DTensorRef in place of its tensors (nothing read)."""
+
     class Unpickler(pickle.Unpickler):
         def persistent_load(self, pid: Any) -> Any:
             tag, i = pid
             if tag == "ckpt-dtensor":
-                return _DTensorRef(str(i))
+                return DTensorRef(str(i))
             if tag != "ckpt" or not 0 <= i < len(layout["tensors"]):
                 raise pickle.UnpicklingError(f"unknown reference {pid!r}")
-            return _TensorRef(i)
+            return TensorRef(i)
 
     return Unpickler(io.BytesIO(base64.b64decode(layout["skeleton_pickle_b64"]))).load()
 
 
-def _refs_in(value: Any) -> set[int]:
+def refs_in(value: Any) -> set[int]:
     """Return the entries of the plain tensors and arrays that a saved value holds, wherever they sit in it."""
     found: set[int] = set()
 
     class Finder(pickle.Pickler):
         def persistent_id(self, obj: Any) -> Any:
-            if isinstance(obj, _TensorRef | _DTensorRef):
-                if isinstance(obj, _TensorRef):
+            if isinstance(obj, TensorRef | DTensorRef):
+                if isinstance(obj, TensorRef):
                     found.add(obj.entry)
                 return 0
             return None
@@ -147,7 +152,7 @@ def _refs_in(value: Any) -> set[int]:
     return found
 
 
-def _realize(reader: StepReader, home: int, layout: dict[str, Any], needed: set[int], dtensor_ref: Any = None) -> Any:
+def realize(reader: StepReader, home: int, layout: dict[str, Any], needed: set[int], dtensor_ref: Any = None) -> Any:
     """Rebuild the home rank's state with the needed plain tensors read and checked (the rest stay zeros).
 
     DTensors become dtensor_ref(key), references by default: the planner has made sure
@@ -162,7 +167,7 @@ def _realize(reader: StepReader, home: int, layout: dict[str, Any], needed: set[
         data[run_start:end] = run[: end - run_start]
 
     reader.read(home, [(e["offset"], e["offset"] + e["nbytes"]) for e in entries], consume)
-    return unflatten(layout, data, None, dtensor_ref=dtensor_ref or _DTensorRef)
+    return unflatten(layout, data, None, dtensor_ref=dtensor_ref or DTensorRef)
 
 
 def _at(value: Any, path: tuple[Any, ...]) -> Any:
@@ -184,55 +189,47 @@ class _Planner:
         self.home = home
         self.copies: list[_Copy] = []
         self.replaced: list[tuple[Callable[[Any], None], tuple[Any, ...]]] = []
+        self.rebuilds: list[Callable[[], None]] = []  # tuples, innermost first
         self._path: list[Any] = []
 
-    def walk(self, into: Any, saved: Any, key: str) -> Any:
-        """Return what replaces into at key: into itself, filled in place, or (not a tensor) a saved value."""
+    def walk(self, into: Any, saved: Any, key: str, assign: Callable[[Any], None]) -> None:
+        """Fill into in place at key, or plan its replacement by the saved value through assign."""
         if isinstance(into, torch.Tensor):
             self._fill(into, self._saved_tensor(saved, key), key)
-            return into
-        if isinstance(into, dict):
+        elif isinstance(into, dict):
             if not isinstance(saved, dict):
                 raise InvalidArgument(f"{_describe(key)} is a dict in `into` but a {type(saved).__name__} in the step")
             for k in list(into):
                 if k not in saved:
                     raise InvalidArgument(f"{_join(key, k)!r} is missing from the step")
-                self._path.append(k)
-                into[k] = self._child(into[k], saved[k], _join(key, k), partial(_assign, into, k))
-                self._path.pop()
+                self._at_child(k, into[k], saved[k], _join(key, k), partial(_assign, into, k))
             for k in saved:
                 if k not in into:
                     if _holds_tensors(saved[k]):
                         raise InvalidArgument(f"{_join(key, k)!r} is in the step but missing from `into`")
                     self.replaced.append((partial(_assign, into, k), (*self._path, k)))
-            return into
-        if isinstance(into, list | tuple) and isinstance(saved, list | tuple) and len(into) == len(saved):
-            items = list(into)
+        elif isinstance(into, list | tuple) and isinstance(saved, list | tuple) and len(into) == len(saved):
+            items = into if isinstance(into, list) else list(into)
             for i in range(len(items)):
-                self._path.append(i)
-                items[i] = self._child(items[i], saved[i], _join(key, i), partial(_assign, items, i))
-                self._path.pop()
-            if isinstance(into, list):
-                into[:] = items
-                return into
-            return type(into)(items) if not hasattr(into, "_fields") else type(into)(*items)
-        if _holds_dtensors(saved):
+                self._at_child(i, items[i], saved[i], _join(key, i), partial(_assign, items, i))
+            if isinstance(into, tuple):  # rebuilt once its items are final, after the replacements
+                self.rebuilds.append(partial(_rebuild_tuple, type(into), items, assign))
+        elif _holds_dtensors(saved):
             raise InvalidArgument(f"{_describe(key)} holds DTensors in the step: `into` must hold tensors there")
-        return _Later(tuple(self._path))
+        else:
+            self.replaced.append((assign, tuple(self._path)))
 
-    def _child(self, into: Any, saved: Any, key: str, assign: Callable[[Any], None]) -> Any:
-        value = self.walk(into, saved, key)
-        if isinstance(value, _Later):
-            self.replaced.append((assign, value.path))
-            return into
-        return value
+    def _at_child(self, k: Any, into: Any, saved: Any, key: str, assign: Callable[[Any], None]) -> None:
+        self._path.append(k)
+        self.walk(into, saved, key, assign)
+        self._path.pop()
 
     def _saved_tensor(self, saved: Any, key: str) -> SavedTensor:
-        if isinstance(saved, _DTensorRef):
+        if isinstance(saved, DTensorRef):
             if self.index is None or saved.key not in self.index.tensors:
                 raise CorruptCheckpoint(f"{key!r}: the step's index has no {saved.key!r}")
             return self.index.tensors[saved.key]
-        if isinstance(saved, _TensorRef):
+        if isinstance(saved, TensorRef):
             e = self.entries[saved.entry]
             if e["kind"] != "torch":
                 raise InvalidArgument(f"{key!r} is a numpy array in the step and a tensor in `into`")
@@ -287,29 +284,27 @@ def load_full(reader: StepReader, index: StepIndex | None) -> Any:
     fills = []
     full: dict[str, torch.Tensor] = {}
     for key, saved in (index.tensors if index else {}).items():
-        full[key] = torch.empty(saved.shape, dtype=_torch_dtype(saved.dtype))
+        full[key] = torch.empty(saved.shape, dtype=torch_dtype(saved.dtype))
         fills.append((saved, full[key], (0,) * len(saved.shape)))
     fill_boxes(reader, fills)
     plain = {i for i, e in enumerate(layout["tensors"]) if e["kind"] != "chunk"}
-    return _realize(reader, 0, layout, plain, dtensor_ref=full.__getitem__)
+    return realize(reader, 0, layout, plain, dtensor_ref=full.__getitem__)
 
 
-def _torch_dtype(name: str) -> torch.dtype:
+def torch_dtype(name: str) -> torch.dtype:
+    """Return the torch dtype a layout names, or raise InvalidArgument if this torch has none."""
     dtype = getattr(torch, name, None)
     if not isinstance(dtype, torch.dtype):
         raise InvalidArgument(f"this torch has no dtype {name}; load with a newer torch")
     return dtype
 
 
-@dataclass(frozen=True)
-class _Later:
-    """A value of `into` to replace with the saved one at path, once the plain tensors are read."""
-
-    path: tuple[Any, ...]
-
-
 def _assign(container: Any, k: Any, value: Any) -> None:
     container[k] = value
+
+
+def _rebuild_tuple(kind: type, items: list[Any], assign: Callable[[Any], None]) -> None:
+    assign(kind(*items) if hasattr(kind, "_fields") else kind(items))
 
 
 def _join(key: str, k: Any) -> str:
@@ -317,14 +312,14 @@ def _join(key: str, k: Any) -> str:
 
 
 def _holds_dtensors(value: Any) -> bool:
-    return isinstance(value, _DTensorRef) or (
+    return isinstance(value, DTensorRef) or (
         isinstance(value, dict | list | tuple)
         and any(_holds_dtensors(v) for v in (value.values() if isinstance(value, dict) else value))
     )
 
 
 def _holds_tensors(value: Any) -> bool:
-    if isinstance(value, _TensorRef | _DTensorRef | torch.Tensor):
+    if isinstance(value, TensorRef | DTensorRef | torch.Tensor):
         return True
     if isinstance(value, dict):
         return any(_holds_tensors(v) for v in value.values())

@@ -99,11 +99,16 @@ def test_an_into_that_does_not_fit_the_step_is_named_and_left_untouched(daemon, 
 
 def test_a_plain_state_fills_in_place_and_takes_the_saved_values(daemon):
     with ckpt.Checkpointer(job="q", rank=0, world_size=1, address=daemon.address) as c:
-        saved = {"a": torch.arange(12).view(3, 4), "opt": {"lr": 0.5, "steps": [torch.tensor(7)]}, "extra": (1, 2)}
+        saved = {"a": torch.arange(12).view(3, 4), "opt": {"lr": 0.5, "steps": [torch.tensor(7), 3]}, "extra": (1, 2)}
+        saved["pair"] = (torch.ones(2), "new", (torch.ones(1), 5))
         c.save_async(saved, step=4).wait("nvme")
         target = torch.zeros(3, 4, dtype=torch.int64)
-        into = {"a": target, "opt": {"lr": 0.1, "steps": [torch.tensor(0)]}}
+        into = {"a": target, "opt": {"lr": 0.1, "steps": [torch.tensor(0), 0]}}
+        into["pair"] = (torch.zeros(2), "old", (torch.zeros(1), 0))
         loaded = c.load(into=into)
     assert loaded["a"] is target and torch.equal(target, saved["a"])
-    assert loaded["opt"]["lr"] == 0.5 and loaded["opt"]["steps"][0].item() == 7
+    assert loaded["opt"]["lr"] == 0.5 and loaded["opt"]["steps"][0].item() == 7 and loaded["opt"]["steps"][1] == 3
     assert loaded["extra"] == (1, 2)  # a value the step has and into lacked is added
+    pair = loaded["pair"]  # tuples are rebuilt around the filled tensors, with the saved values
+    assert torch.equal(pair[0], torch.ones(2)) and pair[1] == "new" and pair[2][1] == 5
+    assert torch.equal(pair[2][0], torch.ones(1))
