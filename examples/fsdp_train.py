@@ -109,8 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dump-after-load", action="store_true", help="dump right after loading, then stop")
     args = p.parse_args(argv)
 
-    # The Checkpointer (and its gRPC channel) before the process group: what is first set up
-    # at exit is torn down last, and gloo's threads must not outlive the group (see torchrun_train.py).
+    # The Checkpointer needs no process group: RANK and WORLD_SIZE come from torchrun.
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     checkpointer = ckpt.Checkpointer(job=args.job, address=daemon_address(rank, world_size))
     dist.init_process_group("gloo")
@@ -128,7 +127,6 @@ def main(argv: list[str] | None = None) -> int:
             dumped = full_tensors(training_state(model, optimizer, completed))
             if rank == 0 and args.dump is not None:
                 torch.save(dumped, args.dump)
-            del state, dumped
             dist.barrier()  # every gather of full_tensor() is done everywhere before the group goes
             checkpointer.close()
             dist.destroy_process_group()
