@@ -84,19 +84,12 @@ class Flusher:
         """Find staging room for a shard (see SlotPool.reserve)."""
         if not 0 <= size_bytes <= MAX_SHARD_BYTES:
             raise InvalidArgument(f"{key}: size_bytes {size_bytes} is out of range (0 to {MAX_SHARD_BYTES})")
-        # Asked beside the reservation, not before it: each is a hop to a thread, and a save waits for both.
-        complete = asyncio.ensure_future(self.is_complete(key.job, key.step))
-        try:
-            slot, blocked_s, reason = await self.pool.reserve(key.job, key.rank, size_bytes)
-        finally:
-            already = await complete
-        if already:
-            if slot is not None:
-                await self.pool.release(slot)
+        if await self.is_complete(key.job, key.step):  # before any slot is claimed for a save that will not be
             reason = f"{key.job} step {key.step} is already complete; a complete step is never rewritten"
             log.warning("skipped %s: %s", key, reason)
             self.counters["skipped"] += 1
             return None, 0.0, reason
+        slot, blocked_s, reason = await self.pool.reserve(key.job, key.rank, size_bytes)
         if slot is None:
             self.counters["skipped"] += 1
             log.warning("skipped %s: %s (staging.policy = skip)", key, reason)

@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator
 from ckpt.errors import CheckpointError, CorruptCheckpoint, InvalidArgument, NotFound
 from ckpt.format import CommitRecord, ShardMeta, digest
 from ckpt.shard_io import ShardSource
-from ckpt.step_index import StepIndex, index_bytes
+from ckpt.step_index import index_bytes
 
 from ckptd.datapath.locate import Locator
 from ckptd.tiers.base import Tier
@@ -27,7 +27,7 @@ from ckptd.tiers.transfer import aligned_buffer
 log = logging.getLogger(__name__)
 
 INDEX_CACHE_STEPS = 8
-FETCH_RANGE_BYTES = 64 << 20  # a range asked for is fetched and sent this much at a time
+FETCH_RANGE_BYTES = 64 << 20  # a range asked for is fetched and sent about this much at a time (whole chunks)
 PIECE_BYTES = 1 << 20
 
 
@@ -36,7 +36,7 @@ class ShardedReads:
 
     def __init__(self, locator: Locator) -> None:
         self.locator = locator
-        self._indexes: OrderedDict[tuple[str, int], bytes] = OrderedDict()
+        self._indexes: OrderedDict[tuple[str, int], tuple[tuple[str, ...], bytes]] = OrderedDict()
 
     def _remote_tiers(self) -> list[Tier]:
         """Return the tiers that reach beyond this node, in the order a range is fetched from them."""
@@ -82,14 +82,12 @@ class ShardedReads:
     async def _index(self, record: CommitRecord) -> bytes:
         key = (record.job, record.step)
         cached = self._indexes.get(key)
-        # An empty index (no tensor of the step is sharded) names no record to check it by: build it again.
-        if cached and StepIndex.from_bytes(cached, "cached index").shard_meta_xxh3_128 == tuple(
-            record.shard_meta_xxh3_128
-        ):
+        # Kept with the records it was made from: a step saved again since is another step.
+        if cached is not None and cached[0] == record.shard_meta_xxh3_128:
             self._indexes.move_to_end(key)
-            return cached
+            return cached[1]
         data: bytes = await self.locator.on_object_threads(self._read_or_build_index, record)
-        self._indexes[key] = data
+        self._indexes[key] = (record.shard_meta_xxh3_128, data)
         while len(self._indexes) > INDEX_CACHE_STEPS:
             self._indexes.popitem(last=False)
         return data
@@ -102,7 +100,7 @@ class ShardedReads:
                 continue
             try:
                 data: bytes | None = read_index(record)
-            except CheckpointError as e:
+            except (CheckpointError, OSError) as e:
                 log.warning("%s; building the index from the shard records", e)
                 continue
             if data is not None:
@@ -131,13 +129,14 @@ class ShardedReads:
             raise InvalidArgument(f"{job} step {step} has no rank {rank} (world_size {record.world_size})")
         meta: ShardMeta = await locator.on_object_threads(self._meta, record, rank)
         for offset, length in ranges:
-            if offset % meta.chunk_size_bytes or length < 0 or offset + length > meta.data_size_bytes:
+            if offset < 0 or offset % meta.chunk_size_bytes or length < 0 or offset + length > meta.data_size_bytes:
                 raise InvalidArgument(f"rank {rank} shard of {job} step {step}: no range {offset}+{length}")
         yield meta.to_bytes()
+        piece_bytes = max(1, FETCH_RANGE_BYTES // meta.chunk_size_bytes) * meta.chunk_size_bytes
         for offset, length in ranges:
-            for at in range(offset, offset + length, FETCH_RANGE_BYTES):
+            for at in range(offset, offset + length, piece_bytes):
                 data, bad_tiers = await locator.on_object_threads(
-                    self._fetch, meta, at, min(FETCH_RANGE_BYTES, offset + length - at)
+                    self._fetch, meta, at, min(piece_bytes, offset + length - at)
                 )
                 for name in bad_tiers:
                     locator.verification_failed(name)

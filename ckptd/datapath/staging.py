@@ -239,12 +239,6 @@ class SlotPool:
         slot.shard, slot.data_size_bytes, slot.meta = snapshot.key, snapshot.data_size_bytes, None
         slot.layout_json, slot.run_id, slot.state = layout_json, snapshot.run_id, "pending"
 
-    async def release(self, slot: Slot) -> None:
-        """Take back a slot reserved for a save that will not happen (event loop)."""
-        async with self._changed:
-            slot.state = "free"
-            self._changed.notify_all()
-
     def abandon(self, slot: Slot) -> None:
         """Give up a slot whose markers could not be written: it holds nothing worth keeping (event loop)."""
         slot.state = "free"

@@ -347,9 +347,7 @@ class ObjectTier(Tier):
         where = self.store.describe(job, step, COMMIT_NAME)
         try:
             commit = ObjectStepCommit(self.store, job, record.step)
-            index = index_bytes(record, lambda rank: self.read_meta(job, record.step, rank, record))
-            if index is not None:
-                commit.put_index(index)
+            self._put_index(commit, record)
             created = commit.write_commit(record.to_bytes())
         except OSError as e:
             raise CheckpointError(f"object store {where}: {e}") from e
@@ -361,6 +359,16 @@ class ObjectTier(Tier):
         if self._commit_state(record.job, record.step) != record:
             raise CommitConflict(f"{where} is already there, damaged or different from this node's record: kept")
         return True
+
+    def _put_index(self, commit: ObjectStepCommit, record: CommitRecord) -> None:
+        """Upload the step's index before its commit record, where some record is sharded (as on NVMe)."""
+        try:
+            index = index_bytes(record, lambda rank: self.read_meta(record.job, record.step, rank, record))
+        except CorruptCheckpoint as e:  # loads build it from the records, and say what is wrong with them
+            log.error("%s step %d: no index uploaded: %s", record.job, record.step, e)
+            return
+        if index is not None:
+            commit.put_index(index)
 
     def steps_with_unfinished_uploads(self, job: str) -> list[int]:
         """Return the steps of a job with a multipart upload left unfinished (by a crash, or under way)."""

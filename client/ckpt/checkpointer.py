@@ -272,7 +272,10 @@ class Checkpointer:
 
         def remote_meta(rank: int) -> bytes:
             request = pb.ReadShardRequest(job=self.job, step=record.step, rank=rank)
-            return bytes(next(iter(self._daemon.stream("ReadShard", request))).meta_json)
+            first = next(iter(self._daemon.stream("ReadShard", request)), None)
+            if first is None:
+                raise CheckpointError(f"ckptd sent no record of rank {rank} shard of {self.job} step {record.step}")
+            return bytes(first.meta_json)
 
         def remote_runs(rank: int, runs: list[tuple[int, int]]) -> Iterator[bytes]:
             ranges = [pb.ByteRange(offset=a, length=b - a) for a, b in runs]

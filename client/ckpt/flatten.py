@@ -78,6 +78,7 @@ def flatten(state: Any) -> Flattened:
     entries: list[dict[str, Any]] = []
     index_of: dict[int, int] = {}
     dtensors: dict[str, dict[str, Any]] = {}
+    sharded_ids: dict[str, int] = {}
     keys = tensor_keys(state)
     offset = 0
 
@@ -95,6 +96,8 @@ def flatten(state: Any) -> Flattened:
                 "a DTensor inside an object that is not a dict, list or tuple has no key to reshard it by; "
                 "keep DTensors in dicts, lists and tuples"
             )
+        if sharded_ids.setdefault(key, id(dt)) != id(dt):
+            raise InvalidArgument(f"two sharded tensors of the state have the key {key!r}: rename one of them")
         if key not in dtensors:
             dtensors[key] = describe(dt)
             for chunk in owned_chunks(dt, key):

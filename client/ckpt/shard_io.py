@@ -8,6 +8,7 @@ or in a shared-memory staging slot (the memory tier).
 from __future__ import annotations
 
 import errno
+import logging
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -26,6 +27,8 @@ from ckpt.format import (
     digest,
     meta_name,
 )
+
+log = logging.getLogger("ckpt")
 
 READ_BLOCK_BYTES = 64 << 20
 READ_THREADS = 4
@@ -61,15 +64,22 @@ def read_commit(step_dir: Path) -> CommitRecord:
 
 
 def read_index(step_dir: Path, record: CommitRecord) -> bytes | None:
-    """Return a step directory's sealed index if it has one that belongs to record, else None (build it then)."""
+    """Return a step directory's sealed index if it has one that belongs to record and checks, else None.
+
+    The index is derived from the shard records: with none (or a stale or damaged one),
+    a reader builds it from them (ckpt.step_index.index_bytes).
+    """
     from ckpt.step_index import StepIndex  # the index module builds on this one's records
 
     path = step_dir / INDEX_NAME
     try:
         data = path.read_bytes()
+        StepIndex.from_bytes(data, str(path)).check(record, str(path))
     except FileNotFoundError:
         return None
-    StepIndex.from_bytes(data, str(path)).check(record, str(path))
+    except (CorruptCheckpoint, OSError) as e:  # left by another run of the step, or damaged: built again
+        log.warning("ckpt: %s; the index is built from the shard records instead", e)
+        return None
     return data
 
 

@@ -111,11 +111,7 @@ def owned_chunks(dt: Any, key: str) -> list[OwnedChunk]:
     """Return the non-empty local chunks of a DTensor that this rank writes (see the module docstring)."""
     if isinstance(dt, LocalChunks):
         return [c for c in dt.chunks if c.data.numel()]
-    if any(p.is_partial() for p in dt.placements):
-        raise InvalidArgument(
-            f"cannot checkpoint {key}: a DTensor with a Partial placement holds partial sums; "
-            "redistribute it to Shard or Replicate first"
-        )
+    check_placements(dt, f"cannot checkpoint {key}")
     coordinate = dt.device_mesh.get_coordinate()
     if coordinate is None:
         return []  # this rank is not in the DTensor's mesh: it holds nothing of it
@@ -131,6 +127,20 @@ def owned_chunks(dt: Any, key: str) -> list[OwnedChunk]:
     if local.numel() == 0:
         return []
     return [OwnedChunk(local, tuple(int(n) for n in chunks[0].offsets))]
+
+
+def check_placements(dt: Any, what: str) -> None:
+    """Raise InvalidArgument (what: ...) unless each rank's local shard of dt is one box of the global tensor.
+
+    A Partial placement holds partial sums. A strided shard is one box only where it
+    comes first on its tensor dimension, as FSDP2 places it over tensor parallelism;
+    behind another shard of the same dimension its rows are scattered.
+    """
+    for i, p in enumerate(dt.placements):
+        if p.is_partial():
+            raise InvalidArgument(f"{what}: a Partial placement holds partial sums; redistribute to Shard or Replicate")
+        if type(p).__name__ == "_StridedShard" and any(q.is_shard(p.dim) for q in dt.placements[:i]):
+            raise InvalidArgument(f"{what}: its placements {list(dt.placements)} scatter each rank's rows")
 
 
 def _replica_on_parent_mesh(mesh: Any) -> bool:
@@ -154,6 +164,7 @@ def _replica_on_parent_mesh(mesh: Any) -> bool:
 
 def local_box(dt: Any, key: str) -> tuple[torch.Tensor, tuple[int, ...]]:
     """Return a DTensor's local tensor (to fill in place) and its global offsets."""
+    check_placements(dt, f"cannot load {key}")
     local = dt.to_local()
     if dt.device_mesh.get_coordinate() is None or local.numel() == 0:
         return local, (0,) * local.dim()

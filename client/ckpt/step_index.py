@@ -123,6 +123,12 @@ class StepIndex:
                 raise CorruptCheckpoint(
                     f"{self._what()}: the chunks of {t.key!r} hold {covered} elements of {math.prod(t.shape)}"
                 )
+            overlap = _overlapping(t.chunks)
+            if overlap is not None:
+                a, b = overlap
+                raise CorruptCheckpoint(
+                    f"{self._what()}: chunks of {t.key!r} at {list(a.offsets)} and {list(b.offsets)} overlap"
+                )
 
     def _what(self) -> str:
         return f"index of {self.job} step {self.step}"
@@ -186,6 +192,27 @@ class StepIndex:
 def is_sharded(meta: ShardMeta) -> bool:
     """Say whether a rank's shard holds sharded (DTensor) tensors, without parsing its whole layout."""
     return '"dtensors"' in meta.layout_json
+
+
+def _overlapping(chunks: tuple[SavedChunk, ...]) -> tuple[SavedChunk, SavedChunk] | None:
+    """Return two non-empty chunks whose boxes intersect, or None: a sweep along the first dimension."""
+    boxes = sorted((c for c in chunks if math.prod(c.lengths)), key=lambda c: c.offsets[:1])
+    active: list[SavedChunk] = []
+    for c in boxes:
+        if not c.offsets:  # 0-d: two chunks of one would be the same element
+            if active:
+                return active[0], c
+            active.append(c)
+            continue
+        active = [a for a in active if a.offsets[0] + a.lengths[0] > c.offsets[0]]
+        for a in active:
+            if all(
+                ao < co + cn and co < ao + an
+                for ao, an, co, cn in zip(a.offsets, a.lengths, c.offsets, c.lengths, strict=True)
+            ):
+                return a, c
+        active.append(c)
+    return None
 
 
 def index_bytes(record: CommitRecord, read_meta: Callable[[int], ShardMeta]) -> bytes | None:

@@ -8,7 +8,7 @@ import pytest
 from ckpt.errors import CorruptCheckpoint
 from ckpt.format import CommitRecord, ShardMeta, digest, seal, unseal
 from ckpt.range_read import runs_for
-from ckpt.step_index import StepIndex, index_bytes, is_sharded
+from ckpt.step_index import SavedChunk, SavedTensor, StepIndex, index_bytes, is_sharded
 
 MiB = 1 << 20
 
@@ -91,3 +91,17 @@ def test_ranges_widen_to_whole_checksum_chunks_and_merge():
     ]
     assert runs_for([(50 * MiB, 50 * MiB + 7)], chunk, 50 * MiB + 7) == [(48 * MiB, 50 * MiB + 7)]
     assert runs_for([(5, 5)], chunk, 100) == []  # an empty range reads nothing
+
+
+def test_chunks_that_overlap_are_refused_even_when_their_sizes_add_up():
+    index = StepIndex("j", 3, 2, ("a" * 32, "b" * 32), {})
+    overlapping = (SavedChunk(0, 0, 16, (0,), (4,)), SavedChunk(1, 0, 16, (2,), (4,)))  # rows 6-7 never saved
+    bad = StepIndex(
+        index.job, index.step, 2, index.shard_meta_xxh3_128, {"w": SavedTensor("w", (8,), "float32", overlapping)}
+    )
+    with pytest.raises(CorruptCheckpoint, match=r"chunks of 'w' at \[0\] and \[2\] overlap"):
+        bad.check_coverage()
+    grid = tuple(SavedChunk(r, 0, 16, (i, j), (2, 2)) for r, (i, j) in enumerate([(0, 0), (0, 2), (2, 0), (2, 2)]))
+    StepIndex(
+        index.job, index.step, 4, ("c" * 32,) * 4, {"g": SavedTensor("g", (4, 4), "float32", grid)}
+    ).check_coverage()

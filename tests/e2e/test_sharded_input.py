@@ -4,14 +4,17 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import ckpt
 import pytest
 import torch
 import torch.distributed as dist
 from ckpt import InvalidArgument
+from ckpt.sharding import LocalChunks, OwnedChunk, check_placements
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.placement_types import _StridedShard
 from torch.testing._internal.two_tensor import TwoTensor
 
 pytestmark = pytest.mark.e2e
@@ -66,14 +69,23 @@ class Holder:
 def test_what_cannot_be_saved_is_named_before_anything_is_reserved(mesh):
     cases = [
         ({"model": {"x": TwoTensor(torch.ones(2), torch.ones(2))}}, "model.x: a TwoTensor is a wrapper"),
-        ({"p": sharded(mesh, torch.ones(2), Partial())}, "cannot checkpoint p: a DTensor with a Partial placement"),
+        ({"p": sharded(mesh, torch.ones(2), Partial())}, "cannot checkpoint p: a Partial placement holds partial sums"),
         ({"h": Holder(sharded(mesh, torch.ones(2)))}, "a DTensor inside an object"),
     ]
+    one, two = (LocalChunks((2,), torch.float32, (OwnedChunk(torch.ones(2), (0,)),)) for _ in range(2))
+    cases.append(({1: one, "1": two}, "two sharded tensors of the state have the key '1'"))
     # No daemon at this address: an error other than DaemonUnavailable means nothing was asked of one.
     with ckpt.Checkpointer(job="bad", rank=0, world_size=1, address="/nonexistent/ckptd.sock") as c:
         for state, message in cases:
             with pytest.raises(InvalidArgument, match=message):
                 c.save_async(state, step=1)
+
+
+def test_a_strided_shard_behind_another_shard_of_its_dimension_is_refused():
+    scattered = SimpleNamespace(placements=[Shard(0), _StridedShard(0, split_factor=2)])
+    with pytest.raises(InvalidArgument, match="scatter each rank's rows"):
+        check_placements(scattered, "cannot checkpoint w")
+    check_placements(SimpleNamespace(placements=[_StridedShard(0, split_factor=2), Shard(0)]), "FSDP2 over TP")
 
 
 @pytest.mark.parametrize(
