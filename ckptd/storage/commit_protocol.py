@@ -33,7 +33,7 @@ from pathlib import Path
 
 from ckpt.errors import CheckpointError
 from ckpt.format import COMMIT_NAME, INDEX_NAME, PARTIAL_SUFFIX, CommitRecord, ShardMeta, data_name, meta_name
-from ckpt.step_index import index_bytes
+from ckpt.step_index import SHARDED_RECORD_MARK, index_bytes
 
 from ckptd.storage.durable_write import fsync_dir, make_dirs, write_file
 from ckptd.storage.object_store import ObjectStore
@@ -80,12 +80,12 @@ class StepDirCommit:
         written: loads build it from the records, and say what is wrong with them.
         """
 
-        def meta(rank: int) -> ShardMeta:
-            path = self.step_dir / meta_name(rank)
-            return ShardMeta.from_bytes(path.read_bytes(), str(path))
-
         try:
-            index = index_bytes(record, meta)
+            raw = [(self.step_dir / meta_name(rank)).read_bytes() for rank in range(record.world_size)]
+            if not any(SHARDED_RECORD_MARK in r for r in raw):
+                return  # a plain step: no layout parsed at every commit
+            metas = [ShardMeta.from_bytes(r, f"{self.step_dir} rank {rank}") for rank, r in enumerate(raw)]
+            index = index_bytes(record, metas.__getitem__)
         except (CheckpointError, OSError) as e:
             log.error("%s step %d: no index written in %s: %s", record.job, record.step, self.step_dir, e)
             return

@@ -22,6 +22,9 @@ from ckpt.errors import CorruptCheckpoint
 from ckpt.format import READABLE_VERSIONS, CommitRecord, ShardMeta, digest, seal, unseal
 
 INDEX_FORMAT = "ckpt-index"
+# How the layout's "dtensors" key appears in a sealed shard record (inside the layout's JSON text):
+# a reader tells a sharded shard from its raw bytes, with no parse of a layout of megabytes.
+SHARDED_RECORD_MARK = b'\\"dtensors\\"'
 
 
 @dataclass(frozen=True)

@@ -105,3 +105,12 @@ def test_chunks_that_overlap_are_refused_even_when_their_sizes_add_up():
     StepIndex(
         index.job, index.step, 4, ("c" * 32,) * 4, {"g": SavedTensor("g", (4, 4), "float32", grid)}
     ).check_coverage()
+
+
+def test_a_sharded_record_is_told_from_its_raw_bytes():
+    from ckpt.step_index import SHARDED_RECORD_MARK
+
+    sharded = meta(0, [("w", [0, 0], [8, 4])], world_size=1)
+    plain = ShardMeta("j", 3, 0, 1, 0, MiB, (), json.dumps({"tensors": [], "skeleton_pickle_b64": "ZHRlbnNvcnM="}))
+    assert SHARDED_RECORD_MARK in sharded.to_bytes() and is_sharded(sharded)
+    assert SHARDED_RECORD_MARK not in plain.to_bytes() and not is_sharded(plain)
