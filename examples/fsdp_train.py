@@ -9,6 +9,7 @@ it: a job saved on 4 ranks resumes on 2, or a TP x FSDP job resumes as plain FSD
 
 --mesh fsdp       FSDP2 over every rank (fully_shard)
 --mesh tp-fsdp    a 2 x (WORLD_SIZE/2) mesh: tensor parallel inside pairs, FSDP2 across them
+--mesh hsdp       HSDP: FSDP2 inside pairs of ranks, replicated across the pairs
 Batches are a pure function of (step, data-parallel rank), so a resumed run computes
 exactly the losses of an uninterrupted one. CKPTD_ADDRESSES picks a daemon per rank
 as in torchrun_train.py. --dump FILE: rank 0 writes every full tensor of the model and
@@ -64,6 +65,11 @@ def build(mesh_kind: str, world_size: int) -> tuple[nn.Module, torch.optim.Optim
         mesh = init_device_mesh("cpu", (world_size // 2, 2), mesh_dim_names=("dp", "tp"))
         parallelize_module(model, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
         dp_mesh = mesh["dp"]
+    elif mesh_kind == "hsdp":  # shards within pairs of ranks, replicated across the pairs
+        hsdp = init_device_mesh("cpu", (world_size // 2, 2), mesh_dim_names=("replicate", "shard"))
+        fully_shard(model, mesh=hsdp)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        return model, optimizer, dist.get_rank(), world_size  # every rank is data-parallel
     else:
         dp_mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",))
     fully_shard(model, mesh=dp_mesh)
@@ -102,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=20, help="train until this many steps are complete")
     p.add_argument("--ckpt-every", type=int, default=0, metavar="K", help="save every K steps (0: no checkpoints)")
-    p.add_argument("--mesh", choices=("fsdp", "tp-fsdp"), default="fsdp")
+    p.add_argument("--mesh", choices=("fsdp", "tp-fsdp", "hsdp"), default="fsdp")
     p.add_argument("--job", default=None, help="ckpt job name (default: $CKPT_JOB)")
     p.add_argument("--losses", type=Path, help="rank 0 writes the losses of the steps run here to this JSON file")
     p.add_argument("--dump", type=Path, help="rank 0 writes the full model and optimizer tensors here")

@@ -98,6 +98,20 @@ def test_tp_x_fsdp_loads_as_4_rank_fsdp_and_writes_replicated_chunks_once(daemon
 
 
 @pytest.mark.timeout(600)
+def test_hsdp_writes_each_replicated_chunk_once_and_loads_as_2_rank_fsdp(daemon, short_tmp):
+    at = [daemon.address]
+    torchrun(4, at, "h", "--mesh", "hsdp", "--steps", "5", "--ckpt-every", "5", "--dump", str(short_tmp / "s.pt"))
+    torchrun(2, at, "h", "--mesh", "fsdp", "--dump", str(short_tmp / "l.pt"), "--dump-after-load")
+    assert_same_tensors(short_tmp / "s.pt", short_tmp / "l.pt")
+    step_dir = daemon.root / "h" / "5"
+    metas = [ShardMeta.from_bytes((step_dir / meta_name(r)).read_bytes(), "m") for r in range(4)]
+    layouts = [json.loads(m.layout_json) for m in metas]
+    written = [sum(e["nbytes"] for e in layout["tensors"] if e["kind"] == "chunk") for layout in layouts]
+    assert written[0] > 0 and written[1] > 0 and written[2:] == [0, 0]  # the replicas at coordinate 1 write none
+    assert layouts[2]["dtensors"]["model.up.weight"]["placements"] == ["Replicate()", "Shard(dim=0)"]
+
+
+@pytest.mark.timeout(600)
 def test_a_resharded_load_fetches_other_nodes_ranges_from_the_peer_then_the_store(make_cluster, s3_server, short_tmp):
     bucket = s3_server.new_bucket()
     nodes = [d.start() for d in make_cluster(2, replicas=0, extra_toml=s3_server.toml(f"s3://{bucket}/c"))]
