@@ -16,6 +16,7 @@ from ckpt.wire.v1 import ckptd_pb2_grpc
 from ckptd import metrics, sd_notify
 from ckptd.config import Config
 from ckptd.datapath.pipeline import Pipeline
+from ckptd.rpc.guard import RequestGuard
 from ckptd.rpc.peer_link import grpc_options, server_credentials
 from ckptd.rpc.peer_server import PeerServicer, add_peer_servicer
 from ckptd.rpc.server import CkptdServicer
@@ -45,7 +46,9 @@ async def serve(config: Config) -> None:
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
         ]
     )
-    ckptd_pb2_grpc.add_CkptdServicer_to_server(CkptdServicer(pipeline), server)
+    guard = RequestGuard()
+    pipeline.node.report.rpc_counters = lambda: {"malformed_requests": guard.malformed}
+    guard.register(ckptd_pb2_grpc.add_CkptdServicer_to_server, CkptdServicer(pipeline), server)
     server.add_insecure_port(f"unix:{config.socket_path}")
     old_umask = os.umask(0o117)  # the socket is born owner/group only: no moment where others may connect
     try:
@@ -53,7 +56,7 @@ async def serve(config: Config) -> None:
     finally:
         os.umask(old_umask)
     os.chmod(config.socket_path, 0o660)
-    peer_server = await _serve_peers(config, pipeline) if config.node.listen else None
+    peer_server = await _serve_peers(config, pipeline, guard) if config.node.listen else None
     metrics_server = await _serve_metrics(config, pipeline) if config.metrics.listen else None
 
     stop = asyncio.Event()
@@ -78,9 +81,9 @@ async def serve(config: Config) -> None:
     log.info("stopped")
 
 
-async def _serve_peers(config: Config, pipeline: Pipeline) -> grpc.aio.Server:
+async def _serve_peers(config: Config, pipeline: Pipeline, guard: RequestGuard) -> grpc.aio.Server:
     server = grpc.aio.server(options=grpc_options(), maximum_concurrent_rpcs=MAX_PEER_RPCS)
-    add_peer_servicer(PeerServicer(pipeline), server)
+    add_peer_servicer(PeerServicer(pipeline), server, guard)
     credentials = server_credentials(config.peer)
     try:
         if credentials is None:

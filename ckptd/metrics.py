@@ -127,6 +127,12 @@ def page(status: dict[str, Any], histograms: list[Histogram]) -> str:
             by_tier(status["newest_complete_age_s"]),
         ),
         Sample(
+            "ckptd_malformed_requests_total",
+            "counter",
+            "Requests refused because their bytes did not parse (logged at most once a minute per caller)",
+            {"": c.get("malformed_requests", 0)},
+        ),
+        Sample(
             "ckptd_removal_failures_total",
             "counter",
             "Step removals that failed on this node's disks (logged, retried each retention pass)",

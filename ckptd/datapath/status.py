@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import time
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 from ckptd import __version__, metrics
@@ -59,6 +60,7 @@ class StatusReport:
         self.verification_failures: Counter[str] = Counter()  # by tier: a bad byte caught on its way
         self.replica_bytes_received = 0
         self.loop_max_stall_s = 0.0  # the longest the event loop was late, since start
+        self.rpc_counters: Callable[[], dict[str, int]] = dict  # the RPC layer's own (set by the daemon)
 
     def verification_failed(self, tier: str) -> None:
         """Count a bad byte caught on its way (a chunk that did not match its checksum)."""
@@ -127,6 +129,7 @@ class StatusReport:
                 **self.flusher.counters,
                 "replica_bytes_received": self.replica_bytes_received,
                 "removal_failures": self.retention.removal_failures(),
+                **self.rpc_counters(),
                 "verification_failures": {
                     **dict.fromkeys(("memory", "nvme", "peer", "object"), 0),
                     **failures,

@@ -13,6 +13,7 @@ from ckpt.wire.v1 import peer_pb2 as pb
 from ckpt.wire.v1 import peer_pb2_grpc
 
 from ckptd.datapath.pipeline import Pipeline
+from ckptd.rpc.guard import RequestGuard
 from ckptd.rpc.peer_link import INSTANCE_HEADER, ITSELF, IsSelf, data_piece, holdings_to_pb, piece_data
 from ckptd.rpc.server import answer
 from ckptd.rpc.shard_stream import read_pieces
@@ -32,23 +33,14 @@ def _commit_record(data: bytes) -> CommitRecord:
         raise InvalidArgument(str(e)) from None
 
 
-def add_peer_servicer(servicer: PeerServicer, server: grpc.aio.Server) -> None:
+def add_peer_servicer(servicer: PeerServicer, server: grpc.aio.Server, guard: RequestGuard) -> None:
     """Serve the peer protocol, with the bulk methods taking and giving serialized pieces as they are."""
-    captured: dict[str, Any] = {}
 
-    class Capture:
-        def add_generic_rpc_handlers(self, handlers: Any) -> None:
-            pass
+    def raw_bulk(handlers: dict[str, Any]) -> None:
+        handlers["PutShard"] = handlers["PutShard"]._replace(request_deserializer=None)
+        handlers["GetShard"] = handlers["GetShard"]._replace(response_serializer=None)
 
-        def add_registered_method_handlers(self, service: str, handlers: dict[str, Any]) -> None:
-            captured.update(service=service, handlers=handlers)
-
-    peer_pb2_grpc.add_CkptdPeerServicer_to_server(servicer, Capture())
-    handlers = dict(captured["handlers"])
-    handlers["PutShard"] = handlers["PutShard"]._replace(request_deserializer=None)
-    handlers["GetShard"] = handlers["GetShard"]._replace(response_serializer=None)
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(captured["service"], handlers),))
-    server.add_registered_method_handlers(captured["service"], handlers)
+    guard.register(peer_pb2_grpc.add_CkptdPeerServicer_to_server, servicer, server, raw_bulk)
 
 
 class PeerServicer(peer_pb2_grpc.CkptdPeerServicer):

@@ -12,6 +12,7 @@ from ckpt.errors import CheckpointError, CorruptCheckpoint, InvalidArgument, Not
 from ckpt.format import validate_job, validate_rank, validate_step
 from ckpt.wire.v1 import ckptd_pb2 as pb
 from ckpt.wire.v1 import ckptd_pb2_grpc
+from google.protobuf.message import DecodeError
 
 from ckptd.datapath.pipeline import Pipeline
 from ckptd.datapath.receiving import AlreadyHeld, ReceiverBusy
@@ -34,6 +35,8 @@ async def answer(context: grpc.aio.ServicerContext, work: Callable[[], Awaitable
         return await work()
     except InvalidArgument as e:
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+    except DecodeError as e:  # a piece of a stream of raw bytes (PutShard) that does not parse
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed message: {e}")
     except NotFound as e:
         await context.abort(grpc.StatusCode.NOT_FOUND, str(e))
     except (ReservationLost, IsSelf) as e:
