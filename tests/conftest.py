@@ -18,8 +18,25 @@ from pathlib import Path
 import pytest
 
 READY_TIMEOUT_S = 30.0
+SHARED_MEMORY = Path("/dev/shm")
+OUR_SHARED_MEMORY_PREFIXES = ("ckptd-", "ckpt-")  # staging directories of daemons, tests and benchmarks
 S3_KEY = "ckptd-test"  # moto takes any credentials
 CKPTD = [sys.executable, "-m", "ckptd"]
+
+
+def _our_shared_memory() -> set[str]:
+    if not SHARED_MEMORY.is_dir():
+        return set()
+    return {p.name for p in SHARED_MEMORY.iterdir() if p.name.startswith(OUR_SHARED_MEMORY_PREFIXES)}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def shared_memory_left_as_found() -> Iterator[None]:
+    """Fail the run if it leaves a staging directory of ours in /dev/shm: that is RAM, and nobody else frees it."""
+    before = _our_shared_memory()
+    yield
+    left = sorted(_our_shared_memory() - before)
+    assert not left, f"the tests left these in {SHARED_MEMORY}: {left}"
 
 
 class Daemon:
