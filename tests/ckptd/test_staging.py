@@ -169,3 +169,22 @@ def test_the_order_of_commits_survives_a_restart(tmp_path):
     assert 0 < first.committed_seq < second.committed_seq
     again = {s.shard.step: s for s in _pool(tmp_path).slots() if s.shard}
     assert again[1].committed_seq == first.committed_seq and again[2].committed_seq == second.committed_seq
+
+
+def test_a_client_commits_only_the_slot_it_reserved(tmp_path):
+    pool = _pool(tmp_path)
+
+    async def run():
+        mine, _, _ = await pool.reserve("j", 0, MIB)
+        other, _, _ = await pool.reserve("k", 0, MIB)
+        with pytest.raises(InvalidArgument, match="is not a staging slot of this rank"):  # another rank's slot
+            pool.commit(Snapshot(ShardKey("j", 1, 1, 2), str(mine.path), mine.reservation, MIB, "{}"))
+        with pytest.raises(InvalidArgument, match="is not a staging slot of this rank"):  # another job's
+            pool.commit(Snapshot(ShardKey("j", 1, 0, 2), str(other.path), other.reservation, MIB, "{}"))
+        with pytest.raises(InvalidArgument, match="is not a staging slot of this rank"):  # not a slot at all
+            pool.commit(Snapshot(ShardKey("j", 1, 0, 2), str(tmp_path / "elsewhere"), mine.reservation, MIB, "{}"))
+        with pytest.raises(ReservationLost, match="no longer reserved"):  # a guessed reservation
+            pool.commit(Snapshot(ShardKey("j", 1, 0, 2), str(mine.path), mine.reservation + 1, MIB, "{}"))
+        pool.commit(Snapshot(ShardKey("j", 1, 0, 2), str(mine.path), mine.reservation, MIB, "{}"))
+
+    asyncio.run(run())
