@@ -42,6 +42,7 @@ class PeerConfig:
     cert: str = ""  # PEM files: set all three for TLS with client certificates between peers
     key: str = ""
     ca: str = ""
+    insecure: bool = False  # plaintext between peers: only when asked for, never by default
 
 
 @dataclass(frozen=True)
@@ -86,6 +87,11 @@ class Config:
     @property
     def staging_dir(self) -> Path:
         return Path(self.staging.dir)
+
+    @property
+    def peer_hosts(self) -> set[str]:
+        """Return the hosts of [peer] addresses and of node.listen: the names a peer's certificate may carry."""
+        return {_host(a) for a in (*self.peer.addresses, self.node.listen) if a}
 
     @property
     def replica_root(self) -> Path:
@@ -177,7 +183,10 @@ def _build(raw: dict[str, dict[str, Any]]) -> Config:
 
 def _check_type(name: str, f: dataclasses.Field[Any], value: Any) -> Any:
     default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-    if isinstance(default, (bool, int)):
+    if isinstance(default, bool):
+        if not isinstance(value, bool):
+            raise ConfigError(f"config key {name} must be true or false, not {value!r}")
+    elif isinstance(default, int):
         if isinstance(value, bool) or not isinstance(value, int):
             raise ConfigError(f"config key {name} must be an integer, not {value!r}")
     elif isinstance(default, str):
@@ -225,6 +234,13 @@ def _check_values(c: Config) -> None:
         require(
             Path(getattr(c.peer, name)).expanduser().is_file(), f"peer.{name}", f"{getattr(c.peer, name)} is not a file"
         )
+    require(not (tls and c.peer.insecure), "peer.insecure", "set it only without peer.cert, peer.key and peer.ca")
+    require(
+        bool(tls) or c.peer.insecure or not (c.node.listen or c.peer.addresses),
+        "peer.cert",
+        "peers are authenticated by default: set peer.cert, peer.key and peer.ca (mutual TLS), or "
+        "peer.insecure = true for plaintext (then anyone who reaches node.listen can act as a peer)",
+    )
     if c.object.url:
         require("://" in c.object.url, "object.url", f"{c.object.url!r} is not a URL (s3://bucket/prefix, file:///dir)")
         protocol = c.object.url.split("://", 1)[0]
@@ -271,3 +287,8 @@ def _resolve(c: Config) -> Config:
 
     peer = dataclasses.replace(c.peer, cert=absolute(c.peer.cert), key=absolute(c.peer.key), ca=absolute(c.peer.ca))
     return dataclasses.replace(c, node=node, staging=staging, peer=peer)
+
+
+def _host(address: str) -> str:
+    """Return the host of host:port ([v6]:port included), as a certificate names it."""
+    return address.rsplit(":", 1)[0].strip("[]")

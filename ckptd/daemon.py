@@ -56,6 +56,11 @@ async def serve(config: Config) -> None:
     finally:
         os.umask(old_umask)
     os.chmod(config.socket_path, 0o660)
+    if config.peer.insecure and (config.node.listen or config.peer.addresses):
+        log.warning(
+            "[peer] insecure = true: peers speak plaintext, unauthenticated; anyone who reaches %s can act as a peer",
+            config.node.listen or "this node's peer port",
+        )
     peer_server = await _serve_peers(config, pipeline, guard) if config.node.listen else None
     metrics_server = await _serve_metrics(config, pipeline) if config.metrics.listen else None
 

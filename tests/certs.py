@@ -44,8 +44,11 @@ class CertificateAuthority:
         self.ca_path = directory / f"{name}.pem"
         self.ca_path.write_bytes(self._cert.public_bytes(serialization.Encoding.PEM))
 
-    def issue(self, node: str) -> tuple[Path, Path]:
-        """Return (certificate, key) files for a node, good as TLS server and client."""
+    def issue(self, node: str, dns_names: tuple[str, ...] = ()) -> tuple[Path, Path]:
+        """Return (certificate, key) files for a node, good as TLS server and client.
+
+        The certificate names localhost and 127.0.0.1, or only dns_names when given.
+        """
         key = ec.generate_private_key(ec.SECP256R1())
         now = datetime.datetime.now(datetime.UTC)
         cert = (
@@ -58,7 +61,8 @@ class CertificateAuthority:
             .not_valid_after(now + datetime.timedelta(days=1))
             .add_extension(
                 x509.SubjectAlternativeName(
-                    [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
+                    [x509.DNSName(n) for n in dns_names]
+                    or [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
                 ),
                 critical=False,
             )

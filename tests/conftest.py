@@ -167,6 +167,8 @@ def make_cluster(make_daemon) -> Iterator:
             if tls is not None:
                 cert, key, ca = tls[i]
                 toml += f'cert = "{cert}"\nkey = "{key}"\nca = "{ca}"\n'
+            else:
+                toml += "insecure = true\n"  # plaintext on loopback, said explicitly (the TLS tests pass tls)
             nodes.append(make_daemon(toml + extra_toml, name=f"n{i}", listen=address))
         return nodes
 

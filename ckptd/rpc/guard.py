@@ -1,5 +1,7 @@
 """Refuse requests that are not messages at all, quietly: INVALID_ARGUMENT, one log line per caller a minute.
 
+Also names NotAPeer, the refusal of a caller on the peer port that is not a configured peer.
+
 daemon.py registers both services through register(): every method's request
 deserializer is wrapped so that bytes which do not parse become a Malformed value
 instead of an exception inside gRPC (which answers UNKNOWN and logs a traceback per
@@ -23,6 +25,10 @@ log = logging.getLogger(__name__)
 
 LOG_EVERY_S = 60.0  # per caller
 MAX_CALLERS_REMEMBERED = 1024
+
+
+class NotAPeer(Exception):
+    """A caller on the peer port whose certificate names none of the configured peers (PERMISSION_DENIED)."""
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from ckpt.wire.v1 import peer_pb2 as pb
 from ckpt.wire.v1 import peer_pb2_grpc
 
 from ckptd.datapath.pipeline import Pipeline
-from ckptd.rpc.guard import RequestGuard
+from ckptd.rpc.guard import NotAPeer, RequestGuard
 from ckptd.rpc.peer_link import INSTANCE_HEADER, ITSELF, IsSelf, data_piece, holdings_to_pb, piece_data
 from ckptd.rpc.server import answer
 from ckptd.rpc.shard_stream import read_pieces
@@ -54,13 +54,25 @@ class PeerServicer(peer_pb2_grpc.CkptdPeerServicer):
         known = self.pipeline.receiver.known_meta(transfer, raw)
         return known if known is not None else await asyncio.to_thread(_shard_meta, raw)
 
-    def _refuse_itself(self, context: Any) -> None:
+    def _admit(self, context: Any) -> None:
+        """Refuse the node itself, and (with TLS) a caller whose certificate names no configured peer's host."""
         if dict(context.invocation_metadata()).get(INSTANCE_HEADER) == self.pipeline.instance:
             raise IsSelf(f"{ITSELF} a peer address in [peer] addresses leads back to this node")
+        config = self.pipeline.config
+        if not config.peer.cert:
+            return  # plaintext, as [peer] insecure = true asked
+        auth = context.auth_context()
+        names = auth.get("x509_subject_alternative_name") or auth.get("x509_common_name") or []
+        named = {n.decode(errors="replace") for n in names}
+        if not named & config.peer_hosts:
+            raise NotAPeer(
+                f"a caller at {context.peer()} presented a certificate for {sorted(named)}, "
+                "which names none of the hosts in [peer] addresses"
+            )
 
     async def PutShard(self, request_iterator: AsyncIterator[bytes], context: Any) -> pb.PutShardReply:
         async def work() -> pb.PutShardReply:
-            self._refuse_itself(context)
+            self._admit(context)
             raw = await anext(aiter(request_iterator), None)
             if raw is None:
                 raise InvalidArgument("PutShard carried no pieces")
@@ -84,7 +96,7 @@ class PeerServicer(peer_pb2_grpc.CkptdPeerServicer):
 
     async def SealShard(self, request: pb.SealShardRequest, context: Any) -> pb.SealShardReply:
         async def work() -> pb.SealShardReply:
-            self._refuse_itself(context)
+            self._admit(context)
             meta = await self._shard_meta(request.transfer, request.meta_json)
             record = _commit_record(request.commit_json) if request.commit_json else None
             await self.pipeline.receiver.seal(meta, request.transfer, record)
@@ -95,6 +107,7 @@ class PeerServicer(peer_pb2_grpc.CkptdPeerServicer):
 
     async def GetShard(self, request: pb.GetShardRequest, context: Any) -> AsyncIterator[bytes]:
         async def find() -> tuple[ShardMeta, bytes, Any]:
+            self._admit(context)
             job, step = validate_job(request.job), validate_step(request.step)
             return await self.pipeline.shard_for_peer(job, step, request.rank, request.tier)
 
@@ -121,7 +134,7 @@ class PeerServicer(peer_pb2_grpc.CkptdPeerServicer):
 
     async def Inventory(self, request: pb.InventoryRequest, context: Any) -> pb.InventoryReply:
         async def work() -> pb.InventoryReply:
-            self._refuse_itself(context)
+            self._admit(context)
             job = validate_job(request.job) if request.job else ""
             step = None if request.step == -1 else validate_step(request.step)
             steps = await self.pipeline.holdings(job, step)
@@ -131,7 +144,7 @@ class PeerServicer(peer_pb2_grpc.CkptdPeerServicer):
 
     async def CommitStep(self, request: pb.CommitStepRequest, context: Any) -> pb.CommitStepReply:
         async def work() -> pb.CommitStepReply:
-            self._refuse_itself(context)
+            self._admit(context)
             await self.pipeline.adopt_commit(_commit_record(request.commit_json))
             return pb.CommitStepReply()
 

@@ -17,6 +17,7 @@ from google.protobuf.message import DecodeError
 from ckptd.datapath.pipeline import Pipeline
 from ckptd.datapath.receiving import AlreadyHeld, ReceiverBusy
 from ckptd.datapath.staging import ShardKey, Snapshot
+from ckptd.rpc.guard import NotAPeer
 from ckptd.rpc.peer_link import IsSelf
 
 T = TypeVar("T")
@@ -41,6 +42,8 @@ async def answer(context: grpc.aio.ServicerContext, work: Callable[[], Awaitable
         await context.abort(grpc.StatusCode.NOT_FOUND, str(e))
     except (ReservationLost, IsSelf) as e:
         await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+    except NotAPeer as e:
+        await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(e))
     except CorruptCheckpoint as e:
         await context.abort(grpc.StatusCode.DATA_LOSS, str(e))
     except AlreadyHeld as e:

@@ -32,7 +32,8 @@ def test_toml_then_environment(tmp_path):
 
 
 def test_env_values_are_parsed_as_toml():
-    c = load_config(None, env={"CKPTD_STAGING__BUDGET_BYTES": "1024", "CKPTD_PEER__ADDRESSES": '["h:1", "g:2"]'})
+    env = {"CKPTD_STAGING__BUDGET_BYTES": "1024", "CKPTD_PEER__ADDRESSES": '["h:1", "g:2"]'}
+    c = load_config(None, env={**env, "CKPTD_PEER__INSECURE": "true"})
     assert c.staging.budget_bytes == 1024
     assert c.peer.addresses == ("h:1", "g:2")
 
@@ -46,6 +47,10 @@ def test_env_values_are_parsed_as_toml():
         ("[retention]\nnvme = -1\n", {}, "retention.nvme"),
         ('[staging]\nbudget_bytes = "lots"\n', {}, "staging.budget_bytes"),
         ('[peer]\naddresses = ["nohost"]\n', {}, "peer.addresses"),
+        # Peers are authenticated by default: plaintext only when asked for, and never beside TLS files.
+        ('[node]\nlisten = "127.0.0.1:7070"\n', {}, "peer.cert: peers are authenticated by default"),
+        ('[peer]\naddresses = ["10.0.0.2:7070"]\n', {}, "peer.cert: peers are authenticated by default"),
+        ('[peer]\ninsecure = "yes"\n', {}, "peer.insecure must be true or false"),
         ("", {"CKPTD_NODE__FOO": "1"}, "node.foo"),
         ("[node\n", {}, "c.toml"),
     ],
@@ -55,6 +60,19 @@ def test_bad_config_names_the_key(tmp_path, toml, env, message):
     path.write_text(toml)
     with pytest.raises(ConfigError, match=message):
         load_config(str(path), env=env)
+
+
+def test_plaintext_peers_only_when_asked_for(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text('[node]\nlisten = "127.0.0.1:7070"\n[peer]\naddresses = ["127.0.0.1:7071"]\ninsecure = true\n')
+    c = load_config(str(path), env={})
+    assert c.peer.insecure and c.peer_hosts == {"127.0.0.1"}
+    for name in ("cert", "key", "ca"):
+        (tmp_path / name).write_text("pem")
+    tls = "".join(f'{name} = "{tmp_path / name}"\n' for name in ("cert", "key", "ca"))
+    path.write_text(f"[peer]\n{tls}insecure = true\n")
+    with pytest.raises(ConfigError, match=r"peer\.insecure: set it only without"):
+        load_config(str(path), env={})
 
 
 def test_cli_exits_2_naming_the_bad_key(tmp_path):
@@ -84,7 +102,11 @@ def test_flags_come_last_and_the_staging_dir_follows_the_root(tmp_path):
 
 def test_a_node_recognises_itself_in_the_peer_list():
     c = load_config(
-        env={"CKPTD_NODE__LISTEN": '"127.0.0.1:7070"', "CKPTD_PEER__ADDRESSES": '["localhost:7070", "127.0.0.1:7071"]'}
+        env={
+            "CKPTD_NODE__LISTEN": '"127.0.0.1:7070"',
+            "CKPTD_PEER__ADDRESSES": '["localhost:7070", "127.0.0.1:7071"]',
+            "CKPTD_PEER__INSECURE": "true",
+        }
     )
     assert c.peers == ("127.0.0.1:7071",)
     assert c.replicas == 1

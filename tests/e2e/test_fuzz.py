@@ -51,7 +51,7 @@ def call(channel: grpc.Channel, service: str, method: str, data: bytes) -> str:
 
 @pytest.mark.timeout(300)
 def test_malformed_messages_are_refused_quietly_and_the_daemon_still_serves(make_daemon, short_tmp):
-    node = make_daemon(listen=f"127.0.0.1:{free_port()}").start()
+    node = make_daemon("[peer]\ninsecure = true\n", listen=f"127.0.0.1:{free_port()}").start()
     rng = random.Random(SEED)
     codes: Counter[str] = Counter()
     with grpc.insecure_channel(f"unix:{node.address}") as local, grpc.insecure_channel(node.listen) as peer:

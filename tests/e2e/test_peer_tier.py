@@ -161,6 +161,12 @@ def test_tls_peers_replicate_and_refuse_strangers(make_cluster, short_tmp):
         with pytest.raises(PeerError):
             link.inventory(timeout_s=5)
         link.close()
+    # Signed by the same authority, but for a host that is none of the configured peers: refused too.
+    intruder_cert, intruder_key = ca.issue("intruder", dns_names=("intruder.example",))
+    intruder = PeerLink(a.listen, PeerConfig(cert=str(intruder_cert), key=str(intruder_key), ca=str(ca.ca_path)))
+    with pytest.raises(PeerError, match="names none of the hosts in"):
+        intruder.inventory(timeout_s=5)
+    intruder.close()
     trusted = PeerLink(a.listen, PeerConfig(cert=str(files[1][0]), key=str(files[1][1]), ca=str(ca.ca_path)))
     assert {s.step for s in trusted.inventory(JOB, timeout_s=5)} == {1}
     trusted.close()
@@ -287,7 +293,7 @@ def _mapped_ipv6_reaches_ipv4() -> bool:
 def test_a_peer_address_that_leads_back_to_the_node_itself_is_left_out(make_daemon):
     port = free_port()
     alias = f"[::ffff:127.0.0.1]:{port}"  # this node by another name, which the config cannot tell
-    a = make_daemon(f'[peer]\naddresses = ["{alias}"]\n', listen=f"127.0.0.1:{port}").start()
+    a = make_daemon(f'[peer]\naddresses = ["{alias}"]\ninsecure = true\n', listen=f"127.0.0.1:{port}").start()
     with ckpt.Checkpointer(job=JOB, rank=0, world_size=1, address=a.address) as c:
         h = c.save_async(rank_state(0, 1), step=1)
         h.wait("nvme", timeout=30)
@@ -322,3 +328,23 @@ def test_a_bad_nvme_copy_is_replaced_by_a_peers_good_one_on_load(make_cluster):
         assert_same(c.load(), rank_state(0, 4))
     assert "fetched rank 0 shard of train step 4 from the peers" in a.log()
     assert a.cli("verify", "--job", JOB, "--tier", "nvme").returncode == 0
+
+
+def test_a_hostile_commit_record_deletes_nothing_of_a_complete_step(make_cluster):
+    (a,) = (d.start() for d in make_cluster(1))
+    with ckpt.Checkpointer(job=JOB, rank=0, world_size=1, address=a.address) as c:
+        c.save_async(rank_state(0, 1), step=1).wait("nvme", timeout=30)
+    step_dir = a.root / JOB / "1"
+    record = CommitRecord.from_bytes((step_dir / COMMIT_NAME).read_bytes(), "test")
+    files = sorted(p.name for p in step_dir.iterdir())
+    # Well formed, and it lists other shards (two ranks, neither of them this one's): adopting
+    # it would delete this node's shard. A complete step keeps its own record and every shard.
+    hostile = CommitRecord(JOB, 1, 2, ("0" * 32, "1" * 32), record.size_bytes * 2)
+    link = PeerLink(a.listen, PeerConfig(), "a-stranger")
+    link.commit_step(hostile, timeout_s=5)
+    link.close()
+    assert sorted(p.name for p in step_dir.iterdir()) == files
+    assert CommitRecord.from_bytes((step_dir / COMMIT_NAME).read_bytes(), "test") == record
+    with ckpt.Checkpointer(job=JOB, rank=0, world_size=1, address=a.address) as c:
+        assert_same(c.load(1), rank_state(0, 1))
+    assert "kept its commit record over a different one" in a.log()
