@@ -64,7 +64,8 @@ JOB = "bench-peer"
 def peer_toml(peer: str) -> str:
     """Return the rest of a node's config: the other node as its one peer, and short retention."""
     # Plaintext on loopback, said explicitly: the benchmark holds replication against a raw socket.
-    return f"[peer]\naddresses = [{json.dumps(peer)}]\nreplicas = 1\ninsecure = true\n\n[retention]\nnvme = 2\npeer = 2\n"
+    peer_section = f"[peer]\naddresses = [{json.dumps(peer)}]\nreplicas = 1\ninsecure = true\n"
+    return peer_section + "\n[retention]\nnvme = 2\npeer = 2\n"
 
 
 def free_port() -> int:
