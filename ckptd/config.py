@@ -33,6 +33,7 @@ class StagingConfig:
     budget_bytes: int = 0
     policy: str = "block"
     dir: str = ""
+    idle_ttl_s: int = 86400  # a job's slots go this long after its last save, once durable; 0 = never
 
 
 @dataclass(frozen=True)
@@ -207,6 +208,7 @@ def _check_values(c: Config) -> None:
             raise ConfigError(f"config key {name}: {why}")
 
     require(c.staging.budget_bytes >= 0, "staging.budget_bytes", "must be 0 (on demand) or positive")
+    require(c.staging.idle_ttl_s >= 0, "staging.idle_ttl_s", "must be 0 (never) or a number of seconds")
     require(c.staging.policy in ("block", "skip"), "staging.policy", f"must be block or skip, not {c.staging.policy!r}")
     require(c.peer.replicas >= 0, "peer.replicas", "must not be negative")
     require(c.object.every >= 1, "object.every", "must be at least 1")

@@ -15,6 +15,7 @@ from ckpt.errors import CheckpointError
 
 from ckptd.config import Config
 from ckptd.datapath.flush import Flusher
+from ckptd.datapath.idle_release import IdleRelease
 from ckptd.datapath.locate import Locator
 from ckptd.datapath.peering import Peering
 from ckptd.datapath.progress import ShardProgress
@@ -75,6 +76,7 @@ class Lifecycle:
             self.uploader,
         )
         self.flusher.retention = lambda job: self.retention.collect(dry_run=False, job=job, tiers=LOCAL_TIERS)
+        self.idle_release = IdleRelease(self.pool, self.nvme, config.staging.idle_ttl_s, self.retention.cleanup_thread)
         self.report = StatusReport(
             config, self.pool, self.memory, self.nvme, self.durable_tiers,
             self.flusher, self.progress, self.peering, self.uploader, self.retention,
@@ -96,6 +98,7 @@ class Lifecycle:
         if self.uploader is not None:
             self.uploader.start()
         self._background.append(loop.create_task(self.report.probe_loop()))
+        self._background.append(loop.create_task(self.idle_release.run_forever()))
         if self.peering.peer_tier is not None:
             self._background.append(loop.create_task(self._reconcile_forever()))
 

@@ -65,6 +65,7 @@ class SlotPool:
         self._reservations = time.time_ns()  # tokens never repeat across daemon restarts
         self._commits = 0
         self._evicted: list[Path] = []  # files of evicted slots, unlinked by the next allocation's thread
+        self.last_saved: dict[str, float] = {}  # job -> time.monotonic() of its last commit (or of recovery)
 
     # -- queries ---------------------------------------------------------------
 
@@ -238,6 +239,7 @@ class SlotPool:
         """Make the slot hold the snapshot, its flush next (event loop)."""
         slot.shard, slot.data_size_bytes, slot.meta = snapshot.key, snapshot.data_size_bytes, None
         slot.layout_json, slot.run_id, slot.state = layout_json, snapshot.run_id, "pending"
+        self.last_saved[slot.job] = time.monotonic()
 
     def abandon(self, slot: Slot) -> None:
         """Give up a slot whose markers could not be written: it holds nothing worth keeping (event loop)."""
@@ -254,6 +256,12 @@ class SlotPool:
             slot.state = "settled"
             self._changed.notify_all()
 
+    def drop_job(self, job: str) -> list[Slot]:
+        """Forget every slot of a job and return them, for the caller to unlink (event loop)."""
+        dropped = [s for key in [k for k in self._slots if k[0] == job] for s in self._slots.pop(key)]
+        self.last_saved.pop(job, None)
+        return dropped
+
     # -- recovery ------------------------------------------------------------------
 
     def recover(self) -> list[Slot]:
@@ -262,6 +270,7 @@ class SlotPool:
         held = []
         for slot in scan_slots(self.directory):
             self._slots.setdefault((slot.job, slot.rank), []).append(slot)
+            self.last_saved[slot.job] = time.monotonic()
             if slot.shard is not None:
                 slot.state = "pending"
                 held.append(slot)

@@ -122,6 +122,7 @@ class StatusReport:
                 "policy": self.config.staging.policy,
                 "budget_bytes": self.config.staging.budget_bytes,
                 "in_use_bytes": self.pool.in_use_bytes(),
+                "bytes_by_job": _bytes_by_job(slots),
                 "slots": len(slots),
                 "pending_flushes": sum(1 for s in slots if s.state == "pending"),
             },
@@ -140,3 +141,10 @@ class StatusReport:
             "newest_complete_age_s": {tier: round(age, 3) for tier, age in self._newest_step_ages().items()},
             "recent_errors": list(self.progress.errors),
         }
+
+
+def _bytes_by_job(slots: list[Any]) -> dict[str, int]:
+    held: dict[str, int] = {}
+    for s in slots:
+        held[s.job] = held.get(s.job, 0) + max(s.size_bytes, s.allocating_bytes)
+    return held
