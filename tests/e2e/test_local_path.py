@@ -579,5 +579,5 @@ def test_an_idle_job_gives_its_staging_memory_back_and_loads_from_nvme(make_daem
     assert "released 2 staging slots" in node.log()
     with ckpt.Checkpointer(job="idle", rank=0, world_size=1, address=node.address) as c:
         assert torch.equal(c.load(1)["w"], torch.arange(1000))  # from NVMe now
-        c.save_async({"w": torch.ones(3)}, step=2).wait("memory", timeout=30)  # new slots for a new save
+        c.save_async({"w": torch.ones(3)}, step=2).wait("nvme", timeout=30)  # new slots for a new save
         assert torch.equal(c.load(2)["w"], torch.ones(3))
