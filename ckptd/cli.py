@@ -139,10 +139,17 @@ def _parser() -> argparse.ArgumentParser:
         "gc",
         parents=[common, daemon],
         help="apply retention now",
-        epilog=_examples("ckptd gc --dry-run    # what would go, and why", "ckptd gc"),
+        epilog=_examples(
+            "ckptd gc --dry-run    # what would go, and why",
+            "ckptd gc",
+            "ckptd gc --job old-run --all [--tier object]   # a finished job: its slots, steps, replicas",
+        ),
     )
     s.add_argument("--json", action="store_true", help="print one JSON list of removals")
     s.add_argument("--dry-run", action="store_true", help="show what would be removed and why, remove nothing")
+    s.add_argument("--job", help="only this job")
+    s.add_argument("--all", action="store_true", help="with --job: remove the finished job from this node entirely")
+    s.add_argument("--tier", choices=("object",), help="with --all: its steps in the object store too")
     export.add_parser(command, common)
     return p
 
@@ -352,7 +359,10 @@ def cmd_verify(args: argparse.Namespace, config: Config) -> int:
 
 
 def cmd_gc(args: argparse.Namespace, config: Config) -> int:
-    reply = _client(args, config).call("Collect", pb.CollectRequest(dry_run=args.dry_run))
+    if (args.all and not args.job) or (args.tier and not args.all):
+        raise InvalidArgument("--all needs --job J, and --tier object needs --all")
+    request = pb.CollectRequest(dry_run=args.dry_run, job=args.job or "", all=args.all, object=args.tier == "object")
+    reply = _client(args, config).call("Collect", request)
     if args.json:
         print(json.dumps([{"tier": r.tier, "job": r.job, "step": r.step, "reason": r.reason} for r in reply.removals]))
         return 0

@@ -18,6 +18,8 @@ import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+from ckpt.errors import InvalidArgument
+
 from ckptd.datapath.staging import Slot, SlotPool
 from ckptd.tiers.nvme import LocalDirTier
 
@@ -77,6 +79,18 @@ class IdleRelease:
         log.info("released %d staging slots (%d bytes) of job %s, idle for %.0f s", len(dropped), size, job,
                  self.idle_ttl_s)  # fmt: skip
         return True
+
+    async def remove(self, job: str, dry_run: bool) -> list[Slot]:
+        """Give back every slot of a job now (`gc --all`), durable or not; refuse while one is in use."""
+        held = [s for s in self.pool.slots() if s.job == job]
+        if any(s.state in BUSY_STATES for s in held):
+            raise InvalidArgument(f"job {job} is still saving on this node: stop it, or wait for its last flush")
+        if dry_run:
+            return held
+        dropped = self.pool.drop_job(job)
+        await asyncio.get_running_loop().run_in_executor(self.thread, _unlink, dropped)
+        log.info("removed %d staging slots of job %s (gc --all)", len(dropped), job)
+        return dropped
 
     def _all_durable(self, held: list[Slot]) -> bool:
         return all(s.shard is None or (s.meta is not None and self.nvme.holds(s.meta)) for s in held)

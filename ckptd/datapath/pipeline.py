@@ -100,9 +100,16 @@ class Pipeline:
         """Return the /metrics page."""
         return await self.node.report.metrics_page()
 
-    async def collect(self, dry_run: bool) -> list[Removal]:
+    async def collect(self, dry_run: bool, job: str = "") -> list[Removal]:
         """Apply retention on every tier (`ckptd gc`), or report what it would remove."""
-        return await self.node.retention.collect(dry_run=dry_run, tiers=RETAINED_TIERS)
+        return await self.node.retention.collect(dry_run=dry_run, job=job, tiers=RETAINED_TIERS)
+
+    async def remove_job(self, job: str, dry_run: bool, object_too: bool) -> list[Removal]:
+        """Remove a finished job from this node (`ckptd gc --job J --all`): its slots, then its steps."""
+        slots = await self.node.idle_release.remove(job, dry_run)  # refuses a job still saving
+        removals = [Removal("memory", job, s.shard.step, f"rank {s.rank}'s staging slot") for s in slots if s.shard]
+        tiers = ("nvme", "peer", "object") if object_too else ("nvme", "peer")
+        return removals + await self.node.retention.remove_job(job, dry_run, tiers)
 
     # -- the peers' calls ----------------------------------------------------------------------
 

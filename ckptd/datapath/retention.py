@@ -204,6 +204,28 @@ class RetentionRunner:
                         log.info("aborted %d unfinished upload(s) of %s step %d in the object store", count, j, step)
         return removals
 
+    async def remove_job(self, job: str, dry_run: bool, tiers: tuple[str, ...]) -> list[Removal]:
+        """Remove every step of a finished job from the named tiers of this node (`ckptd gc --job J --all`)."""
+        reason = "the job is removed (gc --all)"
+        loop = asyncio.get_running_loop()
+        removals: list[Removal] = []
+        async with self._lock:
+            for tier in [t for t in self.durable_tiers if t.name in tiers]:
+                for step in await loop.run_in_executor(self.cleanup_thread, tier.all_steps, job):
+                    removals.append(Removal(tier.name, job, step, reason))
+                    if not dry_run:
+                        await loop.run_in_executor(self.cleanup_thread, tier.remove_step, job, step)
+            if "object" in tiers and self.object_tier is not None:
+                store = self.object_tier
+                steps = await self._on_object_threads(store.all_steps, job)
+                for step in steps:
+                    removals.append(Removal(store.name, job, step, reason))
+                    if not dry_run:
+                        await self._on_object_threads(store.remove_step, job, step)
+        if removals and not dry_run:
+            log.info("removed job %s from %s: %d steps", job, ", ".join(tiers), len(removals))
+        return removals
+
     def removal_failures(self) -> int:
         """Return how many step removals failed on this node's disks since start (each is retried)."""
         return sum(t.removal_failures for t in self.durable_tiers)

@@ -187,7 +187,13 @@ class CkptdServicer(ckptd_pb2_grpc.CkptdServicer):
 
     async def Collect(self, request: pb.CollectRequest, context: Any) -> pb.CollectReply:
         async def work() -> pb.CollectReply:
-            removals = await self.pipeline.collect(dry_run=request.dry_run)
+            job = validate_job(request.job) if request.job else ""
+            if request.all and not job:
+                raise InvalidArgument("removing a whole job (all) needs its name")
+            if request.all:
+                removals = await self.pipeline.remove_job(job, request.dry_run, request.object)
+            else:
+                removals = await self.pipeline.collect(dry_run=request.dry_run, job=job)
             return pb.CollectReply(
                 removals=[pb.Removal(tier=r.tier, job=r.job, step=r.step, reason=r.reason) for r in removals]
             )

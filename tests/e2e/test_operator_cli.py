@@ -71,3 +71,32 @@ def test_every_command_has_help(command):
     assert out.returncode == 0 and "--config" in out.stdout
     if command != "serve":
         assert "examples:\n  ckptd " + command in out.stdout
+
+
+def test_gc_all_removes_a_finished_job_from_the_node_and_the_store_only_when_named(make_daemon, short_tmp):
+    store = short_tmp / "store"
+    node = make_daemon(f'[object]\nurl = "file://{store}"\n').start()
+    for job in ("old", "keep"):
+        with ckpt.Checkpointer(job=job, rank=0, world_size=1, address=node.address) as c:
+            for step in (1, 2):
+                c.save_async({"w": torch.full((100,), step)}, step=step).wait("object", timeout=60)
+
+    def gc(*args: str) -> subprocess.CompletedProcess[str]:
+        return node.cli("gc", "--address", node.address, *args)
+
+    assert gc("--all").returncode == 2 and gc("--job", "old", "--tier", "object").returncode == 2
+    planned = json.loads(gc("--job", "old", "--all", "--tier", "object", "--dry-run", "--json").stdout)
+    assert {(r["tier"], r["step"]) for r in planned} == {("memory", 2), ("memory", 1), ("nvme", 1), ("nvme", 2),
+                                                        ("object", 1), ("object", 2)}  # fmt: skip
+    assert (node.staging_dir / "old").exists() and (node.root / "old" / "1").exists()  # a dry run removes nothing
+
+    removed = json.loads(gc("--job", "old", "--all", "--json").stdout)
+    assert {r["tier"] for r in removed} == {"memory", "nvme"}  # the store's copies stay: --tier object not named
+    assert not (node.staging_dir / "old").exists() and not list((node.root / "old").glob("[0-9]*"))
+    assert (store / "old" / "2").exists()
+    listed = json.loads(node.cli("ls", "--json", "--address", node.address).stdout)
+    assert {(s["job"], tuple(s["tiers"])) for s in listed if s["job"] == "old"} == {("old", ("object",))}
+    assert {s["step"] for s in listed if s["job"] == "keep" and "nvme" in s["tiers"]} == {1, 2}  # untouched
+
+    assert gc("--job", "old", "--all", "--tier", "object").returncode == 0
+    assert not [s for s in json.loads(node.cli("ls", "--json", "--address", node.address).stdout) if s["job"] == "old"]

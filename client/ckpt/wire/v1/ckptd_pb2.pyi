@@ -219,10 +219,16 @@ class StatusReply(_message.Message):
     def __init__(self, json: _Optional[str] = ...) -> None: ...
 
 class CollectRequest(_message.Message):
-    __slots__ = ("dry_run",)
+    __slots__ = ("dry_run", "job", "all", "object")
     DRY_RUN_FIELD_NUMBER: _ClassVar[int]
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    ALL_FIELD_NUMBER: _ClassVar[int]
+    OBJECT_FIELD_NUMBER: _ClassVar[int]
     dry_run: bool
-    def __init__(self, dry_run: _Optional[bool] = ...) -> None: ...
+    job: str
+    all: bool
+    object: bool
+    def __init__(self, dry_run: _Optional[bool] = ..., job: _Optional[str] = ..., all: _Optional[bool] = ..., object: _Optional[bool] = ...) -> None: ...
 
 class Removal(_message.Message):
     __slots__ = ("tier", "job", "step", "reason")
