@@ -62,6 +62,7 @@ def test_malformed_messages_are_refused_quietly_and_the_daemon_still_serves(make
             else:
                 method = rng.choice(LOCAL)
                 codes[call(local, "Ckptd", method, payloads(rng))] += 1
+    print("answers to", MESSAGES, "malformed messages:", dict(codes))
     assert sum(codes.values()) == MESSAGES
     assert set(codes) <= EXPECTED, codes  # never UNKNOWN: no exception escaped our code
     assert codes["INVALID_ARGUMENT"] > MESSAGES // 2
