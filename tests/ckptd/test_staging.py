@@ -188,3 +188,17 @@ def test_a_client_commits_only_the_slot_it_reserved(tmp_path):
         pool.commit(Snapshot(ShardKey("j", 1, 0, 2), str(mine.path), mine.reservation, MIB, "{}"))
 
     asyncio.run(run())
+
+
+def test_slots_found_at_start_count_against_the_budget(tmp_path):
+    _save(_pool(tmp_path), 1, job="before")  # a daemon that stopped, leaving its newest snapshot in memory
+    slots = [p for p in (tmp_path / "staging" / "before").iterdir() if p.suffix.startswith(".slot-")]
+    on_disk = sum(p.stat().st_size for p in slots)
+    pool = _pool(tmp_path, budget_bytes=on_disk, policy="skip")  # starts by finding them
+    assert pool.in_use_bytes() == on_disk > 0
+
+    async def run():
+        slot, _, reason = await pool.reserve("after", 0, on_disk)
+        assert slot is None and "budget" in reason  # the other job's newest snapshot is never evicted
+
+    asyncio.run(run())
