@@ -88,6 +88,7 @@ def scan_slots(directory: Path) -> list[Slot]:
         for path in sorted(job_dir.iterdir()) if job_dir.is_dir() else []:
             m = SLOT_NAME.fullmatch(path.name)
             if not m:
+                _remove_if_stray(path)
                 continue
             slot = Slot(path, job_dir.name, int(m[1]), int(m[2]), path.stat().st_size)
             try:
@@ -97,6 +98,17 @@ def scan_slots(directory: Path) -> list[Slot]:
                 slot.shard, slot.meta, slot.layout_json = None, None, ""
             found.append(slot)
     return found
+
+
+MARKER_NAME = re.compile(r"(rank-\d{5}\.slot-\d+)\.(meta\.json|pending\.json|layout)(\.tmp)?")
+
+
+def _remove_if_stray(path: Path) -> None:
+    """Remove a marker left without its slot, or half written (a crash in write_replace): it holds nothing."""
+    m = MARKER_NAME.fullmatch(path.name)
+    if m and (m[3] or not path.with_name(m[1]).exists()):
+        path.unlink(missing_ok=True)
+        log.info("removed stray staging file %s", path)
 
 
 def _load_markers(slot: Slot) -> None:

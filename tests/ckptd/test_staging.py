@@ -202,3 +202,17 @@ def test_slots_found_at_start_count_against_the_budget(tmp_path):
         assert slot is None and "budget" in reason  # the other job's newest snapshot is never evicted
 
     asyncio.run(run())
+
+
+def test_markers_left_without_their_slot_or_half_written_are_removed_at_start(tmp_path):
+    _save(_pool(tmp_path), 1)
+    job_dir = tmp_path / "staging" / "j"
+    (job_dir / "rank-00003.slot-0.meta.json").write_text("{}")  # its slot is gone
+    (job_dir / "rank-00000.slot-0.pending.json.tmp").write_text("half")  # a crash in write_replace
+    (job_dir / "notes.txt").write_text("not ours to judge")
+    kept = sorted(
+        p.name for p in job_dir.iterdir() if not p.name.startswith(("rank-00003", "rank-00000.slot-0.pending.json.tmp"))
+    )
+    pool = _pool(tmp_path)
+    assert sorted(p.name for p in job_dir.iterdir()) == kept
+    assert pool.newest("j", 0) is not None and pool.newest("j", 0).shard.step == 1
