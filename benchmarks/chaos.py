@@ -50,6 +50,8 @@ KINDS = ("daemon", "rank", "both", "flip-data", "flip-record", "truncate", "flip
 JOB = "chaos"
 CHECK_NEWEST = 3
 CHECK_SAMPLE = 3
+FINAL_NEWEST = 50  # at the end: the newest steps and a sample of every durable step
+FINAL_SAMPLE = 450
 SERVE_TIMEOUT_S = 60.0
 
 
@@ -204,7 +206,9 @@ def campaign(faults: int, seed: int, work: Path, staging: Path) -> dict[str, dic
             steps = sorted(set(newest) | set(sample) | ({touched} if touched and touched >= 0 else set()))
             table[kind] += check(daemon, steps, damaged)
         rank.kill()
-        table["final"] += check(daemon, sorted(rank.steps()), damaged)
+        every = sorted(rank.steps())
+        final = sorted(set(every[-FINAL_NEWEST:]) | set(rng.sample(every, min(FINAL_SAMPLE, len(every)))))
+        table["final"] += check(daemon, final, damaged)
     finally:
         rank.kill()
         daemon.kill()
@@ -220,6 +224,7 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=1, help="the campaign's seed (default 1)")
     p.add_argument("--json", type=Path, help="where to write the table as JSON")
     args = p.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # so that a stopped campaign still cleans up
     work = Path(tempfile.mkdtemp(prefix="ckptd-chaos-"))
     staging = Path(tempfile.mkdtemp(prefix="ckptd-chaos-", dir="/dev/shm"))
     started = time.monotonic()
