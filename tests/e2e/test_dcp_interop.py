@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import warnings
 from pathlib import Path
 
@@ -16,25 +13,17 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+from torchrun import torchrun as run_torchrun
 
 pytestmark = pytest.mark.e2e
 
 WORKER = Path(__file__).resolve().parent / "dcp_worker.py"
 JOB = "dcp"
-TORCHRUN_TIMEOUT_S = 200
 KEEP_EVERY_STEP = "[retention]\nnvme = 0\n"  # the tests read old steps
 
 
 def torchrun(ranks: int, daemon, *args: str) -> None:
-    env = {**os.environ, "CKPTD_ADDRESS": daemon.address, "CKPT_JOB": JOB, "OMP_NUM_THREADS": "1"}
-    env.pop("CKPTD_ADDRESSES", None)
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks)]
-    run = subprocess.run(
-        [*command, str(WORKER), *args], env=env, capture_output=True, text=True, timeout=TORCHRUN_TIMEOUT_S
-    )
-    if run.returncode != 0:
-        said = [line for line in run.stderr.splitlines() if "Warning" not in line and "warn(" not in line]
-        raise AssertionError("torchrun failed:\n" + run.stdout + "\n".join(said[-200:]))
+    run_torchrun(ranks, WORKER, *args, env={"CKPTD_ADDRESS": daemon.address, "CKPT_JOB": JOB})
 
 
 def assert_same_tensors(saved: dict[str, torch.Tensor], loaded: dict[str, torch.Tensor]) -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import warnings
 from pathlib import Path
 from typing import Any
@@ -16,6 +15,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from conftest import CKPTD
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from torchrun import torchrun as run_torchrun
 
 pytestmark = pytest.mark.e2e
 
@@ -27,12 +27,8 @@ TORCHRUN_TIMEOUT_S = 180
 
 def torchrun_fsdp(node, dump: Path) -> None:
     """Train 5 steps of the FSDP2 example on 4 ranks, saving step 5 through node; rank 0 dumps the full tensors."""
-    env = {**os.environ, "CKPTD_ADDRESS": node.address, "CKPT_JOB": JOB, "OMP_NUM_THREADS": "1"}
-    env.pop("CKPTD_ADDRESSES", None)
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", str(SCRIPT)]
-    command += ["--steps", str(STEPS), "--ckpt-every", str(STEPS), "--dump", str(dump)]
-    run = subprocess.run(command, env=env, capture_output=True, text=True, timeout=TORCHRUN_TIMEOUT_S)
-    assert run.returncode == 0, f"torchrun failed:\n{run.stdout}\n{run.stderr}"
+    args = ["--steps", str(STEPS), "--ckpt-every", str(STEPS), "--dump", str(dump)]
+    run_torchrun(4, SCRIPT, *args, env={"CKPTD_ADDRESS": node.address, "CKPT_JOB": JOB}, timeout_s=TORCHRUN_TIMEOUT_S)
 
 
 def flat(state: Any, prefix: str = "") -> dict[str, Any]:

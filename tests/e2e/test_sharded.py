@@ -4,9 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,25 +12,28 @@ from ckpt.format import INDEX_NAME, ShardMeta, data_name, meta_name
 from ckpt.shard_io import read_commit
 from ckpt.step_index import StepIndex
 from conftest import eventually
+from torchrun import torchrun as run_torchrun
 
 pytestmark = pytest.mark.e2e
 
 SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "fsdp_train.py"
-TORCHRUN_TIMEOUT_S = 150
 
 
-def torchrun(ranks: int, addresses: list[str], job: str, *args: str) -> subprocess.CompletedProcess[str]:
-    """Run examples/fsdp_train.py on `ranks` ranks spread evenly over the daemons at addresses."""
-    env = {**os.environ, "CKPTD_ADDRESSES": ",".join(addresses), "CKPT_JOB": job, "OMP_NUM_THREADS": "1"}
-    env.pop("CKPTD_ADDRESS", None)
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks)]
-    run = subprocess.run(
-        [*command, str(SCRIPT), *args], env=env, capture_output=True, text=True, timeout=TORCHRUN_TIMEOUT_S
-    )
-    if run.returncode != 0:
-        said = [line for line in run.stderr.splitlines() if "Warning" not in line and "warn(" not in line]
-        raise AssertionError("torchrun failed:\n" + run.stdout + "\n".join(said[:200]))
-    return run
+def torchrun(ranks: int, addresses: list[str], job: str, *args: str) -> str:
+    """Run examples/fsdp_train.py on `ranks` ranks spread evenly over the daemons at addresses; return its output."""
+    return run_torchrun(ranks, SCRIPT, *args, env={"CKPTD_ADDRESSES": ",".join(addresses), "CKPT_JOB": job})
+
+
+def layout(step_dir: Path, rank: int) -> dict:
+    """Return a rank's layout as its shard record holds it, its data file checked to be whole."""
+    meta = ShardMeta.from_bytes((step_dir / meta_name(rank)).read_bytes(), f"rank {rank}")
+    assert (step_dir / data_name(rank)).stat().st_size == meta.data_size_bytes
+    return json.loads(meta.layout_json)
+
+
+def chunk_bytes(step_dir: Path, world_size: int) -> list[int]:
+    """Return, by rank, the bytes of the sharded tensors' chunks each rank wrote."""
+    return [sum(e["nbytes"] for e in layout(step_dir, r)["tensors"] if e["kind"] == "chunk") for r in range(world_size)]
 
 
 def losses(path: Path) -> dict[int, float]:
@@ -60,8 +60,8 @@ def test_fsdp2_resumes_bit_for_bit_on_4_ranks_and_reshards_to_2(daemon, short_tm
     assert (step_dir / INDEX_NAME).exists()  # merged when the step was committed
 
     # Resharded: 2 ranks load the 4-rank step in place, every full tensor as saved.
-    run = torchrun(2, at, "fsdp", "--dump", str(short_tmp / "loaded2.pt"), "--dump-after-load")
-    assert "resumed from step 5 on 2 ranks" in run.stdout
+    out = torchrun(2, at, "fsdp", "--dump", str(short_tmp / "loaded2.pt"), "--dump-after-load")
+    assert "resumed from step 5 on 2 ranks" in out
     assert_same_tensors(short_tmp / "saved.pt", short_tmp / "loaded2.pt")
 
     # Same size: training goes on bit for bit as if never interrupted.
@@ -80,21 +80,14 @@ def test_tp_x_fsdp_loads_as_4_rank_fsdp_and_writes_replicated_chunks_once(daemon
     # The bytes on disk: each chunk of each sharded tensor written by one rank only, though
     # down.bias is Replicate across the TP pairs and head.* live on the data-parallel sub-mesh.
     step_dir = daemon.root / "tp" / "5"
-    record = read_commit(step_dir)
     index = StepIndex.from_bytes((step_dir / INDEX_NAME).read_bytes(), "index")
-    written = 0
-    for rank in range(record.world_size):
-        meta = ShardMeta.from_bytes((step_dir / meta_name(rank)).read_bytes(), "meta")
-        assert (step_dir / data_name(rank)).stat().st_size == meta.data_size_bytes
-        layout = json.loads(meta.layout_json)
-        written += sum(e["nbytes"] for e in layout["tensors"] if e["kind"] == "chunk")
+    written = sum(chunk_bytes(step_dir, read_commit(step_dir).world_size))
     whole = sum(
         math.prod(t.shape) * torch.empty(0, dtype=getattr(torch, t.dtype)).element_size()
         for t in index.tensors.values()
     )
     assert written == whole
-    placements = json.loads(ShardMeta.from_bytes((step_dir / meta_name(0)).read_bytes(), "m").layout_json)["dtensors"]
-    assert "Replicate()" in placements["model.down.bias"]["placements"]
+    assert "Replicate()" in layout(step_dir, 0)["dtensors"]["model.down.bias"]["placements"]
 
 
 @pytest.mark.timeout(600)
@@ -104,11 +97,9 @@ def test_hsdp_writes_each_replicated_chunk_once_and_loads_as_2_rank_fsdp(daemon,
     torchrun(2, at, "h", "--mesh", "fsdp", "--dump", str(short_tmp / "l.pt"), "--dump-after-load")
     assert_same_tensors(short_tmp / "s.pt", short_tmp / "l.pt")
     step_dir = daemon.root / "h" / "5"
-    metas = [ShardMeta.from_bytes((step_dir / meta_name(r)).read_bytes(), "m") for r in range(4)]
-    layouts = [json.loads(m.layout_json) for m in metas]
-    written = [sum(e["nbytes"] for e in layout["tensors"] if e["kind"] == "chunk") for layout in layouts]
+    written = chunk_bytes(step_dir, 4)
     assert written[0] > 0 and written[1] > 0 and written[2:] == [0, 0]  # the replicas at coordinate 1 write none
-    assert layouts[2]["dtensors"]["model.up.weight"]["placements"] == ["Replicate()", "Shard(dim=0)"]
+    assert layout(step_dir, 2)["dtensors"]["model.up.weight"]["placements"] == ["Replicate()", "Shard(dim=0)"]
 
 
 @pytest.mark.timeout(600)

@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from ckpt.format import data_name
+from torchrun import torchrun as run_torchrun
 
 pytestmark = pytest.mark.e2e
 
@@ -23,12 +21,9 @@ TORCHRUN_TIMEOUT_S = 120
 
 def torchrun(nodes, losses: Path, *args: str, steps: int = STEPS) -> dict:
     """Run the example on 4 ranks, ranks 0-1 on nodes[0] and 2-3 on nodes[1]; return rank 0's losses file."""
-    env = {**os.environ, "CKPTD_ADDRESSES": ",".join(n.address for n in nodes), "CKPT_JOB": JOB}
-    env.pop("CKPTD_ADDRESS", None)
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4"]
-    command += [str(SCRIPT), "--steps", str(steps), "--losses", str(losses), *args]
-    run = subprocess.run(command, env=env, capture_output=True, text=True, timeout=TORCHRUN_TIMEOUT_S)
-    assert run.returncode == 0, f"torchrun failed:\n{run.stdout}\n{run.stderr}"
+    env = {"CKPTD_ADDRESSES": ",".join(n.address for n in nodes), "CKPT_JOB": JOB}
+    args = ["--steps", str(steps), "--losses", str(losses), *args]
+    run_torchrun(4, SCRIPT, *args, env=env, timeout_s=TORCHRUN_TIMEOUT_S)
     result = json.loads(losses.read_text())
     return {"resumed_from": result["resumed_from"], "losses": {int(s): v for s, v in result["losses"].items()}}
 
