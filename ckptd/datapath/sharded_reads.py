@@ -28,7 +28,6 @@ log = logging.getLogger(__name__)
 
 INDEX_CACHE_STEPS = 8
 FETCH_RANGE_BYTES = 64 << 20  # a range asked for is fetched and sent about this much at a time (whole chunks)
-PIECE_BYTES = 1 << 20
 
 
 class ShardedReads:
@@ -122,7 +121,8 @@ class ShardedReads:
         raise NotFound(f"rank {rank} shard record of {record.job} step {record.step}: " + "; ".join(errors))
 
     async def read_shard(self, job: str, step: int, rank: int, ranges: list[tuple[int, int]]) -> AsyncIterator[bytes]:
-        """Yield a rank's sealed shard record, then the bytes of each range, fetched from the peers or the store."""
+        """Yield a rank's sealed shard record, then the bytes of each range (in blocks of about FETCH_RANGE_BYTES),
+        fetched from the peers or the store; the servicer cuts them into messages."""
         locator = self.locator
         record = await locator.on_locate_threads(self._commit_record, job, step)
         if not 0 <= rank < record.world_size:
@@ -140,8 +140,7 @@ class ShardedReads:
                 )
                 for name in bad_tiers:
                     locator.verification_failed(name)
-                for p in range(0, len(data), PIECE_BYTES):
-                    yield data[p : p + PIECE_BYTES]
+                yield data
 
     def _fetch(self, meta: ShardMeta, offset: int, length: int) -> tuple[bytes, list[str]]:
         """Return a range of a shard from the first tier beyond this node whose copy checks, and the failed tiers."""

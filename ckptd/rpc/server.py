@@ -19,6 +19,7 @@ from ckptd.datapath.receiving import AlreadyHeld, ReceiverBusy
 from ckptd.datapath.staging import ShardKey, Snapshot
 from ckptd.rpc.guard import NotAPeer
 from ckptd.rpc.peer_link import IsSelf
+from ckptd.rpc.shard_stream import PIECE_BYTES
 
 T = TypeVar("T")
 MAX_LAYOUT_BYTES = 128 << 20
@@ -157,14 +158,13 @@ class CkptdServicer(ckptd_pb2_grpc.CkptdServicer):
             ranges = [(r.offset, r.length) for r in request.ranges]
             return self.pipeline.read_shard(job, step, request.rank, ranges)
 
-        pieces = await answer(context, start)
-        first = True
-        while True:
-            piece = await answer(context, lambda: anext(pieces, None))
-            if piece is None:
-                return
-            yield pb.ReadShardPiece(meta_json=piece) if first else pb.ReadShardPiece(data=piece)
-            first = False
+        blocks = await answer(context, start)
+        record = await answer(context, lambda: anext(blocks, None))
+        yield pb.ReadShardPiece(meta_json=record)
+        while (block := await answer(context, lambda: anext(blocks, None))) is not None:
+            view = memoryview(block)
+            for at in range(0, len(view), PIECE_BYTES):
+                yield pb.ReadShardPiece(data=view[at : at + PIECE_BYTES].tobytes())
 
     async def List(self, request: pb.ListRequest, context: Any) -> pb.ListReply:
         async def work() -> pb.ListReply:
