@@ -35,7 +35,7 @@ import ckpt
 import torch
 import xxhash
 from ckpt.format import ShardMeta, data_name, meta_name
-from daemon import BenchDaemon
+from daemon import BenchDaemon, free_port
 from report import (  # benchmarks/report.py: run as scripts, this directory is on sys.path
     Row,
     held,
@@ -66,13 +66,6 @@ def peer_toml(peer: str) -> str:
     # Plaintext on loopback, said explicitly: the benchmark holds replication against a raw socket.
     peer_section = f"[peer]\naddresses = [{json.dumps(peer)}]\nreplicas = 1\ninsecure = true\n"
     return peer_section + "\n[retention]\nnvme = 2\npeer = 2\n"
-
-
-def free_port() -> int:
-    """Return a loopback port that was free a moment ago."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # -- the raw socket limit ------------------------------------------------------------------

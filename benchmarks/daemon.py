@@ -28,6 +28,13 @@ STATUS_TIMEOUT_S = 120.0
 CLOCK_TICKS_PER_S = os.sysconf("SC_CLK_TCK")
 
 
+def free_port() -> int:
+    """Return a loopback port that was free a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def daemon_env() -> dict[str, str]:
     """Return the daemon's environment: this one's, PYTHONPATH (which code it runs) included, less CKPTD_*."""
     return {k: v for k, v in os.environ.items() if not k.startswith("CKPTD_")}

@@ -62,8 +62,11 @@ def restore(tiers: list[Tier], job: str, step: int, target: Path, progress: Prog
     """Copy every shard of a complete step from the first tier holding a good copy into target/<job>/<step>/."""
     out = LocalDirTier(target, name="restore")
     step_dir = out.step_dir(job, step)
-    if step_dir.exists():
+    if _knows(out, job, step):
         raise CheckpointError(f"{step_dir} already exists; restore into an empty place")
+    if step_dir.exists():  # no commit record: what a restore that was killed left
+        progress(f"{step_dir}: removing what an earlier restore, cut short, left there")
+        out.remove_step(job, step)
     # Every tier that knows the step as complete may hold some of its ranks: a step spread
     # over nodes has part of its shards here and the rest on the peers.
     holders = [t for t in tiers if _knows(t, job, step)]

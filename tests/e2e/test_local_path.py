@@ -247,6 +247,14 @@ def test_restore_to_a_directory_read_back_by_load_local(daemon):
     again = daemon.cli("restore", "--job", "rest", "--to", str(daemon.base / "out-nvme"))
     assert again.returncode == 1 and "already exists" in again.stderr
 
+    cut_short = daemon.base / "out-nvme" / "rest" / "3"  # what a restore killed before its commit record leaves
+    (cut_short / COMMIT_NAME).unlink()
+    (cut_short / data_name(1)).write_bytes(b"half")
+    r = daemon.cli("restore", "--job", "rest", "--to", str(daemon.base / "out-nvme"))
+    assert r.returncode == 0 and "cut short" in r.stderr, r.stderr
+    for rank in range(2):
+        assert_same(every_kind_state(seed=rank), ckpt.load_local(cut_short, rank=rank))
+
 
 def test_restore_works_with_no_daemon_running(daemon):
     with ckpt.Checkpointer(job="cold", address=daemon.address) as c:

@@ -1,0 +1,244 @@
+"""The faults of a campaign, one function per kind: chaos.py calls inject(kind, ...) between two checks.
+
+Each returns a Fault: the copies it damaged (step -> tiers), the tier on which a new
+step must be reported before the system counts as serving again, and what it measured
+on the way (how long a killed node took to answer, what a killed daemon was doing,
+what a killed restore left). None when there was nothing to damage yet.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import ckpt
+import torch
+from chaos_cluster import JOB, Cluster
+from chaos_rank import state_for
+from ckpt.format import COMMIT_NAME, data_name, meta_name
+from daemon import daemon_env
+
+KINDS = (
+    "daemon",
+    "rank",
+    "both",
+    "startup",
+    "peer",
+    "peer-stall",
+    "restore",
+    "disk-full",
+    "object-5xx",
+    "object-reset",
+    "object-stall",
+    "flip-data",
+    "flip-record",
+    "truncate",
+    "flip-slot",
+    "flip-replica",
+    "flip-object",
+)
+OUTAGE_S = (0.5, 3.0)  # how long a store, a peer or a disk stays broken
+STARTUP_KILL_S = (0.0, 0.6)  # when, after its launch, a daemon is killed in its start-up
+RESTORE_TIMEOUT_S = 120.0
+
+
+@dataclass
+class Fault:
+    """What one injected fault did, for the campaign's checks and table."""
+
+    kind: str
+    damaged: dict[int, set[str]] = field(default_factory=dict)  # step -> tiers whose copy was damaged
+    awaits: str = "nvme"  # a step must reach this tier after the fault before the system serves again
+    ended_at: float = field(default_factory=time.monotonic)
+    serve_again_s: float | None = None  # measured by the fault itself (a restart, a restore)
+    found: Counter[str] = field(default_factory=Counter)  # counts the fault checked itself
+
+
+def inject(kind: str, rng: random.Random, cluster: Cluster, must_load: list[int]) -> Fault | None:
+    """Inject one fault of kind; return what it did, or None if it found nothing to damage."""
+    if kind in ("daemon", "rank", "both", "startup"):
+        return _kill(kind, rng, cluster)
+    if kind == "peer":
+        cluster.b.kill()
+        return Fault(kind, awaits="peer", serve_again_s=cluster.restart(cluster.b))
+    if kind == "peer-stall":  # the port still accepts; nothing behind it answers
+        assert cluster.b.proc is not None
+        os.kill(cluster.b.proc.pid, signal.SIGSTOP)
+        time.sleep(rng.uniform(*OUTAGE_S))  # the outage's length is the fault
+        os.kill(cluster.b.proc.pid, signal.SIGCONT)
+        return Fault(kind, awaits="peer")
+    if kind == "disk-full":
+        if not cluster.disk.mounted:
+            return None
+        cluster.disk.fill()
+        time.sleep(rng.uniform(*OUTAGE_S))
+        cluster.disk.free()
+        return Fault(kind)
+    if kind.startswith("object-"):
+        assert cluster.proxy is not None
+        answered, reset = cluster.proxy.answered_5xx, cluster.proxy.reset_connections
+        cluster.proxy.set_mode(kind.removeprefix("object-"))
+        time.sleep(rng.uniform(*OUTAGE_S))
+        cluster.proxy.set_mode("pass")
+        fault = Fault(kind, awaits="object")
+        fault.found["store answers 503"] = cluster.proxy.answered_5xx - answered
+        fault.found["store connections reset"] = cluster.proxy.reset_connections - reset
+        return fault
+    if kind == "restore":
+        return _restore(rng, cluster, must_load) if must_load else None
+    return _damage(kind, rng, cluster)
+
+
+def activity(cluster: Cluster) -> Counter[str]:
+    """Return what node a has under way: flushes, replicas and uploads (from its status)."""
+    try:
+        status = cluster.a.status()
+    except Exception:  # a node that does not answer is doing nothing we can name
+        return Counter()
+    peers = status["tiers"]["peer"].get("peers", {}).values()
+    store = status["tiers"]["object"]
+    return Counter(
+        {
+            "during flush": int(status["staging"]["pending_flushes"] > 0),
+            "during replication": int(sum(p["pending_replicas"] for p in peers) > 0),
+            "during upload": int(store.get("uploading", 0) + store.get("pending_uploads", 0) > 0),
+        }
+    )
+
+
+def _kill(kind: str, rng: random.Random, cluster: Cluster) -> Fault:
+    fault = Fault(kind)
+    if kind != "rank":
+        fault.found += activity(cluster)
+        cluster.a.kill()
+    if kind in ("rank", "both"):
+        cluster.rank.kill()
+    if kind == "startup":  # killed again while it recovers what the first kill left
+        (cluster.a.work / "notify.sock").unlink(missing_ok=True)
+        cluster.a.launch().close()
+        time.sleep(rng.uniform(*STARTUP_KILL_S))  # a random moment of the start-up is the fault
+        cluster.a.kill()
+    if kind != "rank":
+        fault.serve_again_s = cluster.restart(cluster.a)
+    if kind in ("rank", "both"):
+        cluster.rank.start()
+    return fault
+
+
+def _restore(rng: random.Random, cluster: Cluster, must_load: list[int]) -> Fault:
+    """Kill a `ckptd restore`, or the daemon beside it, at a random moment; check what is left, restore again.
+
+    A killed restore leaves nothing that loads with other bytes, and restoring again to
+    the same place succeeds. A restore whose daemon was killed finishes: it needs none.
+    """
+    fault = Fault("restore")
+    step = rng.choice(must_load)
+    step_dir = cluster.work / "restored" / JOB / str(step)
+    command = [sys.executable, "-m", "ckptd", "restore", "--config", str(cluster.a.work / "ckptd.toml")]
+    command += ["--job", JOB, "--step", str(step), "--to", str(cluster.work / "restored")]
+    log_path = cluster.work / "restore.log"
+    with open(log_path, "wb") as log:
+        started = time.monotonic()
+        run = subprocess.Popen(command, env=daemon_env(), cwd=cluster.work, stdout=log, stderr=log)
+        victim = rng.choice(("restore", "daemon"))
+        try:
+            run.wait(timeout=rng.uniform(0.0, 1.5))  # a random moment of the restore is the fault
+            victim = "nothing (it was done)"
+        except subprocess.TimeoutExpired:
+            if victim == "daemon":
+                cluster.a.kill()
+                cluster.restart(cluster.a)
+            else:
+                run.kill()
+        returncode = run.wait(timeout=RESTORE_TIMEOUT_S)
+        fault.found[f"killed {victim}"] += 1
+        if victim == "restore":
+            fault.found += _check_restored(step_dir, step, complete=False)
+            started = time.monotonic()
+            returncode = subprocess.run(command, env=daemon_env(), cwd=cluster.work, stdout=log, stderr=log).returncode
+    fault.serve_again_s = time.monotonic() - started
+    if returncode != 0:
+        fault.found["lost"] += 1
+        print(f"restore of step {step} failed: {log_path.read_text(errors='replace')[-500:]}", flush=True)
+    else:
+        fault.found += _check_restored(step_dir, step, complete=True)
+    shutil.rmtree(cluster.work / "restored", ignore_errors=True)
+    return fault
+
+
+def _check_restored(step_dir: Path, step: int, complete: bool) -> Counter[str]:
+    """Load a restore's output with no daemon: right bytes, or an error when the restore was cut short."""
+    found: Counter[str] = Counter()
+    try:
+        got = ckpt.load_local(step_dir)
+    except ckpt.CheckpointError:
+        found["lost" if complete else "cut short, refused"] += 1
+        return found
+    found["checked"] += 1
+    if not (step_dir / COMMIT_NAME).exists():
+        found["partial visible"] += 1
+    if got["step"] != step or not torch.equal(got["w"], state_for(step)["w"]):
+        found["wrong bytes"] += 1
+    return found
+
+
+def _damage(kind: str, rng: random.Random, cluster: Cluster) -> Fault | None:
+    """Flip a bit in, or cut short, one file of a durable copy; None if no copy is there to damage."""
+    if kind == "flip-slot":
+        slots = [p for p in (cluster.a.staging / JOB).glob("rank-*.slot-*") if p.suffix.startswith(".slot-")]
+        if not slots:
+            return None
+        _flip(rng, rng.choice(slots))
+        return Fault(kind)  # which step the slot holds is the daemon's to say: the checks load from memory first
+    if kind == "flip-object":
+        steps = sorted(cluster.rank.steps("object"))
+        keys = cluster.object_keys(rng.choice(steps)) if steps else []
+        if not keys:
+            return None
+        key = rng.choice(keys)
+        step = int(key.split("/")[-2])
+        assert cluster.s3 is not None
+        body = bytearray(cluster.s3.client.get_object(Bucket=cluster.bucket, Key=key)["Body"].read())
+        if body:
+            body[rng.randrange(len(body))] ^= 1 << rng.randrange(8)
+        cluster.s3.client.put_object(Bucket=cluster.bucket, Key=key, Body=bytes(body))
+        return Fault(kind, damaged={step: {"object"}})
+    tier, where = ("peer", cluster.replica_dir) if kind == "flip-replica" else ("nvme", cluster.nvme_dir)
+    steps = sorted(s for s in cluster.rank.steps(tier) if (where(s) / COMMIT_NAME).exists())
+    if not steps:
+        return None
+    step = rng.choice(steps)
+    try:
+        if kind == "flip-data":
+            _flip(rng, where(step) / data_name(0))
+        elif kind == "flip-record":
+            _flip(rng, where(step) / rng.choice([meta_name(0), COMMIT_NAME]))
+        elif kind == "flip-replica":
+            _flip(rng, where(step) / rng.choice([data_name(0), meta_name(0), COMMIT_NAME]))
+        else:  # truncate
+            path = where(step) / data_name(0)
+            with open(path, "r+b") as f:
+                f.truncate(rng.randrange(0, max(1, path.stat().st_size)))
+    except FileNotFoundError:  # retention removed it meanwhile
+        return None
+    return Fault(kind, damaged={step: {tier}})
+
+
+def _flip(rng: random.Random, path: Path) -> None:
+    with open(path, "r+b") as f:
+        size = f.seek(0, 2)
+        if not size:
+            return
+        at = rng.randrange(size)
+        f.seek(at)
+        byte = f.read(1)
+        f.seek(at)
+        f.write(bytes([byte[0] ^ (1 << rng.randrange(8))]))
