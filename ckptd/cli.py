@@ -217,7 +217,7 @@ def _client(args: argparse.Namespace, config: Config) -> DaemonClient:
 
 
 def cmd_serve(args: argparse.Namespace, config: Config) -> int:
-    from ckptd.daemon import AlreadyServing, ListenFailed, serve
+    from ckptd.daemon import AlreadyServing, ListenFailed, RootGone, serve
 
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(
@@ -227,7 +227,7 @@ def cmd_serve(args: argparse.Namespace, config: Config) -> int:
     logging.captureWarnings(True)  # Python's warnings go through the same formatter
     try:
         asyncio.run(serve(config))
-    except AlreadyServing as e:
+    except (AlreadyServing, RootGone) as e:
         print(f"ckptd: {e}", file=sys.stderr)
         return 1
     except ListenFailed as e:

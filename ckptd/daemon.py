@@ -16,6 +16,7 @@ from ckpt.wire.v1 import ckptd_pb2_grpc
 from ckptd import metrics, sd_notify
 from ckptd.config import Config
 from ckptd.datapath.pipeline import Pipeline
+from ckptd.datapath.root_identity import RootGone
 from ckptd.rpc.guard import RequestGuard
 from ckptd.rpc.peer_link import grpc_options, server_credentials
 from ckptd.rpc.peer_server import PeerServicer, add_peer_servicer
@@ -36,7 +37,11 @@ class ListenFailed(Exception):
 
 
 async def serve(config: Config) -> None:
-    """Serve until SIGTERM or SIGINT, then drain in-flight flushes and return."""
+    """Serve until SIGTERM or SIGINT, then drain in-flight flushes and return.
+
+    Raises RootGone, after giving the staging memory back and stopping the same way, when
+    the NVMe root is removed or replaced under the daemon: its view of the steps is void.
+    """
     _claim_socket(config.socket_path)
     pipeline = Pipeline(config)
     await pipeline.start()
@@ -71,7 +76,18 @@ async def serve(config: Config) -> None:
     watchdog = loop.create_task(_watchdog(stop))
     log.info("ckptd serving on %s, root %s, staging %s", config.socket_path, config.root, config.staging_dir)
     sd_notify.notify(f"READY=1\nSTATUS=serving on {config.socket_path}\nMAINPID={os.getpid()}")
-    await stop.wait()
+    stopping, root_gone = loop.create_task(stop.wait()), loop.create_task(pipeline.node.watch_root())
+    await asyncio.wait({stopping, root_gone}, return_when=asyncio.FIRST_COMPLETED)
+    gone = root_gone.done()
+    stopping.cancel()
+    root_gone.cancel()
+    if gone:
+        freed = await pipeline.node.give_back_staging()
+        log.error(
+            "the NVMe root %s is gone (removed, or replaced by another): removed the staging directory %s "
+            "(%d bytes of slots) and stopping",
+            config.root, config.staging_dir, freed,
+        )  # fmt: skip
 
     log.info("stopping: draining in-flight work")
     sd_notify.notify("STOPPING=1")
@@ -84,6 +100,8 @@ async def serve(config: Config) -> None:
     await pipeline.drain()
     config.socket_path.unlink(missing_ok=True)
     log.info("stopped")
+    if gone:
+        raise RootGone(f"the NVMe root {config.root} was removed or replaced under the daemon")
 
 
 async def _serve_peers(config: Config, pipeline: Pipeline, guard: RequestGuard) -> grpc.aio.Server:

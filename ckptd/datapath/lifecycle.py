@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import shutil
 from concurrent.futures import ThreadPoolExecutor
 
 from ckpt.errors import CheckpointError
 
 from ckptd.config import Config
+from ckptd.datapath import root_identity
 from ckptd.datapath.flush import Flusher
 from ckptd.datapath.idle_release import IdleRelease
 from ckptd.datapath.locate import Locator
@@ -82,6 +84,7 @@ class Lifecycle:
             self.flusher, self.progress, self.peering, self.uploader, self.retention,
         )  # fmt: skip
         self._background: list[asyncio.Task[None]] = []
+        self.root_id = ""  # the NVMe root's identity, read at start()
 
     def verification_failed(self, tier: str) -> None:
         """Count a bad byte caught on its way (see StatusReport)."""
@@ -105,6 +108,7 @@ class Lifecycle:
     def _prepare_disk(self) -> None:
         self.config.root.mkdir(parents=True, exist_ok=True)
         self.config.replica_root.mkdir(exist_ok=True)
+        self.root_id = root_identity.claim(self.config.root, self.config.staging_dir)
         for tier in self.durable_tiers:
             for path in tier.remove_leftovers():
                 log.info("removed leftover %s from tier %s", path, tier.name)
@@ -131,6 +135,18 @@ class Lifecycle:
         self.progress.changed_soon()
         if committed:  # a new step in the store: [retention] object may now remove an older one
             self.retention.collect_soon(key.job, ("object",))
+
+    async def watch_root(self) -> None:
+        """Return once the NVMe root is gone: removed, or replaced by another (daemon.serve awaits it)."""
+        await root_identity.watch(self.config.root, self.root_id)
+
+    async def give_back_staging(self) -> int:
+        """Drop every slot and remove the staging directory, whose root is gone; return the bytes freed."""
+        for job in {s.job for s in self.pool.slots()}:
+            self.pool.drop_job(job)
+        _, size = await asyncio.to_thread(root_identity.remove_slots, self.config.staging_dir)
+        await asyncio.to_thread(shutil.rmtree, self.config.staging_dir, True)
+        return size
 
     async def drain(self) -> None:
         """Wait for every queued flush and replica under way to finish, then release threads and files."""

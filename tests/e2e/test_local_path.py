@@ -15,7 +15,6 @@ import torch
 from ckpt.errors import InvalidArgument
 from ckpt.format import COMMIT_NAME, data_name
 from ckpt.transport import DaemonClient
-from conftest import eventually
 from states import Holder, Point, assert_same, every_kind_state
 
 pytestmark = pytest.mark.e2e
@@ -572,20 +571,3 @@ def test_map_location_moves_every_tensor_wherever_it_sits(daemon):
         assert moved["nt"].y == 1 and moved["obj"].tensor.shape == (4,)
         with pytest.raises(ckpt.InvalidArgument, match="map_location"):
             c.load(1, map_location="floppy:0")
-
-
-def test_an_idle_job_gives_its_staging_memory_back_and_loads_from_nvme(make_daemon):
-    node = make_daemon()
-    node.env["CKPTD_STAGING__IDLE_TTL_S"] = "1"
-    node.start()
-    with ckpt.Checkpointer(job="idle", rank=0, world_size=1, address=node.address) as c:
-        c.save_async({"w": torch.arange(1000)}, step=1).wait("nvme", timeout=30)
-    job_dir = node.staging_dir / "idle"
-    eventually(lambda: not job_dir.exists(), timeout_s=30, what="the idle job's slots given back")
-    status = json.loads(node.cli("status", "--json", "--address", node.address).stdout)
-    assert "idle" not in status["staging"]["bytes_by_job"] and status["staging"]["slots"] == 0
-    assert "released 2 staging slots" in node.log()
-    with ckpt.Checkpointer(job="idle", rank=0, world_size=1, address=node.address) as c:
-        assert torch.equal(c.load(1)["w"], torch.arange(1000))  # from NVMe now
-        c.save_async({"w": torch.ones(3)}, step=2).wait("nvme", timeout=30)  # new slots for a new save
-        assert torch.equal(c.load(2)["w"], torch.ones(3))

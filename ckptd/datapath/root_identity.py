@@ -1,0 +1,94 @@
+"""Tie the staging slots to the NVMe root they were taken for, and notice when that root is gone.
+
+The root carries a random identity in ROOT_ID_NAME, written at its first start; the
+staging directory keeps a copy. Lifecycle calls claim() at start-up, on a worker thread,
+before the slots are recovered: slots found beside another root's identity were taken for
+a root that was deleted, wiped or replaced, and are removed, never flushed into this one.
+Their steps belong to another history: a job started again on a fresh root would resume
+from them. While the daemon runs, Lifecycle's task awaits watch(), which returns once the
+root no longer carries its identity; the daemon then gives its staging memory back with
+remove_slots() and stops (daemon.serve).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import shutil
+import uuid
+from pathlib import Path
+
+from ckptd.storage.durable_write import fsync_dir, write_file
+
+log = logging.getLogger(__name__)
+
+ROOT_ID_NAME = ".ckptd-root"
+CHECK_S = 5.0
+
+
+class RootGone(Exception):
+    """The NVMe root was removed or replaced under the running daemon."""
+
+
+def identity(root: Path) -> str | None:
+    """Return the identity a root carries, None if it carries none (or is not there)."""
+    try:
+        return (root / ROOT_ID_NAME).read_text().strip() or None
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+
+
+def claim(root: Path, staging: Path) -> str:
+    """Give root an identity if it has none, tie staging to it (removing another root's slots); return it."""
+    ident = identity(root)
+    if ident is None:
+        ident = uuid.uuid4().hex
+        _write(root / ROOT_ID_NAME, ident)
+        fsync_dir(root)
+    staging.mkdir(parents=True, exist_ok=True, mode=0o750)
+    marker = staging / ROOT_ID_NAME
+    try:
+        tied = marker.read_text().strip()
+    except FileNotFoundError:
+        tied = None  # a new staging directory, or one from before identities: its slots are this root's
+    if tied == ident:
+        return ident
+    if tied is not None:
+        count, size = remove_slots(staging)
+        if count:
+            log.warning(
+                "removed %d staging files (%d bytes) in %s: they were taken for another NVMe root than %s "
+                "(deleted, wiped or replaced), and are not flushed into this one",
+                count, size, staging, root,
+            )  # fmt: skip
+    _write(marker, ident)
+    return ident
+
+
+def remove_slots(staging: Path) -> tuple[int, int]:
+    """Remove every job's slots from a staging directory; return (files, bytes) removed."""
+    count = size = 0
+    for job_dir in [p for p in staging.iterdir() if p.is_dir()] if staging.is_dir() else []:
+        for path in job_dir.iterdir():
+            count += 1
+            size += path.stat().st_size
+        shutil.rmtree(job_dir, ignore_errors=True)
+    return count, size
+
+
+async def watch(root: Path, ident: str) -> None:
+    """Return once root no longer carries ident (checked every CHECK_S on a worker thread)."""
+    while True:
+        await asyncio.sleep(CHECK_S)  # a period: nothing tells a process that a directory was removed
+        try:
+            if await asyncio.to_thread(identity, root) != ident:
+                return
+        except OSError as e:  # unreadable for now (EIO, EACCES): not the same as gone
+            log.warning("cannot read the identity of the NVMe root %s: %s", root, e)
+
+
+def _write(path: Path, text: str) -> None:
+    temporary = path.with_name(path.name + ".tmp")
+    write_file(temporary, [text.encode()])
+    os.replace(temporary, path)
