@@ -53,7 +53,7 @@ async def serve(config: Config) -> None:
     )
     guard = RequestGuard()
     pipeline.node.report.rpc_counters = lambda: {"malformed_requests": guard.malformed}
-    guard.register(ckptd_pb2_grpc.add_CkptdServicer_to_server, CkptdServicer(pipeline), server)
+    guard.register(ckptd_pb2_grpc.add_CkptdServicer_to_server, CkptdServicer(pipeline, guard), server)
     server.add_insecure_port(f"unix:{config.socket_path}")
     old_umask = os.umask(0o117)  # the socket is born owner/group only: no moment where others may connect
     try:

@@ -84,19 +84,17 @@ class Flusher:
         """Find staging room for a shard (see SlotPool.reserve)."""
         if not 0 <= size_bytes <= MAX_SHARD_BYTES:
             raise InvalidArgument(f"{key}: size_bytes {size_bytes} is out of range (0 to {MAX_SHARD_BYTES})")
+        # A skipped save is the caller's to report, and the servicer's to log (at a pace a caller cannot flood).
         if await self.is_complete(key.job, key.step):  # before any slot is claimed for a save that will not be
-            reason = f"{key.job} step {key.step} is already complete; a complete step is never rewritten"
-            log.warning("skipped %s: %s", key, reason)
             self.counters["skipped"] += 1
-            return None, 0.0, reason
+            return None, 0.0, f"{key.job} step {key.step} is already complete; a complete step is never rewritten"
         slot, blocked_s, reason = await self.pool.reserve(key.job, key.rank, size_bytes)
         if slot is None:
             self.counters["skipped"] += 1
-            log.warning("skipped %s: %s (staging.policy = skip)", key, reason)
-        elif blocked_s > 0.5:
+            return None, 0.0, f"{reason} (staging.policy = skip)"
+        if blocked_s > 0.5:
             log.warning("%s waited %.1f s for staging room", key, blocked_s)
-        if slot is not None:
-            self._reserved_at[(key.job, key.rank)] = (time.monotonic(), key.step)
+        self._reserved_at[(key.job, key.rank)] = (time.monotonic(), key.step)
         return slot, blocked_s, reason
 
     async def commit(self, snapshot: Snapshot) -> None:

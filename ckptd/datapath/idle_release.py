@@ -89,7 +89,8 @@ class IdleRelease:
             return held
         dropped = self.pool.drop_job(job)
         await asyncio.get_running_loop().run_in_executor(self.thread, _unlink, dropped)
-        log.info("removed %d staging slots of job %s (gc --all)", len(dropped), job)
+        if dropped:  # a caller may ask again and again: nothing removed, nothing to say
+            log.info("removed %d staging slots of job %s (gc --all)", len(dropped), job)
         return dropped
 
     def _all_durable(self, held: list[Slot]) -> bool:

@@ -28,7 +28,7 @@ from ckptd.rpc.peer_link import PeerLink
 from ckptd.tiers.base import DurableTier
 from ckptd.tiers.catalog import StepInfo
 from ckptd.tiers.cluster import Holding, StepHoldings, complete_on, holders, seal_record
-from ckptd.tiers.nvme import LocalDirTier
+from ckptd.tiers.nvme import LocalDirTier, StepAlreadyComplete
 from ckptd.tiers.peer import PeerTier
 from ckptd.tiers.transfer import fetch_shard
 
@@ -117,6 +117,22 @@ class Peering:
         on_nvme = await self._run(self.nvme.adopt_commit, record)
         on_replicas = await self._run(self.replica_store.adopt_commit, record)
         return bool(on_nvme or on_replicas)
+
+    async def adopt_told(self, record: CommitRecord) -> bool:
+        """Adopt a commit record a peer told of; return whether the step became complete here just now.
+
+        Refused (StepAlreadyComplete) where this node holds the step complete with another record,
+        which stays. A peer may tell a step again (or lie about it): nothing changes, nothing is logged.
+        """
+        held = await self._run(self._commits_held, record.job, record.step)
+        if any(r != record for r in held):
+            raise StepAlreadyComplete(
+                f"{record.job} step {record.step} is complete on node {self.node} with another commit record; kept"
+            )
+        return await self.adopt(record) and not held
+
+    def _commits_held(self, job: str, step: int) -> list[CommitRecord]:
+        return [r for t in (self.nvme, self.replica_store) if (r := t.checked_commit(job, step)) is not None]
 
     def _broadcast(self, record: CommitRecord) -> None:
         if self.peer_tier is None:

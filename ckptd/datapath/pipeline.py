@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from ckpt.errors import CheckpointError
+from ckpt.errors import CheckpointError, InvalidArgument
 from ckpt.format import CommitRecord, ShardMeta
 from ckpt.shard_io import ShardSource
 
@@ -106,6 +106,9 @@ class Pipeline:
 
     async def remove_job(self, job: str, dry_run: bool, object_too: bool) -> list[Removal]:
         """Remove a finished job from this node (`ckptd gc --job J --all`): its slots, then its steps."""
+        receiving = sorted({step for j, step in self.receiver.busy_steps() if j == job})
+        if receiving:  # its files would go under the writes, and the sender's seal would find nothing
+            raise InvalidArgument(f"job {job} is still receiving replicas of steps {receiving} on this node: wait")
         slots = await self.node.idle_release.remove(job, dry_run)  # refuses a job still saving
         removals = [Removal("memory", job, s.shard.step, f"rank {s.rank}'s staging slot") for s in slots if s.shard]
         tiers = ("nvme", "peer", "object") if object_too else ("nvme", "peer")
@@ -120,7 +123,7 @@ class Pipeline:
 
     async def adopt_commit(self, record: CommitRecord) -> None:
         """Seal a step that a peer found complete, where this node holds part of it."""
-        if await self.node.peering.adopt(record):
+        if await self.node.peering.adopt_told(record):
             log.info("%s step %d is complete across the cluster", record.job, record.step)
         await self.node.progress.changed()
 

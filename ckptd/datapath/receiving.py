@@ -23,7 +23,7 @@ from typing import TypeVar
 
 from ckpt.chunks import check_chunks
 from ckpt.errors import CheckpointError, CorruptCheckpoint, InvalidArgument
-from ckpt.format import DIRECT_IO_ALIGN_BYTES, CommitRecord, ShardMeta, chunk_ranges, round_up
+from ckpt.format import DIRECT_IO_ALIGN_BYTES, CommitRecord, ShardMeta, chunk_ranges, round_up, shown
 
 from ckptd.storage.durable_write import RangeWriter
 from ckptd.tiers.nvme import LocalDirTier
@@ -160,7 +160,7 @@ class ReplicaReceiver:
         if t is None or t.meta != meta or t.ranges_open:
             if t is not None:
                 t.abandon()
-            raise InvalidArgument(f"{self._what(meta)}: no complete transfer {transfer!r} of it is here")
+            raise InvalidArgument(f"{self._what(meta)}: no complete transfer {shown(transfer)} of it is here")
         missing = len(list(chunk_ranges(meta.data_size_bytes, meta.chunk_size_bytes))) - len(t.chunks_written)
         try:
             if missing:
@@ -181,7 +181,7 @@ class ReplicaReceiver:
     def _check(self, meta: ShardMeta, transfer: str, offset: int, length: int) -> None:
         chunk = meta.chunk_size_bytes
         if not TRANSFER_RE.fullmatch(transfer):
-            raise InvalidArgument(f"invalid transfer name {transfer!r}")
+            raise InvalidArgument(f"invalid transfer name {shown(transfer)}")
         if not (0 < chunk <= MAX_CHUNK_BYTES and chunk % DIRECT_IO_ALIGN_BYTES == 0):
             raise InvalidArgument(f"{self._what(meta)}: chunk size {chunk} is not a multiple of 4 KiB up to 64 MiB")
         end = offset + length

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ckpt.errors import CheckpointError, InvalidArgument, ReservationLost
-from ckpt.format import ShardMeta, digest, layout_offset, round_up, seal
+from ckpt.format import ShardMeta, digest, layout_offset, round_up, seal, shown
 
 # A slot and its files on disk live in slot_files; ShardKey, Slot and scan_slots stay importable from here.
 from ckptd.datapath.slot_files import (
@@ -196,7 +196,7 @@ class SlotPool:
             name = SLOT_NAME.fullmatch(Path(slot_path).name)
             if name and int(name[1]) == key.rank and Path(slot_path).parent == self.directory / key.job:
                 raise ReservationLost(f"{key}: {slot_path} was dropped since it was reserved")
-            raise InvalidArgument(f"{key}: {slot_path} is not a staging slot of this rank")
+            raise InvalidArgument(f"{key}: {shown(slot_path)} is not a staging slot of this rank")
         if slot.state != "writing" or slot.reservation != snapshot.reservation:
             raise ReservationLost(f"{key}: {slot_path} is no longer reserved for this save")
         if not 0 <= data_size_bytes <= slot.size_bytes:

@@ -1,6 +1,7 @@
 """Refuse requests that are not messages at all, quietly: INVALID_ARGUMENT, one log line per caller a minute.
 
-Also names NotAPeer, the refusal of a caller on the peer port that is not a configured peer.
+Also names NotAPeer, the refusal of a caller on the peer port that is not a configured peer,
+and keeps the log of other refusals a handler answers (a save skipped) to the same pace.
 
 daemon.py registers both services through register(): every method's request
 deserializer is wrapped so that bytes which do not parse become a Malformed value
@@ -41,28 +42,45 @@ class Malformed:
 
 
 class RequestGuard:
-    """Count malformed requests and say so in the log at most once a minute per caller."""
+    """Count malformed requests, and say so (or another refusal) in the log at most once a minute per caller."""
 
     def __init__(self) -> None:
         self.malformed = 0
-        self._last_logged: OrderedDict[str, float] = OrderedDict()  # caller -> when it was last logged
+        # (caller, what was refused) -> when it was last logged
+        self._last_logged: OrderedDict[tuple[str, str], float] = OrderedDict()
 
     async def refuse(self, request: Malformed, context: grpc.aio.ServicerContext) -> None:
         """Count, maybe log, and answer INVALID_ARGUMENT (raises, as context.abort does)."""
         self.malformed += 1
-        caller = _caller(str(context.peer() or "unknown"))
-        now = time.monotonic()
-        last = self._last_logged.get(caller)
-        if last is None or now - last >= LOG_EVERY_S:
-            self._last_logged[caller] = now
-            self._last_logged.move_to_end(caller)
-            while len(self._last_logged) > MAX_CALLERS_REMEMBERED:
-                self._last_logged.popitem(last=False)
+        caller = self._due(context, "malformed")
+        if caller is not None:
             log.warning(
                 "refused a malformed %s request of %d bytes from %s (%s); more from it within %.0f s are not logged",
                 *(request.method, request.size_bytes, caller, request.error, LOG_EVERY_S),
             )
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed {request.method} request: {request.error}")
+
+    def note(self, context: grpc.aio.ServicerContext, what: str, message: str) -> None:
+        """Log a refusal a handler answered, at most once a minute per caller and kind (what).
+
+        Whoever asks again and again is told so every time; the log hears of it once a minute.
+        """
+        caller = self._due(context, what)
+        if caller is not None:
+            log.warning("%s (from %s; more within %.0f s are not logged)", message, caller, LOG_EVERY_S)
+
+    def _due(self, context: grpc.aio.ServicerContext, what: str) -> str | None:
+        """Return the caller's name if a line about what from it is due, else None."""
+        caller = _caller(str(context.peer() or "unknown"))
+        now = time.monotonic()
+        last = self._last_logged.get((caller, what))
+        if last is not None and now - last < LOG_EVERY_S:
+            return None
+        self._last_logged[(caller, what)] = now
+        self._last_logged.move_to_end((caller, what))
+        while len(self._last_logged) > MAX_CALLERS_REMEMBERED:
+            self._last_logged.popitem(last=False)
+        return caller
 
     def register(self, add_to_server: Callable[[Any, Any], None], servicer: Any, server: grpc.aio.Server,
                  change: Callable[[dict[str, Any]], None] | None = None) -> None:  # fmt: skip

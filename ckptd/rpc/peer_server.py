@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
-from typing import Any
+import contextlib
+from collections.abc import AsyncGenerator, AsyncIterator
+from typing import Any, cast
 
 import grpc
 from ckpt.errors import CorruptCheckpoint, InvalidArgument
@@ -73,23 +74,30 @@ class PeerServicer(peer_pb2_grpc.CkptdPeerServicer):
     async def PutShard(self, request_iterator: AsyncIterator[bytes], context: Any) -> pb.PutShardReply:
         async def work() -> pb.PutShardReply:
             self._admit(context)
-            raw = await anext(aiter(request_iterator), None)
-            if raw is None:
-                raise InvalidArgument("PutShard carried no pieces")
-            first = pb.ShardPiece.FromString(raw)
-            meta = await self._shard_meta(first.transfer, first.meta_json)
+            # Closed here, however the call ends: a stream left to the garbage collector is closed by a
+            # finalizer, wherever the collector happens to run (once, deep in parsing a hostile record).
+            reader = cast("AsyncGenerator[bytes, None]", aiter(request_iterator))  # gRPC's is a generator
+            async with contextlib.aclosing(reader) as stream:
+                raw = await anext(stream, None)
+                if raw is None:
+                    raise InvalidArgument("PutShard carried no pieces")
+                first = pb.ShardPiece.FromString(raw)
+                meta = await self._shard_meta(first.transfer, first.meta_json)
 
-            async def data() -> AsyncIterator[memoryview]:
-                if first.data:
-                    yield memoryview(first.data)
-                async for piece in request_iterator:
-                    yield piece_data(piece)
+                async def data() -> AsyncGenerator[memoryview, None]:
+                    if first.data:
+                        yield memoryview(first.data)
+                    async for piece in stream:
+                        yield piece_data(piece)
 
-            try:
-                await self.pipeline.receiver.receive_range(meta, first.transfer, first.offset, first.length, data())
-            except CorruptCheckpoint:
-                self.pipeline.verification_failed("peer")
-                raise
+                async with contextlib.aclosing(data()) as pieces:
+                    try:
+                        await self.pipeline.receiver.receive_range(
+                            meta, first.transfer, first.offset, first.length, pieces
+                        )
+                    except CorruptCheckpoint:
+                        self.pipeline.verification_failed("peer")
+                        raise
             return pb.PutShardReply()
 
         return await answer(context, work)
@@ -98,7 +106,7 @@ class PeerServicer(peer_pb2_grpc.CkptdPeerServicer):
         async def work() -> pb.SealShardReply:
             self._admit(context)
             meta = await self._shard_meta(request.transfer, request.meta_json)
-            record = _commit_record(request.commit_json) if request.commit_json else None
+            record = await asyncio.to_thread(_commit_record, request.commit_json) if request.commit_json else None
             await self.pipeline.receiver.seal(meta, request.transfer, record)
             await self.pipeline.replica_arrived(meta)
             return pb.SealShardReply()
@@ -145,7 +153,7 @@ class PeerServicer(peer_pb2_grpc.CkptdPeerServicer):
     async def CommitStep(self, request: pb.CommitStepRequest, context: Any) -> pb.CommitStepReply:
         async def work() -> pb.CommitStepReply:
             self._admit(context)
-            await self.pipeline.adopt_commit(_commit_record(request.commit_json))
+            await self.pipeline.adopt_commit(await asyncio.to_thread(_commit_record, request.commit_json))
             return pb.CommitStepReply()
 
         return await answer(context, work)

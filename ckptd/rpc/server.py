@@ -17,13 +17,16 @@ from google.protobuf.message import DecodeError
 from ckptd.datapath.pipeline import Pipeline
 from ckptd.datapath.receiving import AlreadyHeld, ReceiverBusy
 from ckptd.datapath.staging import ShardKey, Snapshot
-from ckptd.rpc.guard import NotAPeer
+from ckptd.rpc.guard import NotAPeer, RequestGuard
 from ckptd.rpc.peer_link import IsSelf
 from ckptd.rpc.shard_stream import PIECE_BYTES
+from ckptd.tiers.nvme import StepAlreadyComplete
 
 T = TypeVar("T")
 MAX_LAYOUT_BYTES = 128 << 20
 MAX_WAIT_S = 24 * 3600.0
+# A status travels in a header, which gRPC refuses over 16 KiB (the caller would see RESOURCE_EXHAUSTED, not why).
+MAX_DETAILS_BYTES = 2048
 
 
 def _shard_key(shard: pb.ShardId) -> ShardKey:
@@ -36,37 +39,48 @@ async def answer(context: grpc.aio.ServicerContext, work: Callable[[], Awaitable
     try:
         return await work()
     except InvalidArgument as e:
-        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, _details(e))
     except DecodeError as e:  # a piece of a stream of raw bytes (PutShard) that does not parse
-        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed message: {e}")
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, _details(f"malformed message: {e}"))
     except NotFound as e:
-        await context.abort(grpc.StatusCode.NOT_FOUND, str(e))
-    except (ReservationLost, IsSelf) as e:
-        await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        await context.abort(grpc.StatusCode.NOT_FOUND, _details(e))
+    except (ReservationLost, IsSelf, StepAlreadyComplete) as e:
+        await context.abort(grpc.StatusCode.FAILED_PRECONDITION, _details(e))
     except NotAPeer as e:
-        await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(e))
+        await context.abort(grpc.StatusCode.PERMISSION_DENIED, _details(e))
     except CorruptCheckpoint as e:
-        await context.abort(grpc.StatusCode.DATA_LOSS, str(e))
+        await context.abort(grpc.StatusCode.DATA_LOSS, _details(e))
     except AlreadyHeld as e:
-        await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(e))
+        await context.abort(grpc.StatusCode.ALREADY_EXISTS, _details(e))
     except ReceiverBusy as e:
-        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, _details(e))
     except (CheckpointError, OSError) as e:
-        await context.abort(grpc.StatusCode.INTERNAL, str(e))
+        await context.abort(grpc.StatusCode.INTERNAL, _details(e))
     raise AssertionError("unreachable")
+
+
+def _details(error: object) -> str:
+    """Return an error's message cut to what fits a status (it may quote megabytes a caller sent)."""
+    text = str(error)
+    encoded = text.encode(errors="replace")
+    if len(encoded) <= MAX_DETAILS_BYTES:
+        return text
+    return encoded[:MAX_DETAILS_BYTES].decode(errors="ignore") + f"... ({len(encoded)} bytes in all)"
 
 
 class CkptdServicer(ckptd_pb2_grpc.CkptdServicer):
     """Serve the local-client protocol of ckpt/wire/v1/ckptd.proto."""
 
-    def __init__(self, pipeline: Pipeline) -> None:
+    def __init__(self, pipeline: Pipeline, guard: RequestGuard) -> None:
         self.pipeline = pipeline
+        self.guard = guard
 
     async def Reserve(self, request: pb.ReserveRequest, context: Any) -> pb.ReserveReply:
         async def work() -> pb.ReserveReply:
             key = _shard_key(request.shard)
             slot, blocked_s, reason = await self.pipeline.reserve(key, request.size_bytes)
             if slot is None:
+                self.guard.note(context, "skipped", f"skipped {key}: {reason}")
                 return pb.ReserveReply(skipped=True, reason=reason)
             spare = self.pipeline.spare(key.job, key.rank)
             return pb.ReserveReply(

@@ -55,6 +55,10 @@ class ShardWriteError(CheckpointError):
     """Writing a shard failed; the message names the shard and the cause."""
 
 
+class StepAlreadyComplete(ShardWriteError):
+    """The step is complete here with other shards: a complete step is never rewritten."""
+
+
 class LocalDirTier(DurableTier):
     """Store steps under a root directory with the atomic commit protocol."""
 
@@ -220,7 +224,7 @@ class LocalDirTier(DurableTier):
             return
         listed = meta.rank < record.world_size and record.shard_meta_xxh3_128[meta.rank] == digest(meta.to_bytes())
         if not (meta.chunk_xxh3_128 and listed):
-            raise ShardWriteError(f"{what}: the step is already complete; a complete step is never rewritten")
+            raise StepAlreadyComplete(f"{what}: the step is already complete; a complete step is never rewritten")
 
     def _write_data(
         self, path: Path, meta: ShardMeta, data: memoryview, on_hashed: Callable[[ShardMeta], None] | None, what: str

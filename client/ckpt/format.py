@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import json.encoder
 import re
+import reprlib
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ READABLE_VERSIONS = (1, 2)
 CHUNK_SIZE_BYTES = 4 << 20
 MAX_CHUNK_SIZE_BYTES = 1 << 30
 MAX_SHARD_BYTES = 1 << 50
+MAX_STEP_BYTES = (1 << 63) - 1  # what an int64 of the wire holds
 TENSOR_ALIGN_BYTES = 64
 DIRECT_IO_ALIGN_BYTES = 4096
 COMMIT_NAME = "COMMIT.json"
@@ -32,13 +34,21 @@ TIERS = ("memory", "nvme", "peer", "object")
 
 JOB_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 _MAX_STEP = 2**62
+_SHOWN = reprlib.Repr()
+_SHOWN.maxstring = _SHOWN.maxother = 80
+
+
+def shown(value: object) -> str:
+    """Return a repr of value short enough to quote in an error: what a caller sent may be megabytes long."""
+    return _SHOWN.repr(value)
 
 
 def validate_job(job: object) -> str:
     """Return job if it is a valid job name, else raise InvalidArgument."""
     if not isinstance(job, str) or not JOB_RE.fullmatch(job):
         raise InvalidArgument(
-            f"invalid job name {job!r}: use 1 to 128 characters from A-Z a-z 0-9 . _ -, starting with a letter or digit"
+            f"invalid job name {shown(job)}: "
+            "use 1 to 128 characters from A-Z a-z 0-9 . _ -, starting with a letter or digit"
         )
     return job
 
@@ -46,23 +56,23 @@ def validate_job(job: object) -> str:
 def validate_step(step: object) -> int:
     """Return step if it is a non-negative integer, else raise InvalidArgument."""
     if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step < _MAX_STEP:
-        raise InvalidArgument(f"invalid step {step!r}: a step is an integer from 0 to 2**62-1")
+        raise InvalidArgument(f"invalid step {shown(step)}: a step is an integer from 0 to 2**62-1")
     return step
 
 
 def validate_rank(rank: object, world_size: object) -> tuple[int, int]:
     """Return (rank, world_size) if 0 <= rank < world_size, else raise InvalidArgument."""
     if isinstance(world_size, bool) or not isinstance(world_size, int) or not 1 <= world_size <= 1 << 20:
-        raise InvalidArgument(f"invalid world_size {world_size!r}: an integer from 1 to 2**20")
+        raise InvalidArgument(f"invalid world_size {shown(world_size)}: an integer from 1 to 2**20")
     if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
-        raise InvalidArgument(f"invalid rank {rank!r}: an integer from 0 to world_size-1 ({world_size - 1})")
+        raise InvalidArgument(f"invalid rank {shown(rank)}: an integer from 0 to world_size-1 ({world_size - 1})")
     return rank, world_size
 
 
 def validate_tier(tier: object) -> str:
     """Return tier if it names a tier, else raise InvalidArgument."""
     if tier not in TIERS:
-        raise InvalidArgument(f"invalid tier {tier!r}: one of {', '.join(TIERS)}")
+        raise InvalidArgument(f"invalid tier {shown(tier)}: one of {', '.join(TIERS)}")
     return str(tier)
 
 
@@ -152,14 +162,14 @@ def unseal(data: bytes, what: str) -> dict[str, Any]:
             raise CorruptCheckpoint(f"{what}: record checksum mismatch")
         try:
             record = json.loads(body)
-        except ValueError as e:
+        except (ValueError, RecursionError) as e:  # RecursionError: nested deeper than Python recurses
             raise CorruptCheckpoint(f"{what}: unreadable record ({e})") from None
     else:  # written by an older ckptd (indented): the body is hashed in its canonical form
         try:
             outer = json.loads(data)
             record = outer["record"]
             expected = outer["xxh3_128"]
-        except (ValueError, KeyError, TypeError) as e:
+        except (ValueError, RecursionError, KeyError, TypeError) as e:
             raise CorruptCheckpoint(f"{what}: unreadable record ({e})") from None
         if digest(json.dumps(record, sort_keys=True, separators=(",", ":")).encode()) != expected:
             raise CorruptCheckpoint(f"{what}: record checksum mismatch")
@@ -286,12 +296,20 @@ class CommitRecord:
             rec = cls(
                 job=validate_job(r["job"]),
                 step=validate_step(r["step"]),
-                world_size=int(r["world_size"]),
+                world_size=validate_rank(0, r["world_size"])[1],
                 shard_meta_xxh3_128=tuple(r["shard_meta_xxh3_128"]),
-                size_bytes=int(r["size_bytes"]),
+                size_bytes=r["size_bytes"],
             )
         except (KeyError, TypeError, ValueError) as e:
             raise CorruptCheckpoint(f"{what}: malformed commit record ({e})") from None
+        # Checked before anything is named or sized from it: a record may come from the network.
+        if not isinstance(r["shard_meta_xxh3_128"], list) or not all(
+            isinstance(d, str) for d in rec.shard_meta_xxh3_128
+        ):
+            raise CorruptCheckpoint(f"{what}: the shard digests are not a list of text")
+        size = rec.size_bytes
+        if isinstance(size, bool) or not isinstance(size, int) or not 0 <= size <= MAX_STEP_BYTES:
+            raise CorruptCheckpoint(f"{what}: size_bytes {shown(size)} is not a byte count up to {MAX_STEP_BYTES}")
         if len(rec.shard_meta_xxh3_128) != rec.world_size:
             raise CorruptCheckpoint(f"{what}: commit record does not list every rank")
         return rec

@@ -8,12 +8,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from ckpt.errors import CorruptCheckpoint, InvalidArgument
-from ckpt.format import ShardMeta, chunk_ranges, digest
+from ckpt.format import CommitRecord, ShardMeta, chunk_ranges, digest
 from ckpt.shard_io import read_meta
 
 from ckptd.datapath.receiving import MAX_RANGES_IN_FLIGHT, ReceiverBusy, ReplicaReceiver
 from ckptd.rpc.shard_stream import PIECE_BYTES, byte_ranges
-from ckptd.tiers.nvme import LocalDirTier
+from ckptd.tiers.nvme import LocalDirTier, StepAlreadyComplete
 
 CHUNK = 1 << 20
 
@@ -74,6 +74,21 @@ def test_a_bad_chunk_is_rejected_and_leaves_nothing(tmp_path):
     tier = run(tmp_path, body)
     assert not tier.has_shard("j", 3, 0)
     assert not list(tier.step_dir("j", 3).glob("*"))
+
+
+def test_another_replica_of_a_step_complete_here_is_refused_as_such(tmp_path):
+    meta, data = make_shard(CHUNK)
+    other, other_data = make_shard(CHUNK)  # other bytes for the same rank of the same step
+    record = CommitRecord("j", 3, 1, (digest(meta.to_bytes()),), CHUNK)
+
+    async def body(receiver):
+        await receiver.receive_range(meta, "ab" * 8, 0, CHUNK, pieces(data))
+        await receiver.seal(meta, "ab" * 8, record)
+        with pytest.raises(StepAlreadyComplete, match="never rewritten"):  # a refusal, not an internal error
+            await receiver.receive_range(other, "cd" * 8, 0, CHUNK, pieces(other_data))
+
+    tier = run(tmp_path, body)
+    assert tier.checked_commit("j", 3) == record and read_meta_ok(tier.step_dir("j", 3), meta)
 
 
 def test_a_replica_missing_a_range_is_never_sealed(tmp_path):

@@ -89,3 +89,39 @@ def test_a_long_layout_is_escaped_in_pieces_into_exactly_the_canonical_body(monk
     canonical = json.dumps(record, sort_keys=True, separators=(",", ":")).encode()
     assert sealed == b'{"record":' + canonical + sealed[len(canonical) + 10 :]  # the body is the canonical one
     assert ShardMeta.from_bytes(sealed, "m") == meta
+
+
+def test_a_record_nested_deeper_than_python_recurses_is_unreadable_not_a_crash():
+    deep = "[" * 100_000 + "]" * 100_000
+    body = f'{{"a":{deep}}}'.encode()
+    as_sealed = b'{"record":' + body + b',"xxh3_128":"' + format_module.digest(body).encode() + b'"}\n'
+    for data in (as_sealed, deep.encode(), b'{"record":' + b"[" * 100_000):  # compact, and older forms
+        with pytest.raises(CorruptCheckpoint, match="unreadable record"):
+            unseal(data, "from a peer")
+
+
+@pytest.mark.parametrize(
+    "lie",
+    [
+        {"world_size": 0, "shard_meta_xxh3_128": []},
+        {"world_size": "1"},
+        {"world_size": 1.5},
+        {"world_size": True},
+        {"world_size": 3, "shard_meta_xxh3_128": "abc"},
+        {"shard_meta_xxh3_128": [7]},
+        {"size_bytes": -1},
+        {"size_bytes": 2**64},  # once adopted from a peer, every List of the job failed: no int64 holds it
+        {"size_bytes": "100"},
+    ],
+)
+def test_a_commit_record_that_checks_but_lies_is_refused(lie):
+    record = {"format": "ckpt-commit", "version": 2, "job": "j", "step": 3, "world_size": 1}
+    record |= {"shard_meta_xxh3_128": ["a" * 32], "size_bytes": 100, **lie}
+    with pytest.raises(CorruptCheckpoint):
+        CommitRecord.from_bytes(seal(record), "from a peer")
+
+
+def test_an_error_quotes_a_megabyte_name_briefly_and_still_says_the_rule():
+    with pytest.raises(InvalidArgument) as error:
+        validate_job("a" * (3 << 20))
+    assert len(str(error.value)) < 300 and "use 1 to 128 characters" in str(error.value)
