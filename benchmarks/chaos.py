@@ -46,6 +46,8 @@ from chaos_rank import state_for
 from ckpt.format import COMMIT_NAME
 from ckpt.wire.v1 import ckptd_pb2 as pb
 
+from ckptd.tiers.peer import VIEW_TTL_S
+
 NEWEST = 3  # after each fault: the newest steps reported on each tier ...
 SAMPLE = 3  # ... and a sample of older ones
 FINAL_NEWEST = 50  # at the end: the newest steps, every step that must load, and a sample of the rest
@@ -69,8 +71,8 @@ def must_load(cluster: Cluster, damaged: dict[int, set[str]]) -> set[int]:
     return must
 
 
-def check(cluster: Cluster, steps: list[int], must: set[int]) -> Counter[str]:
-    """Load each step through node a and compare; check every listed step's commit record."""
+def check(cluster: Cluster, steps: list[int], must: set[int], after: str) -> Counter[str]:
+    """Load each step through node a and compare; check every listed step's commit record (after: the fault)."""
     found: Counter[str] = Counter()
     with ckpt.Checkpointer(job=JOB, rank=0, world_size=1, address=str(cluster.a.socket_path)) as c:
         for step in steps:
@@ -79,12 +81,12 @@ def check(cluster: Cluster, steps: list[int], must: set[int]) -> Counter[str]:
             except ckpt.CheckpointError as e:
                 found["lost" if step in must else "refused (damaged or retired)"] += 1
                 if step in must:
-                    print(f"lost: step {step}: {e}", flush=True)
+                    print(f"lost after {after}: step {step}: {e}", flush=True)
                 continue
             found["checked"] += 1
             if got["step"] != step or not torch.equal(got["w"], state_for(step)["w"]):
                 found["wrong bytes"] += 1
-                print(f"wrong bytes: step {step}", flush=True)
+                print(f"wrong bytes after {after}: step {step}", flush=True)
     found["partial visible"] += len(_partial(cluster, _listed(cluster)))
     return found
 
@@ -100,7 +102,8 @@ def _listed(cluster: Cluster) -> set[tuple[int, str]]:
 def _partial(cluster: Cluster, listed: set[tuple[int, str]]) -> set[tuple[int, str]]:
     """Return the listed (step, tier) whose commit record is missing there, and still listed when asked again."""
     missing = {(step, tier) for step, tier in listed if not _has_commit(cluster, step, tier)}
-    if missing:  # retention may have removed a step between the listing and the look: ask again
+    if missing:  # retention may have removed a step since: ask again, once the peer view was renewed
+        time.sleep(VIEW_TTL_S)  # how long a node's listing of its peers' steps may be stale
         missing &= _listed(cluster)
         for step, tier in sorted(missing):
             print(f"partial visible: step {step} listed on {tier} without its commit record", flush=True)
@@ -153,12 +156,13 @@ def campaign(faults: int, seed: int, cluster: Cluster) -> dict[str, Counter[str]
         cluster.rank.pause()
         try:
             must = must_load(cluster, damaged)
-            table[kind] += check(cluster, _sample(rng, cluster, set(fault.damaged), NEWEST, SAMPLE), must)
+            table[kind] += check(cluster, _sample(rng, cluster, set(fault.damaged), NEWEST, SAMPLE), must, kind)
         finally:
             cluster.rank.resume()
     cluster.rank.kill()
     must = must_load(cluster, damaged)
-    table["final"] += check(cluster, sorted(must | set(_sample(rng, cluster, set(), FINAL_NEWEST, FINAL_SAMPLE))), must)
+    final = sorted(must | set(_sample(rng, cluster, set(), FINAL_NEWEST, FINAL_SAMPLE)))
+    table["final"] += check(cluster, final, must, "the campaign")
     for kind in table:
         if ready[kind]:
             table[kind]["ready_s_max"] = round(max(ready[kind]), 3)
@@ -199,6 +203,7 @@ def main() -> int:
     p.add_argument("--faults", type=int, default=30, help="how many faults to inject (default 30)")
     p.add_argument("--seed", type=int, default=1, help="the campaign's seed (default 1)")
     p.add_argument("--json", type=Path, help="where to write the table as JSON")
+    p.add_argument("--logs", type=Path, help="a directory to keep the logs of the daemons, the rank and moto in")
     args = p.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # so that a stopped campaign still cleans up
     work = Path(tempfile.mkdtemp(prefix="ckptd-chaos-"))
@@ -209,6 +214,12 @@ def main() -> int:
         table = campaign(args.faults, args.seed, cluster)
     finally:
         cluster.stop()
+        if args.logs:
+            args.logs.mkdir(parents=True, exist_ok=True)
+            logs = {"a.log": cluster.a.log_path, "b.log": cluster.b.log_path, "rank.log": work / "rank.log"}
+            for name, log in {**logs, "moto.log": work / "moto.log"}.items():
+                if log.exists():
+                    shutil.copy(log, args.logs / name)
         shutil.rmtree(staging, ignore_errors=True)
         shutil.rmtree(work, ignore_errors=True)
     print_table(table)

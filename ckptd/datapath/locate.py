@@ -93,6 +93,9 @@ class Locator:
                     "did not answer: it may hold it; try again"
                 )
             raise NotFound(f"{what} on tier {tier or 'auto'}")
+        # From here on retention keeps off the step: a copy fetched below is older than the newest
+        # steps, and would otherwise go between its fetch and the client's read.
+        self.lease_for_reading(job, step)
         record = await self.on_locate_threads(self.commit_record_here, job, step)
         if record is not None and rank >= record.world_size:
             raise NotFound(f"{job} step {step} has no rank {rank} (world_size {record.world_size})")
@@ -123,7 +126,7 @@ class Locator:
         if record is None or not sources:
             world_size = record.world_size if record else 0
             raise NotFound(f"{job} step {step} has no rank {rank} on tier {tier or 'auto'} (world_size {world_size})")
-        self.lease_for_reading(job, step)
+        self.lease_for_reading(job, step)  # again: the lease runs from the answer
         return step, record.world_size, sources
 
     def tiers_for(self, tier: str) -> list[Tier]:

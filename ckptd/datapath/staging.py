@@ -101,6 +101,9 @@ class SlotPool:
             raise InvalidArgument(
                 f"a shard of {size_bytes} bytes cannot fit in staging.budget_bytes = {self.budget_bytes}"
             )
+        fs = os.statvfs(self.directory)  # sized on demand, still no more than the filesystem holds
+        if need > (capacity := fs.f_blocks * fs.f_frsize):
+            raise InvalidArgument(f"a shard of {size_bytes} bytes cannot fit in {self.directory} ({capacity} bytes)")
         blocked_s = 0.0
         async with self._changed:
             while True:

@@ -101,6 +101,13 @@ def test_skip_policy_answers_at_once_when_no_room_is_left(tmp_path):
     asyncio.run(run())
 
 
+def test_with_no_budget_a_shard_larger_than_the_filesystem_is_refused_before_any_allocation(tmp_path):
+    pool = _pool(tmp_path, budget_bytes=0)
+    with pytest.raises(InvalidArgument, match=r"cannot fit in .* bytes\)"):
+        asyncio.run(pool.reserve("j", 0, 1 << 50))  # a hostile size: nothing is allocated for it
+    assert not list(tmp_path.rglob("rank-*"))
+
+
 def test_a_restarted_pool_finds_what_each_slot_holds(tmp_path):
     pool = _pool(tmp_path)
     _save(pool, 4)
