@@ -43,7 +43,7 @@ import torch
 from chaos_cluster import JOB, RETENTION, TIERS, Cluster
 from chaos_faults import KINDS, inject
 from chaos_rank import state_for
-from ckpt.format import COMMIT_NAME
+from ckpt.format import COMMIT_NAME, data_name, meta_name
 from ckpt.wire.v1 import ckptd_pb2 as pb
 
 from ckptd.tiers.peer import VIEW_TTL_S
@@ -101,20 +101,25 @@ def _listed(cluster: Cluster) -> set[tuple[int, str]]:
 
 def _partial(cluster: Cluster, listed: set[tuple[int, str]]) -> set[tuple[int, str]]:
     """Return the listed (step, tier) whose commit record is missing there, and still listed when asked again."""
-    missing = {(step, tier) for step, tier in listed if not _has_commit(cluster, step, tier)}
+    missing = {(step, tier) for step, tier in listed if not _is_whole(cluster, step, tier)}
     if missing:  # retention may have removed a step since: ask again, once the peer view was renewed
         time.sleep(VIEW_TTL_S)  # how long a node's listing of its peers' steps may be stale
         missing &= _listed(cluster)
         for step, tier in sorted(missing):
-            print(f"partial visible: step {step} listed on {tier} without its commit record", flush=True)
+            print(f"partial visible: step {step} listed on {tier}, which does not hold it whole", flush=True)
     return missing
 
 
-def _has_commit(cluster: Cluster, step: int, tier: str) -> bool:
+def _is_whole(cluster: Cluster, step: int, tier: str) -> bool:
+    """Say whether a tier holds what listing the step there claims: the commit record, or on the peer the shard.
+
+    A step complete on the peer tier is one whose every rank has a replica on a peer; the
+    commit record may be only on the node that saved it (docs/FORMAT.md, steps spread over nodes).
+    """
     if tier == "nvme":
         return (cluster.nvme_dir(step) / COMMIT_NAME).exists()
     if tier == "peer":
-        return (cluster.replica_dir(step) / COMMIT_NAME).exists()
+        return all((cluster.replica_dir(step) / name).exists() for name in (data_name(0), meta_name(0)))
     if tier == "object":
         return any(k.endswith("/" + COMMIT_NAME) for k in cluster.object_keys(step))
     return True  # memory: a slot holds one rank's shard, and is listed only once its copy committed
