@@ -26,6 +26,7 @@ class NodeConfig:
     root: str = ""
     socket: str = ""
     listen: str = ""
+    cpus: str = ""  # the CPUs the daemon runs on, e.g. "6-7" or "0,2,4-5"; empty = any
 
 
 @dataclass(frozen=True)
@@ -93,6 +94,11 @@ class Config:
     def peer_hosts(self) -> set[str]:
         """Return the hosts of [peer] addresses and of node.listen: the names a peer's certificate may carry."""
         return {_host(a) for a in (*self.peer.addresses, self.node.listen) if a}
+
+    @property
+    def cpu_set(self) -> set[int]:
+        """Return the CPUs of [node] cpus (empty: any). The value was checked at load."""
+        return parse_cpus(self.node.cpus)
 
     @property
     def replica_root(self) -> Path:
@@ -202,11 +208,33 @@ def _check_type(name: str, f: dataclasses.Field[Any], value: Any) -> Any:
     return value
 
 
+def parse_cpus(text: str) -> set[int]:
+    """Return the CPU numbers of a list such as "6-7" or "0,2,4-5"; raise ValueError naming what is wrong."""
+    cpus: set[int] = set()
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        first, _, last = part.partition("-")
+        if not first.isdigit() or not (last.isdigit() or not _):
+            raise ValueError(f"has {part!r}, which is not a CPU number or a range such as 6-7")
+        low, high = int(first), int(last or first)
+        if low > high:
+            raise ValueError(f"has {part!r}, a range that ends before it starts")
+        cpus.update(range(low, high + 1))
+    if text.strip() and not cpus:
+        raise ValueError("names no CPU")
+    return cpus
+
+
 def _check_values(c: Config) -> None:
     def require(ok: bool, name: str, why: str) -> None:
         if not ok:
             raise ConfigError(f"config key {name}: {why}")
 
+    try:
+        cpus = parse_cpus(c.node.cpus)
+    except ValueError as e:
+        raise ConfigError(f"config key node.cpus: {c.node.cpus!r} {e}") from None
+    count = os.cpu_count() or 1
+    require(max(cpus, default=0) < count, "node.cpus", f"{c.node.cpus!r}: this machine has CPUs 0 to {count - 1}")
     require(c.staging.budget_bytes >= 0, "staging.budget_bytes", "must be 0 (on demand) or positive")
     require(c.staging.idle_ttl_s >= 0, "staging.idle_ttl_s", "must be 0 (never) or a number of seconds")
     require(c.staging.policy in ("block", "skip"), "staging.policy", f"must be block or skip, not {c.staging.policy!r}")

@@ -10,6 +10,7 @@ import socket
 from pathlib import Path
 
 import grpc
+from ckpt.errors import InvalidArgument
 from ckpt.transport import MAX_MESSAGE_BYTES
 from ckpt.wire.v1 import ckptd_pb2_grpc
 
@@ -43,6 +44,8 @@ async def serve(config: Config) -> None:
     the NVMe root is removed or replaced under the daemon: its view of the steps is void.
     """
     _claim_socket(config.socket_path)
+    if config.cpu_set:
+        _pin(config.cpu_set)  # before the pipeline starts its threads: they inherit it
     pipeline = Pipeline(config)
     await pipeline.start()
     server = grpc.aio.server(
@@ -139,6 +142,16 @@ async def _watchdog(stop: asyncio.Event) -> None:
     while not stop.is_set():
         sd_notify.notify("WATCHDOG=1")
         await asyncio.sleep(interval_s)
+
+
+def _pin(cpus: set[int]) -> None:
+    """Run every thread of the daemon on cpus ([node] cpus), those started already by imports too."""
+    try:
+        for task in os.listdir("/proc/self/task"):
+            os.sched_setaffinity(int(task), cpus)
+    except OSError as e:  # EINVAL: none of them is in this process's cpuset (a container's, a cgroup's)
+        raise InvalidArgument(f"config key node.cpus: cannot run on CPUs {sorted(cpus)} here: {e}") from None
+    log.info("running on CPUs %s ([node] cpus)", ",".join(map(str, sorted(cpus))))
 
 
 def _claim_socket(path: Path) -> None:

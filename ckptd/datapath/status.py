@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -110,6 +111,7 @@ class StatusReport:
         return {
             "version": __version__,
             "node": self.config.node.name,
+            "cpus": sorted(os.sched_getaffinity(0)),  # where it runs: [node] cpus, else what it was given
             "uptime_s": round(time.time() - self.started_unix_s, 3),
             "socket": str(self.config.socket_path),
             "tiers": {

@@ -41,7 +41,8 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from ckpt.checkpointer import Checkpointer, SaveHandle, load_local
+    from ckpt.checkpointer import Checkpointer, SaveHandle
+    from ckpt.local_read import load_local
 
 _LAZY = {"Checkpointer", "SaveHandle", "load_local"}
 _default: Checkpointer | None = None
@@ -51,9 +52,9 @@ def __getattr__(name: str) -> Any:
     # torch is imported only when the training-side API is used, so the daemon can
     # import ckpt.format and ckpt.shard_io without it.
     if name in _LAZY:
-        from ckpt import checkpointer
+        from ckpt import checkpointer, local_read
 
-        return getattr(checkpointer, name)
+        return getattr(local_read if name == "load_local" else checkpointer, name)
     raise AttributeError(f"module 'ckpt' has no attribute {name!r}")
 
 
@@ -74,9 +75,9 @@ def _checkpointer() -> Checkpointer:
     return _default if _default is not None else init()
 
 
-def save_async(state: Any, step: int | None = None) -> SaveHandle:
+def save_async(state: Any, step: int | None = None, lazy: bool = False) -> SaveHandle:
     """Snapshot state with the default Checkpointer; see Checkpointer.save_async."""
-    return _checkpointer().save_async(state, step)
+    return _checkpointer().save_async(state, step, lazy)
 
 
 def load(step: int | None = None, map_location: Any = "cpu", tier: str = "auto", into: Any = None) -> Any:

@@ -2,44 +2,41 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
+from ckpt import lazy as lazy_copies
 from ckpt.errors import (
     CheckpointError,
     CorruptCheckpoint,
     InvalidArgument,
-    NotFound,
     ReservationLost,
     SaveFailed,
     SaveSkipped,
 )
-from ckpt.flatten import flatten, unflatten
+from ckpt.flatten import flatten
 from ckpt.format import (
-    DIRECT_IO_ALIGN_BYTES,
-    INDEX_NAME,
     CommitRecord,
     layout_offset,
-    round_up,
     validate_job,
     validate_rank,
     validate_step,
     validate_tier,
 )
-from ckpt.range_read import StepReader, fresh_buffer
+from ckpt.local_read import checked_index, load_first_good
+from ckpt.range_read import StepReader
 from ckpt.reshard import load_into
-from ckpt.shard_io import ShardSource, read_commit, read_index, read_meta, read_shard_into, step_dir_source
+from ckpt.shard_io import ShardSource
 from ckpt.staging import SlotMappings, copy_into, writer_lock
-from ckpt.step_index import StepIndex, index_bytes, is_sharded
+from ckpt.step_index import StepIndex
 from ckpt.transport import DaemonClient
 from ckpt.wire.v1 import ckptd_pb2 as pb
 
@@ -57,12 +54,21 @@ class SaveHandle:
     or SaveSkipped if the save was skipped for lack of staging room.
     """
 
-    def __init__(self, checkpointer: Checkpointer, step: int, skipped: bool, blocked_s: float, reason: str) -> None:
+    def __init__(
+        self,
+        checkpointer: Checkpointer,
+        step: int,
+        skipped: bool,
+        blocked_s: float,
+        reason: str,
+        staged: lazy_copies.LazyCopy | None = None,
+    ) -> None:
         self._c = checkpointer
         self.step = step
         self.skipped = skipped
         self.blocked_s = blocked_s
         self.reason = reason
+        self._staged = staged  # a lazy save's copy, until it committed
 
     def __repr__(self) -> str:
         state = "skipped" if self.skipped else "staged"
@@ -74,7 +80,7 @@ class SaveHandle:
     def done(self, tier: str = "nvme") -> bool:
         """Return whether this rank's shard has reached tier."""
         validate_tier(tier)
-        if self.skipped:
+        if self.skipped or not self._staged_within(0):
             return False
         reply = self._c._daemon.call("WaitShard", pb.WaitShardRequest(shard=self._shard(), tier=tier, timeout_s=0))
         if reply.error:
@@ -87,6 +93,8 @@ class SaveHandle:
         if self.skipped:
             raise SaveSkipped(f"step {self.step} of job {self._c.job} was skipped: {self.reason}")
         deadline = None if timeout is None else time.monotonic() + timeout
+        if not self._staged_within(timeout):
+            raise TimeoutError(f"step {self.step} of job {self._c.job} was not copied in {timeout} s")
         while True:
             slice_s = WAIT_SLICE_S if deadline is None else max(0.0, min(WAIT_SLICE_S, deadline - time.monotonic()))
             reply = self._c._daemon.call(
@@ -100,6 +108,17 @@ class SaveHandle:
                 return
             if deadline is not None and time.monotonic() >= deadline:
                 raise TimeoutError(f"step {self.step} of job {self._c.job} did not reach {tier} in {timeout} s")
+
+    def _staged_within(self, timeout: float | None) -> bool:
+        """Return whether a lazy save's copy and commit finished within timeout (raise SaveFailed if they failed)."""
+        if self._staged is None:
+            return True
+        try:
+            return self._staged.wait(timeout)
+        except ReservationLost:
+            raise
+        except Exception as e:
+            raise SaveFailed(f"step {self.step} of job {self._c.job}: the background copy failed: {e}") from e
 
 
 class Checkpointer:
@@ -135,6 +154,8 @@ class Checkpointer:
         self._slots = SlotMappings()
         self._copy_threads = copy_threads
         self._copy_pool = ThreadPoolExecutor(max_workers=copy_threads, thread_name_prefix="ckpt-copy")
+        self._lazy_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-lazy")
+        self._lazy_copy: lazy_copies.LazyCopy | None = None  # the last lazy save's copy, maybe still running
         self._last_step: int | None = None
         self._closed = False
 
@@ -149,6 +170,7 @@ class Checkpointer:
         if self._closed:
             return
         self._closed = True
+        self._lazy_thread.shutdown(wait=True)  # a lazy save's copy and commit finish first
         self._slots.close()
         self._copy_pool.shutdown(wait=True)
         self._daemon.close()
@@ -156,15 +178,25 @@ class Checkpointer:
     def _shard(self, step: int) -> pb.ShardId:
         return pb.ShardId(job=self.job, step=step, rank=self.rank, world_size=self.world_size)
 
-    def save_async(self, state: Any, step: int | None = None) -> SaveHandle:
-        """Snapshot state into shared memory and return; the caller may change it at once."""
+    def save_async(self, state: Any, step: int | None = None, lazy: bool = False) -> SaveHandle:
+        """Snapshot state into shared memory and return; the caller may change it at once.
+
+        With lazy=True, return before the tensors an optimizer owns (its parameters and
+        states) are copied: they are copied in the background while training goes on,
+        and each optimizer's next step waits for its own tensors first (ckpt.lazy). Until
+        h.wait("memory") returns, those tensors may be changed only by an optimizer step.
+        Everything else is copied before save_async returns, as without lazy.
+        """
         if self._closed:
             raise CheckpointError("this Checkpointer is closed")
+        if self._lazy_copy is not None:
+            self._lazy_copy.done.wait()  # one copy into a slot at a time; its own handle reports how it went
         if step is None:
             latest = self._last_step if self._last_step is not None else self.latest_step()
             step = 0 if latest is None else latest + 1
         validate_step(step)
         flat = flatten(state)
+        owned = lazy_copies.owners(flat.arrays) if lazy else {}
         layout = json.dumps(flat.layout()).encode()
         # The layout travels in the slot, after the data: megabytes for a large model never cross the socket.
         size_bytes = layout_offset(flat.data_size_bytes) + len(layout)
@@ -176,32 +208,46 @@ class Checkpointer:
             return SaveHandle(self, step, True, 0.0, reserved.reason)
         if reserved.blocked_s > 0.1:
             log.info("ckpt: save of %s step %d waited %.2f s for staging room", self.job, step, reserved.blocked_s)
-        with writer_lock(reserved.slot_path, f"job {self.job} rank {self.rank}"):
+        held = contextlib.ExitStack()
+        with held:
+            held.enter_context(writer_lock(reserved.slot_path, f"job {self.job} rank {self.rank}"))
             slot = self._slots.get(reserved.slot_path, reserved.slot_size_bytes)
             if reserved.spare_slot_path:
                 self._slots.prefault(reserved.spare_slot_path, reserved.spare_slot_size_bytes)
-            copy_into(flat, slot, self._copy_pool, self._copy_threads)
+            eager = [i for i in range(len(flat.arrays)) if i not in owned]
+            copy_into(flat, slot, self._copy_pool, self._copy_threads, only=eager if owned else None)
             in_slot = reserved.layout_in_slot  # a daemon of an older version takes it in the message
             if in_slot:
                 at = layout_offset(flat.data_size_bytes)
                 slot[at : at + len(layout)].numpy()[:] = np.frombuffer(layout, dtype=np.uint8)
-            try:
-                self._daemon.call(
-                    "Commit",
-                    pb.CommitRequest(
-                        shard=self._shard(step),
-                        slot_path=reserved.slot_path,
-                        data_size_bytes=flat.data_size_bytes,
-                        layout_size_bytes=len(layout) if in_slot else 0,
-                        layout_json=b"" if in_slot else layout,
-                        reservation=reserved.reservation,
-                        run_id=self.run_id,
-                    ),
-                )
-            except ReservationLost as e:
-                raise ReservationLost(f"{e}: the daemon restarted during this save; call save_async again") from None
+            request = pb.CommitRequest(
+                shard=self._shard(step),
+                slot_path=reserved.slot_path,
+                data_size_bytes=flat.data_size_bytes,
+                layout_size_bytes=len(layout) if in_slot else 0,
+                layout_json=b"" if in_slot else layout,
+                reservation=reserved.reservation,
+                run_id=self.run_id,
+            )
+            staged = None
+            if owned:
+                staged = self._lazy_copy = lazy_copies.LazyCopy(owned)
+                lock = held.pop_all()  # the lazy thread lets go of the slot once it committed
+
+                def copy(indices: list[int]) -> None:
+                    copy_into(flat, slot, self._copy_pool, self._copy_threads, only=indices)
+
+                self._lazy_thread.submit(staged.run, copy, lambda: self._commit(request), lock.close)
+            else:
+                self._commit(request)
         self._last_step = step
-        return SaveHandle(self, step, False, reserved.blocked_s, reserved.reason)
+        return SaveHandle(self, step, False, reserved.blocked_s, reserved.reason, staged)
+
+    def _commit(self, request: pb.CommitRequest) -> None:
+        try:
+            self._daemon.call("Commit", request)
+        except ReservationLost as e:
+            raise ReservationLost(f"{e}: the daemon restarted during this save; call save_async again") from None
 
     def latest_step(self) -> int | None:
         """Return the newest step of this job complete on any tier, or None."""
@@ -236,7 +282,7 @@ class Checkpointer:
             )
         sources = [ShardSource(s.tier, s.kind, s.path, self.job, reply.step) for s in reply.sources]
         try:
-            return _load_first_good(sources, self.rank, map_location)
+            return load_first_good(sources, self.rank, map_location)
         except CorruptCheckpoint as e:
             if tier not in ("auto", "peer", "object"):
                 raise
@@ -249,7 +295,7 @@ class Checkpointer:
             except CheckpointError as other:
                 raise CorruptCheckpoint(f"{e}; and no good copy elsewhere: {other}") from other
             sources = [ShardSource(s.tier, s.kind, s.path, self.job, again.step) for s in again.sources]
-            return _load_first_good(sources, self.rank, map_location)
+            return load_first_good(sources, self.rank, map_location)
 
     def _load_into(self, into: Any, step: int | None, tier: str) -> Any:
         """Fill into from a step: the ranks this node holds read from their files, the rest through the daemon."""
@@ -286,80 +332,7 @@ class Checkpointer:
             return (r.data for r in replies)
 
         reader = StepReader(self.job, record.step, record.shard_meta_xxh3_128, local, (remote_meta, remote_runs))
-        return reader, _index(reply.index_json, record, f"index of {self.job} step {record.step}")
-
-
-def load_local(path: str | os.PathLike[str], rank: int = 0, map_location: Any = "cpu", into: Any = None) -> Any:
-    """Read one rank's state from a step directory on a local filesystem, with no daemon.
-
-    With into, fill it in place as Checkpointer.load does (rank is the loading rank).
-    """
-    step_dir = Path(path)
-    if not step_dir.is_dir():
-        raise NotFound(f"{step_dir} is not a directory")
-    if into is None:
-        return _load_first_good([step_dir_source(step_dir, "local")], rank, map_location)
-    return load_into(into, *open_step_dir(step_dir), rank)
-
-
-def open_step_dir(step_dir: Path) -> tuple[StepReader, StepIndex | None]:
-    """Return a reader of every rank's bytes of the step in a local directory, and the step's index (no daemon)."""
-    source = step_dir_source(step_dir, "local")
-    record = read_commit(step_dir)
-    data = read_index(step_dir, record) or index_bytes(record, lambda r: read_meta(source, r))
-    reader = StepReader(
-        record.job, record.step, record.shard_meta_xxh3_128, {r: [source] for r in range(record.world_size)}
-    )
-    return reader, _index(data or b"", record, str(step_dir / INDEX_NAME))
-
-
-def _index(data: bytes, record: CommitRecord, what: str) -> StepIndex | None:
-    if not data:
-        return None
-    index = StepIndex.from_bytes(data, what)
-    index.check(record, what)
-    return index
-
-
-def _load_first_good(sources: list[ShardSource], rank: int, map_location: Any) -> Any:
-    """Load from the first source that holds a good copy; say what was wrong with each one that did not."""
-    try:
-        device = None if map_location is None else torch.device(map_location)
-    except (RuntimeError, TypeError):
-        raise InvalidArgument(f"invalid map_location {map_location!r}: a device such as 'cpu' or 'cuda:0'") from None
-    errors: list[Exception] = []
-    for source in sources:
-        try:
-            return _load_shard(source, rank, device)
-        except InvalidArgument:
-            raise  # the step itself does not fit this load: another tier's copy would not either
-        except (CheckpointError, OSError) as e:
-            if source is not sources[-1]:
-                log.warning("ckpt: %s; trying the next tier", e)
-            errors.append(e)
-    if len(errors) == 1:
-        raise errors[0]
-    summary = "; ".join(map(str, errors))
-    if any(isinstance(e, CorruptCheckpoint) for e in errors):
-        raise CorruptCheckpoint("no tier holds a good copy: " + summary)
-    if all(isinstance(e, NotFound) for e in errors):
-        raise NotFound("no tier holds the shard any more: " + summary)
-    raise CheckpointError("no tier could be read: " + summary)
-
-
-def _load_shard(source: ShardSource, rank: int, device: torch.device | None) -> Any:
-    meta = read_meta(source, rank)
-    if is_sharded(meta):
-        raise InvalidArgument(
-            f"{meta.job} step {meta.step} holds DTensors: load it with load(into=state), a state with the "
-            "DTensors to fill (a device mesh cannot be guessed)"
-        )
-    buffer = fresh_buffer(round_up(meta.data_size_bytes, DIRECT_IO_ALIGN_BYTES))
-    read_shard_into(source, meta, memoryview(buffer))  # type: ignore[arg-type]  # ndarray is a buffer
-    try:
-        return unflatten(json.loads(meta.layout_json), buffer[: meta.data_size_bytes], device)
-    except (KeyError, TypeError, ValueError) as e:
-        raise CorruptCheckpoint(f"rank {rank} shard on tier {source.tier}: bad layout ({e})") from None
+        return reader, checked_index(reply.index_json, record, f"index of {self.job} step {record.step}")
 
 
 def _default_run_id() -> str:

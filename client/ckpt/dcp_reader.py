@@ -35,10 +35,11 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from ckpt.checkpointer import Checkpointer, open_step_dir
+from ckpt.checkpointer import Checkpointer
 from ckpt.dcp_writer import checkpoint_step, process_rank
 from ckpt.errors import CorruptCheckpoint, InvalidArgument, NotFound
 from ckpt.format import COMMIT_NAME, validate_step
+from ckpt.local_read import open_step_dir
 from ckpt.range_read import StepReader
 from ckpt.reshard import DTensorRef, TensorRef, fill_boxes, load_skeleton, realize, refs_in, torch_dtype
 from ckpt.step_index import SavedChunk, SavedTensor, StepIndex

@@ -12,7 +12,7 @@ import mmap
 import os
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -122,13 +122,15 @@ def writer_lock(path: str, who: str) -> Iterator[None]:
         os.close(fd)
 
 
-def copy_into(flat: Flattened, slot: torch.Tensor, pool: ThreadPoolExecutor, threads: int = 2) -> None:
-    """Copy every array of flat into slot at its offset, on up to threads threads; return once all bytes are there."""
+def copy_into(
+    flat: Flattened, slot: torch.Tensor, pool: ThreadPoolExecutor, threads: int = 2, only: Collection[int] | None = None
+) -> None:
+    """Copy flat's arrays (those at the indices in only, if given) into slot, on up to threads threads; then return."""
     cuda: list[tuple[torch.Tensor, torch.Tensor]] = []
     host: list[tuple[Any, Any]] = []
-    for array, entry in zip(flat.arrays, flat.entries, strict=True):
+    for i, (array, entry) in enumerate(zip(flat.arrays, flat.entries, strict=True)):
         nbytes = entry["nbytes"]
-        if nbytes == 0:
+        if nbytes == 0 or (only is not None and i not in only):
             continue
         dst_bytes = slot[entry["offset"] : entry["offset"] + nbytes]
         if isinstance(array, np.ndarray):
@@ -140,7 +142,7 @@ def copy_into(flat: Flattened, slot: torch.Tensor, pool: ThreadPoolExecutor, thr
         from ckpt import cuda_staging
 
         cuda_staging.copy_from_device(cuda, slot)
-    if threads > 1 and flat.data_size_bytes >= PARALLEL_MIN_BYTES and len(host) > 1:
+    if threads > 1 and sum(_nbytes(src) for _, src in host) >= PARALLEL_MIN_BYTES and len(host) > 1:
         # Several streams of copies keep the memory channels busy; each copy_ drops the GIL.
         groups: list[list[tuple[Any, Any]]] = [[] for _ in range(threads)]
         loads = [0] * threads

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from ckptd.config import ConfigError, load_config
+from ckptd.config import ConfigError, load_config, parse_cpus
 
 
 def test_defaults_need_no_root(tmp_path, monkeypatch):
@@ -53,6 +53,10 @@ def test_env_values_are_parsed_as_toml():
         ('[peer]\ninsecure = "yes"\n', {}, "peer.insecure must be true or false"),
         ("", {"CKPTD_NODE__FOO": "1"}, "node.foo"),
         ("[node\n", {}, "c.toml"),
+        ('[node]\ncpus = "a"\n', {}, "node.cpus: 'a' has 'a', which is not a CPU number"),
+        ('[node]\ncpus = "3-1"\n', {}, "node.cpus: '3-1' has '3-1', a range that ends before it starts"),
+        ('[node]\ncpus = "0,100000"\n', {}, "node.cpus: '0,100000': this machine has CPUs 0 to"),
+        ('[node]\ncpus = ","\n', {}, "node.cpus: ',' names no CPU"),
     ],
 )
 def test_bad_config_names_the_key(tmp_path, toml, env, message):
@@ -115,3 +119,8 @@ def test_a_node_recognises_itself_in_the_peer_list():
 def test_a_wildcard_listen_address_is_refused_beside_peers():
     with pytest.raises(ConfigError, match=r"node\.listen"):
         load_config(env={"CKPTD_NODE__LISTEN": '"0.0.0.0:7070"', "CKPTD_PEER__ADDRESSES": '["10.0.0.2:7070"]'})
+
+
+@pytest.mark.parametrize("text, cpus", [("", set()), ("0", {0}), ("6-7", {6, 7}), ("0, 2,4-5", {0, 2, 4, 5})])
+def test_cpu_lists_read_as_taskset_writes_them(text, cpus):
+    assert parse_cpus(text) == cpus

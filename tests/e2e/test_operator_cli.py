@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+from pathlib import Path
 
 import ckpt
 import pytest
@@ -100,3 +101,22 @@ def test_gc_all_removes_a_finished_job_from_the_node_and_the_store_only_when_nam
 
     assert gc("--job", "old", "--all", "--tier", "object").returncode == 0
     assert not [s for s in json.loads(node.cli("ls", "--json", "--address", node.address).stdout) if s["job"] == "old"]
+
+
+def test_every_thread_of_the_daemon_runs_on_the_cpus_of_node_cpus(make_daemon):
+    cpu = max(os.sched_getaffinity(0))
+    node = make_daemon()
+    node.env["CKPTD_NODE__CPUS"] = f'"{cpu}"'  # the fixture's config already has its [node] table
+    node.start()
+    with ckpt.Checkpointer(job="pinned", address=node.address) as c:
+        c.save_async({"w": torch.arange(1000)}, step=1).wait("nvme", timeout=60)  # the flush threads exist now
+    assert node.proc is not None
+    tasks = list(Path(f"/proc/{node.proc.pid}/task").iterdir())
+    assert len(tasks) > 3
+    for task in tasks:
+        lines = (task / "status").read_text().splitlines()
+        allowed = next(line for line in lines if line.startswith("Cpus_allowed_list"))
+        assert allowed.split(":")[1].strip() == str(cpu), (task, allowed)
+    status = json.loads(node.cli("status", "--json", "--address", node.address).stdout)
+    assert status["cpus"] == [cpu]
+    assert f"running on CPUs {cpu}" in node.log()

@@ -1,0 +1,99 @@
+"""Read shards and steps from files with no daemon: load_local, and the loads of Checkpointer once located.
+
+Checkpointer.load calls load_first_good with the sources the daemon located (on the
+loading thread); ckpt.load_local and ckpt.dcp's Reader open a step directory here
+directly. The index of a step is checked against its commit record before use.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ckpt.errors import CheckpointError, CorruptCheckpoint, InvalidArgument, NotFound
+from ckpt.flatten import unflatten
+from ckpt.format import DIRECT_IO_ALIGN_BYTES, INDEX_NAME, CommitRecord, round_up
+from ckpt.range_read import StepReader, fresh_buffer
+from ckpt.reshard import load_into
+from ckpt.shard_io import ShardSource, read_commit, read_index, read_meta, read_shard_into, step_dir_source
+from ckpt.step_index import StepIndex, index_bytes, is_sharded
+
+log = logging.getLogger("ckpt")
+
+
+def load_local(path: str | os.PathLike[str], rank: int = 0, map_location: Any = "cpu", into: Any = None) -> Any:
+    """Read one rank's state from a step directory on a local filesystem, with no daemon.
+
+    With into, fill it in place as Checkpointer.load does (rank is the loading rank).
+    """
+    step_dir = Path(path)
+    if not step_dir.is_dir():
+        raise NotFound(f"{step_dir} is not a directory")
+    if into is None:
+        return load_first_good([step_dir_source(step_dir, "local")], rank, map_location)
+    return load_into(into, *open_step_dir(step_dir), rank)
+
+
+def open_step_dir(step_dir: Path) -> tuple[StepReader, StepIndex | None]:
+    """Return a reader of every rank's bytes of the step in a local directory, and the step's index (no daemon)."""
+    source = step_dir_source(step_dir, "local")
+    record = read_commit(step_dir)
+    data = read_index(step_dir, record) or index_bytes(record, lambda r: read_meta(source, r))
+    reader = StepReader(
+        record.job, record.step, record.shard_meta_xxh3_128, {r: [source] for r in range(record.world_size)}
+    )
+    return reader, checked_index(data or b"", record, str(step_dir / INDEX_NAME))
+
+
+def checked_index(data: bytes, record: CommitRecord, what: str) -> StepIndex | None:
+    if not data:
+        return None
+    index = StepIndex.from_bytes(data, what)
+    index.check(record, what)
+    return index
+
+
+def load_first_good(sources: list[ShardSource], rank: int, map_location: Any) -> Any:
+    """Load from the first source that holds a good copy; say what was wrong with each one that did not."""
+    try:
+        device = None if map_location is None else torch.device(map_location)
+    except (RuntimeError, TypeError):
+        raise InvalidArgument(f"invalid map_location {map_location!r}: a device such as 'cpu' or 'cuda:0'") from None
+    errors: list[Exception] = []
+    for source in sources:
+        try:
+            return _load_shard(source, rank, device)
+        except InvalidArgument:
+            raise  # the step itself does not fit this load: another tier's copy would not either
+        except (CheckpointError, OSError) as e:
+            if source is not sources[-1]:
+                log.warning("ckpt: %s; trying the next tier", e)
+            errors.append(e)
+    if len(errors) == 1:
+        raise errors[0]
+    summary = "; ".join(map(str, errors))
+    if any(isinstance(e, CorruptCheckpoint) for e in errors):
+        raise CorruptCheckpoint("no tier holds a good copy: " + summary)
+    if all(isinstance(e, NotFound) for e in errors):
+        raise NotFound("no tier holds the shard any more: " + summary)
+    raise CheckpointError("no tier could be read: " + summary)
+
+
+def _load_shard(source: ShardSource, rank: int, device: torch.device | None) -> Any:
+    meta = read_meta(source, rank)
+    if is_sharded(meta):
+        raise InvalidArgument(
+            f"{meta.job} step {meta.step} holds DTensors: load it with load(into=state), a state with the "
+            "DTensors to fill (a device mesh cannot be guessed)"
+        )
+    buffer = fresh_buffer(round_up(meta.data_size_bytes, DIRECT_IO_ALIGN_BYTES))
+    read_shard_into(source, meta, memoryview(buffer))  # type: ignore[arg-type]  # ndarray is a buffer
+    try:
+        return unflatten(json.loads(meta.layout_json), buffer[: meta.data_size_bytes], device)
+    except (KeyError, TypeError, ValueError) as e:
+        raise CorruptCheckpoint(f"rank {rank} shard on tier {source.tier}: bad layout ({e})") from None

@@ -1,0 +1,130 @@
+"""save_async(lazy=True): the optimizer's tensors are copied in the background, and its next step waits for them.
+
+The background copy is held at a gate, so that each test changes tensors at a known
+moment: while the copy of the optimizer-owned tensors has not started.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+
+import ckpt
+import pytest
+import torch
+from ckpt import checkpointer
+from states import assert_same
+
+pytestmark = pytest.mark.e2e
+
+WAIT_S = 60
+
+
+class Gate:
+    """Hold the lazy thread's copies until opened (the saving thread's copies pass)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.open = threading.Event()
+        self.reached = threading.Event()
+        real = checkpointer.copy_into
+
+        def gated(*args, **kwargs):
+            if threading.current_thread().name.startswith("ckpt-lazy"):
+                self.reached.set()
+                assert self.open.wait(WAIT_S)
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(checkpointer, "copy_into", gated)
+
+
+def _training():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.BatchNorm1d(32), torch.nn.Linear(32, 4))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+
+    def step() -> None:
+        model(torch.randn(8, 16)).square().mean().backward()  # forward (BatchNorm statistics change) and backward
+        optimizer.step()
+        optimizer.zero_grad()
+
+    step()  # the optimizer has its states now
+    return model, optimizer, step
+
+
+def _state(model, optimizer):
+    return {"model": model.state_dict(), "optim": optimizer.state_dict(), "extra": torch.arange(5.0), "epoch": 3}
+
+
+def test_a_lazy_save_returns_first_and_an_optimizer_step_waits_for_its_tensors(daemon, monkeypatch):
+    model, optimizer, step = _training()
+    state = _state(model, optimizer)
+    expected = copy.deepcopy(state)
+    gate = Gate(monkeypatch)
+    with ckpt.Checkpointer(job="lazy", address=daemon.address) as c:
+        h = c.save_async(state, step=1, lazy=True)
+        assert gate.reached.wait(WAIT_S)
+        assert not h.done("memory")  # returned before the parameters and moments were copied
+
+        # Everything the contract allows while the copy has not even started:
+        model(torch.randn(8, 16)).square().mean().backward()  # a forward pass (BatchNorm buffers) and gradients
+        state["extra"].add_(100)  # a tensor no optimizer owns: copied before save_async returned
+        state["epoch"] = 4
+        stepping = threading.Thread(target=optimizer.step)
+        stepping.start()
+        stepping.join(timeout=0.5)
+        assert stepping.is_alive()  # held by the pre-hook until its tensors are copied
+        gate.open.set()
+        stepping.join(WAIT_S)
+        assert not stepping.is_alive()
+        h.wait("memory", timeout=WAIT_S)
+        step()
+        h.wait("nvme", timeout=WAIT_S)
+        assert_same(expected, c.load(1))
+        assert not torch.equal(c.load(1)["model"]["0.weight"], model[0].weight)  # training went on meanwhile
+
+
+def test_what_the_contract_forbids_leaks_into_the_checkpoint(daemon, monkeypatch):
+    model, optimizer, _ = _training()
+    state = _state(model, optimizer)
+    gate = Gate(monkeypatch)
+    with ckpt.Checkpointer(job="forbidden", address=daemon.address) as c:
+        h = c.save_async(state, step=1, lazy=True)
+        assert gate.reached.wait(WAIT_S)
+        with torch.no_grad():
+            model[0].weight.add_(1.0)  # changed by hand, not by an optimizer step, before h.wait("memory")
+        changed = model[0].weight.detach().clone()
+        gate.open.set()
+        h.wait("nvme", timeout=WAIT_S)
+        assert torch.equal(c.load(1)["model"]["0.weight"], changed)  # the change is in the checkpoint
+
+
+def test_without_an_optimizer_or_with_lazy_off_the_save_is_whole_when_it_returns(daemon, monkeypatch):
+    gate = Gate(monkeypatch)  # never opened: nothing may wait for it
+    plain = {"w": torch.arange(10.0), "b": torch.ones(3)}
+    model, optimizer, _ = _training()
+    with ckpt.Checkpointer(job="eager", address=daemon.address) as c:
+        h = c.save_async(plain, step=1, lazy=True)  # no optimizer owns these: copied at once
+        state = _state(model, optimizer)
+        expected = copy.deepcopy(state)
+        h2 = c.save_async(state, step=2)  # lazy off: the parameters too
+        assert not gate.reached.is_set()
+        plain["w"].zero_()
+        optimizer.step()
+        h.wait("nvme", timeout=WAIT_S)
+        h2.wait("nvme", timeout=WAIT_S)
+        assert_same({"w": torch.arange(10.0), "b": torch.ones(3)}, c.load(1))
+        assert_same(expected, c.load(2))
+
+
+def test_lazy_saves_one_after_another_each_hold_their_own_step(daemon):
+    model, optimizer, step = _training()
+    with ckpt.Checkpointer(job="many", address=daemon.address) as c:
+        handles, expected = [], []
+        for i in range(5):
+            state = _state(model, optimizer)
+            expected.append(copy.deepcopy(state))
+            handles.append(c.save_async(state, step=i, lazy=True))
+            step()  # at once: the pre-hook makes the step wait for this save's copy
+        for i, h in enumerate(handles):
+            h.wait("nvme", timeout=WAIT_S)
+            assert_same(expected[i], c.load(i))
