@@ -46,8 +46,6 @@ from chaos_rank import state_for
 from ckpt.format import COMMIT_NAME, data_name, meta_name
 from ckpt.wire.v1 import ckptd_pb2 as pb
 
-from ckptd.tiers.peer import VIEW_TTL_S
-
 NEWEST = 3  # after each fault: the newest steps reported on each tier ...
 SAMPLE = 3  # ... and a sample of older ones
 FINAL_NEWEST = 50  # at the end: the newest steps, every step that must load, and a sample of the rest
@@ -100,14 +98,30 @@ def _listed(cluster: Cluster) -> set[tuple[int, str]]:
 
 
 def _partial(cluster: Cluster, listed: set[tuple[int, str]]) -> set[tuple[int, str]]:
-    """Return the listed (step, tier) whose commit record is missing there, and still listed when asked again."""
-    missing = {(step, tier) for step, tier in listed if not _is_whole(cluster, step, tier)}
-    if missing:  # retention may have removed a step since: ask again, once the peer view was renewed
-        time.sleep(VIEW_TTL_S)  # how long a node's listing of its peers' steps may be stale
-        missing &= _listed(cluster)
-        for step, tier in sorted(missing):
+    """Return the listed (step, tier) that the tier does not hold whole, though it holds older steps.
+
+    A listing takes a while (it asks the peer and the store), and retention goes on meanwhile,
+    oldest step first: a step missing below the oldest one a tier still holds was retired after
+    it was listed. One missing above it was never whole there.
+    """
+    partial = set()
+    for step, tier in listed:
+        if tier == "memory" or _is_whole(cluster, step, tier):
+            continue
+        held = _whole_steps(cluster, tier)
+        if held and step > min(held):
+            partial.add((step, tier))
             print(f"partial visible: step {step} listed on {tier}, which does not hold it whole", flush=True)
-    return missing
+    return partial
+
+
+def _whole_steps(cluster: Cluster, tier: str) -> list[int]:
+    """Return the steps a tier holds whole now (the store keeps every step: none is ever retired there)."""
+    if tier == "object":
+        return [-1]
+    where = cluster.nvme_dir(0).parent if tier == "nvme" else cluster.replica_dir(0).parent
+    names = [p.name for p in where.iterdir()] if where.is_dir() else []
+    return [int(n) for n in names if n.isdigit() and _is_whole(cluster, int(n), tier)]
 
 
 def _is_whole(cluster: Cluster, step: int, tier: str) -> bool:
