@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import ckpt
+import gpu_path
 import torch
 import torch.distributed.checkpoint as dcp
 from daemon import BenchDaemon
@@ -302,12 +303,22 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3, help="timed runs of each measurement (default 3)")
     p.add_argument("--dir", type=Path, default=RESULTS_DIR / "tmp", help="where to write, on the disk under test")
     p.add_argument("--json", type=Path, default=RESULTS_DIR / "local.json", help="where to write the results")
+    p.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="where the state lives (default cpu); cuda: the GPU path against copy_ into pinned memory "
+        "(benchmarks/gpu_path.py), skipped with exit 0 where CUDA is not available",
+    )
     return p.parse_args()
 
 
 def main() -> int:
     """Run every measurement, print the table and write the JSON."""
     args = parse_args()
+    if args.device == "cuda":
+        args.dir.mkdir(parents=True, exist_ok=True)
+        return gpu_path.run(args, make_state, nbytes_of)
     print(f"building a {args.size_gib} GiB state ...", flush=True)
     state = make_state(int(args.size_gib * (1 << 30)))
     size = nbytes_of(state)
