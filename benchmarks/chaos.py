@@ -85,7 +85,7 @@ def check(cluster: Cluster, steps: list[int], must: set[int], after: str) -> Cou
             if got["step"] != step or not torch.equal(got["w"], state_for(step)["w"]):
                 found["wrong bytes"] += 1
                 print(f"wrong bytes after {after}: step {step}", flush=True)
-    found["partial visible"] += len(_partial(cluster, _listed(cluster)))
+    found["partial visible"] += len(_partial(cluster))
     return found
 
 
@@ -97,31 +97,28 @@ def _listed(cluster: Cluster) -> set[tuple[int, str]]:
         client.close()
 
 
-def _partial(cluster: Cluster, listed: set[tuple[int, str]]) -> set[tuple[int, str]]:
-    """Return the listed (step, tier) that the tier does not hold whole, though it holds older steps.
+def _partial(cluster: Cluster) -> set[tuple[int, str]]:
+    """Return the (step, tier) listed while the tier did not hold the step whole, before the listing nor after.
 
-    A listing takes a while (it asks the peer and the store), and retention goes on meanwhile,
-    oldest step first: a step missing below the oldest one a tier still holds was retired after
-    it was listed. One missing above it was never whole there.
+    A listing takes a while (it asks the peer and the store) and retention goes on meanwhile:
+    a step whole just before the listing and gone just after it was retired, not partial.
+    The store keeps every step, so there a step must be whole after the listing.
     """
+    before = {tier: _whole_steps(cluster, tier) for tier in ("nvme", "peer")}
     partial = set()
-    for step, tier in listed:
-        if tier == "memory" or _is_whole(cluster, step, tier):
+    for step, tier in _listed(cluster):
+        if tier == "memory" or step in before.get(tier, set()) or _is_whole(cluster, step, tier):
             continue
-        held = _whole_steps(cluster, tier)
-        if held and step > min(held):
-            partial.add((step, tier))
-            print(f"partial visible: step {step} listed on {tier}, which does not hold it whole", flush=True)
+        partial.add((step, tier))
+        print(f"partial visible: step {step} listed on {tier}, which does not hold it whole", flush=True)
     return partial
 
 
-def _whole_steps(cluster: Cluster, tier: str) -> list[int]:
-    """Return the steps a tier holds whole now (the store keeps every step: none is ever retired there)."""
-    if tier == "object":
-        return [-1]
+def _whole_steps(cluster: Cluster, tier: str) -> set[int]:
+    """Return the steps node a's NVMe or b's replica store holds whole now."""
     where = cluster.nvme_dir(0).parent if tier == "nvme" else cluster.replica_dir(0).parent
     names = [p.name for p in where.iterdir()] if where.is_dir() else []
-    return [int(n) for n in names if n.isdigit() and _is_whole(cluster, int(n), tier)]
+    return {int(n) for n in names if n.isdigit() and _is_whole(cluster, int(n), tier)}
 
 
 def _is_whole(cluster: Cluster, step: int, tier: str) -> bool:

@@ -80,7 +80,7 @@ class Locator:
         object_steps: set[int] = set()
         store_silent = False  # then "not found" cannot be told: a caller must not start afresh on it
         if from_object and (refetch or step is None or step not in steps | peer_steps):
-            answer = await self.object_steps(job)
+            answer = await (self.object_steps(job) if step is None else self.object_step(job, step))
             store_silent, object_steps = answer is None, set(answer or [])
         steps |= peer_steps | object_steps
         if step is None and steps:
@@ -115,7 +115,7 @@ class Locator:
                 if not from_object:
                     raise
                 log.warning("%s; trying the object store", e)
-                answer = await self.object_steps(job)
+                answer = await self.object_step(job, step)
                 if answer is None or step not in answer:
                     raise  # the peers' error says more than "not found": the step does exist
                 object_steps = set(answer)
@@ -203,6 +203,24 @@ class Locator:
                 return None
 
         return await self.ask_object_store(steps)
+
+    async def object_step(self, job: str, step: int) -> list[int] | None:
+        """Return [step] if that step is complete in the store, else [], or None if it is off or did not say in time.
+
+        One read of the step's commit record: a job's whole history in the store is never listed for it.
+        """
+        tier = self.object_tier
+        if tier is None:
+            return None
+
+        def held() -> list[int] | None:
+            try:
+                return [step] if tier.is_complete(job, step) else []
+            except CheckpointError as e:
+                log.warning("%s", e)
+                return None
+
+        return await self.ask_object_store(held)
 
     async def _fetch_from_object(self, job: str, step: int, rank: int, again: bool, replace: bool = False) -> None:
         """Copy a rank's shard of a step complete in the object store onto this node's NVMe, verified.

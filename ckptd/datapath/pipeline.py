@@ -68,7 +68,7 @@ class Pipeline:
 
     async def wait_shard(self, key: ShardKey, tier: str, timeout_s: float) -> tuple[bool, str]:
         """Return (done, error) for a shard on a tier, waiting up to timeout_s."""
-        return await self.node.progress.wait(key, tier, timeout_s, self.node.locator.object_steps)
+        return await self.node.progress.wait(key, tier, timeout_s, self.node.locator.object_step)
 
     # -- loads and listings ------------------------------------------------------------------
 

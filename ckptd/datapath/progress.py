@@ -108,17 +108,17 @@ class ShardProgress:
 
     # -- waiting ------------------------------------------------------------------
 
-    async def wait(self, key: ShardKey, tier: str, timeout_s: float, object_steps: Any) -> tuple[bool, str]:
+    async def wait(self, key: ShardKey, tier: str, timeout_s: float, object_step: Any) -> tuple[bool, str]:
         """Return (done, error) for a shard on a tier, waiting up to timeout_s for it.
 
-        object_steps(job) is awaited for the steps complete in the store (or None), when
+        object_step(job, step) is awaited for whether the step is complete in the store ([step], [] or None), when
         an upload may have finished before this daemon started.
         """
         validate_tier(tier)
         if (tier == "object" and self.uploader is None) or (tier == "peer" and self.peering.replication is None):
             return False, f"tier {tier} is not configured on node {self.peering.config.node.name}"
         if tier == "object":
-            verdict = await self._upload_verdict(key, object_steps)
+            verdict = await self._upload_verdict(key, object_step)
         elif tier == "peer":
             verdict = self._replica_verdict(key)
         else:
@@ -171,7 +171,7 @@ class ShardProgress:
 
         return verdict
 
-    async def _upload_verdict(self, key: ShardKey, object_steps: Any) -> Verdict:
+    async def _upload_verdict(self, key: ShardKey, object_step: Any) -> Verdict:
         uploader = self.uploader
         assert uploader is not None
         if not uploader.wanted(key.step):
@@ -179,7 +179,7 @@ class ShardProgress:
             return lambda: (False, error)
         before = uploader.state(key)
         attempts_before = before.attempts if before is not None else 0
-        if before is None and key.step in (await object_steps(key.job) or []):
+        if before is None and key.step in (await object_step(key.job, key.step) or []):
             return lambda: (True, "")  # uploaded and committed before this daemon started
 
         def verdict() -> tuple[bool, str] | None:

@@ -53,7 +53,8 @@ class ShardedReads:
             if tier in ("", "auto", "peer"):
                 steps |= set(await locator.peering.complete_steps(job))
             if tier in ("", "auto", "object"):
-                steps |= set(await locator.object_steps(job) or [])
+                found = locator.object_steps(job) if step is None else locator.object_step(job, step)
+                steps |= set(await found or [])
         if step is None and steps:
             step = max(steps)
         if step is None or step not in steps:

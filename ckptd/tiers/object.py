@@ -27,11 +27,6 @@ from ckpt.step_index import StepIndex, index_bytes
 from ckptd.storage.commit_protocol import ObjectStepCommit
 from ckptd.storage.object_store import ObjectStore
 from ckptd.tiers.base import Tier
-
-# The byte layout of a stored shard lives in object_layout; its names stay importable from here.
-from ckptd.tiers.object_layout import MAX_RANGE_BYTES as MAX_RANGE_BYTES
-from ckptd.tiers.object_layout import MIN_RANGE_BYTES as MIN_RANGE_BYTES
-from ckptd.tiers.object_layout import PART_BYTES as PART_BYTES
 from ckptd.tiers.object_layout import (
     READ_THREADS,
     Piece,
@@ -163,6 +158,12 @@ class ObjectTier(Tier):
         with self._lock:
             self._records[(job, step)] = record
         return record
+
+    def is_complete(self, job: str, step: int) -> bool:
+        """Say whether a step is complete in the store, from its commit record read afresh: no listing."""
+        with self._lock:  # not what is kept: another node's retention may have removed the step
+            self._records.pop((job, step), None)
+        return isinstance(self._commit_state(job, step), CommitRecord)
 
     def commit_record(self, job: str, step: int) -> CommitRecord:
         state = self._commit_state(job, step) if step in self._steps(job) else "missing"

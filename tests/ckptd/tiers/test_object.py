@@ -13,7 +13,8 @@ from ckpt.format import CHUNK_SIZE_BYTES, COMMIT_NAME, CommitRecord, ShardMeta, 
 from ckptd.offline.verify import verify
 from ckptd.storage.object_store import open_store
 from ckptd.tiers.nvme import LocalDirTier
-from ckptd.tiers.object import PART_BYTES, CommitConflict, ObjectTier, frames_name, zstd_name
+from ckptd.tiers.object import CommitConflict, ObjectTier
+from ckptd.tiers.object_layout import PART_BYTES, frames_name, zstd_name
 
 
 @pytest.fixture(params=["file", "s3"])
