@@ -116,7 +116,8 @@ def test_without_an_optimizer_or_with_lazy_off_the_save_is_whole_when_it_returns
         assert_same(expected, c.load(2))
 
 
-def test_lazy_saves_one_after_another_each_hold_their_own_step(daemon):
+def test_lazy_saves_one_after_another_each_hold_their_own_step(make_daemon):
+    daemon = make_daemon("[retention]\nnvme = 0\n").start()  # every step stays, to be loaded at the end
     model, optimizer, step = _training()
     with ckpt.Checkpointer(job="many", address=daemon.address) as c:
         handles, expected = [], []
