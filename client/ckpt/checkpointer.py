@@ -154,7 +154,7 @@ class Checkpointer:
         self._slots = SlotMappings()
         self._copy_threads = copy_threads
         self._copy_pool = ThreadPoolExecutor(max_workers=copy_threads, thread_name_prefix="ckpt-copy")
-        self._lazy_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-lazy")
+        self._lazy_thread = ThreadPoolExecutor(1, "ckpt-lazy", initializer=lambda: lazy_copies.run_beside(self._daemon))
         self._lazy_copy: lazy_copies.LazyCopy | None = None  # the last lazy save's copy, maybe still running
         self._last_step: int | None = None
         self._closed = False
@@ -234,8 +234,8 @@ class Checkpointer:
                 staged = self._lazy_copy = lazy_copies.LazyCopy(owned)
                 lock = held.pop_all()  # the lazy thread lets go of the slot once it committed
 
-                def copy(indices: list[int]) -> None:
-                    copy_into(flat, slot, self._copy_pool, self._copy_threads, only=indices)
+                def copy(indices: list[int]) -> None:  # on the lazy thread alone: on the daemon's cores, if pinned
+                    copy_into(flat, slot, self._copy_pool, 1, only=indices)
 
                 self._lazy_thread.submit(staged.run, copy, lambda: self._commit(request), lock.close)
             else:

@@ -13,6 +13,9 @@ before its bytes are in the slot. SaveHandle.wait() and the rank's next save wai
 whole copy. The hook never waits for the commit, only for copies, which need nothing
 from the training thread.
 
+The lazy thread starts with run_beside(): it moves onto the CPUs the daemon runs on ([node] cpus),
+so the background copy takes the daemon's cores and leaves the trainer's alone.
+
 Optimizers are known from a scan of the heap at the first lazy save, and from every step
 any optimizer takes afterwards (the same hook records it). An optimizer not known yet
 owns nothing: its tensors are copied at once, which is always safe.
@@ -23,6 +26,9 @@ from __future__ import annotations
 import bisect
 import gc
 import itertools
+import json
+import logging
+import os
 import threading
 import weakref
 from collections.abc import Callable
@@ -30,6 +36,12 @@ from typing import Any
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from ckpt.errors import CheckpointError
+from ckpt.transport import DaemonClient
+from ckpt.wire.v1 import ckptd_pb2 as pb
+
+log = logging.getLogger("ckpt")
 
 _known: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
 _running: set[LazyCopy] = set()
@@ -99,6 +111,20 @@ def _span(tensor: torch.Tensor) -> tuple[int, int]:
     start = t.data_ptr()
     extent = 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride(), strict=True))
     return start, start + extent * t.element_size()
+
+
+def run_beside(daemon: DaemonClient) -> None:
+    """Move the calling thread (the lazy thread, as it starts) onto the CPUs the daemon runs on ([node] cpus).
+
+    The background copy then takes the daemon's cores, not the trainer's. Where this process may not
+    run there (a container's cpuset), or the daemon does not say, the thread stays where it is.
+    """
+    try:
+        cpus = set(json.loads(daemon.call("Status", pb.StatusRequest()).json)["cpus"])
+        if cpus != os.sched_getaffinity(0):
+            os.sched_setaffinity(0, cpus)  # 0: this thread
+    except (CheckpointError, OSError, KeyError, TypeError, ValueError) as e:
+        log.debug("ckpt: the lazy copy thread stays on this process's CPUs: %s", e)
 
 
 class LazyCopy:

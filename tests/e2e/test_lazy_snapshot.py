@@ -7,6 +7,7 @@ moment: while the copy of the optimizer-owned tensors has not started.
 from __future__ import annotations
 
 import copy
+import os
 import threading
 
 import ckpt
@@ -129,3 +130,20 @@ def test_lazy_saves_one_after_another_each_hold_their_own_step(make_daemon):
         for i, h in enumerate(handles):
             h.wait("nvme", timeout=WAIT_S)
             assert_same(expected[i], c.load(i))
+
+
+def test_the_background_copy_runs_on_the_daemons_cpus(make_daemon, monkeypatch):
+    cpu = max(os.sched_getaffinity(0))
+    daemon = make_daemon()
+    daemon.env["CKPTD_NODE__CPUS"] = f'"{cpu}"'
+    daemon.start()
+    model, optimizer, _ = _training()
+    gate = Gate(monkeypatch)
+    with ckpt.Checkpointer(job="beside", address=daemon.address) as c:
+        h = c.save_async(_state(model, optimizer), step=1, lazy=True)
+        assert gate.reached.wait(WAIT_S)
+        lazy_thread = next(t for t in threading.enumerate() if t.name.startswith("ckpt-lazy"))
+        assert os.sched_getaffinity(lazy_thread.native_id) == {cpu}
+        assert os.sched_getaffinity(0) != {cpu} or os.cpu_count() == 1  # the training thread stays where it was
+        gate.open.set()
+        h.wait("nvme", timeout=WAIT_S)
