@@ -30,13 +30,14 @@ from report import Row, as_json, table  # benchmarks/report.py: run as a script,
 from ckptd.datapath.locate import OBJECT_THREADS
 from ckptd.datapath.uploading import COMMIT_POLL_MAX_S, COMMIT_WATCH_LIMIT_S, UPLOAD_THREADS
 from ckptd.storage.object_store import UPLOAD_CONCURRENCY
+from ckptd.tiers.object import COMMIT_CHECK_THREADS
 from ckptd.tiers.object_layout import MAX_PARTS, MAX_RANGE_BYTES, MIN_RANGE_BYTES, PART_BYTES, READ_THREADS
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 GB = 1e9
 # ckptd's own numbers the model uses, imported above and written into the JSON.
 CKPTD_CONSTANTS = ["PART_BYTES", "MAX_PARTS", "UPLOAD_THREADS", "UPLOAD_CONCURRENCY", "READ_THREADS"]
-CKPTD_CONSTANTS += ["OBJECT_THREADS", "COMMIT_POLL_MAX_S", "COMMIT_WATCH_LIMIT_S"]
+CKPTD_CONSTANTS += ["COMMIT_CHECK_THREADS", "OBJECT_THREADS", "COMMIT_POLL_MAX_S", "COMMIT_WATCH_LIMIT_S"]
 
 # -- the jobs ---------------------------------------------------------------------------------
 GPUS_PER_NODE = 8  # DGX/HGX H100 and H200
@@ -186,8 +187,8 @@ def requests(job: Job, s: dict[str, Any], t: dict[str, float], a: argparse.Names
     bandwidth_s = max(bounds.values())
     bounds |= {"PUT/s per prefix": writes / a.put_per_prefix, "GET/s per prefix": reads / a.get_per_prefix}
     watch_per_s = job.nodes * WATCH_READS_PER_POLL / MEAN_POLL_S
-    # The rank-0 node's pass: list the step, HEAD+GET every record (8 threads), again for the index (in turn).
-    commit_s = (step_pages + math.ceil(2 * world / READ_THREADS) + 2 * world + 1) * lat
+    # The rank-0 node's pass: list the step, HEAD+GET every record once (COMMIT_CHECK_THREADS at a time).
+    commit_s = (step_pages + math.ceil(2 * world / COMMIT_CHECK_THREADS) + 1) * lat
     # A restore: each rank reads its record and its ranges; the first wave of a node also lists the step.
     gets = sum(n * (ranged_gets(int(b)) + 3) for n, b in s["ranks"]) + job.nodes * OBJECT_THREADS * step_pages
     restore_node_s = t["restore_node_s"] + restore_waves * 3 * lat + step_pages * lat
@@ -213,7 +214,7 @@ def requests(job: Job, s: dict[str, Any], t: dict[str, float], a: argparse.Names
             "watch_get_per_s": watch_per_s,
             "upload_s": upload_s,
             "upload_bound": max(bounds, key=lambda k: bounds[k]),
-            "commit_requests": step_pages + 4 * world + 1,
+            "commit_requests": step_pages + 2 * world + 1,
             "commit_s": commit_s,
             "object_s": upload_s + commit_s,
             "restore_gets": gets,
@@ -227,7 +228,7 @@ def requests(job: Job, s: dict[str, Any], t: dict[str, float], a: argparse.Names
             "get_per_s_hash_prefix": get_rate / hashed,
             "get_per_s_step_prefix": job.nodes / after_s + job.nodes / AFTER_POLL_S,  # one COMMIT check per node
             "upload_s": max(after_s, writes / (a.put_per_prefix * hashed)),
-            "commit_s": (math.ceil(2 * world / READ_THREADS) + 1) * lat,  # records read once, in parallel
+            "commit_s": (math.ceil(2 * world / COMMIT_CHECK_THREADS) + 1) * lat,  # records read once, in parallel
             "restore_gets": gets_after,
             "restore_get_per_s_hash_prefix": gets_after / restore_after_s / hashed,
             "restore_s": max(restore_after_s, gets_after / (a.get_per_prefix * hashed)),

@@ -44,6 +44,7 @@ from ckptd.tiers.object_layout import (
 log = logging.getLogger(__name__)
 
 LISTING_TTL_S = 1.0
+COMMIT_CHECK_THREADS = 32  # shard records read at once when a step is committed in the store
 
 
 class CommitConflict(CheckpointError):
@@ -316,39 +317,39 @@ class ObjectTier(Tier):
         self._forget_listing(job)
         return True
 
-    def missing_ranks(self, record: CommitRecord) -> list[int]:
-        """Return the ranks of a step whose shard in the store is absent or not the one the record lists."""
+    def matching_records(self, record: CommitRecord) -> dict[int, ShardMeta]:
+        """Return {rank: shard record} of the ranks whose shard in the store the record lists (read at once)."""
         job, step = record.job, str(record.step)
         names = self.step_names(job, record.step)
         present = [r for r in range(record.world_size) if meta_name(r) in names]
 
-        def matches(rank: int) -> bool:
+        def matching(rank: int) -> ShardMeta | None:
             try:
                 raw = self.store.read(job, step, meta_name(rank))
                 meta = ShardMeta.from_bytes(raw, meta_name(rank))
             except (FileNotFoundError, CheckpointError):
-                return False
-            return digest(raw) == record.shard_meta_xxh3_128[rank] and self._has_data(meta, names)
+                return None
+            ok = digest(raw) == record.shard_meta_xxh3_128[rank] and self._has_data(meta, names)
+            return meta if ok else None
 
-        with ThreadPoolExecutor(max_workers=READ_THREADS, thread_name_prefix="object-check") as pool:
-            good = {r for r, ok in zip(present, pool.map(matches, present), strict=True) if ok}
-        return [r for r in range(record.world_size) if r not in good]
+        with ThreadPoolExecutor(max_workers=COMMIT_CHECK_THREADS, thread_name_prefix="object-check") as pool:
+            found = dict(zip(present, pool.map(matching, present), strict=True))
+        return {r: meta for r, meta in found.items() if meta is not None}
 
     def try_commit(self, record: CommitRecord) -> bool:
         """Write the step's commit record, create-only, if every rank's shard is there and matches it.
 
-        Return whether the step is now complete in the store with this record, False
-        while ranks are missing. A record already there stays, even if it differs:
-        that raises CommitConflict, for two writers never replace each other's.
-        """
+        Return whether the step is now complete in the store with this record, False while ranks are
+        missing. A record already there stays, even if it differs: CommitConflict (none replaces another's)."""
         self._forget_listing(record.job)
-        if self.missing_ranks(record):
+        metas = self.matching_records(record)
+        if len(metas) < record.world_size:
             return False
         job, step = record.job, str(record.step)
         where = self.store.describe(job, step, COMMIT_NAME)
         try:
             commit = ObjectStepCommit(self.store, job, record.step)
-            self._put_index(commit, record)
+            self._put_index(commit, record, metas)
             created = commit.write_commit(record.to_bytes())
         except OSError as e:
             raise CheckpointError(f"object store {where}: {e}") from e
@@ -361,10 +362,10 @@ class ObjectTier(Tier):
             raise CommitConflict(f"{where} is already there, damaged or different from this node's record: kept")
         return True
 
-    def _put_index(self, commit: ObjectStepCommit, record: CommitRecord) -> None:
+    def _put_index(self, commit: ObjectStepCommit, record: CommitRecord, metas: dict[int, ShardMeta]) -> None:
         """Upload the step's index before its commit record, where some record is sharded (as on NVMe)."""
         try:
-            index = index_bytes(record, lambda rank: self.read_meta(record.job, record.step, rank, record))
+            index = index_bytes(record, metas.__getitem__)  # the records just checked: none is read again
         except CorruptCheckpoint as e:  # loads build it from the records, and say what is wrong with them
             log.error("%s step %d: no index uploaded: %s", record.job, record.step, e)
             return
