@@ -163,6 +163,8 @@ class RetentionRunner:
                 all_steps, complete, damaged = steps
                 plan = plan_removals(all_steps, complete, keep, {s for bj, s in busy if bj == j} | damaged)
                 for step, reason in plan:
+                    if not dry_run and (j, step) in self.busy_steps():
+                        continue  # taken meanwhile, while an earlier step was being removed (a load pointed at it)
                     removals.append(Removal(tier.name, j, step, reason))
                     if not dry_run:
                         await loop.run_in_executor(self.cleanup_thread, tier.remove_step, j, step)

@@ -18,6 +18,7 @@ from ckpt.errors import (
     CheckpointError,
     CorruptCheckpoint,
     InvalidArgument,
+    NotFound,
     ReservationLost,
     SaveFailed,
     SaveSkipped,
@@ -272,9 +273,8 @@ class Checkpointer:
             validate_tier(tier)
         if into is not None:
             return self._load_into(into, step, tier)
-        reply = self._daemon.call(
-            "Locate", pb.LocateRequest(job=self.job, step=-1 if step is None else step, rank=self.rank, tier=tier)
-        )
+        locate = pb.LocateRequest(job=self.job, step=-1 if step is None else step, rank=self.rank, tier=tier)
+        reply = self._daemon.call("Locate", locate)
         if reply.world_size != self.world_size:
             raise InvalidArgument(
                 f"{self.job} step {reply.step} was saved by {reply.world_size} ranks, and this Checkpointer has "
@@ -282,7 +282,14 @@ class Checkpointer:
             )
         sources = [ShardSource(s.tier, s.kind, s.path, self.job, reply.step) for s in reply.sources]
         try:
-            return load_first_good(sources, self.rank, map_location)
+            try:
+                return load_first_good(sources, self.rank, map_location)
+            except NotFound as e:  # the copy it was pointed at went meanwhile (an operator, a race): ask again, once
+                log.warning("ckpt: %s; asking the daemon where the shard is now", e)
+                locate.step = reply.step
+                again = self._daemon.call("Locate", locate)
+                sources = [ShardSource(s.tier, s.kind, s.path, self.job, again.step) for s in again.sources]
+                return load_first_good(sources, self.rank, map_location)
         except CorruptCheckpoint as e:
             if tier not in ("auto", "peer", "object"):
                 raise

@@ -571,3 +571,21 @@ def test_map_location_moves_every_tensor_wherever_it_sits(daemon):
         assert moved["nt"].y == 1 and moved["obj"].tensor.shape == (4,)
         with pytest.raises(ckpt.InvalidArgument, match="map_location"):
             c.load(1, map_location="floppy:0")
+
+
+def test_a_load_whose_copy_vanished_under_it_asks_the_daemon_again(daemon, monkeypatch):
+    from ckpt import checkpointer
+
+    with ckpt.Checkpointer(job="vanish", address=daemon.address) as c:
+        c.save_async({"w": torch.arange(10)}, step=1).wait("nvme", timeout=60)
+        real, calls = checkpointer.load_first_good, []
+
+        def vanished_once(sources, rank, map_location):
+            calls.append([s.tier for s in sources])
+            if len(calls) == 1:  # as if retention (or an operator) removed the copy between Locate and the read
+                raise ckpt.NotFound(f"{sources[0].path}: data file missing")
+            return real(sources, rank, map_location)
+
+        monkeypatch.setattr(checkpointer, "load_first_good", vanished_once)
+        assert torch.equal(c.load(1)["w"], torch.arange(10))
+        assert len(calls) == 2
