@@ -342,7 +342,9 @@ class ObjectTier(Tier):
         Return whether the step is now complete in the store with this record, False while ranks are
         missing. A record already there stays, even if it differs: CommitConflict (none replaces another's)."""
         self._forget_listing(record.job)
-        metas = self.matching_records(record)
+        names = self.step_names(record.job, record.step)  # asked on every poll: while a rank is missing, read nothing
+        missing = any(meta_name(r) not in names for r in range(record.world_size))
+        metas = {} if missing else self.matching_records(record)
         if len(metas) < record.world_size:
             return False
         job, step = record.job, str(record.step)
