@@ -4,9 +4,8 @@
 `rank-NNNNN.data.zst` with its frame index `rank-NNNNN.frames.json`), then its
 `rank-NNNNN.meta.json`, and last `COMMIT.json`. A step is listed only through its
 commit record, which is written create-only after every rank's shard is there and
-matches it. How a shard's bytes become those objects (names, parts, ranges,
-frames) is object_layout's. Calls block: the daemon makes them from its upload
-threads, the CLI from its own.
+matches it. How a shard's bytes become those objects (names, parts, ranges, frames)
+is object_layout's. Calls block: the daemon makes them from its threads, the CLI from its own.
 """
 
 from __future__ import annotations
