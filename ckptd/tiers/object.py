@@ -58,6 +58,7 @@ class ObjectTier(Tier):
     def __init__(self, store: ObjectStore) -> None:
         self.store = store
         self._records: dict[tuple[str, int], CommitRecord] = {}  # read once, kept while COMMIT.json is listed
+        self._damaged_logged: set[str] = set()
         self._listings: dict[tuple[str, ...], tuple[float, Any]] = {}  # (job,) or (job, step)
         self._lock = threading.Lock()
 
@@ -122,9 +123,7 @@ class ObjectTier(Tier):
     def _commit_states(self, job: str) -> dict[int, CommitRecord | str]:
         """Return {step: its commit record, or "damaged"} for each step with a COMMIT.json, oldest first.
 
-        One listing of the step names; then each step's record is read once (a GET, in
-        parallel) and kept while the step is listed.
-        """
+        One listing of the step names; then each record is read once (in parallel) and kept while listed."""
         steps = self._steps(job)
         with self._lock:  # other threads drop entries meanwhile (a listing, a removal)
             known = {s: self._records.get((job, s)) for s in steps}
@@ -149,11 +148,12 @@ class ObjectTier(Tier):
             raise CheckpointError(f"object store {where}: {e}") from e
         try:
             record = CommitRecord.from_bytes(raw, where)
+            if (record.job, record.step) != (job, step):
+                raise CorruptCheckpoint(f"{where} describes {record.job} step {record.step}")
         except CheckpointError as e:
-            log.error("%s", e)
-            return "damaged"
-        if (record.job, record.step) != (job, step):
-            log.error("%s describes %s step %d", where, record.job, record.step)
+            if where not in self._damaged_logged:  # once: every listing reads it again
+                self._damaged_logged.add(where)
+                log.error("%s", e)
             return "damaged"
         with self._lock:
             self._records[(job, step)] = record

@@ -201,3 +201,19 @@ def test_a_range_of_a_shard_is_read_alone_from_the_store(tier, shards, compressi
         buf = memoryview(mmap.mmap(-1, round_up(length, 4096)))
         tier.read_into(tier.read_meta("job", 2, 0), buf, offset, length)
         assert bytes(buf[:length]) == payload[offset : offset + length]
+
+
+def test_a_damaged_commit_record_is_not_complete_and_is_logged_once(tier, shards, caplog):
+    meta = shards.write("job", 2, 0, 1, b"a shard")
+    tier.upload_shard(meta, shards.path(meta), "none")
+    record = _record([meta])
+    assert tier.try_commit(record) and tier.is_complete("job", 2)
+    raw = bytearray(tier.store.read("job", "2", COMMIT_NAME))
+    raw[-3] ^= 1
+    tier.store.put(bytes(raw), "job", "2", COMMIT_NAME)
+    assert not tier.is_complete("job", 2)  # read afresh, not the record this tier had read before
+    fresh = ObjectTier(tier.store)  # another node, or this one after a restart
+    for _ in range(3):  # every listing, and every question about the one step, reads it again
+        assert fresh.complete_steps("job") == [] and fresh.damaged_steps("job") == [2]
+        assert not fresh.is_complete("job", 2)
+    assert len([r for r in caplog.records if "COMMIT.json" in r.getMessage()]) == 2  # once per tier
