@@ -195,23 +195,29 @@ class RawSocket:
 
 
 def replicate_alone(a: BenchDaemon, b: BenchDaemon, step: int) -> float:
-    """Send A's NVMe copy of a step to B once more with ckptd's own sender, nothing else running; return seconds.
+    """Send a step of A to B once more with ckptd's own sender, nothing else running; return seconds.
 
     The daemon starts a replica beside its NVMe flush, so on a small machine the two share
-    the CPUs; this times the protocol and B's receiver alone. The copy goes in as another
-    step (1000000 + step) of a second job, which B's retention then removes.
+    the CPUs and, here, the one disk; this times the protocol and B's receiver alone. The
+    bytes are sent from a copy in memory (A's staging directory, a tmpfs), as the raw socket
+    sends them and as the daemon does while the staging slot holds the snapshot: read from
+    A's NVMe on the disk B writes to, the read alone took most of the time. The copy goes in
+    as another step (1000000 + step) of a second job, which B's retention then removes.
     """
     step_dir = a.root / JOB / str(step)
     meta = ShardMeta.from_bytes((step_dir / meta_name(0)).read_bytes(), "A's shard record")
     alone = ShardMeta(**{**meta.__dict__, "job": JOB + "-alone", "step": 1_000_000 + step})
+    in_memory = a.staging / "replicate-alone.data"
+    shutil.copyfile(step_dir / data_name(0), in_memory)
     link = PeerLink(b.listen, PeerConfig())
     try:
         with ThreadPoolExecutor(max_workers=STREAMS_PER_SHARD) as streams:
             start = time.perf_counter()
-            link.put_shard(alone, step_dir / data_name(0), streams)
+            link.put_shard(alone, in_memory, streams)
             return time.perf_counter() - start
     finally:
         link.close()
+        in_memory.unlink()
 
 
 def replicate(
