@@ -119,6 +119,14 @@ def test_unit_gives_the_drain_time_to_finish(unit: dict[str, dict[str, list[str]
     assert service_value(unit, "KillSignal") in (None, "SIGTERM")
 
 
+def test_unit_makes_the_daemon_a_good_neighbour_to_training(unit: dict[str, dict[str, list[str]]]) -> None:
+    # Lower CPU and I/O priority for the whole process (a low-priority thread would hold up its event loop).
+    nice, weight = service_value(unit, "Nice"), service_value(unit, "CPUWeight")
+    assert nice is not None and 0 < int(nice) <= 19
+    assert weight is not None and 1 <= int(weight) < 100  # below the default weight of 100
+    assert service_value(unit, "IOSchedulingClass") in ("best-effort", "idle")
+
+
 def test_unit_keeps_the_staging_slots(unit: dict[str, dict[str, list[str]]]) -> None:
     # RemoveIPC would delete the daemon's /dev/shm files when it stops; DynamicUser implies it.
     assert service_value(unit, "RemoveIPC") in (None, "no", "false")
