@@ -154,7 +154,9 @@ class Checkpointer:
         self._daemon = DaemonClient(address)
         self._slots = SlotMappings()
         self._copy_threads = copy_threads
-        self._copy_pool = ThreadPoolExecutor(max_workers=copy_threads, thread_name_prefix="ckpt-copy")
+        self._copy_pool = ThreadPoolExecutor(
+            copy_threads, "ckpt-copy", initializer=lambda: lazy_copies.run_beside(self._daemon, widen=True)
+        )
         self._lazy_thread = ThreadPoolExecutor(1, "ckpt-lazy", initializer=lambda: lazy_copies.run_beside(self._daemon))
         self._lazy_copy: lazy_copies.LazyCopy | None = None  # the last lazy save's copy, maybe still running
         self._last_step: int | None = None

@@ -113,18 +113,22 @@ def _span(tensor: torch.Tensor) -> tuple[int, int]:
     return start, start + extent * t.element_size()
 
 
-def run_beside(daemon: DaemonClient) -> None:
-    """Move the calling thread (the lazy thread, as it starts) onto the CPUs the daemon runs on ([node] cpus).
+def run_beside(daemon: DaemonClient, widen: bool = False) -> None:
+    """Move the calling thread, as it starts, onto the CPUs the daemon runs on ([node] cpus).
 
-    The background copy then takes the daemon's cores, not the trainer's. Where this process may not
-    run there (a container's cpuset), or the daemon does not say, the thread stays where it is.
+    The lazy thread moves there: the background copy takes the daemon's cores, not the trainer's.
+    The copy threads of a save widen theirs (widen=True) to the trainer's and the daemon's: while
+    save_async blocks, the trainer waits and the daemon is idle, so the copy may use both. Where this
+    process may not run there (a container's cpuset), or the daemon does not say, the thread stays.
     """
     try:
         cpus = set(json.loads(daemon.call("Status", pb.StatusRequest()).json)["cpus"])
+        if widen:
+            cpus |= os.sched_getaffinity(0)
         if cpus != os.sched_getaffinity(0):
             os.sched_setaffinity(0, cpus)  # 0: this thread
     except (CheckpointError, OSError, KeyError, TypeError, ValueError) as e:
-        log.debug("ckpt: the lazy copy thread stays on this process's CPUs: %s", e)
+        log.debug("ckpt: a copy thread stays on this process's CPUs: %s", e)
 
 
 class LazyCopy:

@@ -147,3 +147,22 @@ def test_the_background_copy_runs_on_the_daemons_cpus(make_daemon, monkeypatch):
         assert os.sched_getaffinity(0) != {cpu} or os.cpu_count() == 1  # the training thread stays where it was
         gate.open.set()
         h.wait("nvme", timeout=WAIT_S)
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs: one for the trainer, one for the daemon")
+def test_a_saves_copy_threads_may_use_the_daemons_cpus_beside_the_trainers(make_daemon):
+    trainer, daemon_cpu = sorted(os.sched_getaffinity(0))[:2]
+    daemon = make_daemon()
+    daemon.env["CKPTD_NODE__CPUS"] = f'"{daemon_cpu}"'
+    daemon.start()
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {trainer})  # this thread only: the trainer pinned to its core, as OPERATIONS says
+    try:
+        with ckpt.Checkpointer(job="widen", address=daemon.address, copy_threads=2) as c:
+            c.save_async({"a": torch.ones(32 << 20), "b": torch.ones(32 << 20)}, step=1).wait("nvme", timeout=WAIT_S)
+            copiers = [t for t in threading.enumerate() if t.name.startswith("ckpt-copy")]
+            assert copiers  # 256 MiB in two tensors: copied on the pool
+            for t in copiers:
+                assert os.sched_getaffinity(t.native_id) == {trainer, daemon_cpu}
+    finally:
+        os.sched_setaffinity(0, before)
