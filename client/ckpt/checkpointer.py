@@ -217,8 +217,8 @@ class Checkpointer:
             slot = self._slots.get(reserved.slot_path, reserved.slot_size_bytes)
             if reserved.spare_slot_path:
                 self._slots.prefault(reserved.spare_slot_path, reserved.spare_slot_size_bytes)
-            eager = [i for i in range(len(flat.arrays)) if i not in owned]
-            copy_into(flat, slot, self._copy_pool, self._copy_threads, only=eager if owned else None)
+            eager = set(range(len(flat.arrays))) - owned.keys() if owned else None  # None: every array
+            copy_into(flat, slot, self._copy_pool, self._copy_threads, only=eager)
             in_slot = reserved.layout_in_slot  # a daemon of an older version takes it in the message
             if in_slot:
                 at = layout_offset(flat.data_size_bytes)

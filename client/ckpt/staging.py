@@ -126,11 +126,12 @@ def copy_into(
     flat: Flattened, slot: torch.Tensor, pool: ThreadPoolExecutor, threads: int = 2, only: Collection[int] | None = None
 ) -> None:
     """Copy flat's arrays (those at the indices in only, if given) into slot, on up to threads threads; then return."""
+    wanted = None if only is None else frozenset(only)  # a list would make this loop quadratic in the tensors
     cuda: list[tuple[torch.Tensor, torch.Tensor]] = []
     host: list[tuple[Any, Any]] = []
     for i, (array, entry) in enumerate(zip(flat.arrays, flat.entries, strict=True)):
         nbytes = entry["nbytes"]
-        if nbytes == 0 or (only is not None and i not in only):
+        if nbytes == 0 or (wanted is not None and i not in wanted):
             continue
         dst_bytes = slot[entry["offset"] : entry["offset"] + nbytes]
         if isinstance(array, np.ndarray):
