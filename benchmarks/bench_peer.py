@@ -13,6 +13,7 @@ It prints a table and writes JSON; it is not a test. See benchmarks/README.md.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import mmap
 import multiprocessing
@@ -44,6 +45,8 @@ from report import (  # benchmarks/report.py: run as scripts, this directory is 
 )
 
 from ckptd.config import PeerConfig
+from ckptd.rpc.data_channel import client_context
+from ckptd.rpc.data_listener import server_context
 from ckptd.rpc.peer_link import STREAMS_PER_SHARD, PeerLink
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -61,11 +64,30 @@ JOB = "bench-peer"
 # -- the daemons --------------------------------------------------------------------------
 
 
-def peer_toml(peer: str) -> str:
+def peer_config(tls: Path | None, data_channel: bool) -> PeerConfig:
+    """Return the [peer] settings both nodes and the raw socket use: TLS with certificates from tls/, or plaintext."""
+    if tls is None:  # plaintext on loopback, said explicitly
+        return PeerConfig(insecure=True, data_channel=data_channel)
+    # The test suite's certificate maker (it needs cryptography, as --tls alone does), loaded by path: tests/ on
+    # sys.path would also put tests/ckptd there, which spawned children take for the package.
+    spec = importlib.util.spec_from_file_location("certs", Path(__file__).resolve().parents[1] / "tests" / "certs.py")
+    assert spec is not None and spec.loader is not None
+    certs = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(certs)
+    ca = certs.CertificateAuthority(tls)
+    cert, key = ca.issue("node")  # one certificate for both nodes: both are 127.0.0.1
+    return PeerConfig(cert=str(cert), key=str(key), ca=str(ca.ca_path), data_channel=data_channel)
+
+
+def peer_toml(peer: str, config: PeerConfig) -> str:
     """Return the rest of a node's config: the other node as its one peer, and short retention."""
-    # Plaintext on loopback, said explicitly: the benchmark holds replication against a raw socket.
-    peer_section = f"[peer]\naddresses = [{json.dumps(peer)}]\nreplicas = 1\ninsecure = true\n"
-    return peer_section + "\n[retention]\nnvme = 2\npeer = 2\n"
+    settings = {"addresses": [peer], "replicas": 1, "data_channel": config.data_channel}
+    if config.cert:
+        settings |= {"cert": config.cert, "key": config.key, "ca": config.ca}
+    else:
+        settings["insecure"] = True
+    lines = [f"{k} = {json.dumps(v)}" for k, v in settings.items()]
+    return "[peer]\n" + "\n".join(lines) + "\n\n[retention]\nnvme = 2\npeer = 2\n"
 
 
 # -- the raw socket limit ------------------------------------------------------------------
@@ -126,7 +148,7 @@ def _receive(conn: socket.socket, view: memoryview, size_bytes: int, path: str) 
         os.close(fd)
 
 
-def _receiver(control: Connection, listener: socket.socket, size_bytes: int) -> None:
+def _receiver(control: Connection, listener: socket.socket, size_bytes: int, peer: PeerConfig) -> None:
     """Serve transfers in a child process: for each request on control, take one connection's bytes.
 
     A request is a file path ("" for memory only), None to stop. The bytes go into one
@@ -136,10 +158,11 @@ def _receiver(control: Connection, listener: socket.socket, size_bytes: int) -> 
     buffer = mmap.mmap(-1, -(-size_bytes // DIRECT_IO_ALIGN_BYTES) * DIRECT_IO_ALIGN_BYTES)
     buffer.write(b"\x5a" * len(buffer))
     view = memoryview(buffer)
+    tls = server_context(peer)  # TLS as the daemons speak it, where they do
     while (path := control.recv()) is not None:
         control.send("ready")
-        conn, _ = listener.accept()
-        with conn:
+        accepted, _ = listener.accept()
+        with tls.wrap_socket(accepted, server_side=True) if tls else accepted as conn:
             _receive(conn, view, size_bytes, path)
             conn.sendall(b"\x01")
         if path:
@@ -148,10 +171,11 @@ def _receiver(control: Connection, listener: socket.socket, size_bytes: int) -> 
 
 
 class RawSocket:
-    """A child process that receives over a plain TCP socket on 127.0.0.1; the parent sends and times it."""
+    """A child process that receives over TCP on 127.0.0.1 (TLS where peer says); the parent sends and times it."""
 
-    def __init__(self, size_bytes: int) -> None:
+    def __init__(self, size_bytes: int, peer: PeerConfig) -> None:
         self.size_bytes = size_bytes
+        self._tls = client_context(peer)
         # What we send: preallocated and touched, so no page fault is timed.
         self._data = mmap.mmap(-1, size_bytes)
         block = os.urandom(RECV_BYTES)
@@ -161,7 +185,7 @@ class RawSocket:
         self.address = self._listener.getsockname()
         self._control, child = multiprocessing.get_context("spawn").Pipe()
         self._proc = multiprocessing.get_context("spawn").Process(
-            target=_receiver, args=(child, self._listener, size_bytes), daemon=True
+            target=_receiver, args=(child, self._listener, size_bytes, peer), daemon=True
         )
         self._proc.start()
         self._listener.close()  # the child holds it now
@@ -172,7 +196,8 @@ class RawSocket:
         if self._control.recv() != "ready":
             raise RuntimeError("the raw socket receiver did not get ready")
         start = time.perf_counter()
-        with socket.create_connection(self.address) as s:
+        with socket.create_connection(self.address) as conn:
+            s = self._tls.wrap_socket(conn, server_hostname=self.address[0]) if self._tls else conn
             s.sendall(self._data)
             if s.recv(1) != b"\x01":
                 raise ConnectionError("the raw socket receiver did not acknowledge")
@@ -194,7 +219,7 @@ class RawSocket:
 # -- the run ---------------------------------------------------------------------------------
 
 
-def replicate_alone(a: BenchDaemon, b: BenchDaemon, step: int) -> float:
+def replicate_alone(a: BenchDaemon, b: BenchDaemon, step: int, peer: PeerConfig) -> float:
     """Send a step of A to B once more with ckptd's own sender, nothing else running; return seconds.
 
     The daemon starts a replica beside its NVMe flush, so on a small machine the two share
@@ -209,7 +234,7 @@ def replicate_alone(a: BenchDaemon, b: BenchDaemon, step: int) -> float:
     alone = ShardMeta(**{**meta.__dict__, "job": JOB + "-alone", "step": 1_000_000 + step})
     in_memory = a.staging / "replicate-alone.data"
     shutil.copyfile(step_dir / data_name(0), in_memory)
-    link = PeerLink(b.listen, PeerConfig())
+    link = PeerLink(b.listen, peer)
     try:
         with ThreadPoolExecutor(max_workers=STREAMS_PER_SHARD) as streams:
             start = time.perf_counter()
@@ -253,7 +278,7 @@ def replicate(
 
 
 def bench(
-    state: dict[str, torch.Tensor], a: BenchDaemon, b: BenchDaemon, work: Path, repeats: int
+    state: dict[str, torch.Tensor], a: BenchDaemon, b: BenchDaemon, peer: PeerConfig, repeats: int
 ) -> tuple[int, dict[str, list[float]], dict[str, Any]]:
     """Replicate each step interleaved with raw socket transfers of the same bytes.
 
@@ -263,7 +288,7 @@ def bench(
     with ckpt.Checkpointer(job=JOB, rank=0, world_size=1, address=str(a.socket_path)) as c:
         for step in range(WARMUP_SAVES):
             size = int(replicate(c, a, b, state, step)["replica_bytes"])
-        sockets = RawSocket(size)
+        sockets = RawSocket(size, peer)
         try:
             sockets.transfer()  # warm up the child and the socket path
             for step in range(WARMUP_SAVES, WARMUP_SAVES + repeats):
@@ -272,7 +297,7 @@ def bench(
                 raw["raw_socket_durable"].append(sockets.transfer(b.root.parent / "raw-socket.bin"))
                 for key, value in replicate(c, a, b, state, step).items():
                     raw[key].append(value)
-                raw["replication_alone"].append(replicate_alone(a, b, step))
+                raw["replication_alone"].append(replicate_alone(a, b, step, peer))
                 print(
                     f"  step {step}: replication {raw['replication'][-1]:.3f} s, raw socket "
                     f"{raw['raw_socket'][-1]:.3f} s, checked durable {raw['raw_socket_durable'][-1]:.3f} s",
@@ -330,6 +355,16 @@ def parse_args() -> argparse.Namespace:
         help="where B keeps its data: on the disk under test beside A's (default), or in /dev/shm, standing in for "
         "a peer node with a disk of its own (this VM has one disk for both 'nodes')",
     )
+    p.add_argument(
+        "--tls",
+        action="store_true",
+        help="peers speak TLS with client certificates (made for the run), and so does the raw socket",
+    )
+    p.add_argument(
+        "--no-data-channel",
+        action="store_true",
+        help="replicas' bytes go in gRPC PutShard streams ([peer] data_channel = false), as before the data channel",
+    )
     return p.parse_args()
 
 
@@ -342,11 +377,16 @@ def main() -> int:
     args.dir.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="bench-peer-", dir=args.dir))
     staging = Path(tempfile.mkdtemp(prefix="ckptd-bench-peer-", dir="/dev/shm"))
-    print(f"one tensor of {args.size_mib} MiB; working in {work}, staging in {staging}", flush=True)
+    print(
+        f"one tensor of {args.size_mib} MiB; {'TLS' if args.tls else 'plaintext'}, "
+        f"{'gRPC streams' if args.no_data_channel else 'data channel'}; working in {work}, staging in {staging}",
+        flush=True,
+    )
     a_listen, b_listen = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
-    a = BenchDaemon("a", work / "a", staging / "a", a_listen, peer_toml(b_listen))
+    peer = peer_config(work / "tls" if args.tls else None, data_channel=not args.no_data_channel)
+    a = BenchDaemon("a", work / "a", staging / "a", a_listen, peer_toml(b_listen, peer))
     b_disk = staging / "b-disk" if args.peer_disk == "memory" else None
-    b = BenchDaemon("b", work / "b", staging / "b", b_listen, peer_toml(a_listen), root_parent=b_disk)
+    b = BenchDaemon("b", work / "b", staging / "b", b_listen, peer_toml(a_listen, peer), root_parent=b_disk)
     daemon_warnings: list[str] = []
     try:
         for node in (a, b):
@@ -357,7 +397,7 @@ def main() -> int:
             notify_a, notify_b = a.launch(), b.launch()
             a.wait_ready(notify_a)
             b.wait_ready(notify_b)
-            size, raw, peer_status = bench(state, a, b, work, args.repeats)
+            size, raw, peer_status = bench(state, a, b, peer, args.repeats)
         finally:
             for node in (a, b):
                 daemon_warnings += node.stop()
@@ -380,6 +420,8 @@ def main() -> int:
         {"torch": torch.__version__},
         size_bytes=size,
         repeats=args.repeats,
+        tls=args.tls,
+        data_channel=not args.no_data_channel,
         dir=str(args.dir.resolve()),
         raw_s=raw,
         peer_status_of_a=peer_status,

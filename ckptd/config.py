@@ -45,6 +45,8 @@ class PeerConfig:
     key: str = ""
     ca: str = ""
     insecure: bool = False  # plaintext between peers: only when asked for, never by default
+    data_channel: bool = True  # replicas' bytes on a TCP connection beside gRPC (INTERNALS); false: gRPC streams
+    data_port: int = 0  # the port this node takes them on (host of node.listen); 0 = any free port
 
 
 @dataclass(frozen=True)
@@ -93,7 +95,7 @@ class Config:
     @property
     def peer_hosts(self) -> set[str]:
         """Return the hosts of [peer] addresses and of node.listen: the names a peer's certificate may carry."""
-        return {_host(a) for a in (*self.peer.addresses, self.node.listen) if a}
+        return {host_of(a) for a in (*self.peer.addresses, self.node.listen) if a}
 
     @property
     def cpu_set(self) -> set[int]:
@@ -239,6 +241,7 @@ def _check_values(c: Config) -> None:
     require(c.staging.idle_ttl_s >= 0, "staging.idle_ttl_s", "must be 0 (never) or a number of seconds")
     require(c.staging.policy in ("block", "skip"), "staging.policy", f"must be block or skip, not {c.staging.policy!r}")
     require(c.peer.replicas >= 0, "peer.replicas", "must not be negative")
+    require(0 <= c.peer.data_port <= 65535, "peer.data_port", "must be a port number, or 0 for any free port")
     require(c.object.every >= 1, "object.every", "must be at least 1")
     require(c.object.compression in ("none", "zstd"), "object.compression", "must be none or zstd")
     for tier in ("nvme", "peer", "object"):
@@ -319,6 +322,6 @@ def _resolve(c: Config) -> Config:
     return dataclasses.replace(c, node=node, staging=staging, peer=peer)
 
 
-def _host(address: str) -> str:
+def host_of(address: str) -> str:
     """Return the host of host:port ([v6]:port included), as a certificate names it."""
     return address.rsplit(":", 1)[0].strip("[]")

@@ -15,9 +15,10 @@ from ckpt.transport import MAX_MESSAGE_BYTES
 from ckpt.wire.v1 import ckptd_pb2_grpc
 
 from ckptd import metrics, sd_notify
-from ckptd.config import Config
+from ckptd.config import Config, host_of
 from ckptd.datapath.pipeline import Pipeline
 from ckptd.datapath.root_identity import RootGone
+from ckptd.rpc.data_listener import DataListener
 from ckptd.rpc.guard import RequestGuard
 from ckptd.rpc.peer_link import grpc_options, server_credentials
 from ckptd.rpc.peer_server import PeerServicer, add_peer_servicer
@@ -69,7 +70,8 @@ async def serve(config: Config) -> None:
             "[peer] insecure = true: peers speak plaintext, unauthenticated; anyone who reaches %s can act as a peer",
             config.node.listen or "this node's peer port",
         )
-    peer_server = await _serve_peers(config, pipeline, guard) if config.node.listen else None
+    data_listener = await _listen_for_data(config, pipeline) if config.node.listen else None
+    peer_server = await _serve_peers(config, pipeline, guard, data_listener) if config.node.listen else None
     metrics_server = await _serve_metrics(config, pipeline) if config.metrics.listen else None
 
     stop = asyncio.Event()
@@ -96,6 +98,8 @@ async def serve(config: Config) -> None:
     sd_notify.notify("STOPPING=1")
     watchdog.cancel()
     await server.stop(STOP_GRACE_S)
+    if data_listener is not None:
+        await data_listener.stop()
     if peer_server is not None:
         await peer_server.stop(STOP_GRACE_S)
     if metrics_server is not None:
@@ -107,9 +111,28 @@ async def serve(config: Config) -> None:
         raise RootGone(f"the NVMe root {config.root} was removed or replaced under the daemon")
 
 
-async def _serve_peers(config: Config, pipeline: Pipeline, guard: RequestGuard) -> grpc.aio.Server:
+async def _listen_for_data(config: Config, pipeline: Pipeline) -> DataListener | None:
+    """Take replicas' bytes on a data connection beside gRPC, unless [peer] data_channel = false."""
+    if not config.peer.data_channel:
+        return None
+    host = host_of(config.node.listen)
+    listener = DataListener(pipeline.receiver, config.peer, host, lambda: pipeline.verification_failed("peer"))
+    try:
+        await listener.start()
+    except OSError as e:
+        raise ListenFailed(
+            f"cannot take peers' data on {host} port {config.peer.data_port} (peer.data_port): {e}"
+        ) from None
+    pipeline.node.peering.data_port = listener.port
+    log.info("taking replicas' bytes on %s port %d (peer data channel)", host, listener.port)
+    return listener
+
+
+async def _serve_peers(
+    config: Config, pipeline: Pipeline, guard: RequestGuard, data_listener: DataListener | None
+) -> grpc.aio.Server:
     server = grpc.aio.server(options=grpc_options(), maximum_concurrent_rpcs=MAX_PEER_RPCS)
-    add_peer_servicer(PeerServicer(pipeline), server, guard)
+    add_peer_servicer(PeerServicer(pipeline, data_listener), server, guard)
     credentials = server_credentials(config.peer)
     try:
         if credentials is None:

@@ -53,6 +53,7 @@ class Peering:
         self.config = config
         self.nvme = nvme
         self.replica_store = replica_store
+        self.data_port = 0  # set by daemon.serve once its data listener listens (rpc.data_listener)
         self.node = config.node.listen or config.node.name
         self._threads = threads
         self.instance = uuid.uuid4().hex  # this daemon's run: calls that carry it have come back to it
@@ -339,13 +340,19 @@ class Peering:
     def status(self) -> dict[str, Any]:
         """Describe the peer tier for `ckptd status`."""
         if self.peer_tier is None:
-            return {"enabled": False, "listen": self.config.node.listen, "instance": self.instance}
+            return {
+                "enabled": False,
+                "listen": self.config.node.listen,
+                "instance": self.instance,
+                "data_port": self.data_port,
+            }
         return {
             "enabled": True,
             "listen": self.config.node.listen,
             "instance": self.instance,  # this daemon's run: peer calls that carry it are refused as its own
             "replicas": self.config.replicas,
             "tls": bool(self.config.peer.cert),
+            "data_port": self.data_port,  # where this node takes replicas' bytes beside gRPC; 0 = by gRPC only
             "unreachable": dict(self.peer_tier.unreachable),
             "peers": self.replication.peers_status() if self.replication else {},
             "counters": dict(self.replication.counters) if self.replication else {},

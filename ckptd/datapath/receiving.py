@@ -1,10 +1,11 @@
 """Assemble the replicas other nodes send, range by range, into this node's replica store.
 
-The sender splits a shard into byte ranges and sends each on its own PutShard
-stream; every range is checked chunk by chunk before it is written. SealShard
-comes once every range is in: the file is fsynced and installed with the tier's
-atomic protocol. receive_range and seal run on the event loop; byte work runs on
-the receiver's threads.
+The sender splits a shard into byte ranges and sends each on a data connection of
+its own (rpc.data_listener) or, where none is offered, a PutShard stream; every
+range is checked chunk by chunk before it is written. SealShard comes once every
+range is in: the file is fsynced and installed with the tier's atomic protocol.
+receive_range and seal run on the event loop; a data connection is read on a
+receiving thread, and checks and writes run on the receiver's threads.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import contextlib
 import logging
 import mmap
 import re
+import socket
 import time
 from collections.abc import AsyncIterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -78,36 +80,87 @@ class ReplicaReceiver:
         self._transfers: dict[str, _Transfer] = {}
         self._ranges_in_flight = 0
         self._spare_buffers: list[mmap.mmap] = []  # reused: fresh ones would fault in every page per range
+        self._recv_threads = ThreadPoolExecutor(MAX_RANGES_IN_FLIGHT, thread_name_prefix="replica-recv")
 
     async def receive_range(
-        self, meta: ShardMeta, transfer: str, offset: int, length: int, pieces: AsyncIterator[memoryview]
+        self,
+        meta: ShardMeta,
+        transfer: str,
+        offset: int,
+        length: int,
+        source: AsyncIterator[memoryview] | socket.socket,
     ) -> None:
-        """Write one checked range of a replica (CorruptCheckpoint: a bad chunk)."""
-        self._check(meta, transfer, offset, length)
-        if self._ranges_in_flight >= MAX_RANGES_IN_FLIGHT:
-            raise ReceiverBusy(f"{self._what(meta)}: {self._ranges_in_flight} ranges are being received already")
+        """Write one checked range of a replica (CorruptCheckpoint: a bad chunk).
+
+        source is the range's bytes: PutShard's pieces, or a data connection (rpc.data_channel)
+        that a receiving thread reads straight into the block buffers.
+        """
+        self.admit_range(meta, transfer, offset, length)
         self._ranges_in_flight += 1
         try:
-            await self._receive(meta, transfer, offset, length, pieces)
+            await self._receive(meta, transfer, offset, length, source)
         finally:
             self._ranges_in_flight -= 1
 
+    def admit_range(self, meta: ShardMeta, transfer: str, offset: int, length: int) -> None:
+        """Raise InvalidArgument for a range that does not fit its shard, ReceiverBusy when too many are under way."""
+        self._check(meta, transfer, offset, length)
+        if self._ranges_in_flight >= MAX_RANGES_IN_FLIGHT:
+            raise ReceiverBusy(f"{self._what(meta)}: {self._ranges_in_flight} ranges are being received already")
+
     async def _receive(
-        self, meta: ShardMeta, transfer: str, offset: int, length: int, pieces: AsyncIterator[memoryview]
+        self,
+        meta: ShardMeta,
+        transfer: str,
+        offset: int,
+        length: int,
+        source: AsyncIterator[memoryview] | socket.socket,
     ) -> None:
         if await _finished(self._threads.submit(self.tier.holds, meta)):
             raise AlreadyHeld(f"{self._what(meta)}: held already")
         t = await self._open(meta, transfer)
         t.ranges_open += 1
-        writes: list[Future[None] | None] = [None, None]
         block_bytes = max(1, BLOCK_BYTES // meta.chunk_size_bytes) * meta.chunk_size_bytes
         buffers = [self._buffer(round_up(block_bytes, DIRECT_IO_ALIGN_BYTES)) for _ in range(2)]
         try:
-            which, filled, base, end = 0, 0, offset, offset + length
+            if isinstance(source, socket.socket):
+                work = self._recv_threads.submit(self._recv_range, t, source, buffers, block_bytes, offset, length)
+                end = await _finished(work)
+            else:
+                end = await self._copy_pieces(t, source, buffers, block_bytes, offset, length)
+            if end != offset + length:
+                raise CorruptCheckpoint(f"{self._what(meta)}: range ended after {end - offset} of {length} bytes")
+        except BaseException:
+            if self._transfers.get(transfer) is t:  # not a later transfer of the same name
+                del self._transfers[transfer]
+            t.abandoned = True
+            raise
+        finally:
+            t.ranges_open -= 1
+            t.touched_s = time.monotonic()  # idle from now, not from the last piece
+            if t.abandoned:
+                t.abandon()
+            self._spare_buffers = (self._spare_buffers + buffers)[-SPARE_BUFFERS:]
+
+    async def _copy_pieces(
+        self,
+        t: _Transfer,
+        pieces: AsyncIterator[memoryview],
+        buffers: list[mmap.mmap],
+        block_bytes: int,
+        offset: int,
+        length: int,
+    ) -> int:
+        """Copy PutShard's pieces into the block buffers on the event loop; write each full one on a thread.
+
+        Return where the received bytes end."""
+        writes: list[Future[None] | None] = [None, None]
+        which, filled, base, end = 0, 0, offset, offset + length
+        try:
             async for data in pieces:
                 view = memoryview(data)
                 if base + filled + len(view) > end:
-                    raise CorruptCheckpoint(f"{self._what(meta)}: more bytes than the range's {length}")
+                    raise CorruptCheckpoint(f"{self._what(t.meta)}: more bytes than the range's {length}")
                 while view:
                     take = min(len(view), block_bytes - filled)
                     buffers[which][filled : filled + take] = view[:take]
@@ -127,13 +180,7 @@ class ReplicaReceiver:
                 if w is not None:
                     writes[i] = None
                     await _finished(w)
-            if base != end:
-                raise CorruptCheckpoint(f"{self._what(meta)}: range ended after {base - offset} of {length} bytes")
-        except BaseException:
-            if self._transfers.get(transfer) is t:  # not a later transfer of the same name
-                del self._transfers[transfer]
-            t.abandoned = True
-            raise
+            return base
         finally:
             # Never close the file or reuse a buffer under a write still running on a thread,
             # even when the sender went away and this handler was cancelled.
@@ -141,11 +188,40 @@ class ReplicaReceiver:
                 if w is not None:
                     with contextlib.suppress(BaseException):
                         await _finished(w)
-            t.ranges_open -= 1
-            t.touched_s = time.monotonic()  # idle from now, not from the last piece
-            if t.abandoned:
-                t.abandon()
-            self._spare_buffers = (self._spare_buffers + buffers)[-SPARE_BUFFERS:]
+
+    def _recv_range(
+        self, t: _Transfer, sock: socket.socket, buffers: list[mmap.mmap], block_bytes: int, offset: int, length: int
+    ) -> int:
+        """On a receiving thread: recv_into the block buffers straight from a data connection, writing each on a thread.
+
+        Return where the received bytes end: short of the range when the sender closed early."""
+        writes: list[Future[None] | None] = [None, None]
+        which, base, end = 0, offset, offset + length
+        try:
+            while base < end:
+                want, filled = min(block_bytes, end - base), 0
+                with memoryview(buffers[which]) as view:
+                    while filled < want:
+                        received = sock.recv_into(view[filled:want])
+                        if not received:
+                            return base + filled
+                        filled += received
+                t.touched_s = time.monotonic()
+                writes[which] = self._threads.submit(self._write, t, buffers[which], base, filled)
+                base, which = base + filled, which ^ 1
+                pending, writes[which] = writes[which], None
+                if pending is not None:  # the other buffer's write must finish before it is refilled
+                    pending.result()
+            for i, w in enumerate(writes):
+                writes[i] = None
+                if w is not None:
+                    w.result()
+            return base
+        finally:
+            for w in writes:  # an error: still no buffer reused, no file closed, under a write
+                if w is not None:
+                    with contextlib.suppress(BaseException):
+                        w.result()
 
     def _buffer(self, size_bytes: int) -> mmap.mmap:
         while self._spare_buffers:
@@ -250,6 +326,7 @@ class ReplicaReceiver:
         """Drop every unfinished transfer."""
         for transfer in list(self._transfers):
             self._abandon(transfer)
+        self._recv_threads.shutdown(wait=False)
 
     def _what(self, meta: ShardMeta) -> str:
         return f"replica of rank {meta.rank} shard of {meta.job} step {meta.step} on tier {self.tier.name}"

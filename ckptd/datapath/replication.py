@@ -168,6 +168,7 @@ class Replication:
                 "pending_replicas": sum(
                     1 for s in self._shards.values() if address in s.targets and address not in s.done
                 ),
+                "ranges_sent": dict(p.link.ranges_sent),  # by data channel, or by gRPC stream (PutShard)
             }
             for address, p in self._peers.items()
         }

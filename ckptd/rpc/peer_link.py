@@ -7,6 +7,10 @@ chunk is a ReplicaRejected.
 
 from __future__ import annotations
 
+import logging
+import math
+import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -19,7 +23,8 @@ from ckpt.format import CommitRecord, ShardMeta, validate_job, validate_step
 from ckpt.wire.v1 import peer_pb2 as pb
 from ckpt.wire.v1 import peer_pb2_grpc
 
-from ckptd.config import PeerConfig
+from ckptd.config import PeerConfig, host_of
+from ckptd.rpc.data_channel import DataChannelError, client_context, send_range
 from ckptd.rpc.shard_stream import byte_ranges, fill_from_pieces, read_pieces
 from ckptd.tiers.cluster import Holding, StepHoldings
 
@@ -29,8 +34,10 @@ ITSELF = "itself:"  # how a daemon answers a call from itself
 STREAMS_PER_SHARD = 4
 CALL_TIMEOUT_S = 10.0
 CONNECT_TIMEOUT_S = 3.0
+DATA_CHANNEL_RETRY_S = 60.0  # after the data channel failed, ranges go by PutShard this long
 MIN_TRANSFER_BYTES_PER_S = 2 << 20  # a stream slower than this is given up and retried (think 1 GbE, 8 streams)
 
+log = logging.getLogger(__name__)
 
 _DATA_TAG = b"\x2a"  # ShardPiece field 5 (data), length-delimited
 
@@ -174,6 +181,11 @@ class PeerLink:
         self._get_shard = self._channel.unary_stream(
             "/ckpt.wire.v1.CkptdPeer/GetShard", request_serializer=pb.GetShardRequest.SerializeToString
         )
+        self._data_tls = client_context(peer)
+        # Ranges go on the peer's data channel while it offers one; after a failure, by PutShard for a while.
+        self._data_channel_off_until = 0.0 if peer.data_channel else math.inf
+        self.ranges_sent = {"data_channel": 0, "grpc_stream": 0}  # for status: which way the bytes went
+        self._lock = threading.Lock()
 
     def close(self) -> None:
         """Close the channel."""
@@ -190,16 +202,19 @@ class PeerLink:
         try:
             return call()
         except grpc.RpcError as e:
-            code, detail = e.code(), e.details() or str(e.code())
-            if code == grpc.StatusCode.FAILED_PRECONDITION and detail.startswith(ITSELF):
-                raise IsSelf(f"peer {self.address} is this node itself") from None
-            if code == grpc.StatusCode.ALREADY_EXISTS:
-                raise ReplicaHeld(f"peer {self.address}: {detail}") from None
-            if code == grpc.StatusCode.DATA_LOSS:
-                raise ReplicaRejected(f"peer {self.address} rejected {what}: {detail}") from None
-            if code == grpc.StatusCode.NOT_FOUND:
-                raise NotFound(f"peer {self.address}: {detail}") from None
-            raise PeerError(f"peer {self.address}: {what} failed: {code.name} {detail}") from None
+            raise self._error(e.code().name, e.details() or e.code().name, what) from None
+
+    def _error(self, code: str, detail: str, what: str) -> CheckpointError:
+        """Return the error for a peer's answer: a gRPC status name and its detail."""
+        if code == "FAILED_PRECONDITION" and detail.startswith(ITSELF):
+            return IsSelf(f"peer {self.address} is this node itself")
+        if code == "ALREADY_EXISTS":
+            return ReplicaHeld(f"peer {self.address}: {detail}")
+        if code == "DATA_LOSS":
+            return ReplicaRejected(f"peer {self.address} rejected {what}: {detail}")
+        if code == "NOT_FOUND":
+            return NotFound(f"peer {self.address}: {detail}")
+        return PeerError(f"peer {self.address}: {what} failed: {code} {detail}")
 
     def inventory(self, job: str = "", step: int = -1, timeout_s: float = CALL_TIMEOUT_S) -> list[StepHoldings]:
         """Return what the peer holds of a job's step (or of everything)."""
@@ -247,6 +262,50 @@ class PeerLink:
         )
 
     def _put_range(
+        self, meta: ShardMeta, meta_json: bytes, transfer: str, path: Path, offset: int, length: int, what: str
+    ) -> None:
+        """Send one range: on the peer's data channel where it offers one, else by PutShard."""
+        way = "grpc_stream"
+        if time.monotonic() >= self._data_channel_off_until and self._put_on_data_channel(
+            meta, meta_json, transfer, path, offset, length, what
+        ):
+            way = "data_channel"
+        else:
+            self._put_by_stream(meta, meta_json, transfer, path, offset, length, what)
+        with self._lock:
+            self.ranges_sent[way] += 1
+
+    def _put_on_data_channel(
+        self, meta: ShardMeta, meta_json: bytes, transfer: str, path: Path, offset: int, length: int, what: str
+    ) -> bool:
+        """Send a range on a data connection; return False where the peer offers none (or it just failed)."""
+        request = pb.ShardPiece(meta_json=meta_json, transfer=transfer, offset=offset, length=length)
+        try:
+            offer = self._stub.OpenDataRange(request, timeout=CALL_TIMEOUT_S, metadata=self._metadata)
+        except grpc.RpcError as e:
+            if e.code() != grpc.StatusCode.UNIMPLEMENTED:  # a peer of before the data channel: PutShard
+                raise self._error(e.code().name, e.details() or e.code().name, f"replica of {what}") from None
+            offer = pb.DataRangeTicket()
+        if not offer.port:
+            self._data_channel_off_until = time.monotonic() + DATA_CHANNEL_RETRY_S
+            return False
+        try:
+            status = send_range(
+                host_of(self.address), offer.port, offer.ticket, self._data_tls, path, meta, offset, length, what
+            )
+        except DataChannelError as e:
+            log.warning(
+                "peer %s: the data channel failed (%s); sending replicas by gRPC for %.0f s",
+                self.address, e, DATA_CHANNEL_RETRY_S,
+            )  # fmt: skip
+            self._data_channel_off_until = time.monotonic() + DATA_CHANNEL_RETRY_S
+            return False
+        if status != "OK":
+            code, _, detail = status.partition(" ")
+            raise self._error(code, detail, f"replica of {what}")
+        return True
+
+    def _put_by_stream(
         self, meta: ShardMeta, meta_json: bytes, transfer: str, path: Path, offset: int, length: int, what: str
     ) -> None:
         local_failure: list[BaseException] = []

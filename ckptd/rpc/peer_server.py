@@ -14,6 +14,7 @@ from ckpt.wire.v1 import peer_pb2 as pb
 from ckpt.wire.v1 import peer_pb2_grpc
 
 from ckptd.datapath.pipeline import Pipeline
+from ckptd.rpc.data_listener import DataListener
 from ckptd.rpc.guard import NotAPeer, RequestGuard
 from ckptd.rpc.peer_link import INSTANCE_HEADER, ITSELF, IsSelf, data_piece, holdings_to_pb, piece_data
 from ckptd.rpc.server import answer
@@ -47,8 +48,9 @@ def add_peer_servicer(servicer: PeerServicer, server: grpc.aio.Server, guard: Re
 class PeerServicer(peer_pb2_grpc.CkptdPeerServicer):
     """Serve ckpt/wire/v1/peer.proto to other nodes' daemons."""
 
-    def __init__(self, pipeline: Pipeline) -> None:
+    def __init__(self, pipeline: Pipeline, data_listener: DataListener | None = None) -> None:
         self.pipeline = pipeline
+        self.data_listener = data_listener  # None: [peer] data_channel = false, ranges come by PutShard
 
     async def _shard_meta(self, transfer: str, raw: bytes) -> ShardMeta:
         """Parse a shard record a peer sent, once per transfer (its layout may be megabytes: on a thread)."""
@@ -99,6 +101,18 @@ class PeerServicer(peer_pb2_grpc.CkptdPeerServicer):
                         self.pipeline.verification_failed("peer")
                         raise
             return pb.PutShardReply()
+
+        return await answer(context, work)
+
+    async def OpenDataRange(self, request: pb.ShardPiece, context: Any) -> pb.DataRangeTicket:
+        async def work() -> pb.DataRangeTicket:
+            self._admit(context)
+            if self.data_listener is None:
+                return pb.DataRangeTicket()
+            meta = await self._shard_meta(request.transfer, request.meta_json)
+            self.pipeline.receiver.admit_range(meta, request.transfer, request.offset, request.length)
+            ticket = self.data_listener.offer(meta, request.transfer, request.offset, request.length)
+            return pb.DataRangeTicket(port=self.data_listener.port, ticket=ticket)
 
         return await answer(context, work)
 

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+import socket
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -32,9 +35,24 @@ async def pieces(data: bytes):
 def run(tmp_path, body):
     tier = LocalDirTier(tmp_path / "peer", name="peer")
     with ThreadPoolExecutor(4) as threads:
-        asyncio.run(body(ReplicaReceiver(tier, threads)))
+        receiver = ReplicaReceiver(tier, threads)
+        asyncio.run(body(receiver))
+        receiver.close()
     tier.close()
     return tier
+
+
+@contextlib.contextmanager
+def connection(data: bytes):
+    """Yield the receiving end of a socket pair whose other end sends data from a thread, then closes."""
+    theirs, ours = socket.socketpair()
+    sender = threading.Thread(target=lambda: (theirs.sendall(data), theirs.close()))
+    sender.start()
+    try:
+        yield ours
+    finally:
+        ours.close()  # a sender still blocked in sendall gets an error and ends
+        sender.join()
 
 
 def test_ranges_in_any_order_make_one_durable_replica(tmp_path):
@@ -54,6 +72,46 @@ def test_ranges_in_any_order_make_one_durable_replica(tmp_path):
     assert (step_dir / "rank-00000.data").read_bytes() == data
     assert read_meta_ok(step_dir, meta)
     assert not list(step_dir.glob("*.partial"))
+
+
+def test_ranges_read_from_data_connections_make_one_durable_replica(tmp_path):
+    meta, data = make_shard(19 * CHUNK + 4321)  # more than two 8 MiB blocks per range, and a short last chunk
+    halves = [(0, 10 * CHUNK), (10 * CHUNK, meta.data_size_bytes - 10 * CHUNK)]
+
+    async def body(receiver):
+        with connection(data[: 10 * CHUNK]) as first, connection(data[10 * CHUNK :]) as second:
+            await asyncio.gather(
+                *(
+                    receiver.receive_range(meta, "ab" * 8, o, n, sock)
+                    for (o, n), sock in zip(halves, (first, second), strict=True)
+                )
+            )
+        await receiver.seal(meta, "ab" * 8, None)
+
+    tier = run(tmp_path, body)
+    assert (tier.step_dir("j", 3) / "rank-00000.data").read_bytes() == data
+    assert read_meta_ok(tier.step_dir("j", 3), meta)
+
+
+@pytest.mark.parametrize("fault", ["bad chunk", "closed early"])
+def test_a_data_connection_with_a_bad_chunk_or_cut_short_leaves_nothing(tmp_path, fault):
+    meta, data = make_shard(12 * CHUNK)
+    sent = bytearray(data)
+    if fault == "bad chunk":
+        sent[9 * CHUNK + 5] ^= 1  # in the second block: the first is written by then
+    else:
+        del sent[11 * CHUNK :]
+    why = r"chunk 9 .* checksum mismatch" if fault == "bad chunk" else f"range ended after {11 * CHUNK} of"
+
+    async def body(receiver):
+        with connection(bytes(sent)) as sock, pytest.raises(CorruptCheckpoint, match=why):
+            await receiver.receive_range(meta, "cd" * 8, 0, len(data), sock)
+        with pytest.raises(InvalidArgument):
+            await receiver.seal(meta, "cd" * 8, None)
+
+    tier = run(tmp_path, body)
+    assert not tier.has_shard("j", 3, 0)
+    assert not list(tier.step_dir("j", 3).glob("*"))
 
 
 def read_meta_ok(step_dir, meta) -> bool:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import signal
@@ -15,6 +16,7 @@ import torch
 from certs import CertificateAuthority
 from ckpt.errors import CheckpointError, SaveFailed
 from ckpt.format import COMMIT_NAME, CommitRecord, ShardMeta, data_name, meta_name
+from ckpt.wire.v1 import peer_pb2 as pb
 from conftest import eventually, free_port
 from states import assert_same
 
@@ -148,6 +150,12 @@ def test_tls_peers_replicate_and_refuse_strangers(make_cluster, short_tmp):
     files = [(*ca.issue(f"n{i}"), ca.ca_path) for i in range(3)]
     a, b, c3 = (d.start() for d in make_cluster(3, tls=files))
     save_step([a, b, c3], step=1, world_size=3)  # every replica went over TLS
+    assert ranges_sent(a) == {"data_channel": 1, "grpc_stream": 0}  # a 12 MiB shard is one range
+    port = peer_status(a)["data_port"]
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as plain:  # no TLS: no ticket is even read
+        plain.sendall(b"\x16" + bytes(64))
+        with contextlib.suppress(ConnectionResetError):  # closed, with our bytes unread: a reset
+            assert plain.recv(4) == b""
     b.lose()
     b.start()
     with ckpt.Checkpointer(job=JOB, rank=1, world_size=3, address=b.address) as c:
@@ -170,6 +178,75 @@ def test_tls_peers_replicate_and_refuse_strangers(make_cluster, short_tmp):
     trusted = PeerLink(a.listen, PeerConfig(cert=str(files[1][0]), key=str(files[1][1]), ca=str(ca.ca_path)))
     assert {s.step for s in trusted.inventory(JOB, timeout_s=5)} == {1}
     trusted.close()
+
+
+def peer_status(node) -> dict:
+    return json.loads(node.cli("status", "--json").stdout)["tiers"]["peer"]
+
+
+def ranges_sent(node) -> dict[str, int]:
+    """Return how many replica ranges the node sent by each way, summed over its peers."""
+    totals = {"data_channel": 0, "grpc_stream": 0}
+    for peer in peer_status(node)["peers"].values():
+        for way, count in peer["ranges_sent"].items():
+            totals[way] += count
+    return totals
+
+
+def data_connection(port: int, ticket: bytes, data: bytes) -> bytes:
+    """Send a ticket and data on a data connection; return all the receiver sent back before closing."""
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as conn:
+        conn.sendall(ticket + data)
+        conn.shutdown(socket.SHUT_WR)
+        answer = b""
+        while chunk := conn.recv(1 << 16):
+            answer += chunk
+        return answer
+
+
+def test_replicas_go_on_the_data_channel_and_hostile_connections_change_nothing(make_cluster, tmp_path):
+    a, b = (d.start() for d in make_cluster(2))
+    save_step([a, b], step=1, world_size=2)
+    assert ranges_sent(a) == ranges_sent(b) == {"data_channel": 1, "grpc_stream": 0}
+    port = peer_status(b)["data_port"]
+    assert port > 0
+
+    # A ticket never offered, and bytes that are no ticket at all, are refused; nothing is written.
+    # (A refused sender's bytes are left unread: here none follow the ticket, so no reset hides the answer.)
+    assert b"PERMISSION_DENIED" in data_connection(port, bytes(16), b"")
+    assert data_connection(port, b"abc", b"") == b""
+    # A real offer whose sender stops half way: the range is refused and its file goes.
+    meta = ShardMeta.from_bytes((a.root / JOB / "1" / meta_name(0)).read_bytes(), "test")
+    fake = ShardMeta(**{**meta.__dict__, "job": "other", "step": 9})
+    link = PeerLink(b.listen, PeerConfig())
+    offer = link._stub.OpenDataRange(  # what PeerLink._put_on_data_channel asks
+        pb.ShardPiece(meta_json=fake.to_bytes(), transfer="ab" * 8, offset=0, length=fake.data_size_bytes), timeout=10
+    )
+    link.close()
+    assert offer.port == port and len(offer.ticket) == 16
+    half = (a.root / JOB / "1" / data_name(0)).read_bytes()[: fake.data_size_bytes // 2]
+    assert b"DATA_LOSS" in data_connection(port, offer.ticket, half)
+    assert b"PERMISSION_DENIED" in data_connection(port, offer.ticket, b""), "a ticket is good for one connection"
+    assert not [
+        p for p in (b.root / ".peer").rglob("*") if p.is_file() and ("other" in p.parts or p.suffix == ".partial")
+    ]
+    # The daemon serves on: the next step's replicas arrive the same way.
+    save_step([a, b], step=2, world_size=2)
+    assert ranges_sent(a)["data_channel"] == 2 and b.proc is not None and b.proc.poll() is None
+
+
+def test_without_the_data_channel_replicas_go_in_grpc_streams(make_cluster):
+    # a takes no data connections, nor opens any: b, offered none, sends a PutShard streams; a sends b those too.
+    a, b = make_cluster(2)
+    a.env["CKPTD_PEER__DATA_CHANNEL"] = "false"
+    a.start()
+    b.start()
+    save_step([a, b], step=1, world_size=2)
+    assert peer_status(a)["data_port"] == 0
+    assert ranges_sent(b) == {"data_channel": 0, "grpc_stream": 1}
+    assert ranges_sent(a) == {"data_channel": 0, "grpc_stream": 1}
+    with ckpt.Checkpointer(job=JOB, rank=1, world_size=2, address=a.address) as c:
+        assert_same(c.load(tier="peer"), rank_state(1, 1))
 
 
 def test_bad_peer_input_is_refused_and_the_unix_socket_is_private(make_cluster):

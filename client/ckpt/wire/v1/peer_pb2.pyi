@@ -24,6 +24,14 @@ class PutShardReply(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class DataRangeTicket(_message.Message):
+    __slots__ = ("port", "ticket")
+    PORT_FIELD_NUMBER: _ClassVar[int]
+    TICKET_FIELD_NUMBER: _ClassVar[int]
+    port: int
+    ticket: bytes
+    def __init__(self, port: _Optional[int] = ..., ticket: _Optional[bytes] = ...) -> None: ...
+
 class SealShardRequest(_message.Message):
     __slots__ = ("meta_json", "transfer", "commit_json")
     META_JSON_FIELD_NUMBER: _ClassVar[int]

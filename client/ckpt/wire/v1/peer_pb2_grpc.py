@@ -39,6 +39,11 @@ class CkptdPeerStub:
                 request_serializer=ckpt_dot_wire_dot_v1_dot_peer__pb2.ShardPiece.SerializeToString,
                 response_deserializer=ckpt_dot_wire_dot_v1_dot_peer__pb2.PutShardReply.FromString,
                 _registered_method=True)
+        self.OpenDataRange = channel.unary_unary(
+                '/ckpt.wire.v1.CkptdPeer/OpenDataRange',
+                request_serializer=ckpt_dot_wire_dot_v1_dot_peer__pb2.ShardPiece.SerializeToString,
+                response_deserializer=ckpt_dot_wire_dot_v1_dot_peer__pb2.DataRangeTicket.FromString,
+                _registered_method=True)
         self.SealShard = channel.unary_unary(
                 '/ckpt.wire.v1.CkptdPeer/SealShard',
                 request_serializer=ckpt_dot_wire_dot_v1_dot_peer__pb2.SealShardRequest.SerializeToString,
@@ -68,6 +73,16 @@ class CkptdPeerServicer:
         """Receive one byte range of a shard replica. The first piece carries the shard
         record, the transfer name and the range; the reply comes once the range is
         checked and written (not yet durable). A bad chunk fails with DATA_LOSS.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def OpenDataRange(self, request, context):
+        """Offer one byte range of a shard replica over a data connection instead: the
+        request is PutShard's first piece (no data); the answer names the port and a
+        one-time ticket that the connection presents before the range's raw bytes
+        (docs/INTERNALS.md, "The peer data channel"). Port 0: use PutShard.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -108,6 +123,11 @@ def add_CkptdPeerServicer_to_server(servicer, server):
                     servicer.PutShard,
                     request_deserializer=ckpt_dot_wire_dot_v1_dot_peer__pb2.ShardPiece.FromString,
                     response_serializer=ckpt_dot_wire_dot_v1_dot_peer__pb2.PutShardReply.SerializeToString,
+            ),
+            'OpenDataRange': grpc.unary_unary_rpc_method_handler(
+                    servicer.OpenDataRange,
+                    request_deserializer=ckpt_dot_wire_dot_v1_dot_peer__pb2.ShardPiece.FromString,
+                    response_serializer=ckpt_dot_wire_dot_v1_dot_peer__pb2.DataRangeTicket.SerializeToString,
             ),
             'SealShard': grpc.unary_unary_rpc_method_handler(
                     servicer.SealShard,
@@ -157,6 +177,33 @@ class CkptdPeer:
             '/ckpt.wire.v1.CkptdPeer/PutShard',
             ckpt_dot_wire_dot_v1_dot_peer__pb2.ShardPiece.SerializeToString,
             ckpt_dot_wire_dot_v1_dot_peer__pb2.PutShardReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def OpenDataRange(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ckpt.wire.v1.CkptdPeer/OpenDataRange',
+            ckpt_dot_wire_dot_v1_dot_peer__pb2.ShardPiece.SerializeToString,
+            ckpt_dot_wire_dot_v1_dot_peer__pb2.DataRangeTicket.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,99 @@
+"""Send a replica's bytes on a TCP connection beside gRPC, one connection per byte range: the wire and the sender.
+
+gRPC stays the control plane: the sender asks for a range with OpenDataRange, which is
+checked and admitted like PutShard's first piece, and gets this node's data port and a
+one-time ticket. It connects, presents the ticket, sends the range's raw bytes, and
+reads one status back. The receiver reads them with recv_into straight into its aligned
+block buffers (ReplicaReceiver._recv_range): no message framing, no copy out of gRPC's
+buffers, no copy on the event loop. With [peer] cert/key/ca the connection is TLS with
+client certificates, from the same files as gRPC; the ticket binds it to a caller that
+gRPC admitted.
+
+The wire: ticket (TICKET_BYTES), then the range's bytes; back, a 4-byte big-endian
+length and "CODE detail" in UTF-8, CODE a gRPC status name ("OK" when the range is
+checked and written).
+
+PeerLink._put_range calls send_range from a sender's worker thread; the receiving side
+is rpc.data_listener's.
+"""
+
+from __future__ import annotations
+
+import socket
+import ssl
+import struct
+from pathlib import Path
+
+from ckpt.format import ShardMeta
+
+from ckptd.config import PeerConfig
+from ckptd.rpc.shard_stream import read_pieces
+
+TICKET_BYTES = 16
+STALL_TIMEOUT_S = 30.0  # no byte moved for this long: the connection is given up, on either side
+CONNECT_TIMEOUT_S = 3.0
+MAX_STATUS_BYTES = 16 << 10
+_LENGTH = struct.Struct(">I")
+
+
+class DataChannelError(OSError):
+    """The data connection itself failed (refused, reset, stalled, TLS): the sender may use PutShard instead."""
+
+
+def client_context(peer: PeerConfig) -> ssl.SSLContext | None:
+    """Return the TLS context of a sender: its certificate presented, the receiver's checked against peer.ca."""
+    if not peer.cert:
+        return None
+    context = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=peer.ca)
+    context.load_cert_chain(peer.cert, peer.key)
+    return context
+
+
+def send_range(
+    host: str,
+    port: int,
+    ticket: bytes,
+    context: ssl.SSLContext | None,
+    path: Path,
+    meta: ShardMeta,
+    offset: int,
+    length: int,
+    what: str,
+) -> str:
+    """Send a range of a shard read from path on a data connection; return the receiver's status ("OK", or CODE detail).
+
+    Raises DataChannelError when the connection fails, and what read_pieces raises when
+    the local copy changed (then the connection is closed short, which the receiver refuses).
+    """
+    try:
+        with socket.create_connection((host, port), timeout=CONNECT_TIMEOUT_S) as conn:
+            conn.settimeout(STALL_TIMEOUT_S)
+            with context.wrap_socket(conn, server_hostname=host) if context is not None else conn as sock:
+                sock.sendall(ticket)
+                for data in read_pieces(path, meta, offset, length, what):
+                    sock.sendall(data)
+                (size,) = _LENGTH.unpack(recv_exactly(sock, _LENGTH.size))
+                if size > MAX_STATUS_BYTES:
+                    raise DataChannelError(f"the receiver answered with {size} bytes of status")
+                return recv_exactly(sock, size).decode(errors="replace")
+    except (OSError, EOFError) as e:
+        if isinstance(e, DataChannelError):
+            raise
+        raise DataChannelError(f"data connection to {host}:{port}: {e}") from e
+
+
+def send_status(sock: socket.socket, status: str) -> None:
+    """Send the receiver's answer to a range: "OK", or a gRPC status name and a detail."""
+    encoded = status.encode(errors="replace")[:MAX_STATUS_BYTES]
+    sock.sendall(_LENGTH.pack(len(encoded)) + encoded)
+
+
+def recv_exactly(sock: socket.socket, size: int) -> bytes:
+    """Receive size bytes (EOFError if the connection closes first); for the short parts of the wire."""
+    data = bytearray()
+    while len(data) < size:
+        received = sock.recv(size - len(data))
+        if not received:
+            raise EOFError(f"the connection closed after {len(data)} of {size} bytes")
+        data += received
+    return bytes(data)
