@@ -6,7 +6,8 @@
     state = c.load()               # latest complete step, fastest verified tier
 
 The module-level functions use one default Checkpointer built from the
-environment (CKPT_JOB, RANK, WORLD_SIZE, CKPTD_ADDRESS) on first use.
+environment (CKPT_JOB, CKPTD_ADDRESS, and the launcher's rank and world size:
+ckpt.launcher) on first use.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from ckpt.errors import (
     DaemonUnavailable,
     InvalidArgument,
     NotFound,
+    ReservationLost,
     SaveFailed,
     SaveSkipped,
 )
@@ -30,6 +32,7 @@ __all__ = [
     "DaemonUnavailable",
     "InvalidArgument",
     "NotFound",
+    "ReservationLost",
     "SaveFailed",
     "SaveHandle",
     "SaveSkipped",

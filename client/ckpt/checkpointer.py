@@ -32,6 +32,7 @@ from ckpt.format import (
     validate_step,
     validate_tier,
 )
+from ckpt.launcher import rank_and_world_size
 from ckpt.local_read import checked_index, load_first_good
 from ckpt.range_read import StepReader
 from ckpt.reshard import load_into
@@ -139,10 +140,7 @@ class Checkpointer:
         **options: Any,
     ) -> None:
         self.job = validate_job(job if job is not None else os.environ.get("CKPT_JOB", ""))
-        self.rank, self.world_size = validate_rank(
-            rank if rank is not None else _env_int("RANK", 0),
-            world_size if world_size is not None else _env_int("WORLD_SIZE", 1),
-        )
+        self.rank, self.world_size = validate_rank(*rank_and_world_size(rank, world_size))
         copy_threads = options.pop("copy_threads", 2)
         self.run_id = str(options.pop("run_id", None) or _default_run_id())
         if options:
@@ -352,13 +350,3 @@ def _default_run_id() -> str:
     """
     run, restart = os.environ.get("TORCHELASTIC_RUN_ID"), os.environ.get("TORCHELASTIC_RESTART_COUNT")
     return f"torchelastic:{run}:{restart}" if run and restart is not None else ""
-
-
-def _env_int(name: str, default: int) -> int:
-    value = os.environ.get(name)
-    if value is None or value == "":
-        return default
-    try:
-        return int(value)
-    except ValueError:
-        raise InvalidArgument(f"environment variable {name}={value!r} is not an integer") from None

@@ -52,3 +52,16 @@ def test_the_run_id_comes_from_torchrun_or_the_caller(monkeypatch):
         assert c.run_id == "torchelastic:job42:3"
     with ckpt.Checkpointer(job="x", address="/nonexistent.sock", run_id="slurm-77") as c:
         assert c.run_id == "slurm-77"
+
+
+def test_every_name_the_readme_documents_is_exported():
+    import re
+    from pathlib import Path
+
+    import ckpt
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    errors = readme[readme.index("Errors are subclasses of") :].split("\n- ", 1)[0]
+    names = set(re.findall(r"`(?:ckpt\.)?([A-Z][A-Za-z]+)`", errors)) | set(re.findall(r"`ckpt\.([a-z_]+)\(", readme))
+    assert {"ReservationLost", "SaveSkipped", "load_local", "save_async"} <= names
+    assert all(hasattr(ckpt, name) and name in ckpt.__all__ for name in names), names - set(ckpt.__all__)
