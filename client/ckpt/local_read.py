@@ -17,7 +17,7 @@ import torch
 
 from ckpt.errors import CheckpointError, CorruptCheckpoint, InvalidArgument, NotFound
 from ckpt.flatten import unflatten
-from ckpt.format import DIRECT_IO_ALIGN_BYTES, INDEX_NAME, CommitRecord, round_up
+from ckpt.format import COMMIT_NAME, DIRECT_IO_ALIGN_BYTES, INDEX_NAME, JOB_RE, CommitRecord, round_up
 from ckpt.range_read import StepReader, fresh_buffer
 from ckpt.reshard import load_into
 from ckpt.shard_io import ShardSource, read_commit, read_index, read_meta, read_shard_into, step_dir_source
@@ -27,16 +27,37 @@ log = logging.getLogger("ckpt")
 
 
 def load_local(path: str | os.PathLike[str], rank: int = 0, map_location: Any = "cpu", into: Any = None) -> Any:
-    """Read one rank's state from a step directory on a local filesystem, with no daemon.
+    """Read one rank's state from a local directory, with no daemon.
 
-    With into, fill it in place as Checkpointer.load does (rank is the loading rank).
+    path is a step directory (it holds COMMIT.json), a job directory (its newest step
+    with a commit record is read), or a directory holding one job's directories, as
+    `ckptd restore --to DIR` and an NVMe root of one job are. With into, fill it in
+    place as Checkpointer.load does (rank is the loading rank).
     """
-    step_dir = Path(path)
-    if not step_dir.is_dir():
-        raise NotFound(f"{step_dir} is not a directory")
+    step_dir = find_step_dir(Path(path))
     if into is None:
         return load_first_good([step_dir_source(step_dir, "local")], rank, map_location)
     return load_into(into, *open_step_dir(step_dir), rank)
+
+
+def find_step_dir(path: Path) -> Path:
+    """Return the step directory that path names: itself, its newest complete step, or its one job's newest."""
+    if not path.is_dir():
+        raise NotFound(f"{path} is not a directory")
+    if (path / COMMIT_NAME).is_file():
+        return path
+    steps = [p for p in path.iterdir() if p.is_dir() and p.name.isdigit() and str(int(p.name)) == p.name]
+    if steps:
+        complete = [p for p in steps if (p / COMMIT_NAME).is_file()]
+        if not complete:
+            raise NotFound(f"{path}: none of its {len(steps)} step directories is complete (no {COMMIT_NAME})")
+        return max(complete, key=lambda p: int(p.name))
+    jobs = sorted(p.name for p in path.iterdir() if p.is_dir() and JOB_RE.fullmatch(p.name))
+    if len(jobs) == 1:
+        return find_step_dir(path / jobs[0])
+    if jobs:
+        raise InvalidArgument(f"{path} holds {len(jobs)} jobs ({', '.join(jobs[:5])}): name one, e.g. {path / jobs[0]}")
+    raise NotFound(f"{path} holds no complete step: no {COMMIT_NAME}, no step directories, no job's directory")
 
 
 def open_step_dir(step_dir: Path) -> tuple[StepReader, StepIndex | None]:

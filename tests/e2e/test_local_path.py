@@ -255,6 +255,31 @@ def test_restore_to_a_directory_read_back_by_load_local(daemon):
         assert_same(every_kind_state(seed=rank), ckpt.load_local(cut_short, rank=rank))
 
 
+def test_load_local_takes_a_restore_root_a_job_or_a_step(daemon):
+    with ckpt.Checkpointer(job="paths", address=daemon.address) as c:
+        for step in (4, 10):  # 10 after 4: the newest is found by number, not by name
+            c.save_async({"step": step, "w": torch.arange(6) * step}, step=step).wait(timeout=60)
+    out = daemon.base / "restored"
+    for step in ("4", "10"):
+        r = daemon.cli("restore", "--job", "paths", "--step", step, "--to", str(out))
+        assert r.returncode == 0, r.stderr
+    (out / "paths" / "11").mkdir()  # a step being restored (no commit record yet) is passed over
+    assert ckpt.load_local(out)["step"] == 10  # the directory restore --to was given, as a user tries first
+    assert ckpt.load_local(out / "paths")["step"] == 10
+    assert ckpt.load_local(out / "paths" / "4")["step"] == 4
+    assert ckpt.load_local(daemon.root)["step"] == 10  # an NVMe root of one job reads the same way
+
+    (out / "other" / "1").mkdir(parents=True)
+    with pytest.raises(ckpt.InvalidArgument, match=r"holds 2 jobs \(other, paths\): name one"):
+        ckpt.load_local(out)
+    with pytest.raises(ckpt.NotFound, match="none of its 1 step directories is complete"):
+        ckpt.load_local(out / "other")
+    with pytest.raises(ckpt.NotFound, match="holds no complete step"):
+        ckpt.load_local(out / "paths" / "11")
+    with pytest.raises(ckpt.NotFound, match="is not a directory"):
+        ckpt.load_local(out / "nothing")
+
+
 def test_restore_works_with_no_daemon_running(daemon):
     with ckpt.Checkpointer(job="cold", address=daemon.address) as c:
         c.save_async({"x": torch.arange(10)}, step=1).wait(timeout=60)
