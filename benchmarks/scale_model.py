@@ -2,9 +2,9 @@
 
 It computes; it starts nothing (no daemon, no store, no GPU). For each job size it prints the
 bytes per rank, node and job; the time each tier takes at realistic bandwidths; the requests
-ckptd's object layout sends to the store (per step, per second, per prefix) before and after
-the hash-prefixed layout docs/SCALE.md proposes; and what bounds the checkpoint interval. Every
-bandwidth and size is a named constant (its source beside it) or a flag. ckptd's own sizes,
+ckptd sends to the object store (per step, per second, per prefix) in the flat layout it had and
+in the hash-prefixed one it has (docs/SCALE.md section 4); and what bounds the checkpoint interval.
+Every bandwidth and size is a named constant (its source beside it) or a flag. ckptd's own sizes,
 thread counts and poll periods are imported from the daemon, so the model follows the code.
 
 main() parses the flags and, for each Job, calls sizes() -> tier_times() -> requests() ->
@@ -30,14 +30,15 @@ from report import Row, as_json, table  # benchmarks/report.py: run as a script,
 from ckptd.datapath.locate import OBJECT_THREADS
 from ckptd.datapath.uploading import COMMIT_POLL_MAX_S, COMMIT_WATCH_LIMIT_S, UPLOAD_THREADS
 from ckptd.storage.object_store import UPLOAD_CONCURRENCY
-from ckptd.tiers.object import COMMIT_CHECK_THREADS
+from ckptd.tiers.object_keys import PREFIX_HEX_DIGITS
 from ckptd.tiers.object_layout import MAX_PARTS, MAX_RANGE_BYTES, MIN_RANGE_BYTES, PART_BYTES, READ_THREADS
+from ckptd.tiers.object_shards import COMMIT_CHECK_THREADS
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 GB = 1e9
 # ckptd's own numbers the model uses, imported above and written into the JSON.
-CKPTD_CONSTANTS = ["PART_BYTES", "MAX_PARTS", "UPLOAD_THREADS", "UPLOAD_CONCURRENCY", "READ_THREADS"]
-CKPTD_CONSTANTS += ["COMMIT_CHECK_THREADS", "OBJECT_THREADS", "COMMIT_POLL_MAX_S", "COMMIT_WATCH_LIMIT_S"]
+CKPTD_CONSTANTS = ["PART_BYTES", "MAX_PARTS", "UPLOAD_THREADS", "UPLOAD_CONCURRENCY", "READ_THREADS", "OBJECT_THREADS"]
+CKPTD_CONSTANTS += ["COMMIT_CHECK_THREADS", "COMMIT_POLL_MAX_S", "COMMIT_WATCH_LIMIT_S", "PREFIX_HEX_DIGITS"]
 
 # -- the jobs ---------------------------------------------------------------------------------
 GPUS_PER_NODE = 8  # DGX/HGX H100 and H200
@@ -94,17 +95,20 @@ GET_PER_PREFIX_S = 5500
 LIST_PAGE_KEYS = 1000  # ListObjectsV2 returns at most 1,000 keys a page
 REPLICAS = 1  # [peer] replicas, default
 NVME_KEEP, PEER_KEEP = 3, 3  # [retention] nvme and peer, defaults
-HEADROOM = 0.5  # the proposal sizes the hash prefixes so that each runs at <= half its limit
-AFTER_POLL_S = 30.0  # the proposal: watchers HEAD COMMIT.json this often (a commit notice wakes them)
+HEADROOM = 0.5  # hash prefixes enough for each to run at <= half its limit
 
-# -- what ckptd sends, per rank and step (ckptd/tiers/object.py, object_layout.py, object_store.py,
-# datapath/uploading.py; counted against moto with a hook on s3fs's calls, see docs/SCALE.md) --
+# -- what ckptd sends, per rank and step (ckptd/tiers/object*.py, storage/object_store.py, datapath/uploading.py;
+# counted against moto with a hook on s3fs's calls): "before" in the flat layout ckptd had, HASHED_* in its own --
 DELETES_PER_RANK = 3  # the shard record, then frames.json and data.zst (a plain upload drops them)
-READS_PER_RANK = 4  # HEAD + LIST of the absent COMMIT.json, ListMultipartUploads before data and record
-# One after the other, besides the parts: those 4 reads, the 3 deletes, create, complete, the record's PUT.
-ROUND_TRIPS_PER_UPLOAD = 10
-WATCH_READS_PER_POLL = 5  # LIST <job>/, then HEAD + LIST of COMMIT.json twice (commit_record, complete_steps)
 MEAN_POLL_S = 0.75 * COMMIT_POLL_MAX_S  # uploading._jittered: delay x U(0.5, 1)
+READS_PER_RANK = 4  # HEAD + LIST of the absent COMMIT.json, ListMultipartUploads before data and record
+ROUND_TRIPS_PER_UPLOAD = 10  # in turn, besides the parts: those 4 reads, 3 deletes, create, complete, record
+WATCH_READS_PER_POLL = 5  # LIST <job>/, then HEAD + LIST of COMMIT.json twice (commit_record, complete_steps)
+HASHED_READS_PER_RANK = 4  # holds()' LIST of its directory, 2 ListMultipartUploads, the committer's GET of its record
+HASHED_ROUND_TRIPS_PER_UPLOAD = 9  # that LIST, the 3 deletes, the 2 ListMultipartUploads, create, complete, record
+HASHED_RESTORE_READS_PER_RANK = 2  # a GET of its record, a LIST of its directory (then the ranged GETs)
+HASHED_STEP_READS_PER_NODE = 1  # upload_shard's GET of COMMIT.json, once per node and step
+HASHED_WATCH_READS_PER_POLL = 1  # LIST <job>/: the step's directory appears with its commit record
 
 
 def part_bytes(size: int) -> int:
@@ -122,11 +126,6 @@ def ranged_gets(size: int) -> int:
     """Return the ranged GETs a restore of a plain shard sends (object_layout.range_bytes, plain_pieces)."""
     per_thread = min(max(-(-size // READ_THREADS), MIN_RANGE_BYTES), MAX_RANGE_BYTES)
     return max(1, -(-size // (-(-per_thread // CHUNK_SIZE_BYTES) * CHUNK_SIZE_BYTES)))
-
-
-def pages(keys: float) -> int:
-    """Return the LIST requests that list keys objects."""
-    return max(1, math.ceil(keys / LIST_PAGE_KEYS))
 
 
 # -- the model --------------------------------------------------------------------------------
@@ -171,7 +170,7 @@ def tier_times(s: dict[str, Any], a: argparse.Namespace) -> dict[str, float]:
 
 
 def requests(job: Job, s: dict[str, Any], t: dict[str, float], a: argparse.Namespace) -> dict[str, Any]:
-    """Return the object-store requests of one step and of a whole-job restore, before and after the proposal.
+    """Return the object-store requests of one step and of a whole-job restore, in the flat and the hashed layout.
 
     A node's upload window is its bytes at its bandwidth plus, for each wave of UPLOAD_THREADS ranks,
     the small requests a shard's upload makes one after the other; the job's is the longest of that,
@@ -179,7 +178,7 @@ def requests(job: Job, s: dict[str, Any], t: dict[str, float], a: argparse.Names
     """
     world, lat = s["world"], a.request_latency_ms / 1000
     waves, restore_waves = GPUS_PER_NODE // UPLOAD_THREADS, GPUS_PER_NODE // OBJECT_THREADS
-    holds_pages, step_pages = pages(world), pages(2 * world)  # holds() lists the step: on average half its keys
+    holds_pages, step_pages = -(-world // LIST_PAGE_KEYS), -(-2 * world // LIST_PAGE_KEYS)  # holds(): half its keys
     writes = sum(n * writes_per_rank(int(b)) for n, b in s["ranks"])
     reads = world * (holds_pages + READS_PER_RANK)
     node_s = t["object_node_s"] + waves * (holds_pages + ROUND_TRIPS_PER_UPLOAD) * lat
@@ -193,15 +192,16 @@ def requests(job: Job, s: dict[str, Any], t: dict[str, float], a: argparse.Names
     gets = sum(n * (ranged_gets(int(b)) + 3) for n, b in s["ranks"]) + job.nodes * OBJECT_THREADS * step_pages
     restore_node_s = t["restore_node_s"] + restore_waves * 3 * lat + step_pages * lat
     restore_bw_s = max(restore_node_s, t["object_aggregate_s"])
-    # The proposal: data and shard records under <hh>/<job>/<step>/, a HEAD where a listing was.
-    gets_after = sum(n * (ranged_gets(int(b)) + 4) for n, b in s["ranks"])
-    node_after_s = t["object_node_s"] + waves * (1 + ROUND_TRIPS_PER_UPLOAD) * lat
+    # As built: shard objects under _shards/<hh>/<job>/<step>/; no request lists the step.
+    hashed, polled = 16**PREFIX_HEX_DIGITS, min(16**PREFIX_HEX_DIGITS, world)  # the committer lists `polled` a poll
+    gets_after = sum(n * (ranged_gets(int(b)) + HASHED_RESTORE_READS_PER_RANK) for n, b in s["ranks"])
+    node_after_s = t["object_node_s"] + waves * HASHED_ROUND_TRIPS_PER_UPLOAD * lat
     after_s = max(node_after_s, t["object_aggregate_s"])
-    restore_after_s = max(t["restore_node_s"] + restore_waves * 4 * lat, t["object_aggregate_s"])
-    put_rate, get_rate = writes / after_s, world * 3 / after_s
-    hashed = 16
-    while max(put_rate / a.put_per_prefix, get_rate / a.get_per_prefix) / hashed > HEADROOM:
-        hashed *= 16
+    restore_after_s = t["restore_node_s"] + restore_waves * HASHED_RESTORE_READS_PER_RANK * lat
+    restore_after_s = max(restore_after_s, t["object_aggregate_s"])
+    put_rate, get_rate = writes / after_s, world * HASHED_READS_PER_RANK / after_s + polled / MEAN_POLL_S
+    load = max(put_rate / a.put_per_prefix, get_rate / a.get_per_prefix) / HEADROOM  # in prefixes' worth
+    wanted = 16 ** max(1, math.ceil(math.log(load, 16)))  # the fewest powers of 16 that keep each under half
     upload_s = max(bounds.values())
     return {
         "writes_per_step": writes,
@@ -223,12 +223,14 @@ def requests(job: Job, s: dict[str, Any], t: dict[str, float], a: argparse.Names
         },
         "after": {
             "hash_prefixes": hashed,
-            "upload_node_s": node_after_s,
+            "hash_prefixes_wanted": wanted,
             "put_per_s_hash_prefix": put_rate / hashed,
             "get_per_s_hash_prefix": get_rate / hashed,
-            "get_per_s_step_prefix": job.nodes / after_s + job.nodes / AFTER_POLL_S,  # one COMMIT check per node
+            "get_per_s_job_prefix": job.nodes
+            * (HASHED_STEP_READS_PER_NODE / after_s + HASHED_WATCH_READS_PER_POLL / MEAN_POLL_S),
             "upload_s": max(after_s, writes / (a.put_per_prefix * hashed)),
-            "commit_s": (math.ceil(2 * world / COMMIT_CHECK_THREADS) + 1) * lat,  # records read once, in parallel
+            "commit_requests": world + polled + 2,  # each record once, as it comes; the last poll; index, record
+            "commit_s": (math.ceil(world / COMMIT_CHECK_THREADS) + math.ceil(polled / COMMIT_CHECK_THREADS) + 2) * lat,
             "restore_gets": gets_after,
             "restore_get_per_s_hash_prefix": gets_after / restore_after_s / hashed,
             "restore_s": max(restore_after_s, gets_after / (a.get_per_prefix * hashed)),
@@ -287,9 +289,9 @@ def tier_rows(s: dict[str, Any], t: dict[str, float], r: dict[str, Any], replica
         Row("object: commit pass (rank-0 node)", b["commit_s"], 0, "request latency"),
         Row("object: save -> complete in store", b["object_s"], int(step), "upload + commit"),
         Row("object: restore whole job", b["restore_s"], int(step), "GET/s per prefix"),
-        Row("proposal: upload, job", af["upload_s"], int(step), "hashed keys"),
-        Row("proposal: commit pass", af["commit_s"], 0, "request latency"),
-        Row("proposal: restore whole job", af["restore_s"], int(step), "hashed keys"),
+        Row("hashed keys: upload, job", af["upload_s"], int(step), "hashed keys"),
+        Row("hashed keys: commit pass", af["commit_s"], 0, "request latency"),
+        Row("hashed keys: restore whole job", af["restore_s"], int(step), "hashed keys"),
     ]
 
 
@@ -314,29 +316,30 @@ def print_job(job: Job, res: dict[str, Any], a: argparse.Namespace) -> None:
         f"  per step: {r['writes_per_step']:,} PUT-class (parts {PART_BYTES >> 20} MiB), {r['reads_per_step']:,} "
         f"GET-class ({r['holds_list_pages_per_rank']} LIST pages per rank's holds() check)"
     )
+    prefixes = f"{af['hash_prefixes']:,} prefixes, {af['hash_prefixes_wanted']:,} wanted"
     lines = [
         ("before: PUT/s on <job>/<step>/", b["put_per_s_step_prefix"], a.put_per_prefix),
         ("before: GET/s on <job>/<step>/", b["get_per_s_step_prefix"], a.get_per_prefix),
         ("  of which watchers polling COMMIT", b["watch_get_per_s"], a.get_per_prefix),
         ("before: restore GET/s on <job>/<step>/", b["restore_get_per_s"], a.get_per_prefix),
-        (f"after ({af['hash_prefixes']:,} prefixes): PUT/s each", af["put_per_s_hash_prefix"], a.put_per_prefix),
+        (f"after ({prefixes}): PUT/s each", af["put_per_s_hash_prefix"], a.put_per_prefix),
         ("after: GET/s each hashed prefix", af["get_per_s_hash_prefix"], a.get_per_prefix),
-        ("after: GET/s on <job>/<step>/", af["get_per_s_step_prefix"], a.get_per_prefix),
+        ("after: GET/s on <job>/ (commit checks, watchers)", af["get_per_s_job_prefix"], a.get_per_prefix),
         ("after: restore GET/s each", af["restore_get_per_s_hash_prefix"], a.get_per_prefix),
     ]
     for what, rate, limit in lines:
         flag = "  HOT" if rate > limit else ""
-        print(f"  {what:<42} {rate:>12,.0f} /s  {rate / limit:>7.2f}x limit{flag}")
+        print(f"  {what:<48} {rate:>10,.0f} /s  {rate / limit:>7.2f}x limit{flag}")
     print(
-        f"  commit pass: {b['commit_requests']:,} requests, {b['commit_s']:,.0f} s at {a.request_latency_ms:g} ms "
-        f"each (watchers give up after {COMMIT_WATCH_LIMIT_S:,.0f} s); after: {af['commit_s']:,.0f} s"
+        f"  commit pass: {b['commit_requests']:,} requests, {b['commit_s']:,.0f} s at {a.request_latency_ms:g} ms each "
+        f"(watchers stop at {COMMIT_WATCH_LIMIT_S:,.0f} s); after: {af['commit_requests']:,}, {af['commit_s']:,.0f} s"
     )
     print("\nshortest interval between saves (two slots per rank; peer and object hold no slot)")
     for key, what in (
         ("no_stall_s", "training never waits (NVMe flush + replicas in)"),
         ("every_step_on_peer_s", "every step replicated to a peer"),
         ("every_uploaded_step_in_store_s", "every uploaded step complete in the store"),
-        ("every_uploaded_step_in_store_after_s", "  the same with hashed keys (proposal)"),
+        ("every_uploaded_step_in_store_after_s", "  the same with hashed keys"),
     ):
         print(f"  {what:<52} {iv[key]:>10,.1f} s")
     print("\nwho writes the bytes (ckptd writes a replicated chunk once, from its owner)")

@@ -182,7 +182,7 @@ class RetentionRunner:
         for j in [job] if job else tier.jobs():
             complete = tier.complete_steps(j)
             plan = plan_removals(
-                all_steps=tier.all_steps(j),
+                all_steps=tier.all_steps(j, scan=unfinished_uploads),  # gc: what crashes left under the hash prefixes
                 complete_steps=complete,
                 keep=keep,
                 busy={s for bj, s in busy if bj == j} | set(tier.damaged_steps(j)),
@@ -219,7 +219,7 @@ class RetentionRunner:
                         await loop.run_in_executor(self.cleanup_thread, tier.remove_step, job, step)
             if "object" in tiers and self.object_tier is not None:
                 store = self.object_tier
-                steps = await self._on_object_threads(store.all_steps, job)
+                steps = await self._on_object_threads(store.all_steps, job, True)  # the hash prefixes listed now
                 for step in steps:
                     removals.append(Removal(store.name, job, step, reason))
                     if not dry_run:

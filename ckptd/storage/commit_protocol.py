@@ -13,9 +13,11 @@ In a directory (NVMe, the replica store, a restore target), for one step:
 
 In an object store (the uploader), for one step:
 
-    1. per shard: put_shard()          its data objects (a multipart upload is atomic), then its record
-    2. put_index()                     where some records are sharded: INDEX.json
-    3. write_commit()                  last, create-only: a commit record already there is never replaced
+    1. per shard: put_shard()          its data objects (a multipart upload is atomic), then its record,
+                                       in the rank's own directory (under a hash prefix: docs/FORMAT.md)
+    2. put_index()                     where some records are sharded: INDEX.json, in the step's directory
+    3. write_commit()                  last, create-only, there too: a commit record already there is
+                                       never replaced
 
 A crash at any point leaves only temporary names (removed at start-up) or a step
 with no commit record (never listed). The tiers own the locks and the checks
@@ -113,12 +115,14 @@ class ObjectStepCommit:
         self.store = store
         self.names = (job, str(step))
 
-    def put_shard(self, rank: int, data: Iterator[tuple[str, Iterator[bytes]]], record: bytes) -> None:
-        """Upload a shard: each (name, parts) of its data, then its record (it counts once the record is there)."""
-        self.store.remove(*self.names, meta_name(rank))  # an older copy stops counting before its data changes
+    def put_shard(
+        self, rank: int, directory: tuple[str, ...], data: Iterator[tuple[str, Iterator[bytes]]], record: bytes
+    ) -> None:
+        """Upload a shard into directory: each (name, parts) of its data, then its record (it counts from then on)."""
+        self.store.remove(*directory, meta_name(rank))  # an older copy stops counting before its data changes
         for name, parts in data:
-            self.store.put_parts(parts, *self.names, name)
-        self.store.put(record, *self.names, meta_name(rank))
+            self.store.put_parts(parts, *directory, name)
+        self.store.put(record, *directory, meta_name(rank))
 
     def put_index(self, index: bytes) -> None:
         """Upload the step's index (docs/FORMAT.md), before its commit record."""

@@ -26,7 +26,8 @@ from ckpt.format import PARTIAL_SUFFIX
 
 from ckptd.storage.durable_write import fsync_dir, make_dirs, write_file
 
-UPLOAD_CONCURRENCY = 8  # parts of one object in flight at once
+UPLOAD_CONCURRENCY = 8  # parts of one object in flight at once (and batches of deletes)
+DELETE_BATCH = 1000  # keys one DeleteObjects request removes at most
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -52,6 +53,9 @@ def _store_errors(method: F) -> F:
 
 class ObjectStore:
     """Read and write objects under one URL through fsspec (any backend)."""
+
+    # Shard objects spread over hash prefixes (tiers/object_keys): object stores throttle requests per prefix.
+    spreads_keys = True
 
     def __init__(self, url: str, storage_options: dict[str, Any]) -> None:
         self.url = url.rstrip("/")
@@ -128,6 +132,24 @@ class ObjectStore:
             self.fs.rm_file(self.path(*names))
 
     @_store_errors
+    def remove_objects(self, paths: list[tuple[str, ...]]) -> None:
+        """Remove objects by name (missing ones are fine), with the temporaries a crashed write of them left.
+
+        A directory left with nothing else in it goes too: on a filesystem it would stay for ever.
+        """
+        by_dir: dict[tuple[str, ...], set[str]] = {}
+        for path in paths:
+            by_dir.setdefault(path[:-1], set()).add(path[-1])
+        for directory, names in by_dir.items():
+            listed = self.names(*directory)
+            doomed = {n for n in listed if n in names or _written_as(n) in names}
+            if doomed and doomed == set(listed):
+                self.remove_dir(*directory)
+                continue
+            for name in doomed:
+                self.remove(*directory, name)
+
+    @_store_errors
     def abort_uploads(self, *directory: str) -> int:
         """Abort unfinished multipart uploads under directory; return how many (only S3 has them)."""
         return 0
@@ -140,6 +162,8 @@ class ObjectStore:
 
 class LocalStore(ObjectStore):
     """A directory on a mounted filesystem (file://): durable writes, atomic renames and links."""
+
+    spreads_keys = False  # a filesystem has no per-prefix limit: the flat layout, which ckpt.load_local reads as is
 
     @_store_errors
     def put_parts(self, parts: Iterator[bytes], *names: str) -> None:
@@ -179,6 +203,60 @@ class LocalStore(ObjectStore):
 
 class S3Store(ObjectStore):
     """An S3 bucket and prefix through s3fs: multipart uploads with parts in flight at once."""
+
+    @_store_errors
+    def names(self, *directory: str) -> dict[str, int]:
+        # One ListObjectsV2 per 1,000 names: s3fs's ls lists the parent too when nothing is there.
+        bucket, key, _ = self.fs.split_path(self.path(*directory))
+        prefix = f"{key}/" if key else ""
+        found: dict[str, int] = {}
+        markers: dict[str, str] = {}
+        while True:
+            listed = self._call("list_objects_v2", Bucket=bucket, Prefix=prefix, Delimiter="/", **markers)
+            found |= {p["Prefix"][len(prefix) :].rstrip("/"): -1 for p in listed.get("CommonPrefixes", [])}
+            found |= {o["Key"][len(prefix) :]: int(o["Size"]) for o in listed.get("Contents", []) if o["Key"] != prefix}
+            if not listed.get("IsTruncated"):
+                return found
+            markers = {"ContinuationToken": listed["NextContinuationToken"]}
+
+    @_store_errors
+    def read(self, *names: str, start: int | None = None, end: int | None = None) -> bytes:
+        if start is not None or end is not None:
+            return super().read(*names, start=start, end=end)
+        # One GET: s3fs first asks a whole object's size (a HEAD, and a LIST when it is missing) to
+        # fetch a large one in parallel, and every object read whole here is a small record.
+        bucket, key, _ = self.fs.split_path(self.path(*names))
+
+        async def get() -> bytes:
+            reply = await self.fs._call_s3("get_object", Bucket=bucket, Key=key)  # NoSuchKey: FileNotFoundError
+            try:
+                return bytes(await reply["Body"].read())
+            finally:
+                reply["Body"].close()
+
+        return asyncio.run_coroutine_threadsafe(get(), self.fs.loop).result()
+
+    @_store_errors
+    def remove_objects(self, paths: list[tuple[str, ...]]) -> None:
+        # DeleteObjects by name, UPLOAD_CONCURRENCY batches at once: no listing (S3 leaves no temporaries,
+        # only unfinished multipart uploads, which abort_uploads removes).
+        keys = [self.fs.split_path(self.path(*p)) for p in paths]
+        batches = [keys[i : i + DELETE_BATCH] for i in range(0, len(keys), DELETE_BATCH)]
+        for at in range(0, len(batches), UPLOAD_CONCURRENCY):
+            in_flight = [
+                asyncio.run_coroutine_threadsafe(
+                    self.fs._call_s3(
+                        "delete_objects",
+                        Bucket=batch[0][0],
+                        Delete={"Objects": [{"Key": key} for _, key, _ in batch], "Quiet": True},
+                    ),
+                    self.fs.loop,
+                )
+                for batch in batches[at : at + UPLOAD_CONCURRENCY]
+            ]
+            errors = [e for f in in_flight for e in f.result().get("Errors", [])]
+            if errors:
+                raise ObjectStoreError(f"{len(errors)} objects were not removed, first {errors[0]}")
 
     @_store_errors
     def put_parts(self, parts: Iterator[bytes], *names: str) -> None:
@@ -278,6 +356,11 @@ def open_store(url: str, storage_options: dict[str, Any]) -> ObjectStore:
     if protocol in ("file", "local"):
         return LocalStore(url, storage_options)
     return ObjectStore(url, storage_options)
+
+
+def _written_as(name: str) -> str:
+    """Return the object a temporary name stands for (put_parts names them <object>.<random>.partial), else ""."""
+    return name[: -len(PARTIAL_SUFFIX)].rsplit(".", 1)[0] if name.endswith(PARTIAL_SUFFIX) else ""
 
 
 def _chain(first: bytes, second: bytes, rest: Iterator[bytes]) -> Iterator[bytes]:

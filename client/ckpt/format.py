@@ -21,6 +21,9 @@ from ckpt.errors import CorruptCheckpoint, InvalidArgument
 
 FORMAT_VERSION = 2  # version 2 adds sharded (DTensor) chunks to the layout and the step index
 READABLE_VERSIONS = (1, 2)
+# A commit record in an object store that says where the step's shard objects lie (docs/FORMAT.md): a reader
+# of versions 1-2 refuses it rather than look for them beside it. Only the object tier reads or writes it.
+OBJECT_KEYS_VERSION = 3
 CHUNK_SIZE_BYTES = 4 << 20
 MAX_CHUNK_SIZE_BYTES = 1 << 30
 MAX_SHARD_BYTES = 1 << 50
@@ -272,27 +275,51 @@ class CommitRecord:
     shard_meta_xxh3_128: tuple[str, ...]  # by rank
     size_bytes: int
 
-    def to_bytes(self) -> bytes:
-        """Serialise as a sealed record."""
-        return seal(
-            {
-                "format": "ckpt-commit",
-                "version": FORMAT_VERSION,
-                "job": self.job,
-                "step": self.step,
-                "world_size": self.world_size,
-                "shard_meta_xxh3_128": list(self.shard_meta_xxh3_128),
-                "size_bytes": self.size_bytes,
-            }
-        )
+    def to_bytes(self, object_keys: str = "") -> bytes:
+        """Serialise as a sealed record; with object_keys, as an object store's record of version 3.
+
+        object_keys names how the store keys the step's shard objects (docs/FORMAT.md). It is
+        no field: the same step has the same record on every tier, and only the object tier
+        knows where its store keeps the shards.
+        """
+        record = {
+            "format": "ckpt-commit",
+            "version": FORMAT_VERSION,
+            "job": self.job,
+            "step": self.step,
+            "world_size": self.world_size,
+            "shard_meta_xxh3_128": list(self.shard_meta_xxh3_128),
+            "size_bytes": self.size_bytes,
+        }
+        if object_keys:
+            record |= {"version": OBJECT_KEYS_VERSION, "object_keys": object_keys}
+        return seal(record)
 
     @classmethod
     def from_bytes(cls, data: bytes, what: str) -> CommitRecord:
-        """Parse a sealed commit record, raising CorruptCheckpoint if it does not check."""
+        """Parse a sealed commit record of a step directory, raising CorruptCheckpoint if it does not check."""
+        return cls._parse(data, what, READABLE_VERSIONS)[0]
+
+    @classmethod
+    def from_object_bytes(cls, data: bytes, what: str) -> tuple[CommitRecord, str]:
+        """Parse a sealed commit record of an object store: (the record, its object_keys; "" for version 1 or 2)."""
+        record, r = cls._parse(data, what, (*READABLE_VERSIONS, OBJECT_KEYS_VERSION))
+        if r["version"] != OBJECT_KEYS_VERSION:
+            return record, ""
+        keys = r.get("object_keys")
+        if not isinstance(keys, str) or not keys:
+            raise CorruptCheckpoint(f"{what}: a commit record of version {OBJECT_KEYS_VERSION} names no object_keys")
+        return record, keys
+
+    @classmethod
+    def _parse(cls, data: bytes, what: str, versions: tuple[int, ...]) -> tuple[CommitRecord, dict[str, Any]]:
         r = unseal(data, what)
         try:
-            if r["format"] != "ckpt-commit" or r["version"] not in READABLE_VERSIONS:
-                raise CorruptCheckpoint(f"{what}: not a commit record of version {READABLE_VERSIONS}")
+            if r["format"] != "ckpt-commit" or r["version"] not in versions:
+                hint = (
+                    " (an object store's, read through the object tier)" if r["version"] == OBJECT_KEYS_VERSION else ""
+                )
+                raise CorruptCheckpoint(f"{what}: not a commit record of version {versions}{hint}")
             rec = cls(
                 job=validate_job(r["job"]),
                 step=validate_step(r["step"]),
@@ -312,4 +339,4 @@ class CommitRecord:
             raise CorruptCheckpoint(f"{what}: size_bytes {shown(size)} is not a byte count up to {MAX_STEP_BYTES}")
         if len(rec.shard_meta_xxh3_128) != rec.world_size:
             raise CorruptCheckpoint(f"{what}: commit record does not list every rank")
-        return rec
+        return rec, r

@@ -10,9 +10,11 @@ import ckpt
 import pytest
 import torch
 from ckpt.errors import CheckpointError, SaveFailed
-from ckpt.format import COMMIT_NAME, data_name
+from ckpt.format import COMMIT_NAME, data_name, meta_name
 from conftest import eventually, free_port
 from states import assert_same
+
+from ckptd.tiers.object_keys import HASHED_KEYS, SHARDS_DIR, shard_dir
 
 pytestmark = [pytest.mark.e2e, pytest.mark.s3]
 
@@ -46,6 +48,11 @@ def ls(node) -> dict[int, list[str]]:
 def object_keys(s3_server, bucket: str) -> list[str]:
     listed = s3_server.client().list_objects_v2(Bucket=bucket)
     return sorted(o["Key"] for o in listed.get("Contents", []))
+
+
+def shard_key(step: int, rank: int, name: str, prefix: str = "") -> str:
+    """Return the key of one of a rank's shard objects, under its hash prefix."""
+    return "/".join([*([prefix] if prefix else []), *shard_dir(JOB, step, rank, HASHED_KEYS), name])
 
 
 def test_a_wiped_node_restores_from_the_object_tier_and_with_no_daemon(make_daemon, s3_server, short_tmp):
@@ -84,8 +91,8 @@ def test_zstd_round_trips_bit_for_bit(make_daemon, s3_server, short_tmp):
     node = make_daemon(s3_server.toml(f"s3://{bucket}", 'compression = "zstd"\n')).start()
     save(node, 3)
     keys = object_keys(s3_server, bucket)
-    assert f"{JOB}/3/{data_name(0)}.zst" in keys and f"{JOB}/3/{data_name(0)}" not in keys
-    stored = s3_server.client().head_object(Bucket=bucket, Key=f"{JOB}/3/{data_name(0)}.zst")["ContentLength"]
+    assert shard_key(3, 0, f"{data_name(0)}.zst") in keys and shard_key(3, 0, data_name(0)) not in keys
+    stored = s3_server.client().head_object(Bucket=bucket, Key=shard_key(3, 0, f"{data_name(0)}.zst"))["ContentLength"]
     on_disk = (node.root / JOB / "3" / data_name(0)).read_bytes()
     assert stored < len(on_disk) - (3 << 20), "the zeros were not compressed"
     node.lose()
@@ -100,7 +107,7 @@ def test_a_corrupted_object_is_detected_and_reported(make_daemon, s3_server, sho
     node = make_daemon(s3_server.toml(f"s3://{bucket}")).start()
     save(node, 4)
     s3 = s3_server.client()
-    key = f"{JOB}/4/{data_name(0)}"
+    key = shard_key(4, 0, data_name(0))
     data = bytearray(s3.get_object(Bucket=bucket, Key=key)["Body"].read())
     data[(4 << 20) + 99] ^= 0x40  # one bit, in the second chunk
     s3.put_object(Bucket=bucket, Key=key, Body=bytes(data))
@@ -203,7 +210,9 @@ def test_a_file_url_is_an_object_tier_with_the_layout_of_every_tier(make_daemon,
     for step in (1, 2, 3):
         save(node, step)
     eventually(lambda: sorted(p.name for p in (store / JOB).iterdir()) == ["2", "3"], what="object retention")
-    assert_same(ckpt.load_local(store / JOB / "3"), rank_state(0, 3))  # a plain directory, readable as is
+    # A filesystem has no per-prefix limit: no hash prefixes, and a plain directory readable as is.
+    assert not (store / SHARDS_DIR).exists()
+    assert_same(ckpt.load_local(store / JOB / "3"), rank_state(0, 3))
     node.lose()
     out = node.cli("restore", "--job", JOB, "--from", f"file://{store}", "--to", str(short_tmp / "out"))
     assert out.returncode == 0, out.stderr
@@ -226,14 +235,19 @@ def test_gc_aborts_the_multipart_uploads_a_crash_left_behind(make_daemon, s3_ser
     def unfinished() -> list[str]:
         return [u["Key"] for u in s3.list_multipart_uploads(Bucket=bucket).get("Uploads", [])]
 
+    kept = object_keys(s3_server, bucket)
     for step in (1, 3):  # 3: newer than any complete step, maybe under way on another node
-        s3.create_multipart_upload(Bucket=bucket, Key=f"p/{JOB}/{step}/{data_name(1)}")
+        s3.create_multipart_upload(Bucket=bucket, Key=shard_key(step, 1, data_name(1), prefix="p"))
+    s3.create_multipart_upload(Bucket=bucket, Key=f"p/{JOB}/1/{data_name(2)}")  # left by a ckptd of the flat layout
+    s3.put_object(Bucket=bucket, Key=shard_key(0, 0, meta_name(0), prefix="p"), Body=b"{}")  # a crash before a commit
     out = node.cli("gc", "--dry-run")
     assert "would remove object train step 1: unfinished multipart" in out.stdout, out.stdout
-    assert len(unfinished()) == 2
+    assert "would remove object train step 0: incomplete" in out.stdout, out.stdout
+    assert len(unfinished()) == 3
     out = node.cli("gc")
     assert "removed object train step 1: unfinished multipart" in out.stdout, out.stdout
-    assert unfinished() == [f"p/{JOB}/3/{data_name(1)}"]
+    assert unfinished() == [shard_key(3, 1, data_name(1), prefix="p")]
+    assert object_keys(s3_server, bucket) == kept  # the whole bucket: what the crashes left is gone, the rest stays
     assert ls(node) == {1: ["nvme", "object"], 2: ["nvme", "object"]}  # complete steps stay
 
 

@@ -101,6 +101,8 @@ def test_gc_all_removes_a_finished_job_from_the_node_and_the_store_only_when_nam
 
     assert gc("--job", "old", "--all", "--tier", "object").returncode == 0
     assert not [s for s in json.loads(node.cli("ls", "--json", "--address", node.address).stdout) if s["job"] == "old"]
+    assert not [p for p in store.rglob("*") if p.is_file() and "old" in p.parts]  # its shards under every prefix too
+    assert [p for p in store.rglob("*") if p.is_file() and "keep" in p.parts]
 
 
 def test_every_thread_of_the_daemon_runs_on_the_cpus_of_node_cpus(make_daemon):

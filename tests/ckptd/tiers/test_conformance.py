@@ -1,7 +1,8 @@
 """Every tier keeps the same promises: only complete steps are listed, and every shard reads back verified.
 
 A new tier joins by adding a harness below: how to put one rank's shard into it,
-and how to change one of its stored bytes (so a test can damage it).
+and how to change one of its stored bytes (so a test can damage it); a tier that
+removes steps also says what it stores (so a test can see that nothing is left).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from ckptd.tiers.base import Tier
 from ckptd.tiers.memory import MemoryTier
 from ckptd.tiers.nvme import LocalDirTier
 from ckptd.tiers.object import ObjectTier
+from ckptd.tiers.object_keys import shard_dir
 
 
 def _aligned(payload: bytes) -> memoryview:
@@ -40,6 +42,10 @@ class NvmeHarness:
 
     def damage(self, job: str, step: int, rank: int, offset: int) -> None:
         _flip(self.tier.shard_source(job, step, rank).data_path(rank), offset)
+
+    def stored(self) -> list[str]:
+        """Return every file under the tier's root."""
+        return sorted(str(p.relative_to(self.tier.root)) for p in self.tier.root.rglob("*") if not p.is_dir())
 
     def close(self) -> None:
         self.tier.close()
@@ -65,9 +71,15 @@ class ObjectHarness:
             assert self.tier.try_commit(CommitRecord(key.job, key.step, key.world_size, digests, size))
 
     def damage(self, job: str, step: int, rank: int, offset: int) -> None:
-        data = bytearray(self.tier.store.read(job, str(step), data_name(rank)))
+        directory = shard_dir(job, step, rank, self.tier.keys)
+        data = bytearray(self.tier.store.read(*directory, data_name(rank)))
         data[offset] ^= 1
-        self.tier.store.put(bytes(data), job, str(step), data_name(rank))
+        self.tier.store.put(bytes(data), *directory, data_name(rank))
+
+    def stored(self) -> list[str]:
+        """Return every object in the store, and every unfinished upload."""
+        store = self.tier.store
+        return sorted([p[len(store.root) + 1 :] for p in store.fs.find(store.root)] + store.unfinished_uploads())
 
     def close(self) -> None:
         self.scratch.close()
@@ -161,3 +173,15 @@ def test_a_damaged_byte_is_an_error_naming_the_tier(harness):
     harness.damage("job", 2, 0, CHUNK_SIZE_BYTES + 1)
     with pytest.raises(CorruptCheckpoint, match=rf"on tier {harness.tier.name}.*chunk 1"):
         _read(harness.tier, "job", 2, 0)
+
+
+def test_removing_a_step_leaves_nothing_of_it(harness):
+    if not hasattr(harness, "stored"):
+        pytest.skip("the memory tier removes no steps: its slots are reused")
+    harness.put(ShardKey("job", 3, 0, 2), b"rank zero")
+    harness.put(ShardKey("job", 3, 1, 2), b"rank one")
+    harness.put(ShardKey("job", 4, 0, 2), b"a step never complete")
+    assert harness.tier.complete_steps("job") == [3] and harness.tier.all_steps("job") == [3, 4]
+    harness.tier.remove_step("job", 3)
+    harness.tier.remove_step("job", 4)
+    assert harness.stored() == []

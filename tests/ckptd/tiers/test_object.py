@@ -7,14 +7,43 @@ import os
 from pathlib import Path
 
 import pytest
-from ckpt.errors import CorruptCheckpoint, NotFound
-from ckpt.format import CHUNK_SIZE_BYTES, COMMIT_NAME, CommitRecord, ShardMeta, data_name, digest, meta_name, round_up
+import xxhash
+import zstandard
+from ckpt.errors import CorruptCheckpoint, InvalidArgument, NotFound
+from ckpt.format import (
+    CHUNK_SIZE_BYTES,
+    COMMIT_NAME,
+    JOB_RE,
+    OBJECT_KEYS_VERSION,
+    READABLE_VERSIONS,
+    CommitRecord,
+    ShardMeta,
+    data_name,
+    digest,
+    meta_name,
+    round_up,
+    seal,
+    unseal,
+    validate_job,
+)
 
+from ckptd.offline.restore import restore
 from ckptd.offline.verify import verify
-from ckptd.storage.object_store import open_store
+from ckptd.storage.object_store import S3Store, open_store
+from ckptd.tiers import object_shards
 from ckptd.tiers.nvme import LocalDirTier
 from ckptd.tiers.object import CommitConflict, ObjectTier
-from ckptd.tiers.object_layout import PART_BYTES, frames_name, zstd_name
+from ckptd.tiers.object_keys import (
+    HASHED_KEYS,
+    PREFIX_HEX_DIGITS,
+    SHARDS_DIR,
+    all_prefixes,
+    hash_prefix,
+    hashed_dir,
+    hashed_job_dir,
+    shard_dir,
+)
+from ckptd.tiers.object_layout import PART_BYTES, frame_index, frames_name, zstd_name
 
 
 @pytest.fixture(params=["file", "s3"])
@@ -57,6 +86,24 @@ def _record(metas: list[ShardMeta]) -> CommitRecord:
     )
 
 
+def _dir(tier: ObjectTier, job: str, step: int, rank: int) -> tuple[str, ...]:
+    """Return where an upload puts a rank's shard objects: hashed in S3, flat in a file:// store."""
+    return shard_dir(job, step, rank, tier.keys)
+
+
+def hashed_only(tier: ObjectTier) -> None:
+    """Skip for a file:// store: it keeps the flat layout (no per-prefix limits; ckpt.load_local reads it)."""
+    if tier.keys != HASHED_KEYS:
+        pytest.skip("a file:// store keeps its shard objects beside the commit record")
+
+
+def _stored(tier: ObjectTier) -> list[str]:
+    """Return every object in the whole store, and every unfinished upload, relative to its URL."""
+    root = tier.store.root
+    objects = [path[len(root) + 1 :] for path in tier.store.fs.find(root)]
+    return sorted(objects + tier.store.unfinished_uploads())
+
+
 def _read(tier: ObjectTier, job: str, step: int, rank: int) -> bytes:
     meta = tier.read_meta(job, step, rank)
     buf = memoryview(mmap.mmap(-1, round_up(max(meta.data_size_bytes, 1), 4096)))
@@ -81,7 +128,7 @@ def test_a_step_is_listed_only_through_its_commit_record_and_reads_back_bit_for_
     assert tier.commit_record("job", 4) == record
     for rank, payload in enumerate(payloads):
         assert _read(tier, "job", 4, rank) == payload
-    names = tier.store.names("job", "4")
+    names = tier.store.names(*_dir(tier, "job", 4, 1)) | tier.store.names(*_dir(tier, "job", 4, 0))
     if compression == "zstd":
         assert zstd_name(1) in names and frames_name(1) in names and data_name(1) not in names
         assert names[zstd_name(1)] < 1 << 20, "zeros were not compressed"
@@ -99,16 +146,16 @@ def test_two_writers_never_commit_different_records(tier, shards):
     with pytest.raises(CommitConflict):
         tier.try_commit(other)
     assert not tier.store.create(other.to_bytes(), "job", "1", COMMIT_NAME), "the store is not create-only"
-    assert tier.store.read("job", "1", COMMIT_NAME) == record.to_bytes()
+    assert tier.store.read("job", "1", COMMIT_NAME) == record.to_bytes(object_keys=tier.keys)
 
 
 def test_a_changed_byte_in_the_store_is_an_error_naming_the_shard_and_tier(tier, shards):
     meta = shards.write("job", 2, 0, 1, os.urandom(3 * CHUNK_SIZE_BYTES))
     tier.upload_shard(meta, shards.path(meta), "none")
     assert tier.try_commit(_record([meta]))
-    data = bytearray(tier.store.read("job", "2", data_name(0)))
+    data = bytearray(tier.store.read(*_dir(tier, "job", 2, 0), data_name(0)))
     data[CHUNK_SIZE_BYTES + 7] ^= 1
-    tier.store.put(bytes(data), "job", "2", data_name(0))
+    tier.store.put(bytes(data), *_dir(tier, "job", 2, 0), data_name(0))
     with pytest.raises(CorruptCheckpoint, match=r"rank 0 shard of job step 2 on tier object.*chunk 1"):
         _read(tier, "job", 2, 0)
 
@@ -137,7 +184,8 @@ def test_an_upload_abandoned_by_a_crash_is_aborted_by_the_next_upload(s3_server,
     tier = ObjectTier(open_store(f"s3://{bucket}/p", s3_server.storage_options))
     meta = shards.write("job", 5, 0, 1, os.urandom(2 * PART_BYTES + 1))
     s3 = s3_server.client()
-    s3.create_multipart_upload(Bucket=bucket, Key=f"p/job/5/{data_name(0)}")  # what a killed daemon leaves
+    key = "/".join(["p", *_dir(tier, "job", 5, 0), data_name(0)])
+    s3.create_multipart_upload(Bucket=bucket, Key=key)  # what a killed daemon leaves
     tier.upload_shard(meta, shards.path(meta), "none")
     assert s3.list_multipart_uploads(Bucket=bucket).get("Uploads", []) == []
     assert tier.try_commit(_record([meta]))
@@ -149,8 +197,8 @@ def test_verify_reports_a_rank_missing_from_the_store_even_on_a_node_with_peers(
     for meta in metas:
         tier.upload_shard(meta, shards.path(meta), "none")
     assert tier.try_commit(_record(metas))
-    tier.store.remove("job", "6", data_name(1))
-    tier.store.remove("job", "6", meta_name(1))
+    tier.store.remove(*_dir(tier, "job", 6, 1), data_name(1))
+    tier.store.remove(*_dir(tier, "job", 6, 1), meta_name(1))
     checks = list(verify([tier], "job", 6, spread=True))  # spread: a node's own tiers hold some ranks, not the store
     assert [(c.rank, c.ok) for c in checks] == [(0, True), (1, False)]
     assert "missing from a complete step" in checks[1].error
@@ -217,3 +265,195 @@ def test_a_damaged_commit_record_is_not_complete_and_is_logged_once(tier, shards
         assert fresh.complete_steps("job") == [] and fresh.damaged_steps("job") == [2]
         assert not fresh.is_complete("job", 2)
     assert len([r for r in caplog.records if "COMMIT.json" in r.getMessage()]) == 2  # once per tier
+
+
+def test_shard_objects_spread_over_256_hash_prefixes_and_the_step_keeps_its_commit_record(tier, shards):
+    hashed_only(tier)
+    assert (PREFIX_HEX_DIGITS, len(all_prefixes()), all_prefixes()[-1]) == (2, 256, "ff")
+    assert hash_prefix("job", 9, 3) == xxhash.xxh3_64_hexdigest(b"job/9/3")[:2]
+    world = 12
+    payloads = [os.urandom(100 + rank) for rank in range(world)]
+    metas = [shards.write("job", 9, rank, world, p) for rank, p in enumerate(payloads)]
+    for meta in metas:
+        tier.upload_shard(meta, shards.path(meta), "none")
+    assert tier.try_commit(_record(metas))
+    shard_keys = {
+        f"{SHARDS_DIR}/{hash_prefix('job', 9, rank)}/job/9/{name}"
+        for rank in range(world)
+        for name in (data_name(rank), meta_name(rank))
+    }
+    assert _stored(tier) == sorted([*shard_keys, f"job/9/{COMMIT_NAME}"])  # nothing of a shard beside the record
+    assert len({hash_prefix("job", 9, rank) for rank in range(world)}) > world // 2
+    fresh = ObjectTier(tier.store)  # another node: finds every shard from its name alone
+    for rank, payload in enumerate(payloads):
+        assert _read(fresh, "job", 9, rank) == payload
+        assert fresh.has_shard("job", 9, rank) and fresh.holds(metas[rank])
+
+
+def test_the_shards_directory_is_never_taken_for_a_job(tier, shards):
+    hashed_only(tier)
+    assert JOB_RE.fullmatch(SHARDS_DIR) is None
+    with pytest.raises(InvalidArgument):
+        validate_job(SHARDS_DIR)
+    meta = shards.write("job", 1, 0, 1, b"a shard")
+    tier.upload_shard(meta, shards.path(meta), "none")
+    assert tier.try_commit(_record([meta]))
+    assert tier.store.names().keys() == {SHARDS_DIR, "job"}
+    assert tier.jobs() == ["job"]
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_a_step_of_the_flat_layout_with_an_older_record_still_lists_and_loads(tier, shards, version):
+    payloads = [os.urandom(CHUNK_SIZE_BYTES + 5), b"\0" * 1000]
+    metas = [shards.write("old", 3, rank, 2, p) for rank, p in enumerate(payloads)]
+    record = _record(metas)
+    # As a ckptd of before the hash prefixes left it: every object beside the commit record, rank 1 compressed.
+    tier.store.put(payloads[0], "old", "3", data_name(0))
+    frame = zstandard.ZstdCompressor().compress(payloads[1])
+    tier.store.put(frame, "old", "3", zstd_name(1))
+    tier.store.put(frame_index([len(frame)]), "old", "3", frames_name(1))
+    for meta in metas:
+        tier.store.put(meta.to_bytes(), "old", "3", meta_name(meta.rank))
+    body = unseal(record.to_bytes(), "c")
+    assert body["version"] == 2 and "object_keys" not in body
+    tier.store.put(seal({**body, "version": version}), "old", "3", COMMIT_NAME)
+
+    fresh = ObjectTier(tier.store)
+    assert fresh.jobs() == ["old"] and fresh.complete_steps("old") == [3]
+    assert fresh.commit_record("old", 3) == record
+    for rank, payload in enumerate(payloads):
+        assert fresh.has_shard("old", 3, rank)
+        assert _read(fresh, "old", 3, rank) == payload
+    assert [c.ok for c in verify([fresh], "old", 3)] == [True, True]
+    fresh.remove_step("old", 3)
+    assert _stored(fresh) == []
+
+
+def test_the_stores_record_names_its_keys_in_a_version_that_readers_of_versions_1_and_2_refuse(tier, shards, tmp_path):
+    meta = shards.write("job", 8, 0, 1, b"a shard")
+    tier.upload_shard(meta, shards.path(meta), "none")
+    record = _record([meta])
+    assert tier.try_commit(record)
+    raw = tier.store.read("job", "8", COMMIT_NAME)
+    body = unseal(raw, "COMMIT.json")
+    if tier.keys != HASHED_KEYS:  # a file:// store: flat, its step directory readable as every tier's
+        assert body["version"] == 2 and "object_keys" not in body
+        assert CommitRecord.from_bytes(raw, "COMMIT.json") == record
+        assert (tmp_path / "store" / "job" / "8" / data_name(0)).read_bytes() == b"a shard"
+        return
+    assert (body["version"], body["object_keys"]) == (OBJECT_KEYS_VERSION, HASHED_KEYS) == (3, "xxh3-2hex")
+    # What a reader of versions 1 and 2 checks (every ckptd before this layout, and a step directory's readers):
+    assert READABLE_VERSIONS == (1, 2) and body["version"] not in READABLE_VERSIONS
+    with pytest.raises(CorruptCheckpoint, match=r"not a commit record of version \(1, 2\)"):
+        CommitRecord.from_bytes(raw, "COMMIT.json")
+    assert CommitRecord.from_object_bytes(raw, "COMMIT.json") == (record, HASHED_KEYS)
+    # The tier hands on the step's record as every other tier has it: equal, and sealed alike.
+    held = ObjectTier(tier.store).commit_record("job", 8)
+    assert held == record and held.to_bytes() == record.to_bytes()
+    # Restored, the step is in the flat layout with a record of version 2, for the readers of today.
+    step_dir = restore([tier], "job", 8, tmp_path / "out", progress=lambda message: None)
+    restored = (step_dir / COMMIT_NAME).read_bytes()
+    assert restored == record.to_bytes() and CommitRecord.from_bytes(restored, "restored") == record
+    assert (step_dir / data_name(0)).read_bytes() == b"a shard"
+    # Keys a ckptd does not know (a layout of a newer one) make the step damaged here, never misread.
+    tier.store.put(seal({**body, "object_keys": "xxh3-3hex"}), "job", "8", COMMIT_NAME)
+    newer = ObjectTier(tier.store)
+    assert newer.complete_steps("job") == [] and newer.damaged_steps("job") == [8]
+
+
+def test_a_commit_poll_lists_each_prefix_once_and_reads_only_the_records_not_found_before(tier, shards, monkeypatch):
+    hashed_only(tier)
+    world = 6
+    metas = [shards.write("job", 5, rank, world, os.urandom(50)) for rank in range(world)]
+    record = _record(metas)
+    for meta in metas[:4]:
+        tier.upload_shard(meta, shards.path(meta), "none")
+    reads: list[str] = []
+    listings: list[tuple[str, ...]] = []
+    read, names = tier.store.read, tier.store.names
+    monkeypatch.setattr(tier.store, "read", lambda *n, **kw: reads.append(n[-1]) or read(*n, **kw))
+    monkeypatch.setattr(tier.store, "names", lambda *d: listings.append(d) or names(*d))
+    prefixes = sorted({hash_prefix("job", 5, rank) for rank in range(world)})
+
+    def poll() -> bool:
+        reads.clear()
+        listings.clear()
+        done = tier.try_commit(record)
+        assert sorted(listings) == [hashed_dir(p, "job", 5) for p in prefixes]  # each once, the step never
+        return done
+
+    assert not poll() and sorted(reads) == [meta_name(rank) for rank in range(4)]
+    assert not poll() and reads == []  # ranks 0-3 matched: only their directories' listings are looked at
+    tier.store.remove(*_dir(tier, "job", 5, 1), meta_name(1))  # a found rank's shard goes (saved again)...
+    assert not poll() and reads == []
+    tier.store.put(metas[1].to_bytes(), *_dir(tier, "job", 5, 1), meta_name(1))  # ...and comes back: read again
+    assert not poll() and reads == [meta_name(1)]
+    for meta in metas[4:]:
+        tier.upload_shard(meta, shards.path(meta), "none")
+    assert poll() and sorted(reads) == [meta_name(4), meta_name(5)]
+    assert tier.shards._matched == {}, "what a commit remembered outlives it"
+
+
+def test_removing_a_committed_and_a_never_committed_step_leaves_nothing_in_the_store(tier, shards, request):
+    world = 5
+    done = [shards.write("job", 1, rank, world, os.urandom(100)) for rank in range(world)]
+    for meta in done:
+        tier.upload_shard(meta, shards.path(meta), "zstd" if meta.rank % 2 else "none")
+    assert tier.try_commit(_record(done))
+    for rank in range(3):  # a crash before the commit: three ranks of five uploaded
+        meta = shards.write("job", 2, rank, world, os.urandom(100))
+        tier.upload_shard(meta, shards.path(meta), "none")
+    if isinstance(tier.store, S3Store):  # and the upload cut short by the crash
+        bucket, key, _ = tier.store.fs.split_path(tier.store.path(*_dir(tier, "job", 2, 4), data_name(4)))
+        request.getfixturevalue("s3_server").client().create_multipart_upload(Bucket=bucket, Key=key)
+    else:
+        tier.store.put(b"half", *_dir(tier, "job", 2, 4), f"{data_name(4)}.0123abcd.partial")
+    assert tier.all_steps("job", scan=True) == [1, 2] and tier.complete_steps("job") == [1]
+    assert tier.steps_with_unfinished_uploads("job") == ([2] if isinstance(tier.store, S3Store) else [])
+    tier.remove_step("job", 1)  # its ranks from its record, by name
+    tier.remove_step("job", 2)  # no record: what a listing of every hash prefix finds
+    assert _stored(tier) == []
+    assert [p for p in tier.store.fs.find(tier.store.root, withdirs=True) if p.rsplit("/", 1)[-1] in ("1", "2")] == []
+    assert tier.all_steps("job") == [] and tier.all_steps("job", scan=True) == []
+
+
+def test_steps_with_shard_objects_only_are_found_by_a_scan_of_the_prefixes_kept_a_while(tier, shards, monkeypatch):
+    hashed_only(tier)
+    meta = shards.write("job", 1, 0, 1, b"done")
+    tier.upload_shard(meta, shards.path(meta), "none")
+    assert tier.try_commit(_record([meta]))
+    assert tier.all_steps("job") == [1]
+    crashed = shards.write("job", 2, 0, 2, b"never committed")
+    tier.upload_shard(crashed, shards.path(crashed), "none")
+    listings: list[tuple[str, ...]] = []
+    names = tier.store.names
+    monkeypatch.setattr(tier.store, "names", lambda *d: listings.append(d) or names(*d))
+    assert tier.all_steps("job") == [1], "the hash prefixes were listed again within SCAN_INTERVAL_S"
+    assert [d for d in listings if d[0] == SHARDS_DIR] == []
+    assert tier.all_steps("job", scan=True) == [1, 2]  # ckptd gc: now
+    assert sorted(d for d in listings if d[0] == SHARDS_DIR) == [hashed_job_dir(p, "job") for p in all_prefixes()]
+    tier.remove_step("job", 2)
+    assert tier.all_steps("job") == [1]
+    tier.upload_shard(crashed, shards.path(crashed), "none")
+    monkeypatch.setattr(object_shards, "SCAN_INTERVAL_S", 0.0)  # the interval is over
+    assert tier.all_steps("job") == [1, 2]
+
+
+def test_uploads_ask_for_the_commit_record_once_per_step_and_never_write_into_a_complete_one(tier, shards, monkeypatch):
+    payloads = [os.urandom(100) for _ in range(4)]
+    metas = [shards.write("job", 3, rank, 4, p) for rank, p in enumerate(payloads)]
+    asked: list[tuple[str, ...]] = []
+    read = tier.store.read
+    monkeypatch.setattr(
+        tier.store, "read", lambda *n, **kw: (n[-1] == COMMIT_NAME and asked.append(n)) or read(*n, **kw)
+    )
+    for meta in metas:
+        assert tier.upload_shard(meta, shards.path(meta), "none")
+    assert asked == [("job", "3", COMMIT_NAME)], "one node's ranks each asked the step's prefix"
+    assert tier.try_commit(_record(metas))
+    resaved = shards.write("job", 3, 2, 4, b"another save of rank 2")
+    for node in (tier, ObjectTier(tier.store)):  # this node, and one that never asked
+        with pytest.raises(CommitConflict, match="never rewritten"):
+            node.upload_shard(resaved, shards.path(resaved), "none")
+        assert not node.upload_shard(metas[0], shards.path(metas[0]), "none")  # listed as it is: nothing to do
+    assert _read(tier, "job", 3, 2) == payloads[2]
