@@ -1,3 +1,5 @@
 """ckptd: the per-node checkpoint daemon and its command-line tools."""
 
-__version__ = "0.1.0"
+from ckpt._version import __version__
+
+__all__ = ["__version__"]

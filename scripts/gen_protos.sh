@@ -1,6 +1,13 @@
 #!/usr/bin/env bash
-# Regenerate the committed gRPC stubs from protos/ (tests/test_protos.py fails when they are stale).
+# Regenerate the committed gRPC stubs from protos/ with the oldest grpcio-tools ckptd supports (scripts/floors.txt),
+# from the floors' environment that scripts/check_floors.sh makes: stubs from newer tools would need newer grpcio and
+# protobuf than the declared floors. tests/test_protos.py fails when the stubs are stale.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-"${PYTHON:-.venv/bin/python}" -m grpc_tools.protoc -Iprotos --python_out=client --pyi_out=client --grpc_python_out=client \
+PYTHON=${PYTHON:-.venv-floors/daemon/bin/python}
+if [ ! -x "$PYTHON" ]; then
+  echo "gen_protos: $PYTHON is missing: run scripts/check_floors.sh first (it installs the floor grpcio-tools)" >&2
+  exit 2
+fi
+"$PYTHON" -m grpc_tools.protoc -Iprotos --python_out=client --pyi_out=client --grpc_python_out=client \
   protos/ckpt/wire/v1/ckptd.proto protos/ckpt/wire/v1/peer.proto

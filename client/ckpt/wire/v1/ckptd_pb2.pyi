@@ -1,8 +1,7 @@
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Iterable as _Iterable, Mapping as _Mapping
-from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+from typing import ClassVar as _ClassVar, Iterable as _Iterable, Mapping as _Mapping, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
@@ -46,7 +45,7 @@ class ReserveReply(_message.Message):
     spare_slot_path: str
     spare_slot_size_bytes: int
     layout_in_slot: bool
-    def __init__(self, skipped: _Optional[bool] = ..., slot_path: _Optional[str] = ..., slot_size_bytes: _Optional[int] = ..., blocked_s: _Optional[float] = ..., reason: _Optional[str] = ..., reservation: _Optional[int] = ..., spare_slot_path: _Optional[str] = ..., spare_slot_size_bytes: _Optional[int] = ..., layout_in_slot: _Optional[bool] = ...) -> None: ...
+    def __init__(self, skipped: bool = ..., slot_path: _Optional[str] = ..., slot_size_bytes: _Optional[int] = ..., blocked_s: _Optional[float] = ..., reason: _Optional[str] = ..., reservation: _Optional[int] = ..., spare_slot_path: _Optional[str] = ..., spare_slot_size_bytes: _Optional[int] = ..., layout_in_slot: bool = ...) -> None: ...
 
 class CommitRequest(_message.Message):
     __slots__ = ("shard", "slot_path", "data_size_bytes", "layout_json", "reservation", "run_id", "layout_size_bytes")
@@ -86,7 +85,7 @@ class WaitShardReply(_message.Message):
     ERROR_FIELD_NUMBER: _ClassVar[int]
     done: bool
     error: str
-    def __init__(self, done: _Optional[bool] = ..., error: _Optional[str] = ...) -> None: ...
+    def __init__(self, done: bool = ..., error: _Optional[str] = ...) -> None: ...
 
 class LocateRequest(_message.Message):
     __slots__ = ("job", "step", "rank", "tier", "refetch")
@@ -100,7 +99,7 @@ class LocateRequest(_message.Message):
     rank: int
     tier: str
     refetch: bool
-    def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., rank: _Optional[int] = ..., tier: _Optional[str] = ..., refetch: _Optional[bool] = ...) -> None: ...
+    def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., rank: _Optional[int] = ..., tier: _Optional[str] = ..., refetch: bool = ...) -> None: ...
 
 class Source(_message.Message):
     __slots__ = ("tier", "kind", "path")
@@ -122,7 +121,7 @@ class LocateReply(_message.Message):
     step: int
     world_size: int
     sources: _containers.RepeatedCompositeFieldContainer[Source]
-    def __init__(self, found: _Optional[bool] = ..., step: _Optional[int] = ..., world_size: _Optional[int] = ..., sources: _Optional[_Iterable[_Union[Source, _Mapping]]] = ...) -> None: ...
+    def __init__(self, found: bool = ..., step: _Optional[int] = ..., world_size: _Optional[int] = ..., sources: _Optional[_Iterable[_Union[Source, _Mapping]]] = ...) -> None: ...
 
 class LocateStepRequest(_message.Message):
     __slots__ = ("job", "step", "tier")
@@ -228,7 +227,7 @@ class CollectRequest(_message.Message):
     job: str
     all: bool
     object: bool
-    def __init__(self, dry_run: _Optional[bool] = ..., job: _Optional[str] = ..., all: _Optional[bool] = ..., object: _Optional[bool] = ...) -> None: ...
+    def __init__(self, dry_run: bool = ..., job: _Optional[str] = ..., all: bool = ..., object: bool = ...) -> None: ...
 
 class Removal(_message.Message):
     __slots__ = ("tier", "job", "step", "reason")

@@ -5,7 +5,7 @@ import warnings
 
 from ckpt.wire.v1 import ckptd_pb2 as ckpt_dot_wire_dot_v1_dot_ckptd__pb2
 
-GRPC_GENERATED_VERSION = '1.85.1'
+GRPC_GENERATED_VERSION = '1.66.2'
 GRPC_VERSION = grpc.__version__
 _version_not_supported = False
 
@@ -18,14 +18,14 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in ckpt/wire/v1/ckptd_pb2_grpc.py depends on'
+        + f' but the generated code in ckpt/wire/v1/ckptd_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
     )
 
 
-class CkptdStub:
+class CkptdStub(object):
     """Missing associated documentation comment in .proto file."""
 
     def __init__(self, channel):
@@ -81,7 +81,7 @@ class CkptdStub:
                 _registered_method=True)
 
 
-class CkptdServicer:
+class CkptdServicer(object):
     """Missing associated documentation comment in .proto file."""
 
     def Reserve(self, request, context):
@@ -207,7 +207,7 @@ def add_CkptdServicer_to_server(servicer, server):
 
 
  # This class is part of an EXPERIMENTAL API.
-class Ckptd:
+class Ckptd(object):
     """Missing associated documentation comment in .proto file."""
 
     @staticmethod

@@ -1,8 +1,7 @@
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Iterable as _Iterable, Mapping as _Mapping
-from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+from typing import ClassVar as _ClassVar, Iterable as _Iterable, Mapping as _Mapping, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
@@ -64,7 +63,7 @@ class GetShardRequest(_message.Message):
     ranged: bool
     offset: int
     length: int
-    def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., rank: _Optional[int] = ..., tier: _Optional[str] = ..., meta_only: _Optional[bool] = ..., ranged: _Optional[bool] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
+    def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., rank: _Optional[int] = ..., tier: _Optional[str] = ..., meta_only: bool = ..., ranged: bool = ..., offset: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
 
 class InventoryRequest(_message.Message):
     __slots__ = ("job", "step")

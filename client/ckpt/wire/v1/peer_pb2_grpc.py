@@ -5,7 +5,7 @@ import warnings
 
 from ckpt.wire.v1 import peer_pb2 as ckpt_dot_wire_dot_v1_dot_peer__pb2
 
-GRPC_GENERATED_VERSION = '1.85.1'
+GRPC_GENERATED_VERSION = '1.66.2'
 GRPC_VERSION = grpc.__version__
 _version_not_supported = False
 
@@ -18,14 +18,14 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in ckpt/wire/v1/peer_pb2_grpc.py depends on'
+        + f' but the generated code in ckpt/wire/v1/peer_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
     )
 
 
-class CkptdPeerStub:
+class CkptdPeerStub(object):
     """Missing associated documentation comment in .proto file."""
 
     def __init__(self, channel):
@@ -66,7 +66,7 @@ class CkptdPeerStub:
                 _registered_method=True)
 
 
-class CkptdPeerServicer:
+class CkptdPeerServicer(object):
     """Missing associated documentation comment in .proto file."""
 
     def PutShard(self, request_iterator, context):
@@ -157,7 +157,7 @@ def add_CkptdPeerServicer_to_server(servicer, server):
 
 
  # This class is part of an EXPERIMENTAL API.
-class CkptdPeer:
+class CkptdPeer(object):
     """Missing associated documentation comment in .proto file."""
 
     @staticmethod
