@@ -43,6 +43,7 @@ from s3_server import S3Server
 from ckptd.storage.object_store import UPLOAD_CONCURRENCY, open_store
 from ckptd.tiers.nvme import LocalDirTier
 from ckptd.tiers.object import ObjectTier
+from ckptd.tiers.object_keys import shard_dir
 from ckptd.tiers.object_layout import MAX_RANGE_BYTES, MIN_RANGE_BYTES, PART_BYTES, READ_THREADS, zstd_name
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -153,7 +154,8 @@ def bench(server: S3Server, work: Path, size: int, repeats: int) -> tuple[dict[s
                 tier = ObjectTier(open_store(f"s3://{bucket}/ckpts", server.storage_options))
                 drop_from_page_cache(p)
                 raw[key].append(timed(lambda tier=tier, m=m, p=p: tier.upload_shard(m, p, "zstd")))
-                stored[key] = next(n for name, n in tier.store.names(m.job, str(STEP)).items() if name == zstd_name(0))
+                names = tier.store.names(*shard_dir(m.job, STEP, 0, tier.keys))  # under the rank's hash prefix
+                stored[key] = names[zstd_name(0)]
                 server.drop_bucket(bucket)
             fs.invalidate_cache()
     finally:
