@@ -1,0 +1,313 @@
+"""A PyTorch Lightning CheckpointIO on ckptd: Trainer(plugins=[ckpt.lightning.CkptdCheckpointIO(job="run-7")]).
+
+Lightning keeps its checkpoints as files at paths: ModelCheckpoint names them, lists
+its dirpath, removes the files that drop out of its top k, and resolves
+ckpt_path="last" by looking for last*.ckpt there. This plugin keeps that bookkeeping
+and moves the bytes into ckptd. save_checkpoint stages the checkpoint dict with
+Checkpointer.save_async and, once it is committed in ckptd's shared memory (when
+save_async returns: from then on ckptd holds the step), writes a pointer of a few
+bytes at the path Lightning asked for (Pointer: JSON naming the job and step).
+load_checkpoint reads the pointer and loads that step from the fastest tier holding
+a good copy (waiting, if need be, the moment the daemon takes to checksum a fresh
+copy). remove_checkpoint removes the pointer; the step's bytes are ckptd's
+retention's to keep or drop.
+
+The ckptd step of a checkpoint is Lightning's global_step, unless the job already
+holds that step or a later one (a run resumed from an older checkpoint, a new run
+under a used job name, a step saved again with other tensors): then it is one past
+the job's newest step, since ckptd never rewrites a step. The pointer records both.
+A save of the global_step saved last whose tensors are the same tensors, none changed
+in place since (Fingerprint), writes only another pointer to the same step: so
+ModelCheckpoint's top-k file and last.ckpt of one step are one ckptd step, as with
+ModelCheckpoint(save_last="link"), and their values other than tensors (the callback's
+last_model_path) are the first save's.
+
+Who calls what, in which order, on which thread: Lightning's Strategy calls
+save_checkpoint and remove_checkpoint on global rank 0 alone, on the training thread;
+load_checkpoint on every rank when a run resumes (Trainer.fit(ckpt_path=...)); teardown
+on every rank at the end of each fit, validate, test and predict. The whole state is
+rank 0's, so a ckptd step holds it as the one rank of a world of one (rank 0,
+world_size 1), however many ranks train, and every rank loads that shard.
+
+FSDPStrategy and ModelParallelStrategy do not go through here for sharded state: they
+write torch.distributed.checkpoint directories themselves. FSDPStrategy's full state
+dicts do reach save_checkpoint (rank 0), but its load_checkpoint reads the path with
+torch itself, so it cannot resume from a pointer.
+
+A dict without global_step is not a Trainer checkpoint (Lightning's ddp_spawn hands
+the final weights to the main process in a temporary file this way): it is written
+and read with torch.save and torch.load, as TorchCheckpointIO does, and so is a
+checkpoint path that holds a file other than a pointer.
+
+Importing this module imports lightning; `import ckpt` does not.
+"""
+
+from __future__ import annotations
+
+from ckpt.torch_version import require_torch
+
+require_torch()
+
+import json  # noqa: E402 (torch checked first)
+import logging  # noqa: E402
+import os  # noqa: E402
+from dataclasses import asdict, dataclass  # noqa: E402
+from typing import Any  # noqa: E402
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+try:
+    from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO
+    from lightning.fabric.utilities.cloud_io import get_filesystem
+    from lightning.fabric.utilities.types import _PATH
+except ImportError as e:  # ckptd-client does not depend on Lightning: say what to install
+    raise ImportError(f"ckpt.lightning needs PyTorch Lightning (pip install 'lightning>=2.4'): {e}") from e
+
+from ckpt.checkpointer import Checkpointer, SaveHandle  # noqa: E402
+from ckpt.errors import CheckpointError, InvalidArgument, NotFound, SaveFailed  # noqa: E402
+from ckpt.flatten import flatten  # noqa: E402
+from ckpt.format import validate_job, validate_step  # noqa: E402
+from ckpt.transport import resolve_address  # noqa: E402
+
+log = logging.getLogger(__name__)
+
+POINTER_FORMAT = "ckptd-lightning-pointer"
+POINTER_VERSION = 1
+MAX_POINTER_BYTES = 4096
+# What teardown may wait for: tiers every save reaches (replication and uploads may pass steps over).
+TEARDOWN_TIERS = ("memory", "nvme")
+# How long a load waits for a step ckptd holds in memory but has not checksummed yet (a flush takes
+# seconds to minutes): beyond this, something is stuck, and saying so beats hanging.
+FLUSH_WAIT_S = 600.0
+# A checkpoint's tensors as (address, version counter, dtype, shape, strides, device), in order.
+Fingerprint = tuple[tuple[Any, ...], ...]
+
+
+@dataclass(frozen=True)
+class Pointer:
+    """What a checkpoint path holds: which ckptd job and step hold the checkpoint, as one small JSON object."""
+
+    job: str
+    step: int
+    global_step: int  # Lightning's, for people reading the file: the step may differ (see the module docstring)
+    address: str  # the daemon the step was saved through, for people and errors: loads use the plugin's
+
+    def to_json(self) -> bytes:
+        """Return the pointer as the bytes of its file."""
+        return (json.dumps({"format": POINTER_FORMAT, "version": POINTER_VERSION, **asdict(self)}) + "\n").encode()
+
+    @classmethod
+    def from_json(cls, data: bytes, path: str) -> Pointer:
+        """Parse a pointer file's bytes, or raise InvalidArgument naming path."""
+        try:
+            fields = json.loads(data)
+        except ValueError as e:
+            raise InvalidArgument(f"{path} is not a ckptd pointer: {e}") from None
+        if not isinstance(fields, dict) or fields.get("format") != POINTER_FORMAT:
+            raise InvalidArgument(f'{path} holds JSON that is not a ckptd pointer (no "format": "{POINTER_FORMAT}")')
+        if fields.get("version") != POINTER_VERSION:
+            raise InvalidArgument(
+                f"{path} is a ckptd pointer of version {fields.get('version')!r}; this ckpt reads version "
+                f"{POINTER_VERSION}"
+            )
+        try:
+            if not isinstance(fields["address"], str):
+                raise InvalidArgument(f"address {fields['address']!r} is not a string")
+            return cls(
+                validate_job(fields["job"]),
+                validate_step(fields["step"]),
+                validate_step(fields["global_step"]),
+                fields["address"],
+            )
+        except (KeyError, InvalidArgument) as e:
+            raise InvalidArgument(f"{path} is a broken ckptd pointer: {type(e).__name__}: {e}") from None
+
+
+def read_pointer(path: str) -> Pointer | None:
+    """Return the pointer at path, None if path holds another file (a torch checkpoint), FileNotFoundError if none."""
+    fs = get_filesystem(path)
+    if not fs.exists(path):
+        raise FileNotFoundError(f"no checkpoint at {path}: neither a ckptd pointer nor any other file is there")
+    with fs.open(path, "rb") as f:
+        head = f.read(MAX_POINTER_BYTES + 1)
+    if not head.lstrip().startswith(b"{"):
+        return None
+    if len(head) > MAX_POINTER_BYTES:
+        raise InvalidArgument(f"{path} is not a ckptd pointer: it is larger than {MAX_POINTER_BYTES} bytes")
+    return Pointer.from_json(head, path)
+
+
+def write_pointer(path: str, pointer: Pointer) -> None:
+    """Write a pointer at path, whole or not at all: into path.partial, then renamed over path."""
+    fs = get_filesystem(path)
+    if os.path.dirname(path):
+        fs.makedirs(os.path.dirname(path), exist_ok=True)
+    partial = f"{path}.partial"
+    with fs.open(partial, "wb") as f:
+        f.write(pointer.to_json())
+    fs.mv(partial, path)
+
+
+class CkptdCheckpointIO(CheckpointIO):
+    """Save Lightning checkpoints into ckptd with pointers to them at Lightning's paths, and load them back.
+
+    job names the ckptd job (default: env CKPT_JOB); address the daemon (default: env
+    CKPTD_ADDRESS, else the default socket). save_checkpoint returns once the checkpoint
+    is copied into ckptd's shared memory and its pointer written; the daemon makes it
+    durable. A save that failed in the background (a full disk, say) is raised by the
+    next save_checkpoint, or by teardown, which first waits until every save has reached
+    teardown_tier ("nvme", the default; "memory" waits for nothing more), so that the
+    process may exit. One thread at a time calls the methods (Lightning's training
+    thread); the module's docstring says in which order.
+    """
+
+    def __init__(self, job: str | None = None, address: str | None = None, teardown_tier: str = "nvme") -> None:
+        super().__init__()
+        job = job if job is not None else os.environ.get("CKPT_JOB", "")
+        if not job:
+            raise InvalidArgument("CkptdCheckpointIO needs a ckptd job name: pass job=... or set CKPT_JOB")
+        if teardown_tier not in TEARDOWN_TIERS:
+            raise InvalidArgument(f"teardown_tier must be one of {', '.join(TEARDOWN_TIERS)}, not {teardown_tier!r}")
+        self.job = validate_job(job)
+        self.address = address
+        self.teardown_tier = teardown_tier
+        self._files = TorchCheckpointIO()  # dicts that are not Trainer checkpoints, paths that hold no pointer
+        self._checkpointer: Checkpointer | None = None  # opened by the first save after each teardown
+        self._in_flight: list[SaveHandle] = []  # saves not known to have reached teardown_tier (pruned at each save)
+        self._last: tuple[Pointer, Fingerprint | None] | None = None  # the last save, and its tensors
+        self._next_step: int | None = None  # one past the job's newest step, once asked
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any | None = None) -> None:
+        """Stage checkpoint into ckptd and write a pointer to it at path; return without waiting for durability."""
+        if storage_options is not None:
+            raise TypeError(
+                f"{type(self).__name__}.save_checkpoint takes no storage_options (got {storage_options!r}): "
+                "where the bytes go is the ckptd daemon's configuration"
+            )
+        global_step = checkpoint.get("global_step")
+        if global_step is None:
+            log.info("ckpt: %s holds no global_step, so not a Trainer checkpoint: writing it with torch.save", path)
+            self._files.save_checkpoint(checkpoint, path)
+            return
+        _refuse_other_ranks()
+        self._raise_failures()
+        tensors = fingerprint(checkpoint)
+        last = self._last
+        if last is not None and last[0].global_step == global_step and tensors is not None and last[1] == tensors:
+            pointer: Pointer | None = last[0]  # the same state again: another pointer to its step
+        else:
+            pointer = self._save(checkpoint, validate_step(global_step), str(path), tensors)
+        if pointer is not None:
+            write_pointer(str(path), pointer)
+
+    def _save(
+        self, checkpoint: dict[str, Any], global_step: int, path: str, tensors: Fingerprint | None
+    ) -> Pointer | None:
+        """Stage one checkpoint as a new step of the job; return its pointer, or None if ckptd skipped it."""
+        if self._checkpointer is None:
+            self._checkpointer = Checkpointer(job=self.job, rank=0, world_size=1, address=self.address)
+        if self._next_step is None:
+            latest = self._checkpointer.latest_step()
+            self._next_step = 0 if latest is None else latest + 1
+        step = max(global_step, self._next_step)
+        handle = self._checkpointer.save_async(checkpoint, step=step)
+        if handle.skipped:  # staging policy "skip" found no room (ckpt logged why)
+            log.warning(
+                "ckpt: global step %d was not saved, so %s is not written: %s", global_step, path, handle.reason
+            )
+            return None
+        self._in_flight.append(handle)
+        self._next_step = step + 1
+        pointer = Pointer(self.job, step, global_step, resolve_address(self.address))
+        self._last = (pointer, tensors)
+        return pointer
+
+    def _raise_failures(self) -> None:
+        """Forget the saves that reached teardown_tier; raise SaveFailed for one that failed."""
+        for handle in list(self._in_flight):
+            try:
+                done = handle.done(self.teardown_tier)
+            except SaveFailed:
+                self._in_flight.remove(handle)
+                raise
+            if done:
+                self._in_flight.remove(handle)
+
+    def load_checkpoint(
+        self, path: _PATH, map_location: Any | None = None, weights_only: bool | None = None
+    ) -> dict[str, Any]:
+        """Return the checkpoint the pointer at path names (tensors on map_location, default CPU), bit for bit."""
+        pointer = read_pointer(str(path))
+        if pointer is None:
+            return self._files.load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+        if weights_only:
+            raise InvalidArgument(
+                f"{path}: the values of a ckptd checkpoint that are not tensors are pickled and load as with "
+                "torch.load(weights_only=False); load it with weights_only=None or False, and only if you trust it"
+            )
+        with Checkpointer(job=pointer.job, rank=0, world_size=1, address=self.address) as c:
+            try:
+                checkpoint: dict[str, Any] = c.load(pointer.step, map_location or "cpu")
+            except NotFound as e:
+                # A step is served from memory once the daemon has checksummed it, a moment after the
+                # save returned: if ckptd still holds the copy, wait for its flush (SaveFailed if it failed).
+                copy = SaveHandle(c, pointer.step, skipped=False, blocked_s=0.0, reason="")
+                if not copy.done("memory"):
+                    raise NotFound(
+                        f"{path} names step {pointer.step} (global step {pointer.global_step}) of ckptd job "
+                        f"{pointer.job}, saved through {pointer.address}, and no tier holds it any more: {e}"
+                    ) from e
+                copy.wait("nvme", timeout=FLUSH_WAIT_S)
+                checkpoint = c.load(pointer.step, map_location or "cpu")
+        return checkpoint
+
+    def remove_checkpoint(self, path: _PATH) -> None:
+        """Remove the pointer (or file) at path; the step it names stays in ckptd until its retention drops it."""
+        self._files.remove_checkpoint(path)
+
+    def teardown(self) -> None:
+        """Wait until every save has reached teardown_tier, close the connection, and raise the first failure."""
+        in_flight, self._in_flight = self._in_flight, []
+        failure: CheckpointError | None = None
+        for handle in in_flight:
+            try:
+                handle.wait(self.teardown_tier)
+            except CheckpointError as e:
+                failure = failure or e
+        if self._checkpointer is not None:
+            self._checkpointer.close()  # a later save opens another: the plugin stays picklable between runs
+            self._checkpointer = None
+        if failure is not None:
+            raise failure
+
+
+def fingerprint(checkpoint: dict[str, Any]) -> Fingerprint | None:
+    """Identify a checkpoint's tensors by memory and version counter, or None if one keeps no version counter.
+
+    The tensors are those save_async would stage, wherever they sit (ckpt.flatten). Two
+    fingerprints are equal only if the second dict holds the same tensors (views of the same
+    memory, as state_dict() returns afresh each time) and none was changed in place in
+    between: an optimizer step, a load_state_dict or an averaging callback bumps the counter.
+    """
+    identities = []
+    for array in flatten(checkpoint).arrays:
+        if not isinstance(array, torch.Tensor):
+            return None  # a numpy array keeps no version counter
+        try:
+            identities.append(
+                (array.data_ptr(), array._version, array.dtype, array.shape, array.stride(), array.device)
+            )
+        except RuntimeError:  # an inference-mode tensor keeps none either
+            return None
+    return tuple(identities)
+
+
+def _refuse_other_ranks() -> None:
+    """Refuse a save on a rank other than 0: the whole state is rank 0's, saved as the only rank of its step."""
+    if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
+        raise InvalidArgument(
+            f"CkptdCheckpointIO.save_checkpoint was called on rank {dist.get_rank()}: it saves whole checkpoints "
+            "from global rank 0, as Lightning calls it (one device, DDP); to save each rank's shard, use "
+            "ckpt.Checkpointer or ckpt.dcp with the group's world size"
+        )

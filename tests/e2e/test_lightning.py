@@ -1,0 +1,208 @@
+"""CkptdCheckpointIO end to end: real Lightning training on CPU (one process, then DDP on gloo) into a real ckptd."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import ckpt
+import pytest
+import torch
+from ckpt.lightning import CkptdCheckpointIO, Pointer, read_pointer, write_pointer
+from ckpt.transport import DaemonClient
+from ckpt.wire.v1 import ckptd_pb2 as pb
+from states import assert_same
+from torchrun import torchrun
+
+pytestmark = pytest.mark.e2e
+
+WORKER = Path(__file__).with_name("lightning_worker.py")
+JOB = "lightning"
+# ModelCheckpoint keeps its best k, which need not be the newest: retention by age must not drop them.
+RETAIN_ALL = "[retention]\nnvme = 0\n"
+WORKER_TIMEOUT_S = 120
+
+
+def run_worker(daemon, out: Path, dirpath: Path, max_epochs: int, ranks: int = 1) -> Path:
+    """Fit the example under the worker's probes, in new processes (torchrun for ranks > 1); return out."""
+    args = ["--job", JOB, "--address", daemon.address, "--dirpath", str(dirpath), "--max-epochs", str(max_epochs)]
+    if ranks > 1:
+        torchrun(ranks, WORKER, str(out), *args, "--devices", str(ranks), env={}, timeout_s=WORKER_TIMEOUT_S)
+        return out
+    env = {k: v for k, v in os.environ.items() if k != "CKPTD_ADDRESS"} | {"OMP_NUM_THREADS": "1"}
+    run = subprocess.run(
+        [sys.executable, str(WORKER), str(out), *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=WORKER_TIMEOUT_S,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr[-6000:]
+    return out
+
+
+def pointers(dirpath: Path) -> dict[str, Pointer]:
+    """Return the checkpoint files ModelCheckpoint left in dirpath, by name, each read as a pointer."""
+    found = {}
+    for p in sorted(dirpath.iterdir()):
+        pointer = read_pointer(str(p))
+        assert pointer is not None, f"{p} is not a pointer"
+        found[p.name] = pointer
+    return found
+
+
+def ls(daemon) -> dict[int, dict]:
+    out = daemon.cli("ls", "--job", JOB, "--json", "--address", daemon.address)
+    assert out.returncode == 0, out.stderr
+    return {item["step"]: item for item in json.loads(out.stdout)}
+
+
+def saves_made(daemon) -> int:
+    out = daemon.cli("status", "--json", "--address", daemon.address)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)["counters"]["saves"]
+
+
+def saved(out: Path, global_step: int) -> dict:
+    return torch.load(out / f"saved-{global_step}.pt", weights_only=False)
+
+
+def assert_restored(restored: dict, at_save: dict) -> None:
+    """Assert a resumed run's model and optimizer are bit for bit the checkpoint dict's at save time."""
+    assert restored["global_step"] == at_save["global_step"]
+    assert_same(restored["state_dict"], at_save["state_dict"], "state_dict")
+    assert_same(restored["optimizer"], at_save["optimizer_states"][0], "optimizer")
+
+
+@pytest.mark.timeout(180)
+def test_a_lightning_run_checkpoints_into_ckptd_and_resumes_bit_for_bit(make_daemon, short_tmp):
+    daemon = make_daemon(RETAIN_ALL).start()
+    dirpath = short_tmp / "checkpoints"
+    first = run_worker(daemon, short_tmp / "first", dirpath, max_epochs=3)  # 8 batches an epoch, a save every 4
+
+    steps = ls(daemon)
+    assert sorted(steps) == [4, 8, 12, 16, 20, 24]  # the ckptd step is the global step
+    assert all(item["world_size"] == 1 and "nvme" in item["tiers"] for item in steps.values())
+    run = json.loads((first / "run.json").read_text())
+    assert run["saves"] > len(steps)  # the top-k file and last.ckpt of a step: one ckptd step
+    assert saves_made(daemon) == len(steps)
+    files = pointers(dirpath)
+    assert sorted(str(dirpath / name) for name in files if name != "last.ckpt") == run["best_k"]
+    assert len(files) == 3 and files["last.ckpt"].step == 24
+    removed = set(run["ever_best_k"]) - set(run["best_k"])
+    assert removed and not any(Path(p).exists() for p in removed)  # top-k removal removed their pointers
+    with ckpt.Checkpointer(job=JOB, address=daemon.address) as c:
+        for name, pointer in files.items():
+            assert pointer.job == JOB and pointer.step == pointer.global_step
+            assert name == "last.ckpt" or name.endswith(f"-step={pointer.step}.ckpt")
+            stored = c.load(pointer.step)
+            at_save = saved(first, pointer.global_step)
+            assert_same(stored["state_dict"], at_save["state_dict"], f"{name} state_dict")
+            assert_same(stored["optimizer_states"], at_save["optimizer_states"], f"{name} optimizer_states")
+
+    second = run_worker(daemon, short_tmp / "second", dirpath, max_epochs=4)  # fit(ckpt_path="last")
+    assert_restored(torch.load(second / "restored-rank0.pt", weights_only=False), saved(first, 24))
+    assert sorted(ls(daemon)) == [4, 8, 12, 16, 20, 24, 28, 32]
+    files = pointers(dirpath)
+    assert len(files) == 3 and files["last.ckpt"].step == 32  # the resumed run went on with the same files
+
+
+@pytest.mark.timeout(240)
+def test_ddp_saves_from_rank_0_and_every_rank_resumes_the_same_state(make_daemon, short_tmp):
+    daemon = make_daemon(RETAIN_ALL).start()
+    dirpath = short_tmp / "checkpoints"
+    first = run_worker(daemon, short_tmp / "first", dirpath, max_epochs=2, ranks=2)  # 4 batches a rank an epoch
+
+    steps = ls(daemon)
+    assert sorted(steps) == [4, 8] and all(item["world_size"] == 1 for item in steps.values())  # rank 0's whole state
+    assert pointers(dirpath)["last.ckpt"].step == 8
+
+    second = run_worker(daemon, short_tmp / "second", dirpath, max_epochs=3, ranks=2)
+    for rank in (0, 1):
+        assert_restored(torch.load(second / f"restored-rank{rank}.pt", weights_only=False), saved(first, 8))
+    assert "called on rank 1" in (second / "refused-rank1.txt").read_text()
+    assert sorted(ls(daemon)) == [4, 8, 12]
+
+
+def test_the_same_tensors_at_the_same_global_step_write_only_another_pointer(make_daemon, short_tmp):
+    daemon = make_daemon(RETAIN_ALL).start()
+    io = CkptdCheckpointIO(job=JOB, address=daemon.address)
+    top, last, final = (str(short_tmp / name) for name in ("epoch=0-step=5.ckpt", "last.ckpt", "final.ckpt"))
+    w = torch.arange(10.0)
+    io.save_checkpoint({"global_step": 5, "w": w, "last_model_path": ""}, top)
+    io.save_checkpoint({"global_step": 5, "w": w[:], "last_model_path": last}, last)  # a view afresh, as state_dict()
+    assert read_pointer(last) == read_pointer(top) == Pointer(JOB, 5, 5, f"unix:{daemon.address}")
+    w.mul_(2)  # changed in place at the same global step (say, an averaging callback at the end of fit)
+    io.save_checkpoint({"global_step": 5, "w": w, "last_model_path": last}, final)
+    assert read_pointer(final) == Pointer(JOB, 6, 5, f"unix:{daemon.address}")  # a step of its own
+    io.teardown()
+    assert saves_made(daemon) == 2
+    assert_same(io.load_checkpoint(last), {"global_step": 5, "w": torch.arange(10.0), "last_model_path": ""})
+    assert_same(io.load_checkpoint(final)["w"], torch.arange(10.0) * 2)
+
+
+def test_a_job_holding_the_global_step_already_gets_the_next_free_step(make_daemon, short_tmp):
+    daemon = make_daemon(RETAIN_ALL).start()
+    with ckpt.Checkpointer(job=JOB, address=daemon.address) as c:
+        c.save_async({"earlier": "run"}, step=7).wait("nvme")  # the newest step, listed
+    io = CkptdCheckpointIO(job=JOB, address=daemon.address)
+    for global_step, step in [(3, 8), (9, 9), (10, 10)]:  # a run resumed from an older step, then past the newest
+        state = {"global_step": global_step, "w": torch.full((4,), float(global_step))}
+        io.save_checkpoint(state, str(short_tmp / f"{global_step}.ckpt"))
+        pointer = read_pointer(str(short_tmp / f"{global_step}.ckpt"))
+        assert pointer == Pointer(JOB, step, global_step, f"unix:{daemon.address}")
+        assert_same(io.load_checkpoint(str(short_tmp / f"{global_step}.ckpt")), state)
+    io.teardown()
+    assert sorted(ls(daemon)) == [7, 8, 9, 10]
+
+
+def test_a_pointer_to_a_step_ckptd_no_longer_holds_names_path_job_and_step(daemon, short_tmp):
+    path = str(short_tmp / "gone.ckpt")
+    write_pointer(path, Pointer(JOB, 41, 40, f"unix:{daemon.address}"))
+    io = CkptdCheckpointIO(job="other", address=daemon.address)
+    with pytest.raises(ckpt.NotFound, match=rf"{path} names step 41 \(global step 40\) of ckptd job {JOB}"):
+        io.load_checkpoint(path)
+
+
+def test_a_save_ckptd_skips_writes_no_pointer_and_leaves_the_older_one(make_daemon, short_tmp, caplog):
+    daemon = make_daemon(f'policy = "skip"\nbudget_bytes = {8 << 20}\n').start()  # lands in [staging]
+    io = CkptdCheckpointIO(job=JOB, address=daemon.address)
+    last, top = short_tmp / "last.ckpt", short_tmp / "epoch=0-step=1.ckpt"
+    io.save_checkpoint({"global_step": 0, "w": torch.ones(8)}, str(last))
+    held = DaemonClient(daemon.address)  # a rank of another job in the middle of its copy: 6 of the 8 MiB
+    try:
+        assert not _reserve(held, 6 << 20).skipped
+        for path in (top, last):
+            io.save_checkpoint({"global_step": 1, "w": torch.ones(1 << 20)}, str(path))  # 4 MiB: no room
+            assert f"global step 1 was not saved, so {path} is not written" in caplog.text
+    finally:
+        held.close()
+    io.teardown()
+    assert not top.exists()
+    assert read_pointer(str(last)) == Pointer(JOB, 0, 0, f"unix:{daemon.address}")
+    assert_same(io.load_checkpoint(str(last)), {"global_step": 0, "w": torch.ones(8)})
+
+
+def _reserve(client: DaemonClient, size_bytes: int) -> pb.ReserveReply:
+    shard = pb.ShardId(job="other", step=1, rank=0, world_size=1)
+    return client.call("Reserve", pb.ReserveRequest(shard=shard, size_bytes=size_bytes))
+
+
+def test_teardown_raises_a_save_that_failed_in_the_background(make_daemon, short_tmp):
+    small = short_tmp / "small"
+    small.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(small)], capture_output=True).returncode:
+        pytest.skip("cannot mount a small filesystem here (needs root)")
+    try:
+        daemon = make_daemon(root=small).start()
+        io = CkptdCheckpointIO(job=JOB, address=daemon.address)
+        io.save_checkpoint({"global_step": 1, "w": torch.ones(4 << 20)}, str(short_tmp / "big.ckpt"))  # 16 MiB
+        assert (short_tmp / "big.ckpt").exists()  # written once the copy was committed, before the flush
+        with pytest.raises(ckpt.SaveFailed, match="No space left on device"):
+            io.teardown()
+        io.teardown()  # raised once
+    finally:
+        subprocess.run(["umount", "-l", str(small)], capture_output=True)
