@@ -27,6 +27,7 @@ from ckpt.wire.v1 import ckptd_pb2 as pb
 from ckptd import __version__
 from ckptd.config import Config, ConfigError, load_config
 from ckptd.offline import export
+from ckptd.status_table import newest_steps_table
 
 EXAMPLES = """\
 examples:
@@ -273,6 +274,7 @@ def cmd_status(args: argparse.Namespace, config: Config) -> int:
             print(f"  failing {shard}: {error}")
     else:
         print("object tier off (no [object] url)")
+    print("\n".join(newest_steps_table(doc["newest_complete"])))
     for err in doc["recent_errors"]:
         print(f"error       {err['tier']}: {err['error']}")
     return 0

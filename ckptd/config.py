@@ -5,9 +5,11 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import ipaddress
 import os
 import socket
 import tomllib
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -47,6 +49,7 @@ class PeerConfig:
     insecure: bool = False  # plaintext between peers: only when asked for, never by default
     data_channel: bool = True  # replicas' bytes on a TCP connection beside gRPC (INTERNALS); false: gRPC streams
     data_port: int = 0  # the port this node takes them on (host of node.listen); 0 = any free port
+    resolve_interval_s: int = 30  # names in addresses are looked up again this often (membership); 0 = once
 
 
 @dataclass(frozen=True)
@@ -109,17 +112,22 @@ class Config:
 
     @functools.cached_property
     def peers(self) -> tuple[str, ...]:
-        """Return the other nodes' addresses: one list can serve every node, as its own is skipped.
+        """Return the other nodes' "ip:port" addresses, looked up once: for commands that run without a daemon.
 
-        Resolved once: names in the list are looked up the first time, never on every call.
+        Each entry of [peer] addresses stands for the addresses its host resolves to (peer_endpoints);
+        the node's own ([node] listen) are left out, so one list serves every node. A daemon follows
+        changes instead (ckptd.datapath.membership).
         """
-        me = _endpoints(self.node.listen) if self.node.listen else set()
-        return tuple(a for a in dict.fromkeys(self.peer.addresses) if a != self.node.listen and not me & _endpoints(a))
+        return tuple(sorted(peer_endpoints(self.peer.addresses, self.node.listen, self._resolved)))
 
-    @property
-    def replicas(self) -> int:
-        """Return how many other nodes hold a copy of each shard: at most one per peer."""
-        return min(self.peer.replicas, len(self.peers))
+    @functools.cached_property
+    def peer_names(self) -> dict[str, str]:
+        """Return {peer address: the name its certificate must carry} for peers found by a name (dialled_names)."""
+        return dialled_names(self.peer.addresses, self._resolved)
+
+    @functools.cached_property
+    def _resolved(self) -> dict[str, list[str]]:
+        return {a: _endpoints_or_none(a) for a in (*self.peer.addresses, self.node.listen) if a}
 
 
 _SECTION_TYPES = {
@@ -242,6 +250,7 @@ def _check_values(c: Config) -> None:
     require(c.staging.policy in ("block", "skip"), "staging.policy", f"must be block or skip, not {c.staging.policy!r}")
     require(c.peer.replicas >= 0, "peer.replicas", "must not be negative")
     require(0 <= c.peer.data_port <= 65535, "peer.data_port", "must be a port number, or 0 for any free port")
+    require(c.peer.resolve_interval_s >= 0, "peer.resolve_interval_s", "must be 0 (once, at start) or seconds")
     require(c.object.every >= 1, "object.every", "must be at least 1")
     require(c.object.compression in ("none", "zstd"), "object.compression", "must be none or zstd")
     for tier in ("nvme", "peer", "object"):
@@ -283,14 +292,67 @@ def _check_values(c: Config) -> None:
             require(False, "object.url", f"fsspec cannot open {protocol}:// URLs: {e}")
 
 
-def _endpoints(address: str) -> set[tuple[str, int]]:
-    """Resolve host:port to the (ip, port) pairs it names; an unresolvable name names none."""
+def endpoints(address: str) -> list[str]:
+    """Return the "ip:port" endpoints host:port names: every address (A and AAAA) of its host, with its port.
+
+    A literal IP names itself; an IPv6 endpoint is written "[ip]:port". Blocks on name
+    resolution: call it from a worker thread. Raises OSError when the host cannot be
+    resolved now.
+    """
     host, _, port = address.rpartition(":")
     try:
         infos = socket.getaddrinfo(host.strip("[]"), int(port), type=socket.SOCK_STREAM)
-    except (OSError, ValueError):
-        return set()
-    return {(str(info[4][0]), int(info[4][1])) for info in infos}
+    except ValueError as e:
+        raise OSError(f"{address!r} is not host:port: {e}") from None
+    found = {(str(info[4][0]), int(info[4][1])) for info in infos}
+    return sorted(f"[{ip}]:{p}" if ":" in ip else f"{ip}:{p}" for ip, p in found)
+
+
+def peer_endpoints(addresses: Iterable[str], listen: str, resolved: Mapping[str, list[str]]) -> frozenset[str]:
+    """Return the peers [peer] addresses stands for, given the endpoints each entry (and listen) resolved to.
+
+    Every endpoint of every entry, less this node's own (listen's). A name whose addresses
+    are of both families stands for those of the family this node listens on: one node's A
+    and AAAA records are one peer, not two (of which one would never answer).
+    """
+    me = set(resolved.get(listen, [])) if listen else set()
+    families = {_is_v6(e) for e in me}
+    found: set[str] = set()
+    for entry in addresses:
+        named = resolved.get(entry, [])
+        if not _is_ip(host_of(entry)):
+            named = [e for e in named if _is_v6(e) in families] or named
+        found.update(e for e in named if e not in me)
+    return frozenset(found)
+
+
+def dialled_names(addresses: Iterable[str], resolved: Mapping[str, list[str]]) -> dict[str, str]:
+    """Return {endpoint: the name it was found by} for the endpoints of entries that name a host rather than an IP.
+
+    A peer dialled by the address a name resolved to is still checked, with TLS, against
+    that name (its certificate names the name, as when the name itself was dialled).
+    """
+    return {e: host_of(entry) for entry in addresses if not _is_ip(host_of(entry)) for e in resolved.get(entry, [])}
+
+
+def _is_v6(endpoint: str) -> bool:
+    return endpoint.startswith("[")
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
+def _endpoints_or_none(address: str) -> list[str]:
+    """Return endpoints(address), or none where it cannot be resolved (or address is empty)."""
+    try:
+        return endpoints(address) if address else []
+    except OSError:
+        return []
 
 
 def _is_host_port(value: str) -> bool:

@@ -1,167 +1,195 @@
-"""Prometheus metrics: durations observed as work ends, the rest read from the daemon at each scrape.
+"""Prometheus metrics on prometheus_client: a collector over the daemon's status, histograms, GET /metrics.
 
-The pipeline observes durations into histograms here; counters it already keeps for
-`ckptd status` are read when /metrics is scraped, so nothing is counted twice. Labels
-are bounded: a tier name at most, never a job, a step or a peer.
+Who calls what, on which thread:
+- The flusher and the uploader create their Histograms when they are built and observe
+  durations as work ends, on whatever thread it ends (prometheus_client's histograms are
+  thread-safe; fixed buckets, so memory stays bounded).
+- On a scrape (at most one render a second, however many scrape: serve), StatusReport
+  reads its status from memory on the event loop (StatusReport.snapshot: no disk) and
+  hands that copy to page() on a worker thread, which renders it with a registry of its
+  own holding one StatusCollector (prometheus_client's global REGISTRY stays empty).
+  Counters the roles keep for `ckptd status` are read then, never counted twice.
+
+Labels are bounded: a tier, and a job name (`job_name`: Prometheus keeps `job` for the scrape
+job) only on the newest-complete-step gauges, whose table holds at most progress.MAX_JOBS_REPORTED jobs.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import math
-import threading
+import platform
 import time
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from importlib.metadata import version
 from typing import Any
+
+import prometheus_client
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector, CollectorRegistry
+
+from ckptd import __version__
 
 log = logging.getLogger(__name__)
 
-DURATION_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 900.0)
+UPLOAD_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 900.0)
+SAVE_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+TIERS = ("memory", "nvme", "peer", "object")
 MAX_REQUEST_BYTES = 8192
 MAX_CLIENTS = 8  # scrapes served at once; more wait their turn
 CLIENT_TIMEOUT_S = 5.0
 PAGE_TTL_S = 1.0  # a page is rendered at most once a second, however many scrape it
+# The text format generate_latest writes for names like ours; prometheus_client 0.20 calls it
+# CONTENT_TYPE_LATEST, later releases CONTENT_TYPE_PLAIN_0_0_4 (their LATEST moved on to 1.0.0).
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+BUILD = {  # the labels of ckptd_build_info: versions from package metadata, so this module never imports grpc
+    "version": __version__,
+    "python": platform.python_version(),
+    "grpcio": version("grpcio"),
+    "protobuf": version("protobuf"),
+}
 
 
-@dataclass
-class Histogram:
-    """Count observations into cumulative buckets, as Prometheus histograms do; thread-safe."""
+class Histogram(prometheus_client.Histogram):
+    """Count durations into fixed cumulative buckets (a prometheus_client histogram in no registry)."""
 
-    name: str
-    help: str
-    buckets: tuple[float, ...] = DURATION_BUCKETS_S
-    counts: list[int] = field(default_factory=list)
-    total: float = 0.0
-    observed: int = 0
-    _lock: threading.Lock = field(default_factory=threading.Lock)
-
-    def __post_init__(self) -> None:
-        self.counts = [0] * len(self.buckets)
-
-    def observe(self, value: float) -> None:
-        """Count one observation."""
-        with self._lock:
-            for i, bound in enumerate(self.buckets):
-                if value <= bound:
-                    self.counts[i] += 1
-            self.total += value
-            self.observed += 1
-
-    def render(self) -> list[str]:
-        """Return the histogram's lines in the text exposition format."""
-        with self._lock:
-            lines = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} histogram"]
-            for bound, count in zip(self.buckets, self.counts, strict=True):
-                lines.append(f'{self.name}_bucket{{le="{_number(bound)}"}} {count}')
-            lines.append(f'{self.name}_bucket{{le="+Inf"}} {self.observed}')
-            lines.append(f"{self.name}_sum {_number(self.total)}")
-            lines.append(f"{self.name}_count {self.observed}")
-        return lines
+    def __init__(self, name: str, help: str, buckets: Sequence[float] = UPLOAD_BUCKETS_S) -> None:
+        super().__init__(name, help, buckets=buckets, registry=None)
 
 
-@dataclass(frozen=True)
-class Sample:
-    """One metric family read at scrape time: a counter or gauge, by label set."""
+class StatusCollector(Collector):
+    """Yield the metric families of one scrape: a status document's (see StatusReport.snapshot), then histograms'.
 
-    name: str
-    kind: str  # "counter" or "gauge"
-    help: str
-    values: dict[str, float]  # label text ('tier="nvme"', or "" for none) -> value
+    Built by page() for one render; the registry calls collect() on page()'s thread.
+    """
 
-    def render(self) -> list[str]:
-        """Return the family's lines in the text exposition format."""
-        lines = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} {self.kind}"]
-        for labels, value in sorted(self.values.items()):
-            lines.append(f"{self.name}{{{labels}}} {_number(value)}" if labels else f"{self.name} {_number(value)}")
-        return lines
+    def __init__(self, status: dict[str, Any], histograms: list[Histogram]) -> None:
+        self.status = status
+        self.histograms = histograms
+
+    def collect(self) -> Iterator[Metric]:
+        """Yield every family: what the status document says, then the histograms."""
+        yield from families(self.status)
+        for h in self.histograms:
+            yield from h.collect()
 
 
 def page(status: dict[str, Any], histograms: list[Histogram]) -> str:
-    """Return the /metrics page for a daemon's status document (see StatusReport) and its histograms."""
+    """Return a whole /metrics page in Prometheus' text format (any thread: status is a copy, histograms lock)."""
+    own = CollectorRegistry(auto_describe=False)
+    own.register(StatusCollector(status, histograms))
+    return prometheus_client.generate_latest(own).decode()
+
+
+def families(status: dict[str, Any]) -> Iterator[Metric]:
+    """Yield the families read from a status document (see StatusReport.snapshot), names unchanged since 0.1."""
     c = status["counters"]
     peer = status["tiers"]["peer"].get("counters", {})
     obj = status["tiers"]["object"]
     staging = status["staging"]
-    written = {'tier="nvme"': c["bytes_flushed"], 'tier="peer"': c["replica_bytes_received"]}
-    retries = {'tier="peer"': peer.get("replica_failures", 0)}
+    written = {"memory": c["bytes_saved"], "nvme": c["bytes_flushed"], "peer": c["replica_bytes_received"]}
+    retries = {"peer": peer.get("replica_failures", 0)}
     if obj["enabled"]:
-        written['tier="object"'] = obj["uploaded_bytes"]
-        retries['tier="object"'] = obj["upload_failures"]
+        written["object"] = obj["uploaded_bytes"]
+        retries["object"] = obj["upload_failures"]
 
-    def by_tier(values: dict[str, float]) -> dict[str, float]:
-        return {f'tier="{tier}"': v for tier, v in values.items()}
-
-    samples = [
-        Sample("ckptd_up", "gauge", "1 while the daemon serves", {"": 1}),
-        Sample("ckptd_saves_total", "counter", "Snapshots committed by training ranks", {"": c["saves"]}),
-        Sample("ckptd_saves_skipped_total", "counter", "Saves refused for want of staging room", {"": c["skipped"]}),
-        Sample("ckptd_flushes_total", "counter", "Shards made durable on NVMe", {"": c["flushed"]}),
-        Sample("ckptd_flush_failures_total", "counter", "Flushes to NVMe that failed", {"": c["flush_failures"]}),
-        Sample("ckptd_bytes_written_total", "counter", "Shard bytes this node wrote to each tier", written),
-        Sample(
-            "ckptd_replica_bytes_sent_total",
-            "counter",
-            "Shard bytes sent to peers",
-            {"": peer.get("replica_bytes_sent", 0)},
+    yield GaugeMetricFamily("ckptd_up", "1 while the daemon serves", value=1)
+    info = GaugeMetricFamily("ckptd_build_info", "Always 1: this daemon's release and its runtime's", labels=[*BUILD])
+    info.add_metric(list(BUILD.values()), 1)
+    yield info
+    yield CounterMetricFamily("ckptd_saves_total", "Snapshots committed by training ranks", value=c["saves"])
+    yield CounterMetricFamily(
+        "ckptd_saves_skipped_total", "Saves refused for want of staging room, or of a step complete already",
+        value=c["skipped"],
+    )  # fmt: skip
+    yield CounterMetricFamily("ckptd_flushes_total", "Shards made durable on NVMe", value=c["flushed"])
+    yield CounterMetricFamily("ckptd_flush_failures_total", "Flushes to NVMe that failed", value=c["flush_failures"])
+    yield _by_tier(
+        CounterMetricFamily(
+            "ckptd_bytes_written_total",
+            "Shard bytes that reached each tier on this node: memory (committed by ranks), nvme (flushed), "
+            "peer (replicas received from other nodes), object (uploaded)",
+            labels=["tier"],
         ),
-        Sample("ckptd_retries_total", "counter", "Failed attempts at replicas and uploads, retried", retries),
-        Sample(
+        written,
+    )
+    yield CounterMetricFamily(
+        "ckptd_replica_bytes_sent_total", "Shard bytes sent to peers", value=peer.get("replica_bytes_sent", 0)
+    )
+    yield _by_tier(
+        CounterMetricFamily(
+            "ckptd_retries_total", "Failed attempts at replicas (peer) and uploads (object), retried", labels=["tier"]
+        ),
+        retries,
+    )
+    yield _by_tier(
+        CounterMetricFamily(
             "ckptd_verification_failures_total",
-            "counter",
             "Chunks caught not matching their checksum, by the tier they came from",
-            by_tier(c["verification_failures"]),
+            labels=["tier"],
         ),
-        Sample(
-            "ckptd_snapshots_in_flight", "gauge", "Snapshots not yet durable on NVMe", {"": staging["pending_flushes"]}
-        ),
-        Sample("ckptd_staging_bytes", "gauge", "Shared memory held by staging slots", {"": staging["in_use_bytes"]}),
-        Sample(
-            "ckptd_staging_budget_bytes", "gauge", "Cap on staging memory (0: on demand)", {"": staging["budget_bytes"]}
-        ),
-        Sample(
+        c["verification_failures"],
+    )
+    yield GaugeMetricFamily(
+        "ckptd_snapshots_in_flight", "Snapshots not yet durable on NVMe", value=staging["pending_flushes"]
+    )
+    yield GaugeMetricFamily("ckptd_staging_bytes", "Shared memory held by staging slots", value=staging["in_use_bytes"])
+    yield GaugeMetricFamily(
+        "ckptd_staging_budget_bytes", "Cap on staging memory (0: on demand)", value=staging["budget_bytes"]
+    )
+    yield from _newest_steps(status["newest_complete"])
+    yield _by_tier(
+        GaugeMetricFamily(
             "ckptd_newest_complete_step_age_seconds",
-            "gauge",
-            "Seconds since the newest complete step of any job became complete on each tier",
-            by_tier(status["newest_complete_age_s"]),
+            "Deprecated (use time() - ckptd_newest_complete_step_timestamp_seconds): seconds since the newest "
+            "complete step of any job became complete on each tier",
+            labels=["tier"],
         ),
-        Sample(
-            "ckptd_malformed_requests_total",
-            "counter",
-            "Requests refused because their bytes did not parse (logged at most once a minute per caller)",
-            {"": c.get("malformed_requests", 0)},
-        ),
-        Sample(
-            "ckptd_removal_failures_total",
-            "counter",
-            "Step removals that failed on this node's disks (logged, retried each retention pass)",
-            {"": c["removal_failures"]},
-        ),
-        Sample(
-            "ckptd_event_loop_max_stall_seconds",
-            "gauge",
-            "The longest the daemon's event loop ran late since start (RPCs wait that long)",
-            {"": status["event_loop"]["max_stall_s"]},
-        ),
-        Sample(
-            "ckptd_uploads_pending", "gauge", "Shards not yet in the object store", {"": obj.get("pending_uploads", 0)}
-        ),
-    ]
-    return render(samples, histograms)
+        status["newest_complete_age_s"],
+    )
+    yield CounterMetricFamily(
+        "ckptd_malformed_requests_total",
+        "Requests refused because their bytes did not parse (logged at most once a minute per caller)",
+        value=c.get("malformed_requests", 0),
+    )
+    yield CounterMetricFamily(
+        "ckptd_removal_failures_total",
+        "Step removals that failed on this node's disks (logged, retried each retention pass)",
+        value=c["removal_failures"],
+    )
+    yield GaugeMetricFamily(
+        "ckptd_event_loop_max_stall_seconds",
+        "The longest the daemon's event loop ran late since start (RPCs wait that long)",
+        value=status["event_loop"]["max_stall_s"],
+    )
+    yield GaugeMetricFamily(
+        "ckptd_uploads_pending", "Shards not yet in the object store", value=obj.get("pending_uploads", 0)
+    )
 
 
-def render(samples: list[Sample], histograms: list[Histogram]) -> str:
-    """Return a whole /metrics page."""
-    lines = [line for s in samples for line in s.render()]
-    lines += [line for h in histograms for line in h.render()]
-    return "\n".join(lines) + "\n"
+def _by_tier(family: CounterMetricFamily | GaugeMetricFamily, values: dict[str, float]) -> Metric:
+    for tier in sorted(values, key=lambda t: TIERS.index(t) if t in TIERS else len(TIERS)):
+        family.add_metric([tier], values[tier])
+    return family
 
 
-def _number(value: float) -> str:
-    if math.isinf(value):
-        return "+Inf" if value > 0 else "-Inf"
-    return repr(float(value)) if not float(value).is_integer() else str(int(value))
+def _newest_steps(newest: dict[str, dict[str, dict[str, float]]]) -> Iterator[Metric]:
+    labels = ["job_name", "tier"]
+    step = GaugeMetricFamily(
+        "ckptd_newest_complete_step", "The newest step of each job complete on each tier, as this node saw it",
+        labels=labels,
+    )  # fmt: skip
+    stamp = GaugeMetricFamily(
+        "ckptd_newest_complete_step_timestamp_seconds",
+        "When that step became complete on that tier (unix seconds): its age is time() minus this",
+        labels=labels,
+    )
+    for job, tiers in sorted(newest.items()):
+        for tier, newest_step in tiers.items():
+            step.add_metric([job, tier], newest_step["step"])
+            stamp.add_metric([job, tier], newest_step["completed_unix_s"])
+    yield step
+    yield stamp
 
 
 async def serve(listen: str, page: Callable[[], Awaitable[str]]) -> asyncio.Server:
@@ -190,7 +218,7 @@ async def serve(listen: str, page: Callable[[], Awaitable[str]]) -> asyncio.Serv
             else:
                 status, body = "200 OK", await cached_page()
             writer.write(
-                f"HTTP/1.1 {status}\r\nContent-Type: text/plain; version=0.0.4; charset=utf-8\r\n"
+                f"HTTP/1.1 {status}\r\nContent-Type: {CONTENT_TYPE}\r\n"
                 f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode()
                 + (body if method != "HEAD" else b"")
             )

@@ -56,6 +56,7 @@ class Daemon:
         self.proc: subprocess.Popen[bytes] | None = None
         self.listen = listen  # the peer address, for daemons of a cluster
         self.serve_args: list[str] = []  # more flags for `ckptd serve`
+        self.wrapper: list[str] = []  # a command that runs the rest of its line (`ckptd serve`), e.g. in a namespace
         self.env: dict[str, str] = {}  # more environment for `ckptd serve` (CKPTD_<SECTION>__<KEY> overrides)
 
     @property
@@ -73,7 +74,9 @@ class Daemon:
             env.pop("CKPTD_ADDRESS", None)
             log = open(self.log_path, "ab")  # noqa: SIM115 - handed to the child
             self.proc = subprocess.Popen(
-                [*CKPTD, "serve", "--config", str(self.config_path), *self.serve_args], stderr=log, env=env
+                [*self.wrapper, *CKPTD, "serve", "--config", str(self.config_path), *self.serve_args],
+                stderr=log,
+                env=env,
             )
             log.close()
             while True:

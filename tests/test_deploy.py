@@ -239,8 +239,15 @@ def test_daemonset_is_valid(tmp_path: Path, unit: dict[str, dict[str, list[str]]
     assert stop is not None and pod["terminationGracePeriodSeconds"] == seconds(stop)
 
     config_path = tmp_path / "ckptd.toml"
-    config_path.write_text(docs["ConfigMap"]["data"]["ckptd.toml"])
+    text = docs["ConfigMap"]["data"]["ckptd.toml"]
+    # The peers' TLS files come from the Secret mounted at /etc/ckptd/tls; here, files standing in for them.
+    tls_mount = next(m for m in container["volumeMounts"] if m["name"] == "peer-tls")["mountPath"]
+    assert re.search(r"^insecure\s*=\s*true", text, re.MULTILINE) is None, "peers authenticated by default"
+    for name in re.findall(rf'"{tls_mount}/([^"]+)"', text):
+        (tmp_path / name).write_text("PEM")
+    config_path.write_text(text.replace(tls_mount, str(tmp_path)))
     config = load_config(str(config_path), env={})
+    assert config.peer.cert and config.peer.addresses == ("ckptd-peers.ckptd.svc.cluster.local:7070",)
     # Training pods mount the same host paths at the same places: the daemon hands clients
     # absolute paths (socket, slots, shard files), so in the daemon host path = mount path.
     host_paths = {v["name"]: v["hostPath"]["path"] for v in pod["volumes"] if "hostPath" in v}

@@ -70,12 +70,18 @@ class Flusher:
         self._reserved_at: dict[tuple[str, int], tuple[float, int]] = {}  # (job, rank) -> (when, step) reserved
         self._copies_changed = asyncio.Condition()  # a reserved copy was committed
         self.tasks: set[asyncio.Task[None]] = set()
-        self.counters = {"saves": 0, "skipped": 0, "flushed": 0, "flush_failures": 0, "bytes_flushed": 0}
+        self.counters = {
+            "saves": 0, "skipped": 0, "bytes_saved": 0, "flushed": 0, "flush_failures": 0, "bytes_flushed": 0,
+        }  # fmt: skip
         self.save_seconds = metrics.Histogram(
-            "ckptd_save_duration_seconds", "From a rank's slot reserved to its snapshot committed (the copy)"
+            "ckptd_save_duration_seconds",
+            "From a rank's slot reserved to its snapshot committed (the copy: what the daemon sees of a save's stall)",
+            metrics.SAVE_BUCKETS_S,
         )
         self.flush_seconds = metrics.Histogram(
-            "ckptd_flush_duration_seconds", "From a snapshot committed to its shard durable on NVMe"
+            "ckptd_flush_duration_seconds",
+            "From a snapshot committed to its shard durable on NVMe",
+            metrics.SAVE_BUCKETS_S,
         )
 
     # -- the save path ------------------------------------------------------------
@@ -130,6 +136,7 @@ class Flusher:
         if self.uploader is not None:
             self.uploader.forget(key)
         self.counters["saves"] += 1
+        self.counters["bytes_saved"] += snapshot.data_size_bytes
         self.start(slot)
 
     def _write_markers(self, slot: Slot, snapshot: Snapshot) -> str:
@@ -147,22 +154,21 @@ class Flusher:
         return await asyncio.get_running_loop().run_in_executor(self.save_threads, self._complete, job, step)
 
     def start(self, slot: Slot) -> None:
-        """Queue a committed slot's flush."""
-        task = asyncio.get_running_loop().create_task(self._flush(slot))
+        """Queue a committed slot's flush (its flush time counts from now)."""
+        task = asyncio.get_running_loop().create_task(self._flush(slot, time.monotonic()))
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
 
-    async def _flush(self, slot: Slot) -> None:
+    async def _flush(self, slot: Slot, committed_at: float) -> None:
         key = slot.shard
         assert key is not None
         async with self._rank_locks.hold((key.job, key.rank)):
             await self._while_others_copy(key)
             try:
                 hashed_before = slot.meta is not None  # a flush resumed after a restart
-                started = time.monotonic()
                 loop = asyncio.get_running_loop()
                 await loop.run_in_executor(self.threads, self._flush_to_nvme, slot, key, loop)
-                self.flush_seconds.observe(time.monotonic() - started)
+                self.flush_seconds.observe(time.monotonic() - committed_at)  # queued behind the rank's flushes too
                 if not any(s is not slot and s.shard == key and s.state == "pending" for s in self.pool.slots()):
                     self.progress.sealing_started(key)
                 if hashed_before and slot.meta is not None:
@@ -231,7 +237,7 @@ class Flusher:
             self.progress.sealing_done(key)
         await self.progress.changed()  # waiters first: retention below may take a while
         if record is not None:
-            self.progress.step_completed("nvme")
+            self.progress.step_completed("nvme", key.job, key.step)
             log.info("%s step %d is complete on nvme (%d bytes)", key.job, key.step, record.size_bytes)
             if self.retention is not None:
                 try:

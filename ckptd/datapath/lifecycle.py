@@ -19,6 +19,7 @@ from ckptd.datapath import root_identity
 from ckptd.datapath.flush import Flusher
 from ckptd.datapath.idle_release import IdleRelease
 from ckptd.datapath.locate import Locator
+from ckptd.datapath.membership import Membership, ResolvedPeers
 from ckptd.datapath.peering import Peering
 from ckptd.datapath.progress import ShardProgress
 from ckptd.datapath.receiving import ReplicaReceiver
@@ -55,7 +56,10 @@ class Lifecycle:
         # Serving shards to peers reads whole files: on threads of their own, never in the way of seals.
         self.serve_threads = ThreadPoolExecutor(max_workers=PEER_THREADS, thread_name_prefix="serve")
         self.receiver = ReplicaReceiver(self.replica_store, self.peer_threads)
-        self.peering = Peering(config, self.nvme, self.replica_store, self.peer_threads, self._replication_changed)
+        self.membership: Membership | None = ResolvedPeers(config) if config.peer.addresses else None
+        self.peering = Peering(
+            config, self.membership, self.nvme, self.replica_store, self.peer_threads, self._replication_changed
+        )
         self.object_tier: ObjectTier | None = None
         self.uploader: Uploader | None = None
         if config.object.url:
@@ -80,7 +84,7 @@ class Lifecycle:
         self.flusher.retention = lambda job: self.retention.collect(dry_run=False, job=job, tiers=LOCAL_TIERS)
         self.idle_release = IdleRelease(self.pool, self.nvme, config.staging.idle_ttl_s, self.retention.cleanup_thread)
         self.report = StatusReport(
-            config, self.pool, self.memory, self.nvme, self.durable_tiers,
+            config, self.pool, self.memory, self.nvme,
             self.flusher, self.progress, self.peering, self.uploader, self.retention,
         )  # fmt: skip
         self._background: list[asyncio.Task[None]] = []
@@ -94,6 +98,9 @@ class Lifecycle:
         """Clean up after an interrupted run, resume the flushes it left, and start catching up with peers."""
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(self.peer_threads, self._prepare_disk)
+        if self.membership is not None:  # the peers first, so that the flushes resumed replicate to them
+            await self.membership.refresh()
+            self._background.append(loop.create_task(self.membership.run_forever()))
         await self.flusher.resume()
         for job in await loop.run_in_executor(self.peer_threads, self.nvme.jobs):
             await self.retention.collect_quietly(job, LOCAL_TIERS, keep_newest=False)
@@ -127,11 +134,13 @@ class Lifecycle:
 
     def _replication_changed(self, key: ShardKey, replicated: bool) -> None:
         if replicated:
-            self.progress.step_completed("peer")
             self.progress.reached(key, "peer")  # stays known after the shard is no longer tracked
         self.progress.changed_soon()
 
     def _upload_changed(self, key: ShardKey, committed: bool) -> None:
+        state = self.uploader.state(key) if self.uploader is not None else None
+        if state is not None and state.committed:  # its step's commit record is in the store
+            self.progress.step_completed("object", key.job, key.step)
         self.progress.changed_soon()
         if committed:  # a new step in the store: [retention] object may now remove an older one
             self.retention.collect_soon(key.job, ("object",))
@@ -154,6 +163,8 @@ class Lifecycle:
             task.cancel()
         await self.flusher.drain()
         await self.peering.drain()
+        if self.membership is not None:
+            self.membership.close()
         if self.uploader is not None:
             await self.uploader.drain()
         await self.retention.drain()

@@ -1,8 +1,8 @@
 """This node's part in the cluster: seal steps across nodes, fetch shards it lacks, keep replicas flowing.
 
 Owned by the Pipeline and called on the event loop; blocking work runs on the
-peer threads. Nodes are known by their peer address ([node] listen), which is
-what every node's [peer] addresses list names.
+peer threads. Nodes are known by their peer address ("ip:port", as [node] listen
+names this one); which nodes are peers, a Membership says (membership_changed).
 """
 
 from __future__ import annotations
@@ -22,12 +22,13 @@ from ckpt.format import CommitRecord, ShardMeta, data_name, meta_name
 
 from ckptd.config import Config
 from ckptd.datapath.keyed import KeyCounts, KeyedLocks
+from ckptd.datapath.membership import Membership
 from ckptd.datapath.replication import Replication
 from ckptd.datapath.staging import ShardKey
 from ckptd.rpc.peer_link import PeerLink
 from ckptd.tiers.base import DurableTier
 from ckptd.tiers.catalog import StepInfo
-from ckptd.tiers.cluster import Holding, StepHoldings, complete_on, holders, seal_record
+from ckptd.tiers.cluster import Holding, StepHoldings, loadable_steps, seal_record
 from ckptd.tiers.nvme import LocalDirTier, StepAlreadyComplete
 from ckptd.tiers.peer import PeerTier
 from ckptd.tiers.transfer import fetch_shard
@@ -45,6 +46,7 @@ class Peering:
     def __init__(
         self,
         config: Config,
+        membership: Membership | None,
         nvme: LocalDirTier,
         replica_store: LocalDirTier,
         threads: ThreadPoolExecutor,
@@ -57,9 +59,14 @@ class Peering:
         self.node = config.node.listen or config.node.name
         self._threads = threads
         self.instance = uuid.uuid4().hex  # this daemon's run: calls that carry it have come back to it
-        links = [PeerLink(address, config.peer, self.instance) for address in config.peers]
-        self.peer_tier = PeerTier(links) if links else None
-        self.replication = Replication(links, config.replicas, on_change) if links and config.replicas else None
+        # The peer tier is on wherever a membership is (peers may come later); its links follow the membership.
+        self.membership = membership
+        self.peer_tier: PeerTier | None = None
+        self.replication: Replication | None = None
+        if membership is not None:
+            self.peer_tier = PeerTier([])
+            self.replication = Replication([], config.peer.replicas, on_change) if config.peer.replicas else None
+            membership.watch(self.membership_changed)
         self._fetch_locks: KeyedLocks[tuple[str, int, int]] = KeyedLocks()  # one fetch of a shard at a time
         self._fetching: KeyCounts[tuple[str, int]] = KeyCounts()  # steps being fetched: retention keeps off
         # NVMe's complete steps by job, as the last reconciliation listed them (on a thread): what the
@@ -72,6 +79,23 @@ class Peering:
 
     async def _run(self, fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._threads, fn, *args)
+
+    async def membership_changed(self, added: frozenset[str], removed: frozenset[str]) -> None:
+        """Open links to the peers that joined, retire those of the peers that left, and place replicas again."""
+        assert self.peer_tier is not None
+        known = {link.address for link in self.peer_tier.links}
+        new = sorted(added - known)  # a change offered again after a failure: its links may be there
+        names = {a: self.membership.tls_name(a) for a in new} if self.membership is not None else {}
+        links = await self._run(lambda: [PeerLink(a, self.config.peer, self.instance, names.get(a, "")) for a in new])
+        self.peer_tier.update(links, removed)
+        if self.replication is not None:
+            self.replication.update(links, removed)
+        log.info("peers joined: %s; left: %s", ", ".join(sorted(added)) or "none", ", ".join(sorted(removed)) or "none")
+
+    @property
+    def replicas(self) -> int:
+        """Return how many other nodes hold a copy of each shard: at most one per peer known now."""
+        return min(self.config.peer.replicas, len(self.peer_tier.links)) if self.peer_tier is not None else 0
 
     # -- what this node holds -----------------------------------------------------
 
@@ -209,24 +233,12 @@ class Peering:
             return local
         self.peer_tier.forget()
         steps = await self._run(self.peer_tier.inventories, job) + await self._run(self.local_holdings, job, None)
-        records: dict[tuple[str, int], CommitRecord] = {}
-        shards: dict[tuple[str, int], list[Holding]] = defaultdict(list)
-        for s in steps:
-            if s.record is not None:
-                records[(s.job, s.step)] = s.record
-            shards[(s.job, s.step)].extend(s.shards)
         in_memory = {(i.job, i.step) for i in local if "memory" in i.tiers}
         found = []
-        for (j, step), record in sorted(records.items()):
-            if job and j != job:
-                continue
-            tiers = (["memory"] if (j, step) in in_memory else []) + complete_on(
-                record, shards[(j, step)], self.config.replicas
-            )
-            # Listed while it can be loaded: after losing a node, every rank may still have a copy
-            # on some tier although no tier has them all (tiers is then empty until replicas catch up).
-            if tiers or all(holders(record, shards[(j, step)], r) for r in range(record.world_size)):
-                found.append(StepInfo(j, step, record.world_size, record.size_bytes, tuple(tiers)))
+        for r, tiers in loadable_steps(steps, self.replicas):
+            if not job or r.job == job:
+                memory = ["memory"] if (r.job, r.step) in in_memory else []
+                found.append(StepInfo(r.job, r.step, r.world_size, r.size_bytes, (*memory, *tiers)))
         return found
 
     # -- replication -------------------------------------------------------------------------
@@ -254,6 +266,7 @@ class Peering:
         if self.peer_tier is None:
             return
         self.peer_tier.forget()
+        await self._run(self.peer_tier.close_retired)
         asked_at = time.monotonic()
         remote: list[StepHoldings] = await self._run(self.peer_tier.inventories, "")
         local: list[StepHoldings] = await self._run(self.local_holdings, "", None)
@@ -339,20 +352,19 @@ class Peering:
 
     def status(self) -> dict[str, Any]:
         """Describe the peer tier for `ckptd status`."""
-        if self.peer_tier is None:
-            return {
-                "enabled": False,
-                "listen": self.config.node.listen,
-                "instance": self.instance,
-                "data_port": self.data_port,
-            }
-        return {
-            "enabled": True,
+        common = {
+            "enabled": self.peer_tier is not None,
             "listen": self.config.node.listen,
             "instance": self.instance,  # this daemon's run: peer calls that carry it are refused as its own
-            "replicas": self.config.replicas,
-            "tls": bool(self.config.peer.cert),
             "data_port": self.data_port,  # where this node takes replicas' bytes beside gRPC; 0 = by gRPC only
+        }
+        if self.peer_tier is None or self.membership is None:
+            return common
+        return {
+            **common,
+            "membership": self.membership.status(),  # [peer] addresses, what they resolve to, lookups failing
+            "replicas": self.replicas,
+            "tls": bool(self.config.peer.cert),
             "unreachable": dict(self.peer_tier.unreachable),
             "peers": self.replication.peers_status() if self.replication else {},
             "counters": dict(self.replication.counters) if self.replication else {},

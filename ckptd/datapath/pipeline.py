@@ -112,7 +112,10 @@ class Pipeline:
         slots = await self.node.idle_release.remove(job, dry_run)  # refuses a job still saving
         removals = [Removal("memory", job, s.shard.step, f"rank {s.rank}'s staging slot") for s in slots if s.shard]
         tiers = ("nvme", "peer", "object") if object_too else ("nvme", "peer")
-        return removals + await self.node.retention.remove_job(job, dry_run, tiers)
+        removals += await self.node.retention.remove_job(job, dry_run, tiers)
+        if not dry_run:  # `status` and /metrics stop reporting its newest steps there
+            self.node.progress.newest.forget(job, ("memory", *tiers))
+        return removals
 
     # -- the peers' calls ----------------------------------------------------------------------
 

@@ -1,8 +1,9 @@
 """Where each shard stands on each tier, and the waiters who asked: one verdict per tier.
 
 The flusher, the replication and the uploader report here as shards move; WaitShard
-reads the verdicts. Everything runs on the event loop and touches no disk: what was
-durable before this daemon started is looked up once per wait, on a worker thread.
+reads the verdicts, and `ckptd status` and /metrics the newest complete step of each job
+on each tier (NewestSteps). Everything runs on the event loop and touches no disk: what
+was durable before this daemon started is looked up once per wait, on a worker thread.
 Every table is bounded (the oldest entries go first).
 """
 
@@ -10,9 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ckpt.format import validate_tier
@@ -28,8 +31,57 @@ log = logging.getLogger(__name__)
 
 REMEMBERED_SHARDS = 1 << 16  # shards known to have reached a tier, for waiters that come after retention
 RECENT_ERRORS = 20
+MAX_JOBS_REPORTED = 1024  # jobs whose newest complete steps are reported (those completing most recently)
 
 Verdict = Callable[[], "tuple[bool, str] | None"]  # (done, error), or None: not yet
+
+
+@dataclass(frozen=True)
+class Completion:
+    """A job's newest step complete on a tier, and when it became complete there (unix seconds)."""
+
+    step: int
+    unix_s: float
+
+
+class NewestSteps:
+    """Remember, per job and tier, the newest step that became complete there and when.
+
+    completed() is called on the event loop as steps complete, and from the worker thread
+    that seeds it at start-up (hence the lock); forget() when a job is removed from the
+    node; by_job() is read by `ckptd status` and /metrics. At most MAX_JOBS_REPORTED jobs
+    are kept: the job that completed a step longest ago goes first.
+    """
+
+    def __init__(self) -> None:
+        self._jobs: OrderedDict[str, dict[str, Completion]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def completed(self, job: str, tier: str, step: int, unix_s: float) -> None:
+        """Note that a step became complete on a tier; an older step than the one known changes nothing."""
+        with self._lock:
+            tiers = self._jobs.setdefault(job, {})
+            known = tiers.get(tier)
+            if known is not None and known.step >= step:
+                return
+            tiers[tier] = Completion(step, unix_s)
+            self._jobs.move_to_end(job)
+            while len(self._jobs) > MAX_JOBS_REPORTED:
+                self._jobs.popitem(last=False)
+
+    def forget(self, job: str, tiers: tuple[str, ...]) -> None:
+        """Stop reporting a job on tiers it was removed from (`ckptd gc --job J --all`)."""
+        with self._lock:
+            held = self._jobs.get(job, {})
+            for tier in tiers:
+                held.pop(tier, None)
+            if not held:
+                self._jobs.pop(job, None)
+
+    def by_job(self) -> dict[str, dict[str, Completion]]:
+        """Return job -> tier -> its newest complete step (a copy)."""
+        with self._lock:
+            return {job: dict(tiers) for job, tiers in self._jobs.items()}
 
 
 class ShardProgress:
@@ -39,6 +91,9 @@ class ShardProgress:
     sealing_started() once it is durable on NVMe and its step may be sealed;
     sealing_done() after the seal was tried (the NVMe verdict turns true);
     failed() on any error. reached() records the other tiers. changed() after each.
+    step_completed() when a step is sealed on NVMe or committed in the object store;
+    reached() itself notes a step complete in memory (every rank's copy committed on this
+    node) and on the peer tier (every shard of it committed on this node has its replicas).
     """
 
     def __init__(self, pool: SlotPool, nvme: LocalDirTier, peering: Peering, uploader: Uploader | None) -> None:
@@ -51,7 +106,8 @@ class ShardProgress:
         self._reached: OrderedDict[tuple[ShardKey, str], None] = OrderedDict()
         self._sealing: set[ShardKey] = set()  # flushed, and the step not yet sealed (if it can be)
         self.errors: deque[dict[str, Any]] = deque(maxlen=RECENT_ERRORS)
-        self.completed_unix_s: dict[str, float] = {}  # tier -> when a step last became complete there
+        self.newest = NewestSteps()
+        self._committed_ranks: OrderedDict[tuple[str, int, int], set[int]] = OrderedDict()  # ranks saved here
         self._wakers: set[asyncio.Task[None]] = set()
 
     # -- reports ------------------------------------------------------------------
@@ -62,6 +118,10 @@ class ShardProgress:
         self._reached.pop((key, "nvme"), None)
         self._reached.pop((key, "peer"), None)
         self._sealing.discard(key)  # an earlier copy's seal, still queued, must not count for this one
+        ranks = self._committed_ranks.setdefault((key.job, key.step, key.world_size), set())
+        ranks.add(key.rank)
+        self._committed_ranks.move_to_end((key.job, key.step, key.world_size))
+        _bound(self._committed_ranks)
         self.reached(key, "memory")
 
     def sealing_started(self, key: ShardKey) -> None:
@@ -75,9 +135,16 @@ class ShardProgress:
             self.reached(key, "nvme")
 
     def reached(self, key: ShardKey, tier: str) -> None:
-        """Remember that the shard reached a tier (kept after retention removes it there)."""
+        """Remember that the shard reached a tier (kept after retention removes it there); note a step made whole."""
         self._reached[(key, tier)] = None
         _bound(self._reached)
+        saved_here = self._committed_ranks.get((key.job, key.step, key.world_size), {key.rank})
+        if tier == "memory":
+            whole = len(saved_here) == key.world_size  # the memory tier lists a step only with every rank
+        else:  # a restarted daemon knows only the shards it handles since: those must have their replicas
+            whole = tier == "peer" and all((replace(key, rank=r), tier) in self._reached for r in saved_here)
+        if whole:
+            self.step_completed(tier, key.job, key.step)
 
     def failed(self, key: ShardKey, tier: str, message: str) -> None:
         """Record why the shard failed on a tier: its waiters hear it, `status` lists it."""
@@ -87,9 +154,9 @@ class ShardProgress:
         _bound(self._failures)
         self.errors.append({"time_unix_s": time.time(), "tier": tier, "shard": str(key), "error": message})
 
-    def step_completed(self, tier: str) -> None:
-        """Note that a step just became complete on a tier (for the age in `status`)."""
-        self.completed_unix_s[tier] = time.time()
+    def step_completed(self, tier: str, job: str, step: int, unix_s: float | None = None) -> None:
+        """Note that a job's step became complete on a tier, now or at unix_s (for `status` and /metrics)."""
+        self.newest.completed(job, tier, step, time.time() if unix_s is None else unix_s)
 
     async def changed(self) -> None:
         """Wake every waiter to look again."""

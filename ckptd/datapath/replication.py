@@ -1,10 +1,12 @@
 """Send each shard this node wrote to the peers that keep its replicas, until each has it.
 
 Driven from the event loop: the pipeline calls send() after a shard is flushed,
-and reconcile() every few seconds with what the peers hold, which also resumes
-the replication a restarted daemon left undone. Bytes move on worker threads,
-never holding a staging slot or a flush: a slow or dead peer delays only its
-own copies. A peer that fails is retried with exponential back-off and jitter.
+Peering calls update() when peers join or leave (ckptd.datapath.membership) and,
+every few seconds, confirm() and retry_due() with what the peers hold, which also
+resumes the replication a restarted daemon left undone. Bytes move on worker
+threads, never holding a staging slot or a flush: a slow or dead peer delays only
+its own copies (two at a time). A peer that fails is retried with exponential
+back-off and jitter.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import asyncio
 import logging
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,7 +25,7 @@ from ckpt.format import CommitRecord, ShardMeta, digest
 
 from ckptd.datapath.staging import ShardKey
 from ckptd.rpc.peer_link import STREAMS_PER_SHARD, IsSelf, PeerLink
-from ckptd.tiers.cluster import Holding, placement
+from ckptd.tiers.cluster import Holding, reseat, seated_placement
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +43,7 @@ class LocalCopyGone(CheckpointError):
 @dataclass
 class _Peer:
     link: PeerLink
+    slots: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(SHARDS_IN_FLIGHT))
     failures: int = 0
     retry_at: float = 0.0
     last_error: str = ""
@@ -64,24 +67,27 @@ class _Shard:
 
     @property
     def replicated(self) -> bool:
-        """Say whether every peer chosen for this shard holds it."""
-        return all(t in self.done for t in self.targets)
+        """Say whether every peer chosen for this shard holds it (none chosen: no peer is known yet)."""
+        return bool(self.targets) and all(t in self.done for t in self.targets)
 
 
 class Replication:
     """Keep `replicas` copies of every shard this node wrote on the peers chosen for it."""
 
     def __init__(self, links: list[PeerLink], replicas: int, on_change: Callable[[ShardKey, bool], None]) -> None:
-        """on_change(key, replicated) is called on the event loop after every attempt for a shard."""
+        """on_change(key, replicated) is called on the event loop after every attempt for a shard.
+
+        replicas: copies wanted per shard; fewer while fewer peers are known.
+        """
         self._peers = {link.address: _Peer(link) for link in links}
+        self._seats = reseat({}, self._peers)  # placement's view of the peers: see cluster.reseat
         self.replicas = replicas
         self._on_change = on_change
         self._shards: dict[ShardKey, _Shard] = {}
-        # Two shards per peer at a time: a slow or dead peer ties up its own senders, not the others'.
-        senders = min(MAX_SENDERS, SHARDS_IN_FLIGHT * max(1, len(links)))
-        self._senders = ThreadPoolExecutor(max_workers=senders, thread_name_prefix="replicate")
+        # Two shards per peer at a time (_Peer.slots): a slow or dead peer ties up its own senders, not the others'.
+        self._senders = ThreadPoolExecutor(max_workers=MAX_SENDERS, thread_name_prefix="replicate")
         self._streams = ThreadPoolExecutor(
-            max_workers=senders * STREAMS_PER_SHARD, thread_name_prefix="replicate-stream"
+            max_workers=MAX_SENDERS * STREAMS_PER_SHARD, thread_name_prefix="replicate-stream"
         )
         self._tasks: set[asyncio.Task[None]] = set()
         self.counters = {"replicas_sent": 0, "replica_bytes_sent": 0, "replica_failures": 0}
@@ -89,7 +95,27 @@ class Replication:
 
     def targets(self, job: str, rank: int) -> list[str]:
         """Return the peers that keep a rank's replicas."""
-        return placement(job, rank, self._peers, self.replicas)
+        return seated_placement(job, rank, self._seats, self.replicas)
+
+    def update(self, added: list[PeerLink], removed: Collection[str]) -> None:
+        """Follow the peers that joined (their links) and left: choose every shard's targets again.
+
+        A shard keeps the targets still here that hold its replica (or are being sent it); the
+        others are chosen again. So the replicas a peer that left kept go to the peers now
+        chosen in its place (at the next retry_due), and a shard that waited for any peer at
+        all gets one; a replica in place never moves because another node joined.
+        """
+        for address in removed:
+            self._peers.pop(address, None)
+        for link in added:
+            self._peers.setdefault(link.address, _Peer(link))
+        self._seats = reseat(self._seats, self._peers)
+        for shard in self._shards.values():
+            for address in removed:
+                shard.done.pop(address, None)  # should it come back, what it holds is asked again
+            kept = [t for t in shard.targets if t in self._peers and (t in shard.done or t in shard.sending)]
+            ranked = seated_placement(shard.key.job, shard.key.rank, self._seats, len(self._seats))
+            shard.targets = (kept + [p for p in ranked if p not in kept])[: self.replicas]
 
     def track(self, key: ShardKey, meta: ShardMeta, sources: list[Path]) -> _Shard:
         """Keep a shard's replicas in view (a newer copy of the same shard replaces an older one)."""
@@ -115,10 +141,18 @@ class Replication:
         """Bring the count of replicas in line with what the reachable peers said they hold at asked_at.
 
         After a restart this finds what was sent before; a peer that lost its disk
-        gets its replicas again.
+        gets its replicas again. A copy in place counts wherever placement would put it
+        now (it was placed before a restart, or before the peers changed): it is kept
+        rather than sent again elsewhere.
         """
         by_key = {(h.node, h.job, h.step, h.rank): h.meta_digest for h in held if h.tier == "peer"}
+        peers = reachable & self._peers.keys()
         for shard in self._shards.values():
+            where = (shard.key.job, shard.key.step, shard.key.rank)
+            holding = sorted(p for p in peers if by_key.get((p, *where)) == shard.meta_digest)
+            if not shard.replicated and set(holding) - set(shard.targets):
+                kept = [t for t in shard.targets if t in shard.done or t in shard.sending]
+                shard.targets = list(dict.fromkeys([*kept, *holding, *shard.targets]))[: self.replicas]
             for target in reachable.intersection(shard.targets):
                 if by_key.get((target, shard.key.job, shard.key.step, shard.key.rank)) == shard.meta_digest:
                     shard.done.setdefault(target, asked_at)
@@ -179,12 +213,19 @@ class Replication:
             if target in shard.done or target in shard.sending or (self._peers[target].retry_at > at and not now):
                 continue
             shard.sending.add(target)
-            task = asyncio.get_running_loop().create_task(self._send_one(shard, target, record))
+            task = asyncio.get_running_loop().create_task(self._send_one(shard, target, self._peers[target], record))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
-    async def _send_one(self, shard: _Shard, target: str, record: CommitRecord | None) -> None:
-        peer = self._peers[target]
+    async def _send_one(self, shard: _Shard, target: str, peer: _Peer, record: CommitRecord | None) -> None:
+        try:
+            async with peer.slots:
+                if target in shard.targets:  # else chosen again while it waited: the peers changed
+                    await self._attempt(shard, target, peer, record)
+        finally:
+            shard.sending.discard(target)
+
+    async def _attempt(self, shard: _Shard, target: str, peer: _Peer, record: CommitRecord | None) -> None:
         started = time.monotonic()
         try:
             await asyncio.get_running_loop().run_in_executor(self._senders, self._put, shard, peer.link, record)
@@ -216,17 +257,13 @@ class Replication:
             self.counters["replica_bytes_sent"] += shard.meta.data_size_bytes
             log.info("replicated %s to peer %s in %.3f s", shard.key, target, elapsed)
         finally:
-            shard.sending.discard(target)
             shard.attempts += 1
             # Only the copy still followed counts: an earlier copy's late success must not.
             self._on_change(shard.key, self._shards.get(shard.key) is shard and shard.replicated)
 
     def _drop_peer(self, address: str) -> None:
         """Stop sending to a peer for good, and choose again the peers of the shards it was to keep."""
-        self._peers.pop(address, None)
-        for shard in self._shards.values():
-            shard.targets = self.targets(shard.key.job, shard.key.rank)
-            shard.done.pop(address, None)
+        self.update([], [address])
 
     def _put(self, shard: _Shard, link: PeerLink, record: CommitRecord | None) -> None:
         errors = []

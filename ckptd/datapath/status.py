@@ -1,9 +1,11 @@
 """The status document of `ckptd status --json` and the /metrics page built from it.
 
-Called on the event loop (Status RPC, /metrics scrapes): what it reads from the disk
-(the jobs on each tier) is listed on a worker thread first; the rest is in memory.
-Ages of the newest complete steps are learnt once at start (seed()) and kept up to
-date by ShardProgress, so scrapes touch no disk.
+Called on the event loop: the Status RPC awaits document(), which lists the jobs on
+each tier on a worker thread, then adds what snapshot() reads from memory; a /metrics
+scrape awaits metrics_page(), which takes snapshot() alone and renders it on a worker
+thread, so a scrape touches no disk and keeps the event loop for a moment only. The
+newest complete step of each job on NVMe is learnt once at start (seed(), on a worker
+thread, before any RPC) and kept up to date by ShardProgress.
 """
 
 from __future__ import annotations
@@ -20,11 +22,10 @@ from ckptd import __version__, metrics
 from ckptd.config import Config
 from ckptd.datapath.flush import Flusher
 from ckptd.datapath.peering import Peering
-from ckptd.datapath.progress import ShardProgress
+from ckptd.datapath.progress import Completion, ShardProgress
 from ckptd.datapath.retention import RetentionRunner
 from ckptd.datapath.staging import SlotPool
 from ckptd.datapath.uploading import Uploader
-from ckptd.tiers.base import DurableTier
 from ckptd.tiers.memory import MemoryTier
 from ckptd.tiers.nvme import LocalDirTier
 
@@ -40,7 +41,6 @@ class StatusReport:
         pool: SlotPool,
         memory: MemoryTier,
         nvme: LocalDirTier,
-        durable_tiers: list[DurableTier],
         flusher: Flusher,
         progress: ShardProgress,
         peering: Peering,
@@ -51,7 +51,6 @@ class StatusReport:
         self.pool = pool
         self.memory = memory
         self.nvme = nvme
-        self.durable_tiers = durable_tiers
         self.flusher = flusher
         self.progress = progress
         self.peering = peering
@@ -62,21 +61,21 @@ class StatusReport:
         self.replica_bytes_received = 0
         self.loop_max_stall_s = 0.0  # the longest the event loop was late, since start
         self.rpc_counters: Callable[[], dict[str, int]] = dict  # the RPC layer's own (set by the daemon)
+        self.histograms = [flusher.save_seconds, flusher.flush_seconds]
+        if uploader is not None:
+            self.histograms.append(uploader.upload_seconds)
 
     def verification_failed(self, tier: str) -> None:
         """Count a bad byte caught on its way (a chunk that did not match its checksum)."""
         self.verification_failures[tier] += 1
 
     def seed(self) -> None:
-        """Learn when the newest complete step of each durable tier was committed (a worker thread, at start)."""
-        for tier in self.durable_tiers:
-            for job in tier.jobs():
-                steps = tier.complete_steps(job)
-                if steps:
-                    with contextlib.suppress(OSError):
-                        t = tier.committed_unix_s(job, steps[-1])
-                        completed = self.progress.completed_unix_s
-                        completed[tier.name] = max(completed.get(tier.name, 0.0), t)
+        """Learn each job's newest complete step on NVMe and when it was sealed (a worker thread, at start)."""
+        for job in self.nvme.jobs():
+            steps = self.nvme.complete_steps(job)
+            if steps:
+                with contextlib.suppress(OSError):  # removed since it was listed
+                    self.progress.step_completed("nvme", job, steps[-1], self.nvme.committed_unix_s(job, steps[-1]))
 
     async def probe_loop(self) -> None:
         """Sample how late the event loop runs a timer: the longest stall clients and peers felt (runs forever)."""
@@ -87,27 +86,22 @@ class StatusReport:
             self.loop_max_stall_s = max(self.loop_max_stall_s, loop.time() - due)
 
     async def document(self) -> dict[str, Any]:
-        """Return the status document (the job listings are read on a worker thread)."""
-        jobs = await asyncio.to_thread(lambda: (self.memory.jobs(), self.nvme.jobs()))
-        return self._document(*jobs)
+        """Return the status document: snapshot() and the jobs on each tier (listed on a worker thread)."""
+        memory_jobs, nvme_jobs = await asyncio.to_thread(lambda: (self.memory.jobs(), self.nvme.jobs()))
+        found = self.snapshot()
+        found["tiers"]["memory"]["jobs"] = memory_jobs
+        found["tiers"]["nvme"]["jobs"] = nvme_jobs
+        return found
 
     async def metrics_page(self) -> str:
-        """Return the /metrics page: what `status` says, and the durations observed."""
-        histograms = [self.flusher.save_seconds, self.flusher.flush_seconds]
-        if self.uploader is not None:
-            histograms.append(self.uploader.upload_seconds)
-        return metrics.page(await self.document(), histograms)
+        """Return the /metrics page: what snapshot() says, and the durations observed (rendered on a worker thread)."""
+        return await asyncio.to_thread(metrics.page, self.snapshot(), self.histograms)
 
-    def _newest_step_ages(self) -> dict[str, float]:
-        now = time.time()
-        ages = {tier: max(0.0, now - t) for tier, t in self.progress.completed_unix_s.items()}
-        if self.uploader is not None and self.uploader.last_commit_unix_s:
-            ages["object"] = max(0.0, now - self.uploader.last_commit_unix_s)
-        return ages
-
-    def _document(self, memory_jobs: list[str], nvme_jobs: list[str]) -> dict[str, Any]:
+    def snapshot(self) -> dict[str, Any]:
+        """Return the status document but the job listings: memory only, quick enough for the event loop."""
         slots = self.pool.slots()
         failures = self.verification_failures
+        newest = _newest_complete(self.progress.newest.by_job(), {s.job for s in slots}, time.time())
         return {
             "version": __version__,
             "node": self.config.node.name,
@@ -115,8 +109,8 @@ class StatusReport:
             "uptime_s": round(time.time() - self.started_unix_s, 3),
             "socket": str(self.config.socket_path),
             "tiers": {
-                "memory": {"dir": str(self.config.staging_dir), "jobs": memory_jobs},
-                "nvme": {"root": str(self.config.root), "jobs": nvme_jobs},
+                "memory": {"dir": str(self.config.staging_dir)},
+                "nvme": {"root": str(self.config.root)},
                 "peer": {"replica_root": str(self.config.replica_root), **self.peering.status()},
                 "object": self.uploader.status() if self.uploader is not None else {"enabled": False},
             },
@@ -140,9 +134,37 @@ class StatusReport:
                 },
             },
             "event_loop": {"max_stall_s": round(self.loop_max_stall_s, 4)},
-            "newest_complete_age_s": {tier: round(age, 3) for tier, age in self._newest_step_ages().items()},
+            "newest_complete": newest,
+            "newest_complete_age_s": _youngest_by_tier(newest),  # deprecated: the same, any job
             "recent_errors": list(self.progress.errors),
         }
+
+
+def _newest_complete(
+    by_job: dict[str, dict[str, Completion]], staged_jobs: set[str], now_unix_s: float
+) -> dict[str, dict[str, dict[str, float]]]:
+    """Return job -> tier -> {step, completed_unix_s, age_s}; memory only for jobs that still hold slots."""
+    found: dict[str, dict[str, dict[str, float]]] = {}
+    for job, tiers in sorted(by_job.items()):
+        held = {tier: c for tier, c in tiers.items() if tier != "memory" or job in staged_jobs}
+        if held:
+            found[job] = {
+                tier: {"step": c.step, "completed_unix_s": round(c.unix_s, 3), "age_s": _age(c, now_unix_s)}
+                for tier, c in sorted(held.items(), key=lambda item: metrics.TIERS.index(item[0]))
+            }
+    return found
+
+
+def _age(completion: Completion, now_unix_s: float) -> float:
+    return round(max(0.0, now_unix_s - completion.unix_s), 3)
+
+
+def _youngest_by_tier(newest: dict[str, dict[str, dict[str, float]]]) -> dict[str, float]:
+    ages: dict[str, float] = {}
+    for tiers in newest.values():
+        for tier, n in tiers.items():
+            ages[tier] = min(ages.get(tier, n["age_s"]), n["age_s"])
+    return ages
 
 
 def _bytes_by_job(slots: list[Any]) -> dict[str, int]:

@@ -86,7 +86,6 @@ class Uploader:
             "ckptd_upload_duration_seconds", "Uploading one shard to the object store (a successful attempt)"
         )
         self.verification_failures = 0  # NVMe copies found bad while read for upload
-        self.last_commit_unix_s = 0.0  # when a step of any job last became complete in the store, seen from here
         self.last_error = ""
 
     def wanted(self, step: int) -> bool:
@@ -286,7 +285,6 @@ class Uploader:
             state = self._states.get(key)
             if state is not None and verdict == "committed":
                 state.committed = True
-                self.last_commit_unix_s = time.time()
             elif state is not None:
                 state.error = f"{job} step {step} will never be complete on tier object: {verdict}"
                 state.gave_up = True

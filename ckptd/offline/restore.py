@@ -39,7 +39,7 @@ def readable_tiers(config: Config, source: str = "auto") -> list[Tier]:
         LocalDirTier(config.replica_root, name="peer"),
     ]
     if config.peers:
-        tiers.append(PeerTier([PeerLink(address, config.peer) for address in config.peers]))
+        tiers.append(PeerTier([PeerLink(a, config.peer, tls_name=config.peer_names.get(a, "")) for a in config.peers]))
     if config.object.url:
         tiers.append(ObjectTier(open_store(config.object.url, config.object.storage_options)))
     if source in ("", "auto"):

@@ -59,16 +59,19 @@ def send_range(
     offset: int,
     length: int,
     what: str,
+    tls_name: str = "",
 ) -> str:
     """Send a range of a shard read from path on a data connection; return the receiver's status ("OK", or CODE detail).
 
+    tls_name is the name the receiver's certificate must carry (default: host).
     Raises DataChannelError when the connection fails, and what read_pieces raises when
     the local copy changed (then the connection is closed short, which the receiver refuses).
     """
     try:
         with socket.create_connection((host, port), timeout=CONNECT_TIMEOUT_S) as conn:
             conn.settimeout(STALL_TIMEOUT_S)
-            with context.wrap_socket(conn, server_hostname=host) if context is not None else conn as sock:
+            tls = context.wrap_socket(conn, server_hostname=tls_name or host) if context is not None else None
+            with tls or conn as sock:
                 sock.sendall(ticket)
                 for data in read_pieces(path, meta, offset, length, what):
                     sock.sendall(data)

@@ -164,15 +164,23 @@ def holdings_from_pb(node: str, steps: Any) -> list[StepHoldings]:
 class PeerLink:
     """One peer daemon, reached over one gRPC channel (TLS when configured)."""
 
-    def __init__(self, address: str, peer: PeerConfig, instance: str = "") -> None:
-        """instance names this daemon's run: a peer that finds its own in a call refuses it (IsSelf)."""
+    def __init__(self, address: str, peer: PeerConfig, instance: str = "", tls_name: str = "") -> None:
+        """instance names this daemon's run: a peer that finds its own in a call refuses it (IsSelf).
+
+        tls_name: the name the peer's certificate must carry, where it is not the address's host
+        (an "ip:port" found by resolving a name in [peer] addresses: the name, as dialled before).
+        """
         self.address = address
+        self._tls_name = tls_name or host_of(address)
         self._metadata = ((INSTANCE_HEADER, instance),) if instance else ()
         credentials = channel_credentials(peer)
         if credentials is None:
             self._channel = grpc.insecure_channel(address, options=grpc_options())
         else:
-            self._channel = grpc.secure_channel(address, credentials, options=grpc_options())
+            options = (
+                [*grpc_options(), ("grpc.ssl_target_name_override", self._tls_name)] if tls_name else grpc_options()
+            )
+            self._channel = grpc.secure_channel(address, credentials, options=options)
         self._stub = peer_pb2_grpc.CkptdPeerStub(self._channel)
         # The bulk methods carry pre-serialized pieces: the same bytes on the wire, without protobuf's copies.
         self._put_shard = self._channel.stream_unary(
@@ -291,7 +299,16 @@ class PeerLink:
             return False
         try:
             status = send_range(
-                host_of(self.address), offer.port, offer.ticket, self._data_tls, path, meta, offset, length, what
+                host_of(self.address),
+                offer.port,
+                offer.ticket,
+                self._data_tls,
+                path,
+                meta,
+                offset,
+                length,
+                what,
+                self._tls_name,
             )
         except DataChannelError as e:
             log.warning(

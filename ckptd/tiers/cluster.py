@@ -8,7 +8,7 @@ their Inventory answers.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import xxhash
@@ -102,12 +102,73 @@ def complete_on(record: CommitRecord, shards: list[Holding], replicas: int) -> l
     return tiers
 
 
+def loadable_steps(held: Iterable[StepHoldings], replicas: int) -> list[tuple[CommitRecord, list[str]]]:
+    """Return the steps complete in the cluster, by job and step, each with the tiers that hold it whole.
+
+    held: every node's holdings. A step is listed while it can be loaded: after losing a
+    node, every rank may still have a copy on some tier although no tier has them all
+    (its tiers are then none until the replicas catch up).
+    """
+    records: dict[tuple[str, int], CommitRecord] = {}
+    shards: dict[tuple[str, int], list[Holding]] = defaultdict(list)
+    for s in held:
+        if s.record is not None:
+            records[(s.job, s.step)] = s.record
+        shards[(s.job, s.step)].extend(s.shards)
+    found = []
+    for key, record in sorted(records.items()):
+        tiers = complete_on(record, shards[key], replicas)
+        if tiers or all(holders(record, shards[key], r) for r in range(record.world_size)):
+            found.append((record, tiers))
+    return found
+
+
 def placement(job: str, rank: int, peers: Iterable[str], replicas: int) -> list[str]:
     """Return the peers that keep the replicas of a rank's shard, best first.
 
     Rendezvous hashing: each (job, rank) ranks the peers by a hash of the pair, so the
-    copies spread over the peers, and a change to the peer list moves only the shards
-    whose chosen peers changed.
+    copies spread over the peers. Removing a peer moves only the shards it kept; adding
+    one moves its share to it from every other peer (replication hashes over seats
+    instead, so that a node that replaces another takes only the old one's share).
     """
     ranked = sorted(peers, key=lambda p: xxhash.xxh3_64_intdigest(f"{job}\0{rank}\0{p}".encode()), reverse=True)
     return ranked[:replicas]
+
+
+Seats = Mapping[str, str | None]  # seat -> the peer address that holds it (None: left vacant)
+
+
+def seated_placement(job: str, rank: int, seats: Seats, replicas: int) -> list[str]:
+    """Return the peers that keep a rank's replicas: rendezvous hashing over the seats, then who holds each.
+
+    A vacant seat is passed over, so its shards go to their next seat until a newcomer takes it.
+    """
+    ranked = (seats[s] for s in placement(job, rank, seats, len(seats)))
+    return [p for p in ranked if p is not None][:replicas]
+
+
+def reseat(seats: Seats, peers: Iterable[str]) -> dict[str, str | None]:
+    """Return the seats after the peers changed: a peer keeps its seat, a newcomer takes one a peer left.
+
+    Hashing over seats rather than addresses is what makes replacing a node (one address
+    out, another in, at once or later) move only the replicas the old node kept: the new
+    one takes its seat and with it exactly its share, and no shard changes between two
+    nodes that stayed. A newcomer first takes back a vacant seat named after its own
+    address, then the vacant seats in order, and only then founds a seat of its own (named
+    after its address), so seats never outnumber the most peers ever present at once.
+    """
+    present = set(peers)
+    new = {seat: (holder if holder in present else None) for seat, holder in seats.items()}
+    newcomers = sorted(present - {h for h in new.values() if h is not None})
+    for address in [a for a in newcomers if new.get(a, "") is None]:
+        new[address] = address
+        newcomers.remove(address)
+    vacant = sorted(s for s, h in new.items() if h is None)
+    for seat, address in zip(vacant, newcomers, strict=False):
+        new[seat] = address
+    for address in newcomers[len(vacant) :]:
+        seat, n = address, 1
+        while seat in new:  # its own name is held by the node that took its seat while it was away
+            seat, n = f"{address}#{n}", n + 1
+        new[seat] = address
+    return new

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Collection
 from concurrent.futures import ThreadPoolExecutor
 
 from ckpt.errors import CheckpointError, CorruptCheckpoint, NotFound
@@ -26,10 +27,15 @@ log = logging.getLogger(__name__)
 
 VIEW_TTL_S = 1.0
 INVENTORY_TIMEOUT_S = 3.0
+RETIRED_LINK_CLOSE_S = 60.0  # a link to a peer that left is closed this long after: calls under way end first
 
 
 class PeerTier(Tier):
-    """List and read the steps other nodes hold, whichever of their tiers holds each shard."""
+    """List and read the steps other nodes hold, whichever of their tiers holds each shard.
+
+    The daemon's Peering changes the links with update() as peers join and leave, and calls
+    close_retired() now and then; every other call may come from any worker thread meanwhile.
+    """
 
     name = "peer"
 
@@ -37,7 +43,27 @@ class PeerTier(Tier):
         self.links = links
         self._views: dict[str, tuple[float, list[StepHoldings]]] = {}
         self.unreachable: dict[str, str] = {}  # peer address -> why its last inventory failed
+        self._retired: list[tuple[float, PeerLink]] = []  # (when, link) of peers that left: see close_retired
         self._lock = threading.Lock()  # inventories are asked from several threads at once
+
+    def update(self, added: list[PeerLink], removed: Collection[str]) -> None:
+        """Take new peers' links, and retire those of peers that left (their calls under way may finish)."""
+        now = time.monotonic()
+        with self._lock:
+            self._retired += [(now, link) for link in self.links if link.address in removed]
+            self.links = [link for link in self.links if link.address not in removed] + added
+            for address in removed:
+                self.unreachable.pop(address, None)
+            self._views.clear()
+
+    def close_retired(self) -> None:
+        """Close the links retired long enough ago that no call can still be using them."""
+        due = time.monotonic() - RETIRED_LINK_CLOSE_S
+        with self._lock:
+            closing = [link for at, link in self._retired if at <= due]
+            self._retired = [(at, link) for at, link in self._retired if at > due]
+        for link in closing:
+            link.close()
 
     def inventories(self, job: str = "") -> list[StepHoldings]:
         """Return what every reachable peer holds of a job (or of every job); a peer that fails is left out."""
@@ -67,9 +93,10 @@ class PeerTier(Tier):
             return []
         except CheckpointError as e:
             with self._lock:
-                if link.address not in self.unreachable:
-                    log.warning("%s", e)
-                self.unreachable[link.address] = str(e)
+                if link in self.links:  # a peer that left meanwhile is no longer reported on
+                    if link.address not in self.unreachable:
+                        log.warning("%s", e)
+                    self.unreachable[link.address] = str(e)
             return []
         with self._lock:
             self.unreachable.pop(link.address, None)
@@ -162,6 +189,6 @@ class PeerTier(Tier):
         )
 
     def close(self) -> None:
-        """Close every link."""
-        for link in self.links:
+        """Close every link, retired ones included."""
+        for link in [*self.links, *(link for _, link in self._retired)]:
             link.close()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from ckptd.tiers.cluster import Holding, complete_on, placement, seal_record
+from ckptd.tiers.cluster import Holding, complete_on, placement, reseat, seal_record, seated_placement
 
 
 def held(node: str, rank: int, tier: str = "nvme", world_size: int = 4, run_id: str = "r1", meta: str = "") -> Holding:
@@ -65,3 +65,40 @@ def test_placement_is_stable_spread_and_never_repeats_a_peer():
     moved = sum(1 for rank, c in chosen.items() if peers[3] not in c and placement("job", rank, fewer, 2) != c)
     assert moved == 0
     assert placement("job", 0, peers[:1], 3) == peers[:1]
+
+
+def test_replacing_a_node_moves_only_the_replicas_it_kept():
+    peers = [f"10.0.0.{i}:7070" for i in range(8)]
+    old, new = peers[3], "10.0.0.99:7070"
+    stayed = [p for p in peers if p != old]
+    pairs = [(f"job-{j}", rank) for j in range(10) for rank in range(1000)]
+    seats = reseat({}, peers)
+    replaced = reseat(seats, [*stayed, new])
+    for replicas in (1, 2):
+        before = {p: seated_placement(*p, seats, replicas) for p in pairs}
+        after = {p: seated_placement(*p, replaced, replicas) for p in pairs}
+        moved = {p for p in pairs if after[p] != before[p]}
+        assert moved == {p for p in pairs if old in before[p]}, "exactly the old node's replicas move"
+        assert abs(len(moved) / len(pairs) - replicas / len(peers)) < 0.02, "its share of them"
+        # Each moved to the new node, in the old one's place: none between two nodes that stayed.
+        assert all(after[p] == [new if n == old else n for n in before[p]] for p in moved)
+    # Seen in two rounds (the old node gone first, the new one later) the seats end the same. In between,
+    # the old node's shards go each to its next choice among the nodes that stayed.
+    gap = reseat(seats, stayed)
+    assert reseat(gap, [*stayed, new]) == replaced
+    assert all(seated_placement(*p, gap, 1) == placement(*p, stayed, 1) for p in pairs[:1000])
+    # Hashing over the addresses alone, the new node would take its share from every node.
+    plain_moved = sum(1 for p in pairs if placement(*p, peers, 1) != placement(*p, [*stayed, new], 1))
+    assert plain_moved > 1.7 * len(pairs) / len(peers)
+
+
+def test_seats_go_back_to_their_nodes_and_never_outnumber_the_peers_seen_at_once():
+    a, b, c, d = "a:1", "b:1", "c:1", "d:1"
+    seats = reseat({}, [a, b, c])
+    assert seats == {a: a, b: b, c: c}
+    assert reseat(seats, [a, b]) == {a: a, b: b, c: None}  # c's seat waits for a newcomer
+    assert reseat(reseat(seats, [a, b]), [a, b, c]) == seats  # c came back: its own seat
+    taken = reseat(reseat(seats, [a, b]), [a, b, d])
+    assert taken == {a: a, b: b, c: d}
+    assert reseat(taken, [a, b, c, d]) == {a: a, b: b, c: d, "c:1#1": c}  # c again, its seat held by d
+    assert len(reseat(reseat(taken, [a]), [a, b, c])) == 3

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from ckptd.config import ConfigError, load_config, parse_cpus
+from ckptd.config import ConfigError, endpoints, load_config, parse_cpus
 
 
 def test_defaults_need_no_root(tmp_path, monkeypatch):
@@ -47,6 +47,7 @@ def test_env_values_are_parsed_as_toml():
         ("[retention]\nnvme = -1\n", {}, "retention.nvme"),
         ('[staging]\nbudget_bytes = "lots"\n', {}, "staging.budget_bytes"),
         ('[peer]\naddresses = ["nohost"]\n', {}, "peer.addresses"),
+        ("[peer]\nresolve_interval_s = -1\n", {}, "peer.resolve_interval_s: must be 0"),
         # Peers are authenticated by default: plaintext only when asked for, and never beside TLS files.
         ('[node]\nlisten = "127.0.0.1:7070"\n', {}, "peer.cert: peers are authenticated by default"),
         ('[peer]\naddresses = ["10.0.0.2:7070"]\n', {}, "peer.cert: peers are authenticated by default"),
@@ -112,8 +113,31 @@ def test_a_node_recognises_itself_in_the_peer_list():
             "CKPTD_PEER__INSECURE": "true",
         }
     )
+    # Each entry stands for the addresses its host resolves to (of this node's family, IPv4 here, where it
+    # has both), less this node's own.
     assert c.peers == ("127.0.0.1:7071",)
-    assert c.replicas == 1
+
+
+def test_endpoints_are_ip_and_port_and_what_cannot_be_resolved_is_an_os_error():
+    assert endpoints("127.0.0.1:7070") == ["127.0.0.1:7070"]
+    assert endpoints("[::1]:7070") == ["[::1]:7070"]
+    with pytest.raises(OSError):
+        endpoints("localhost:http")
+
+
+def test_with_a_dns_name_a_peer_certificate_may_name_the_service():
+    # Peers are dialled by the addresses the name resolves to, and each presents a certificate naming the
+    # service (and its own IP, which the dialler checks): the service name is what _admit finds in it.
+    c = load_config(
+        env={
+            "CKPTD_NODE__LISTEN": '"10.0.0.1:7070"',
+            "CKPTD_PEER__ADDRESSES": '["ckptd-peers.ckptd.svc.cluster.local:7070"]',
+            "CKPTD_PEER__INSECURE": "true",
+            "CKPTD_PEER__RESOLVE_INTERVAL_S": "5",
+        }
+    )
+    assert c.peer_hosts == {"ckptd-peers.ckptd.svc.cluster.local", "10.0.0.1"}
+    assert c.peer.resolve_interval_s == 5
 
 
 def test_a_wildcard_listen_address_is_refused_beside_peers():

@@ -91,6 +91,11 @@ def test_gc_all_removes_a_finished_job_from_the_node_and_the_store_only_when_nam
                                                         ("object", 1), ("object", 2)}  # fmt: skip
     assert (node.staging_dir / "old").exists() and (node.root / "old" / "1").exists()  # a dry run removes nothing
 
+    def newest() -> dict[str, list[str]]:
+        doc = json.loads(node.cli("status", "--json", "--address", node.address).stdout)
+        return {job: list(tiers) for job, tiers in doc["newest_complete"].items()}
+
+    assert newest() == {"old": ["memory", "nvme", "object"], "keep": ["memory", "nvme", "object"]}
     removed = json.loads(gc("--job", "old", "--all", "--json").stdout)
     assert {r["tier"] for r in removed} == {"memory", "nvme"}  # the store's copies stay: --tier object not named
     assert not (node.staging_dir / "old").exists() and not list((node.root / "old").glob("[0-9]*"))
@@ -99,7 +104,9 @@ def test_gc_all_removes_a_finished_job_from_the_node_and_the_store_only_when_nam
     assert {(s["job"], tuple(s["tiers"])) for s in listed if s["job"] == "old"} == {("old", ("object",))}
     assert {s["step"] for s in listed if s["job"] == "keep" and "nvme" in s["tiers"]} == {1, 2}  # untouched
 
+    assert newest() == {"old": ["object"], "keep": ["memory", "nvme", "object"]}  # reported where it still is
     assert gc("--job", "old", "--all", "--tier", "object").returncode == 0
+    assert newest() == {"keep": ["memory", "nvme", "object"]}
     assert not [s for s in json.loads(node.cli("ls", "--json", "--address", node.address).stdout) if s["job"] == "old"]
     assert not [p for p in store.rglob("*") if p.is_file() and "old" in p.parts]  # its shards under every prefix too
     assert [p for p in store.rglob("*") if p.is_file() and "keep" in p.parts]
@@ -122,3 +129,27 @@ def test_every_thread_of_the_daemon_runs_on_the_cpus_of_node_cpus(make_daemon):
     status = json.loads(node.cli("status", "--json", "--address", node.address).stdout)
     assert status["cpus"] == [cpu]
     assert f"running on CPUs {cpu}" in node.log()
+
+
+def test_status_shows_each_jobs_newest_complete_step_and_its_age_per_tier(make_daemon):
+    node = make_daemon().start()
+    assert "no complete step seen by this daemon yet" in node.cli("status").stdout
+    for job, steps in (("llama-7b", (10, 20, 30)), ("bert", (5,))):
+        with ckpt.Checkpointer(job=job, address=node.address) as c:
+            for step in steps:
+                c.save_async({"w": torch.full((100,), step)}, step=step).wait("nvme", timeout=60)
+
+    out = node.cli("status")
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.split() == ["JOB", "TIER", "NEWEST", "STEP", "AGE"])
+    rows = [line.split() for line in lines[header + 1 : header + 5]]
+    assert [row[:3] for row in rows] == [
+        ["bert", "memory", "5"],
+        ["bert", "nvme", "5"],
+        ["llama-7b", "memory", "30"],
+        ["llama-7b", "nvme", "30"],
+    ]
+    assert all(row[4] == "s" and 0 <= int(row[3]) < 90 for row in rows)  # "12 s": seconds, just now
+    step_ends = lines[header].index("NEWEST STEP") + len("NEWEST STEP")  # steps right-aligned under their title
+    assert all(line[:step_ends].endswith(" " + row[2]) for line, row in zip(lines[header + 1 :], rows, strict=False))

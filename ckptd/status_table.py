@@ -1,0 +1,42 @@
+"""Render the newest complete step of each job on each tier, as `ckptd status` prints it.
+
+cmd_status (cli.py) calls newest_steps_table() with the "newest_complete" part of the
+status document, on the CLI's only thread; ages come from the daemon, measured when it
+answered, so the table does not depend on the clock of whoever reads it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+MINUTE_S = 60
+HOUR_S = 60 * MINUTE_S
+DAY_S = 24 * HOUR_S
+
+
+def human_age(age_s: float) -> str:
+    """Return an age the way people say it: "12 s", "3 min", "5 h", "2 d" (rounded down)."""
+    if age_s < 90:
+        return f"{int(age_s)} s"
+    if age_s < 90 * MINUTE_S:
+        return f"{int(age_s // MINUTE_S)} min"
+    if age_s < 2 * DAY_S:
+        return f"{int(age_s // HOUR_S)} h"
+    return f"{int(age_s // DAY_S)} d"
+
+
+def newest_steps_table(newest: Mapping[str, Mapping[str, Mapping[str, float]]]) -> list[str]:
+    """Return the lines of a table: one row per job and tier, its newest complete step and that step's age."""
+    rows = [
+        (job, tier, str(int(n["step"])), human_age(n["age_s"]))
+        for job, tiers in newest.items()
+        for tier, n in tiers.items()
+    ]
+    if not rows:
+        return ["no complete step seen by this daemon yet"]
+    header = ("JOB", "TIER", "NEWEST STEP", "AGE")
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
+    return [
+        f"{job:<{widths[0]}}  {tier:<{widths[1]}}  {step:>{widths[2]}}  {age}"
+        for job, tier, step, age in [header, *rows]
+    ]
