@@ -219,8 +219,11 @@ class RawSocket:
 # -- the run ---------------------------------------------------------------------------------
 
 
-def replicate_alone(a: BenchDaemon, b: BenchDaemon, step: int, peer: PeerConfig) -> float:
-    """Send a step of A to B once more with ckptd's own sender, nothing else running; return seconds.
+def replicate_alone(a: BenchDaemon, b: BenchDaemon, step: int, peer: PeerConfig) -> tuple[float, float, float]:
+    """Send a step of A to B once more with ckptd's own sender, nothing else running.
+
+    Return the seconds, and the CPU seconds of each side: the sender is this process (its
+    other threads idle meanwhile), the receiver B's daemon.
 
     The daemon starts a replica beside its NVMe flush, so on a small machine the two share
     the CPUs and, here, the one disk; this times the protocol and B's receiver alone. The
@@ -237,9 +240,10 @@ def replicate_alone(a: BenchDaemon, b: BenchDaemon, step: int, peer: PeerConfig)
     link = PeerLink(b.listen, peer)
     try:
         with ThreadPoolExecutor(max_workers=STREAMS_PER_SHARD) as streams:
-            start = time.perf_counter()
+            start, cpu_sender, cpu_receiver = time.perf_counter(), time.process_time(), b.cpu_s()
             link.put_shard(alone, in_memory, streams)
-            return time.perf_counter() - start
+            elapsed = time.perf_counter() - start
+            return elapsed, time.process_time() - cpu_sender, b.cpu_s() - cpu_receiver
     finally:
         link.close()
         in_memory.unlink()
@@ -297,7 +301,10 @@ def bench(
                 raw["raw_socket_durable"].append(sockets.transfer(b.root.parent / "raw-socket.bin"))
                 for key, value in replicate(c, a, b, state, step).items():
                     raw[key].append(value)
-                raw["replication_alone"].append(replicate_alone(a, b, step, peer))
+                seconds, cpu_sender, cpu_receiver = replicate_alone(a, b, step, peer)
+                raw["replication_alone"].append(seconds)
+                raw["cpu_sender_alone"].append(cpu_sender)
+                raw["cpu_receiver_alone"].append(cpu_receiver)
                 print(
                     f"  step {step}: replication {raw['replication'][-1]:.3f} s, raw socket "
                     f"{raw['raw_socket'][-1]:.3f} s, checked durable {raw['raw_socket_durable'][-1]:.3f} s",
@@ -411,6 +418,11 @@ def main() -> int:
     print(
         f"\nCPU seconds used between nvme and peer (median): sender A {cpu['a']:.2f}, receiver B {cpu['b']:.2f}; "
         f"the shard's bytes, {size} in all, were {size / args.size_mib / (1 << 20):.4f}x the tensor"
+    )
+    per_gb = {k: statistics.median(raw[f"cpu_{k}_alone"]) / (size / 1e9) for k in ("sender", "receiver")}
+    print(
+        f"CPU seconds per GB replicated, replication alone (median): sender {per_gb['sender']:.3f}, "
+        f"receiver {per_gb['receiver']:.3f}"
     )
     print("\nckptd logged:", *daemon_warnings or ["no warnings"], sep="\n  ")
     write_results(

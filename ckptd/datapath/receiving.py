@@ -279,7 +279,9 @@ class ReplicaReceiver:
 
         def prepare() -> RangeWriter | None:
             self.tier.prepare_shard(meta, self._what(meta))
-            return None if transfer in self._transfers else RangeWriter(partial, truncate=False)
+            if transfer in self._transfers:
+                return None
+            return RangeWriter(partial, truncate=False, size_bytes=meta.data_size_bytes)
 
         writer = await _finished(self._threads.submit(prepare))
         t = self._transfers.get(transfer)  # another range of it may have opened it meanwhile

@@ -33,10 +33,22 @@ class RangeWriter:
     later one go through the page cache, starting at the first byte not yet written.
     """
 
-    def __init__(self, path: Path, truncate: bool = True) -> None:
-        """Open path for writing, created if missing; truncate=False for a file other writers share."""
+    def __init__(self, path: Path, truncate: bool = True, size_bytes: int = 0) -> None:
+        """Open path for writing, created if missing; truncate=False for a file other writers share.
+
+        size_bytes > 0 allocates the file's blocks at once (posix_fallocate): direct writes into
+        allocated blocks go faster than writes that allocate as they go (about a tenth here, in
+        several ranges at once), and a full disk is known before any byte is written.
+        """
         self.path = path
         self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | (os.O_TRUNC if truncate else 0), 0o644)
+        if size_bytes:
+            try:
+                os.posix_fallocate(self._fd, 0, size_bytes)
+            except OSError as e:
+                if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):  # a filesystem that cannot: write as it goes
+                    os.close(self._fd)
+                    raise
         self._direct_fd: int | None = None
         try:
             self._direct_fd = os.open(path, os.O_WRONLY | os.O_DIRECT)

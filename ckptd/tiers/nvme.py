@@ -235,7 +235,7 @@ class LocalDirTier(DurableTier):
             raise ValueError(f"{what}: buffer of {len(data)} bytes is short of {size} rounded to 4 KiB")
         digests: list[str] = []
         writes: list[Future[Any]] = []
-        writer = RangeWriter(path)
+        writer = RangeWriter(path, size_bytes=size)
         try:
             block_bytes = max(1, WRITE_BLOCK_BYTES // meta.chunk_size_bytes) * meta.chunk_size_bytes
             for offset, length in chunk_ranges(size, block_bytes):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import base64
 import io
 import pickle
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -164,21 +165,36 @@ def unflatten(
             return torch.nn.Parameter(t, requires_grad=e["requires_grad"])
         return t.requires_grad_(True) if e["requires_grad"] else t
 
-    class Unpickler(pickle.Unpickler):
-        def persistent_load(self, pid: Any) -> Any:
-            tag, i = pid
-            if tag == "ckpt-dtensor" and dtensor_ref is not None:
-                return dtensor_ref(i)
-            if tag == "ckpt-dtensor":
-                raise InvalidArgument(f"the step holds DTensor {i!r}: load it with load(into=state)")
-            if tag != "ckpt" or not 0 <= i < len(entries):
-                raise pickle.UnpicklingError(f"unknown reference {pid!r}")
-            if built[i] is None:
-                built[i] = build(i)
-            return built[i]
+    def resolve(pid: Any) -> Any:
+        tag, i = pid
+        if tag == "ckpt-dtensor" and dtensor_ref is not None:
+            return dtensor_ref(i)
+        if tag == "ckpt-dtensor":
+            raise InvalidArgument(f"the step holds DTensor {i!r}: load it with load(into=state)")
+        if tag != "ckpt" or not 0 <= i < len(entries):
+            raise pickle.UnpicklingError(f"unknown reference {pid!r}")
+        if built[i] is None:
+            built[i] = build(i)
+        return built[i]
 
     skeleton = base64.b64decode(layout["skeleton_pickle_b64"])
-    return Unpickler(io.BytesIO(skeleton)).load()
+    return _SkeletonUnpickler(skeleton, resolve).load()
+
+
+class _SkeletonUnpickler(pickle.Unpickler):
+    """Unpickle a state's skeleton, handing its persistent ids (tensors, DTensors) to resolve.
+
+    A class of the module's, not of unflatten's: a class is a reference cycle, and one
+    defined in unflatten would hold the shard's whole buffer (through resolve's closure)
+    until the garbage collector runs, rather than until the state is dropped.
+    """
+
+    def __init__(self, skeleton: bytes, resolve: Callable[[Any], Any]) -> None:
+        super().__init__(io.BytesIO(skeleton))
+        self._resolve = resolve
+
+    def persistent_load(self, pid: Any) -> Any:
+        return self._resolve(pid)
 
 
 def _descr(d: Any) -> Any:

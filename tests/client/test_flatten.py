@@ -70,3 +70,26 @@ def test_loaded_tensors_have_storages_of_their_own():
     assert back["rng"].untyped_storage().nbytes() == rng.numel()
     torch.set_rng_state(back["rng"])  # torch reads the storage from its start
     assert torch.equal(torch.get_rng_state(), rng)
+
+
+def test_a_loaded_state_frees_its_buffer_when_dropped_not_when_the_collector_runs():
+    import gc
+    import weakref
+
+    import numpy as np
+
+    flat = flatten({"w": torch.arange(1000, dtype=torch.float32), "extra": [1, 2]})
+    buffer = torch.zeros(flat.data_size_bytes, dtype=torch.uint8)
+    with ThreadPoolExecutor(1) as pool:
+        copy_into(flat, buffer, pool, threads=1)
+    data = np.array(buffer.numpy())  # the shard's bytes, as a load reads them into fresh memory
+    gone = weakref.finalize(data, lambda: None)
+    gc.disable()  # a reference cycle would keep the bytes until the collector runs: none may
+    try:
+        state = unflatten(flat.layout(), data)
+        del data
+        assert gone.alive
+        del state
+        assert not gone.alive, "the loaded state's bytes outlived the state"
+    finally:
+        gc.enable()
