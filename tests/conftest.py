@@ -138,6 +138,19 @@ def short_tmp() -> Iterator[Path]:
 
 
 @pytest.fixture
+def small_disk(short_tmp: Path) -> Iterator[Path]:
+    """Yield a directory on an 8 MiB tmpfs of its own (a disk a test can fill); skip where mounting needs root."""
+    small = short_tmp / "small"
+    small.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(small)], capture_output=True).returncode:
+        pytest.skip("cannot mount a small filesystem here (needs root)")
+    try:
+        yield small
+    finally:
+        subprocess.run(["umount", "-l", str(small)], capture_output=True)
+
+
+@pytest.fixture
 def make_daemon(short_tmp: Path) -> Iterator:
     """Return a factory of daemons (not started), each in its own directory, all killed at the end."""
     daemons: list[Daemon] = []

@@ -444,24 +444,17 @@ def test_block_policy_waits_for_room_and_reports_it(make_daemon):
     raw.close()
 
 
-def test_full_disk_fails_the_save_clearly_and_the_daemon_stays_up(make_daemon, short_tmp):
-    small = short_tmp / "small"
-    small.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(small)], capture_output=True).returncode:
-        pytest.skip("cannot mount a small filesystem here (needs root)")
-    try:
-        daemon = make_daemon(root=small).start()
-        with ckpt.Checkpointer(job="full", address=daemon.address) as c:
-            h = c.save_async({"x": torch.ones(4 << 20)}, step=1)  # 16 MiB onto 8 MiB
-            with pytest.raises(ckpt.SaveFailed, match="No space left on device"):
-                h.wait("nvme", timeout=60)
-            c.save_async({"x": torch.ones(1000)}, step=2).wait("nvme", timeout=60)  # still serving
-        assert not list(small.rglob("*.partial"))
-        status = json.loads(daemon.cli("status", "--json", "--address", daemon.address).stdout)
-        assert "No space left" in status["recent_errors"][0]["error"]
-        daemon.stop()
-    finally:
-        subprocess.run(["umount", "-l", str(small)], check=False)
+def test_full_disk_fails_the_save_clearly_and_the_daemon_stays_up(make_daemon, small_disk):
+    daemon = make_daemon(root=small_disk).start()
+    with ckpt.Checkpointer(job="full", address=daemon.address) as c:
+        h = c.save_async({"x": torch.ones(4 << 20)}, step=1)  # 16 MiB onto 8 MiB
+        with pytest.raises(ckpt.SaveFailed, match="No space left on device"):
+            h.wait("nvme", timeout=60)
+        c.save_async({"x": torch.ones(1000)}, step=2).wait("nvme", timeout=60)  # still serving
+    assert not list(small_disk.rglob("*.partial"))
+    status = json.loads(daemon.cli("status", "--json", "--address", daemon.address).stdout)
+    assert "No space left" in status["recent_errors"][0]["error"]
+    daemon.stop()
 
 
 def test_a_shard_of_an_incomplete_step_can_be_saved_again(daemon):
