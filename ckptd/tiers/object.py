@@ -381,12 +381,15 @@ class ObjectTier(Tier):
 
     def remove_step(self, job: str, step: int) -> None:
         """Remove a step: its commit record goes first, then its other objects (StepShards.remove)."""
-        state = self._commit_state(job, step)  # which ranks it has: read before the record goes
+        state = self._committed(job, step)  # which ranks it has, and where: read before the record goes
         with self._lock:
             self._records.pop((job, step), None)
         self.shards.forget_listings((job,))
         self.store.remove(*step_dir(job, step), COMMIT_NAME)
-        self.shards.remove(job, step, state.world_size if isinstance(state, CommitRecord) else None)
+        if isinstance(state, str):  # no readable record: look for its shards everywhere
+            self.shards.remove(job, step, None)
+        else:
+            self.shards.remove(job, step, state[0].world_size, state[1])
 
     def close(self) -> None:
         """Nothing to release: the store's connections belong to fsspec."""

@@ -29,6 +29,7 @@ from ckpt.format import CommitRecord, ShardMeta, data_name, digest, meta_name
 
 from ckptd.storage.object_store import ObjectStore
 from ckptd.tiers.object_keys import (
+    FLAT_KEYS,
     HASHED_KEYS,
     Directory,
     all_prefixes,
@@ -65,6 +66,7 @@ class StepShards:
 
     def __init__(self, store: ObjectStore) -> None:
         self.store = store
+        self._hashed = store.spreads_keys  # a store that keeps the flat layout has nothing under the prefixes
         self._matched: OrderedDict[tuple[str, int, CommitRecord], dict[int, ShardMeta]] = OrderedDict()
         self._scans: dict[str, tuple[float, set[int]]] = {}  # job -> (when, steps under the hash prefixes)
         self._listings: dict[Directory, tuple[float, dict[str, int]]] = {}
@@ -141,6 +143,8 @@ class StepShards:
 
     def steps(self, job: str, afresh: bool) -> set[int]:
         """Return the job's steps with shard objects under some hash prefix (256 listings, kept a while)."""
+        if not self._hashed:
+            return set()
         with self._lock:
             kept = self._scans.get(job)
             if kept is not None and not afresh and time.monotonic() - kept[0] < SCAN_INTERVAL_S:
@@ -158,7 +162,7 @@ class StepShards:
 
     def unfinished_steps(self, job: str) -> set[int]:
         """Return the job's steps with a multipart upload left unfinished, flat or under some hash prefix."""
-        dirs = [(job,), *(hashed_job_dir(prefix, job) for prefix in all_prefixes())]
+        dirs = [(job,), *(hashed_job_dir(prefix, job) for prefix in all_prefixes() if self._hashed)]
         steps = set()
         for path in [p for paths in _fan_out(self._uploads, dirs) for p in paths]:
             parts = path.split("/")  # <job>/<step>/<name>, or _shards/<hh>/<job>/<step>/<name>
@@ -168,14 +172,16 @@ class StepShards:
 
     def abort_uploads(self, job: str, step: int, world_size: int | None) -> int:
         """Abort a step's unfinished multipart uploads: flat, and under its ranks' prefixes (or every prefix)."""
-        if world_size is None:
+        if not self._hashed:
+            prefixes = []
+        elif world_size is None:
             prefixes = all_prefixes()
         else:
             prefixes = sorted({hash_prefix(job, step, rank) for rank in range(world_size)})
         dirs = [step_dir(job, step), *(hashed_dir(prefix, job, step) for prefix in prefixes)]
         return sum(_fan_out(lambda d: self.store.abort_uploads(*d), dirs))
 
-    def remove(self, job: str, step: int, world_size: int | None) -> None:
+    def remove(self, job: str, step: int, world_size: int | None, keys: str = HASHED_KEYS) -> None:
         """Remove a step's objects but its commit record (removed first), then its unfinished uploads.
 
         The step's directory goes whole (its index, or its shards in the flat layout); the shard
@@ -183,6 +189,10 @@ class StepShards:
         or, without one (a step never committed), whatever a listing of every hash prefix finds.
         """
         self.store.remove_dir(*step_dir(job, step))
+        if not self._hashed or keys == FLAT_KEYS:  # a flat step: its shards went with its directory
+            self.store.abort_uploads(*step_dir(job, step))
+            self.forget(job, step)
+            return
         if world_size is not None:
             paths = [(*shard_dir(job, step, r, HASHED_KEYS), n) for r in range(world_size) for n in shard_names(r)]
         else:

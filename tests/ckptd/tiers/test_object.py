@@ -457,3 +457,18 @@ def test_uploads_ask_for_the_commit_record_once_per_step_and_never_write_into_a_
             node.upload_shard(resaved, shards.path(resaved), "none")
         assert not node.upload_shard(metas[0], shards.path(metas[0]), "none")  # listed as it is: nothing to do
     assert _read(tier, "job", 3, 2) == payloads[2]
+
+
+def test_a_store_in_the_flat_layout_never_looks_under_the_hash_prefixes(tmp_path, shards, monkeypatch):
+    tier = ObjectTier(open_store(f"file://{tmp_path}/store", {}))
+    meta = shards.write("job", 1, 0, 1, b"flat")
+    tier.upload_shard(meta, shards.path(meta), "none")
+    assert tier.try_commit(_record([meta]))
+    names, uploads = tier.store.names, tier.store.unfinished_uploads
+    asked: list[tuple[str, ...]] = []
+    monkeypatch.setattr(tier.store, "names", lambda *d: asked.append(d) or names(*d))
+    monkeypatch.setattr(tier.store, "unfinished_uploads", lambda *d: asked.append(d) or uploads(*d))
+    assert tier.all_steps("job", scan=True) == [1] and tier.steps_with_unfinished_uploads("job") == []
+    tier.remove_step("job", 1)
+    assert asked and not [d for d in asked if d and d[0] == SHARDS_DIR], asked
+    assert _stored(tier) == []
