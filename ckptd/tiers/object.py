@@ -62,9 +62,9 @@ class ObjectTier(Tier):
         self.store = store
         self.shards = StepShards(store)
         self.keys = HASHED_KEYS if store.spreads_keys else FLAT_KEYS  # where this tier puts shard objects
-        # (job, step) -> (commit record, its object_keys): read once, kept while COMMIT.json is listed.
-        self._records: dict[tuple[str, int], tuple[CommitRecord, str]] = {}
-        self._damaged_logged: set[str] = set()
+        # (job, step) -> (commit record, its object_keys), or "damaged" (logged once): a record once read is
+        # kept while its step is listed (a commit record is written create-only: it never changes in place).
+        self._records: dict[tuple[str, int], tuple[CommitRecord, str] | str] = {}
         self._uncommitted: OrderedDict[tuple[str, int], None] = OrderedDict()  # steps found not complete here
         self._lock = threading.Lock()
 
@@ -121,7 +121,9 @@ class ObjectTier(Tier):
         with self._lock:  # other threads drop entries meanwhile (a listing, a removal)
             known = {s: self._records.get((job, s)) for s in steps}
         unread = [s for s, entry in known.items() if entry is None]
-        states: dict[int, CommitRecord | str] = {s: entry[0] for s, entry in known.items() if entry is not None}
+        states: dict[int, CommitRecord | str] = {
+            s: entry if isinstance(entry, str) else entry[0] for s, entry in known.items() if entry is not None
+        }
         # A commit record, once read, is kept; the others are asked for each time, in parallel.
         with ThreadPoolExecutor(max_workers=READ_THREADS, thread_name_prefix="object-list") as pool:
             states.update(zip(unread, pool.map(lambda s: self._commit_state(job, s), unread), strict=True))
@@ -157,9 +159,9 @@ class ObjectTier(Tier):
             if keys not in KNOWN_KEYS:
                 raise CorruptCheckpoint(f"{where}: its shards lie under object keys {keys!r}, unknown to this ckptd")
         except CheckpointError as e:
-            if where not in self._damaged_logged:  # once: every listing reads it again
-                self._damaged_logged.add(where)
-                log.error("%s", e)
+            log.error("%s", e)
+            with self._lock:
+                self._records[(job, step)] = "damaged"  # kept as the good ones are: neither read nor logged again
             return "damaged"
         with self._lock:
             self._records[(job, step)] = (record, keys)
@@ -168,7 +170,8 @@ class ObjectTier(Tier):
     def is_complete(self, job: str, step: int) -> bool:
         """Say whether a step is complete in the store, from its commit record read afresh: no listing."""
         with self._lock:  # not what is kept: another node's retention may have removed the step
-            self._records.pop((job, step), None)
+            if self._records.get((job, step)) != "damaged":  # (a damaged record stays as it is, until removed)
+                self._records.pop((job, step), None)
         return isinstance(self._commit_state(job, step), CommitRecord)
 
     def commit_record(self, job: str, step: int) -> CommitRecord:

@@ -472,3 +472,19 @@ def test_a_store_in_the_flat_layout_never_looks_under_the_hash_prefixes(tmp_path
     tier.remove_step("job", 1)
     assert asked and not [d for d in asked if d and d[0] == SHARDS_DIR], asked
     assert _stored(tier) == []
+
+
+def test_a_damaged_commit_record_is_read_and_logged_once_while_its_step_is_listed(tier, shards, monkeypatch, caplog):
+    meta = shards.write("job", 3, 0, 1, b"x")
+    tier.upload_shard(meta, shards.path(meta), "none")
+    assert tier.try_commit(_record([meta]))
+    tier.store.put(b"not a record", "job", "3", COMMIT_NAME)
+    fresh = ObjectTier(tier.store)
+    read = fresh.store.read
+    reads: list[tuple[str, ...]] = []
+    monkeypatch.setattr(fresh.store, "read", lambda *n, **kw: reads.append(n) or read(*n, **kw))
+    for _ in range(3):
+        assert fresh.complete_steps("job") == [] and fresh.damaged_steps("job") == [3]
+        assert not fresh.is_complete("job", 3)
+    assert reads.count(("job", "3", COMMIT_NAME)) == 1
+    assert sum("COMMIT.json" in r.getMessage() for r in caplog.records if r.levelname == "ERROR") == 1
