@@ -27,7 +27,7 @@ from ckpt.wire.v1 import ckptd_pb2 as pb
 from ckptd import __version__
 from ckptd.config import Config, ConfigError, load_config
 from ckptd.offline import export
-from ckptd.status_table import newest_steps_table
+from ckptd.status_table import cluster_line, newest_steps_table
 
 EXAMPLES = """\
 examples:
@@ -262,6 +262,7 @@ def cmd_status(args: argparse.Namespace, config: Config) -> int:
             print(line)
     else:
         print("peer tier   off (no [peer] addresses)")
+    print(cluster_line(doc.get("cluster", {})))
     obj = doc["tiers"]["object"]
     if obj["enabled"]:
         print(

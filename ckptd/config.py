@@ -5,17 +5,18 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
-import ipaddress
 import os
 import socket
 import tomllib
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import fsspec
 from ckpt.transport import default_socket_path
+
+from ckptd.addresses import dialled_names, endpoints_or_none, host_of, is_host_port, peer_endpoints
 
 
 class ConfigError(Exception):
@@ -53,6 +54,18 @@ class PeerConfig:
 
 
 @dataclass(frozen=True)
+class ClusterConfig:
+    backend: str = "peers"  # who keeps the cluster view: "peers" (built in) or "etcd"
+    endpoints: tuple[str, ...] = ()  # etcd's client endpoints, "host:port" (backend = "etcd")
+    cert: str = ""  # PEM files for TLS to etcd with a client certificate: all three, or none (plaintext)
+    key: str = ""
+    ca: str = ""
+    prefix: str = "/ckptd/"  # etcd keys live under it: clusters that share an etcd take different prefixes
+    lease_ttl_s: int = 10  # etcd: a node whose daemon stops renewing leaves the membership this long after
+    anti_entropy_s: int = 10  # peers: every node compares its commits with one random peer this often; 0 = never
+
+
+@dataclass(frozen=True)
 class ObjectConfig:
     url: str = ""
     every: int = 1
@@ -79,6 +92,7 @@ class Config:
     node: NodeConfig = NodeConfig()
     staging: StagingConfig = StagingConfig()
     peer: PeerConfig = PeerConfig()
+    cluster: ClusterConfig = ClusterConfig()
     object: ObjectConfig = ObjectConfig()
     retention: RetentionConfig = RetentionConfig()
     metrics: MetricsConfig = MetricsConfig()
@@ -127,13 +141,14 @@ class Config:
 
     @functools.cached_property
     def _resolved(self) -> dict[str, list[str]]:
-        return {a: _endpoints_or_none(a) for a in (*self.peer.addresses, self.node.listen) if a}
+        return {a: endpoints_or_none(a) for a in (*self.peer.addresses, self.node.listen) if a}
 
 
 _SECTION_TYPES = {
     "node": NodeConfig,
     "staging": StagingConfig,
     "peer": PeerConfig,
+    "cluster": ClusterConfig,
     "object": ObjectConfig,
     "retention": RetentionConfig,
     "metrics": MetricsConfig,
@@ -256,9 +271,9 @@ def _check_values(c: Config) -> None:
     for tier in ("nvme", "peer", "object"):
         require(getattr(c.retention, tier) >= 0, f"retention.{tier}", "must be 0 (keep all) or positive")
     for key, value in (("node.listen", c.node.listen), ("metrics.listen", c.metrics.listen)):
-        require(value == "" or _is_host_port(value), key, f"must be host:port, not {value!r}")
+        require(value == "" or is_host_port(value), key, f"must be host:port, not {value!r}")
     for address in c.peer.addresses:
-        require(_is_host_port(address), "peer.addresses", f"{address!r} is not host:port")
+        require(is_host_port(address), "peer.addresses", f"{address!r} is not host:port")
     wildcard = c.node.listen.rpartition(":")[0].strip("[]") in ("0.0.0.0", "::", "*")
     require(
         not (wildcard and c.peer.addresses),
@@ -283,6 +298,7 @@ def _check_values(c: Config) -> None:
         "peers are authenticated by default: set peer.cert, peer.key and peer.ca (mutual TLS), or "
         "peer.insecure = true for plaintext (then anyone who reaches node.listen can act as a peer)",
     )
+    _check_cluster(c, require)
     if c.object.url:
         require("://" in c.object.url, "object.url", f"{c.object.url!r} is not a URL (s3://bucket/prefix, file:///dir)")
         protocol = c.object.url.split("://", 1)[0]
@@ -292,72 +308,21 @@ def _check_values(c: Config) -> None:
             require(False, "object.url", f"fsspec cannot open {protocol}:// URLs: {e}")
 
 
-def endpoints(address: str) -> list[str]:
-    """Return the "ip:port" endpoints host:port names: every address (A and AAAA) of its host, with its port.
-
-    A literal IP names itself; an IPv6 endpoint is written "[ip]:port". Blocks on name
-    resolution: call it from a worker thread. Raises OSError when the host cannot be
-    resolved now.
-    """
-    host, _, port = address.rpartition(":")
-    try:
-        infos = socket.getaddrinfo(host.strip("[]"), int(port), type=socket.SOCK_STREAM)
-    except ValueError as e:
-        raise OSError(f"{address!r} is not host:port: {e}") from None
-    found = {(str(info[4][0]), int(info[4][1])) for info in infos}
-    return sorted(f"[{ip}]:{p}" if ":" in ip else f"{ip}:{p}" for ip, p in found)
-
-
-def peer_endpoints(addresses: Iterable[str], listen: str, resolved: Mapping[str, list[str]]) -> frozenset[str]:
-    """Return the peers [peer] addresses stands for, given the endpoints each entry (and listen) resolved to.
-
-    Every endpoint of every entry, less this node's own (listen's). A name whose addresses
-    are of both families stands for those of the family this node listens on: one node's A
-    and AAAA records are one peer, not two (of which one would never answer).
-    """
-    me = set(resolved.get(listen, [])) if listen else set()
-    families = {_is_v6(e) for e in me}
-    found: set[str] = set()
-    for entry in addresses:
-        named = resolved.get(entry, [])
-        if not _is_ip(host_of(entry)):
-            named = [e for e in named if _is_v6(e) in families] or named
-        found.update(e for e in named if e not in me)
-    return frozenset(found)
-
-
-def dialled_names(addresses: Iterable[str], resolved: Mapping[str, list[str]]) -> dict[str, str]:
-    """Return {endpoint: the name it was found by} for the endpoints of entries that name a host rather than an IP.
-
-    A peer dialled by the address a name resolved to is still checked, with TLS, against
-    that name (its certificate names the name, as when the name itself was dialled).
-    """
-    return {e: host_of(entry) for entry in addresses if not _is_ip(host_of(entry)) for e in resolved.get(entry, [])}
-
-
-def _is_v6(endpoint: str) -> bool:
-    return endpoint.startswith("[")
-
-
-def _is_ip(host: str) -> bool:
-    try:
-        ipaddress.ip_address(host)
-    except ValueError:
-        return False
-    return True
-
-
-def _endpoints_or_none(address: str) -> list[str]:
-    """Return endpoints(address), or none where it cannot be resolved (or address is empty)."""
-    try:
-        return endpoints(address) if address else []
-    except OSError:
-        return []
-
-
-def _is_host_port(value: str) -> bool:
-    host, sep, port = value.rpartition(":")
-    return bool(sep and host and port.isdigit() and 0 <= int(port) < 65536)
+def _check_cluster(c: Config, require: Callable[[bool, str, str], None]) -> None:
+    k = c.cluster
+    require(k.backend in ("peers", "etcd"), "cluster.backend", f"must be peers or etcd, not {k.backend!r}")
+    etcd = k.backend == "etcd"
+    require(not etcd or bool(k.endpoints), "cluster.endpoints", 'backend = "etcd" needs its endpoints, host:port')
+    for address in k.endpoints:
+        require(is_host_port(address), "cluster.endpoints", f"{address!r} is not host:port")
+    require(not etcd or bool(c.node.listen), "node.listen", 'backend = "etcd" names this node by its peer address')
+    require(k.prefix.startswith("/") and k.prefix.endswith("/"), "cluster.prefix", "must start and end with /")
+    require(k.lease_ttl_s >= 2, "cluster.lease_ttl_s", "must be at least 2 seconds")
+    require(k.anti_entropy_s >= 0, "cluster.anti_entropy_s", "must be 0 (never) or seconds")
+    tls = [name for name in ("cert", "key", "ca") if getattr(k, name)]
+    require(len(tls) in (0, 3), "cluster.cert", "set cluster.cert, cluster.key and cluster.ca together, or none")
+    for name in tls:
+        require(Path(getattr(k, name)).expanduser().is_file(), f"cluster.{name}", f"{getattr(k, name)} is not a file")
 
 
 def _resolve(c: Config) -> Config:
@@ -381,9 +346,6 @@ def _resolve(c: Config) -> Config:
         return str(Path(path).expanduser().absolute()) if path else ""
 
     peer = dataclasses.replace(c.peer, cert=absolute(c.peer.cert), key=absolute(c.peer.key), ca=absolute(c.peer.ca))
-    return dataclasses.replace(c, node=node, staging=staging, peer=peer)
-
-
-def host_of(address: str) -> str:
-    """Return the host of host:port ([v6]:port included), as a certificate names it."""
-    return address.rsplit(":", 1)[0].strip("[]")
+    k = c.cluster
+    cluster = dataclasses.replace(k, cert=absolute(k.cert), key=absolute(k.key), ca=absolute(k.ca))
+    return dataclasses.replace(c, node=node, staging=staging, peer=peer, cluster=cluster)

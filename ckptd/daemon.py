@@ -15,9 +15,12 @@ from ckpt.transport import MAX_MESSAGE_BYTES
 from ckpt.wire.v1 import ckptd_pb2_grpc
 
 from ckptd import metrics, sd_notify
-from ckptd.config import Config, host_of
+from ckptd.addresses import host_of
+from ckptd.cluster.peers_view import PeersView
+from ckptd.config import Config
 from ckptd.datapath.pipeline import Pipeline
 from ckptd.datapath.root_identity import RootGone
+from ckptd.rpc.cluster_server import add_cluster_servicer
 from ckptd.rpc.data_listener import DataListener
 from ckptd.rpc.guard import RequestGuard
 from ckptd.rpc.peer_link import grpc_options, server_credentials
@@ -132,7 +135,11 @@ async def _serve_peers(
     config: Config, pipeline: Pipeline, guard: RequestGuard, data_listener: DataListener | None
 ) -> grpc.aio.Server:
     server = grpc.aio.server(options=grpc_options(), maximum_concurrent_rpcs=MAX_PEER_RPCS)
-    add_peer_servicer(PeerServicer(pipeline, data_listener), server, guard)
+    peer_servicer = PeerServicer(pipeline, data_listener)
+    add_peer_servicer(peer_servicer, server, guard)
+    view = pipeline.node.view
+    if isinstance(view, PeersView):  # the built-in cluster view's calls, on the same port
+        add_cluster_servicer(view, server, guard, peer_servicer.admit)
     credentials = server_credentials(config.peer)
     try:
         if credentials is None:

@@ -165,6 +165,18 @@ def families(status: dict[str, Any]) -> Iterator[Metric]:
     yield GaugeMetricFamily(
         "ckptd_uploads_pending", "Shards not yet in the object store", value=obj.get("pending_uploads", 0)
     )
+    cluster = status.get("cluster", {})
+    if cluster.get("backend", "none") != "none":
+        yield GaugeMetricFamily(
+            "ckptd_cluster_connected",
+            "1 while the cluster view's backend answers ([cluster] backend: etcd, or the peers themselves)",
+            value=1 if cluster.get("connected") else 0,
+        )
+        yield GaugeMetricFamily(
+            "ckptd_cluster_pending_reports",
+            "Shard reports and commits this node has not yet delivered to the cluster view (they wait, saves go on)",
+            value=cluster.get("pending_reports", 0),
+        )
 
 
 def _by_tier(family: CounterMetricFamily | GaugeMetricFamily, values: dict[str, float]) -> Metric:

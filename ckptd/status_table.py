@@ -8,6 +8,7 @@ answered, so the table does not depend on the clock of whoever reads it.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 MINUTE_S = 60
 HOUR_S = 60 * MINUTE_S
@@ -40,3 +41,16 @@ def newest_steps_table(newest: Mapping[str, Mapping[str, Mapping[str, float]]]) 
         f"{job:<{widths[0]}}  {tier:<{widths[1]}}  {step:>{widths[2]}}  {age}"
         for job, tier, step, age in [header, *rows]
     ]
+
+
+def cluster_line(cluster: Mapping[str, Any]) -> str:
+    """Return `ckptd status`'s line on the cluster view: its backend, whether it answers, what waits."""
+    backend = cluster.get("backend", "none")
+    if backend == "none":
+        return "cluster     none (no peers: every step is sealed on this node)"
+    state = "connected" if cluster.get("connected") else f"NOT CONNECTED ({cluster.get('last_error', '')})"
+    where = f" at {', '.join(cluster['endpoints'])}" if cluster.get("endpoints") else ""
+    return (
+        f"cluster     {backend}{where}: {state}, {cluster.get('members', 0)} nodes, "
+        f"{cluster.get('pending_reports', 0)} reports waiting to be delivered"
+    )

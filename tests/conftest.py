@@ -168,18 +168,29 @@ def make_daemon(short_tmp: Path) -> Iterator:
 
 
 @pytest.fixture
-def make_cluster(make_daemon) -> Iterator:
+def cluster_backend() -> str:
+    """The [cluster] backend make_cluster's daemons use; a test module parametrizes it to run on both."""
+    return "peers"
+
+
+@pytest.fixture
+def make_cluster(make_daemon, cluster_backend, request) -> Iterator:
     """Return a factory of n daemons (not started) that are each other's peers on loopback ports.
 
     Every node gets the same [peer] addresses list, its own address included (a node skips it).
+    With cluster_backend "etcd", they keep the cluster view in a real etcd server of the test's own.
     """
+    cluster = ""
+    if cluster_backend == "etcd":
+        etcd = request.getfixturevalue("etcd_server")
+        cluster = f'[cluster]\nbackend = "etcd"\nendpoints = ["{etcd.endpoint}"]\nlease_ttl_s = 3\n'
 
     def make(n: int, replicas: int = 1, extra_toml: str = "", tls: list[tuple[Path, Path, Path]] | None = None):
         addresses = [f"127.0.0.1:{free_port()}" for _ in range(n)]
         peers = ", ".join(f'"{a}"' for a in addresses)
         nodes = []
         for i, address in enumerate(addresses):
-            toml = f"[peer]\naddresses = [{peers}]\nreplicas = {replicas}\n"
+            toml = cluster + f"[peer]\naddresses = [{peers}]\nreplicas = {replicas}\n"
             if tls is not None:
                 cert, key, ca = tls[i]
                 toml += f'cert = "{cert}"\nkey = "{key}"\nca = "{ca}"\n'
@@ -281,3 +292,12 @@ def own_s3_server(tmp_path) -> Iterator[S3Server]:
     yield server
     server.proc.send_signal(signal.SIGCONT)
     server.stop()
+
+
+@pytest.fixture
+def etcd_server(tmp_path) -> Iterator:
+    """Yield a started etcd server of the test's own (tests/etcd_server.py), ended when the test ends."""
+    from etcd_server import EtcdServer
+
+    with EtcdServer(tmp_path / "etcd") as server:
+        yield server

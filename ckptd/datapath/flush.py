@@ -260,18 +260,17 @@ class Flusher:
 
         One seal at a time (two ranks finishing together must not both write the record),
         and none while another shard of the step is still on its way: a re-saved shard
-        replaces the old one before the step is sealed. The peers are asked outside the
-        lock, so that no seal waits on the network.
+        replaces the old one before the step is sealed. Where other nodes hold ranks of the
+        step, it is reported to the cluster view instead, and sealed when its commit comes.
         """
         if self.flushing(job, step):
             return None  # sealed when the last of its flushes ends
-        peer_shards = await self.peering.peer_shards(job, step)
         async with self.commit_lock:
             if self.flushing(job, step):
                 return None
             # Sealed from the latest run that committed the step: a late flush of an
             # earlier run never counts beside the newer run's shards.
-            return await self.peering.seal(job, step, self._latest_run.get((job, step)), peer_shards)
+            return await self.peering.seal(job, step, self._latest_run.get((job, step)))
 
     def note_run(self, key: ShardKey, run_id: str) -> None:
         """Remember the run that committed a step last (bounded, oldest first)."""

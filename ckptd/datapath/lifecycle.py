@@ -13,13 +13,14 @@ import shutil
 from concurrent.futures import ThreadPoolExecutor
 
 from ckpt.errors import CheckpointError
+from ckpt.format import CommitRecord
 
+from ckptd.cluster.backends import open_view
 from ckptd.config import Config
 from ckptd.datapath import root_identity
 from ckptd.datapath.flush import Flusher
 from ckptd.datapath.idle_release import IdleRelease
 from ckptd.datapath.locate import Locator
-from ckptd.datapath.membership import Membership, ResolvedPeers
 from ckptd.datapath.peering import Peering
 from ckptd.datapath.progress import ShardProgress
 from ckptd.datapath.receiving import ReplicaReceiver
@@ -56,9 +57,12 @@ class Lifecycle:
         # Serving shards to peers reads whole files: on threads of their own, never in the way of seals.
         self.serve_threads = ThreadPoolExecutor(max_workers=PEER_THREADS, thread_name_prefix="serve")
         self.receiver = ReplicaReceiver(self.replica_store, self.peer_threads)
-        self.membership: Membership | None = ResolvedPeers(config) if config.peer.addresses else None
+        self.view = open_view(config)  # the cluster view ([cluster] backend); None: no peers, every step sealed here
+        self.membership = self.view.membership if self.view is not None else None
+        if self.view is not None:
+            self.view.watch(self.commit_learned)
         self.peering = Peering(
-            config, self.membership, self.nvme, self.replica_store, self.peer_threads, self._replication_changed
+            config, self.view, self.nvme, self.replica_store, self.peer_threads, self._replication_changed
         )
         self.object_tier: ObjectTier | None = None
         self.uploader: Uploader | None = None
@@ -98,9 +102,13 @@ class Lifecycle:
         """Clean up after an interrupted run, resume the flushes it left, and start catching up with peers."""
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(self.peer_threads, self._prepare_disk)
-        if self.membership is not None:  # the peers first, so that the flushes resumed replicate to them
+        if self.view is not None and self.membership is not None:
+            # The peers first, so that the flushes resumed replicate to them; then the commits the cluster knows.
             await self.membership.refresh()
             self._background.append(loop.create_task(self.membership.run_forever()))
+            self.view.seeded(await loop.run_in_executor(self.peer_threads, self._commits_on_disk))
+            await self.view.start()
+            self._background.append(loop.create_task(self.view.run_forever()))
         await self.flusher.resume()
         for job in await loop.run_in_executor(self.peer_threads, self.nvme.jobs):
             await self.retention.collect_quietly(job, LOCAL_TIERS, keep_newest=False)
@@ -120,11 +128,28 @@ class Lifecycle:
             for path in tier.remove_leftovers():
                 log.info("removed leftover %s from tier %s", path, tier.name)
 
+    def _commits_on_disk(self) -> list[CommitRecord]:
+        found = []
+        for tier in (self.nvme, self.replica_store):
+            for job in tier.jobs():
+                found += [r for s in tier.complete_steps(job) if (r := tier.checked_commit(job, s)) is not None]
+        return found
+
+    async def commit_learned(self, record: CommitRecord) -> None:
+        """Seal a step the cluster found complete, where this node holds part of it (news from the view or a peer)."""
+        try:
+            if await self.peering.adopt_told(record):
+                log.info("%s step %d is complete across the cluster", record.job, record.step)
+        finally:
+            await self.progress.changed()
+
     async def _reconcile_forever(self) -> None:
+        full = True  # the first round, at start-up, asks every peer: recovery
         while True:
             try:
                 self.receiver.drop_idle()
-                await self.peering.reconcile(self.flusher.commit_lock, self.flusher.flushing)
+                await self.peering.reconcile(self.flusher.commit_lock, self.flusher.flushing, full)
+                full = False
                 await self.retention.collect(dry_run=False, tiers=LOCAL_TIERS)  # adopted commits bring retention
             except (CheckpointError, OSError) as e:
                 log.warning("catching up with the peers failed: %s", e)
@@ -163,7 +188,8 @@ class Lifecycle:
             task.cancel()
         await self.flusher.drain()
         await self.peering.drain()
-        if self.membership is not None:
+        if self.view is not None and self.membership is not None:
+            await self.view.close()
             self.membership.close()
         if self.uploader is not None:
             await self.uploader.drain()

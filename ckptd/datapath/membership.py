@@ -18,7 +18,8 @@ from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from ckptd.config import Config, dialled_names, endpoints, peer_endpoints
+from ckptd.addresses import dialled_names, endpoints, peer_endpoints
+from ckptd.config import Config
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +53,10 @@ class Membership(ABC):
         """Return the name a peer's certificate must carry, where it is not its address's host ("": the host)."""
         return ""
 
+    def own_address(self) -> str:
+        """Return this node's address as the other nodes name it ("": as [node] listen writes it)."""
+        return ""
+
     async def _publish(self, peers: frozenset[str]) -> None:
         added, removed = peers - self._peers, self._peers - peers
         if not added and not removed:
@@ -81,7 +86,7 @@ class ResolvedPeers(Membership):
     """The peers [peer] addresses names: the addresses each entry's host resolves to, less this node's own.
 
     A DNS answer carries no port: every address an entry resolves to takes the entry's
-    port (config.peer_endpoints says which addresses count). An entry whose lookup fails
+    port (addresses.peer_endpoints says which addresses count). An entry whose lookup fails
     keeps the addresses it last resolved to (none, the first time: the node runs alone
     until peers appear); the failure is logged once per streak and shown in status()
     until a lookup answers again. Lookups block, on a thread of their own, so that a slow
@@ -89,7 +94,7 @@ class ResolvedPeers(Membership):
     """
 
     def __init__(self, config: Config, lookup: Callable[[str], list[str]] = endpoints) -> None:
-        """lookup(host_port) returns the "ip:port" endpoints of an entry or raises OSError (config.endpoints)."""
+        """lookup(host_port) returns the "ip:port" endpoints of an entry or raises OSError (addresses.endpoints)."""
         super().__init__()
         self.addresses = tuple(dict.fromkeys(config.peer.addresses))
         self.listen = config.node.listen
@@ -143,6 +148,10 @@ class ResolvedPeers(Membership):
 
     def tls_name(self, address: str) -> str:
         return self._names.get(address, "")
+
+    def own_address(self) -> str:
+        """Return the first address [node] listen resolved to: how the peers' lookups name this node."""
+        return min(self._known.get(self.listen, []), default="")
 
     def status(self) -> dict[str, Any]:
         return {

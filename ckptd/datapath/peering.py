@@ -2,7 +2,9 @@
 
 Owned by the Pipeline and called on the event loop; blocking work runs on the
 peer threads. Nodes are known by their peer address ("ip:port", as [node] listen
-names this one); which nodes are peers, a Membership says (membership_changed).
+names this one). Which steps are committed across nodes, and which nodes are peers,
+the cluster view says (ckptd.cluster.view): Peering reports to it what this node
+holds of steps it cannot seal alone, and follows its membership (membership_changed).
 """
 
 from __future__ import annotations
@@ -20,9 +22,9 @@ from typing import Any
 from ckpt.errors import CheckpointError
 from ckpt.format import CommitRecord, ShardMeta, data_name, meta_name
 
+from ckptd.cluster.view import ClusterView
 from ckptd.config import Config
 from ckptd.datapath.keyed import KeyCounts, KeyedLocks
-from ckptd.datapath.membership import Membership
 from ckptd.datapath.replication import Replication
 from ckptd.datapath.staging import ShardKey
 from ckptd.rpc.peer_link import PeerLink
@@ -35,9 +37,7 @@ from ckptd.tiers.transfer import fetch_shard
 
 log = logging.getLogger(__name__)
 
-SEAL_ASK_TIMEOUT_S = 1.0
 FETCH_THREADS = 4
-NOTIFY_TIMEOUT_S = 3.0
 
 
 class Peering:
@@ -46,7 +46,7 @@ class Peering:
     def __init__(
         self,
         config: Config,
-        membership: Membership | None,
+        view: ClusterView | None,
         nvme: LocalDirTier,
         replica_store: LocalDirTier,
         threads: ThreadPoolExecutor,
@@ -59,14 +59,15 @@ class Peering:
         self.node = config.node.listen or config.node.name
         self._threads = threads
         self.instance = uuid.uuid4().hex  # this daemon's run: calls that carry it have come back to it
-        # The peer tier is on wherever a membership is (peers may come later); its links follow the membership.
-        self.membership = membership
+        # The peer tier is on wherever a cluster view is (peers may come later); its links follow the membership.
+        self.view = view
+        self.membership = view.membership if view is not None else None
         self.peer_tier: PeerTier | None = None
         self.replication: Replication | None = None
-        if membership is not None:
+        if self.membership is not None:
             self.peer_tier = PeerTier([])
             self.replication = Replication([], config.peer.replicas, on_change) if config.peer.replicas else None
-            membership.watch(self.membership_changed)
+            self.membership.watch(self.membership_changed)
         self._fetch_locks: KeyedLocks[tuple[str, int, int]] = KeyedLocks()  # one fetch of a shard at a time
         self._fetching: KeyCounts[tuple[str, int]] = KeyCounts()  # steps being fetched: retention keeps off
         # NVMe's complete steps by job, as the last reconciliation listed them (on a thread): what the
@@ -74,8 +75,6 @@ class Peering:
         # Older by at most one round, it only ever keeps more: steps leave the old end and join the new one.
         self._nvme_complete: dict[str, list[int]] = {}
         self._fetch_threads = ThreadPoolExecutor(max_workers=FETCH_THREADS, thread_name_prefix="fetch")
-        self._notify_threads = ThreadPoolExecutor(max_workers=2, thread_name_prefix="notify")
-        self._broadcasts: set[asyncio.Task[None]] = set()
 
     async def _run(self, fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._threads, fn, *args)
@@ -117,24 +116,23 @@ class Peering:
         shards: list[Holding] = await self._run(self.nvme.holdings, job, step, self.node)
         return shards + await self._run(self.replica_store.holdings, job, step, self.node)
 
-    async def peer_shards(self, job: str, step: int) -> list[Holding]:
-        """Ask the peers what they hold of a step, if this node's own copies do not cover every rank.
+    async def seal(self, job: str, step: int, run_id: str | None) -> CommitRecord | None:
+        """Seal the step here if this node holds every rank, or the cluster view knows it committed.
 
-        Only this step, and briefly: a powered-off peer must not hold up every flush's
-        waiters. Called before taking the seal lock, so that nobody waits on the network.
+        Otherwise report what this node holds of it to the view: the step is sealed here
+        when its commit comes back (Lifecycle hands it to adopt_told). A replica that
+        arrives after the commit is reported too: the view's holders() names it.
         """
-        if self.peer_tier is None or _every_rank(await self._local_shards(job, step)):
-            return []
-        held = await self._run(self.peer_tier.ask, job, step, SEAL_ASK_TIMEOUT_S)
-        return [h for s in held for h in s.shards]
-
-    async def seal(self, job: str, step: int, run_id: str | None, peer_shards: list[Holding]) -> CommitRecord | None:
-        """Seal the step here (and tell the peers) if every rank is durable on some node (NVMe or replica)."""
-        shards = await self._local_shards(job, step) + peer_shards
+        shards = await self._local_shards(job, step)
         record = seal_record(job, step, shards, run_id)
+        sealed_here = record is not None
+        if record is None and self.view is not None:
+            record = self.view.commit_record(job, step)
+            self.view.report(job, step, shards)  # committed or not: replicas count for holders()
         if record is None or not await self.adopt(record):
             return None
-        self._broadcast(record)
+        if sealed_here and self.view is not None:
+            self.view.announce(record)
         return record
 
     async def adopt(self, record: CommitRecord) -> bool:
@@ -159,34 +157,13 @@ class Peering:
     def _commits_held(self, job: str, step: int) -> list[CommitRecord]:
         return [r for t in (self.nvme, self.replica_store) if (r := t.checked_commit(job, step)) is not None]
 
-    def _broadcast(self, record: CommitRecord) -> None:
-        if self.peer_tier is None:
-            return
-
-        async def tell(link: PeerLink) -> None:
-            try:
-                # Threads of their own, and briefly: a dead peer must not tie up the threads seals use.
-                await asyncio.get_running_loop().run_in_executor(
-                    self._notify_threads, link.commit_step, record, NOTIFY_TIMEOUT_S
-                )
-            except CheckpointError as e:
-                log.info("%s; it will learn of the commit when it asks", e)
-
-        for link in self.peer_tier.links:
-            task = asyncio.get_running_loop().create_task(tell(link))
-            self._broadcasts.add(task)
-            task.add_done_callback(self._broadcasts.discard)
-
     async def adopt_missed_commits(self, tier: DurableTier, job: str) -> None:
-        """Seal this node's incomplete steps of a job that the peers know to be complete."""
-        if self.peer_tier is None:
+        """Seal this node's incomplete steps of a job that the cluster view knows to be complete."""
+        if self.view is None:
             return
-        incomplete: list[int] = await self._run(_incomplete_steps, tier, job)
-        if not incomplete:
-            return
-        records = {s.step: s.record for s in await self._run(self.peer_tier.inventories, job) if s.record is not None}
-        for step in incomplete:
-            if step in records and await self._run(tier.adopt_commit, records[step]):
+        for step in await self._run(_incomplete_steps, tier, job):
+            record = self.view.commit_record(job, step)
+            if record is not None and await self._run(tier.adopt_commit, record):
                 log.info("%s step %d on tier %s: adopted the commit record a peer holds", job, step, tier.name)
 
     # -- reading from the cluster ---------------------------------------------------------
@@ -261,18 +238,25 @@ class Peering:
             return False, f"tier peer is not configured on node {self.config.node.name}", 0, 0
         return self.replication.state(key)
 
-    async def reconcile(self, seal_lock: asyncio.Lock, flushing: Callable[[str, int], bool]) -> None:
-        """Catch up with the peers: adopt their commits, seal what became complete, resume replication."""
+    async def reconcile(self, seal_lock: asyncio.Lock, flushing: Callable[[str, int], bool], full: bool) -> None:
+        """Catch up: seal what this node's shards or the view's commits complete, report the rest, resume replicas.
+
+        full (at start-up: recovery): ask every peer's inventory, adopt the commits they hold
+        and seal from their shards too. Otherwise only the peers this node's replicas go to
+        are asked, to confirm those replicas: the work of a round does not grow with the cluster.
+        """
         if self.peer_tier is None:
             return
         self.peer_tier.forget()
         await self._run(self.peer_tier.close_retired)
+        asked = None if full else self.replication.target_peers() if self.replication is not None else set()
         asked_at = time.monotonic()
-        remote: list[StepHoldings] = await self._run(self.peer_tier.inventories, "")
+        peer_tier = self.peer_tier
+        remote: list[StepHoldings] = await self._run(lambda: peer_tier.ask(only=asked))
         local: list[StepHoldings] = await self._run(self.local_holdings, "", None)
-        records = {(s.job, s.step): s.record for s in remote if s.record is not None}
+        records = {(s.job, s.step): s.record for s in remote if s.record is not None and full}
         remote_shards: dict[tuple[str, int], list[Holding]] = defaultdict(list)
-        for s in remote:
+        for s in remote if full else []:
             remote_shards[(s.job, s.step)].extend(s.shards)
         mine: dict[tuple[str, int], list[Holding]] = defaultdict(list)  # both tiers of this node, by step
         for s in local:
@@ -284,16 +268,20 @@ class Peering:
             for job, step in sorted(unsealed):
                 if flushing(job, step):
                     continue
-                record = records.get((job, step)) or seal_record(
-                    job, step, [*mine[(job, step)], *remote_shards[(job, step)]]
-                )
-                if record is not None and await self.adopt(record):
+                record = records.get((job, step)) or (self.view.commit_record(job, step) if self.view else None)
+                sealed_here = record is None
+                record = record or seal_record(job, step, [*mine[(job, step)], *remote_shards[(job, step)]])
+                if record is None:
+                    if self.view is not None:
+                        self.view.report(job, step, mine[(job, step)])
+                elif await self.adopt(record):
                     log.info("%s step %d is complete across the cluster", job, step)
-                    self._broadcast(record)
+                    if sealed_here and self.view is not None:
+                        self.view.announce(record)
         if self.replication is not None:
             self._nvme_complete = await self._run(lambda: {j: self.nvme.complete_steps(j) for j in self.nvme.jobs()})
             await self._run(self._track_local_shards, local)
-            reachable = self.peer_tier.reachable()
+            reachable = self.peer_tier.reachable() if asked is None else self.peer_tier.reachable() & asked
             on_disk = await self._run(self._steps_on_disk, self.replication.tracked())
             # A step directory goes only with retention (a shard still being flushed has one already).
             self.replication.forget(lambda k: on_disk.get((k.job, k.step), (True, None))[0] and self._kept(k))
@@ -373,12 +361,9 @@ class Peering:
 
     async def drain(self) -> None:
         """Finish transfers under way and close the links."""
-        if self._broadcasts:
-            await asyncio.gather(*list(self._broadcasts), return_exceptions=True)
         if self.replication is not None:
             await self.replication.drain()
         self._fetch_threads.shutdown(wait=True)
-        self._notify_threads.shutdown(wait=True)
         if self.peer_tier is not None:
             self.peer_tier.close()
 

@@ -113,8 +113,10 @@ class Pipeline:
         removals = [Removal("memory", job, s.shard.step, f"rank {s.rank}'s staging slot") for s in slots if s.shard]
         tiers = ("nvme", "peer", "object") if object_too else ("nvme", "peer")
         removals += await self.node.retention.remove_job(job, dry_run, tiers)
-        if not dry_run:  # `status` and /metrics stop reporting its newest steps there
+        if not dry_run:  # `status` and /metrics stop reporting its newest steps there, nor the cluster view
             self.node.progress.newest.forget(job, ("memory", *tiers))
+            if self.node.view is not None:
+                await self.node.view.forget_job(job)
         return removals
 
     # -- the peers' calls ----------------------------------------------------------------------
@@ -125,10 +127,8 @@ class Pipeline:
         return list(await self._on_peer_threads(peering.local_holdings, job, step))
 
     async def adopt_commit(self, record: CommitRecord) -> None:
-        """Seal a step that a peer found complete, where this node holds part of it."""
-        if await self.node.peering.adopt_told(record):
-            log.info("%s step %d is complete across the cluster", record.job, record.step)
-        await self.node.progress.changed()
+        """Seal a step that a peer found complete, where this node holds part of it (CommitStep)."""
+        await self.node.commit_learned(record)
 
     async def replica_arrived(self, meta: ShardMeta) -> None:
         """Seal the step of a replica that just became durable here, if it was the last rank missing.

@@ -160,6 +160,10 @@ class Replication:
                     log.warning("peer %s no longer holds the replica of %s: sending it again", target, shard.key)
                     del shard.done[target]
 
+    def target_peers(self) -> set[str]:
+        """Return the peers that keep (or are to keep) a replica of some shard followed here."""
+        return {t for shard in self._shards.values() for t in shard.targets}
+
     def tracked(self) -> list[ShardKey]:
         """Return every shard being followed."""
         return list(self._shards)

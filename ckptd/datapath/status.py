@@ -114,6 +114,7 @@ class StatusReport:
                 "peer": {"replica_root": str(self.config.replica_root), **self.peering.status()},
                 "object": self.uploader.status() if self.uploader is not None else {"enabled": False},
             },
+            "cluster": self.peering.view.status() if self.peering.view is not None else {"backend": "none"},
             "staging": {
                 "policy": self.config.staging.policy,
                 "budget_bytes": self.config.staging.budget_bytes,

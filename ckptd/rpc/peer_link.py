@@ -23,7 +23,8 @@ from ckpt.format import CommitRecord, ShardMeta, validate_job, validate_step
 from ckpt.wire.v1 import peer_pb2 as pb
 from ckpt.wire.v1 import peer_pb2_grpc
 
-from ckptd.config import PeerConfig, host_of
+from ckptd.addresses import host_of
+from ckptd.config import PeerConfig
 from ckptd.rpc.data_channel import DataChannelError, client_context, send_range
 from ckptd.rpc.shard_stream import byte_ranges, fill_from_pieces, read_pieces
 from ckptd.tiers.cluster import Holding, StepHoldings

@@ -57,7 +57,7 @@ class PeerServicer(peer_pb2_grpc.CkptdPeerServicer):
         known = self.pipeline.receiver.known_meta(transfer, raw)
         return known if known is not None else await asyncio.to_thread(_shard_meta, raw)
 
-    def _admit(self, context: Any) -> None:
+    def admit(self, context: Any) -> None:
         """Refuse the node itself, and (with TLS) a caller whose certificate names no configured peer's host."""
         if dict(context.invocation_metadata()).get(INSTANCE_HEADER) == self.pipeline.instance:
             raise IsSelf(f"{ITSELF} a peer address in [peer] addresses leads back to this node")
@@ -75,7 +75,7 @@ class PeerServicer(peer_pb2_grpc.CkptdPeerServicer):
 
     async def PutShard(self, request_iterator: AsyncIterator[bytes], context: Any) -> pb.PutShardReply:
         async def work() -> pb.PutShardReply:
-            self._admit(context)
+            self.admit(context)
             # Closed here, however the call ends: a stream left to the garbage collector is closed by a
             # finalizer, wherever the collector happens to run (once, deep in parsing a hostile record).
             reader = cast("AsyncGenerator[bytes, None]", aiter(request_iterator))  # gRPC's is a generator
@@ -106,7 +106,7 @@ class PeerServicer(peer_pb2_grpc.CkptdPeerServicer):
 
     async def OpenDataRange(self, request: pb.ShardPiece, context: Any) -> pb.DataRangeTicket:
         async def work() -> pb.DataRangeTicket:
-            self._admit(context)
+            self.admit(context)
             if self.data_listener is None:
                 return pb.DataRangeTicket()
             meta = await self._shard_meta(request.transfer, request.meta_json)
@@ -118,7 +118,7 @@ class PeerServicer(peer_pb2_grpc.CkptdPeerServicer):
 
     async def SealShard(self, request: pb.SealShardRequest, context: Any) -> pb.SealShardReply:
         async def work() -> pb.SealShardReply:
-            self._admit(context)
+            self.admit(context)
             meta = await self._shard_meta(request.transfer, request.meta_json)
             record = await asyncio.to_thread(_commit_record, request.commit_json) if request.commit_json else None
             await self.pipeline.receiver.seal(meta, request.transfer, record)
@@ -129,7 +129,7 @@ class PeerServicer(peer_pb2_grpc.CkptdPeerServicer):
 
     async def GetShard(self, request: pb.GetShardRequest, context: Any) -> AsyncIterator[bytes]:
         async def find() -> tuple[ShardMeta, bytes, Any]:
-            self._admit(context)
+            self.admit(context)
             job, step = validate_job(request.job), validate_step(request.step)
             return await self.pipeline.shard_for_peer(job, step, request.rank, request.tier)
 
@@ -156,7 +156,7 @@ class PeerServicer(peer_pb2_grpc.CkptdPeerServicer):
 
     async def Inventory(self, request: pb.InventoryRequest, context: Any) -> pb.InventoryReply:
         async def work() -> pb.InventoryReply:
-            self._admit(context)
+            self.admit(context)
             job = validate_job(request.job) if request.job else ""
             step = None if request.step == -1 else validate_step(request.step)
             steps = await self.pipeline.holdings(job, step)
@@ -166,7 +166,7 @@ class PeerServicer(peer_pb2_grpc.CkptdPeerServicer):
 
     async def CommitStep(self, request: pb.CommitStepRequest, context: Any) -> pb.CommitStepReply:
         async def work() -> pb.CommitStepReply:
-            self._admit(context)
+            self.admit(context)
             await self.pipeline.adopt_commit(await asyncio.to_thread(_commit_record, request.commit_json))
             return pb.CommitStepReply()
 

@@ -75,9 +75,11 @@ class PeerTier(Tier):
             self._views[job] = (time.monotonic(), found)
         return found
 
-    def ask(self, job: str = "", step: int = -1, timeout_s: float = INVENTORY_TIMEOUT_S) -> list[StepHoldings]:
-        """Ask every peer now (no cache) what it holds of a job's step, or of every step."""
-        links = list(self.links)
+    def ask(
+        self, job: str = "", step: int = -1, timeout_s: float = INVENTORY_TIMEOUT_S, only: Collection[str] | None = None
+    ) -> list[StepHoldings]:
+        """Ask every peer (or those in only) now, no cache, what it holds of a job's step, or of every step."""
+        links = [link for link in self.links if only is None or link.address in only]
         with ThreadPoolExecutor(max_workers=max(1, len(links)), thread_name_prefix="inventory") as pool:
             answers = list(pool.map(lambda link: self._inventory(link, job, step, timeout_s), links))
         return [s for answer in answers for s in answer]

@@ -7,7 +7,8 @@ import sys
 
 import pytest
 
-from ckptd.config import ConfigError, endpoints, load_config, parse_cpus
+from ckptd.addresses import endpoints
+from ckptd.config import ConfigError, load_config, parse_cpus
 
 
 def test_defaults_need_no_root(tmp_path, monkeypatch):

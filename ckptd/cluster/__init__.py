@@ -1,0 +1,1 @@
+"""The cluster view: who holds which shard of which step, which steps are committed, who is alive."""

@@ -1,0 +1,23 @@
+"""Build the cluster view that [cluster] backend names; Lifecycle calls open_view() once, at construction."""
+
+from __future__ import annotations
+
+from ckptd.cluster.etcd_view import EtcdView
+from ckptd.cluster.peers_view import PeersView
+from ckptd.cluster.view import ClusterView
+from ckptd.config import Config
+from ckptd.datapath.membership import ResolvedPeers
+from ckptd.rpc.cluster_link import ClusterLinks
+
+
+def open_view(config: Config) -> ClusterView | None:
+    """Return the configured cluster view, or None for a node with no peers (it seals every step alone)."""
+    kept = max(config.retention.nvme, config.retention.peer)
+    if config.cluster.backend == "etcd":
+        return EtcdView(config, kept)
+    if not config.peer.addresses:
+        return None
+    membership = ResolvedPeers(config)
+    links = ClusterLinks(config.peer, tls_name=membership.tls_name)
+    node = config.node.listen or config.node.name
+    return PeersView(node, membership, links, kept, config.cluster.anti_entropy_s, serves=bool(config.node.listen))

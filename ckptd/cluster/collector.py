@@ -1,0 +1,81 @@
+"""What a job's coordinator gathered: each node's report of each step, and the step's record once every rank is in.
+
+Used by both cluster views on the event loop: PeersView feeds it Report calls, EtcdView
+the reports it reads and watches under its prefix. Pure bookkeeping, no I/O.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Collection, Sequence
+
+from ckpt.format import CommitRecord
+
+from ckptd.tiers.cluster import Holding, seal_record
+
+STEPS_KEPT = 64  # steps per job whose reports a coordinator keeps (committed or not): the newest
+
+
+class Collector:
+    """Gather reports per (job, step) and node; say when a step can be sealed.
+
+    A node's report replaces its earlier one of the same step (it says all it holds).
+    Memory is bounded: the newest STEPS_KEPT steps of each job.
+    """
+
+    def __init__(self, steps_kept: int = STEPS_KEPT) -> None:
+        self.steps_kept = steps_kept
+        self._jobs: dict[str, OrderedDict[int, dict[str, tuple[Holding, ...]]]] = {}
+
+    def add(
+        self, node: str, job: str, step: int, shards: Sequence[Holding], alive: Collection[str] | None = None
+    ) -> CommitRecord | None:
+        """Take a node's report of a step; return the step's commit record if every rank is now held somewhere.
+
+        alive: the nodes up now; the copies of the others (gone with their node) do not count.
+        """
+        steps = self._jobs.setdefault(job, OrderedDict())
+        if step not in steps:
+            if len(steps) >= self.steps_kept and step < min(steps):
+                return None  # long superseded
+            newest = next(reversed(steps), None)
+            steps[step] = {}
+            if newest is not None and step < newest:  # came late: keep the steps in order
+                self._jobs[job] = steps = OrderedDict(sorted(steps.items()))
+            while len(steps) > self.steps_kept:
+                steps.popitem(last=False)
+        steps[step][node] = tuple(h for h in shards if (h.job, h.step, h.node) == (job, step, node))
+        return seal_record(
+            job, step, [h for n, held in steps[step].items() if alive is None or n in alive for h in held]
+        )
+
+    def seal_again(self, job: str, alive: Collection[str]) -> list[CommitRecord]:
+        """Return the records of the job's steps that the reports complete among the nodes alive now."""
+        found = []
+        for step, by_node in self._jobs.get(job, {}).items():
+            record = seal_record(job, step, [h for n, held in by_node.items() if n in alive for h in held])
+            if record is not None:
+                found.append(record)
+        return found
+
+    def reported(self, job: str, step: int) -> dict[str, tuple[Holding, ...]]:
+        """Return {node: its holdings} of a step, as reported."""
+        return dict(self._jobs[job].get(step, {}) if job in self._jobs else {})
+
+    def holders(self, job: str, step: int, rank: int) -> list[Holding]:
+        """Return every reported holding of a rank's shard of a step."""
+        return [h for held in self.reported(job, step).values() for h in held if h.rank == rank]
+
+    def jobs(self) -> list[str]:
+        return list(self._jobs)
+
+    def steps(self, job: str) -> list[int]:
+        """Return the steps of a job with reports, oldest first."""
+        return list(self._jobs.get(job, {}))
+
+    def drop(self, job: str, step: int) -> None:
+        if job in self._jobs:
+            self._jobs[job].pop(step, None)
+
+    def forget(self, job: str) -> None:
+        self._jobs.pop(job, None)

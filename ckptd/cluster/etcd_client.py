@@ -1,0 +1,232 @@
+"""A thin asyncio client of etcd's v3 API over our own stubs (protos/ckptd/cluster/etcd_wire/rpc.proto).
+
+EtcdView and EtcdMembership (ckptd.cluster.etcd_view, etcd_membership) make every call,
+on the event loop. Why our own stubs rather than a client package: the old `etcd3` does
+not run on current protobuf, and the asyncio clients pin grpcio and protobuf ranges of
+their own; a dozen calls over the grpc.aio we already ship cost one trimmed .proto.
+
+Each call goes to the endpoint that answered last; on UNAVAILABLE or a deadline it tries
+the next, and raises EtcdUnavailable once every endpoint failed (callers retry at their
+own pace). Requests and bytes are counted per method in `counters`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+from ckpt.errors import CheckpointError
+
+from ckptd.cluster.etcd_wire import rpc_pb2 as pb
+from ckptd.cluster.etcd_wire import rpc_pb2_grpc
+
+RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+
+
+class EtcdError(CheckpointError):
+    """etcd refused a request."""
+
+
+class EtcdUnavailable(EtcdError):
+    """No endpoint of etcd answered."""
+
+
+class EtcdCompacted(EtcdError):
+    """A watch asked for history etcd has compacted away; read the keys whole, then watch from there."""
+
+    def __init__(self, message: str, compact_revision: int) -> None:
+        super().__init__(message)
+        self.compact_revision = compact_revision
+
+
+@dataclass(frozen=True)
+class Entry:
+    key: bytes
+    value: bytes
+    mod_revision: int
+    create_revision: int
+
+
+@dataclass(frozen=True)
+class WatchEvent:
+    kind: str  # "put" or "delete"
+    key: bytes
+    value: bytes
+    mod_revision: int
+
+
+def prefix_end(prefix: bytes) -> bytes:
+    """Return the end of the range of keys that start with prefix (etcd's convention: the last byte plus one)."""
+    end = bytearray(prefix)
+    while end and end[-1] == 0xFF:
+        end.pop()
+    if not end:
+        return b"\0"  # every key from prefix on
+    end[-1] += 1
+    return bytes(end)
+
+
+class EtcdClient:
+    """Calls to one etcd cluster, through whichever of its endpoints answers."""
+
+    def __init__(
+        self, endpoints: Sequence[str], cert: str = "", key: str = "", ca: str = "", timeout_s: float = 3.0
+    ) -> None:
+        self.endpoints = list(endpoints)
+        self.timeout_s = timeout_s
+        self._credentials = (
+            grpc.ssl_channel_credentials(Path(ca).read_bytes(), Path(key).read_bytes(), Path(cert).read_bytes())
+            if cert
+            else None
+        )
+        self._current = 0
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._keep_alive: Any = None  # the open LeaseKeepAlive stream, if any
+        self.counters: Counter[str] = Counter()  # "sent.<method>", "sent_bytes.<method>", "received_bytes.<method>"
+
+    def _channel(self, endpoint: str) -> grpc.aio.Channel:
+        if endpoint not in self._channels:
+            options = [("grpc.max_receive_message_length", 64 << 20)]
+            self._channels[endpoint] = (
+                grpc.aio.insecure_channel(endpoint, options=options)
+                if self._credentials is None
+                else grpc.aio.secure_channel(endpoint, self._credentials, options=options)
+            )
+        return self._channels[endpoint]
+
+    async def _call(self, service: str, method: str, request: Any) -> Any:
+        """Make a unary call on the endpoint that answered last, else on the next ones in turn."""
+        self.counters[f"sent.{method}"] += 1
+        self.counters[f"sent_bytes.{method}"] += request.ByteSize()
+        errors = []
+        for i in range(len(self.endpoints)):
+            index = (self._current + i) % len(self.endpoints)
+            endpoint = self.endpoints[index]
+            stub = getattr(rpc_pb2_grpc, f"{service}Stub")(self._channel(endpoint))
+            try:
+                reply = await getattr(stub, method)(request, timeout=self.timeout_s)
+            except grpc.aio.AioRpcError as e:
+                if e.code() not in RETRYABLE:
+                    raise EtcdError(f"etcd at {endpoint}: {method} failed: {e.code().name} {e.details()}") from None
+                errors.append(f"{endpoint}: {e.code().name}")
+                continue
+            self._current = index
+            self.counters[f"received_bytes.{method}"] += reply.ByteSize()
+            return reply
+        raise EtcdUnavailable(f"etcd did not answer {method} ({'; '.join(errors)})")
+
+    async def put(self, key: bytes, value: bytes, lease: int = 0) -> int:
+        """Set a key; return the store's revision after it."""
+        reply = await self._call("KV", "Put", pb.PutRequest(key=key, value=value, lease=lease))
+        return int(reply.header.revision)
+
+    async def get(self, key: bytes) -> bytes | None:
+        reply = await self._call("KV", "Range", pb.RangeRequest(key=key))
+        return bytes(reply.kvs[0].value) if reply.kvs else None
+
+    async def get_prefix(
+        self, prefix: bytes, *, limit: int = 0, descending: bool = False, keys_only: bool = False
+    ) -> tuple[list[Entry], int]:
+        """Return the keys under prefix, in key order (or reversed), and the store's revision they reflect."""
+        order = pb.RangeRequest.DESCEND if descending else pb.RangeRequest.ASCEND
+        request = pb.RangeRequest(
+            key=prefix, range_end=prefix_end(prefix), limit=limit, keys_only=keys_only, sort_order=order
+        )
+        reply = await self._call("KV", "Range", request)
+        entries = [Entry(bytes(kv.key), bytes(kv.value), kv.mod_revision, kv.create_revision) for kv in reply.kvs]
+        return entries, int(reply.header.revision)
+
+    async def delete(self, key: bytes) -> int:
+        return int((await self._call("KV", "DeleteRange", pb.DeleteRangeRequest(key=key))).deleted)
+
+    async def delete_prefix(self, prefix: bytes) -> int:
+        request = pb.DeleteRangeRequest(key=prefix, range_end=prefix_end(prefix))
+        return int((await self._call("KV", "DeleteRange", request)).deleted)
+
+    async def create(self, key: bytes, value: bytes, lease: int = 0) -> bool:
+        """Set a key only if it does not exist (a Txn on create_revision 0); return whether it was created."""
+        absent = pb.Compare(key=key, result=pb.Compare.EQUAL, target=pb.Compare.CREATE, create_revision=0)
+        put = pb.RequestOp(request_put=pb.PutRequest(key=key, value=value, lease=lease))
+        reply = await self._call("KV", "Txn", pb.TxnRequest(compare=[absent], success=[put]))
+        return bool(reply.succeeded)
+
+    async def compact(self, revision: int) -> None:
+        await self._call("KV", "Compact", pb.CompactionRequest(revision=revision))
+
+    async def grant_lease(self, ttl_s: int) -> int:
+        reply = await self._call("Lease", "LeaseGrant", pb.LeaseGrantRequest(TTL=ttl_s))
+        if reply.error:
+            raise EtcdError(f"etcd refused a lease: {reply.error}")
+        return int(reply.ID)
+
+    async def revoke(self, lease: int) -> None:
+        await self._call("Lease", "LeaseRevoke", pb.LeaseRevokeRequest(ID=lease))
+
+    async def keep_alive_once(self, lease: int) -> int:
+        """Renew a lease once; return its TTL now (0 or less: the lease is gone). The stream stays open."""
+        self.counters["sent.LeaseKeepAlive"] += 1
+        for _ in range(2):  # a stream broken since the last renewal is opened again once
+            if self._keep_alive is None:
+                endpoint = self.endpoints[self._current]
+                self._keep_alive = rpc_pb2_grpc.LeaseStub(self._channel(endpoint)).LeaseKeepAlive()
+            try:
+                await asyncio.wait_for(self._keep_alive.write(pb.LeaseKeepAliveRequest(ID=lease)), self.timeout_s)
+                reply = await asyncio.wait_for(self._keep_alive.read(), self.timeout_s)
+            except (grpc.aio.AioRpcError, asyncio.InvalidStateError, TimeoutError) as e:
+                self._keep_alive.cancel()
+                self._keep_alive = None
+                self._current = (self._current + 1) % len(self.endpoints)
+                error: Exception = e
+                continue
+            if reply is grpc.aio.EOF:
+                self._keep_alive = None
+                error = EtcdUnavailable("the lease stream ended")
+                continue
+            return int(reply.TTL)
+        raise EtcdUnavailable(f"etcd did not renew lease {lease:x}: {error}")
+
+    async def watch_prefix(self, prefix: bytes, start_revision: int = 0) -> AsyncIterator[WatchEvent]:
+        """Yield the puts and deletes under prefix from start_revision (0: from now), in order, until cancelled.
+
+        Raises EtcdUnavailable when the stream breaks (resume from the last mod_revision + 1),
+        EtcdCompacted when start_revision is older than etcd's history.
+        """
+        endpoint = self.endpoints[self._current]
+        call = rpc_pb2_grpc.WatchStub(self._channel(endpoint)).Watch()
+        create = pb.WatchCreateRequest(key=prefix, range_end=prefix_end(prefix), start_revision=start_revision)
+        try:
+            await call.write(pb.WatchRequest(create_request=create))
+            self.counters["sent.Watch"] += 1
+            while True:
+                reply = await call.read()
+                if reply is grpc.aio.EOF:
+                    raise EtcdUnavailable(f"etcd at {endpoint} ended the watch of {prefix!r}")
+                if reply.compact_revision:
+                    raise EtcdCompacted(
+                        f"etcd compacted the history of {prefix!r} past revision {start_revision}",
+                        int(reply.compact_revision),
+                    )
+                if reply.canceled:
+                    raise EtcdError(f"etcd cancelled the watch of {prefix!r}: {reply.cancel_reason}")
+                for e in reply.events:
+                    self.counters["received.watch_event"] += 1
+                    self.counters["received_bytes.watch_event"] += e.ByteSize()
+                    kind = "delete" if e.type == pb.Event.DELETE else "put"
+                    yield WatchEvent(kind, bytes(e.kv.key), bytes(e.kv.value), int(e.kv.mod_revision))
+        except grpc.aio.AioRpcError as e:
+            self._current = (self._current + 1) % len(self.endpoints)
+            raise EtcdUnavailable(f"etcd at {endpoint}: the watch of {prefix!r} broke: {e.code().name}") from None
+        finally:
+            call.cancel()
+
+    async def close(self) -> None:
+        if self._keep_alive is not None:
+            self._keep_alive.cancel()
+        for channel in self._channels.values():
+            await channel.close()
+        self._channels.clear()

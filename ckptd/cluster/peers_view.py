@@ -1,0 +1,294 @@
+"""The built-in cluster view ([cluster] backend = "peers"): a coordinator per job, a fan-out tree, anti-entropy.
+
+Per step, each node sends one Report (what it holds of the step) to the job's
+coordinator, the live node that rendezvous hashing of the job name picks; the
+coordinator seals the step when every rank is held somewhere and announces the commit
+down a tree of fan-out FANOUT (each node passes it on to at most FANOUT others). So a
+node's messages per step do not grow with the cluster (the coordinator takes one
+report per node). Nothing is polled: every [cluster] anti_entropy_s, each node compares
+digests of the commits it knows with one random peer, and takes the records it lacks.
+A coordinator that dies is replaced by the next node in rendezvous order: reports not
+answered by a commit are sent again to whoever is coordinator now (docs/INTERNALS.md,
+"The cluster view", has the message counts).
+
+The transport is ckptd.rpc.cluster_link (calls out) and ckptd.rpc.cluster_server
+(calls in, on_* below). Everything runs on the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from ckpt.errors import CheckpointError
+from ckpt.format import CommitRecord
+
+from ckptd.cluster.collector import Collector
+from ckptd.cluster.view import ClusterView, coordinator_of, fan_out
+from ckptd.datapath.membership import Membership
+from ckptd.rpc.cluster_link import ClusterLinks, PeerBusy
+from ckptd.tiers.cluster import Holding, StepHoldings
+
+log = logging.getLogger(__name__)
+
+FANOUT = 8
+RETRY_S = 1.0  # a report that failed is sent again (to the next coordinator) this soon
+RESEND_S = 5.0  # a report taken but not answered by a commit is sent again this long after, then twice as long
+RESEND_MAX_S = 60.0
+UNREACHABLE_S = 3.0  # a peer whose call failed is passed over as coordinator this long
+PENDING_STEPS_KEPT = 64  # reports awaiting their commit, per job: the newest (older ones were abandoned)
+
+
+class PeersView(ClusterView):
+    """The cluster view kept by the daemons themselves, over their peer port."""
+
+    backend = "peers"
+
+    def __init__(
+        self,
+        node: str,
+        membership: Membership,
+        links: ClusterLinks,
+        kept_records: int,
+        anti_entropy_s: float,
+        fanout: int = FANOUT,
+        serves: bool = True,
+        resend_s: float = RESEND_S,
+    ) -> None:
+        """serves: this node answers the cluster calls (it has a peer port); if not, it never coordinates."""
+        super().__init__(node, membership, kept_records)
+        self.serves = serves
+        self.resend_s = resend_s
+        self.links = links
+        self.counters = links.counters  # sent and received, by kind: one table for status and benchmarks
+        self.anti_entropy_s = anti_entropy_s
+        self.fanout = fanout
+        self.collector = Collector()
+        self._pending: dict[tuple[str, int], tuple[Holding, ...]] = {}  # reports not yet answered by a commit
+        # (job, step) -> (the coordinator that took the report, when it is due again, times sent)
+        self._sent: dict[tuple[str, int], tuple[str, float, int]] = {}
+        self._unreachable: dict[str, float] = {}  # peer -> until when it is passed over
+        self._alive_seen: frozenset[str] = frozenset()  # the live nodes when the reports were last weighed
+        self._wake = asyncio.Event()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.last_error = ""
+
+    # -- who is who --------------------------------------------------------------------------
+
+    def live(self) -> list[str]:
+        """Return the nodes taken to be up: this one and the members not passed over lately, sorted."""
+        now = time.monotonic()
+        me = {self.node} if self.serves else set()
+        return sorted(me | {p for p in self.membership.peers() if self._unreachable.get(p, 0.0) <= now})
+
+    def coordinator(self, job: str) -> str:
+        """Return the node that collects a job's reports now."""
+        return coordinator_of(job, self.live())
+
+    def _failed(self, peer: str, error: CheckpointError) -> None:
+        if self._unreachable.get(peer, 0.0) <= time.monotonic():
+            log.info("cluster view: %s; passing it over for %.0f s", error, UNREACHABLE_S)
+        self._unreachable[peer] = time.monotonic() + UNREACHABLE_S
+        self.last_error = str(error)
+
+    def _spawn(self, work: Any) -> None:
+        task = asyncio.get_running_loop().create_task(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # -- this node's side ------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Learn the commits one live peer knows (a node that restarts catches up at once)."""
+        await self._exchange_digests()
+
+    def report(self, job: str, step: int, shards: Sequence[Holding]) -> None:
+        held = self.labelled(shards)
+        taken_by = self._sent.get((job, step), ("", 0.0, 0))[0]
+        if self._pending.get((job, step)) == held and taken_by == self.coordinator(job):
+            return  # said already, to whoever is coordinator now
+        self._pending[(job, step)] = held
+        self._sent.pop((job, step), None)
+        for old in sorted(s for j, s in self._pending if j == job)[:-PENDING_STEPS_KEPT]:
+            self._settled(job, old)
+        self._wake.set()
+
+    def announce(self, record: CommitRecord) -> None:
+        self._settled(record.job, record.step)
+        if self.commits.add(record):
+            self._spawn(self._spread(record, [n for n in self.live() if n != self.node]))
+
+    def _settled(self, job: str, step: int) -> None:
+        self._pending.pop((job, step), None)
+        self._sent.pop((job, step), None)
+
+    async def learned(self, record: CommitRecord) -> bool:
+        if (record.job, record.step) in self._sent:  # the report was taken: the coordinator knows the holdings
+            self._settled(record.job, record.step)
+        return await super().learned(record)
+
+    async def run_forever(self) -> None:
+        """Deliver reports as they come (and again when due); compare digests every anti_entropy_s."""
+        next_exchange = time.monotonic() + self.anti_entropy_s
+        while True:
+            timeout = max(0.0, min(RETRY_S, next_exchange - time.monotonic()))
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), timeout)
+            self._wake.clear()
+            try:
+                await self._deliver()
+                await self._seal_again()
+                if self.anti_entropy_s and time.monotonic() >= next_exchange:
+                    next_exchange = time.monotonic() + self.anti_entropy_s
+                    await self._exchange_digests()
+            except Exception:  # the loop must outlive any one bad round
+                log.exception("cluster view: a round failed")
+
+    async def _deliver(self) -> None:
+        """Send each coordinator, in one Report, the pending reports it has not taken (or took long ago)."""
+        now = time.monotonic()
+        batches: dict[str, list[StepHoldings]] = {}
+        for (job, step), held in self._pending.items():
+            coordinator = self.coordinator(job)
+            taken_by, due, _ = self._sent.get((job, step), ("", 0.0, 0))
+            if taken_by == coordinator and now < due:
+                continue
+            batches.setdefault(coordinator, []).append(StepHoldings(self.node, job, step, None, held))
+        for coordinator, steps in batches.items():
+            self._spawn(self._report_to(coordinator, steps))
+
+    async def _seal_again(self) -> None:
+        """When the live nodes changed, weigh the reports again: a report set aside may count now."""
+        alive = frozenset(self.live())
+        if alive == self._alive_seen:
+            return
+        self._alive_seen = alive
+        for job in self.collector.jobs():
+            for record in self.collector.seal_again(job, alive):
+                if await self.learned(record):
+                    self._spawn(self._spread(record, [n for n in alive if n != self.node]))
+
+    async def _report_to(self, coordinator: str, steps: list[StepHoldings]) -> None:
+        try:
+            if coordinator == self.node:
+                records = await self.on_report(self.node, steps)
+            else:
+                records = await self.links.report(coordinator, self.node, steps)
+        except PeerBusy:
+            return  # the same coordinator, when the report is due again
+        except CheckpointError as e:
+            self._failed(coordinator, e)
+            self._wake.set()  # to the next coordinator, at once
+            return
+        now = time.monotonic()
+        for s in steps:
+            if self.commits.get(s.job, s.step) is not None:
+                self._settled(s.job, s.step)  # taken, and committed: nothing more to say
+            elif (s.job, s.step) in self._pending:
+                taken_by, _, times = self._sent.get((s.job, s.step), ("", 0.0, 0))
+                times = times + 1 if taken_by == coordinator else 0
+                self._sent[(s.job, s.step)] = (coordinator, now + min(self.resend_s * 2**times, RESEND_MAX_S), times)
+        for record in records:
+            await self.learned(record)
+
+    async def _exchange_digests(self) -> None:
+        others = [n for n in self.live() if n != self.node]
+        if not others:
+            return
+        peer = random.choice(others)
+        digests = {j: (self.commits.newest(j) or -1, self.commits.digest(j)) for j in self.commits.jobs()}
+        try:
+            records = await self.links.digest(peer, digests)
+        except CheckpointError as e:
+            self._failed(peer, e)
+            return
+        for record in records:
+            await self.learned(record)
+
+    async def _spread(self, record: CommitRecord, nodes: list[str]) -> None:
+        """Announce a commit to nodes through a fan-out tree; take over the part of a node that does not answer."""
+
+        async def tell(head: str, relay: list[str]) -> None:
+            try:
+                await self.links.announce(head, record, relay)
+            except CheckpointError as e:
+                self._failed(head, e)
+                await self._spread(record, relay)
+
+        await asyncio.gather(*(tell(head, relay) for head, relay in fan_out(nodes, self.fanout)))
+
+    async def holders(self, job: str, step: int, rank: int) -> list[Holding]:
+        coordinator = self.coordinator(job)
+        if coordinator == self.node:
+            return await self.on_holders(job, step, rank)
+        try:
+            return await self.links.holders(coordinator, job, step, rank)
+        except CheckpointError as e:
+            self._failed(coordinator, e)
+            return []
+
+    # -- the calls of other nodes (ckptd.rpc.cluster_server) ---------------------------------
+
+    async def on_report(self, node: str, steps: list[StepHoldings]) -> list[CommitRecord]:
+        """Collect a node's reports; seal and announce each step that became complete; return what is known."""
+        known = []
+        alive = set(self.live()) | {node}
+        for s in steps:
+            # Collected after the commit too: holders() answers from what was reported (replicas come later).
+            sealed = self.collector.add(node, s.job, s.step, s.shards, alive)
+            record = self.commits.get(s.job, s.step)
+            if record is None and sealed is not None:
+                record = sealed
+                if await self.learned(record):
+                    self._spawn(self._spread(record, [n for n in self.live() if n != self.node]))
+            if record is not None:
+                known.append(record)
+        return known
+
+    async def on_announce(self, record: CommitRecord, relay: list[str]) -> None:
+        """Adopt an announced commit, then pass it on (without holding up the caller)."""
+        await self.learned(record)
+        if relay:
+            self._spawn(self._spread(record, [n for n in relay if n != self.node]))
+
+    async def on_digest(self, digests: dict[str, tuple[int, str]]) -> list[CommitRecord]:
+        """Return the records of the jobs whose digest differs from the caller's (all of a job it lacks)."""
+        return [
+            r
+            for job in self.commits.jobs()
+            if digests.get(job, (-1, ""))[1] != self.commits.digest(job)
+            for r in self.commits.records(job)
+        ]
+
+    async def on_holders(self, job: str, step: int, rank: int) -> list[Holding]:
+        alive = set(self.live())
+        return [h for h in self.collector.holders(job, step, rank) if h.node in alive]
+
+    async def forget_job(self, job: str) -> None:
+        self.commits.forget(job)
+        self.collector.forget(job)
+        for j, step in [k for k in self._pending if k[0] == job]:
+            self._settled(j, step)
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "backend": self.backend,
+            "node": self.node,
+            "connected": True,  # nothing to connect to: the peers are the view
+            "members": len(self.live()),
+            "pending_reports": len(self._pending),
+            "unreachable": sorted(p for p, until in self._unreachable.items() if until > time.monotonic()),
+            "last_error": self.last_error,
+            "counters": dict(self.counters),
+        }
+
+    async def close(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.links.close()

@@ -1,0 +1,124 @@
+"""Call other nodes' CkptdCluster service (ckpt/wire/v1/cluster.proto): the built-in cluster view's transport.
+
+PeersView (ckptd.cluster.peers_view) makes every call, on the event loop (grpc.aio).
+Channels are opened on first use and the least recently used are closed past
+MAX_CHANNELS, so that a node of a 1,000-node cluster holds a few dozen, not one per
+peer. Every failure is a PeerError naming the peer. Messages and bytes are counted
+per kind in `counters` (ckptd status, benchmarks/bench_cluster.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import grpc
+from ckpt.errors import CheckpointError, CorruptCheckpoint
+from ckpt.format import CommitRecord
+from ckpt.wire.v1 import cluster_pb2 as pb
+from ckpt.wire.v1 import cluster_pb2_grpc
+
+from ckptd.config import PeerConfig
+from ckptd.rpc.peer_link import (
+    INSTANCE_HEADER,
+    PeerError,
+    channel_credentials,
+    grpc_options,
+    holdings_from_pb,
+    holdings_to_pb,
+)
+from ckptd.tiers.cluster import Holding, StepHoldings
+
+CALL_TIMEOUT_S = 2.0
+MAX_CHANNELS = 64
+
+
+class PeerBusy(PeerError):
+    """The peer refused a call for now (too many under way): call it again soon, it is not down."""
+
+
+def records_from_pb(address: str, raw: Sequence[bytes]) -> list[CommitRecord]:
+    """Parse commit records a node sent; raise PeerError naming it when one does not check."""
+    try:
+        return [CommitRecord.from_bytes(r, f"commit record from {address}") for r in raw]
+    except CorruptCheckpoint as e:
+        raise PeerError(f"peer {address} sent a bad commit record: {e}") from None
+
+
+class ClusterLinks:
+    """One lazily opened grpc.aio channel per peer address, at most MAX_CHANNELS at once."""
+
+    def __init__(self, peer: PeerConfig, instance: str = "", tls_name: Callable[[str], str] = lambda a: "") -> None:
+        """tls_name(address): the name the peer's certificate must carry where it is not the address's host."""
+        self._peer = peer
+        self._credentials = channel_credentials(peer)
+        self._metadata = ((INSTANCE_HEADER, instance),) if instance else ()
+        self._tls_name = tls_name
+        self._channels: OrderedDict[str, tuple[grpc.aio.Channel, cluster_pb2_grpc.CkptdClusterStub]] = OrderedDict()
+        self._closing: set[asyncio.Task[None]] = set()
+        self.counters: Counter[str] = Counter()  # "sent.<kind>", "sent_bytes.<kind>", "received_bytes.<kind>"
+
+    def _stub(self, address: str) -> cluster_pb2_grpc.CkptdClusterStub:
+        if address in self._channels:
+            self._channels.move_to_end(address)
+            return self._channels[address][1]
+        if self._credentials is None:
+            channel = grpc.aio.insecure_channel(address, options=grpc_options())
+        else:
+            name = self._tls_name(address)
+            options = [*grpc_options(), ("grpc.ssl_target_name_override", name)] if name else grpc_options()
+            channel = grpc.aio.secure_channel(address, self._credentials, options=options)
+        self._channels[address] = (channel, cluster_pb2_grpc.CkptdClusterStub(channel))
+        while len(self._channels) > MAX_CHANNELS:
+            _, (old, _) = self._channels.popitem(last=False)
+            task = asyncio.get_running_loop().create_task(old.close())  # its calls under way fail over
+            self._closing.add(task)
+            task.add_done_callback(self._closing.discard)
+        return self._channels[address][1]
+
+    async def _call(self, kind: str, address: str, method: str, request: Any) -> Any:
+        self.counters[f"sent.{kind}"] += 1
+        self.counters[f"sent_bytes.{kind}"] += request.ByteSize()
+        try:
+            reply = await getattr(self._stub(address), method)(request, timeout=CALL_TIMEOUT_S, metadata=self._metadata)
+        except grpc.aio.AioRpcError as e:
+            if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                raise PeerBusy(f"peer {address}: {kind}: busy, {e.details()}") from None
+            raise PeerError(f"peer {address}: {kind} failed: {e.code().name} {e.details()}") from None
+        self.counters[f"received_bytes.{kind}"] += reply.ByteSize()
+        return reply
+
+    async def report(self, address: str, node: str, steps: list[StepHoldings]) -> list[CommitRecord]:
+        """Report this node's holdings of some steps to a coordinator; return the records it knows of them."""
+        reply = await self._call("report", address, "Report", pb.ReportRequest(node=node, steps=holdings_to_pb(steps)))
+        return records_from_pb(address, reply.commit_json)
+
+    async def announce(self, address: str, record: CommitRecord, relay: list[str]) -> None:
+        """Tell a node a step is committed, and have it pass the news on to relay."""
+        await self._call(
+            "announce", address, "Announce", pb.AnnounceRequest(commit_json=record.to_bytes(), relay=relay)
+        )
+
+    async def digest(self, address: str, digests: dict[str, tuple[int, str]]) -> list[CommitRecord]:
+        """Compare commit digests ({job: (newest step, digest)}) with a node; return its records that differ."""
+        jobs = [pb.JobDigest(job=j, newest=n, digest=d) for j, (n, d) in digests.items()]
+        reply = await self._call("digest", address, "Digest", pb.DigestRequest(jobs=jobs))
+        return records_from_pb(address, reply.commit_json)
+
+    async def holders(self, address: str, job: str, step: int, rank: int) -> list[Holding]:
+        """Ask a job's coordinator which nodes hold a rank's shard of a step."""
+        reply = await self._call("holders", address, "Holders", pb.HoldersRequest(job=job, step=step, rank=rank))
+        found: list[Holding] = []
+        for s in reply.holders:
+            try:
+                found += [h for held in holdings_from_pb(s.node, [s.held]) for h in held.shards]
+            except CheckpointError as e:
+                raise PeerError(f"peer {address} sent bad holdings: {e}") from None
+        return found
+
+    async def close(self) -> None:
+        for channel, _ in self._channels.values():
+            await channel.close()
+        self._channels.clear()

