@@ -7,7 +7,6 @@ so that start() again is a restart on the same ports; close() ends it for good.
 
 from __future__ import annotations
 
-import asyncio
 import importlib.util
 import signal
 import socket
@@ -74,29 +73,34 @@ class EtcdServer:
         self._wait_ready()
         return self
 
+    def _answers(self) -> bool:
+        """Say whether etcd answers a real Range request (synchronous: callable inside an event loop too)."""
+        import grpc
+
+        from ckptd.cluster.etcd_wire import rpc_pb2, rpc_pb2_grpc
+
+        if self.tls:
+            cert, key, ca = (p.read_bytes() for p in self.tls)
+            channel = grpc.secure_channel(self.endpoint, grpc.ssl_channel_credentials(ca, key, cert))
+        else:
+            channel = grpc.insecure_channel(self.endpoint)
+        try:
+            rpc_pb2_grpc.KVStub(channel).Range(rpc_pb2.RangeRequest(key=b"/ready"), timeout=1.0)
+            return True
+        except grpc.RpcError:
+            return False
+        finally:
+            channel.close()
+
     def _wait_ready(self) -> None:
-        from ckptd.cluster.etcd_client import EtcdClient, EtcdError
-
-        async def answers() -> bool:
-            cert, key, ca = (str(p) for p in self.tls) if self.tls else ("", "", "")
-            client = EtcdClient([self.endpoint], cert=cert, key=key, ca=ca, timeout_s=1.0)
-            try:
-                await client.get(b"/ready")
-                return True
-            except EtcdError:
-                return False
-            finally:
-                await client.close()
-
         deadline = time.monotonic() + READY_TIMEOUT_S
-        while not asyncio.run(answers()):
+        while not self._answers():
             assert self.proc is not None
+            log = self.log_path.read_text()[-2000:]
             if self.proc.poll() is not None:
-                raise RuntimeError(f"etcd exited with {self.proc.returncode}: {self.log_path.read_text()[-2000:]}")
+                raise RuntimeError(f"etcd exited with {self.proc.returncode}: {log}")
             if time.monotonic() > deadline:
-                raise RuntimeError(
-                    f"etcd did not answer within {READY_TIMEOUT_S} s: {self.log_path.read_text()[-2000:]}"
-                )
+                raise RuntimeError(f"etcd did not answer within {READY_TIMEOUT_S} s: {log}")
             time.sleep(0.1)  # polls a real request until etcd answers
 
     def stop(self) -> None:

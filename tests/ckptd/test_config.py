@@ -59,6 +59,13 @@ def test_env_values_are_parsed_as_toml():
         ('[node]\ncpus = "3-1"\n', {}, "node.cpus: '3-1' has '3-1', a range that ends before it starts"),
         ('[node]\ncpus = "0,100000"\n', {}, "node.cpus: '0,100000': this machine has CPUs 0 to"),
         ('[node]\ncpus = ","\n', {}, "node.cpus: ',' names no CPU"),
+        ('[cluster]\nbackend = "zookeeper"\n', {}, "cluster.backend: must be peers or etcd"),
+        ('[cluster]\nbackend = "etcd"\n', {}, 'cluster.endpoints: backend = "etcd" needs its endpoints'),
+        ('[cluster]\nbackend = "etcd"\nendpoints = ["etcd"]\n', {}, "cluster.endpoints: 'etcd' is not host:port"),
+        ('[cluster]\nbackend = "etcd"\nendpoints = ["e:2379"]\n', {}, 'node.listen: backend = "etcd" names'),
+        ('[cluster]\nprefix = "ckptd"\n', {}, "cluster.prefix: must start and end with /"),
+        ("[cluster]\nlease_ttl_s = 1\n", {}, "cluster.lease_ttl_s: must be at least 2"),
+        ('[cluster]\ncert = "/no/such.pem"\n', {}, "cluster.cert: set cluster.cert, cluster.key and cluster.ca"),
     ],
 )
 def test_bad_config_names_the_key(tmp_path, toml, env, message):
@@ -66,6 +73,20 @@ def test_bad_config_names_the_key(tmp_path, toml, env, message):
     path.write_text(toml)
     with pytest.raises(ConfigError, match=message):
         load_config(str(path), env=env)
+
+
+def test_the_cluster_section_defaults_to_the_built_in_view_and_reads_etcd_settings():
+    assert load_config(None, env={}).cluster.backend == "peers"
+    c = load_config(
+        None,
+        env={
+            "CKPTD_NODE__LISTEN": '"10.0.0.1:7070"',
+            "CKPTD_PEER__INSECURE": "true",
+            "CKPTD_CLUSTER__BACKEND": '"etcd"',
+            "CKPTD_CLUSTER__ENDPOINTS": '["etcd-0:2379", "etcd-1:2379"]',
+        },
+    )
+    assert c.cluster.endpoints == ("etcd-0:2379", "etcd-1:2379") and c.cluster.prefix == "/ckptd/"
 
 
 def test_plaintext_peers_only_when_asked_for(tmp_path):
