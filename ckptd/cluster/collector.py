@@ -1,12 +1,14 @@
 """What a job's coordinator gathered: each node's report of each step, and the step's record once every rank is in.
 
 Used by both cluster views on the event loop: PeersView feeds it Report calls, EtcdView
-the reports it reads and watches under its prefix. Pure bookkeeping, no I/O.
+the reports it reads and watches under its prefix. Pure bookkeeping, no I/O. A report
+costs the coordinator work in proportion to its own size: the rules of seal_record run
+over the whole step only once its ranks are all held somewhere.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Collection, Sequence
 
 from ckpt.format import CommitRecord
@@ -14,6 +16,29 @@ from ckpt.format import CommitRecord
 from ckptd.tiers.cluster import Holding, seal_record
 
 STEPS_KEPT = 64  # steps per job whose reports a coordinator keeps (committed or not): the newest
+
+
+class _StepReports:
+    """One step's reports by node, and how many holdings each rank has among them."""
+
+    def __init__(self) -> None:
+        self.by_node: dict[str, tuple[Holding, ...]] = {}
+        self.per_rank: Counter[int] = Counter()
+
+    def put(self, node: str, held: tuple[Holding, ...]) -> None:
+        for h in self.by_node.get(node, ()):
+            self.per_rank[h.rank] -= 1
+            if not self.per_rank[h.rank]:
+                del self.per_rank[h.rank]
+        self.by_node[node] = held
+        self.per_rank.update(h.rank for h in held)
+
+    def seal(self, job: str, step: int, alive: Collection[str] | None) -> CommitRecord | None:
+        world = next((h.world_size for held in self.by_node.values() for h in held), 0)
+        if not world or len(self.per_rank) < world:
+            return None  # a rank is held nowhere: no need to weigh the reports
+        live = [h for n, held in self.by_node.items() if alive is None or n in alive for h in held]
+        return seal_record(job, step, live)
 
 
 class Collector:
@@ -25,42 +50,48 @@ class Collector:
 
     def __init__(self, steps_kept: int = STEPS_KEPT) -> None:
         self.steps_kept = steps_kept
-        self._jobs: dict[str, OrderedDict[int, dict[str, tuple[Holding, ...]]]] = {}
+        self._jobs: dict[str, OrderedDict[int, _StepReports]] = {}
 
     def add(
-        self, node: str, job: str, step: int, shards: Sequence[Holding], alive: Collection[str] | None = None
+        self,
+        node: str,
+        job: str,
+        step: int,
+        shards: Sequence[Holding],
+        alive: Collection[str] | None = None,
+        seal: bool = True,
     ) -> CommitRecord | None:
         """Take a node's report of a step; return the step's commit record if every rank is now held somewhere.
 
         alive: the nodes up now; the copies of the others (gone with their node) do not count.
+        seal: False where the step is known committed (the report is kept for holders() only).
         """
         steps = self._jobs.setdefault(job, OrderedDict())
         if step not in steps:
-            if len(steps) >= self.steps_kept and step < min(steps):
+            if len(steps) >= self.steps_kept and step < next(iter(steps)):
                 return None  # long superseded
             newest = next(reversed(steps), None)
-            steps[step] = {}
+            steps[step] = _StepReports()
             if newest is not None and step < newest:  # came late: keep the steps in order
                 self._jobs[job] = steps = OrderedDict(sorted(steps.items()))
             while len(steps) > self.steps_kept:
                 steps.popitem(last=False)
-        steps[step][node] = tuple(h for h in shards if (h.job, h.step, h.node) == (job, step, node))
-        return seal_record(
-            job, step, [h for n, held in steps[step].items() if alive is None or n in alive for h in held]
-        )
+        steps[step].put(node, tuple(h for h in shards if (h.job, h.step, h.node) == (job, step, node)))
+        return steps[step].seal(job, step, alive) if seal else None
 
     def seal_again(self, job: str, alive: Collection[str]) -> list[CommitRecord]:
         """Return the records of the job's steps that the reports complete among the nodes alive now."""
         found = []
-        for step, by_node in self._jobs.get(job, {}).items():
-            record = seal_record(job, step, [h for n, held in by_node.items() if n in alive for h in held])
+        for step, reports in self._jobs.get(job, {}).items():
+            record = reports.seal(job, step, alive)
             if record is not None:
                 found.append(record)
         return found
 
     def reported(self, job: str, step: int) -> dict[str, tuple[Holding, ...]]:
         """Return {node: its holdings} of a step, as reported."""
-        return dict(self._jobs[job].get(step, {}) if job in self._jobs else {})
+        reports = self._jobs[job].get(step) if job in self._jobs else None
+        return dict(reports.by_node) if reports is not None else {}
 
     def holders(self, job: str, step: int, rank: int) -> list[Holding]:
         """Return every reported holding of a rank's shard of a step."""

@@ -71,22 +71,34 @@ def prefix_end(prefix: bytes) -> bytes:
     return bytes(end)
 
 
+def _stream_failure(e: Exception) -> str:
+    """Say in a few words why a call on a stream failed."""
+    if isinstance(e, grpc.aio.AioRpcError):
+        return f"{e.code().name} {e.details()}"
+    return "no answer in time" if isinstance(e, TimeoutError) else "the stream had ended"
+
+
 class EtcdClient:
-    """Calls to one etcd cluster, through whichever of its endpoints answers."""
+    """Calls to one etcd cluster, through whichever of its endpoints answers.
+
+    Every method runs on the event loop that made the first call (channels are opened
+    lazily, on first use, and belong to that loop); close() comes last. Calls may run
+    concurrently; lease renewals share one stream and take turns on it.
+    """
 
     def __init__(
         self, endpoints: Sequence[str], cert: str = "", key: str = "", ca: str = "", timeout_s: float = 3.0
     ) -> None:
         self.endpoints = list(endpoints)
         self.timeout_s = timeout_s
-        self._credentials = (
-            grpc.ssl_channel_credentials(Path(ca).read_bytes(), Path(key).read_bytes(), Path(cert).read_bytes())
-            if cert
-            else None
-        )
+        # TLS as soon as one PEM is named ([cluster] config asks for all three: a client certificate);
+        # a CA alone verifies etcd without presenting one, which etcd with --client-cert-auth refuses.
+        pems = [Path(p).read_bytes() if p else None for p in (ca, key, cert)]
+        self._credentials = grpc.ssl_channel_credentials(*pems) if any(pems) else None
         self._current = 0
         self._channels: dict[str, grpc.aio.Channel] = {}
-        self._keep_alive: Any = None  # the open LeaseKeepAlive stream, if any
+        self._keep_alive: tuple[str, Any] | None = None  # the open LeaseKeepAlive stream and its endpoint
+        self._keep_alive_turn = asyncio.Lock()  # one request, then its reply, on that stream
         self.counters: Counter[str] = Counter()  # "sent.<method>", "sent_bytes.<method>", "received_bytes.<method>"
 
     def _channel(self, endpoint: str) -> grpc.aio.Channel:
@@ -126,6 +138,7 @@ class EtcdClient:
         return int(reply.header.revision)
 
     async def get(self, key: bytes) -> bytes | None:
+        """Return a key's value, or None when it does not exist."""
         reply = await self._call("KV", "Range", pb.RangeRequest(key=key))
         return bytes(reply.kvs[0].value) if reply.kvs else None
 
@@ -142,53 +155,67 @@ class EtcdClient:
         return entries, int(reply.header.revision)
 
     async def delete(self, key: bytes) -> int:
+        """Delete a key; return how many keys went (0 or 1)."""
         return int((await self._call("KV", "DeleteRange", pb.DeleteRangeRequest(key=key))).deleted)
 
     async def delete_prefix(self, prefix: bytes) -> int:
+        """Delete every key under prefix; return how many went."""
         request = pb.DeleteRangeRequest(key=prefix, range_end=prefix_end(prefix))
         return int((await self._call("KV", "DeleteRange", request)).deleted)
 
     async def create(self, key: bytes, value: bytes, lease: int = 0) -> bool:
-        """Set a key only if it does not exist (a Txn on create_revision 0); return whether it was created."""
+        """Set a key only if it does not exist (a Txn on create_revision 0); return whether it was created.
+
+        A call that timed out on one endpoint and was answered by the next may have created the
+        key on the first: then it says False for a key holding its own value.
+        """
         absent = pb.Compare(key=key, result=pb.Compare.EQUAL, target=pb.Compare.CREATE, create_revision=0)
         put = pb.RequestOp(request_put=pb.PutRequest(key=key, value=value, lease=lease))
         reply = await self._call("KV", "Txn", pb.TxnRequest(compare=[absent], success=[put]))
         return bool(reply.succeeded)
 
     async def compact(self, revision: int) -> None:
+        """Drop the history before revision: watches from before it end with EtcdCompacted."""
         await self._call("KV", "Compact", pb.CompactionRequest(revision=revision))
 
     async def grant_lease(self, ttl_s: int) -> int:
+        """Return the ID of a new lease of ttl_s seconds (etcd may raise a short TTL to its minimum)."""
         reply = await self._call("Lease", "LeaseGrant", pb.LeaseGrantRequest(TTL=ttl_s))
         if reply.error:
-            raise EtcdError(f"etcd refused a lease: {reply.error}")
+            raise EtcdError(f"etcd at {self.endpoints[self._current]} refused a lease of {ttl_s} s: {reply.error}")
         return int(reply.ID)
 
     async def revoke(self, lease: int) -> None:
+        """End a lease now; the keys put with it go with it."""
         await self._call("Lease", "LeaseRevoke", pb.LeaseRevokeRequest(ID=lease))
 
     async def keep_alive_once(self, lease: int) -> int:
-        """Renew a lease once; return its TTL now (0 or less: the lease is gone). The stream stays open."""
+        """Renew a lease once; return its TTL now (0 or less: the lease is gone). The stream stays open.
+
+        A stream that broke since the last renewal is opened again, on each endpoint in turn.
+        """
         self.counters["sent.LeaseKeepAlive"] += 1
-        for _ in range(2):  # a stream broken since the last renewal is opened again once
-            if self._keep_alive is None:
-                endpoint = self.endpoints[self._current]
-                self._keep_alive = rpc_pb2_grpc.LeaseStub(self._channel(endpoint)).LeaseKeepAlive()
-            try:
-                await asyncio.wait_for(self._keep_alive.write(pb.LeaseKeepAliveRequest(ID=lease)), self.timeout_s)
-                reply = await asyncio.wait_for(self._keep_alive.read(), self.timeout_s)
-            except (grpc.aio.AioRpcError, asyncio.InvalidStateError, TimeoutError) as e:
-                self._keep_alive.cancel()
-                self._keep_alive = None
-                self._current = (self._current + 1) % len(self.endpoints)
-                error: Exception = e
-                continue
-            if reply is grpc.aio.EOF:
-                self._keep_alive = None
-                error = EtcdUnavailable("the lease stream ended")
-                continue
-            return int(reply.TTL)
-        raise EtcdUnavailable(f"etcd did not renew lease {lease:x}: {error}")
+        errors = []
+        async with self._keep_alive_turn:
+            for _ in range(len(self.endpoints) + (self._keep_alive is not None)):
+                if self._keep_alive is None:
+                    endpoint = self.endpoints[self._current]
+                    self._keep_alive = endpoint, rpc_pb2_grpc.LeaseStub(self._channel(endpoint)).LeaseKeepAlive()
+                endpoint, stream = self._keep_alive
+                try:
+                    await asyncio.wait_for(stream.write(pb.LeaseKeepAliveRequest(ID=lease)), self.timeout_s)
+                    reply = await asyncio.wait_for(stream.read(), self.timeout_s)
+                    if reply is not grpc.aio.EOF:
+                        return int(reply.TTL)
+                    errors.append(f"{endpoint}: the stream ended")
+                except (grpc.aio.AioRpcError, asyncio.InvalidStateError, TimeoutError) as e:
+                    errors.append(f"{endpoint}: {_stream_failure(e)}")
+                except asyncio.CancelledError:
+                    self._end_keep_alive()  # else the reply to this request would answer the next renewal
+                    raise
+                self._end_keep_alive()
+                self._current = (self.endpoints.index(endpoint) + 1) % len(self.endpoints)
+        raise EtcdUnavailable(f"etcd did not renew lease {lease:x} ({'; '.join(errors)})")
 
     async def watch_prefix(self, prefix: bytes, start_revision: int = 0) -> AsyncIterator[WatchEvent]:
         """Yield the puts and deletes under prefix from start_revision (0: from now), in order, until cancelled.
@@ -196,7 +223,7 @@ class EtcdClient:
         Raises EtcdUnavailable when the stream breaks (resume from the last mod_revision + 1),
         EtcdCompacted when start_revision is older than etcd's history.
         """
-        endpoint = self.endpoints[self._current]
+        endpoint = self.endpoints[self._current]  # a broken watch moves on: the caller's next watch tries the next
         call = rpc_pb2_grpc.WatchStub(self._channel(endpoint)).Watch()
         create = pb.WatchCreateRequest(key=prefix, range_end=prefix_end(prefix), start_revision=start_revision)
         try:
@@ -208,25 +235,30 @@ class EtcdClient:
                     raise EtcdUnavailable(f"etcd at {endpoint} ended the watch of {prefix!r}")
                 if reply.compact_revision:
                     raise EtcdCompacted(
-                        f"etcd compacted the history of {prefix!r} past revision {start_revision}",
+                        f"etcd at {endpoint} compacted the history of {prefix!r} past revision {start_revision}",
                         int(reply.compact_revision),
                     )
                 if reply.canceled:
-                    raise EtcdError(f"etcd cancelled the watch of {prefix!r}: {reply.cancel_reason}")
+                    raise EtcdError(f"etcd at {endpoint} cancelled the watch of {prefix!r}: {reply.cancel_reason}")
                 for e in reply.events:
                     self.counters["received.watch_event"] += 1
                     self.counters["received_bytes.watch_event"] += e.ByteSize()
                     kind = "delete" if e.type == pb.Event.DELETE else "put"
                     yield WatchEvent(kind, bytes(e.kv.key), bytes(e.kv.value), int(e.kv.mod_revision))
-        except grpc.aio.AioRpcError as e:
+        except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as e:
             self._current = (self._current + 1) % len(self.endpoints)
-            raise EtcdUnavailable(f"etcd at {endpoint}: the watch of {prefix!r} broke: {e.code().name}") from None
+            raise EtcdUnavailable(f"etcd at {endpoint}: the watch of {prefix!r} broke: {_stream_failure(e)}") from None
         finally:
             call.cancel()
 
-    async def close(self) -> None:
+    def _end_keep_alive(self) -> None:
         if self._keep_alive is not None:
-            self._keep_alive.cancel()
+            self._keep_alive[1].cancel()
+            self._keep_alive = None
+
+    async def close(self) -> None:
+        """Close the lease stream and every channel; the client is not used after it."""
+        self._end_keep_alive()
         for channel in self._channels.values():
             await channel.close()
         self._channels.clear()

@@ -79,6 +79,10 @@ class EtcdView(ClusterView):
         self._coordinating: dict[str, asyncio.Task[None]] = {}  # job -> the task following its held/ keys
         self._lease = 0
         self._alive_seen: frozenset[str] = frozenset()  # the nodes alive when the reports were last weighed
+        self._alive_of: frozenset[str] | None = None  # the membership _alive_now was worked out from
+        self._alive_now: frozenset[str] = frozenset()
+        self._coordinated_for: tuple[frozenset[str], frozenset[str]] | None = None  # what _mine was worked out for
+        self._mine: set[str] = set()  # the jobs this node coordinates
         self._wake = asyncio.Event()
         self.connected = False
         self.last_error = ""
@@ -183,8 +187,8 @@ class EtcdView(ClusterView):
             except EtcdError as e:
                 self._failed("reporting shards", e)
             self._coordinate_jobs()
-            alive = self.membership.peers() | {self.node}
-            if alive != self._alive_seen:  # reports set aside for a node not known yet may count now
+            alive = self._alive()
+            if alive is not self._alive_seen:  # reports set aside for a node not known yet may count now
                 self._alive_seen = alive
                 try:
                     await self._seal_again(alive)
@@ -246,10 +250,21 @@ class EtcdView(ClusterView):
                 self._failed("following jobs", e)
             await asyncio.sleep(RETRY_S)  # etcd is away: a pace for trying again
 
+    def _alive(self) -> frozenset[str]:
+        """Return the nodes with a live lease, this one included (worked out again when the membership changed)."""
+        peers = self.membership.peers()
+        if peers is not self._alive_of:
+            self._alive_of, self._alive_now = peers, peers | {self.node}
+        return self._alive_now
+
     def _coordinate_jobs(self) -> None:
         """Start following the held/ keys of the jobs this node now coordinates; stop for those it no longer does."""
-        nodes = sorted(self.membership.peers() | {self.node})
-        mine = {j for j in self._jobs_known if coordinator_of(j, nodes) == self.node}
+        alive = self._alive()
+        jobs = frozenset(self._jobs_known)
+        if (alive, jobs) != self._coordinated_for:
+            self._coordinated_for = (alive, jobs)
+            self._mine = {j for j in self._jobs_known if coordinator_of(j, alive) == self.node}
+        mine = self._mine
         for job in set(self._coordinating) - mine:
             self._coordinating.pop(job).cancel()
         for job in mine - set(self._coordinating):
@@ -282,8 +297,7 @@ class EtcdView(ClusterView):
         step = int(step_text)
         if self.commits.get(job, step) is not None:
             return
-        alive = self.membership.peers() | {self.node}
-        record = self.collector.add(node, job, step, _holdings(node, job, step, value), alive)
+        record = self.collector.add(node, job, step, _holdings(node, job, step, value), self._alive())
         if record is not None:
             try:
                 await self._commit(record)
@@ -298,7 +312,7 @@ class EtcdView(ClusterView):
         except EtcdError as e:
             self._failed("asking holders", e)
             return []
-        alive = self.membership.peers() | {self.node}
+        alive = self._alive()
         found = []
         for entry in entries:
             node = entry.key[len(prefix) :].decode(errors="replace")

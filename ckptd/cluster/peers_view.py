@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import random
 import time
 from collections.abc import Sequence
@@ -74,6 +75,11 @@ class PeersView(ClusterView):
         self._sent: dict[tuple[str, int], tuple[str, float, int]] = {}
         self._unreachable: dict[str, float] = {}  # peer -> until when it is passed over
         self._alive_seen: frozenset[str] = frozenset()  # the live nodes when the reports were last weighed
+        self._live: list[str] = []  # live(), as last worked out from _live_of and _unreachable
+        self._live_set: frozenset[str] = frozenset()
+        self._live_of: frozenset[str] | None = None  # the membership it was worked out from
+        self._live_until = 0.0  # when a passed-over peer's time is up
+        self._coordinators: dict[str, str] = {}  # job -> coordinator, for the live nodes of now
         self._wake = asyncio.Event()
         self._tasks: set[asyncio.Task[None]] = set()
         self.last_error = ""
@@ -81,19 +87,35 @@ class PeersView(ClusterView):
     # -- who is who --------------------------------------------------------------------------
 
     def live(self) -> list[str]:
-        """Return the nodes taken to be up: this one and the members not passed over lately, sorted."""
+        """Return the nodes taken to be up: this one and the members not passed over lately, sorted.
+
+        Worked out again only when the membership or a passed-over peer changed: at 1,000
+        nodes it is the one piece of work that grows with the cluster, and every report asks.
+        """
         now = time.monotonic()
-        me = {self.node} if self.serves else set()
-        return sorted(me | {p for p in self.membership.peers() if self._unreachable.get(p, 0.0) <= now})
+        peers = self.membership.peers()
+        if peers is not self._live_of or now >= self._live_until:
+            self._unreachable = {p: until for p, until in self._unreachable.items() if until > now}
+            me = {self.node} if self.serves else set()
+            self._live = sorted(me | (peers - self._unreachable.keys()))
+            self._live_set = frozenset(self._live)
+            self._live_of = peers
+            self._live_until = min(self._unreachable.values(), default=math.inf)
+            self._coordinators.clear()
+        return self._live
 
     def coordinator(self, job: str) -> str:
         """Return the node that collects a job's reports now."""
-        return coordinator_of(job, self.live())
+        live = self.live()
+        if job not in self._coordinators:
+            self._coordinators[job] = coordinator_of(job, live)
+        return self._coordinators[job]
 
     def _failed(self, peer: str, error: CheckpointError) -> None:
         if self._unreachable.get(peer, 0.0) <= time.monotonic():
             log.info("cluster view: %s; passing it over for %.0f s", error, UNREACHABLE_S)
         self._unreachable[peer] = time.monotonic() + UNREACHABLE_S
+        self._live_of = None  # worked out again at the next question
         self.last_error = str(error)
 
     def _spawn(self, work: Any) -> None:
@@ -164,8 +186,9 @@ class PeersView(ClusterView):
 
     async def _seal_again(self) -> None:
         """When the live nodes changed, weigh the reports again: a report set aside may count now."""
-        alive = frozenset(self.live())
-        if alive == self._alive_seen:
+        self.live()
+        alive = self._live_set
+        if alive is self._alive_seen:
             return
         self._alive_seen = alive
         for job in self.collector.jobs():
@@ -201,7 +224,7 @@ class PeersView(ClusterView):
         if not others:
             return
         peer = random.choice(others)
-        digests = {j: (self.commits.newest(j) or -1, self.commits.digest(j)) for j in self.commits.jobs()}
+        digests = {j: (self.commits.digest(j), self.commits.steps(j)) for j in self.commits.jobs()}
         try:
             records = await self.links.digest(peer, digests)
         except CheckpointError as e:
@@ -210,15 +233,16 @@ class PeersView(ClusterView):
         for record in records:
             await self.learned(record)
 
-    async def _spread(self, record: CommitRecord, nodes: list[str]) -> None:
+    async def _spread(self, record: CommitRecord, nodes: list[str], raw: bytes = b"") -> None:
         """Announce a commit to nodes through a fan-out tree; take over the part of a node that does not answer."""
+        raw = raw or await asyncio.to_thread(record.to_bytes)  # a record of 8,000 ranks is 280 kB of JSON
 
         async def tell(head: str, relay: list[str]) -> None:
             try:
-                await self.links.announce(head, record, relay)
+                await self.links.announce(head, raw, relay)
             except CheckpointError as e:
                 self._failed(head, e)
-                await self._spread(record, relay)
+                await self._spread(record, relay, raw)
 
         await asyncio.gather(*(tell(head, relay) for head, relay in fan_out(nodes, self.fanout)))
 
@@ -237,11 +261,12 @@ class PeersView(ClusterView):
     async def on_report(self, node: str, steps: list[StepHoldings]) -> list[CommitRecord]:
         """Collect a node's reports; seal and announce each step that became complete; return what is known."""
         known = []
-        alive = set(self.live()) | {node}
+        self.live()
+        alive = self._live_set if node in self._live_set else self._live_set | {node}
         for s in steps:
             # Collected after the commit too: holders() answers from what was reported (replicas come later).
-            sealed = self.collector.add(node, s.job, s.step, s.shards, alive)
             record = self.commits.get(s.job, s.step)
+            sealed = self.collector.add(node, s.job, s.step, s.shards, alive, seal=record is None)
             if record is None and sealed is not None:
                 record = sealed
                 if await self.learned(record):
@@ -256,17 +281,19 @@ class PeersView(ClusterView):
         if relay:
             self._spawn(self._spread(record, [n for n in relay if n != self.node]))
 
-    async def on_digest(self, digests: dict[str, tuple[int, str]]) -> list[CommitRecord]:
-        """Return the records of the jobs whose digest differs from the caller's (all of a job it lacks)."""
-        return [
-            r
-            for job in self.commits.jobs()
-            if digests.get(job, (-1, ""))[1] != self.commits.digest(job)
-            for r in self.commits.records(job)
-        ]
+    async def on_digest(self, digests: dict[str, tuple[str, list[int]]]) -> list[CommitRecord]:
+        """Return, for each job whose digest differs from the caller's, the records of the steps it lacks."""
+        lacking = []
+        for job in self.commits.jobs():
+            digest, steps = digests.get(job, ("", []))
+            if digest != self.commits.digest(job):
+                held = set(steps)
+                lacking += [r for r in self.commits.records(job) if r.step not in held]
+        return lacking
 
     async def on_holders(self, job: str, step: int, rank: int) -> list[Holding]:
-        alive = set(self.live())
+        self.live()
+        alive = self._live_set
         return [h for h in self.collector.holders(job, step, rank) if h.node in alive]
 
     async def forget_job(self, job: str) -> None:

@@ -137,12 +137,14 @@ class CommitBook:
     def __init__(self, kept: int) -> None:
         self.kept = kept
         self._jobs: dict[str, OrderedDict[int, CommitRecord]] = {}
+        self._digests: dict[str, str] = {}  # job -> digest(job), until the job's records change
 
     def add(self, record: CommitRecord) -> bool:
         """Keep a record; False when it is older than every kept step of a full job (then it is dropped)."""
         steps = self._jobs.setdefault(record.job, OrderedDict())
         if len(steps) >= self.kept and record.step < next(iter(steps)):
             return False
+        self._digests.pop(record.job, None)
         newest = next(reversed(steps), None)
         steps[record.step] = record
         if newest is not None and record.step < newest:  # came late: keep the steps in order
@@ -162,18 +164,25 @@ class CommitBook:
     def jobs(self) -> list[str]:
         return sorted(self._jobs)
 
+    def steps(self, job: str) -> list[int]:
+        return list(self._jobs.get(job, {}))
+
     def records(self, job: str) -> list[CommitRecord]:
         return list(self._jobs.get(job, {}).values())
 
     def digest(self, job: str) -> str:
-        """Return xxh3-64 hex over the kept steps and their records' digests: equal books, equal digests."""
+        """Return xxh3-64 hex over the kept steps and their records: equal books, equal digests."""
+        if job in self._digests:
+            return self._digests[job]
         h = xxhash.xxh3_64()
         for step, record in self._jobs.get(job, {}).items():
             h.update(b"%d:%d:%s;" % (step, record.size_bytes, ",".join(record.shard_meta_xxh3_128).encode()))
-        return h.hexdigest()
+        self._digests[job] = h.hexdigest()
+        return self._digests[job]
 
     def forget(self, job: str) -> None:
         self._jobs.pop(job, None)
+        self._digests.pop(job, None)
 
 
 def coordinator_of(job: str, nodes: Iterable[str]) -> str:

@@ -95,15 +95,13 @@ class ClusterLinks:
         reply = await self._call("report", address, "Report", pb.ReportRequest(node=node, steps=holdings_to_pb(steps)))
         return records_from_pb(address, reply.commit_json)
 
-    async def announce(self, address: str, record: CommitRecord, relay: list[str]) -> None:
-        """Tell a node a step is committed, and have it pass the news on to relay."""
-        await self._call(
-            "announce", address, "Announce", pb.AnnounceRequest(commit_json=record.to_bytes(), relay=relay)
-        )
+    async def announce(self, address: str, commit_json: bytes, relay: list[str]) -> None:
+        """Tell a node a step is committed (its record, serialized once), and have it pass the news on to relay."""
+        await self._call("announce", address, "Announce", pb.AnnounceRequest(commit_json=commit_json, relay=relay))
 
-    async def digest(self, address: str, digests: dict[str, tuple[int, str]]) -> list[CommitRecord]:
-        """Compare commit digests ({job: (newest step, digest)}) with a node; return its records that differ."""
-        jobs = [pb.JobDigest(job=j, newest=n, digest=d) for j, (n, d) in digests.items()]
+    async def digest(self, address: str, digests: dict[str, tuple[str, list[int]]]) -> list[CommitRecord]:
+        """Compare commit digests ({job: (digest, steps kept)}) with a node; return the records this node lacks."""
+        jobs = [pb.JobDigest(job=j, digest=d, steps=steps) for j, (d, steps) in digests.items()]
         reply = await self._call("digest", address, "Digest", pb.DigestRequest(jobs=jobs))
         return records_from_pb(address, reply.commit_json)
 

@@ -33,7 +33,7 @@ class ClusterHandler(Protocol):
 
     async def on_report(self, node: str, steps: list[StepHoldings]) -> list[CommitRecord]: ...
     async def on_announce(self, record: CommitRecord, relay: list[str]) -> None: ...
-    async def on_digest(self, digests: dict[str, tuple[int, str]]) -> list[CommitRecord]: ...
+    async def on_digest(self, digests: dict[str, tuple[str, list[int]]]) -> list[CommitRecord]: ...
     async def on_holders(self, job: str, step: int, rank: int) -> list[Holding]: ...
 
 
@@ -79,7 +79,7 @@ class ClusterServicer(cluster_pb2_grpc.CkptdClusterServicer):
     async def Digest(self, request: pb.DigestRequest, context: Any) -> pb.DigestReply:
         async def work() -> pb.DigestReply:
             self._received("digest", request, context)
-            digests = {validate_job(j.job): (j.newest, j.digest) for j in request.jobs}
+            digests = {validate_job(j.job): (j.digest, list(j.steps)) for j in request.jobs}
             records = await self.handler.on_digest(digests)
             return pb.DigestReply(commit_json=[r.to_bytes() for r in records])
 

@@ -69,6 +69,24 @@ def test_a_key_on_a_lease_lives_while_renewed_and_goes_with_the_lease(etcd_serve
     run(body)
 
 
+def test_a_lease_left_unrenewed_expires_and_takes_its_keys(etcd_server):
+    async def body() -> None:
+        client = EtcdClient([etcd_server.endpoint])
+        try:
+            lease = await client.grant_lease(1)  # etcd raises it to its minimum, about 2 s
+            revision = await client.put(b"/e/me", b"", lease=lease)
+            events = client.watch_prefix(b"/e/", revision + 1)
+            event = await asyncio.wait_for(anext(events), 15)  # the expiry, seen as it happens
+            assert (event.kind, event.key) == ("delete", b"/e/me")
+            assert await client.get(b"/e/me") is None
+            assert await client.keep_alive_once(lease) <= 0, "an expired lease is gone"
+            await events.aclose()
+        finally:
+            await client.close()
+
+    run(body)
+
+
 def test_a_watch_yields_puts_and_deletes_in_order_and_resumes_from_a_revision(etcd_server):
     async def body() -> None:
         client = EtcdClient([etcd_server.endpoint])
@@ -100,13 +118,23 @@ def test_a_dead_endpoint_is_passed_over_and_no_answer_at_all_is_unavailable(etcd
         dead = f"127.0.0.1:{free_port()}"
         client = EtcdClient([dead, etcd_server.endpoint], timeout_s=2.0)
         try:
-            await client.put(b"/f/1", b"ok")
+            revision = await client.put(b"/f/1", b"ok")
             assert await client.get(b"/f/1") == b"ok"
+            lease = await client.grant_lease(30)
+            assert await client.keep_alive_once(lease) > 0
+            events = client.watch_prefix(b"/f/", revision)
+            assert (await asyncio.wait_for(anext(events), 10)).key == b"/f/1"  # the watch is up
             etcd_server.stop()
+            with pytest.raises(EtcdUnavailable, match=etcd_server.endpoint):
+                await asyncio.wait_for(anext(events), 10)
             with pytest.raises(EtcdUnavailable, match=dead):
                 await client.get(b"/f/1")
             etcd_server.start()
             assert await client.get(b"/f/1") == b"ok", "the data outlived the restart"
+            assert await client.keep_alive_once(lease) > 0, "the lease stream broken by the restart was opened again"
+            etcd_server.stop()
+            with pytest.raises(EtcdUnavailable, match=dead):
+                await client.keep_alive_once(lease)
         finally:
             await client.close()
 
@@ -126,11 +154,14 @@ def test_tls_with_client_certificates(tmp_path):
                 assert await client.get(b"/tls/1") == b"ok"
             finally:
                 await client.close()
-            plaintext = EtcdClient([server.endpoint], timeout_s=1.0)
-            try:
-                with pytest.raises(EtcdError):
-                    await plaintext.get(b"/tls/1")
-            finally:
-                await plaintext.close()
+            for refused in (
+                EtcdClient([server.endpoint], ca=str(ca.ca_path), timeout_s=1.0),  # TLS without a client certificate
+                EtcdClient([server.endpoint], timeout_s=1.0),  # plaintext
+            ):
+                try:
+                    with pytest.raises(EtcdError, match=server.endpoint):
+                        await refused.get(b"/tls/1")
+                finally:
+                    await refused.close()
 
         run(body)

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from ckpt.wire.v1 import peer_pb2 as ckpt_dot_wire_dot_v1_dot_peer__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x63kpt/wire/v1/cluster.proto\x12\x0c\x63kpt.wire.v1\x1a\x17\x63kpt/wire/v1/peer.proto\"H\n\rReportRequest\x12\x0c\n\x04node\x18\x01 \x01(\t\x12)\n\x05steps\x18\x02 \x03(\x0b\x32\x1a.ckpt.wire.v1.StepHoldings\"\"\n\x0bReportReply\x12\x13\n\x0b\x63ommit_json\x18\x01 \x03(\x0c\"5\n\x0f\x41nnounceRequest\x12\x13\n\x0b\x63ommit_json\x18\x01 \x01(\x0c\x12\r\n\x05relay\x18\x02 \x03(\t\"\x0f\n\rAnnounceReply\"8\n\tJobDigest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0e\n\x06newest\x18\x02 \x01(\x03\x12\x0e\n\x06\x64igest\x18\x03 \x01(\t\"6\n\rDigestRequest\x12%\n\x04jobs\x18\x01 \x03(\x0b\x32\x17.ckpt.wire.v1.JobDigest\"\"\n\x0b\x44igestReply\x12\x13\n\x0b\x63ommit_json\x18\x01 \x03(\x0c\"9\n\x0eHoldersRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x0c\n\x04rank\x18\x03 \x01(\x05\"F\n\x0cNodeHoldings\x12\x0c\n\x04node\x18\x01 \x01(\t\x12(\n\x04held\x18\x02 \x01(\x0b\x32\x1a.ckpt.wire.v1.StepHoldings\";\n\x0cHoldersReply\x12+\n\x07holders\x18\x01 \x03(\x0b\x32\x1a.ckpt.wire.v1.NodeHoldings2\x9f\x02\n\x0c\x43kptdCluster\x12@\n\x06Report\x12\x1b.ckpt.wire.v1.ReportRequest\x1a\x19.ckpt.wire.v1.ReportReply\x12\x46\n\x08\x41nnounce\x12\x1d.ckpt.wire.v1.AnnounceRequest\x1a\x1b.ckpt.wire.v1.AnnounceReply\x12@\n\x06\x44igest\x12\x1b.ckpt.wire.v1.DigestRequest\x1a\x19.ckpt.wire.v1.DigestReply\x12\x43\n\x07Holders\x12\x1c.ckpt.wire.v1.HoldersRequest\x1a\x1a.ckpt.wire.v1.HoldersReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x63kpt/wire/v1/cluster.proto\x12\x0c\x63kpt.wire.v1\x1a\x17\x63kpt/wire/v1/peer.proto\"H\n\rReportRequest\x12\x0c\n\x04node\x18\x01 \x01(\t\x12)\n\x05steps\x18\x02 \x03(\x0b\x32\x1a.ckpt.wire.v1.StepHoldings\"\"\n\x0bReportReply\x12\x13\n\x0b\x63ommit_json\x18\x01 \x03(\x0c\"5\n\x0f\x41nnounceRequest\x12\x13\n\x0b\x63ommit_json\x18\x01 \x01(\x0c\x12\r\n\x05relay\x18\x02 \x03(\t\"\x0f\n\rAnnounceReply\"7\n\tJobDigest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\r\n\x05steps\x18\x02 \x03(\x03\x12\x0e\n\x06\x64igest\x18\x03 \x01(\t\"6\n\rDigestRequest\x12%\n\x04jobs\x18\x01 \x03(\x0b\x32\x17.ckpt.wire.v1.JobDigest\"\"\n\x0b\x44igestReply\x12\x13\n\x0b\x63ommit_json\x18\x01 \x03(\x0c\"9\n\x0eHoldersRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x0c\n\x04rank\x18\x03 \x01(\x05\"F\n\x0cNodeHoldings\x12\x0c\n\x04node\x18\x01 \x01(\t\x12(\n\x04held\x18\x02 \x01(\x0b\x32\x1a.ckpt.wire.v1.StepHoldings\";\n\x0cHoldersReply\x12+\n\x07holders\x18\x01 \x03(\x0b\x32\x1a.ckpt.wire.v1.NodeHoldings2\x9f\x02\n\x0c\x43kptdCluster\x12@\n\x06Report\x12\x1b.ckpt.wire.v1.ReportRequest\x1a\x19.ckpt.wire.v1.ReportReply\x12\x46\n\x08\x41nnounce\x12\x1d.ckpt.wire.v1.AnnounceRequest\x1a\x1b.ckpt.wire.v1.AnnounceReply\x12@\n\x06\x44igest\x12\x1b.ckpt.wire.v1.DigestRequest\x1a\x19.ckpt.wire.v1.DigestReply\x12\x43\n\x07Holders\x12\x1c.ckpt.wire.v1.HoldersRequest\x1a\x1a.ckpt.wire.v1.HoldersReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -41,17 +41,17 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ANNOUNCEREPLY']._serialized_start=234
   _globals['_ANNOUNCEREPLY']._serialized_end=249
   _globals['_JOBDIGEST']._serialized_start=251
-  _globals['_JOBDIGEST']._serialized_end=307
-  _globals['_DIGESTREQUEST']._serialized_start=309
-  _globals['_DIGESTREQUEST']._serialized_end=363
-  _globals['_DIGESTREPLY']._serialized_start=365
-  _globals['_DIGESTREPLY']._serialized_end=399
-  _globals['_HOLDERSREQUEST']._serialized_start=401
-  _globals['_HOLDERSREQUEST']._serialized_end=458
-  _globals['_NODEHOLDINGS']._serialized_start=460
-  _globals['_NODEHOLDINGS']._serialized_end=530
-  _globals['_HOLDERSREPLY']._serialized_start=532
-  _globals['_HOLDERSREPLY']._serialized_end=591
-  _globals['_CKPTDCLUSTER']._serialized_start=594
-  _globals['_CKPTDCLUSTER']._serialized_end=881
+  _globals['_JOBDIGEST']._serialized_end=306
+  _globals['_DIGESTREQUEST']._serialized_start=308
+  _globals['_DIGESTREQUEST']._serialized_end=362
+  _globals['_DIGESTREPLY']._serialized_start=364
+  _globals['_DIGESTREPLY']._serialized_end=398
+  _globals['_HOLDERSREQUEST']._serialized_start=400
+  _globals['_HOLDERSREQUEST']._serialized_end=457
+  _globals['_NODEHOLDINGS']._serialized_start=459
+  _globals['_NODEHOLDINGS']._serialized_end=529
+  _globals['_HOLDERSREPLY']._serialized_start=531
+  _globals['_HOLDERSREPLY']._serialized_end=590
+  _globals['_CKPTDCLUSTER']._serialized_start=593
+  _globals['_CKPTDCLUSTER']._serialized_end=880
 # @@protoc_insertion_point(module_scope)

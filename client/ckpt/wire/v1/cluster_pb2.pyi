@@ -33,14 +33,14 @@ class AnnounceReply(_message.Message):
     def __init__(self) -> None: ...
 
 class JobDigest(_message.Message):
-    __slots__ = ("job", "newest", "digest")
+    __slots__ = ("job", "steps", "digest")
     JOB_FIELD_NUMBER: _ClassVar[int]
-    NEWEST_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
     DIGEST_FIELD_NUMBER: _ClassVar[int]
     job: str
-    newest: int
+    steps: _containers.RepeatedScalarFieldContainer[int]
     digest: str
-    def __init__(self, job: _Optional[str] = ..., newest: _Optional[int] = ..., digest: _Optional[str] = ...) -> None: ...
+    def __init__(self, job: _Optional[str] = ..., steps: _Optional[_Iterable[int]] = ..., digest: _Optional[str] = ...) -> None: ...
 
 class DigestRequest(_message.Message):
     __slots__ = ("jobs",)

@@ -75,8 +75,8 @@ class CkptdClusterServicer(object):
         raise NotImplementedError('Method not implemented!')
 
     def Digest(self, request, context):
-        """Compare the commits each side knows: the reply carries the records of every job
-        whose digest differs from the caller's.
+        """Compare the commits each side knows: for every job whose digest differs from the
+        caller's, the reply carries the records of the steps the caller lacks.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
