@@ -109,7 +109,13 @@ def _kind(key: str) -> str:
     return key.split(".", 1)[1] if "." in key else key
 
 
-def run_size(backend: str, n: int, args: argparse.Namespace, etcd: str) -> dict[str, Any]:
+def _cpu_s_of(pid: int) -> float:
+    """Return a process's CPU seconds so far (user + system), from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def run_size(backend: str, n: int, args: argparse.Namespace, etcd: str, etcd_pid: int = 0) -> dict[str, Any]:
     procs = max(2, min(args.procs, n))
     counts = _split(n, procs)
     workers = Workers(procs)
@@ -132,7 +138,9 @@ def run_size(backend: str, n: int, args: argparse.Namespace, etcd: str) -> dict[
         )
         steps = []
         for step in range(1, args.steps + 1):
+            etcd_cpu = _cpu_s_of(etcd_pid) if etcd_pid else 0.0
             answers = workers.all("step", job, step, args.timeout_s)
+            etcd_cpu = _cpu_s_of(etcd_pid) - etcd_cpu if etcd_pid else 0.0
             progress(f"{backend} N={n}: step {step} known committed on {sum(a['learned'] for a in answers)} nodes")
             learned = sum(a["learned"] for a in answers)
             last_report = max(a["reported_at"] for a in answers)
@@ -147,6 +155,7 @@ def run_size(backend: str, n: int, args: argparse.Namespace, etcd: str) -> dict[
                 "bytes_per_node_mean": statistics.mean(b for _, b in msgs),
                 "cpu_s_per_node": sum(a["cpu_s"] for a in answers) / n,
                 "coordinator_cpu_s": answers[0]["cpu_s"],
+                "etcd_server_cpu_s": etcd_cpu,
             })  # fmt: skip
         periodic = [c for group in workers.all("periodic", PERIODIC_WINDOW_S) for c in group]
         per_s = statistics.mean(
@@ -156,6 +165,7 @@ def run_size(backend: str, n: int, args: argparse.Namespace, etcd: str) -> dict[
         workers.close()
     measured = steps[1:] or steps  # the first step opens channels and watches
     coordinator_cpu = statistics.median(s["coordinator_cpu_s"] for s in measured)
+    etcd_cpu = statistics.median(s["etcd_server_cpu_s"] for s in measured)
     hops = 2 if backend == "etcd" else 1 + math.ceil(math.log(max(n - 1, 2), FANOUT))
     return {
         "backend": backend,
@@ -171,7 +181,10 @@ def run_size(backend: str, n: int, args: argparse.Namespace, etcd: str) -> dict[
         "commit_known_everywhere_s": statistics.median(s["commit_known_everywhere_s"] for s in measured),
         "hop_rtt_s": hop,
         "hops": hops,
-        "modelled_commit_s": coordinator_cpu + hops * hop,
+        "etcd_server_cpu_s_per_step": etcd_cpu,
+        # The critical path on machines of their own: the coordinator's work for the step, etcd's
+        # (its watch events to every node), and the hops, each timed with a record of the step's size.
+        "modelled_commit_s": coordinator_cpu + etcd_cpu + hops * hop,
         "periodic_messages_per_node_per_s": per_s / PERIODIC_WINDOW_S,
     }
 
@@ -206,7 +219,7 @@ def main() -> None:
                 if etcd is not None:
                     etcd.start()
                 for n in (int(x) for x in args.nodes.split(",")):
-                    row = run_size(backend, n, args, etcd.endpoint if etcd else "")
+                    row = run_size(backend, n, args, etcd.endpoint if etcd else "", etcd.proc.pid if etcd else 0)
                     rows.append(row)
                     print(_line(row), flush=True)
             finally:

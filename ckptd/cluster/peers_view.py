@@ -275,11 +275,11 @@ class PeersView(ClusterView):
                 known.append(record)
         return known
 
-    async def on_announce(self, record: CommitRecord, relay: list[str]) -> None:
-        """Adopt an announced commit, then pass it on (without holding up the caller)."""
-        await self.learned(record)
+    async def on_announce(self, record: CommitRecord, relay: list[str], raw: bytes) -> None:
+        """Pass an announced commit on (its bytes as they came, without holding up the caller), then adopt it."""
         if relay:
-            self._spawn(self._spread(record, [n for n in relay if n != self.node]))
+            self._spawn(self._spread(record, [n for n in relay if n != self.node], raw))
+        await self.learned(record)
 
     async def on_digest(self, digests: dict[str, tuple[str, list[int]]]) -> list[CommitRecord]:
         """Return, for each job whose digest differs from the caller's, the records of the steps it lacks."""

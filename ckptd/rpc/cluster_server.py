@@ -32,7 +32,7 @@ class ClusterHandler(Protocol):
     counters: Counter[str]
 
     async def on_report(self, node: str, steps: list[StepHoldings]) -> list[CommitRecord]: ...
-    async def on_announce(self, record: CommitRecord, relay: list[str]) -> None: ...
+    async def on_announce(self, record: CommitRecord, relay: list[str], raw: bytes) -> None: ...
     async def on_digest(self, digests: dict[str, tuple[str, list[int]]]) -> list[CommitRecord]: ...
     async def on_holders(self, job: str, step: int, rank: int) -> list[Holding]: ...
 
@@ -71,7 +71,7 @@ class ClusterServicer(cluster_pb2_grpc.CkptdClusterServicer):
         async def work() -> pb.AnnounceReply:
             self._received("announce", request, context)
             (record,) = await asyncio.to_thread(_records, [request.commit_json])
-            await self.handler.on_announce(record, list(request.relay))
+            await self.handler.on_announce(record, list(request.relay), request.commit_json)
             return pb.AnnounceReply()
 
         return await answer(context, work)
