@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 
 FANOUT = 8
 RETRY_S = 1.0  # a report that failed is sent again (to the next coordinator) this soon
-RESEND_S = 5.0  # a report taken but not answered by a commit is sent again this long after, then twice as long
+RESEND_S = 2.0  # a report taken but not answered by a commit is sent again this long after, then twice as long
 RESEND_MAX_S = 60.0
 UNREACHABLE_S = 3.0  # a peer whose call failed is passed over as coordinator this long
 PENDING_STEPS_KEPT = 64  # reports awaiting their commit, per job: the newest (older ones were abandoned)
@@ -111,6 +111,10 @@ class PeersView(ClusterView):
             self._coordinators[job] = coordinator_of(job, live)
         return self._coordinators[job]
 
+    def _everyone_else(self) -> list[str]:
+        """Return the members an announcement goes to: all of them, those passed over too (a call costs little)."""
+        return sorted(self.membership.peers() - {self.node})
+
     def _failed(self, peer: str, error: CheckpointError) -> None:
         if self._unreachable.get(peer, 0.0) <= time.monotonic():
             log.info("cluster view: %s; passing it over for %.0f s", error, UNREACHABLE_S)
@@ -143,7 +147,7 @@ class PeersView(ClusterView):
     def announce(self, record: CommitRecord) -> None:
         self._settled(record.job, record.step)
         if self.commits.add(record):
-            self._spawn(self._spread(record, [n for n in self.live() if n != self.node]))
+            self._spawn(self._spread(record, self._everyone_else()))
 
     def _settled(self, job: str, step: int) -> None:
         self._pending.pop((job, step), None)
@@ -194,7 +198,7 @@ class PeersView(ClusterView):
         for job in self.collector.jobs():
             for record in self.collector.seal_again(job, alive):
                 if await self.learned(record):
-                    self._spawn(self._spread(record, [n for n in alive if n != self.node]))
+                    self._spawn(self._spread(record, self._everyone_else()))
 
     async def _report_to(self, coordinator: str, steps: list[StepHoldings]) -> None:
         try:
@@ -227,8 +231,8 @@ class PeersView(ClusterView):
         digests = {j: (self.commits.digest(j), self.commits.steps(j)) for j in self.commits.jobs()}
         try:
             records = await self.links.digest(peer, digests)
-        except CheckpointError as e:
-            self._failed(peer, e)
+        except CheckpointError as e:  # not held against the peer: reports and announcements find out soon enough
+            log.debug("cluster view: %s", e)
             return
         for record in records:
             await self.learned(record)
@@ -270,7 +274,7 @@ class PeersView(ClusterView):
             if record is None and sealed is not None:
                 record = sealed
                 if await self.learned(record):
-                    self._spawn(self._spread(record, [n for n in self.live() if n != self.node]))
+                    self._spawn(self._spread(record, self._everyone_else()))
             if record is not None:
                 known.append(record)
         return known

@@ -186,16 +186,26 @@ class Peering:
             if not replace and await self._run(self.nvme.has_committed_shard, job, step, rank):
                 return  # another load fetched it meanwhile
             with self._fetching.counting((job, step)):
+                # The nodes the cluster view names first: asking every peer is for when they cannot serve.
+                named = {h.node for h in await self.view.holders(job, step, rank)} if self.view else set()
                 # On threads of their own: whole shards take long, and must not starve the
                 # inventories, receives and seals that share the peer threads.
                 await asyncio.get_running_loop().run_in_executor(
-                    self._fetch_threads, self._fetch, job, step, rank, replace
+                    self._fetch_threads, self._fetch, job, step, rank, replace, named
                 )
 
-    def _fetch(self, job: str, step: int, rank: int, replace: bool) -> None:
+    def _fetch(self, job: str, step: int, rank: int, replace: bool, named: set[str]) -> None:
         assert self.peer_tier is not None
         self.peer_tier.forget()
-        meta = fetch_shard(self.peer_tier, self.nvme, job, step, rank, replace)
+        meta = None
+        if named:
+            try:
+                meta = fetch_shard(self.peer_tier.among(named), self.nvme, job, step, rank, replace)
+            except CheckpointError as e:
+                log.info("rank %d of %s step %d: the holders named (%s) could not serve it (%s); asking every peer",
+                         rank, job, step, ", ".join(sorted(named)), e)  # fmt: skip
+        if meta is None:
+            meta = fetch_shard(self.peer_tier, self.nvme, job, step, rank, replace)
         log.info(
             "fetched rank %d shard of %s step %d from the peers (%d bytes, verified)",
             rank,

@@ -56,6 +56,11 @@ class PeerTier(Tier):
                 self.unreachable.pop(address, None)
             self._views.clear()
 
+    def among(self, addresses: Collection[str]) -> PeerTier:
+        """Return this tier over only the peers in addresses (the same links: close this one, never that)."""
+        with self._lock:
+            return PeerTier([link for link in self.links if link.address in addresses])
+
     def close_retired(self) -> None:
         """Close the links retired long enough ago that no call can still be using them."""
         due = time.monotonic() - RETIRED_LINK_CLOSE_S
