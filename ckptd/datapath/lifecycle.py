@@ -140,8 +140,17 @@ class Lifecycle:
         try:
             if await self.peering.adopt_told(record):
                 log.info("%s step %d is complete across the cluster", record.job, record.step)
+                await self.note_nvme_complete(record)
         finally:
             await self.progress.changed()
+
+    async def note_nvme_complete(self, record: CommitRecord) -> None:
+        """Tell `status` and /metrics that a step sealed here is complete on this node's NVMe, if its shards are."""
+        held = await asyncio.get_running_loop().run_in_executor(
+            self.peer_threads, self.nvme.checked_commit, record.job, record.step
+        )
+        if held is not None:
+            self.progress.step_completed("nvme", record.job, record.step)
 
     async def _reconcile_forever(self) -> None:
         full = True  # the first round, at start-up, asks every peer: recovery

@@ -144,6 +144,7 @@ class Pipeline:
             return
         if record is not None:
             log.info("%s step %d is complete across the cluster", meta.job, meta.step)
+            await self.node.note_nvme_complete(record)
 
     async def shard_for_peer(self, job: str, step: int, rank: int, tier: str) -> tuple[ShardMeta, bytes, Path]:
         """Return (record, its bytes, data file) of a shard of a complete step that a peer asks for."""
