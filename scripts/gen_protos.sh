@@ -13,4 +13,4 @@ fi
   protos/ckpt/wire/v1/ckptd.proto protos/ckpt/wire/v1/peer.proto protos/ckpt/wire/v1/cluster.proto
 # The trimmed etcd v3 API of the etcd cluster view (daemon only, so generated into ckptd/).
 "$PYTHON" -m grpc_tools.protoc -Iprotos --python_out=. --pyi_out=. --grpc_python_out=. \
-  protos/ckptd/cluster/etcd_wire/rpc.proto
+  protos/ckptd/cluster/etcd_wire/kv.proto protos/ckptd/cluster/etcd_wire/watch.proto protos/ckptd/cluster/etcd_wire/lease.proto

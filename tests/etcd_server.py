@@ -84,7 +84,7 @@ class EtcdServer:
         """Say whether etcd answers a real Range request (synchronous: callable inside an event loop too)."""
         import grpc
 
-        from ckptd.cluster.etcd_wire import rpc_pb2, rpc_pb2_grpc
+        from ckptd.cluster.etcd_wire import kv_pb2, kv_pb2_grpc
 
         if self.tls:
             cert, key, ca = (p.read_bytes() for p in self.tls)
@@ -92,7 +92,7 @@ class EtcdServer:
         else:
             channel = grpc.insecure_channel(self.endpoint)
         try:
-            rpc_pb2_grpc.KVStub(channel).Range(rpc_pb2.RangeRequest(key=b"/ready"), timeout=1.0)
+            kv_pb2_grpc.KVStub(channel).Range(kv_pb2.RangeRequest(key=b"/ready"), timeout=1.0)
             return True
         except grpc.RpcError:
             return False

@@ -13,7 +13,9 @@ PROTOS = {
     "ckpt/wire/v1/ckptd.proto": REPO / "client",
     "ckpt/wire/v1/peer.proto": REPO / "client",
     "ckpt/wire/v1/cluster.proto": REPO / "client",
-    "ckptd/cluster/etcd_wire/rpc.proto": REPO,
+    "ckptd/cluster/etcd_wire/kv.proto": REPO,
+    "ckptd/cluster/etcd_wire/watch.proto": REPO,
+    "ckptd/cluster/etcd_wire/lease.proto": REPO,
 }
 # The environment scripts/check_floors.sh makes, with the grpcio-tools of scripts/floors.txt.
 FLOOR_PYTHON = REPO / ".venv-floors" / "daemon" / "bin" / "python"

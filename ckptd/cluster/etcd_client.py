@@ -1,4 +1,4 @@
-"""A thin asyncio client of etcd's v3 API over our own stubs (protos/ckptd/cluster/etcd_wire/rpc.proto).
+"""A thin asyncio client of etcd's v3 API over our own stubs (protos/ckptd/cluster/etcd_wire/).
 
 EtcdView and EtcdMembership (ckptd.cluster.etcd_view, etcd_membership) make every call,
 on the event loop. Why our own stubs rather than a client package: the old `etcd3` does
@@ -22,8 +22,12 @@ from typing import Any
 import grpc
 from ckpt.errors import CheckpointError
 
-from ckptd.cluster.etcd_wire import rpc_pb2 as pb
-from ckptd.cluster.etcd_wire import rpc_pb2_grpc
+from ckptd.cluster.etcd_wire import kv_pb2 as kv
+from ckptd.cluster.etcd_wire import kv_pb2_grpc, lease_pb2_grpc, watch_pb2_grpc
+from ckptd.cluster.etcd_wire import lease_pb2 as lease_pb
+from ckptd.cluster.etcd_wire import watch_pb2 as watch_pb
+
+STUBS = {"KV": kv_pb2_grpc.KVStub, "Lease": lease_pb2_grpc.LeaseStub}  # the services of unary calls
 
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
@@ -119,7 +123,7 @@ class EtcdClient:
         for i in range(len(self.endpoints)):
             index = (self._current + i) % len(self.endpoints)
             endpoint = self.endpoints[index]
-            stub = getattr(rpc_pb2_grpc, f"{service}Stub")(self._channel(endpoint))
+            stub = STUBS[service](self._channel(endpoint))
             try:
                 reply = await getattr(stub, method)(request, timeout=self.timeout_s)
             except grpc.aio.AioRpcError as e:
@@ -134,33 +138,33 @@ class EtcdClient:
 
     async def put(self, key: bytes, value: bytes, lease: int = 0) -> int:
         """Set a key; return the store's revision after it."""
-        reply = await self._call("KV", "Put", pb.PutRequest(key=key, value=value, lease=lease))
+        reply = await self._call("KV", "Put", kv.PutRequest(key=key, value=value, lease=lease))
         return int(reply.header.revision)
 
     async def get(self, key: bytes) -> bytes | None:
         """Return a key's value, or None when it does not exist."""
-        reply = await self._call("KV", "Range", pb.RangeRequest(key=key))
+        reply = await self._call("KV", "Range", kv.RangeRequest(key=key))
         return bytes(reply.kvs[0].value) if reply.kvs else None
 
     async def get_prefix(
         self, prefix: bytes, *, limit: int = 0, descending: bool = False, keys_only: bool = False
     ) -> tuple[list[Entry], int]:
         """Return the keys under prefix, in key order (or reversed), and the store's revision they reflect."""
-        order = pb.RangeRequest.DESCEND if descending else pb.RangeRequest.ASCEND
-        request = pb.RangeRequest(
+        order = kv.RangeRequest.DESCEND if descending else kv.RangeRequest.ASCEND
+        request = kv.RangeRequest(
             key=prefix, range_end=prefix_end(prefix), limit=limit, keys_only=keys_only, sort_order=order
         )
         reply = await self._call("KV", "Range", request)
-        entries = [Entry(bytes(kv.key), bytes(kv.value), kv.mod_revision, kv.create_revision) for kv in reply.kvs]
+        entries = [Entry(bytes(e.key), bytes(e.value), e.mod_revision, e.create_revision) for e in reply.kvs]
         return entries, int(reply.header.revision)
 
     async def delete(self, key: bytes) -> int:
         """Delete a key; return how many keys went (0 or 1)."""
-        return int((await self._call("KV", "DeleteRange", pb.DeleteRangeRequest(key=key))).deleted)
+        return int((await self._call("KV", "DeleteRange", kv.DeleteRangeRequest(key=key))).deleted)
 
     async def delete_prefix(self, prefix: bytes) -> int:
         """Delete every key under prefix; return how many went."""
-        request = pb.DeleteRangeRequest(key=prefix, range_end=prefix_end(prefix))
+        request = kv.DeleteRangeRequest(key=prefix, range_end=prefix_end(prefix))
         return int((await self._call("KV", "DeleteRange", request)).deleted)
 
     async def create(self, key: bytes, value: bytes, lease: int = 0) -> bool:
@@ -169,25 +173,25 @@ class EtcdClient:
         A call that timed out on one endpoint and was answered by the next may have created the
         key on the first: then it says False for a key holding its own value.
         """
-        absent = pb.Compare(key=key, result=pb.Compare.EQUAL, target=pb.Compare.CREATE, create_revision=0)
-        put = pb.RequestOp(request_put=pb.PutRequest(key=key, value=value, lease=lease))
-        reply = await self._call("KV", "Txn", pb.TxnRequest(compare=[absent], success=[put]))
+        absent = kv.Compare(key=key, result=kv.Compare.EQUAL, target=kv.Compare.CREATE, create_revision=0)
+        put = kv.RequestOp(request_put=kv.PutRequest(key=key, value=value, lease=lease))
+        reply = await self._call("KV", "Txn", kv.TxnRequest(compare=[absent], success=[put]))
         return bool(reply.succeeded)
 
     async def compact(self, revision: int) -> None:
         """Drop the history before revision: watches from before it end with EtcdCompacted."""
-        await self._call("KV", "Compact", pb.CompactionRequest(revision=revision))
+        await self._call("KV", "Compact", kv.CompactionRequest(revision=revision))
 
     async def grant_lease(self, ttl_s: int) -> int:
         """Return the ID of a new lease of ttl_s seconds (etcd may raise a short TTL to its minimum)."""
-        reply = await self._call("Lease", "LeaseGrant", pb.LeaseGrantRequest(TTL=ttl_s))
+        reply = await self._call("Lease", "LeaseGrant", lease_pb.LeaseGrantRequest(TTL=ttl_s))
         if reply.error:
             raise EtcdError(f"etcd at {self.endpoints[self._current]} refused a lease of {ttl_s} s: {reply.error}")
         return int(reply.ID)
 
     async def revoke(self, lease: int) -> None:
         """End a lease now; the keys put with it go with it."""
-        await self._call("Lease", "LeaseRevoke", pb.LeaseRevokeRequest(ID=lease))
+        await self._call("Lease", "LeaseRevoke", lease_pb.LeaseRevokeRequest(ID=lease))
 
     async def keep_alive_once(self, lease: int) -> int:
         """Renew a lease once; return its TTL now (0 or less: the lease is gone). The stream stays open.
@@ -200,10 +204,10 @@ class EtcdClient:
             for _ in range(len(self.endpoints) + (self._keep_alive is not None)):
                 if self._keep_alive is None:
                     endpoint = self.endpoints[self._current]
-                    self._keep_alive = endpoint, rpc_pb2_grpc.LeaseStub(self._channel(endpoint)).LeaseKeepAlive()
+                    self._keep_alive = endpoint, lease_pb2_grpc.LeaseStub(self._channel(endpoint)).LeaseKeepAlive()
                 endpoint, stream = self._keep_alive
                 try:
-                    await asyncio.wait_for(stream.write(pb.LeaseKeepAliveRequest(ID=lease)), self.timeout_s)
+                    await asyncio.wait_for(stream.write(lease_pb.LeaseKeepAliveRequest(ID=lease)), self.timeout_s)
                     reply = await asyncio.wait_for(stream.read(), self.timeout_s)
                     if reply is not grpc.aio.EOF:
                         return int(reply.TTL)
@@ -224,10 +228,10 @@ class EtcdClient:
         EtcdCompacted when start_revision is older than etcd's history.
         """
         endpoint = self.endpoints[self._current]  # a broken watch moves on: the caller's next watch tries the next
-        call = rpc_pb2_grpc.WatchStub(self._channel(endpoint)).Watch()
-        create = pb.WatchCreateRequest(key=prefix, range_end=prefix_end(prefix), start_revision=start_revision)
+        call = watch_pb2_grpc.WatchStub(self._channel(endpoint)).Watch()
+        create = watch_pb.WatchCreateRequest(key=prefix, range_end=prefix_end(prefix), start_revision=start_revision)
         try:
-            await call.write(pb.WatchRequest(create_request=create))
+            await call.write(watch_pb.WatchRequest(create_request=create))
             self.counters["sent.Watch"] += 1
             while True:
                 reply = await call.read()
@@ -243,7 +247,7 @@ class EtcdClient:
                 for e in reply.events:
                     self.counters["received.watch_event"] += 1
                     self.counters["received_bytes.watch_event"] += e.ByteSize()
-                    kind = "delete" if e.type == pb.Event.DELETE else "put"
+                    kind = "delete" if e.type == watch_pb.Event.DELETE else "put"
                     yield WatchEvent(kind, bytes(e.kv.key), bytes(e.kv.value), int(e.kv.mod_revision))
         except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as e:
             self._current = (self._current + 1) % len(self.endpoints)

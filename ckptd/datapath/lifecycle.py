@@ -58,7 +58,6 @@ class Lifecycle:
         self.serve_threads = ThreadPoolExecutor(max_workers=PEER_THREADS, thread_name_prefix="serve")
         self.receiver = ReplicaReceiver(self.replica_store, self.peer_threads)
         self.view = open_view(config)  # the cluster view ([cluster] backend); None: no peers, every step sealed here
-        self.membership = self.view.membership if self.view is not None else None
         if self.view is not None:
             self.view.watch(self.commit_learned)
         self.peering = Peering(
@@ -102,10 +101,10 @@ class Lifecycle:
         """Clean up after an interrupted run, resume the flushes it left, and start catching up with peers."""
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(self.peer_threads, self._prepare_disk)
-        if self.view is not None and self.membership is not None:
+        if self.view is not None:
             # The peers first, so that the flushes resumed replicate to them; then the commits the cluster knows.
-            await self.membership.refresh()
-            self._background.append(loop.create_task(self.membership.run_forever()))
+            await self.view.membership.refresh()
+            self._background.append(loop.create_task(self.view.membership.run_forever()))
             self.view.seeded(await loop.run_in_executor(self.peer_threads, self._commits_on_disk))
             await self.view.start()
             self._background.append(loop.create_task(self.view.run_forever()))
@@ -197,9 +196,9 @@ class Lifecycle:
             task.cancel()
         await self.flusher.drain()
         await self.peering.drain()
-        if self.view is not None and self.membership is not None:
+        if self.view is not None:
             await self.view.close()
-            self.membership.close()
+            self.view.membership.close()
         if self.uploader is not None:
             await self.uploader.drain()
         await self.retention.drain()

@@ -378,11 +378,6 @@ class Peering:
             self.peer_tier.close()
 
 
-def _every_rank(shards: list[Holding]) -> bool:
-    sizes = {h.world_size for h in shards}
-    return len(sizes) == 1 and {h.rank for h in shards} >= set(range(sizes.pop()))
-
-
 def _incomplete_steps(tier: DurableTier, job: str) -> list[int]:
     complete = set(tier.complete_steps(job))
     return [s for s in tier.all_steps(job) if s not in complete]
