@@ -26,7 +26,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
-from ckpt.errors import CorruptCheckpoint
+from ckpt.errors import CorruptCheckpoint, InvalidArgument
 from ckpt.format import CommitRecord, validate_job
 
 from ckptd.cluster.collector import Collector
@@ -274,7 +274,8 @@ class EtcdView(ClusterView):
         """Read a job's held/ keys, then follow them: seal each step once every rank is held by a live node."""
         try:
             validate_job(job)
-        except Exception:
+        except InvalidArgument as e:  # a key another program wrote under the prefix: not a job of ours
+            log.warning("cluster view: ignoring %r under %sjobs/ in etcd: %s", job, self.prefix.decode(), e)
             return
         prefix = self._key("held", job, "")
         while True:
