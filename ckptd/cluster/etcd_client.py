@@ -5,9 +5,10 @@ on the event loop. Why our own stubs rather than a client package: the old `etcd
 not run on current protobuf, and the asyncio clients pin grpcio and protobuf ranges of
 their own; a dozen calls over the grpc.aio we already ship cost one trimmed .proto.
 
-Each call goes to the endpoint that answered last; on UNAVAILABLE or a deadline it tries
-the next, and raises EtcdUnavailable once every endpoint failed (callers retry at their
-own pace). Requests and bytes are counted per method in `counters`.
+Each call goes to the endpoint that answered last, waiting within the timeout for its
+channel to connect again (an etcd restarting is no error); on UNAVAILABLE or a deadline
+it tries the next, failing fast, and raises EtcdUnavailable once every endpoint failed
+(callers retry at their own pace). Requests and bytes are counted per method in `counters`.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ from ckptd.cluster.etcd_wire import watch_pb2 as watch_pb
 STUBS = {"KV": kv_pb2_grpc.KVStub, "Lease": lease_pb2_grpc.LeaseStub}  # the services of unary calls
 
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+RECONNECT_FIRST_MS = 100
+RECONNECT_MAX_MS = 1000
 
 
 class EtcdError(CheckpointError):
@@ -100,6 +103,7 @@ class EtcdClient:
         pems = [Path(p).read_bytes() if p else None for p in (ca, key, cert)]
         self._credentials = grpc.ssl_channel_credentials(*pems) if any(pems) else None
         self._current = 0
+        self._answered = False  # whether endpoints[_current] has answered a call
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._keep_alive: tuple[str, Any] | None = None  # the open LeaseKeepAlive stream and its endpoint
         self._keep_alive_turn = asyncio.Lock()  # one request, then its reply, on that stream
@@ -107,7 +111,13 @@ class EtcdClient:
 
     def _channel(self, endpoint: str) -> grpc.aio.Channel:
         if endpoint not in self._channels:
-            options = [("grpc.max_receive_message_length", 64 << 20)]
+            options = [
+                ("grpc.max_receive_message_length", 64 << 20),
+                # an etcd back after an outage is dialled again within RECONNECT_MAX_MS, not gRPC's 120 s
+                ("grpc.initial_reconnect_backoff_ms", RECONNECT_FIRST_MS),
+                ("grpc.min_reconnect_backoff_ms", RECONNECT_FIRST_MS),
+                ("grpc.max_reconnect_backoff_ms", RECONNECT_MAX_MS),
+            ]
             self._channels[endpoint] = (
                 grpc.aio.insecure_channel(endpoint, options=options)
                 if self._credentials is None
@@ -125,13 +135,16 @@ class EtcdClient:
             endpoint = self.endpoints[index]
             stub = STUBS[service](self._channel(endpoint))
             try:
-                reply = await getattr(stub, method)(request, timeout=self.timeout_s)
+                # The endpoint that answered last is waited for (within the timeout), as etcd's own
+                # clientv3 does, so a restart in progress is no error; the others fail fast.
+                wait = self._answered and i == 0
+                reply = await getattr(stub, method)(request, timeout=self.timeout_s, wait_for_ready=wait)
             except grpc.aio.AioRpcError as e:
                 if e.code() not in RETRYABLE:
                     raise EtcdError(f"etcd at {endpoint}: {method} failed: {e.code().name} {e.details()}") from None
                 errors.append(f"{endpoint}: {e.code().name}")
                 continue
-            self._current = index
+            self._current, self._answered = index, True
             self.counters[f"received_bytes.{method}"] += reply.ByteSize()
             return reply
         raise EtcdUnavailable(f"etcd did not answer {method} ({'; '.join(errors)})")
@@ -218,7 +231,7 @@ class EtcdClient:
                     self._end_keep_alive()  # else the reply to this request would answer the next renewal
                     raise
                 self._end_keep_alive()
-                self._current = (self.endpoints.index(endpoint) + 1) % len(self.endpoints)
+                self._move_past(endpoint)
         raise EtcdUnavailable(f"etcd did not renew lease {lease:x} ({'; '.join(errors)})")
 
     async def watch_prefix(self, prefix: bytes, start_revision: int = 0) -> AsyncIterator[WatchEvent]:
@@ -250,10 +263,16 @@ class EtcdClient:
                     kind = "delete" if e.type == watch_pb.Event.DELETE else "put"
                     yield WatchEvent(kind, bytes(e.kv.key), bytes(e.kv.value), int(e.kv.mod_revision))
         except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as e:
-            self._current = (self._current + 1) % len(self.endpoints)
+            self._move_past(endpoint)
             raise EtcdUnavailable(f"etcd at {endpoint}: the watch of {prefix!r} broke: {_stream_failure(e)}") from None
         finally:
             call.cancel()
+
+    def _move_past(self, endpoint: str) -> None:
+        """Make the endpoint after the one whose stream broke the next to try (a stranger till it answers)."""
+        index = (self.endpoints.index(endpoint) + 1) % len(self.endpoints)
+        if index != self._current:
+            self._current, self._answered = index, False
 
     def _end_keep_alive(self) -> None:
         if self._keep_alive is not None:
