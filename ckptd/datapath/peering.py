@@ -169,11 +169,26 @@ class Peering:
     # -- reading from the cluster ---------------------------------------------------------
 
     async def complete_steps(self, job: str) -> list[int]:
-        """Return the steps of a job that the peers can serve whole."""
-        if self.peer_tier is None:
+        """Return the steps of a job that this node's shards and its peers' make whole."""
+        return [record.step for record, _ in await self._loadable(job)]
+
+    async def _loadable(self, job: str) -> list[tuple[CommitRecord, list[str]]]:
+        """Return the steps of a job (or of every job) complete in the cluster, by every peer's inventory and ours.
+
+        A step this node holds part of unsealed, whose commit a peer holds, is adopted now, as
+        if the view had brought the news (it lags after an outage): a load here must find what
+        a listing here showed.
+        """
+        if self.peer_tier is None or self.view is None:
             return []
         self.peer_tier.forget()
-        return list(await self._run(self.peer_tier.complete_steps, job))
+        local = await self._run(self.local_holdings, job, None)
+        loadable = loadable_steps(await self._run(self.peer_tier.inventories, job) + local, self.replicas)
+        unsealed = {(s.job, s.step) for s in local if s.shards} - {(s.job, s.step) for s in local if s.record}
+        for record, _ in loadable:
+            if (record.job, record.step) in unsealed:
+                await self.view.learned(record)
+        return loadable
 
     async def fetch(self, job: str, step: int, rank: int, replace: bool = False) -> None:
         """Copy a rank's shard of a complete step from the peers onto this node's NVMe, verified.
@@ -218,11 +233,9 @@ class Peering:
         """Return the cluster's view of complete steps: "nvme" and "peer" count every node's copies."""
         if self.peer_tier is None:
             return local
-        self.peer_tier.forget()
-        steps = await self._run(self.peer_tier.inventories, job) + await self._run(self.local_holdings, job, None)
         in_memory = {(i.job, i.step) for i in local if "memory" in i.tiers}
         found = []
-        for r, tiers in loadable_steps(steps, self.replicas):
+        for r, tiers in await self._loadable(job):
             if not job or r.job == job:
                 memory = ["memory"] if (r.job, r.step) in in_memory else []
                 found.append(StepInfo(r.job, r.step, r.world_size, r.size_bytes, (*memory, *tiers)))

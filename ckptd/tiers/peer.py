@@ -27,6 +27,7 @@ log = logging.getLogger(__name__)
 
 VIEW_TTL_S = 1.0
 INVENTORY_TIMEOUT_S = 3.0
+INVENTORY_THREADS = 64  # peers asked at once: a thread each, not one per peer of a thousand
 RETIRED_LINK_CLOSE_S = 60.0  # a link to a peer that left is closed this long after: calls under way end first
 
 
@@ -85,7 +86,8 @@ class PeerTier(Tier):
     ) -> list[StepHoldings]:
         """Ask every peer (or those in only) now, no cache, what it holds of a job's step, or of every step."""
         links = [link for link in self.links if only is None or link.address in only]
-        with ThreadPoolExecutor(max_workers=max(1, len(links)), thread_name_prefix="inventory") as pool:
+        threads = max(1, min(len(links), INVENTORY_THREADS))
+        with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="inventory") as pool:
             answers = list(pool.map(lambda link: self._inventory(link, job, step, timeout_s), links))
         return [s for answer in answers for s in answer]
 
