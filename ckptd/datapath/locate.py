@@ -76,7 +76,7 @@ class Locator:
         steps: set[int] = await self.on_locate_threads(lambda: {s for t in tiers for s in t.complete_steps(job)})
         peer_steps: set[int] = set()
         if from_peers and (step is None or step not in steps):
-            peer_steps = set(await self.peering.complete_steps(job))
+            peer_steps = set(await self.peering.complete_steps(job, newest=step is None))
         object_steps: set[int] = set()
         store_silent = False  # then "not found" cannot be told: a caller must not start afresh on it
         if from_object and (refetch or step is None or step not in steps | peer_steps):
@@ -250,12 +250,17 @@ class Locator:
 
     # -- listings and peers' requests ---------------------------------------------------
 
-    async def list_steps(self, job: str = "") -> list[StepInfo]:
-        """Return every complete step on any tier, by job and step (with peers, as the cluster sees it)."""
-        steps = await self.peering.list_steps(await self.on_locate_threads(list_steps, self.tiers, job), job)
-        if self.object_tier is None:
-            return steps
-        return merge_steps(steps, await self.ask_object_store(_listed_or_nothing, self.object_tier, job) or [])
+    async def list_steps(self, job: str = "", newest: bool = False) -> list[StepInfo]:
+        """Return every complete step on any tier, by job and step (with peers, as the cluster sees it).
+
+        newest (with a job): only its newest step, which the cluster view answers without
+        asking every peer (Checkpointer.latest_step, on every rank at a restart).
+        """
+        local = await self.on_locate_threads(list_steps, self.tiers, job)
+        steps = await self.peering.list_steps(local, job, newest)
+        if self.object_tier is not None:
+            steps = merge_steps(steps, await self.ask_object_store(_listed_or_nothing, self.object_tier, job) or [])
+        return [max(steps, key=lambda s: s.step)] if newest and steps else steps
 
     async def shard_for_peer(self, job: str, step: int, rank: int, tier: str) -> tuple[ShardMeta, bytes, Path]:
         """Return (record, its bytes, data file) of a shard of a complete step that a peer asks for."""

@@ -59,6 +59,7 @@ class Peering:
         self.node = config.node.listen or config.node.name
         self._threads = threads
         self.instance = uuid.uuid4().hex  # this daemon's run: calls that carry it have come back to it
+        self.inventories_answered = 0  # Pipeline.holdings counts the peers' Inventory calls
         # The peer tier is on wherever a cluster view is (peers may come later); its links follow the membership.
         self.view = view
         self.membership = view.membership if view is not None else None
@@ -168,19 +169,24 @@ class Peering:
 
     # -- reading from the cluster ---------------------------------------------------------
 
-    async def complete_steps(self, job: str) -> list[int]:
-        """Return the steps of a job that this node's shards and its peers' make whole."""
-        return [record.step for record, _ in await self._loadable(job)]
+    async def complete_steps(self, job: str, newest: bool = False) -> list[int]:
+        """Return the steps of a job that this node's shards and its peers' make whole (newest: the newest)."""
+        return [record.step for record, _ in await self._loadable(job, newest)]
 
-    async def _loadable(self, job: str) -> list[tuple[CommitRecord, list[str]]]:
+    async def _loadable(self, job: str, newest: bool = False) -> list[tuple[CommitRecord, list[str]]]:
         """Return the steps of a job (or of every job) complete in the cluster, by every peer's inventory and ours.
 
-        A step this node holds part of unsealed, whose commit a peer holds, is adopted now, as
-        if the view had brought the news (it lags after an outage): a load here must find what
-        a listing here showed.
+        newest: only the job's newest, which the view answers alone once it knows a commit of
+        the job (at a restart every rank asks, on every node: no peer is asked). A step this
+        node holds part of unsealed, whose commit a peer holds, is adopted now, as if the view
+        had brought the news (it lags after an outage): a load here finds what a listing showed.
         """
         if self.peer_tier is None or self.view is None:
             return []
+        known = self.view.newest_complete(job) if newest and job else None
+        record = self.view.commit_record(job, known) if known is not None else None
+        if record is not None:
+            return [(record, ["nvme"])]  # committed: every rank was durable on some node's disk
         self.peer_tier.forget()
         local = await self._run(self.local_holdings, job, None)
         loadable = loadable_steps(await self._run(self.peer_tier.inventories, job) + local, self.replicas)
@@ -221,21 +227,16 @@ class Peering:
                          rank, job, step, ", ".join(sorted(named)), e)  # fmt: skip
         if meta is None:
             meta = fetch_shard(self.peer_tier, self.nvme, job, step, rank, replace)
-        log.info(
-            "fetched rank %d shard of %s step %d from the peers (%d bytes, verified)",
-            rank,
-            job,
-            step,
-            meta.data_size_bytes,
-        )
+        log.info("fetched rank %d shard of %s step %d from the peers (%d bytes, verified)", rank, job, step,
+                 meta.data_size_bytes)  # fmt: skip
 
-    async def list_steps(self, local: list[StepInfo], job: str) -> list[StepInfo]:
+    async def list_steps(self, local: list[StepInfo], job: str, newest: bool = False) -> list[StepInfo]:
         """Return the cluster's view of complete steps: "nvme" and "peer" count every node's copies."""
         if self.peer_tier is None:
             return local
         in_memory = {(i.job, i.step) for i in local if "memory" in i.tiers}
         found = []
-        for r, tiers in await self._loadable(job):
+        for r, tiers in await self._loadable(job, newest):
             if not job or r.job == job:
                 memory = ["memory"] if (r.job, r.step) in in_memory else []
                 found.append(StepInfo(r.job, r.step, r.world_size, r.size_bytes, (*memory, *tiers)))
@@ -368,6 +369,7 @@ class Peering:
             "listen": self.config.node.listen,
             "instance": self.instance,  # this daemon's run: peer calls that carry it are refused as its own
             "data_port": self.data_port,  # where this node takes replicas' bytes beside gRPC; 0 = by gRPC only
+            "inventories_answered": self.inventories_answered,  # peers' Inventory calls (start-ups, ls, loads)
         }
         if self.peer_tier is None or self.membership is None:
             return common

@@ -88,9 +88,9 @@ class Pipeline:
         """Yield a rank's shard record, then ranges of its bytes from the peers or the store (see ShardedReads)."""
         return self.node.sharded_reads.read_shard(job, step, rank, ranges)
 
-    async def list_steps(self, job: str = "") -> list[StepInfo]:
-        """Return every complete step on any tier, as the cluster sees it."""
-        return await self.node.locator.list_steps(job)
+    async def list_steps(self, job: str = "", newest: bool = False) -> list[StepInfo]:
+        """Return every complete step on any tier, as the cluster sees it (newest: only a job's newest)."""
+        return await self.node.locator.list_steps(job, newest)
 
     async def status(self) -> dict[str, Any]:
         """Return the status document of `ckptd status --json`."""
@@ -124,6 +124,7 @@ class Pipeline:
     async def holdings(self, job: str, step: int | None) -> list[StepHoldings]:
         """Return what this node holds, for a peer's Inventory."""
         peering = self.node.peering
+        peering.inventories_answered += 1
         return list(await self._on_peer_threads(peering.local_holdings, job, step))
 
     async def adopt_commit(self, record: CommitRecord) -> None:

@@ -51,7 +51,7 @@ class ShardedReads:
         steps: set[int] = await locator.on_locate_threads(lambda: {s for t in tiers for s in t.complete_steps(job)})
         if step is None or step not in steps:
             if tier in ("", "auto", "peer"):
-                steps |= set(await locator.peering.complete_steps(job))
+                steps |= set(await locator.peering.complete_steps(job, newest=step is None))
             if tier in ("", "auto", "object"):
                 found = locator.object_steps(job) if step is None else locator.object_step(job, step)
                 steps |= set(await found or [])

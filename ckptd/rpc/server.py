@@ -183,7 +183,9 @@ class CkptdServicer(ckptd_pb2_grpc.CkptdServicer):
     async def List(self, request: pb.ListRequest, context: Any) -> pb.ListReply:
         async def work() -> pb.ListReply:
             job = validate_job(request.job) if request.job else ""
-            steps = await self.pipeline.list_steps(job)
+            if request.newest and not job:
+                raise InvalidArgument("listing only the newest step (newest) needs a job")
+            steps = await self.pipeline.list_steps(job, request.newest)
             return pb.ListReply(
                 steps=[
                     pb.StepInfo(job=s.job, step=s.step, world_size=s.world_size, size_bytes=s.size_bytes, tiers=s.tiers)

@@ -254,7 +254,8 @@ class Checkpointer:
         """Return the newest step of this job complete on any tier, or None."""
         # Asked of the step listing, not of this rank's shard: a job restarted with more
         # ranks than the step has must learn it too, and nothing is fetched to answer.
-        reply = self._daemon.call("List", pb.ListRequest(job=self.job))
+        # newest: the daemon answers from the cluster view (an older daemon lists every step).
+        reply = self._daemon.call("List", pb.ListRequest(job=self.job, newest=True))
         return max((int(s.step) for s in reply.steps if s.job == self.job), default=None)
 
     def load(self, step: int | None = None, map_location: Any = "cpu", tier: str = "auto", into: Any = None) -> Any:

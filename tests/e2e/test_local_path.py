@@ -366,6 +366,7 @@ def test_bad_input_gets_clear_errors_and_the_daemon_stays_up(daemon):
         ("Commit", pb.CommitRequest(shard=pb.ShardId(job="ok", step=1, rank=0, world_size=1), layout_json=b"\xff")),
         ("WaitShard", pb.WaitShardRequest(shard=pb.ShardId(job="ok", step=1, rank=0, world_size=1), tier="tape")),
         ("Locate", pb.LocateRequest(job="ok/../..", step=-1)),
+        ("List", pb.ListRequest(newest=True)),  # the newest step of which job?
     ]
     for method, request in hostile:
         with pytest.raises(ckpt.InvalidArgument):

@@ -182,10 +182,12 @@ class ReadShardPiece(_message.Message):
     def __init__(self, meta_json: _Optional[bytes] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class ListRequest(_message.Message):
-    __slots__ = ("job",)
+    __slots__ = ("job", "newest")
     JOB_FIELD_NUMBER: _ClassVar[int]
+    NEWEST_FIELD_NUMBER: _ClassVar[int]
     job: str
-    def __init__(self, job: _Optional[str] = ...) -> None: ...
+    newest: bool
+    def __init__(self, job: _Optional[str] = ..., newest: bool = ...) -> None: ...
 
 class StepInfo(_message.Message):
     __slots__ = ("job", "step", "world_size", "size_bytes", "tiers")
