@@ -114,8 +114,8 @@ class EtcdClient:
             options = [
                 ("grpc.max_receive_message_length", 64 << 20),
                 # an etcd back after an outage is dialled again within RECONNECT_MAX_MS, not gRPC's 120 s
+                # (not min_reconnect_backoff_ms: gRPC takes it for the connect timeout, 20 s by default)
                 ("grpc.initial_reconnect_backoff_ms", RECONNECT_FIRST_MS),
-                ("grpc.min_reconnect_backoff_ms", RECONNECT_FIRST_MS),
                 ("grpc.max_reconnect_backoff_ms", RECONNECT_MAX_MS),
             ]
             self._channels[endpoint] = (
@@ -269,8 +269,10 @@ class EtcdClient:
             call.cancel()
 
     def _move_past(self, endpoint: str) -> None:
-        """Make the endpoint after the one whose stream broke the next to try (a stranger till it answers)."""
-        index = (self.endpoints.index(endpoint) + 1) % len(self.endpoints)
+        """After a stream on the endpoint calls go to broke, go to the next (a stranger till it answers)."""
+        if self.endpoints[self._current] != endpoint:
+            return  # the calls moved on already
+        index = (self._current + 1) % len(self.endpoints)
         if index != self._current:
             self._current, self._answered = index, False
 

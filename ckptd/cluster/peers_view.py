@@ -153,10 +153,10 @@ class PeersView(ClusterView):
         self._pending.pop((job, step), None)
         self._sent.pop((job, step), None)
 
-    async def learned(self, record: CommitRecord) -> bool:
+    async def learned(self, record: CommitRecord, again: bool = False) -> bool:
         if (record.job, record.step) in self._sent:  # the report was taken: the coordinator knows the holdings
             self._settled(record.job, record.step)
-        return await super().learned(record)
+        return await super().learned(record, again)
 
     async def run_forever(self) -> None:
         """Deliver reports as they come (and again when due); compare digests every anti_entropy_s."""

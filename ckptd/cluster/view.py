@@ -73,18 +73,21 @@ class ClusterView(ABC):
         for record in records:
             self.commits.add(record)
 
-    async def learned(self, record: CommitRecord) -> bool:
-        """Take a commit from the backend: hand it to on_commit if it is new; return whether it was.
+    async def learned(self, record: CommitRecord, again: bool = False) -> bool:
+        """Take a commit from the backend: hand it to on_commit if it is new; return whether it was handed.
 
         A record that contradicts a known one of the same step is logged and dropped: the
-        first stays (as a node's disk keeps the first record it adopted).
+        first stays (as a node's disk keeps the first record it adopted). again: hand a
+        known one to on_commit again too (Peering, which found this node's copy unsealed).
         """
         known = self.commits.get(record.job, record.step)
         if known is not None:
             if known != record:
                 log.warning("%s step %d: ignored a second, different commit record", record.job, record.step)
-            return False
-        if not self.commits.add(record):
+                return False
+            if not again:
+                return False
+        elif not self.commits.add(record):
             return False  # older than every kept step of its job: long superseded
         if self._on_commit is not None:
             await self._on_commit(record)

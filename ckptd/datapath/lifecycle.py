@@ -135,9 +135,27 @@ class Lifecycle:
         return found
 
     async def commit_learned(self, record: CommitRecord) -> None:
-        """Seal a step the cluster found complete, where this node holds part of it (news from the view or a peer)."""
+        """The view's on_commit: adopt_commit, its refusals logged (the view goes on following commits)."""
         try:
-            if await self.peering.adopt_told(record):
+            await self.adopt_commit(record)
+        except (CheckpointError, OSError) as e:
+            log.warning("%s step %d: the cluster's commit was not adopted here: %s", record.job, record.step, e)
+
+    async def adopt_commit(self, record: CommitRecord) -> None:
+        """Seal a step the cluster found complete, where this node holds part of it (the view, a peer's CommitStep).
+
+        As a seal: under the flusher's commit lock, and not while a shard of the step is still
+        flushing (that flush seals the step when it ends, with the record the view now knows).
+        Raises StepAlreadyComplete where this node holds the step with another record.
+        """
+        try:
+            async with self.flusher.commit_lock:
+                if self.flusher.flushing(record.job, record.step):
+                    if self.view is not None:
+                        self.view.seeded([record])
+                    return
+                adopted = await self.peering.adopt_told(record)
+            if adopted:
                 log.info("%s step %d is complete across the cluster", record.job, record.step)
                 await self.note_nvme_complete(record)
         finally:

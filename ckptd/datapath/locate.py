@@ -258,6 +258,8 @@ class Locator:
         """
         local = await self.on_locate_threads(list_steps, self.tiers, job)
         steps = await self.peering.list_steps(local, job, newest)
+        if newest:  # this node's sealed steps count too, whether or not the view has heard of them
+            steps = merge_steps(steps, [i for i in local if set(i.tiers) - {"memory"}])
         if self.object_tier is not None:
             steps = merge_steps(steps, await self.ask_object_store(_listed_or_nothing, self.object_tier, job) or [])
         return [max(steps, key=lambda s: s.step)] if newest and steps else steps

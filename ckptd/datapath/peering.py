@@ -71,9 +71,8 @@ class Peering:
             self.membership.watch(self.membership_changed)
         self._fetch_locks: KeyedLocks[tuple[str, int, int]] = KeyedLocks()  # one fetch of a shard at a time
         self._fetching: KeyCounts[tuple[str, int]] = KeyCounts()  # steps being fetched: retention keeps off
-        # NVMe's complete steps by job, as the last reconciliation listed them (on a thread): what the
-        # replicas still owed keep off retention is judged on the event loop, which must not list the disk.
-        # Older by at most one round, it only ever keeps more: steps leave the old end and join the new one.
+        # NVMe's complete steps by job, as the last reconciliation listed them (on a thread), for what replicas
+        # still owed keep off retention (judged on the event loop); a round old at most, it only keeps more.
         self._nvme_complete: dict[str, list[int]] = {}
         self._fetch_threads = ThreadPoolExecutor(max_workers=FETCH_THREADS, thread_name_prefix="fetch")
 
@@ -178,22 +177,22 @@ class Peering:
 
         newest: only the job's newest, which the view answers alone once it knows a commit of
         the job (at a restart every rank asks, on every node: no peer is asked). A step this
-        node holds part of unsealed, whose commit a peer holds, is adopted now, as if the view
-        had brought the news (it lags after an outage): a load here finds what a listing showed.
+        node holds part of unsealed, whose commit a peer holds, is handed to the view (it may lag
+        after an outage) and adopted before this returns: a load finds what a listing showed.
         """
         if self.peer_tier is None or self.view is None:
             return []
         known = self.view.newest_complete(job) if newest and job else None
         record = self.view.commit_record(job, known) if known is not None else None
         if record is not None:
-            return [(record, ["nvme"])]  # committed: every rank was durable on some node's disk
+            return [(record, [])]  # committed, on tiers the view does not say
         self.peer_tier.forget()
         local = await self._run(self.local_holdings, job, None)
         loadable = loadable_steps(await self._run(self.peer_tier.inventories, job) + local, self.replicas)
         unsealed = {(s.job, s.step) for s in local if s.shards} - {(s.job, s.step) for s in local if s.record}
         for record, _ in loadable:
             if (record.job, record.step) in unsealed:
-                await self.view.learned(record)
+                await self.view.learned(record, again=True)  # Lifecycle.commit_learned: under the seal lock
         return loadable
 
     async def fetch(self, job: str, step: int, rank: int, replace: bool = False) -> None:
@@ -302,6 +301,8 @@ class Peering:
                     log.info("%s step %d is complete across the cluster", job, step)
                     if sealed_here and self.view is not None:
                         self.view.announce(record)
+                    elif self.view is not None:
+                        self.view.seeded([record])  # a peer's record: the view answers latest_step from it
         if self.replication is not None:
             self._nvme_complete = await self._run(lambda: {j: self.nvme.complete_steps(j) for j in self.nvme.jobs()})
             await self._run(self._track_local_shards, local)

@@ -129,7 +129,7 @@ class Pipeline:
 
     async def adopt_commit(self, record: CommitRecord) -> None:
         """Seal a step that a peer found complete, where this node holds part of it (CommitStep)."""
-        await self.node.commit_learned(record)
+        await self.node.adopt_commit(record)
 
     async def replica_arrived(self, meta: ShardMeta) -> None:
         """Seal the step of a replica that just became durable here, if it was the last rank missing.

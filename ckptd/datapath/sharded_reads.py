@@ -60,7 +60,7 @@ class ShardedReads:
         if step is None or step not in steps:
             what = f"job {job} has no complete step" if step is None else f"{job} step {step} is not complete"
             raise NotFound(f"{what} on tier {tier or 'auto'}")
-        record = await locator.on_locate_threads(self._commit_record, job, step)
+        record = await self._record(job, step)
         sources = await locator.on_locate_threads(
             lambda: [locator.local_sources(tiers, job, step, r, record) for r in range(record.world_size)]
         )
@@ -68,8 +68,15 @@ class ShardedReads:
         locator.lease_for_reading(job, step)
         return record, index, sources
 
-    def _commit_record(self, job: str, step: int) -> CommitRecord:
-        record = self.locator.commit_record_here(job, step)
+    async def _record(self, job: str, step: int) -> CommitRecord:
+        """Return a complete step's commit record: this node's, the view's, else the first peer's or the store's."""
+        view = self.locator.peering.view  # on the event loop: it knows recent steps without asking every peer
+        known = view.commit_record(job, step) if view is not None else None
+        record: CommitRecord = await self.locator.on_locate_threads(self._commit_record, job, step, known)
+        return record
+
+    def _commit_record(self, job: str, step: int, known: CommitRecord | None) -> CommitRecord:
+        record = self.locator.commit_record_here(job, step) or known
         if record is not None:
             return record
         for t in self._remote_tiers():
@@ -125,7 +132,7 @@ class ShardedReads:
         """Yield a rank's sealed shard record, then the bytes of each range (in blocks of about FETCH_RANGE_BYTES),
         fetched from the peers or the store; the servicer cuts them into messages."""
         locator = self.locator
-        record = await locator.on_locate_threads(self._commit_record, job, step)
+        record = await self._record(job, step)
         if not 0 <= rank < record.world_size:
             raise InvalidArgument(f"{job} step {step} has no rank {rank} (world_size {record.world_size})")
         meta: ShardMeta = await locator.on_object_threads(self._meta, record, rank)

@@ -165,6 +165,9 @@ def test_a_step_reported_whole_is_committed_on_every_node(run):
         assert record.size_bytes == sum(1000 + r for r in range(8))
         assert all(len(n.learned) == 1 for n in nodes), "each node hands a commit on once"
         assert all(n.view.commit_record(JOB, 10) == record for n in nodes)
+        assert not await nodes[0].view.learned(record), "a known commit is no news"
+        assert await nodes[0].view.learned(record, again=True), "handed on again when asked (a reader's catch-up)"
+        assert nodes[0].learned == [record, record]
 
     run(body)
 
