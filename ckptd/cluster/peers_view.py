@@ -39,7 +39,12 @@ log = logging.getLogger(__name__)
 
 FANOUT = 8
 RETRY_S = 1.0  # a report that failed is sent again (to the next coordinator) this soon
-RESEND_S = 2.0  # a report taken but not answered by a commit is sent again this long after, then twice as long
+# A report taken but not answered by a commit is sent again (a coordinator that restarted lost it) after
+# RESEND_FACTOR times what the job's commits took once its reports were taken (the longest lately: halved
+# at each step, raised to any longer), at least RESEND_S, then twice as long: a coordinator waiting on
+# slow ranks, or slow itself, is not sent every report again.
+RESEND_S = 2.0
+RESEND_FACTOR = 2.0
 RESEND_MAX_S = 60.0
 UNREACHABLE_S = 3.0  # a peer whose call failed is passed over as coordinator this long
 PENDING_STEPS_KEPT = 64  # reports awaiting their commit, per job: the newest (older ones were abandoned)
@@ -71,8 +76,9 @@ class PeersView(ClusterView):
         self.fanout = fanout
         self.collector = Collector()
         self._pending: dict[tuple[str, int], tuple[Holding, ...]] = {}  # reports not yet answered by a commit
-        # (job, step) -> (the coordinator that took the report, when it is due again, times sent)
-        self._sent: dict[tuple[str, int], tuple[str, float, int]] = {}
+        # (job, step) -> (the coordinator that took the report, when it first did, when it is due again, times sent)
+        self._sent: dict[tuple[str, int], tuple[str, float, float, int]] = {}
+        self._commit_wait: dict[str, float] = {}  # job -> seconds from a report taken to its commit, lately
         self._unreachable: dict[str, float] = {}  # peer -> until when it is passed over
         self._alive_seen: frozenset[str] = frozenset()  # the live nodes when the reports were last weighed
         self._live: list[str] = []  # live(), as last worked out from _live_of and _unreachable
@@ -135,7 +141,7 @@ class PeersView(ClusterView):
 
     def report(self, job: str, step: int, shards: Sequence[Holding]) -> None:
         held = self.labelled(shards)
-        taken_by = self._sent.get((job, step), ("", 0.0, 0))[0]
+        taken_by = self._sent.get((job, step), ("", 0.0, 0.0, 0))[0]
         if self._pending.get((job, step)) == held and taken_by == self.coordinator(job):
             return  # said already, to whoever is coordinator now
         self._pending[(job, step)] = held
@@ -154,7 +160,10 @@ class PeersView(ClusterView):
         self._sent.pop((job, step), None)
 
     async def learned(self, record: CommitRecord, again: bool = False) -> bool:
-        if (record.job, record.step) in self._sent:  # the report was taken: the coordinator knows the holdings
+        sent = self._sent.get((record.job, record.step))
+        if sent is not None:  # the report was taken: the coordinator knows the holdings
+            waited = time.monotonic() - sent[1]
+            self._commit_wait[record.job] = max(waited, self._commit_wait.get(record.job, 0.0) / 2)
             self._settled(record.job, record.step)
         return await super().learned(record, again)
 
@@ -181,7 +190,7 @@ class PeersView(ClusterView):
         batches: dict[str, list[StepHoldings]] = {}
         for (job, step), held in self._pending.items():
             coordinator = self.coordinator(job)
-            taken_by, due, _ = self._sent.get((job, step), ("", 0.0, 0))
+            taken_by, _, due, _ = self._sent.get((job, step), ("", 0.0, 0.0, 0))
             if taken_by == coordinator and now < due:
                 continue
             batches.setdefault(coordinator, []).append(StepHoldings(self.node, job, step, None, held))
@@ -217,9 +226,10 @@ class PeersView(ClusterView):
             if self.commits.get(s.job, s.step) is not None:
                 self._settled(s.job, s.step)  # taken, and committed: nothing more to say
             elif (s.job, s.step) in self._pending:
-                taken_by, _, times = self._sent.get((s.job, s.step), ("", 0.0, 0))
-                times = times + 1 if taken_by == coordinator else 0
-                self._sent[(s.job, s.step)] = (coordinator, now + min(self.resend_s * 2**times, RESEND_MAX_S), times)
+                taken_by, taken_at, _, times = self._sent.get((s.job, s.step), ("", now, 0.0, 0))
+                times, taken_at = (times + 1, taken_at) if taken_by == coordinator else (0, now)
+                wait = max(self.resend_s, RESEND_FACTOR * self._commit_wait.get(s.job, 0.0)) * 2**times
+                self._sent[(s.job, s.step)] = (coordinator, taken_at, now + min(wait, RESEND_MAX_S), times)
         for record in records:
             await self.learned(record)
 
@@ -303,6 +313,7 @@ class PeersView(ClusterView):
     async def forget_job(self, job: str) -> None:
         self.commits.forget(job)
         self.collector.forget(job)
+        self._commit_wait.pop(job, None)
         for j, step in [k for k in self._pending if k[0] == job]:
             self._settled(j, step)
 
