@@ -156,10 +156,11 @@ def run_size(backend: str, n: int, args: argparse.Namespace, etcd: str, etcd_pid
                 "cpu_s_per_node": sum(a["cpu_s"] for a in answers) / n,
                 "coordinator_cpu_s": answers[0]["cpu_s"],
                 "etcd_server_cpu_s": etcd_cpu,
+                "calls_by_kind": _calls_by_kind(per_node),  # summed over the nodes: sent, received, failed
             })  # fmt: skip
         periodic = [c for group in workers.all("periodic", PERIODIC_WINDOW_S) for c in group]
         per_s = statistics.mean(
-            sum(v for k, v in c.items() if not k.split(".", 1)[0].endswith("_bytes")) for c in periodic
+            sum(v for k, v in c.items() if k.split(".", 1)[0] in ("sent", "received")) for c in periodic
         )
     finally:
         workers.close()
@@ -187,6 +188,16 @@ def run_size(backend: str, n: int, args: argparse.Namespace, etcd: str, etcd_pid
         "modelled_commit_s": coordinator_cpu + etcd_cpu + hops * hop,
         "periodic_messages_per_node_per_s": per_s / PERIODIC_WINDOW_S,
     }
+
+
+def _calls_by_kind(per_node: list[dict[str, int]]) -> dict[str, int]:
+    """Sum the nodes' call counters, bytes left out: how many reports, announcements, digests, failures."""
+    total: dict[str, int] = {}
+    for c in per_node:
+        for k, v in c.items():
+            if not k.split(".", 1)[0].endswith("_bytes"):
+                total[k] = total.get(k, 0) + v
+    return dict(sorted(total.items()))
 
 
 def _line(row: dict[str, Any]) -> str:

@@ -32,7 +32,7 @@ from ckpt.format import CommitRecord
 from ckptd.cluster.collector import Collector
 from ckptd.cluster.view import ClusterView, coordinator_of, fan_out
 from ckptd.datapath.membership import Membership
-from ckptd.rpc.cluster_link import ClusterLinks, PeerBusy
+from ckptd.rpc.cluster_link import ClusterLinks, PeerBusy, PeerSlow
 from ckptd.tiers.cluster import Holding, StepHoldings
 
 log = logging.getLogger(__name__)
@@ -47,6 +47,9 @@ RESEND_S = 2.0
 RESEND_FACTOR = 2.0
 RESEND_MAX_S = 60.0
 UNREACHABLE_S = 3.0  # a peer whose call failed is passed over as coordinator this long
+# A coordinator whose reports time out is slow, not gone (passing it over would split the step's
+# reports between two coordinators): it is passed over only after this many in a row (hung).
+SLOW_REPORTS_TOLERATED = 3
 PENDING_STEPS_KEPT = 64  # reports awaiting their commit, per job: the newest (older ones were abandoned)
 
 
@@ -80,6 +83,7 @@ class PeersView(ClusterView):
         self._sent: dict[tuple[str, int], tuple[str, float, float, int]] = {}
         self._commit_wait: dict[str, float] = {}  # job -> seconds from a report taken to its commit, lately
         self._unreachable: dict[str, float] = {}  # peer -> until when it is passed over
+        self._slow: dict[str, int] = {}  # coordinator -> reports to it timed out in a row
         self._alive_seen: frozenset[str] = frozenset()  # the live nodes when the reports were last weighed
         self._live: list[str] = []  # live(), as last worked out from _live_of and _unreachable
         self._live_set: frozenset[str] = frozenset()
@@ -217,10 +221,20 @@ class PeersView(ClusterView):
                 records = await self.links.report(coordinator, self.node, steps)
         except PeerBusy:
             return  # the same coordinator, when the report is due again
+        except PeerSlow as e:
+            self._slow[coordinator] = self._slow.get(coordinator, 0) + 1
+            if self._slow[coordinator] >= SLOW_REPORTS_TOLERATED:
+                del self._slow[coordinator]
+                self._failed(coordinator, e)
+                self._wake.set()
+                return
+            records = []  # it may well have taken them: due again as if it had
         except CheckpointError as e:
             self._failed(coordinator, e)
             self._wake.set()  # to the next coordinator, at once
             return
+        else:
+            self._slow.pop(coordinator, None)
         now = time.monotonic()
         for s in steps:
             if self.commits.get(s.job, s.step) is not None:

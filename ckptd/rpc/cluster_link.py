@@ -39,6 +39,10 @@ class PeerBusy(PeerError):
     """The peer refused a call for now (too many under way): call it again soon, it is not down."""
 
 
+class PeerSlow(PeerError):
+    """The call ran out of time (or was cancelled): the peer may have done it, and may be slow rather than down."""
+
+
 def records_from_pb(address: str, raw: Sequence[bytes]) -> list[CommitRecord]:
     """Parse commit records a node sent; raise PeerError naming it when one does not check."""
     try:
@@ -84,8 +88,11 @@ class ClusterLinks:
         try:
             reply = await getattr(self._stub(address), method)(request, timeout=CALL_TIMEOUT_S, metadata=self._metadata)
         except grpc.aio.AioRpcError as e:
+            self.counters[f"failed.{kind}.{e.code().name}"] += 1  # for status and bench_cluster
             if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
                 raise PeerBusy(f"peer {address}: {kind}: busy, {e.details()}") from None
+            if e.code() in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED):
+                raise PeerSlow(f"peer {address}: {kind}: no answer in time ({e.code().name})") from None
             raise PeerError(f"peer {address}: {kind} failed: {e.code().name} {e.details()}") from None
         self.counters[f"received_bytes.{kind}"] += reply.ByteSize()
         return reply
