@@ -140,7 +140,7 @@ class PeersView(ClusterView):
     # -- this node's side ------------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Learn the commits one live peer knows (a node that restarts catches up at once)."""
+        """Learn the commits one live peer has held for an anti-entropy period (a node that restarts catches up)."""
         await self._exchange_digests()
 
     def report(self, job: str, step: int, shards: Sequence[Holding]) -> None:
@@ -310,13 +310,18 @@ class PeersView(ClusterView):
         await self.learned(record)
 
     async def on_digest(self, digests: dict[str, tuple[str, list[int]]]) -> list[CommitRecord]:
-        """Return, for each job whose digest differs from the caller's, the records of the steps it lacks."""
+        """Return, for each job whose digest differs from the caller's, the records of the steps it lacks.
+
+        Only records held here for an anti-entropy period: anti-entropy repairs what the
+        announcement tree missed, and does not race it (at 1,000 nodes every node exchanges
+        digests ten times a minute, and a fresh record is 280 kB for 8,000 ranks).
+        """
         lacking = []
         for job in self.commits.jobs():
             digest, steps = digests.get(job, ("", []))
             if digest != self.commits.digest(job):
                 held = set(steps)
-                lacking += [r for r in self.commits.records(job) if r.step not in held]
+                lacking += [r for r in self.commits.records(job, self.anti_entropy_s) if r.step not in held]
         return lacking
 
     async def on_holders(self, job: str, step: int, rank: int) -> list[Holding]:

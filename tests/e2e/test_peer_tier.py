@@ -323,26 +323,28 @@ def test_a_node_lost_right_after_every_rank_waited_for_peer_loses_no_step(make_c
 
 
 def test_a_restart_learns_the_newest_step_from_the_cluster_view_not_from_every_peer(make_cluster):
-    # latest_step() and load() run on every rank at a restart: the view answers them, no
-    # peer is asked. Shown with the other nodes down: from their inventories alone, node 0
-    # (its own ranks 0 and 3 and two replicas of 6) could not make step 2 whole.
-    nodes = [d.start() for d in make_cluster(3)]
+    # latest_step() and load() run on every rank at a restart: the view answers them, no peer
+    # is asked. With no replicas no peer is asked in the background either (after each node's
+    # start-up round): the count of inventories the peers answered must not move.
+    nodes = [d.start() for d in make_cluster(3, replicas=0)]
     for step in (1, 2):
-        save_step(nodes, step=step, world_size=6)
+        save_step(nodes, step=step, world_size=6, wait_tiers=("nvme",))
     sealed = [d.root / JOB / "2" / COMMIT_NAME for d in nodes]
     eventually(lambda: all(p.exists() for p in sealed), 30, "every node sealing step 2 on the view's commit")
-    asked = peer_status(nodes[1])["inventories_answered"]
+    asked = [peer_status(d)["inventories_answered"] for d in nodes[1:]]
     for rank in (0, 3):
         with ckpt.Checkpointer(job=JOB, rank=rank, world_size=6, address=nodes[0].address) as c:
             assert c.latest_step() == 2
             assert_same(c.load(), rank_state(rank, 2))
+    assert [peer_status(d)["inventories_answered"] for d in nodes[1:]] == asked, "no peer was asked"
+    assert 2 in ls(nodes[0])
+    assert [peer_status(d)["inventories_answered"] for d in nodes[1:]] != asked, "a listing asks every peer"
     for d in nodes[1:]:
         d.stop()
     with ckpt.Checkpointer(job=JOB, rank=0, world_size=6, address=nodes[0].address) as c:
         assert c.latest_step() == 2, "the committed step, whatever the peers answer"
         assert_same(c.load(), rank_state(0, 2))
-    assert 2 not in ls(nodes[0]), "a listing asks every peer: without them the step cannot be made whole"
-    assert asked > 0, "inventories are counted (the full round at start-up)"
+    assert 2 not in ls(nodes[0]), "node 0 alone (ranks 0 and 3) cannot make step 2 whole"
 
 
 def test_a_stalled_peer_holds_up_neither_training_nor_the_local_flush(make_cluster):
