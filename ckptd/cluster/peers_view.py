@@ -140,7 +140,7 @@ class PeersView(ClusterView):
     # -- this node's side ------------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Learn the commits one live peer has held for an anti-entropy period (a node that restarts catches up)."""
+        """Learn the commits one live peer knows (a node that restarts catches up at once)."""
         await self._exchange_digests()
 
     def report(self, job: str, step: int, shards: Sequence[Holding]) -> None:
@@ -173,7 +173,9 @@ class PeersView(ClusterView):
 
     async def run_forever(self) -> None:
         """Deliver reports as they come (and again when due); compare digests every anti_entropy_s."""
-        next_exchange = time.monotonic() + self.anti_entropy_s
+        # Spread over the period, each node at its own times: nodes that started together (a
+        # cluster's restart) would otherwise all exchange digests in the same instant, every period.
+        next_exchange = time.monotonic() + random.uniform(0.0, self.anti_entropy_s)
         while True:
             timeout = max(0.0, min(RETRY_S, next_exchange - time.monotonic()))
             with contextlib.suppress(TimeoutError):
@@ -183,7 +185,7 @@ class PeersView(ClusterView):
                 await self._deliver()
                 await self._seal_again()
                 if self.anti_entropy_s and time.monotonic() >= next_exchange:
-                    next_exchange = time.monotonic() + self.anti_entropy_s
+                    next_exchange = time.monotonic() + self.anti_entropy_s * random.uniform(0.5, 1.5)
                     await self._exchange_digests()
             except Exception:  # the loop must outlive any one bad round
                 log.exception("cluster view: a round failed")
@@ -310,18 +312,13 @@ class PeersView(ClusterView):
         await self.learned(record)
 
     async def on_digest(self, digests: dict[str, tuple[str, list[int]]]) -> list[CommitRecord]:
-        """Return, for each job whose digest differs from the caller's, the records of the steps it lacks.
-
-        Only records held here for an anti-entropy period: anti-entropy repairs what the
-        announcement tree missed, and does not race it (at 1,000 nodes every node exchanges
-        digests ten times a minute, and a fresh record is 280 kB for 8,000 ranks).
-        """
+        """Return, for each job whose digest differs from the caller's, the records of the steps it lacks."""
         lacking = []
         for job in self.commits.jobs():
             digest, steps = digests.get(job, ("", []))
             if digest != self.commits.digest(job):
                 held = set(steps)
-                lacking += [r for r in self.commits.records(job, self.anti_entropy_s) if r.step not in held]
+                lacking += [r for r in self.commits.records(job) if r.step not in held]
         return lacking
 
     async def on_holders(self, job: str, step: int, rank: int) -> list[Holding]:

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import time
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Iterable, Sequence
@@ -142,7 +141,6 @@ class CommitBook:
         self.kept = kept
         self._jobs: dict[str, OrderedDict[int, CommitRecord]] = {}
         self._digests: dict[str, str] = {}  # job -> digest(job), until the job's records change
-        self._added_at: dict[tuple[str, int], float] = {}  # (job, step) -> when this book took the record
 
     def add(self, record: CommitRecord) -> bool:
         """Keep a record; False when it is older than every kept step of a full job (then it is dropped)."""
@@ -150,14 +148,12 @@ class CommitBook:
         if len(steps) >= self.kept and record.step < next(iter(steps)):
             return False
         self._digests.pop(record.job, None)
-        self._added_at[(record.job, record.step)] = time.monotonic()
         newest = next(reversed(steps), None)
         steps[record.step] = record
         if newest is not None and record.step < newest:  # came late: keep the steps in order
             self._jobs[record.job] = steps = OrderedDict(sorted(steps.items()))
         while len(steps) > self.kept:
-            gone, _ = steps.popitem(last=False)
-            self._added_at.pop((record.job, gone), None)
+            steps.popitem(last=False)
         return True
 
     def get(self, job: str, step: int) -> CommitRecord | None:
@@ -174,10 +170,8 @@ class CommitBook:
     def steps(self, job: str) -> list[int]:
         return list(self._jobs.get(job, {}))
 
-    def records(self, job: str, held_for_s: float = 0.0) -> list[CommitRecord]:
-        """Return a job's kept records; held_for_s: only those this book has held that long."""
-        taken_by = time.monotonic() - held_for_s
-        return [r for r in self._jobs.get(job, {}).values() if self._added_at.get((job, r.step), 0.0) <= taken_by]
+    def records(self, job: str) -> list[CommitRecord]:
+        return list(self._jobs.get(job, {}).values())
 
     def digest(self, job: str) -> str:
         """Return xxh3-64 hex over the kept steps and their records: equal books, equal digests."""
@@ -190,8 +184,7 @@ class CommitBook:
         return self._digests[job]
 
     def forget(self, job: str) -> None:
-        for step in self._jobs.pop(job, {}):
-            self._added_at.pop((job, step), None)
+        self._jobs.pop(job, None)
         self._digests.pop(job, None)
 
 

@@ -18,7 +18,7 @@ from conftest import free_port
 
 from ckptd.cluster.etcd_view import EtcdView
 from ckptd.cluster.peers_view import PeersView
-from ckptd.cluster.view import ClusterView, CommitBook, coordinator_of
+from ckptd.cluster.view import ClusterView, coordinator_of
 from ckptd.config import load_config
 from ckptd.datapath.membership import ResolvedPeers
 from ckptd.rpc.cluster_link import ClusterLinks
@@ -266,15 +266,3 @@ def test_a_commit_sealed_by_one_node_alone_reaches_the_others(run):
         assert all(n.learned == [record] for n in (nodes[0], nodes[2]))
 
     run(body)
-
-
-def test_anti_entropy_offers_only_records_held_for_a_period():
-    # A digest answer repairs what the announcement tree missed; it does not race it with fresh records.
-    book = CommitBook(kept=2)
-    records = [CommitRecord(JOB, step, 1, ("a" * 32,), 10) for step in (1, 2, 3)]
-    for record in records:
-        assert book.add(record)
-    assert book.records(JOB) == records[1:], "the newest `kept` steps"
-    assert book.records(JOB, held_for_s=3600) == [], "none held for an hour yet"
-    book.forget(JOB)
-    assert book.records(JOB) == [] and book.newest(JOB) is None
