@@ -27,7 +27,7 @@ from ckpt.wire.v1 import ckptd_pb2 as pb
 from ckptd import __version__
 from ckptd.config import Config, ConfigError, load_config
 from ckptd.offline import export
-from ckptd.status_table import cluster_line, newest_steps_table
+from ckptd.status_table import cluster_line, newest_steps_table, passed_over_lines
 
 EXAMPLES = """\
 examples:
@@ -276,6 +276,8 @@ def cmd_status(args: argparse.Namespace, config: Config) -> int:
     else:
         print("object tier off (no [object] url)")
     print("\n".join(newest_steps_table(doc["newest_complete"])))
+    for line in passed_over_lines(doc.get("passed_over", {}), doc["tiers"]["nvme"].get("flush_every", 0)):
+        print(line)
     for err in doc["recent_errors"]:
         print(f"error       {err['tier']}: {err['error']}")
     return 0

@@ -41,6 +41,11 @@ class StagingConfig:
 
 
 @dataclass(frozen=True)
+class NvmeConfig:
+    flush_every: int = 0  # 0: the newest snapshot wins the disk; N: multiples of N are always flushed
+
+
+@dataclass(frozen=True)
 class PeerConfig:
     addresses: tuple[str, ...] = ()
     replicas: int = 1
@@ -91,6 +96,7 @@ class Config:
 
     node: NodeConfig = NodeConfig()
     staging: StagingConfig = StagingConfig()
+    nvme: NvmeConfig = NvmeConfig()
     peer: PeerConfig = PeerConfig()
     cluster: ClusterConfig = ClusterConfig()
     object: ObjectConfig = ObjectConfig()
@@ -147,6 +153,7 @@ class Config:
 _SECTION_TYPES = {
     "node": NodeConfig,
     "staging": StagingConfig,
+    "nvme": NvmeConfig,
     "peer": PeerConfig,
     "cluster": ClusterConfig,
     "object": ObjectConfig,
@@ -263,6 +270,7 @@ def _check_values(c: Config) -> None:
     require(c.staging.budget_bytes >= 0, "staging.budget_bytes", "must be 0 (on demand) or positive")
     require(c.staging.idle_ttl_s >= 0, "staging.idle_ttl_s", "must be 0 (never) or a number of seconds")
     require(c.staging.policy in ("block", "skip"), "staging.policy", f"must be block or skip, not {c.staging.policy!r}")
+    require(c.nvme.flush_every >= 0, "nvme.flush_every", "must be 0 (the newest snapshot wins) or a number of steps")
     require(c.peer.replicas >= 0, "peer.replicas", "must not be negative")
     require(0 <= c.peer.data_port <= 65535, "peer.data_port", "must be a port number, or 0 for any free port")
     require(c.peer.resolve_interval_s >= 0, "peer.resolve_interval_s", "must be 0 (once, at start) or seconds")

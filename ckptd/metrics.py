@@ -11,7 +11,8 @@ Who calls what, on which thread:
   Counters the roles keep for `ckptd status` are read then, never counted twice.
 
 Labels are bounded: a tier, and a job name (`job_name`: Prometheus keeps `job` for the scrape
-job) only on the newest-complete-step gauges, whose table holds at most progress.MAX_JOBS_REPORTED jobs.
+job) only on the newest-complete-step gauges and the passed-over counter, whose tables hold at most
+progress.MAX_JOBS_REPORTED jobs.
 """
 
 from __future__ import annotations
@@ -103,6 +104,15 @@ def families(status: dict[str, Any]) -> Iterator[Metric]:
         value=c["skipped"],
     )  # fmt: skip
     yield CounterMetricFamily("ckptd_flushes_total", "Shards made durable on NVMe", value=c["flushed"])
+    passed_over = CounterMetricFamily(
+        "ckptd_nvme_passed_over_total",
+        "Steps of each job passed over on this node's NVMe: a newer save replaced their snapshot before the "
+        "disk was free for it (saves outran the flush; [nvme] flush_every keeps chosen steps)",
+        labels=["job_name"],
+    )
+    for job, p in sorted(status.get("passed_over", {}).items()):
+        passed_over.add_metric([job], p["steps"])
+    yield passed_over
     yield CounterMetricFamily("ckptd_flush_failures_total", "Flushes to NVMe that failed", value=c["flush_failures"])
     yield _by_tier(
         CounterMetricFamily(

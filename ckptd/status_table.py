@@ -1,8 +1,9 @@
 """Render the newest complete step of each job on each tier, as `ckptd status` prints it.
 
 cmd_status (cli.py) calls newest_steps_table() with the "newest_complete" part of the
-status document, on the CLI's only thread; ages come from the daemon, measured when it
-answered, so the table does not depend on the clock of whoever reads it.
+status document, passed_over_lines() with its "passed_over" part, on the CLI's only
+thread; ages come from the daemon, measured when it answered, so the table does not
+depend on the clock of whoever reads it.
 """
 
 from __future__ import annotations
@@ -40,6 +41,16 @@ def newest_steps_table(newest: Mapping[str, Mapping[str, Mapping[str, float]]]) 
     return [
         f"{job:<{widths[0]}}  {tier:<{widths[1]}}  {step:>{widths[2]}}  {age}"
         for job, tier, step, age in [header, *rows]
+    ]
+
+
+def passed_over_lines(passed_over: Mapping[str, Mapping[str, int]], flush_every: int) -> list[str]:
+    """Return one line per job whose saves outran this node's disk: the steps passed over on NVMe."""
+    cadence = f"flush_every {flush_every}" if flush_every else "flush_every 0: the newest snapshot wins"
+    return [
+        f"passed over {job}: {p['steps']} steps not written to NVMe here (last: step {p['last_step']}, "
+        f"replaced by step {p['replaced_by']}; {cadence})"
+        for job, p in passed_over.items()
     ]
 
 

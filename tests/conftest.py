@@ -48,8 +48,11 @@ class Daemon:
         self.socket = base / "d.sock"
         self.staging_dir = Path("/dev/shm") / f"ckptd-test-{uuid.uuid4().hex[:12]}"
         self.config_path = base / "ckptd.toml"
+        # Every step flushed ([nvme] flush_every = 1), as the tests written before saves could outrun the
+        # disk expect; the tests of passing over set CKPTD_NVME__FLUSH_EVERY (env overrides the file).
         self.config_path.write_text(
             f'[node]\nroot = "{self.root}"\nsocket = "{self.socket}"\nlisten = "{listen}"\n'
+            "[nvme]\nflush_every = 1\n"
             f'[staging]\ndir = "{self.staging_dir}"\n' + extra_toml
         )
         self.log_path = base / "ckptd.log"

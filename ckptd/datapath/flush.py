@@ -1,10 +1,15 @@
 """The save path on the daemon: reserve a slot, take over the committed snapshot, flush it to NVMe, seal the step.
 
 Called on the event loop, in this order for each save of a rank: reserve(), then
-commit(), which queues the flush; flushes of one rank run one at a time, in commit
-order, on the flush threads; after each, the step is sealed if every rank is in
-(here or on the peers), then retention runs for the job. At start-up, resume()
-takes over the slots an earlier run left before any RPC is served.
+commit(), which wakes its job's flush rounds. A job flushes in rounds, one at a time:
+each picks one step (see rounds: the newest that its ranks on this node hold, or the
+oldest that [nvme] flush_every keeps), pins every local rank's slot of it, passes over
+the older snapshots not yet flushed, and writes the shards on the flush threads (shared
+by every job of the node). After each shard the step is sealed if every rank is in
+(here or on the peers), then retention runs for the job. A save that finds no free slot
+replaces its rank's snapshot whose flush has not started (SlotPool.reserve): that step
+is passed over for the rank. At start-up, resume() takes over the slots an earlier run
+left before any RPC is served, and flushes them by rounds too.
 """
 
 from __future__ import annotations
@@ -19,12 +24,13 @@ from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from ckpt.errors import CheckpointError, InvalidArgument
-from ckpt.format import CHUNK_SIZE_BYTES, MAX_SHARD_BYTES, CommitRecord, ShardMeta
+from ckpt.format import CHUNK_SIZE_BYTES, CommitRecord, ShardMeta
 
 from ckptd import metrics
-from ckptd.datapath.keyed import KeyedLocks
 from ckptd.datapath.peering import Peering
 from ckptd.datapath.progress import REMEMBERED_SHARDS, ShardProgress
+from ckptd.datapath.rounds import Round, plan_round
+from ckptd.datapath.slot_files import UNFLUSHED
 from ckptd.datapath.staging import ShardKey, Slot, SlotPool, Snapshot
 from ckptd.datapath.uploading import Uploader
 from ckptd.tiers.base import DurableTier
@@ -33,9 +39,10 @@ from ckptd.tiers.nvme import LocalDirTier
 log = logging.getLogger(__name__)
 
 FLUSH_THREADS = 2
-# A flush waits (this long at most) while other ranks of its step on this node are still
-# copying into their slots: hashing and writing beside their copies would slow the very
-# copies their save_async waits for, on a node whose cores the daemon shares.
+# A round waits (this long at most) while ranks of its job on this node are still copying
+# into their slots, or do not yet hold a common step: it then picks the step they are all
+# saving, and hashing and writing beside their copies would slow the very copies their
+# save_async waits for, on a node whose cores the daemon shares.
 FLUSH_HOLD_MAX_S = 2.0
 SAVE_THREADS = 4
 
@@ -65,7 +72,7 @@ class Flusher:
         # Reserve and Commit block a training rank: their disk work never queues behind a flush.
         self.save_threads = ThreadPoolExecutor(max_workers=SAVE_THREADS, thread_name_prefix="save")
         self.commit_lock = asyncio.Lock()  # one seal at a time on this node (reconciliation takes it too)
-        self._rank_locks: KeyedLocks[tuple[str, int]] = KeyedLocks()  # a rank's flushes run one at a time, in order
+        self._rounds: dict[str, asyncio.Task[None]] = {}  # job -> its rounds, while a snapshot of it waits
         self._latest_run: OrderedDict[tuple[str, int], str] = OrderedDict()  # the run that committed a step last
         self._reserved_at: dict[tuple[str, int], tuple[float, int]] = {}  # (job, rank) -> (when, step) reserved
         self._copies_changed = asyncio.Condition()  # a reserved copy was committed
@@ -88,20 +95,21 @@ class Flusher:
 
     async def reserve(self, key: ShardKey, size_bytes: int) -> tuple[Slot | None, float, str]:
         """Find staging room for a shard (see SlotPool.reserve)."""
-        if not 0 <= size_bytes <= MAX_SHARD_BYTES:
-            raise InvalidArgument(f"{key}: size_bytes {size_bytes} is out of range (0 to {MAX_SHARD_BYTES})")
         # A skipped save is the caller's to report, and the servicer's to log (at a pace a caller cannot flood).
         if await self.is_complete(key.job, key.step):  # before any slot is claimed for a save that will not be
             self.counters["skipped"] += 1
             return None, 0.0, f"{key.job} step {key.step} is already complete; a complete step is never rewritten"
-        slot, blocked_s, reason = await self.pool.reserve(key.job, key.rank, size_bytes)
-        if slot is None:
+        reserved = await self.pool.reserve(key.job, key.rank, size_bytes)
+        if reserved.slot is None:
             self.counters["skipped"] += 1
-            return None, 0.0, f"{reason} (staging.policy = skip)"
-        if blocked_s > 0.5:
-            log.warning("%s waited %.1f s for staging room", key, blocked_s)
+            return None, 0.0, f"{reserved.reason} (staging.policy = skip)"
+        if reserved.blocked_s > 0.5:
+            log.warning("%s waited %.1f s for staging room: %s", key, reserved.blocked_s, reserved.reason)
         self._reserved_at[(key.job, key.rank)] = (time.monotonic(), key.step)
-        return slot, blocked_s, reason
+        if reserved.replaced is not None and reserved.replaced.step != key.step:  # the same step: saved again
+            self.progress.passed_over.passed_over(reserved.replaced, key.step)
+            await self.progress.changed()
+        return reserved.slot, reserved.blocked_s, reserved.reason
 
     async def commit(self, snapshot: Snapshot) -> None:
         """Take over a filled slot and queue its flush."""
@@ -137,7 +145,7 @@ class Flusher:
             self.uploader.forget(key)
         self.counters["saves"] += 1
         self.counters["bytes_saved"] += snapshot.data_size_bytes
-        self.start(slot)
+        self.flush_soon(key.job)
 
     def _write_markers(self, slot: Slot, snapshot: Snapshot) -> str:
         """Refuse a snapshot of a step complete meanwhile, else mark the slot committed (one hop: a save thread)."""
@@ -153,51 +161,96 @@ class Flusher:
         """Say whether a durable tier holds the step complete (one complete in memory alone may be saved again)."""
         return await asyncio.get_running_loop().run_in_executor(self.save_threads, self._complete, job, step)
 
-    def start(self, slot: Slot) -> None:
-        """Queue a committed slot's flush (its flush time counts from now)."""
-        task = asyncio.get_running_loop().create_task(self._flush(slot, time.monotonic()))
+    def flush_soon(self, job: str) -> None:
+        """Start the job's flush rounds unless they run: they go on while a snapshot of the job waits for its flush."""
+        if job in self._rounds:
+            return  # the running rounds look again after their current one
+        task = asyncio.get_running_loop().create_task(self._rounds_of(job))
+        self._rounds[job] = task
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
 
-    async def _flush(self, slot: Slot, committed_at: float) -> None:
-        key = slot.shard
+    async def _rounds_of(self, job: str) -> None:
+        """Flush the job round after round until no snapshot of it waits (a task per job, see flush_soon)."""
+        try:
+            while True:
+                await self._until_ranks_agree(job)
+                chosen = self._begin_round(job)
+                if chosen is None:
+                    return  # and, before any await, out of _rounds: the next commit starts them again
+                await self.pool.changed()  # the slots passed over are free: saves waiting for one may go on
+                await self.progress.changed()  # their waiters hear they were passed over
+                await asyncio.gather(*(self._flush(slot) for slot in chosen.flushed))
+        finally:
+            self._rounds.pop(job, None)
+
+    def _begin_round(self, job: str) -> Round | None:
+        """Pick the round's step, pin its slots and pass over older snapshots, with no await in between."""
+        chosen = plan_round([s for s in self.pool.slots() if s.job == job], self.pool.flush_every)
+        if chosen is None:
+            return None
+        for slot in chosen.flushed:
+            self.pool.start_flush(slot)
+        for slot in chosen.passed_over:
+            assert slot.shard is not None
+            self.progress.passed_over.passed_over(slot.shard, chosen.step)
+            self.pool.pass_over(slot)
+        for slot in chosen.superseded:  # its rank saved the step again: the later copy is flushed instead
+            self.pool.pass_over(slot)
+        return chosen
+
+    async def _flush(self, slot: Slot) -> None:
+        """Write one pinned slot of a round to NVMe, settle it, and seal its step in the background."""
+        key, committed_seq = slot.shard, slot.committed_seq
         assert key is not None
-        async with self._rank_locks.hold((key.job, key.rank)):
-            await self._while_others_copy(key)
-            try:
-                hashed_before = slot.meta is not None  # a flush resumed after a restart
-                loop = asyncio.get_running_loop()
-                await loop.run_in_executor(self.threads, self._flush_to_nvme, slot, key, loop)
-                self.flush_seconds.observe(time.monotonic() - committed_at)  # queued behind the rank's flushes too
-                if not any(s is not slot and s.shard == key and s.state == "pending" for s in self.pool.slots()):
-                    self.progress.sealing_started(key)
-                if hashed_before and slot.meta is not None:
-                    self.peering.replicate(key, slot.meta, slot.path)
-                if self.uploader is not None:
-                    self.uploader.upload(key)
-                self.counters["flushed"] += 1
-                self.counters["bytes_flushed"] += slot.data_size_bytes
-            except Exception as e:  # a flush must never fail silently, whatever broke
-                self.counters["flush_failures"] += 1
-                if not isinstance(e, (CheckpointError, OSError)):
-                    log.exception("flush of %s failed unexpectedly", key)
-                self.progress.failed(key, "nvme", str(e))
-            finally:
+
+        def still_ours() -> bool:  # the slot was not dropped or claimed since the round pinned it
+            return slot.state == "flushing" and slot.shard == key and slot.committed_seq == committed_seq
+
+        if not still_ours():
+            return  # another snapshot is in it now: neither written nor settled here
+        try:
+            hashed_before = slot.meta is not None  # a flush resumed after a restart
+            loop = asyncio.get_running_loop()
+            await loop.run_in_executor(self.threads, self._flush_to_nvme, slot, key, loop)
+            self.flush_seconds.observe(time.monotonic() - slot.committed_at_s)  # queued behind earlier rounds too
+            if not any(s is not slot and s.shard == key and s.state in UNFLUSHED for s in self.pool.slots()):
+                self.progress.sealing_started(key)
+            if hashed_before and slot.meta is not None:
+                self.peering.replicate(key, slot.meta, slot.path)
+            if self.uploader is not None:
+                self.uploader.upload(key)
+            self.counters["flushed"] += 1
+            self.counters["bytes_flushed"] += slot.data_size_bytes
+        except Exception as e:  # a flush must never fail silently, whatever broke
+            self.counters["flush_failures"] += 1
+            if not isinstance(e, (CheckpointError, OSError)):
+                log.exception("flush of %s failed unexpectedly", key)
+            self.progress.failed(key, "nvme", str(e))
+        finally:
+            if still_ours():
                 await self.pool.settle(slot)
-        await self.after_flush(key)  # outside the rank's lock: its next flush need not wait for retention
+        # Not awaited by the round: the job's next round need not wait for the seal and retention.
+        task = asyncio.get_running_loop().create_task(self.after_flush(key))
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
 
-    async def _while_others_copy(self, key: ShardKey) -> None:
-        """Wait (up to FLUSH_HOLD_MAX_S) until no other rank of the step on this node is copying into its slot."""
+    async def _until_ranks_agree(self, job: str) -> None:
+        """Wait (up to FLUSH_HOLD_MAX_S) until no rank of the job here is copying and its ranks hold a common step.
 
-        def others_copying() -> bool:
-            return any(
-                job == key.job and rank != key.rank and step == key.step and time.monotonic() - at < FLUSH_HOLD_MAX_S
-                for (job, rank), (at, step) in self._reserved_at.items()
-            )
+        A reservation older than FLUSH_HOLD_MAX_S counts as abandoned. Commits wake it.
+        """
+
+        def agreed() -> bool:
+            now = time.monotonic()
+            if any(j == job and now - at < FLUSH_HOLD_MAX_S for (j, _), (at, _) in self._reserved_at.items()):
+                return False
+            chosen = plan_round([s for s in self.pool.slots() if s.job == job], self.pool.flush_every)
+            return chosen is None or chosen.agreed
 
         async with self._copies_changed:
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._copies_changed.wait_for(lambda: not others_copying()), FLUSH_HOLD_MAX_S)
+                await asyncio.wait_for(self._copies_changed.wait_for(agreed), FLUSH_HOLD_MAX_S)
 
     def _flush_to_nvme(self, slot: Slot, key: ShardKey, loop: asyncio.AbstractEventLoop) -> None:
         """Write a slot's snapshot to NVMe (a flush thread); replicas start as soon as its checksums are known."""
@@ -248,12 +301,12 @@ class Flusher:
     def flushing(self, job: str, step: int) -> bool:
         """Say whether a shard of the step is still on its way to NVMe (then the step is not sealed yet)."""
         return any(
-            s.state == "pending" and s.shard and (s.shard.job, s.shard.step) == (job, step) for s in self.pool.slots()
+            s.state in UNFLUSHED and s.shard and (s.shard.job, s.shard.step) == (job, step) for s in self.pool.slots()
         )
 
     def busy_steps(self) -> set[tuple[str, int]]:
-        """Return the steps with a shard being flushed: retention keeps off them (BusySteps)."""
-        return {(s.shard.job, s.shard.step) for s in self.pool.slots() if s.state == "pending" and s.shard}
+        """Return the steps with a shard on its way to NVMe: retention keeps off them (BusySteps)."""
+        return {(s.shard.job, s.shard.step) for s in self.pool.slots() if s.state in UNFLUSHED and s.shard}
 
     async def seal(self, job: str, step: int) -> CommitRecord | None:
         """Seal a step that just got a durable shard here (flushed or received), if it can be now.
@@ -284,7 +337,10 @@ class Flusher:
     async def resume(self) -> None:
         """Take over the slots an earlier run left: flush what is not on NVMe yet, seal what a crash left whole.
 
-        The checks run on the save threads: resumed flushes take the flush threads meanwhile.
+        What is not on NVMe is flushed by rounds, as any save: of each rank, the snapshot of
+        the step its job's round picks (the newest, or one [nvme] flush_every keeps); older
+        ones are passed over, their markers removed, so recovery never writes a step it would
+        pass over. The checks run on the save threads: resumed flushes take the flush threads meanwhile.
         """
         loop = asyncio.get_running_loop()
         held = await loop.run_in_executor(self.save_threads, self.pool.recover)
@@ -296,9 +352,13 @@ class Flusher:
             assert key is not None
             if await loop.run_in_executor(self.save_threads, self._flushed_already, slot, key):
                 await self.pool.settle(slot)
-            else:
-                log.info("resuming flush of %s", slot.shard)
-                self.start(slot)
+        newest: dict[tuple[str, int], Slot] = {}  # of each rank, the snapshot its rounds will flush
+        for slot in sorted((s for s in held if s.state == "pending"), key=lambda s: s.committed_seq):
+            newest[(slot.job, slot.rank)] = slot
+        for slot in newest.values():
+            log.info("resuming flush of %s", slot.shard)
+        for job in sorted({job for job, _ in newest}):
+            self.flush_soon(job)
         # A crash between the last shard's rename and the commit record leaves a
         # step with every shard in place: commit it now.
         for job, step, world_size in await loop.run_in_executor(self.save_threads, self._interrupted_commits):

@@ -20,13 +20,14 @@ from concurrent.futures import ThreadPoolExecutor
 
 from ckpt.errors import InvalidArgument
 
+from ckptd.datapath.slot_files import UNFLUSHED
 from ckptd.datapath.staging import Slot, SlotPool
 from ckptd.tiers.nvme import LocalDirTier
 
 log = logging.getLogger(__name__)
 
 CHECK_S = 60.0
-BUSY_STATES = frozenset({"allocating", "writing", "committing", "pending"})
+BUSY_STATES = frozenset({"allocating", "writing", "committing"}) | UNFLUSHED
 
 
 class IdleRelease:

@@ -47,7 +47,9 @@ class Lifecycle:
 
     def __init__(self, config: Config) -> None:
         self.config = config
-        self.pool = SlotPool(config.staging_dir, config.staging.budget_bytes, config.staging.policy)
+        self.pool = SlotPool(
+            config.staging_dir, config.staging.budget_bytes, config.staging.policy, config.nvme.flush_every
+        )
         self.memory = MemoryTier(self.pool.copies)  # read on worker threads
         self.nvme = LocalDirTier(config.root)
         self.replica_store = LocalDirTier(config.replica_root, name="peer")  # replicas other nodes sent here

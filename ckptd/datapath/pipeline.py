@@ -25,6 +25,7 @@ from ckpt.shard_io import ShardSource
 
 from ckptd.config import Config
 from ckptd.datapath.lifecycle import Lifecycle
+from ckptd.datapath.progress import ShardWait
 from ckptd.datapath.receiving import ReplicaReceiver
 from ckptd.datapath.retention import RETAINED_TIERS, Removal
 from ckptd.datapath.staging import ShardKey, Slot, Snapshot
@@ -58,6 +59,10 @@ class Pipeline:
         """Find staging room for a shard."""
         return await self.node.flusher.reserve(key, size_bytes)
 
+    async def prepare(self, key: ShardKey, size_bytes: int) -> list[Slot]:
+        """Allocate a rank's slots ahead of its first save; return its free slots (see SlotPool.prepare)."""
+        return await self.node.pool.prepare(key.job, key.rank, size_bytes)
+
     def spare(self, job: str, rank: int) -> Slot | None:
         """Return the slot the rank's next save will get, if one is allocated."""
         return self.node.pool.spare(job, rank)
@@ -66,8 +71,8 @@ class Pipeline:
         """Take over a filled slot; its flush, seal, replicas and upload follow."""
         await self.node.flusher.commit(snapshot)
 
-    async def wait_shard(self, key: ShardKey, tier: str, timeout_s: float) -> tuple[bool, str]:
-        """Return (done, error) for a shard on a tier, waiting up to timeout_s."""
+    async def wait_shard(self, key: ShardKey, tier: str, timeout_s: float) -> ShardWait:
+        """Return whether a shard reached a tier, or why it cannot, waiting up to timeout_s."""
         return await self.node.progress.wait(key, tier, timeout_s, self.node.locator.object_step)
 
     # -- loads and listings ------------------------------------------------------------------

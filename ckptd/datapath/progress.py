@@ -1,9 +1,10 @@
 """Where each shard stands on each tier, and the waiters who asked: one verdict per tier.
 
-The flusher, the replication and the uploader report here as shards move; WaitShard
-reads the verdicts, and `ckptd status` and /metrics the newest complete step of each job
-on each tier (NewestSteps). Everything runs on the event loop and touches no disk: what
-was durable before this daemon started is looked up once per wait, on a worker thread.
+The flusher, the replication and the uploader report here as shards move (the flusher
+also what it passed over: PassedOver); WaitShard reads the verdicts, and `ckptd status`
+and /metrics the newest complete step of each job on each tier (NewestSteps). Everything
+runs on the event loop and touches no disk: what was durable before this daemon started
+is looked up once per wait, on a worker thread.
 Every table is bounded (the oldest entries go first).
 """
 
@@ -20,8 +21,10 @@ from typing import Any
 
 from ckpt.format import validate_tier
 
+from ckptd.datapath.passed_over import PassedOver
 from ckptd.datapath.peering import Peering
 from ckptd.datapath.replication import FAILURES_REPORTED
+from ckptd.datapath.slot_files import UNFLUSHED
 from ckptd.datapath.staging import ShardKey, SlotPool
 from ckptd.datapath.uploading import FAILURES_REPORTED as UPLOAD_FAILURES_REPORTED
 from ckptd.datapath.uploading import Uploader
@@ -34,6 +37,15 @@ RECENT_ERRORS = 20
 MAX_JOBS_REPORTED = 1024  # jobs whose newest complete steps are reported (those completing most recently)
 
 Verdict = Callable[[], "tuple[bool, str] | None"]  # (done, error), or None: not yet
+
+
+@dataclass(frozen=True)
+class ShardWait:
+    """What WaitShard answers: done, or why the shard cannot reach the tier (passed_over: saves outran the disk)."""
+
+    done: bool
+    error: str = ""
+    passed_over: bool = False
 
 
 @dataclass(frozen=True)
@@ -107,6 +119,7 @@ class ShardProgress:
         self._sealing: set[ShardKey] = set()  # flushed, and the step not yet sealed (if it can be)
         self.errors: deque[dict[str, Any]] = deque(maxlen=RECENT_ERRORS)
         self.newest = NewestSteps()
+        self.passed_over = PassedOver(REMEMBERED_SHARDS, MAX_JOBS_REPORTED)
         self._committed_ranks: OrderedDict[tuple[str, int, int], set[int]] = OrderedDict()  # ranks saved here
         self._wakers: set[asyncio.Task[None]] = set()
 
@@ -118,6 +131,7 @@ class ShardProgress:
         self._reached.pop((key, "nvme"), None)
         self._reached.pop((key, "peer"), None)
         self._sealing.discard(key)  # an earlier copy's seal, still queued, must not count for this one
+        self.passed_over.forget(key)
         ranks = self._committed_ranks.setdefault((key.job, key.step, key.world_size), set())
         ranks.add(key.rank)
         self._committed_ranks.move_to_end((key.job, key.step, key.world_size))
@@ -175,15 +189,18 @@ class ShardProgress:
 
     # -- waiting ------------------------------------------------------------------
 
-    async def wait(self, key: ShardKey, tier: str, timeout_s: float, object_step: Any) -> tuple[bool, str]:
-        """Return (done, error) for a shard on a tier, waiting up to timeout_s for it.
+    async def wait(self, key: ShardKey, tier: str, timeout_s: float, object_step: Any) -> ShardWait:
+        """Return whether a shard reached a tier, or why it cannot, waiting up to timeout_s for it.
+
+        A shard passed over on NVMe (a newer save replaced it before its flush) cannot reach
+        nvme, peer nor object: the answer says so at once; memory answers as for any save.
 
         object_step(job, step) is awaited for whether the step is complete in the store ([step], [] or None), when
         an upload may have finished before this daemon started.
         """
         validate_tier(tier)
         if (tier == "object" and self.uploader is None) or (tier == "peer" and self.peering.replication is None):
-            return False, f"tier {tier} is not configured on node {self.peering.config.node.name}"
+            return ShardWait(False, f"tier {tier} is not configured on node {self.peering.config.node.name}")
         if tier == "object":
             verdict = await self._upload_verdict(key, object_step)
         elif tier == "peer":
@@ -197,18 +214,21 @@ class ShardProgress:
         deadline = time.monotonic() + timeout_s
         async with self._condition:
             while True:
+                passed_over = self.passed_over.why(key) if tier != "memory" else None
+                if passed_over is not None:
+                    return ShardWait(False, passed_over, passed_over=True)
                 answer = verdict()
                 if answer is not None:
-                    return answer
+                    return ShardWait(*answer)
                 if key in self._failures:
-                    return False, self._failures[key]
+                    return ShardWait(False, self._failures[key])
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    return False, ""
+                    return ShardWait(False)
                 try:
                     await asyncio.wait_for(self._condition.wait(), remaining)
                 except TimeoutError:
-                    return False, ""
+                    return ShardWait(False)
 
     def _reached_tier(self, key: ShardKey, tier: str, on_disk_before: bool) -> bool:
         if (key, tier) in self._reached:
@@ -218,7 +238,7 @@ class ShardProgress:
         if (
             key in self._failures
             or key in self._sealing
-            or any(s.shard == key and s.state == "pending" for s in self.pool.slots())
+            or any(s.shard == key and s.state in UNFLUSHED for s in self.pool.slots())
         ):
             return False  # the copy being flushed is the one asked about, not an older one on disk
         return on_disk_before  # durable before this daemon started, or before this copy was tracked

@@ -27,6 +27,7 @@ from ckpt.format import ShardMeta, digest, unseal, validate_job, validate_rank, 
 log = logging.getLogger(__name__)
 
 SLOT_NAME = re.compile(r"rank-(\d{5})\.slot-(\d+)")
+UNFLUSHED = frozenset({"pending", "flushing"})  # the states of a slot whose snapshot is on its way to NVMe
 
 
 @dataclass(frozen=True)
@@ -51,7 +52,9 @@ class Slot:
     rank: int
     index: int
     size_bytes: int
-    state: str = "free"  # allocating | free | writing | committing | pending (flush queued or running) | settled
+    # allocating | free | writing | committing | pending (committed, flush not started: a newer save may replace it)
+    # | flushing (picked by its job's flush round: pinned) | settled (flushed, or the flush failed)
+    state: str = "free"
     shard: ShardKey | None = None
     data_size_bytes: int = 0
     layout_json: str = ""
@@ -60,6 +63,7 @@ class Slot:
     reservation: int = 0  # the token of the current reservation; a stale one cannot commit
     committed_seq: int = 0  # order of commits across the pool: among two copies of a shard, the later wins
     allocating_bytes: int = 0  # the size being allocated, counted against the budget meanwhile
+    committed_at_s: float = 0.0  # time.monotonic() at commit (or recovery): flush durations count from it
 
     @property
     def pending_path(self) -> Path:

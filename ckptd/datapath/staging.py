@@ -5,6 +5,13 @@ memory tier), the other receives the next save while the first is still being
 flushed. A slot's state is kept beside it on disk (see slot_files), so a restarted
 daemon knows which snapshots still need flushing.
 
+The memory tier takes every save: a committed snapshot whose flush has not started
+("pending") is replaced by a newer save of its rank when no other slot is free, and
+its step is passed over on NVMe for that rank (reported by the Flusher). A slot
+being flushed ("flushing", set by the Flusher's round on the event loop before the
+bytes go to a flush thread) is never claimed, nor one whose step [nvme] flush_every
+keeps; only then does a save wait ("block") or get skipped ("skip").
+
 All methods run on the daemon's event loop thread, except record_hashed and write_markers (worker threads:
 the markers carry the layout, megabytes to read and write).
 """
@@ -21,7 +28,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ckpt.errors import CheckpointError, InvalidArgument, ReservationLost
-from ckpt.format import ShardMeta, digest, layout_offset, round_up, seal, shown
+from ckpt.format import MAX_SHARD_BYTES, ShardMeta, digest, layout_offset, round_up, seal, shown
+
+from ckptd.datapath.rounds import kept
 
 # A slot and its files on disk live in slot_files; ShardKey, Slot and scan_slots stay importable from here.
 from ckptd.datapath.slot_files import (
@@ -41,6 +50,16 @@ SLOT_GRANULE_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)
+class Reserved:
+    """What reserve() found: a slot (None: skipped), the seconds waited, why, and the snapshot it replaced."""
+
+    slot: Slot | None
+    blocked_s: float
+    reason: str
+    replaced: ShardKey | None = None  # a committed snapshot whose flush had not started: passed over
+
+
+@dataclass(frozen=True)
 class Snapshot:
     """What a Commit says: which slot holds the whole snapshot of which shard, and how to read it."""
 
@@ -56,10 +75,11 @@ class Snapshot:
 class SlotPool:
     """Allocate, reuse and bound the staging slots of one node."""
 
-    def __init__(self, directory: Path, budget_bytes: int, policy: str) -> None:
+    def __init__(self, directory: Path, budget_bytes: int, policy: str, flush_every: int = 0) -> None:
         self.directory = directory
         self.budget_bytes = budget_bytes
         self.policy = policy
+        self.flush_every = flush_every  # [nvme] flush_every: a slot holding a step it keeps is never claimed
         self._slots: dict[tuple[str, int], list[Slot]] = {}
         self._changed = asyncio.Condition()
         self._reservations = time.time_ns()  # tokens never repeat across daemon restarts
@@ -89,30 +109,25 @@ class SlotPool:
 
     # -- the save path -----------------------------------------------------------
 
-    async def reserve(self, job: str, rank: int, size_bytes: int) -> tuple[Slot | None, float, str]:
+    async def reserve(self, job: str, rank: int, size_bytes: int) -> Reserved:
         """Return a slot of at least size_bytes for the rank, the seconds waited and why.
 
-        Under policy "block" this waits until a slot is free; under "skip" it
-        returns (None, 0, reason) at once when none is. The slot's reservation
-        token must come back with commit().
+        Under policy "block" this waits until a slot can be had (the reason then says what
+        it waited for); under "skip" it answers no slot at once when none can. The slot's
+        reservation token must come back with commit(). A snapshot replaced to make room is
+        named in the answer: its flush had not started, and never will.
         """
-        need = round_up(max(size_bytes, 1), SLOT_GRANULE_BYTES)
-        if self.budget_bytes and need > self.budget_bytes:
-            raise InvalidArgument(
-                f"a shard of {size_bytes} bytes cannot fit in staging.budget_bytes = {self.budget_bytes}"
-            )
-        fs = os.statvfs(self.directory)  # sized on demand, still no more than the filesystem holds
-        if need > (capacity := fs.f_blocks * fs.f_frsize):
-            raise InvalidArgument(f"a shard of {size_bytes} bytes cannot fit in {self.directory} ({capacity} bytes)")
-        blocked_s = 0.0
+        need = self._need(job, rank, size_bytes)
+        blocked_s, waited_for = 0.0, ""
         async with self._changed:
             while True:
                 self._abandon_unfinished(job, rank)
-                slot, size_bytes, reason = self._take(job, rank, need)
+                slot, size_bytes, reason, replaced = self._take(job, rank, need)
                 if slot is not None:
                     break
                 if self.policy == "skip":
-                    return None, 0.0, reason
+                    return Reserved(None, 0.0, reason)
+                waited_for = waited_for or reason
                 started = time.monotonic()
                 await self._changed.wait()
                 blocked_s += time.monotonic() - started
@@ -126,7 +141,7 @@ class SlotPool:
             spare = self._plan_spare(job, rank, size_bytes) if first_save else None
         # Allocating gigabytes of shared memory takes a while: off the event loop, and
         # without the pool's lock, so other ranks' saves and finished flushes go on.
-        spare_done = asyncio.ensure_future(self._allocate_spare(spare, size_bytes)) if spare else None
+        spare_done = asyncio.ensure_future(self._allocate_free(spare, size_bytes)) if spare else None
         allocation = asyncio.ensure_future(asyncio.to_thread(self._hand_out, slot, size_bytes))
         # Counted against the budget until the thread is done, even if this call is cancelled.
         allocation.add_done_callback(lambda _: setattr(slot, "allocating_bytes", 0))
@@ -143,7 +158,54 @@ class SlotPool:
             raise
         if spare_done is not None:
             await spare_done  # the reply names the spare: it must be whole before the client maps it
-        return slot, blocked_s, reason
+        return Reserved(slot, blocked_s, waited_for or reason, replaced)
+
+    async def prepare(self, job: str, rank: int, size_bytes: int) -> list[Slot]:
+        """Allocate the rank's slots for saves of size_bytes ahead of its first save; return its free slots.
+
+        Called on the event loop (the Reserve RPC with prepare set). Up to SLOTS_PER_RANK
+        slots, within the budget (sizes rounded up as reserve() does), each left free: no
+        reservation is taken and no slot marked writing, so the rank's first save takes one
+        of them. Idempotent: slots already large enough are left alone. It evicts only what
+        a reserve would (free or settled slots of others, never a snapshot being flushed).
+        The free slots come back largest first, the one the next save gets first.
+        """
+        need = self._need(job, rank, size_bytes)
+        async with self._changed:
+            await self._changed.wait_for(lambda: not any(s.state == "allocating" for s in self._group(job, rank)))
+            group = self._group(job, rank)
+            planned = [s for s in group if s.state == "free" and s.size_bytes < need]  # grown to fit
+            planned = [s for s in planned if self._room_for(job, rank, need - s.size_bytes)]
+            for slot in planned:
+                slot.state, slot.allocating_bytes = "allocating", need
+            while len(group) < SLOTS_PER_RANK and self._room_for(job, rank, need):
+                index = min(set(range(SLOTS_PER_RANK)) - {s.index for s in group})
+                slot = Slot(slot_path(self.directory, job, rank, index), job, rank, index, 0, "allocating")
+                slot.allocating_bytes = need
+                group.append(slot)
+                planned.append(slot)
+            self.last_saved[job] = time.monotonic()  # idle release counts from here if no save follows
+        await asyncio.gather(*(self._allocate_free(slot, need) for slot in planned))
+        return self._reusable(job, rank)
+
+    def _need(self, job: str, rank: int, size_bytes: int) -> int:
+        """Return the slot size a shard of size_bytes needs, or refuse one that can never fit."""
+        if not 0 <= size_bytes <= MAX_SHARD_BYTES:
+            raise InvalidArgument(
+                f"{job} rank {rank}: size_bytes {size_bytes} is out of range (0 to {MAX_SHARD_BYTES})"
+            )
+        need = round_up(max(size_bytes, 1), SLOT_GRANULE_BYTES)
+        if self.budget_bytes and need > self.budget_bytes:
+            raise InvalidArgument(
+                f"a shard of {size_bytes} bytes cannot fit in staging.budget_bytes = {self.budget_bytes}"
+            )
+        fs = os.statvfs(self.directory)  # sized on demand, still no more than the filesystem holds
+        if need > (capacity := fs.f_blocks * fs.f_frsize):
+            raise InvalidArgument(f"a shard of {size_bytes} bytes cannot fit in {self.directory} ({capacity} bytes)")
+        return need
+
+    def _group(self, job: str, rank: int) -> list[Slot]:
+        return self._slots.setdefault((job, rank), [])
 
     def _plan_spare(self, job: str, rank: int, size_bytes: int) -> Slot | None:
         # The rank's first save allocates its second slot too, so that the client can
@@ -157,17 +219,18 @@ class SlotPool:
         group.append(spare)
         return spare
 
-    async def _allocate_spare(self, spare: Slot, size_bytes: int) -> None:
+    async def _allocate_free(self, slot: Slot, size_bytes: int) -> None:
+        """Allocate (or grow) a slot nobody reserved, then leave it free: the spare, or a prepared one."""
         try:
-            await asyncio.to_thread(self._hand_out, spare, size_bytes)
+            await asyncio.to_thread(self._hand_out, slot, size_bytes)
         except CheckpointError as e:
-            log.warning("no spare staging slot for %s rank %d: %s", spare.job, spare.rank, e)
+            log.warning("no spare staging slot for %s rank %d: %s", slot.job, slot.rank, e)
         async with self._changed:
-            spare.allocating_bytes = 0
-            if spare.size_bytes == 0:
-                self._slots[(spare.job, spare.rank)].remove(spare)
+            slot.allocating_bytes = 0
+            if slot.size_bytes == 0:
+                self._slots[(slot.job, slot.rank)].remove(slot)
             else:
-                spare.state = "free"
+                slot.state = "free"
             self._changed.notify_all()
 
     def spare(self, job: str, rank: int) -> Slot | None:
@@ -239,10 +302,10 @@ class SlotPool:
         return layout_json
 
     def committed(self, slot: Slot, snapshot: Snapshot, layout_json: str) -> None:
-        """Make the slot hold the snapshot, its flush next (event loop)."""
+        """Make the slot hold the snapshot, pending: flushed by a round of its job, unless a newer one replaces it."""
         slot.shard, slot.data_size_bytes, slot.meta = snapshot.key, snapshot.data_size_bytes, None
         slot.layout_json, slot.run_id, slot.state = layout_json, snapshot.run_id, "pending"
-        self.last_saved[slot.job] = time.monotonic()
+        slot.committed_at_s = self.last_saved[slot.job] = time.monotonic()
 
     def abandon(self, slot: Slot) -> None:
         """Give up a slot whose markers could not be written: it holds nothing worth keeping (event loop)."""
@@ -252,6 +315,25 @@ class SlotPool:
         """Record a slot's checksums: from now on the memory tier serves it. Any thread."""
         write_replace(slot.meta_path, meta.to_bytes())
         slot.meta = meta
+
+    def start_flush(self, slot: Slot) -> None:
+        """Pin a pending slot for its flush round: no save claims it from now on (event loop, before any await)."""
+        slot.state = "flushing"
+
+    def pass_over(self, slot: Slot) -> None:
+        """Drop a pending snapshot that will never be flushed, its markers first (event loop; changed() follows).
+
+        Without its commit marker a restarted daemon finds the slot empty: recovery never writes it.
+        """
+        slot.pending_path.unlink(missing_ok=True)
+        slot.layout_path.unlink(missing_ok=True)
+        slot.meta_path.unlink(missing_ok=True)
+        slot.shard, slot.meta, slot.layout_json, slot.state = None, None, "", "free"
+
+    async def changed(self) -> None:
+        """Wake the saves waiting for a slot: some were freed (passed over)."""
+        async with self._changed:
+            self._changed.notify_all()
 
     async def settle(self, slot: Slot) -> None:
         """Mark a slot's flush finished (durable or failed): it may be reused once not newest."""
@@ -275,7 +357,7 @@ class SlotPool:
             self._slots.setdefault((slot.job, slot.rank), []).append(slot)
             self.last_saved[slot.job] = time.monotonic()
             if slot.shard is not None:
-                slot.state = "pending"
+                slot.state, slot.committed_at_s = "pending", time.monotonic()
                 held.append(slot)
         return held
 
@@ -304,30 +386,56 @@ class SlotPool:
         free = [s for s in self._slots.get((job, rank), []) if s.state in ("free", "settled") and s is not newest]
         return sorted(free, key=lambda s: s.size_bytes, reverse=True)
 
-    def _take(self, job: str, rank: int, need: int) -> tuple[Slot | None, int, str]:
+    def _take(self, job: str, rank: int, need: int) -> tuple[Slot | None, int, str, ShardKey | None]:
         """Pick a slot for the rank and the size to give it, or say why there is none.
 
-        In order: a spare slot that fits, a new slot, a spare slot grown; only then the
-        slot of the newest snapshot (the memory tier's copy), once it is settled.
+        In order: a spare slot that fits, a new slot, a spare slot grown; then the slot of
+        the newest snapshot (the memory tier's copy), once it is settled; then a snapshot
+        whose flush has not started (newest wins: an older one before the newest), which
+        the answer names as replaced.
         """
-        group = self._slots.setdefault((job, rank), [])
+        group = self._group(job, rank)
         spare = self._reusable(job, rank)
         if spare and spare[0].size_bytes >= need:
-            return self._claim(spare[0]), spare[0].size_bytes, ""
+            return self._claim(spare[0]), spare[0].size_bytes, "", None
         if len(group) < SLOTS_PER_RANK and self._room_for(job, rank, need):
             index = min(set(range(SLOTS_PER_RANK)) - {s.index for s in group})
             slot = Slot(slot_path(self.directory, job, rank, index), job, rank, index, 0, "writing")
-            return slot, need, "new slot"
+            return slot, need, "new slot", None
         newest = self.newest(job, rank)
         last_resort = [newest] if newest is not None and newest.state == "settled" else []
-        for slot in spare + last_resort:
+        unflushed = [s for s in group if s.state == "pending" and s.shard and not kept(s.shard.step, self.flush_every)]
+        unflushed.sort(key=lambda s: (s is newest, s.committed_seq))
+        for slot in spare + last_resort + unflushed:
+            replaced = slot.shard if slot.state == "pending" else None
             if slot.size_bytes >= need:
-                return self._claim(slot), slot.size_bytes, ""
+                return self._claim(slot), slot.size_bytes, "", replaced
             if self._room_for(job, rank, need - slot.size_bytes):
-                return self._claim(slot), need, "grew a slot"
-        if spare or last_resort or len(group) < SLOTS_PER_RANK:
-            return None, 0, f"staging.budget_bytes ({self.budget_bytes}) is taken by snapshots still being flushed"
-        return None, 0, f"both staging slots of {job} rank {rank} hold snapshots still being flushed"
+                return self._claim(slot), need, "grew a slot", replaced
+        if spare or last_resort or unflushed or len(group) < SLOTS_PER_RANK:
+            return (
+                None,
+                0,
+                f"staging.budget_bytes ({self.budget_bytes}) is taken by snapshots still being flushed",
+                None,
+            )
+        return None, 0, self._why_both_busy(job, rank, group), None
+
+    def _why_both_busy(self, job: str, rank: int, group: list[Slot]) -> str:
+        """Say what a save of a rank whose slots are all in use waits for."""
+        if any(s.state == "allocating" for s in group):
+            return f"the staging slots of {job} rank {rank} are being allocated"
+        flushing = sorted(s.shard.step for s in group if s.shard and s.state == "flushing")
+        if not flushing:
+            return f"both staging slots of {job} rank {rank} hold snapshots still being flushed"
+        why = (
+            f"waits for the NVMe flush of {job} step {flushing[0]}: "
+            f"both staging slots of rank {rank} hold snapshots that must be flushed"
+        )
+        kept_steps = sorted(s.shard.step for s in group if s.shard and s.state == "pending")  # else claimable
+        if kept_steps:
+            why += f" (step {kept_steps[0]} is kept by [nvme] flush_every = {self.flush_every})"
+        return why
 
     def _claim(self, slot: Slot) -> Slot:
         slot.meta_path.unlink(missing_ok=True)  # the old snapshot stops being served before it is overwritten

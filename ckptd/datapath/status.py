@@ -24,6 +24,7 @@ from ckptd.datapath.flush import Flusher
 from ckptd.datapath.peering import Peering
 from ckptd.datapath.progress import Completion, ShardProgress
 from ckptd.datapath.retention import RetentionRunner
+from ckptd.datapath.slot_files import UNFLUSHED
 from ckptd.datapath.staging import SlotPool
 from ckptd.datapath.uploading import Uploader
 from ckptd.tiers.memory import MemoryTier
@@ -102,6 +103,7 @@ class StatusReport:
         slots = self.pool.slots()
         failures = self.verification_failures
         newest = _newest_complete(self.progress.newest.by_job(), {s.job for s in slots}, time.time())
+        passed_over = self.progress.passed_over.by_job()
         return {
             "version": __version__,
             "node": self.config.node.name,
@@ -110,7 +112,7 @@ class StatusReport:
             "socket": str(self.config.socket_path),
             "tiers": {
                 "memory": {"dir": str(self.config.staging_dir)},
-                "nvme": {"root": str(self.config.root)},
+                "nvme": {"root": str(self.config.root), "flush_every": self.config.nvme.flush_every},
                 "peer": {"replica_root": str(self.config.replica_root), **self.peering.status()},
                 "object": self.uploader.status() if self.uploader is not None else {"enabled": False},
             },
@@ -121,10 +123,11 @@ class StatusReport:
                 "in_use_bytes": self.pool.in_use_bytes(),
                 "bytes_by_job": _bytes_by_job(slots),
                 "slots": len(slots),
-                "pending_flushes": sum(1 for s in slots if s.state == "pending"),
+                "pending_flushes": sum(1 for s in slots if s.state in UNFLUSHED),
             },
             "counters": {
                 **self.flusher.counters,
+                "passed_over": sum(p["steps"] for p in passed_over.values()),
                 "replica_bytes_received": self.replica_bytes_received,
                 "removal_failures": self.retention.removal_failures(),
                 **self.rpc_counters(),
@@ -136,6 +139,7 @@ class StatusReport:
             },
             "event_loop": {"max_stall_s": round(self.loop_max_stall_s, 4)},
             "newest_complete": newest,
+            "passed_over": passed_over,  # job -> steps passed over on NVMe here, the last one and what replaced it
             "newest_complete_age_s": _youngest_by_tier(newest),  # deprecated: the same, any job
             "recent_errors": list(self.progress.errors),
         }

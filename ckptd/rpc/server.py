@@ -78,6 +78,15 @@ class CkptdServicer(ckptd_pb2_grpc.CkptdServicer):
     async def Reserve(self, request: pb.ReserveRequest, context: Any) -> pb.ReserveReply:
         async def work() -> pb.ReserveReply:
             key = _shard_key(request.shard)
+            if request.prepare:  # slots allocated ahead, no reservation: the client maps and pins them
+                free = await self.pipeline.prepare(key, request.size_bytes)
+                return pb.ReserveReply(
+                    slot_path=str(free[0].path) if free else "",
+                    slot_size_bytes=free[0].size_bytes if free else 0,
+                    spare_slot_path=str(free[1].path) if len(free) > 1 else "",
+                    spare_slot_size_bytes=free[1].size_bytes if len(free) > 1 else 0,
+                    layout_in_slot=True,
+                )
             slot, blocked_s, reason = await self.pipeline.reserve(key, request.size_bytes)
             if slot is None:
                 self.guard.note(context, "skipped", f"skipped {key}: {reason}")
@@ -125,8 +134,8 @@ class CkptdServicer(ckptd_pb2_grpc.CkptdServicer):
             if not math.isfinite(request.timeout_s):
                 raise InvalidArgument(f"invalid timeout_s {request.timeout_s}")
             timeout_s = min(max(request.timeout_s, 0.0), MAX_WAIT_S)
-            done, error = await self.pipeline.wait_shard(key, request.tier, timeout_s)
-            return pb.WaitShardReply(done=done, error=error)
+            answer = await self.pipeline.wait_shard(key, request.tier, timeout_s)
+            return pb.WaitShardReply(done=answer.done, error=answer.error, passed_over=answer.passed_over)
 
         return await answer(context, work)
 

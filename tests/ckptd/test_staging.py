@@ -28,7 +28,7 @@ def _save(pool, step, size=MIB, job="j", rank=0):
     """Reserve, commit and checksum a slot as a save would, and settle it as a finished flush would."""
 
     async def run():
-        slot, _, _ = await pool.reserve(job, rank, size)
+        slot = (await pool.reserve(job, rank, size)).slot
         key = ShardKey(job, step, rank, 1)
         pool.commit(Snapshot(key, str(slot.path), slot.reservation, size, "{}"))
         pool.record_hashed(slot, ShardMeta(job, step, rank, 1, size, CHUNK_SIZE_BYTES, ("0" * 32,), "{}"))
@@ -52,9 +52,9 @@ def test_a_reservation_taken_over_cannot_commit(tmp_path):
     pool = _pool(tmp_path)
 
     async def run():
-        old, _, _ = await pool.reserve("j", 0, MIB)
+        old = (await pool.reserve("j", 0, MIB)).slot
         stale = old.reservation
-        new, _, _ = await pool.reserve("j", 0, MIB)  # the first save died half-way; the rank saves again
+        new = (await pool.reserve("j", 0, MIB)).slot  # the first save died half-way; the rank saves again
         with pytest.raises(ReservationLost, match="no longer reserved"):
             pool.commit(Snapshot(ShardKey("j", 1, 0, 1), str(old.path), stale, MIB, "{}"))
         pool.commit(Snapshot(ShardKey("j", 1, 0, 1), str(new.path), new.reservation, MIB, "{}"))
@@ -64,7 +64,7 @@ def test_a_reservation_taken_over_cannot_commit(tmp_path):
 
 def test_a_slot_locked_by_a_live_writer_is_not_taken_over(tmp_path):
     pool = _pool(tmp_path)
-    slot, _, _ = asyncio.run(pool.reserve("j", 0, MIB))
+    slot = asyncio.run(pool.reserve("j", 0, MIB)).slot
     # Another process is copying into the slot: it holds the writer lock, as the client does.
     holder = subprocess.Popen(
         [
@@ -84,7 +84,7 @@ def test_a_slot_locked_by_a_live_writer_is_not_taken_over(tmp_path):
     finally:
         holder.kill()
         holder.wait()
-    again, _, _ = asyncio.run(pool.reserve("j", 0, MIB))  # the holder died: its half-done copy is abandoned
+    again = asyncio.run(pool.reserve("j", 0, MIB)).slot  # the holder died: its half-done copy is abandoned
     assert again is not None
 
 
@@ -93,8 +93,8 @@ def test_skip_policy_answers_at_once_when_no_room_is_left(tmp_path):
 
     async def run():
         await pool.reserve("other", 0, 2 * MIB)
-        slot, blocked_s, reason = await pool.reserve("j", 0, MIB)
-        assert slot is None and blocked_s == 0 and "budget" in reason
+        skipped = await pool.reserve("j", 0, MIB)
+        assert skipped.slot is None and skipped.blocked_s == 0 and "budget" in skipped.reason
         with pytest.raises(InvalidArgument, match="cannot fit"):
             await pool.reserve("j", 0, 3 * MIB)
 
@@ -113,7 +113,7 @@ def test_a_restarted_pool_finds_what_each_slot_holds(tmp_path):
     _save(pool, 4)
 
     async def pending():
-        slot, _, _ = await pool.reserve("j", 0, MIB)
+        slot = (await pool.reserve("j", 0, MIB)).slot
         pool.commit(Snapshot(ShardKey("j", 5, 0, 1), str(slot.path), slot.reservation, MIB, '{"tensors": []}'))
 
     asyncio.run(pending())
@@ -182,8 +182,8 @@ def test_a_client_commits_only_the_slot_it_reserved(tmp_path):
     pool = _pool(tmp_path)
 
     async def run():
-        mine, _, _ = await pool.reserve("j", 0, MIB)
-        other, _, _ = await pool.reserve("k", 0, MIB)
+        mine = (await pool.reserve("j", 0, MIB)).slot
+        other = (await pool.reserve("k", 0, MIB)).slot
         with pytest.raises(InvalidArgument, match="is not a staging slot of this rank"):  # another rank's slot
             pool.commit(Snapshot(ShardKey("j", 1, 1, 2), str(mine.path), mine.reservation, MIB, "{}"))
         with pytest.raises(InvalidArgument, match="is not a staging slot of this rank"):  # another job's
@@ -205,8 +205,8 @@ def test_slots_found_at_start_count_against_the_budget(tmp_path):
     assert pool.in_use_bytes() == on_disk > 0
 
     async def run():
-        slot, _, reason = await pool.reserve("after", 0, on_disk)
-        assert slot is None and "budget" in reason  # the other job's newest snapshot is never evicted
+        reserved = await pool.reserve("after", 0, on_disk)
+        assert reserved.slot is None and "budget" in reserved.reason  # the other job's newest snapshot is never evicted
 
     asyncio.run(run())
 

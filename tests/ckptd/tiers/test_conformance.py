@@ -92,7 +92,7 @@ class MemoryHarness:
         self.tier = MemoryTier(self.pool.slots)
 
     def put(self, key: ShardKey, payload: bytes) -> None:
-        slot, _, _ = asyncio.run(self.pool.reserve(key.job, key.rank, len(payload)))
+        slot = asyncio.run(self.pool.reserve(key.job, key.rank, len(payload))).slot
         assert slot is not None
         with open(slot.path, "r+b") as f:
             f.write(payload)
