@@ -65,6 +65,9 @@ def test_env_values_are_parsed_as_toml():
         ('[cluster]\nbackend = "etcd"\nendpoints = ["e:2379"]\n', {}, 'node.listen: backend = "etcd" names'),
         ('[cluster]\nprefix = "ckptd"\n', {}, "cluster.prefix: must start and end with /"),
         ("[cluster]\nlease_ttl_s = 1\n", {}, "cluster.lease_ttl_s: must be at least 2"),
+        ("[nvme]\nflush_every = -1\n", {}, "nvme.flush_every: must be 0"),
+        ("", {"CKPTD_NVME__FLUSH_EVERY": "2.5"}, "nvme.flush_every must be an integer"),
+        ("[nvme]\nevery = 2\n", {}, "nvme.every"),
         ('[cluster]\ncert = "/no/such.pem"\n', {}, "cluster.cert: set cluster.cert, cluster.key and cluster.ca"),
     ],
 )
@@ -170,3 +173,11 @@ def test_a_wildcard_listen_address_is_refused_beside_peers():
 @pytest.mark.parametrize("text, cpus", [("", set()), ("0", {0}), ("6-7", {6, 7}), ("0, 2,4-5", {0, 2, 4, 5})])
 def test_cpu_lists_read_as_taskset_writes_them(text, cpus):
     assert parse_cpus(text) == cpus
+
+
+def test_flush_every_defaults_to_the_newest_snapshot_winning_and_reads_a_cadence(tmp_path):
+    assert load_config(None, env={}).nvme.flush_every == 0
+    path = tmp_path / "c.toml"
+    path.write_text("[nvme]\nflush_every = 10\n")
+    assert load_config(str(path), env={}).nvme.flush_every == 10
+    assert load_config(str(path), env={"CKPTD_NVME__FLUSH_EVERY": "1"}).nvme.flush_every == 1
