@@ -1,13 +1,38 @@
 #!/usr/bin/env bash
-# What needs a GPU, in one go: the gpu-marked tests and bench_local.py with the state on the GPU.
-# Where CUDA is not available both say so and skip (exit 0), and the CPU part still runs:
-# bench_local.py on the CPU, small. Results go to benchmarks/results/local-{cuda,cpu}.json.
-#   scripts/gpu_check.sh            # GPU_BENCH_GIB=8 scripts/gpu_check.sh for a larger GPU state
+# What needs a GPU, in one go (about 7 minutes on an H100): the gpu-marked tests, bench_local.py with the
+# state on the GPU, and bench_gpu_training.py (a GPT-style training loop, ckptd against dcp.async_save).
+# Results go to $RESULTS (default benchmarks/results): local-cuda.json, gpu-training.json, gpu-check.log.
+#
+# It runs as a lent GPU machine is: no package registry, no venv, no install of the project. The tree is
+# put on PYTHONPATH and the interpreter is $PYTHON, else .venv/bin/python where there is one, else python3.
+# The daemon imports zstandard, which such a machine lacks: carry a wheel of it in .whl/, made here with
+#   echo /.whl/ >> .git/info/exclude
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl zstandard==0.23.0
+# and this script installs it into a temporary directory. Without CUDA every part says so and exits 0.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-scripts/setup.sh
-.venv/bin/python -c 'import torch; print("torch", torch.__version__, "CUDA:", torch.cuda.is_available() and torch.cuda.get_device_name())'
-.venv/bin/python -m pytest -q -m gpu -rs
-.venv/bin/python benchmarks/bench_local.py --device cuda --size-gib "${GPU_BENCH_GIB:-4}" --repeats 3 \
-    --json benchmarks/results/local-cuda.json
-.venv/bin/python benchmarks/bench_local.py --size-gib 1 --repeats 3 --json benchmarks/results/local-cpu.json
+if [ -z "${PYTHON:-}" ]; then
+  if [ -x .venv/bin/python ]; then PYTHON=.venv/bin/python; else PYTHON=python3; fi
+fi
+RESULTS=${RESULTS:-benchmarks/results}
+mkdir -p "$RESULTS"
+site=""
+trap 'if [ -n "$site" ]; then rm -rf "$site"; fi' EXIT
+if ! "$PYTHON" -c 'import zstandard' 2>/dev/null; then
+  if ! ls .whl/zstandard-*.whl >/dev/null 2>&1; then
+    echo "gpu_check: zstandard is missing and no wheel of it is in .whl/ (see this script's header)" >&2
+    exit 2
+  fi
+  site=$(mktemp -d)
+  "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --target "$site" .whl/zstandard-*.whl
+fi
+export PYTHONPATH="$PWD:$PWD/client:$PWD/benchmarks${site:+:$site}${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1
+{
+  "$PYTHON" -c 'import torch; print("torch", torch.__version__, "CUDA:", torch.cuda.is_available() and torch.cuda.get_device_name())'
+  "$PYTHON" -m pytest -q -m gpu -rs -p no:cacheprovider tests/client/test_cuda_staging.py
+  "$PYTHON" benchmarks/bench_local.py --device cuda --size-gib "${GPU_BENCH_GIB:-4}" --repeats 3 \
+    --json "$RESULTS/local-cuda.json"
+  "$PYTHON" benchmarks/bench_gpu_training.py --json "$RESULTS/gpu-training.json"
+} 2>&1 | tee "$RESULTS/gpu-check.log"

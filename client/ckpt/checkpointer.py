@@ -8,10 +8,11 @@ import logging
 import os
 import time
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
+import torch
 
 from ckpt import lazy as lazy_copies
 from ckpt.errors import (
@@ -46,6 +47,10 @@ log = logging.getLogger("ckpt")
 
 # How long a blocked wait may sit in one RPC before asking again (keeps RPCs short-lived).
 WAIT_SLICE_S = 30.0
+# A save's own wait shorter than this is what any save costs (an RPC, a cached mapping): not counted as blocked.
+WAIT_NOTED_S = 0.01
+# prepare() sizes the slots a little above the state it is given: a layout that grows by a few bytes still fits.
+PREPARE_SLACK_BYTES = 1 << 20
 
 
 class SaveHandle:
@@ -79,14 +84,19 @@ class SaveHandle:
     def _shard(self) -> pb.ShardId:
         return pb.ShardId(job=self._c.job, step=self.step, rank=self._c.rank, world_size=self._c.world_size)
 
+    @property
+    def spilled_bytes(self) -> int:
+        """Return the GPU memory a lazy save spilled into so that an optimizer step need not wait for PCIe."""
+        device = self._staged.device if self._staged is not None else None
+        return int(getattr(device, "spilled_bytes", 0))
+
     def done(self, tier: str = "nvme") -> bool:
         """Return whether this rank's shard has reached tier."""
         validate_tier(tier)
         if self.skipped or not self._staged_within(0):
             return False
         reply = self._c._daemon.call("WaitShard", pb.WaitShardRequest(shard=self._shard(), tier=tier, timeout_s=0))
-        if reply.error:
-            raise SaveFailed(reply.error)
+        _raise_for(reply)
         return bool(reply.done)
 
     def wait(self, tier: str = "nvme", timeout: float | None = None) -> None:
@@ -104,8 +114,7 @@ class SaveHandle:
                 pb.WaitShardRequest(shard=self._shard(), tier=tier, timeout_s=slice_s),
                 timeout_s=slice_s + 30,
             )
-            if reply.error:
-                raise SaveFailed(reply.error)
+            _raise_for(reply)
             if reply.done:
                 return
             if deadline is not None and time.monotonic() >= deadline:
@@ -121,6 +130,13 @@ class SaveHandle:
             raise
         except Exception as e:
             raise SaveFailed(f"step {self.step} of job {self._c.job}: the background copy failed: {e}") from e
+
+
+def _raise_for(reply: pb.WaitShardReply) -> None:
+    if reply.passed_over:  # saves outran the disk: a newer snapshot replaced this one before its flush
+        raise SaveSkipped(reply.error)
+    if reply.error:
+        raise SaveFailed(reply.error)
 
 
 class Checkpointer:
@@ -143,12 +159,22 @@ class Checkpointer:
         self.rank, self.world_size = validate_rank(*rank_and_world_size(rank, world_size))
         copy_threads = options.pop("copy_threads", 2)
         self.run_id = str(options.pop("run_id", None) or _default_run_id())
+        spill_bytes = options.pop("spill_bytes", None)
         if options:
-            raise InvalidArgument(f"unknown Checkpointer options {sorted(options)}; known: copy_threads, run_id")
+            raise InvalidArgument(
+                f"unknown Checkpointer options {sorted(options)}; known: copy_threads, run_id, spill_bytes"
+            )
         if len(self.run_id) > 256:
             raise InvalidArgument("run_id is longer than 256 characters")
         if isinstance(copy_threads, bool) or not isinstance(copy_threads, int) or not 1 <= copy_threads <= 64:
             raise InvalidArgument(f"copy_threads must be an integer from 1 to 64, not {copy_threads!r}")
+        if spill_bytes is not None and (
+            isinstance(spill_bytes, bool) or not isinstance(spill_bytes, int) or spill_bytes < 0
+        ):
+            raise InvalidArgument(
+                f"spill_bytes must be None (a share of free GPU memory) or an integer >= 0, not {spill_bytes!r}"
+            )
+        self._spill_bytes: int | None = spill_bytes
         self._daemon = DaemonClient(address)
         self._slots = SlotMappings()
         self._copy_threads = copy_threads
@@ -157,6 +183,7 @@ class Checkpointer:
         )
         self._lazy_thread = ThreadPoolExecutor(1, "ckpt-lazy", initializer=lambda: lazy_copies.run_beside(self._daemon))
         self._lazy_copy: lazy_copies.LazyCopy | None = None  # the last lazy save's copy, maybe still running
+        self._preparing: Future[None] | None = None  # prepare()'s work in the background, until a save waited for it
         self._last_step: int | None = None
         self._closed = False
 
@@ -179,44 +206,97 @@ class Checkpointer:
     def _shard(self, step: int) -> pb.ShardId:
         return pb.ShardId(job=self.job, step=step, rank=self.rank, world_size=self.world_size)
 
+    def prepare(self, state: Any) -> Future[None]:
+        """Make this rank's staging slots ready for saves of state, in the background; return its future at once.
+
+        Call it once the model and optimizer exist, before the first save (on the training thread).
+        The daemon allocates the rank's slots, and a background thread maps and faults them in and,
+        when state holds CUDA tensors, registers them with CUDA (cudaHostRegister): the first save
+        then costs what any save costs. A save that comes before this is done waits for it and says
+        so in its handle's blocked_s and reason. Sizes are taken from state now; a later state that
+        is larger gets larger slots at its save. The future's result() raises what went wrong.
+        """
+        if self._closed:
+            raise CheckpointError("this Checkpointer is closed")
+        flat = flatten(state)
+        size_bytes = layout_offset(flat.data_size_bytes) + len(json.dumps(flat.layout()).encode()) + PREPARE_SLACK_BYTES
+        on_device = any(isinstance(a, torch.Tensor) and a.is_cuda for a in flat.arrays)
+        request = pb.ReserveRequest(shard=self._shard(0), size_bytes=size_bytes, prepare=True)
+
+        def work() -> None:
+            reply = self._daemon.call("Reserve", request, timeout_s=None)
+            for path, size in (
+                (reply.slot_path, reply.slot_size_bytes),
+                (reply.spare_slot_path, reply.spare_slot_size_bytes),
+            ):
+                if path:
+                    self._slots.prefault(path, size, pin=on_device).result()
+
+        self._preparing = self._slots.in_background(work)
+        return self._preparing
+
     def save_async(self, state: Any, step: int | None = None, lazy: bool = False) -> SaveHandle:
         """Snapshot state into shared memory and return; the caller may change it at once.
 
         With lazy=True, return before the tensors an optimizer owns (its parameters and
         states) are copied: they are copied in the background while training goes on,
-        and each optimizer's next step waits for its own tensors first (ckpt.lazy). Until
-        h.wait("memory") returns, those tensors may be changed only by an optimizer step.
-        Everything else is copied before save_async returns, as without lazy.
+        and each optimizer's next step waits for its own tensors first (ckpt.lazy; for
+        CUDA tensors the stepping stream waits on the GPU, the Python thread does not).
+        Until h.wait("memory") returns, those tensors may be changed only by an optimizer
+        step. Everything else is copied before save_async returns, as without lazy.
+
+        Every copy is ordered after the work queued on the caller's current CUDA streams
+        when save_async is called (events recorded here, on the calling thread).
+
+        The handle's blocked_s is the time the save waited before its copy could start
+        (the previous lazy copy, staging room, a new slot allocated, mapped or pinned,
+        prepare() still at work), and reason says for what.
         """
         if self._closed:
             raise CheckpointError("this Checkpointer is closed")
+        waits = _Waits()
         if self._lazy_copy is not None:
-            self._lazy_copy.done.wait()  # one copy into a slot at a time; its own handle reports how it went
+            with waits.timed("the previous lazy save's copy"):
+                self._lazy_copy.done.wait()  # one copy into a slot at a time; its own handle reports how it went
+        if self._preparing is not None:
+            # A failed preparation only leaves its work to this save.
+            with waits.timed("Checkpointer.prepare() mapping and pinning the slots"), contextlib.suppress(Exception):
+                self._preparing.result()
+            self._preparing = None
         if step is None:
             latest = self._last_step if self._last_step is not None else self.latest_step()
             step = 0 if latest is None else latest + 1
         validate_step(step)
         flat = flatten(state)
+        on_device = frozenset(i for i, a in enumerate(flat.arrays) if isinstance(a, torch.Tensor) and a.is_cuda)
+        ready = _cuda().ready_events(flat.arrays) if on_device else None  # first: the caller's streams, this thread
         owned = lazy_copies.owners(flat.arrays) if lazy else {}
         layout = json.dumps(flat.layout()).encode()
         # The layout travels in the slot, after the data: megabytes for a large model never cross the socket.
         size_bytes = layout_offset(flat.data_size_bytes) + len(layout)
+        asked = time.monotonic()
         reserved = self._daemon.call(
             "Reserve", pb.ReserveRequest(shard=self._shard(step), size_bytes=size_bytes), timeout_s=None
         )
         if reserved.skipped:
             log.warning("ckpt: save of %s step %d skipped: %s", self.job, step, reserved.reason)
             return SaveHandle(self, step, True, 0.0, reserved.reason)
-        if reserved.blocked_s > 0.1:
-            log.info("ckpt: save of %s step %d waited %.2f s for staging room", self.job, step, reserved.blocked_s)
+        # The daemon's reason: staging room it waited for, or a slot it had to allocate ("new slot", "grew a slot").
+        waits.add(time.monotonic() - asked, reserved.reason or "the daemon's Reserve")
         held = contextlib.ExitStack()
         with held:
             held.enter_context(writer_lock(reserved.slot_path, f"job {self.job} rank {self.rank}"))
-            slot = self._slots.get(reserved.slot_path, reserved.slot_size_bytes)
+            with waits.timed("mapping and faulting in a new slot (Checkpointer.prepare() does it ahead)"):
+                slot = self._slots.get(reserved.slot_path, reserved.slot_size_bytes)
+            if on_device and not _cuda().pinned(slot):
+                with waits.timed("registering a new slot with CUDA (Checkpointer.prepare() does it ahead)"):
+                    _cuda().pin(slot)
             if reserved.spare_slot_path:
-                self._slots.prefault(reserved.spare_slot_path, reserved.spare_slot_size_bytes)
+                self._slots.prefault(reserved.spare_slot_path, reserved.spare_slot_size_bytes, pin=bool(on_device))
+            if waits.blocked_s > 0.1:
+                log.info("ckpt: save of %s step %d waited %.2f s: %s", self.job, step, waits.blocked_s, waits.reason)
             eager = set(range(len(flat.arrays))) - owned.keys() if owned else None  # None: every array
-            copy_into(flat, slot, self._copy_pool, self._copy_threads, only=eager)
+            copy_into(flat, slot, self._copy_pool, self._copy_threads, only=eager, ready=ready)
             in_slot = reserved.layout_in_slot  # a daemon of an older version takes it in the message
             if in_slot:
                 at = layout_offset(flat.data_size_bytes)
@@ -232,7 +312,14 @@ class Checkpointer:
             )
             staged = None
             if owned:
-                staged = self._lazy_copy = lazy_copies.LazyCopy(owned)
+                staged = self._lazy_copy = lazy_copies.LazyCopy(owned, on_device & owned.keys())
+                if staged.groups and ready is not None and on_device & owned.keys():
+                    staged.device = _cuda().DeviceCopy(
+                        slot,
+                        [(i, *_destination(flat, slot, i)) for i in sorted(on_device & owned.keys())],
+                        ready,
+                        self._spill_bytes,
+                    )
                 lock = held.pop_all()  # the lazy thread lets go of the slot once it committed
 
                 def copy(indices: list[int]) -> None:  # on the lazy thread alone: on the daemon's cores, if pinned
@@ -242,7 +329,7 @@ class Checkpointer:
             else:
                 self._commit(request)
         self._last_step = step
-        return SaveHandle(self, step, False, reserved.blocked_s, reserved.reason, staged)
+        return SaveHandle(self, step, False, waits.blocked_s, waits.reason, staged)
 
     def _commit(self, request: pb.CommitRequest) -> None:
         try:
@@ -341,6 +428,45 @@ class Checkpointer:
 
         reader = StepReader(self.job, record.step, record.shard_meta_xxh3_128, local, (remote_meta, remote_runs))
         return reader, checked_index(reply.index_json, record, f"index of {self.job} step {record.step}")
+
+
+class _Waits:
+    """What one save_async waited for before its copy could start: the seconds, and the longest wait's reason."""
+
+    def __init__(self) -> None:
+        self.blocked_s = 0.0
+        self.reason = ""
+        self._longest_s = 0.0
+
+    @contextlib.contextmanager
+    def timed(self, reason: str) -> Iterator[None]:
+        started = time.monotonic()
+        try:
+            yield
+        finally:
+            self.add(time.monotonic() - started, reason)
+
+    def add(self, seconds: float, reason: str) -> None:
+        """Count a wait; waits shorter than WAIT_NOTED_S are what any save costs (an RPC), not blocking."""
+        if seconds < WAIT_NOTED_S:
+            return
+        self.blocked_s += seconds
+        if seconds > self._longest_s:
+            self.reason, self._longest_s = reason, seconds
+
+
+def _cuda() -> Any:
+    """Return ckpt.cuda_staging, imported on first use: only a process that saves CUDA tensors loads it."""
+    from ckpt import cuda_staging
+
+    return cuda_staging
+
+
+def _destination(flat: Any, slot: torch.Tensor, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Return (the slot's bytes for an array, viewed as it, the array) for the lazy device copy."""
+    array, entry = flat.arrays[index], flat.entries[index]
+    dst = slot[entry["offset"] : entry["offset"] + entry["nbytes"]].view(array.dtype).view(array.shape)
+    return dst, array
 
 
 def _default_run_id() -> str:

@@ -3,15 +3,20 @@
 Checkpointer.save_async(lazy=True), on the training thread, calls owners() to find the
 arrays of the flattened state whose bytes overlap a known optimizer's parameters or
 states, copies every other array into the slot at once, and hands a LazyCopy of the owned
-ones to its lazy thread. That thread runs LazyCopy.run(): the owned arrays, group by
-group (a group: the arrays the same optimizers own), then the commit.
+ones to its lazy thread. That thread runs LazyCopy.run(): the owned host arrays, group by
+group (a group: the arrays the same optimizers own), then the owned CUDA arrays
+(ckpt.cuda_staging.DeviceCopy: device-to-host copies in chunks on a side stream, ordered
+after the events save_async recorded on the caller's streams), then the commit.
 
 Before any optimizer steps, torch calls _before_step (a global optimizer step pre-hook,
-installed once per process by the first lazy save): it waits, in every LazyCopy still
-running, for the groups the stepping optimizer owns, so a step never changes a tensor
-before its bytes are in the slot. SaveHandle.wait() and the rank's next save wait for the
-whole copy. The hook never waits for the commit, only for copies, which need nothing
-from the training thread.
+installed once per process by the first lazy save) on the training thread. In every
+LazyCopy still running, for the groups the stepping optimizer owns, it waits on the CPU
+for their host arrays, and orders the stepping stream after the copies of their CUDA
+arrays on the GPU (DeviceCopy.before_step: a wait_event, or a spill into GPU memory of
+what is not copied yet), so a step never changes a tensor before its bytes are saved and
+the Python thread does not block for the GPU's copies. SaveHandle.wait() and the rank's
+next save wait for the whole copy. The hook never waits for the commit, only for copies,
+which need nothing from the training thread.
 
 The lazy thread starts with run_beside(): it moves onto the CPUs the daemon runs on ([node] cpus),
 so the background copy takes the daemon's cores and leaves the trainer's alone.
@@ -32,7 +37,8 @@ import os
 import threading
 import weakref
 from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
@@ -131,34 +137,50 @@ def run_beside(daemon: DaemonClient, widen: bool = False) -> None:
         log.debug("ckpt: a copy thread stays on this process's CPUs: %s", e)
 
 
+class DeviceArrays(Protocol):
+    """The CUDA part of a lazy save (ckpt.cuda_staging.DeviceCopy), seen from here without importing CUDA code."""
+
+    def run(self) -> None: ...
+
+    def before_step(self, indices: list[int]) -> None: ...
+
+
 class LazyCopy:
     """The owned arrays of one save, copied group by group on the lazy thread, then committed."""
 
-    def __init__(self, owned: dict[int, frozenset[int]]) -> None:
+    def __init__(self, owned: dict[int, frozenset[int]], on_device: frozenset[int] = frozenset()) -> None:
+        """owned: {array index: ids of its optimizers}; on_device: the owned indices that are CUDA arrays."""
         by_owners: dict[frozenset[int], list[int]] = {}
         for index, ids in owned.items():
             by_owners.setdefault(ids, []).append(index)
-        self.groups = [(ids, indices, threading.Event()) for ids, indices in by_owners.items()]
+        self.groups = [
+            _Group(ids, [i for i in indices if i not in on_device], [i for i in indices if i in on_device])
+            for ids, indices in by_owners.items()
+        ]
+        self.device: DeviceArrays | None = None  # set by the saver before run(), when on_device is not empty
         self.done = threading.Event()
         self.error: BaseException | None = None
         with _lock:
             _running.add(self)
 
     def run(self, copy: Callable[[list[int]], None], commit: Callable[[], None], release: Callable[[], None]) -> None:
-        """Copy each group with copy(indices), commit(), and always release(); on the lazy thread.
+        """Copy each group's host arrays with copy(indices), then the CUDA arrays, commit(), and always release().
 
-        Errors are kept for wait(). release() (of the slot's writer lock) runs before done is set.
+        On the lazy thread. Errors are kept for wait(). release() (of the slot's writer lock) runs before done is set.
         """
         try:
-            for _, indices, copied in self.groups:
-                copy(indices)
-                copied.set()
+            for group in self.groups:
+                if group.host:
+                    copy(group.host)
+                group.host_copied.set()
+            if self.device is not None:
+                self.device.run()
             commit()
         except BaseException as e:
             self.error = e
         finally:
-            for _, _, copied in self.groups:
-                copied.set()  # a copy that failed holds no optimizer back: the save fails instead
+            for group in self.groups:
+                group.host_copied.set()  # a copy that failed holds no optimizer back: the save fails instead
             with _lock:
                 _running.discard(self)
             try:
@@ -167,10 +189,13 @@ class LazyCopy:
                 self.done.set()
 
     def wait_for(self, optimizer_id: int) -> None:
-        """Return once every array the optimizer owns is copied (the optimizer step pre-hook)."""
-        for ids, _, copied in self.groups:
-            if optimizer_id in ids:
-                copied.wait()
+        """Return once the optimizer may step: its host arrays copied, its stream ordered after its CUDA copies."""
+        for group in self.groups:
+            if optimizer_id not in group.owners:
+                continue
+            if group.on_device and self.device is not None:
+                self.device.before_step(group.on_device)
+            group.host_copied.wait()
 
     def wait(self, timeout: float | None = None) -> bool:
         """Wait for the copy and the commit; return whether they finished (raise what failed)."""
@@ -179,3 +204,13 @@ class LazyCopy:
         if self.error is not None:
             raise self.error
         return True
+
+
+@dataclass
+class _Group:
+    """The owned arrays of the same optimizers: those in host memory and those on a GPU."""
+
+    owners: frozenset[int]
+    host: list[int]
+    on_device: list[int]
+    host_copied: threading.Event = field(default_factory=threading.Event)

@@ -12,8 +12,8 @@ import mmap
 import os
 import sys
 import threading
-from collections.abc import Collection, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Collection, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -38,17 +38,25 @@ class SlotMappings:
         self._locks_lock = threading.Lock()
         self._background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-prefault")
 
-    def prefault(self, path: str, size_bytes: int) -> None:
-        """Map a slot in the background, so the save that gets it next does not wait for its pages."""
-        if path not in self._maps:
-            self._background.submit(self._prefault, path, size_bytes)
+    def prefault(self, path: str, size_bytes: int, pin: bool = False) -> Future[None]:
+        """Map a slot (and with pin, register it with CUDA) in the background, ahead of the save that gets it."""
+        return self._background.submit(self._prefault, path, size_bytes, pin)
 
-    def _prefault(self, path: str, size_bytes: int) -> None:
+    def in_background(self, work: Callable[[], None]) -> Future[None]:
+        """Run work on the background thread, after the prefaults asked before it (Checkpointer.prepare)."""
+        return self._background.submit(work)
+
+    def _prefault(self, path: str, size_bytes: int, pin: bool) -> None:
         with self._lock_for(path):
-            if path in self._maps:
-                return  # mapped meanwhile by a save, maybe at another size: keep that
-            with contextlib.suppress(OSError):  # the slot was dropped meanwhile: the next save maps what it gets
-                self._get(path, size_bytes)
+            held = self._maps.get(path)  # mapped already by a save, maybe at another size: keep that
+            try:
+                slot = held[1] if held is not None else self._get(path, size_bytes)
+            except OSError:  # the slot was dropped meanwhile: the next save maps what it gets
+                return
+        if pin:
+            from ckpt import cuda_staging
+
+            cuda_staging.pin(slot)
 
     def _lock_for(self, path: str) -> threading.Lock:
         with self._locks_lock:
@@ -123,9 +131,18 @@ def writer_lock(path: str, who: str) -> Iterator[None]:
 
 
 def copy_into(
-    flat: Flattened, slot: torch.Tensor, pool: ThreadPoolExecutor, threads: int = 2, only: Collection[int] | None = None
+    flat: Flattened,
+    slot: torch.Tensor,
+    pool: ThreadPoolExecutor,
+    threads: int = 2,
+    only: Collection[int] | None = None,
+    ready: dict[int, Any] | None = None,
 ) -> None:
-    """Copy flat's arrays (those at the indices in only, if given) into slot, on up to threads threads; then return."""
+    """Copy flat's arrays (those at the indices in only, if given) into slot, on up to threads threads; then return.
+
+    ready: the save's events on the caller's CUDA streams (cuda_staging.ready_events, recorded on the
+    saving thread); without them, they are recorded now, so the caller must be the saving thread.
+    """
     wanted = None if only is None else frozenset(only)  # a list would make this loop quadratic in the tensors
     cuda: list[tuple[torch.Tensor, torch.Tensor]] = []
     host: list[tuple[Any, Any]] = []
@@ -142,7 +159,9 @@ def copy_into(
     if cuda:
         from ckpt import cuda_staging
 
-        cuda_staging.copy_from_device(cuda, slot)
+        cuda_staging.copy_from_device(
+            cuda, slot, ready if ready is not None else cuda_staging.ready_events(flat.arrays)
+        )
     if threads > 1 and sum(_nbytes(src) for _, src in host) >= PARALLEL_MIN_BYTES and len(host) > 1:
         # Several streams of copies keep the memory channels busy; each copy_ drops the GIL.
         groups: list[list[tuple[Any, Any]]] = [[] for _ in range(threads)]

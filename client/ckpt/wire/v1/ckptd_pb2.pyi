@@ -18,12 +18,14 @@ class ShardId(_message.Message):
     def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
-    __slots__ = ("shard", "size_bytes")
+    __slots__ = ("shard", "size_bytes", "prepare")
     SHARD_FIELD_NUMBER: _ClassVar[int]
     SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PREPARE_FIELD_NUMBER: _ClassVar[int]
     shard: ShardId
     size_bytes: int
-    def __init__(self, shard: _Optional[_Union[ShardId, _Mapping]] = ..., size_bytes: _Optional[int] = ...) -> None: ...
+    prepare: bool
+    def __init__(self, shard: _Optional[_Union[ShardId, _Mapping]] = ..., size_bytes: _Optional[int] = ..., prepare: bool = ...) -> None: ...
 
 class ReserveReply(_message.Message):
     __slots__ = ("skipped", "slot_path", "slot_size_bytes", "blocked_s", "reason", "reservation", "spare_slot_path", "spare_slot_size_bytes", "layout_in_slot")
@@ -80,12 +82,14 @@ class WaitShardRequest(_message.Message):
     def __init__(self, shard: _Optional[_Union[ShardId, _Mapping]] = ..., tier: _Optional[str] = ..., timeout_s: _Optional[float] = ...) -> None: ...
 
 class WaitShardReply(_message.Message):
-    __slots__ = ("done", "error")
+    __slots__ = ("done", "error", "passed_over")
     DONE_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    PASSED_OVER_FIELD_NUMBER: _ClassVar[int]
     done: bool
     error: str
-    def __init__(self, done: bool = ..., error: _Optional[str] = ...) -> None: ...
+    passed_over: bool
+    def __init__(self, done: bool = ..., error: _Optional[str] = ..., passed_over: bool = ...) -> None: ...
 
 class LocateRequest(_message.Message):
     __slots__ = ("job", "step", "rank", "tier", "refetch")
