@@ -230,7 +230,7 @@ class Checkpointer:
                 (reply.spare_slot_path, reply.spare_slot_size_bytes),
             ):
                 if path:
-                    self._slots.prefault(path, size, pin=on_device).result()
+                    self._slots.map_ahead(path, size, pin=on_device)  # already on the background thread
 
         self._preparing = self._slots.in_background(work)
         return self._preparing

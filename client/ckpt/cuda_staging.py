@@ -122,6 +122,7 @@ class _Piece:
     src: torch.Tensor
     nbytes: int
     landed: torch.cuda.Event | None = None  # set once issued on the side stream (from the source or the spill)
+    issued: int = 0  # when, in the order of issue: the side stream of a device runs its copies in that order
     spill: torch.Tensor | None = None  # set once spilled: the device copy the host copy is made from
     spilled: torch.cuda.Event | None = None  # recorded on the stepping stream after the spill copy
 
@@ -153,6 +154,7 @@ class DeviceCopy:
         for piece in self.pieces:
             self._by_index.setdefault(piece.index, []).append(piece)
         self._lock = threading.Lock()
+        self._issued = 0
 
     def run(self) -> None:
         """Issue every piece on the side streams, IN_FLIGHT_BYTES at most ahead; return when all landed."""
@@ -190,7 +192,7 @@ class DeviceCopy:
         """Order the stepping stream after the copies of these arrays, on the GPU (training thread, the pre-hook)."""
         with self._lock:
             pieces = [p for i in indices for p in self._by_index.get(i, ())]
-            waits: dict[int, torch.cuda.Event] = {}
+            waits: dict[int, _Piece] = {}
             not_issued = [p for p in pieces if p.landed is None and p.spill is None]
             if not_issued:
                 self._spill(not_issued)
@@ -199,10 +201,12 @@ class DeviceCopy:
                     continue  # the step overwrites the source; the spill holds the snapshot's bytes
                 if piece.landed is None:
                     self._issue(piece, _side_stream(piece.device))  # over the spill bound: copied now, awaited below
+                latest = waits.get(piece.device)
+                if latest is None or piece.issued > latest.issued:  # a device's pieces land in the order issued:
+                    waits[piece.device] = piece  # waiting for the last one issued waits for them all
+            for device, piece in waits.items():
                 assert piece.landed is not None
-                waits[piece.device] = piece.landed  # pieces of a device land in order: the last one issued is enough
-            for device, event in waits.items():
-                torch.cuda.current_stream(device).wait_event(event)
+                torch.cuda.current_stream(device).wait_event(piece.landed)
 
     def _issue(self, piece: _Piece, stream: torch.cuda.Stream) -> None:
         stream.wait_event(self.ready[piece.device])  # first on this stream maybe: the hook can come before run()
@@ -210,6 +214,8 @@ class DeviceCopy:
             piece.dst.copy_(piece.src, non_blocking=True)
             piece.landed = torch.cuda.Event()
             piece.landed.record(stream)
+        self._issued += 1
+        piece.issued = self._issued
 
     def _spill(self, pieces: list[_Piece]) -> None:
         """Copy pieces device to device on the stepping stream, within the spill bound (lock held)."""
@@ -229,7 +235,11 @@ class DeviceCopy:
             for piece in group:  # each piece at a 256-byte boundary: any dtype views it, copies stay aligned
                 offsets.append(offsets[-1] + _aligned(piece.nbytes))
             with torch.cuda.device(device), torch.cuda.stream(stepping):
-                buffer = torch.empty(offsets[-1], dtype=torch.uint8, device=f"cuda:{device}")
+                try:
+                    buffer = torch.empty(offsets[-1], dtype=torch.uint8, device=f"cuda:{device}")
+                except torch.cuda.OutOfMemoryError:  # no room after all: spill no more, the step waits instead
+                    self.spill_limit = self.spilled_bytes
+                    return
                 for piece, at in zip(group, offsets, strict=False):
                     piece.spill = buffer[at : at + piece.nbytes].view(piece.src.dtype).view(piece.src.shape)
                     piece.spill.copy_(piece.src)

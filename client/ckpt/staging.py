@@ -40,13 +40,14 @@ class SlotMappings:
 
     def prefault(self, path: str, size_bytes: int, pin: bool = False) -> Future[None]:
         """Map a slot (and with pin, register it with CUDA) in the background, ahead of the save that gets it."""
-        return self._background.submit(self._prefault, path, size_bytes, pin)
+        return self._background.submit(self.map_ahead, path, size_bytes, pin)
 
     def in_background(self, work: Callable[[], None]) -> Future[None]:
         """Run work on the background thread, after the prefaults asked before it (Checkpointer.prepare)."""
         return self._background.submit(work)
 
-    def _prefault(self, path: str, size_bytes: int, pin: bool) -> None:
+    def map_ahead(self, path: str, size_bytes: int, pin: bool) -> None:
+        """Map a slot (and with pin, register it with CUDA) now, on the calling thread: the background's work."""
         with self._lock_for(path):
             held = self._maps.get(path)  # mapped already by a save, maybe at another size: keep that
             try:
