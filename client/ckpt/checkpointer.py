@@ -183,6 +183,7 @@ class Checkpointer:
         )
         self._lazy_thread = ThreadPoolExecutor(1, "ckpt-lazy", initializer=lambda: lazy_copies.run_beside(self._daemon))
         self._lazy_copy: lazy_copies.LazyCopy | None = None  # the last lazy save's copy, maybe still running
+        self._policy: str | None = None  # the daemon's [staging] policy, once asked
         self._preparing: Future[None] | None = None  # prepare()'s work in the background, until a save waited for it
         self._last_step: int | None = None
         self._closed = False
@@ -255,18 +256,22 @@ class Checkpointer:
         if self._closed:
             raise CheckpointError("this Checkpointer is closed")
         waits = _Waits()
-        if self._lazy_copy is not None:
+        if self._lazy_copy is not None and not self._lazy_copy.done.is_set():
+            # Saves outrun the host copy itself. One copy into a slot at a time: wait for it, as
+            # under [staging] policy "block", or skip this save under "skip".
+            if self._staging_policy() == "skip":
+                step = self._next_step(step)
+                reason = "the previous lazy save's copy is still running (staging.policy = skip)"
+                log.warning("ckpt: save of %s step %d skipped: %s", self.job, step, reason)
+                return SaveHandle(self, step, True, 0.0, reason)
             with waits.timed("the previous lazy save's copy"):
-                self._lazy_copy.done.wait()  # one copy into a slot at a time; its own handle reports how it went
+                self._lazy_copy.done.wait()  # its own handle reports how it went
         if self._preparing is not None:
             # A failed preparation only leaves its work to this save.
             with waits.timed("Checkpointer.prepare() mapping and pinning the slots"), contextlib.suppress(Exception):
                 self._preparing.result()
             self._preparing = None
-        if step is None:
-            latest = self._last_step if self._last_step is not None else self.latest_step()
-            step = 0 if latest is None else latest + 1
-        validate_step(step)
+        step = self._next_step(step)
         flat = flatten(state)
         on_device = frozenset(i for i, a in enumerate(flat.arrays) if isinstance(a, torch.Tensor) and a.is_cuda)
         ready = _cuda().ready_events(flat.arrays) if on_device else None  # first: the caller's streams, this thread
@@ -330,6 +335,24 @@ class Checkpointer:
                 self._commit(request)
         self._last_step = step
         return SaveHandle(self, step, False, waits.blocked_s, waits.reason, staged)
+
+    def _next_step(self, step: int | None) -> int:
+        """Return the step to save: step itself, checked, or one past the latest."""
+        if step is None:
+            latest = self._last_step if self._last_step is not None else self.latest_step()
+            step = 0 if latest is None else latest + 1
+        return validate_step(step)
+
+    def _staging_policy(self) -> str:
+        """Return the daemon's [staging] policy, asked once (only saves that outrun their host copy need it)."""
+        if self._policy is None:
+            try:
+                self._policy = str(
+                    json.loads(self._daemon.call("Status", pb.StatusRequest()).json)["staging"]["policy"]
+                )
+            except (KeyError, TypeError, ValueError):
+                self._policy = "block"  # a daemon that does not say: wait, which loses nothing
+        return self._policy
 
     def _commit(self, request: pb.CommitRequest) -> None:
         try:
