@@ -103,12 +103,13 @@ class Trainer:
 
     def __init__(self, args: argparse.Namespace) -> None:
         torch.manual_seed(0)
-        self.model = GPT(args.vocab, args.width, args.layers, args.heads).cuda()
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4, fused=True)
-        self.tokens = torch.randint(0, args.vocab, (args.batch, args.seq + 1), device="cuda")
+        self.device = args.device
+        self.model = GPT(args.vocab, args.width, args.layers, args.heads).to(self.device)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4, fused=self.device == "cuda")
+        self.tokens = torch.randint(0, args.vocab, (args.batch, args.seq + 1), device=self.device)
 
     def step(self) -> None:
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+        with torch.autocast(self.device, dtype=torch.bfloat16):
             logits = self.model(self.tokens[:, :-1])
             loss = F.cross_entropy(logits.flatten(0, 1).float(), self.tokens[:, 1:].flatten())
         loss.backward()
@@ -132,16 +133,22 @@ class Trainer:
         return found
 
 
+def synchronize() -> None:
+    """Wait for the GPU's queued work, where there is a GPU (--device cpu: a smoke run of this script)."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def pinned_copy_s(tensors: list[torch.Tensor], repeats: int = 3) -> float:
     """Return the median time of a copy_ of every tensor into preallocated pinned host memory (the limit)."""
-    dst = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
+    dst = [torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda) for t in tensors]
     times = []
     for _ in range(repeats + 1):  # the first also faults the pinned pages in
-        torch.cuda.synchronize()
+        synchronize()
         start = time.perf_counter()
         for d, t in zip(dst, tensors, strict=True):
             d.copy_(t, non_blocking=True)
-        torch.cuda.synchronize()
+        synchronize()
         times.append(time.perf_counter() - start)
     return statistics.median(times[1:])
 
@@ -221,7 +228,7 @@ def window(trainer: Trainer, saver: Any, variant: str, every: int, steps: int) -
     """Train steps steps, saving at the top of every every-th; return the window and each save's blocking time."""
     lazy = variant == "ckptd-lazy"
     stalls = []
-    torch.cuda.synchronize()
+    synchronize()
     start = time.perf_counter()
     for i in range(steps):
         if saver is not None and i % every == 0:
@@ -231,7 +238,7 @@ def window(trainer: Trainer, saver: Any, variant: str, every: int, steps: int) -
         trainer.step()
     if saver is not None:
         saver.copied()
-    torch.cuda.synchronize()
+    synchronize()
     window_s = time.perf_counter() - start
     if saver is not None:
         saver.durable()
@@ -240,17 +247,17 @@ def window(trainer: Trainer, saver: Any, variant: str, every: int, steps: int) -
 
 def run(args: argparse.Namespace) -> int:
     """Measure, print the table and write the JSON; without CUDA say so and return 0."""
-    if not torch.cuda.is_available():
+    if args.device == "cuda" and not torch.cuda.is_available():
         print("CUDA is not available here (torch.cuda.is_available() is False): no GPU training to measure; skipped")
         return 0
     warnings.filterwarnings("ignore", category=UserWarning)  # dcp: one process, pinning notes
-    device = torch.cuda.get_device_name()
+    device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu (a smoke run: no GPU figures)"
     trainer = Trainer(args)
     tensors = trainer.tensors()
     state_bytes = sum(t.numel() * t.element_size() for t in tensors)
     for _ in range(WARMUP_STEPS):
         trainer.step()
-    torch.cuda.synchronize()
+    synchronize()
     print(f"{state_bytes / 1e9:.2f} GB of state ({len(tensors)} tensors) on {device}", flush=True)
     copy_s = pinned_copy_s(tensors)
     print(f"D2H copy_ into pinned memory: {copy_s:.3f} s ({state_bytes / copy_s / 1e9:.1f} GB/s)", flush=True)
@@ -272,7 +279,7 @@ def run(args: argparse.Namespace) -> int:
         ckptd_saver.c.prepare(trainer.state(0)).result(timeout=WAIT_TIMEOUT_S)
         first["prepare_s"] = time.perf_counter() - started
         for label in ("first", "second", "steady"):
-            torch.cuda.synchronize()
+            synchronize()
             began = time.perf_counter()
             ckptd_saver.save(trainer, lazy=False)
             first[label] = time.perf_counter() - began
@@ -342,7 +349,7 @@ def run(args: argparse.Namespace) -> int:
     spilled = ckptd_saver.spilled_max if ckptd_saver is not None else 0
     print(f"\nlazy spill: at most {spilled / 1e9:.2f} GB of GPU memory (Checkpointer spill_bytes={args.spill_bytes})")
     print(f"ckptd saves skipped: {ckptd_saver.skipped if ckptd_saver else 0}")
-    print("ckptd jobs:", json.dumps(status.get("jobs", {}).get(JOB, {}), default=str))
+    print("ckptd passed over:", json.dumps(status.get("passed_over", {}).get(JOB, {}), default=str))
     for variant, error in errors.items():
         print(f"{variant} failed on this state: {error}")
     print("\nckptd logged:", *daemon_warnings or ["no warnings"], sep="\n  ")
@@ -366,6 +373,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--every", type=int, nargs="+", default=[1, 2, 10, 50], help="save intervals (default 1 2 10 50)")
     p.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS), help="besides none")
     p.add_argument("--spill-bytes", type=int, default=None, help="Checkpointer spill_bytes (default: from free memory)")
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: a smoke run of the script itself")
     p.add_argument("--dir", type=Path, default=RESULTS_DIR / "tmp", help="where files go, on the disk under test")
     p.add_argument("--json", type=Path, default=RESULTS_DIR / "gpu-training.json", help="where the results go")
     return p.parse_args()

@@ -1,7 +1,8 @@
-"""The GPU path where there is no GPU: bench_local.py --device cuda skips cleanly (scripts/gpu_check.sh runs it)."""
+"""Without a GPU: the GPU benchmarks skip cleanly, and bench_gpu_training.py runs through on a tiny CPU model."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -36,3 +37,53 @@ def test_bench_local_refuses_an_unknown_device():
         timeout=120,
     )
     assert run.returncode == 2 and "invalid choice: 'tpu'" in run.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA the benchmark measures: scripts/gpu_check.sh runs it")
+def test_bench_gpu_training_without_cuda_says_so_and_exits_0(tmp_path):
+    out = tmp_path / "gpu-training.json"
+    run = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "benchmarks" / "bench_gpu_training.py"),
+            "--dir",
+            str(tmp_path),
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 0, run.stderr
+    assert "CUDA is not available here" in run.stdout and "skipped" in run.stdout
+    assert not out.exists() and list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.e2e
+def test_bench_gpu_training_runs_through_on_a_tiny_cpu_model(tmp_path, short_tmp):
+    # The GPU machine is lent rarely and briefly: the script's own logic is checked here, on the CPU.
+    out = tmp_path / "gpu-training.json"
+    tiny = ["--layers", "1", "--width", "32", "--heads", "2", "--vocab", "100", "--batch", "2", "--seq", "16"]
+    args = [*tiny, "--device", "cpu", "--steps", "4", "--every", "2", "--variants", "ckptd", "ckptd-lazy", "dcp-thread"]
+    run = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "benchmarks" / "bench_gpu_training.py"),
+            *args,
+            "--dir",
+            str(short_tmp),
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    result = json.loads(out.read_text())
+    windows = {(w["variant"], w["every"]): w for w in result["windows"]}
+    assert set(windows) == {("none", 2), ("ckptd", 2), ("ckptd-lazy", 2), ("dcp-thread", 2)}
+    assert len(windows[("ckptd", 2)]["stall_s"]) == 2 and len(windows[("dcp-thread", 2)]["stall_s"]) == 2
+    assert "first save of a prepared job" in run.stdout and not result["errors"]
+    assert list(short_tmp.iterdir()) == []  # the daemon's root and socket, and DCP's files, are gone
