@@ -47,8 +47,6 @@ log = logging.getLogger("ckpt")
 
 # How long a blocked wait may sit in one RPC before asking again (keeps RPCs short-lived).
 WAIT_SLICE_S = 30.0
-# A save's own wait shorter than this is what any save costs (an RPC, a cached mapping): not counted as blocked.
-WAIT_NOTED_S = 0.01
 # prepare() sizes the slots a little above the state it is given: a layout that grows by a few bytes still fits.
 PREPARE_SLACK_BYTES = 1 << 20
 
@@ -267,9 +265,9 @@ class Checkpointer:
             with waits.timed("the previous lazy save's copy"):
                 self._lazy_copy.done.wait()  # its own handle reports how it went
         if self._preparing is not None:
-            # A failed preparation only leaves its work to this save.
-            with waits.timed("Checkpointer.prepare() mapping and pinning the slots"), contextlib.suppress(Exception):
-                self._preparing.result()
+            if not self._preparing.done():
+                with waits.timed("Checkpointer.prepare() mapping and pinning the slots"):
+                    self._preparing.exception()  # waits; a failed preparation only leaves its work to this save
             self._preparing = None
         step = self._next_step(step)
         flat = flatten(state)
@@ -286,13 +284,16 @@ class Checkpointer:
         if reserved.skipped:
             log.warning("ckpt: save of %s step %d skipped: %s", self.job, step, reserved.reason)
             return SaveHandle(self, step, True, 0.0, reserved.reason)
-        # The daemon's reason: staging room it waited for, or a slot it had to allocate ("new slot", "grew a slot").
-        waits.add(time.monotonic() - asked, reserved.reason or "the daemon's Reserve")
+        if reserved.reason:  # staging room it waited for, or a slot it had to allocate ("new slot", "grew a slot")
+            waits.add(time.monotonic() - asked, reserved.reason)
         held = contextlib.ExitStack()
         with held:
             held.enter_context(writer_lock(reserved.slot_path, f"job {self.job} rank {self.rank}"))
-            with waits.timed("mapping and faulting in a new slot (Checkpointer.prepare() does it ahead)"):
+            if self._slots.mapped(reserved.slot_path, reserved.slot_size_bytes):
                 slot = self._slots.get(reserved.slot_path, reserved.slot_size_bytes)
+            else:
+                with waits.timed("mapping and faulting in a new slot (Checkpointer.prepare() does it ahead)"):
+                    slot = self._slots.get(reserved.slot_path, reserved.slot_size_bytes)
             if on_device and not _cuda().pinned(slot):
                 with waits.timed("registering a new slot with CUDA (Checkpointer.prepare() does it ahead)"):
                     _cuda().pin(slot)
@@ -470,11 +471,9 @@ class _Waits:
             self.add(time.monotonic() - started, reason)
 
     def add(self, seconds: float, reason: str) -> None:
-        """Count a wait; waits shorter than WAIT_NOTED_S are what any save costs (an RPC), not blocking."""
-        if seconds < WAIT_NOTED_S:
-            return
+        """Count a wait that happened (the callers time only what was not ready: no RPC of a ready save counts)."""
         self.blocked_s += seconds
-        if seconds > self._longest_s:
+        if seconds >= self._longest_s:
             self.reason, self._longest_s = reason, seconds
 
 

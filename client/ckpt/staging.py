@@ -63,6 +63,17 @@ class SlotMappings:
         with self._locks_lock:
             return self._locks.setdefault(path, threading.Lock())
 
+    def mapped(self, path: str, size_bytes: int) -> bool:
+        """Say whether the slot is mapped already at this size (its file unchanged): get() will not fault it in."""
+        held = self._maps.get(path)
+        if held is None:
+            return False
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            return False
+        return held[0] == (st.st_dev, st.st_ino, size_bytes)
+
     def get(self, path: str, size_bytes: int) -> torch.Tensor:
         """Return a uint8 tensor over the whole slot file, mapping it again if the file changed."""
         self._drop_vanished()
