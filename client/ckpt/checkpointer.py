@@ -219,7 +219,7 @@ class Checkpointer:
             raise CheckpointError("this Checkpointer is closed")
         flat = flatten(state)
         size_bytes = layout_offset(flat.data_size_bytes) + len(json.dumps(flat.layout()).encode()) + PREPARE_SLACK_BYTES
-        on_device = any(isinstance(a, torch.Tensor) and a.is_cuda for a in flat.arrays)
+        gpu = _gpu_of(flat.arrays)
         request = pb.ReserveRequest(shard=self._shard(0), size_bytes=size_bytes, prepare=True)
 
         def work() -> None:
@@ -229,7 +229,7 @@ class Checkpointer:
                 (reply.spare_slot_path, reply.spare_slot_size_bytes),
             ):
                 if path:
-                    self._slots.map_ahead(path, size, pin=on_device)  # already on the background thread
+                    self._slots.map_ahead(path, size, gpu)  # already on the background thread
 
         self._preparing = self._slots.in_background(work)
         return self._preparing
@@ -273,6 +273,7 @@ class Checkpointer:
         flat = flatten(state)
         on_device = frozenset(i for i, a in enumerate(flat.arrays) if isinstance(a, torch.Tensor) and a.is_cuda)
         ready = _cuda().ready_events(flat.arrays) if on_device else None  # first: the caller's streams, this thread
+        gpu = _gpu_of(flat.arrays)
         owned = lazy_copies.owners(flat.arrays) if lazy else {}
         layout = json.dumps(flat.layout()).encode()
         # The layout travels in the slot, after the data: megabytes for a large model never cross the socket.
@@ -294,14 +295,15 @@ class Checkpointer:
             else:
                 with waits.timed("mapping and faulting in a new slot (Checkpointer.prepare() does it ahead)"):
                     slot = self._slots.get(reserved.slot_path, reserved.slot_size_bytes)
-            if on_device and not _cuda().pinned(slot):
+            if gpu is not None and not _cuda().pinned(slot):  # maybe being pinned in the background: wait for it
                 with waits.timed("registering a new slot with CUDA (Checkpointer.prepare() does it ahead)"):
-                    _cuda().pin(slot)
+                    _cuda().pin(slot, gpu)
             if reserved.spare_slot_path:
-                self._slots.prefault(reserved.spare_slot_path, reserved.spare_slot_size_bytes, pin=bool(on_device))
+                self._slots.prefault(reserved.spare_slot_path, reserved.spare_slot_size_bytes, gpu)
             if waits.blocked_s > 0.1:
                 log.info("ckpt: save of %s step %d waited %.2f s: %s", self.job, step, waits.blocked_s, waits.reason)
-            eager = set(range(len(flat.arrays))) - owned.keys() if owned else None  # None: every array
+            # A lazy save copies the host arrays no optimizer owns now; CUDA ones go to its DeviceCopy (below).
+            eager = set(range(len(flat.arrays))) - owned.keys() - on_device if owned else None  # None: all
             copy_into(flat, slot, self._copy_pool, self._copy_threads, only=eager, ready=ready)
             in_slot = reserved.layout_in_slot  # a daemon of an older version takes it in the message
             if in_slot:
@@ -319,19 +321,25 @@ class Checkpointer:
             staged = None
             if owned:
                 staged = self._lazy_copy = lazy_copies.LazyCopy(owned, on_device & owned.keys())
-                if staged.groups and ready is not None and on_device & owned.keys():
-                    staged.device = _cuda().DeviceCopy(
-                        slot,
-                        [(i, *_destination(flat, slot, i)) for i in sorted(on_device & owned.keys())],
-                        ready,
-                        self._spill_bytes,
-                    )
                 lock = held.pop_all()  # the lazy thread lets go of the slot once it committed
+                try:
+                    if ready is not None:  # every CUDA array, owned or not: none is copied on this thread
+                        staged.device = _cuda().DeviceCopy(
+                            slot,
+                            [(i, *_destination(flat, slot, i)) for i in sorted(on_device)],
+                            ready,
+                            self._spill_bytes,
+                            now=on_device - owned.keys(),
+                        )
 
-                def copy(indices: list[int]) -> None:  # on the lazy thread alone: on the daemon's cores, if pinned
-                    copy_into(flat, slot, self._copy_pool, 1, only=indices)
+                    def copy(indices: list[int]) -> None:  # on the lazy thread alone: on the daemon's cores, if pinned
+                        copy_into(flat, slot, self._copy_pool, 1, only=indices)
 
-                self._lazy_thread.submit(staged.run, copy, lambda: self._commit(request), lock.close)
+                    self._lazy_thread.submit(staged.run, copy, lambda: self._commit(request), lock.close)
+                except BaseException as e:  # never started: no optimizer may wait for it
+                    staged.abandon(e)
+                    lock.close()
+                    raise
             else:
                 self._commit(request)
         self._last_step = step
@@ -482,6 +490,14 @@ def _cuda() -> Any:
     from ckpt import cuda_staging
 
     return cuda_staging
+
+
+def _gpu_of(arrays: list[Any]) -> int | None:
+    """Return the index of the first GPU the arrays are on, or None where none is on a GPU."""
+    for array in arrays:
+        if isinstance(array, torch.Tensor) and array.is_cuda:
+            return array.device.index if array.device.index is not None else torch.cuda.current_device()
+    return None
 
 
 def _destination(flat: Any, slot: torch.Tensor, index: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -34,9 +34,13 @@ CHUNK_BYTES = 32 << 20  # one device-to-host copy of a lazy save; a contiguous t
 IN_FLIGHT_BYTES = 128 << 20  # issued and not yet landed: what a stepping optimizer may have to wait for on the GPU
 SPILL_SHARE_OF_FREE = 0.5  # default spill bound: this share of the device memory free at the first step
 
+CUDA_HOST_REGISTER_PORTABLE = 1  # pinned for every device's context, not only the calling thread's current one
+
 _registered: dict[int, int] = {}  # address -> bytes pinned
+_refused: set[tuple[int, int]] = set()  # (address, bytes) cudaHostRegister refused: copies go unpinned, never retried
+_pin_lock = threading.Lock()  # the training, lazy and prefault threads all pin; registering takes long
 _streams: dict[int, torch.cuda.Stream] = {}
-_lock = threading.Lock()  # _registered and _streams: the training, lazy and prefault threads all pin and copy
+_streams_lock = threading.Lock()
 
 
 def ready_events(arrays: list[Any]) -> dict[int, torch.cuda.Event]:
@@ -51,28 +55,40 @@ def ready_events(arrays: list[Any]) -> dict[int, torch.cuda.Event]:
     return events
 
 
-def pin(slot: torch.Tensor) -> None:
-    """Register a slot's memory with CUDA (page-locked), once per mapping; any thread."""
+def pin(slot: torch.Tensor, device: int) -> None:
+    """Register a slot's memory with CUDA (page-locked), once per mapping; any thread.
+
+    device: the GPU the state is on, made current for the call, so that a thread that never
+    touched CUDA creates no context on GPU 0. Where registration is refused (some sandboxes),
+    copies still work, unpinned and slower, and it is not tried again for that mapping.
+    """
     ptr, size = slot.data_ptr(), slot.numel()
-    with _lock:
-        if _registered.get(ptr) == size:
+    with _pin_lock:
+        if _registered.get(ptr) == size or (ptr, size) in _refused:
             return
         _unregister(ptr)  # a slot mapped again at the same address, maybe with another size
-        # cudaHostRegisterDefault = 0. Where it fails, copies still work, only slower (pageable memory).
-        if int(torch.cuda.cudart().cudaHostRegister(ptr, size, 0)) == 0:
-            _registered[ptr] = size
+        cudart = torch.cuda.cudart()
+        with torch.cuda.device(device):
+            if int(cudart.cudaHostRegister(ptr, size, CUDA_HOST_REGISTER_PORTABLE)) == 0:
+                _registered[ptr] = size
+            else:
+                _refused.add((ptr, size))
+                clear = getattr(cudart, "cudaGetLastError", None)
+                if clear is not None:
+                    clear()  # else the runtime's sticky last error fails this thread's next kernel launch
 
 
 def pinned(slot: torch.Tensor) -> bool:
-    """Say whether a slot is registered already (then a save pins nothing: it does not wait for that)."""
-    with _lock:
-        return _registered.get(slot.data_ptr()) == slot.numel()
+    """Say whether pin() has nothing left to do for a slot (then a save does not wait for it)."""
+    key = (slot.data_ptr(), slot.numel())
+    return _registered.get(key[0]) == key[1] or key in _refused
 
 
 def unregister(slot: torch.Tensor) -> None:
     """Unpin a slot's memory before its mapping goes away."""
-    with _lock:
+    with _pin_lock:
         _unregister(slot.data_ptr())
+        _refused.discard((slot.data_ptr(), slot.numel()))
 
 
 def _unregister(ptr: int) -> None:
@@ -85,10 +101,12 @@ def _index(tensor: torch.Tensor) -> int:
 
 
 def _side_stream(device: int) -> torch.cuda.Stream:
-    with _lock:
+    with _streams_lock:
         stream = _streams.get(device)
         if stream is None:
-            stream = _streams[device] = torch.cuda.Stream(device=device)
+            # From the high-priority pool: a trainer's torch.cuda.Stream() comes from the other one,
+            # so the copies do not queue behind its kernels on a shared stream.
+            stream = _streams[device] = torch.cuda.Stream(device=device, priority=-1)
         return stream
 
 
@@ -96,7 +114,7 @@ def copy_from_device(
     pairs: list[tuple[torch.Tensor, torch.Tensor]], slot: torch.Tensor, ready: dict[int, torch.cuda.Event]
 ) -> None:
     """Copy each (host destination, CUDA source) pair after the save's ready events; return once all landed."""
-    pin(slot)
+    pin(slot, next(iter(ready)))
     by_device: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
     for dst, src in pairs:
         by_device.setdefault(_index(src), []).append((dst, src))
@@ -141,9 +159,17 @@ class DeviceCopy:
         items: list[tuple[int, torch.Tensor, torch.Tensor]],
         ready: dict[int, torch.cuda.Event],
         spill_bytes: int | None,
+        now: frozenset[int] = frozenset(),
     ) -> None:
-        """items: (array index, host destination in the slot, CUDA source); spill_bytes None: a share of free memory."""
+        """Cut the items into pieces, and snapshot those of the arrays in now at once (training thread).
+
+        items: (array index, host destination in the slot, CUDA source); spill_bytes: the bound of
+        spills at steps (None: a share of the free memory). now: arrays no optimizer owns (buffers),
+        which the forward pass may change: copied device to device on the caller's stream now, to
+        the host later, so that save_async need not wait for the GPU to reach the save.
+        """
         self.slot = slot
+        self.device = next(iter(ready))  # the lazy thread's current device: no context made on GPU 0 for it
         self.ready = ready
         self.spill_limit = spill_bytes
         self.spilled_bytes = 0
@@ -155,10 +181,19 @@ class DeviceCopy:
             self._by_index.setdefault(piece.index, []).append(piece)
         self._lock = threading.Lock()
         self._issued = 0
+        self._finished = False  # set by run() once every piece is on the host: a later step waits for nothing
+        if now:
+            with self._lock:
+                left = self._spill([p for i in sorted(now) for p in self._by_index.get(i, ())], bounded=False)
+                for piece in left:  # no GPU memory for them: copied to the host now, as an eager save does
+                    self._issue(piece, _side_stream(piece.device))
+                    assert piece.landed is not None
+                    piece.landed.synchronize()
 
     def run(self) -> None:
         """Issue every piece on the side streams, IN_FLIGHT_BYTES at most ahead; return when all landed."""
-        pin(self.slot)
+        torch.cuda.set_device(self.device)
+        pin(self.slot, self.device)
         streams = {device: _side_stream(device) for device in self.ready}
         in_flight: list[_Piece] = []
         in_flight_bytes = 0
@@ -185,12 +220,16 @@ class DeviceCopy:
             piece.spill.record_stream(stream)
         for stream in streams.values():
             stream.synchronize()
-        for piece in spilled:
-            piece.spill = None  # back to the allocator (record_stream keeps it until the copy is done)
+        with self._lock:
+            self._finished = True
+            for piece in spilled:
+                piece.spill = None  # back to the allocator (record_stream keeps it until the copy is done)
 
     def before_step(self, indices: list[int]) -> None:
         """Order the stepping stream after the copies of these arrays, on the GPU (training thread, the pre-hook)."""
         with self._lock:
+            if self._finished:
+                return  # every byte is on the host: the step may change the sources at once
             pieces = [p for i in indices for p in self._by_index.get(i, ())]
             waits: dict[int, _Piece] = {}
             not_issued = [p for p in pieces if p.landed is None and p.spill is None]
@@ -212,22 +251,25 @@ class DeviceCopy:
         stream.wait_event(self.ready[piece.device])  # first on this stream maybe: the hook can come before run()
         with torch.cuda.stream(stream):
             piece.dst.copy_(piece.src, non_blocking=True)
-            piece.landed = torch.cuda.Event()
+            piece.landed = torch.cuda.Event(blocking=True)  # run() waits on it: sleep, not spin, on the daemon's CPUs
             piece.landed.record(stream)
         self._issued += 1
         piece.issued = self._issued
 
-    def _spill(self, pieces: list[_Piece]) -> None:
-        """Copy pieces device to device on the stepping stream, within the spill bound (lock held)."""
-        if self.spill_limit is None:
+    def _spill(self, pieces: list[_Piece], bounded: bool = True) -> list[_Piece]:
+        """Copy pieces device to device on the current stream, within the bound; return the rest (lock held)."""
+        if self.spill_limit is None and bounded:
             free_bytes, _ = torch.cuda.mem_get_info(pieces[0].device)
             self.spill_limit = int(free_bytes * SPILL_SHARE_OF_FREE)
         by_device: dict[int, list[_Piece]] = {}
-        room = self.spill_limit - self.spilled_bytes
+        left = []
+        room = (self.spill_limit or 0) - self.spilled_bytes
         for piece in pieces:
-            if _aligned(piece.nbytes) <= room:
+            if not bounded or _aligned(piece.nbytes) <= room:
                 by_device.setdefault(piece.device, []).append(piece)
                 room -= _aligned(piece.nbytes)
+            else:
+                left.append(piece)
         for device, group in by_device.items():
             stepping = torch.cuda.current_stream(device)
             stepping.wait_event(self.ready[device])  # the stepping stream may not be the one that saved
@@ -239,7 +281,8 @@ class DeviceCopy:
                     buffer = torch.empty(offsets[-1], dtype=torch.uint8, device=f"cuda:{device}")
                 except torch.cuda.OutOfMemoryError:  # no room after all: spill no more, the step waits instead
                     self.spill_limit = self.spilled_bytes
-                    return
+                    left += group
+                    continue
                 for piece, at in zip(group, offsets, strict=False):
                     piece.spill = buffer[at : at + piece.nbytes].view(piece.src.dtype).view(piece.src.shape)
                     piece.spill.copy_(piece.src)
@@ -248,6 +291,7 @@ class DeviceCopy:
             for piece in group:
                 piece.spilled = done
             self.spilled_bytes += offsets[-1]
+        return left
 
 
 def _aligned(nbytes: int) -> int:

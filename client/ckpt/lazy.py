@@ -188,6 +188,15 @@ class LazyCopy:
             finally:
                 self.done.set()
 
+    def abandon(self, error: BaseException) -> None:
+        """Give up a copy that could not be started (the saving thread): no optimizer waits for it."""
+        self.error = error
+        for group in self.groups:
+            group.host_copied.set()
+        with _lock:
+            _running.discard(self)
+        self.done.set()
+
     def wait_for(self, optimizer_id: int) -> None:
         """Return once the optimizer may step: its host arrays copied, its stream ordered after its CUDA copies."""
         for group in self.groups:

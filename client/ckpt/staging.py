@@ -38,26 +38,26 @@ class SlotMappings:
         self._locks_lock = threading.Lock()
         self._background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-prefault")
 
-    def prefault(self, path: str, size_bytes: int, pin: bool = False) -> Future[None]:
-        """Map a slot (and with pin, register it with CUDA) in the background, ahead of the save that gets it."""
-        return self._background.submit(self.map_ahead, path, size_bytes, pin)
+    def prefault(self, path: str, size_bytes: int, pin_on: int | None = None) -> Future[None]:
+        """Map a slot (and with pin_on, a GPU's index, register it with CUDA) in the background, ahead of its save."""
+        return self._background.submit(self.map_ahead, path, size_bytes, pin_on)
 
     def in_background(self, work: Callable[[], None]) -> Future[None]:
         """Run work on the background thread, after the prefaults asked before it (Checkpointer.prepare)."""
         return self._background.submit(work)
 
-    def map_ahead(self, path: str, size_bytes: int, pin: bool) -> None:
-        """Map a slot (and with pin, register it with CUDA) now, on the calling thread: the background's work."""
-        with self._lock_for(path):
+    def map_ahead(self, path: str, size_bytes: int, pin_on: int | None) -> None:
+        """Map a slot (and with pin_on, register it with CUDA) now, on the calling thread: the background's work."""
+        with self._lock_for(path):  # held while pinning too: a save that maps the slot anew waits, never unpins first
             held = self._maps.get(path)  # mapped already by a save, maybe at another size: keep that
             try:
                 slot = held[1] if held is not None else self._get(path, size_bytes)
             except OSError:  # the slot was dropped meanwhile: the next save maps what it gets
                 return
-        if pin:
-            from ckpt import cuda_staging
+            if pin_on is not None:
+                from ckpt import cuda_staging
 
-            cuda_staging.pin(slot)
+                cuda_staging.pin(slot, pin_on)
 
     def _lock_for(self, path: str) -> threading.Lock:
         with self._locks_lock:

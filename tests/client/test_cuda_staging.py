@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 import ckpt
 import pytest
 import torch
+from ckpt import cuda_staging
 from ckpt.flatten import flatten, unflatten
 from ckpt.staging import copy_into
 from states import assert_same
@@ -46,6 +47,7 @@ def test_device_tensors_land_whole_before_copy_into_returns():
         for t in (state["w"], state["bf16"]):
             t.zero_()  # the snapshot must not see later writes on the training stream
         back = unflatten(flat.layout(), slot.numpy().copy())
+        cuda_staging.unregister(slot)  # before the mapping goes: a later mapping may take its addresses
     assert_same(expected, back)
 
 
@@ -62,12 +64,17 @@ def _save_behind_queued_work(c: ckpt.Checkpointer, params, optimizer, lazy: bool
 
     At save_async the values 7 are not written yet (they are queued behind the busy kernel): a copy not
     ordered after the caller's stream reads zeros, and one that is not ordered before the step reads 6.
+    The slots are prepared first, so that the save itself is quick and the premise holds.
     """
+    state = {"params": params, "note": "at the call"}
+    c.prepare(state).result(timeout=WAIT_S)
     with torch.no_grad(), torch.cuda.stream(stream):
         torch.cuda._sleep(BUSY_CYCLES)
         for p in params:
             p.fill_(7.0)
-        h = c.save_async({"params": params, "note": "at the call"}, step=1, lazy=lazy)
+        h = c.save_async(state, step=1, lazy=lazy)
+        if lazy:
+            assert not stream.query()  # the premise: the values 7 were not written when save_async returned
         optimizer.step()  # p = 7 - 1 = 6, after the snapshot
     return h
 
@@ -131,3 +138,25 @@ def test_a_prepared_first_save_waits_for_nothing_and_an_unprepared_one_says_what
         prepared.wait("memory", timeout=WAIT_S)
     assert (prepared.blocked_s, prepared.reason) == (0.0, "")
     assert (steady.blocked_s, steady.reason) == (0.0, "")
+
+
+def test_a_lazy_save_snapshots_buffers_at_the_call_without_waiting_for_the_gpu(daemon):
+    # A buffer no optimizer owns (BatchNorm statistics, say) may change in the next forward pass: it is
+    # copied on the GPU at the call, and save_async does not wait for the queued kernels to finish.
+    params, optimizer = _trainer(64)
+    buffer = torch.zeros(MIB, device="cuda")
+    state = {"params": params, "buffer": buffer}
+    with ckpt.Checkpointer(job="gpu-buffers", address=daemon.address) as c:
+        c.prepare(state).result(timeout=WAIT_S)
+        stream = torch.cuda.current_stream()
+        with torch.no_grad():
+            torch.cuda._sleep(BUSY_CYCLES)
+            buffer.fill_(3.0)
+            h = c.save_async(state, step=1, lazy=True)
+            assert not stream.query()  # returned while the GPU was still busy before the save
+            buffer.fill_(4.0)  # the next forward pass changes it
+            optimizer.step()
+        h.wait("nvme", timeout=WAIT_S)
+        back = c.load(1)
+    assert bool((back["buffer"] == 3.0).all())
+    assert all(bool((t == 0.0).all()) for t in back["params"])
