@@ -260,7 +260,8 @@ def main() -> int:
         + ", ".join(f"{name} {s}" for name, s in step_s.items())
     )
     skipped = sum(r["ckptd_skipped"] for r in runs)
-    print(f"ckptd saves skipped: {skipped}; blocked for staging room: {sum(r['ckptd_blocked_s'] for r in runs):.2f} s")
+    waited_s = sum(r["ckptd_blocked_s"] for r in runs)
+    print(f"ckptd saves skipped: {skipped}; save_async waited (blocked_s, warm-up saves included): {waited_s:.2f} s")
     print("ckptd logged:", *daemon_warnings or ["no warnings"], sep="\n  ")
     write_results(
         args.json,

@@ -144,7 +144,7 @@ class CkptdSaver(Saver):
         self.step_base, self.lazy = step_base, lazy
         self.handle: Any = None
         self.skipped = 0  # saves the daemon refused for lack of staging room: none expected
-        self.blocked_s = 0.0  # time save_async waited for staging room (part of its stall)
+        self.blocked_s = 0.0  # time save_async waited before its copy (its handles' blocked_s: part of its stall)
 
     def save(self, state: dict[str, Any]) -> None:
         self.handle = self.checkpointer.save_async(state, step=self.step_base + self.saves, lazy=self.lazy)
