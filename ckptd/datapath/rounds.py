@@ -6,8 +6,8 @@ every local rank's shard of it, so that the ranks of a job on a node flush the s
 steps (with 8 ranks and 2 flush threads, ranks that each flushed their own newest
 snapshot would never complete a step). Which step, with `[nvme] flush_every`:
 
-- 0 (newest wins): the newest step that every rank holding an unflushed snapshot holds
-  (the ranks agree). Where none is held by all (a rank replaced a step the others still
+- 0 (newest wins): the newest step that every rank holding an unflushed snapshot, or copying
+  a save, holds (the ranks agree). Where none is held by all (a rank replaced a step the others still
   hold, or lags behind), the round waits a little for the ranks' next commits; if they
   still disagree, it takes the newest step any rank holds. Unflushed snapshots of older
   steps are passed over, every rank's at once.
@@ -37,7 +37,7 @@ class Round:
     """One round of a job: the step, one slot per rank holding it, and the older snapshots it passes over."""
 
     step: int
-    agreed: bool  # every rank with an unflushed snapshot holds the step (or flush_every keeps it)
+    agreed: bool  # every rank with an unflushed snapshot or a copy under way holds the step (or flush_every keeps it)
     flushed: tuple[Slot, ...]
     passed_over: tuple[Slot, ...]  # older steps, never to be flushed
     superseded: tuple[Slot, ...]  # earlier copies of the flushed shards (a step saved again): dropped silently
@@ -53,7 +53,9 @@ def plan_round(slots: list[Slot], flush_every: int) -> Round | None:
     if not holders:
         return None
     kept_steps = [step for step in holders if kept(step, flush_every)]
-    ranks = set().union(*holders.values())
+    # A rank copying a save counts too: the pending snapshot it had may be the slot it is copying into
+    # (claimed), and a round without it would flush a step it no longer holds.
+    ranks = set().union(*holders.values()) | {s.rank for s in slots if s.state == "writing"}
     common = [step for step, held in holders.items() if held == ranks]
     step = min(kept_steps) if kept_steps else max(common or holders)
     agreed = bool(kept_steps or common)
