@@ -13,16 +13,18 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 
 
+def _bench(script: str, *args: str, timeout_s: float = 120) -> subprocess.CompletedProcess[str]:
+    """Run a benchmark of benchmarks/ with args, as a user would; return what it did."""
+    return subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / script), *args], capture_output=True, text=True, timeout=timeout_s
+    )
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA the benchmark measures: scripts/gpu_check.sh runs it")
 def test_bench_local_on_cuda_without_cuda_says_so_and_exits_0(tmp_path):
     out = tmp_path / "local-cuda.json"
     args = ["--device", "cuda", "--size-gib", "0.01", "--repeats", "1", "--dir", str(tmp_path), "--json", str(out)]
-    run = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "bench_local.py"), *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    run = _bench("bench_local.py", *args)
     assert run.returncode == 0, run.stderr
     assert "CUDA is not available here" in run.stdout and "skipped" in run.stdout
     assert not out.exists()  # nothing measured, nothing written
@@ -30,31 +32,14 @@ def test_bench_local_on_cuda_without_cuda_says_so_and_exits_0(tmp_path):
 
 
 def test_bench_local_refuses_an_unknown_device():
-    run = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "bench_local.py"), "--device", "tpu"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    run = _bench("bench_local.py", "--device", "tpu")
     assert run.returncode == 2 and "invalid choice: 'tpu'" in run.stderr
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA the benchmark measures: scripts/gpu_check.sh runs it")
 def test_bench_gpu_training_without_cuda_says_so_and_exits_0(tmp_path):
     out = tmp_path / "gpu-training.json"
-    run = subprocess.run(
-        [
-            sys.executable,
-            str(REPO / "benchmarks" / "bench_gpu_training.py"),
-            "--dir",
-            str(tmp_path),
-            "--json",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    run = _bench("bench_gpu_training.py", "--dir", str(tmp_path), "--json", str(out))
     assert run.returncode == 0, run.stderr
     assert "CUDA is not available here" in run.stdout and "skipped" in run.stdout
     assert not out.exists() and list(tmp_path.iterdir()) == []
@@ -66,20 +51,7 @@ def test_bench_gpu_training_runs_through_on_a_tiny_cpu_model(tmp_path, short_tmp
     out = tmp_path / "gpu-training.json"
     tiny = ["--layers", "1", "--width", "32", "--heads", "2", "--vocab", "100", "--batch", "2", "--seq", "16"]
     args = [*tiny, "--device", "cpu", "--steps", "4", "--every", "2", "--variants", "ckptd", "ckptd-lazy", "dcp-thread"]
-    run = subprocess.run(
-        [
-            sys.executable,
-            str(REPO / "benchmarks" / "bench_gpu_training.py"),
-            *args,
-            "--dir",
-            str(short_tmp),
-            "--json",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    run = _bench("bench_gpu_training.py", *args, "--dir", str(short_tmp), "--json", str(out), timeout_s=300)
     assert run.returncode == 0, run.stdout + run.stderr
     result = json.loads(out.read_text())
     windows = {(w["variant"], w["every"]): w for w in result["windows"]}

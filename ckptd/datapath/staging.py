@@ -224,7 +224,7 @@ class SlotPool:
         try:
             await asyncio.to_thread(self._hand_out, slot, size_bytes)
         except CheckpointError as e:
-            log.warning("no spare staging slot for %s rank %d: %s", slot.job, slot.rank, e)
+            log.warning("no staging slot ahead of need (spare or prepared) for %s rank %d: %s", slot.job, slot.rank, e)
         async with self._changed:
             slot.allocating_bytes = 0
             if slot.size_bytes == 0:

@@ -38,7 +38,7 @@ from ckpt.local_read import checked_index, load_first_good
 from ckpt.range_read import StepReader
 from ckpt.reshard import load_into
 from ckpt.shard_io import ShardSource
-from ckpt.staging import SlotMappings, copy_into, writer_lock
+from ckpt.staging import SlotMappings, copy_into, slot_view, writer_lock
 from ckpt.step_index import StepIndex
 from ckpt.transport import DaemonClient
 from ckpt.wire.v1 import ckptd_pb2 as pb
@@ -273,7 +273,7 @@ class Checkpointer:
         flat = flatten(state)
         on_device = frozenset(i for i, a in enumerate(flat.arrays) if isinstance(a, torch.Tensor) and a.is_cuda)
         ready = _cuda().ready_events(flat.arrays) if on_device else None  # first: the caller's streams, this thread
-        gpu = _gpu_of(flat.arrays)
+        gpu = next(iter(ready)) if ready else None  # the first GPU of the state: slots are pinned there
         owned = lazy_copies.owners(flat.arrays) if lazy else {}
         layout = json.dumps(flat.layout()).encode()
         # The layout travels in the slot, after the data: megabytes for a large model never cross the socket.
@@ -326,7 +326,7 @@ class Checkpointer:
                     if ready is not None:  # every CUDA array, owned or not: none is copied on this thread
                         staged.device = _cuda().DeviceCopy(
                             slot,
-                            [(i, *_destination(flat, slot, i)) for i in sorted(on_device)],
+                            [(i, slot_view(flat, slot, i), flat.arrays[i]) for i in sorted(on_device)],
                             ready,
                             self._spill_bytes,
                             now=on_device - owned.keys(),
@@ -498,13 +498,6 @@ def _gpu_of(arrays: list[Any]) -> int | None:
         if isinstance(array, torch.Tensor) and array.is_cuda:
             return array.device.index if array.device.index is not None else torch.cuda.current_device()
     return None
-
-
-def _destination(flat: Any, slot: torch.Tensor, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Return (the slot's bytes for an array, viewed as it, the array) for the lazy device copy."""
-    array, entry = flat.arrays[index], flat.entries[index]
-    dst = slot[entry["offset"] : entry["offset"] + entry["nbytes"]].view(array.dtype).view(array.shape)
-    return dst, array
 
 
 def _default_run_id() -> str:

@@ -66,13 +66,7 @@ class SlotMappings:
     def mapped(self, path: str, size_bytes: int) -> bool:
         """Say whether the slot is mapped already at this size (its file unchanged): get() will not fault it in."""
         held = self._maps.get(path)
-        if held is None:
-            return False
-        try:
-            st = os.stat(path)
-        except FileNotFoundError:
-            return False
-        return held[0] == (st.st_dev, st.st_ino, size_bytes)
+        return held is not None and held[0] == (*_file_identity(path), size_bytes)
 
     def get(self, path: str, size_bytes: int) -> torch.Tensor:
         """Return a uint8 tensor over the whole slot file, mapping it again if the file changed."""
@@ -83,11 +77,7 @@ class SlotMappings:
     def _drop_vanished(self) -> None:
         # The daemon may drop a slot to stay within its budget: unmap it, or its memory lingers.
         for path, (identity, tensor) in list(self._maps.items()):
-            try:
-                st = os.stat(path)
-                gone = (st.st_dev, st.st_ino) != identity[:2]
-            except FileNotFoundError:
-                gone = True
+            gone = _file_identity(path) != identity[:2]
             if gone and self._maps.get(path, (None,))[0] == identity:
                 del self._maps[path]
                 _forget(tensor)
@@ -116,6 +106,15 @@ class SlotMappings:
         for _, tensor in self._maps.values():
             _forget(tensor)
         self._maps.clear()
+
+
+def _file_identity(path: str) -> tuple[int, ...]:
+    """Return (device, inode) of a slot file, or () once it is gone: a slot the daemon dropped or made anew."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return ()
+    return st.st_dev, st.st_ino
 
 
 def _forget(slot: torch.Tensor) -> None:
@@ -162,12 +161,11 @@ def copy_into(
         nbytes = entry["nbytes"]
         if nbytes == 0 or (wanted is not None and i not in wanted):
             continue
-        dst_bytes = slot[entry["offset"] : entry["offset"] + nbytes]
         if isinstance(array, np.ndarray):
+            dst_bytes = slot[entry["offset"] : entry["offset"] + nbytes]
             host.append((np.ndarray(array.shape, dtype=array.dtype, buffer=dst_bytes.numpy()), array))
         else:
-            dst = dst_bytes.view(array.dtype).view(array.shape)
-            (cuda if array.is_cuda else host).append((dst, array))
+            (cuda if array.is_cuda else host).append((slot_view(flat, slot, i), array))
     if cuda:
         from ckpt import cuda_staging
 
@@ -186,6 +184,13 @@ def copy_into(
             f.result()
     else:
         _copy_all(host)
+
+
+def slot_view(flat: Flattened, slot: torch.Tensor, index: int) -> torch.Tensor:
+    """Return the slot's bytes of a tensor of flat, viewed with its dtype and shape (where its copy goes)."""
+    array, entry = flat.arrays[index], flat.entries[index]
+    assert isinstance(array, torch.Tensor), "a numpy array's copy goes through its own buffer view"
+    return slot[entry["offset"] : entry["offset"] + entry["nbytes"]].view(array.dtype).view(array.shape)
 
 
 def _nbytes(a: Any) -> int:
