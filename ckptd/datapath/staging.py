@@ -179,8 +179,7 @@ class SlotPool:
             for slot in planned:
                 slot.state, slot.allocating_bytes = "allocating", need
             while len(group) < SLOTS_PER_RANK and self._room_for(job, rank, need):
-                index = min(set(range(SLOTS_PER_RANK)) - {s.index for s in group})
-                slot = Slot(slot_path(self.directory, job, rank, index), job, rank, index, 0, "allocating")
+                slot = self._new_slot(job, rank, group, "allocating")
                 slot.allocating_bytes = need
                 group.append(slot)
                 planned.append(slot)
@@ -207,14 +206,18 @@ class SlotPool:
     def _group(self, job: str, rank: int) -> list[Slot]:
         return self._slots.setdefault((job, rank), [])
 
+    def _new_slot(self, job: str, rank: int, group: list[Slot], state: str) -> Slot:
+        """Return a slot of no memory yet at the rank's lowest free index (the caller adds it to group)."""
+        index = min(set(range(SLOTS_PER_RANK)) - {s.index for s in group})
+        return Slot(slot_path(self.directory, job, rank, index), job, rank, index, 0, state)
+
     def _plan_spare(self, job: str, rank: int, size_bytes: int) -> Slot | None:
         # The rank's first save allocates its second slot too, so that the client can
         # map it in the background and its second save copies at full speed.
         group = self._slots[(job, rank)]
         if len(group) >= SLOTS_PER_RANK or not self._room_for(job, rank, size_bytes, evict=False):
             return None
-        index = min(set(range(SLOTS_PER_RANK)) - {s.index for s in group})
-        spare = Slot(slot_path(self.directory, job, rank, index), job, rank, index, 0, "allocating")
+        spare = self._new_slot(job, rank, group, "allocating")
         spare.allocating_bytes = size_bytes
         group.append(spare)
         return spare
@@ -399,9 +402,7 @@ class SlotPool:
         if spare and spare[0].size_bytes >= need:
             return self._claim(spare[0]), spare[0].size_bytes, "", None
         if len(group) < SLOTS_PER_RANK and self._room_for(job, rank, need):
-            index = min(set(range(SLOTS_PER_RANK)) - {s.index for s in group})
-            slot = Slot(slot_path(self.directory, job, rank, index), job, rank, index, 0, "writing")
-            return slot, need, "new slot", None
+            return self._new_slot(job, rank, group, "writing"), need, "new slot", None
         newest = self.newest(job, rank)
         last_resort = [newest] if newest is not None and newest.state == "settled" else []
         unflushed = [s for s in group if s.state == "pending" and s.shard and not kept(s.shard.step, self.flush_every)]
