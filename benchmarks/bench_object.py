@@ -42,9 +42,9 @@ from s3_server import S3Server
 
 from ckptd.storage.object_store import UPLOAD_CONCURRENCY, open_store
 from ckptd.tiers.nvme import LocalDirTier
-from ckptd.tiers.object import ObjectTier
-from ckptd.tiers.object_keys import shard_dir
-from ckptd.tiers.object_layout import MAX_RANGE_BYTES, MIN_RANGE_BYTES, PART_BYTES, READ_THREADS, zstd_name
+from ckptd.tiers.object.keys import shard_dir
+from ckptd.tiers.object.layout import MAX_RANGE_BYTES, MIN_RANGE_BYTES, PART_BYTES, READ_THREADS, zstd_name
+from ckptd.tiers.object.tier import ObjectTier
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 FILL_BLOCK_BYTES = 4 << 20

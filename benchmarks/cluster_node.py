@@ -20,13 +20,13 @@ from typing import Any
 from ckpt.format import CommitRecord
 
 from ckptd.cluster.etcd_view import EtcdView
+from ckptd.cluster.peer_membership import ResolvedPeers
 from ckptd.cluster.peers_view import PeersView
+from ckptd.cluster.placement import Holding
 from ckptd.cluster.view import ClusterView
 from ckptd.config import load_config
-from ckptd.datapath.membership import ResolvedPeers
 from ckptd.rpc.cluster_link import ClusterLinks
 from ckptd.rpc.cluster_server import serve_cluster
-from ckptd.tiers.cluster import Holding
 
 
 class Later:

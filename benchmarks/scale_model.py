@@ -27,12 +27,12 @@ from typing import Any
 from ckpt.format import CHUNK_SIZE_BYTES
 from report import Row, as_json, table  # benchmarks/report.py: run as a script, this directory is on sys.path
 
-from ckptd.datapath.locate import OBJECT_THREADS
-from ckptd.datapath.uploading import COMMIT_POLL_MAX_S, COMMIT_WATCH_LIMIT_S, UPLOAD_THREADS
+from ckptd.load.locate import OBJECT_THREADS
+from ckptd.save.uploading import COMMIT_POLL_MAX_S, COMMIT_WATCH_LIMIT_S, UPLOAD_THREADS
 from ckptd.storage.object_store import UPLOAD_CONCURRENCY
-from ckptd.tiers.object_keys import PREFIX_HEX_DIGITS
-from ckptd.tiers.object_layout import MAX_PARTS, MAX_RANGE_BYTES, MIN_RANGE_BYTES, PART_BYTES, READ_THREADS
-from ckptd.tiers.object_shards import COMMIT_CHECK_THREADS
+from ckptd.tiers.object.keys import PREFIX_HEX_DIGITS
+from ckptd.tiers.object.layout import MAX_PARTS, MAX_RANGE_BYTES, MIN_RANGE_BYTES, PART_BYTES, READ_THREADS
+from ckptd.tiers.object.shards import COMMIT_CHECK_THREADS
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 GB = 1e9
@@ -97,7 +97,7 @@ REPLICAS = 1  # [peer] replicas, default
 NVME_KEEP, PEER_KEEP = 3, 3  # [retention] nvme and peer, defaults
 HEADROOM = 0.5  # hash prefixes enough for each to run at <= half its limit
 
-# -- what ckptd sends, per rank and step (ckptd/tiers/object*.py, storage/object_store.py, datapath/uploading.py;
+# -- what ckptd sends, per rank and step (ckptd/tiers/object/, storage/object_store.py, save/uploading.py;
 # counted against moto with a hook on s3fs's calls): "before" in the flat layout ckptd had, HASHED_* in its own --
 DELETES_PER_RANK = 3  # the shard record, then frames.json and data.zst (a plain upload drops them)
 MEAN_POLL_S = 0.75 * COMMIT_POLL_MAX_S  # uploading._jittered: delay x U(0.5, 1)

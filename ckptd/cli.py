@@ -27,7 +27,7 @@ from ckpt.wire.v1 import ckptd_pb2 as pb
 from ckptd import __version__
 from ckptd.config import Config, ConfigError, load_config
 from ckptd.offline import export
-from ckptd.status_table import cluster_line, newest_steps_table, passed_over_lines
+from ckptd.operations.status_table import cluster_line, newest_steps_table, passed_over_lines
 
 EXAMPLES = """\
 examples:

@@ -136,7 +136,7 @@ class Config:
 
         Each entry of [peer] addresses stands for the addresses its host resolves to (peer_endpoints);
         the node's own ([node] listen) are left out, so one list serves every node. A daemon follows
-        changes instead (ckptd.datapath.membership).
+        changes instead (ckptd.cluster.peer_membership).
         """
         return tuple(sorted(peer_endpoints(self.peer.addresses, self.node.listen, self._resolved)))
 

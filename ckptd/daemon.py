@@ -14,12 +14,13 @@ from ckpt.errors import InvalidArgument
 from ckpt.transport import MAX_MESSAGE_BYTES
 from ckpt.wire.v1 import ckptd_pb2_grpc
 
-from ckptd import metrics, sd_notify
+from ckptd import sd_notify
 from ckptd.addresses import host_of
 from ckptd.cluster.peers_view import PeersView
 from ckptd.config import Config
-from ckptd.datapath.pipeline import Pipeline
-from ckptd.datapath.root_identity import RootGone
+from ckptd.operations import metrics
+from ckptd.operations.root_identity import RootGone
+from ckptd.pipeline import Pipeline
 from ckptd.rpc.cluster_server import add_cluster_servicer
 from ckptd.rpc.data_listener import DataListener
 from ckptd.rpc.guard import RequestGuard

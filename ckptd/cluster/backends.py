@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from ckptd.cluster.etcd_view import EtcdView
+from ckptd.cluster.peer_membership import ResolvedPeers
 from ckptd.cluster.peers_view import PeersView
 from ckptd.cluster.view import ClusterView
 from ckptd.config import Config
-from ckptd.datapath.membership import ResolvedPeers
 from ckptd.rpc.cluster_link import ClusterLinks
 
 

@@ -13,7 +13,7 @@ from collections.abc import Collection, Sequence
 
 from ckpt.format import CommitRecord
 
-from ckptd.tiers.cluster import Holding, seal_record
+from ckptd.cluster.placement import Holding, seal_record
 
 STEPS_KEPT = 64  # steps per job whose reports a coordinator keeps (committed or not): the newest
 

@@ -14,7 +14,7 @@ import logging
 from typing import Any
 
 from ckptd.cluster.etcd_client import EtcdClient, EtcdCompacted, EtcdError
-from ckptd.datapath.membership import Membership
+from ckptd.cluster.peer_membership import Membership
 
 log = logging.getLogger(__name__)
 

@@ -32,9 +32,9 @@ from ckpt.format import CommitRecord, validate_job
 from ckptd.cluster.collector import Collector
 from ckptd.cluster.etcd_client import EtcdClient, EtcdCompacted, EtcdError
 from ckptd.cluster.etcd_membership import EtcdMembership
+from ckptd.cluster.placement import Holding
 from ckptd.cluster.view import ClusterView, coordinator_of
 from ckptd.config import Config
-from ckptd.tiers.cluster import Holding
 
 log = logging.getLogger(__name__)
 

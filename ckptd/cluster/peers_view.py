@@ -30,10 +30,10 @@ from ckpt.errors import CheckpointError
 from ckpt.format import CommitRecord
 
 from ckptd.cluster.collector import Collector
+from ckptd.cluster.peer_membership import Membership
+from ckptd.cluster.placement import Holding, StepHoldings
 from ckptd.cluster.view import ClusterView, coordinator_of, fan_out
-from ckptd.datapath.membership import Membership
 from ckptd.rpc.cluster_link import ClusterLinks, PeerBusy, PeerSlow
-from ckptd.tiers.cluster import Holding, StepHoldings
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """The cluster view: which steps are committed, who holds which shard, who is alive — one interface, two backends.
 
-Peering (ckptd.datapath.peering) is the one user. Order of calls, all on the event loop:
+Peering (ckptd.replication.peering) is the one user. Order of calls, all on the event loop:
   1. Peering builds the view with open_view() and calls watch(on_commit) once;
   2. Lifecycle awaits start() once at start-up, after Peering seeded() it with the commit
      records this node's disks hold, then runs run_forever() as a task until drain;
@@ -33,8 +33,8 @@ from typing import Any
 import xxhash
 from ckpt.format import CommitRecord
 
-from ckptd.datapath.membership import Membership
-from ckptd.tiers.cluster import Holding
+from ckptd.cluster.peer_membership import Membership
+from ckptd.cluster.placement import Holding
 
 log = logging.getLogger(__name__)
 

@@ -10,14 +10,14 @@ from ckpt.errors import CheckpointError, CorruptCheckpoint, NotFound
 from ckpt.format import validate_tier
 
 from ckptd.config import Config
+from ckptd.load.fetch import aligned_buffer
 from ckptd.rpc.peer_link import PeerLink
 from ckptd.storage.object_store import open_store
 from ckptd.tiers.base import Tier
 from ckptd.tiers.memory import MemoryTier
 from ckptd.tiers.nvme import LocalDirTier
-from ckptd.tiers.object import ObjectTier
+from ckptd.tiers.object.tier import ObjectTier
 from ckptd.tiers.peer import PeerTier
-from ckptd.tiers.transfer import aligned_buffer
 
 Progress = Callable[[str], None]
 

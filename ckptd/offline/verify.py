@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 from ckpt.errors import CheckpointError, NotFound
 
+from ckptd.load.fetch import aligned_buffer
 from ckptd.tiers.base import Tier
-from ckptd.tiers.transfer import aligned_buffer
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ from ckpt.format import CommitRecord
 from ckpt.wire.v1 import cluster_pb2 as pb
 from ckpt.wire.v1 import cluster_pb2_grpc
 
+from ckptd.cluster.placement import Holding, StepHoldings
 from ckptd.config import PeerConfig
 from ckptd.rpc.peer_link import (
     INSTANCE_HEADER,
@@ -29,7 +30,6 @@ from ckptd.rpc.peer_link import (
     holdings_from_pb,
     holdings_to_pb,
 )
-from ckptd.tiers.cluster import Holding, StepHoldings
 
 CALL_TIMEOUT_S = 2.0
 MAX_CHANNELS = 64

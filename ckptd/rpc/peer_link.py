@@ -24,10 +24,10 @@ from ckpt.wire.v1 import peer_pb2 as pb
 from ckpt.wire.v1 import peer_pb2_grpc
 
 from ckptd.addresses import host_of
+from ckptd.cluster.placement import Holding, StepHoldings
 from ckptd.config import PeerConfig
 from ckptd.rpc.data_channel import DataChannelError, client_context, send_range
 from ckptd.rpc.shard_stream import byte_ranges, fill_from_pieces, read_pieces
-from ckptd.tiers.cluster import Holding, StepHoldings
 
 MAX_MESSAGE_BYTES = 64 << 20
 INSTANCE_HEADER = "ckptd-instance"

@@ -13,7 +13,7 @@ from ckpt.format import CommitRecord, ShardMeta, validate_job, validate_step
 from ckpt.wire.v1 import peer_pb2 as pb
 from ckpt.wire.v1 import peer_pb2_grpc
 
-from ckptd.datapath.pipeline import Pipeline
+from ckptd.pipeline import Pipeline
 from ckptd.rpc.data_listener import DataListener
 from ckptd.rpc.guard import NotAPeer, RequestGuard
 from ckptd.rpc.peer_link import INSTANCE_HEADER, ITSELF, IsSelf, data_piece, holdings_to_pb, piece_data

@@ -9,7 +9,7 @@ from ckpt.errors import NotFound
 from ckpt.format import CommitRecord, digest
 from ckpt.shard_io import ShardSource
 
-from ckptd.datapath.staging import Slot, scan_slots
+from ckptd.save.staging import Slot, scan_slots
 from ckptd.tiers.base import Tier
 
 

@@ -38,10 +38,10 @@ from ckpt.format import (
 )
 from ckpt.shard_io import ShardSource, read_index
 
+from ckptd.cluster.placement import Holding, seal_record
 from ckptd.storage.commit_protocol import StepDirCommit
 from ckptd.storage.durable_write import RangeWriter, fsync_dir
 from ckptd.tiers.base import DurableTier
-from ckptd.tiers.cluster import Holding, seal_record
 from ckptd.tiers.step_records import StepRecords, entry_names
 
 log = logging.getLogger(__name__)

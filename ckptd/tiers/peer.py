@@ -3,7 +3,7 @@
 The read side of the peer tier, over PeerLinks: the daemon fetches a rank's shard
 through it when this node lacks it (a wiped disk, a lost node's ranks), and
 `ckptd restore --from peer` reads through it with no daemon. The write side is
-ckptd.datapath.replication (sending) and ckptd.datapath.receiving (the replica store).
+ckptd.replication.sending (sending) and ckptd.replication.receiving (the replica store).
 Calls block: make them from worker threads.
 """
 
@@ -19,9 +19,9 @@ from ckpt.errors import CheckpointError, CorruptCheckpoint, NotFound
 from ckpt.format import CommitRecord, ShardMeta, digest
 from ckpt.shard_io import ShardSource
 
+from ckptd.cluster.placement import Holding, StepHoldings, holders
 from ckptd.rpc.peer_link import IsSelf, PeerError, PeerLink
 from ckptd.tiers.base import Tier
-from ckptd.tiers.cluster import Holding, StepHoldings, holders
 
 log = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ from pathlib import Path
 from ckpt.errors import CheckpointError
 from ckpt.format import COMMIT_NAME, CommitRecord, ShardMeta, digest, meta_name
 
-from ckptd.tiers.cluster import Holding
+from ckptd.cluster.placement import Holding
 
 log = logging.getLogger(__name__)
 

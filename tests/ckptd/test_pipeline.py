@@ -11,7 +11,7 @@ from ckpt.errors import InvalidArgument
 from ckpt.format import ShardMeta, chunk_ranges, digest
 
 from ckptd.config import Config, NodeConfig, StagingConfig
-from ckptd.datapath.pipeline import Pipeline
+from ckptd.pipeline import Pipeline
 
 CHUNK = 1 << 20
 

@@ -14,7 +14,7 @@ from ckpt.format import COMMIT_NAME, data_name, meta_name
 from conftest import eventually, free_port
 from states import assert_same
 
-from ckptd.tiers.object_keys import HASHED_KEYS, SHARDS_DIR, shard_dir
+from ckptd.tiers.object.keys import HASHED_KEYS, SHARDS_DIR, shard_dir
 
 pytestmark = [pytest.mark.e2e, pytest.mark.s3]
 

@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from ckpt.format import ShardMeta, chunk_ranges, digest
 
-from ckptd.datapath.receiving import ReplicaReceiver
+from ckptd.replication.receiving import ReplicaReceiver
 from ckptd.storage.durable_write import RangeWriter
 from ckptd.tiers.nvme import LocalDirTier
 

@@ -16,13 +16,13 @@ import pytest
 from ckpt.errors import CorruptCheckpoint, NotFound
 from ckpt.format import CHUNK_SIZE_BYTES, CommitRecord, ShardMeta, chunk_ranges, data_name, digest, round_up
 
-from ckptd.datapath.staging import ShardKey, SlotPool, Snapshot
+from ckptd.save.staging import ShardKey, SlotPool, Snapshot
 from ckptd.storage.object_store import open_store
 from ckptd.tiers.base import Tier
 from ckptd.tiers.memory import MemoryTier
 from ckptd.tiers.nvme import LocalDirTier
-from ckptd.tiers.object import ObjectTier
-from ckptd.tiers.object_keys import shard_dir
+from ckptd.tiers.object.keys import shard_dir
+from ckptd.tiers.object.tier import ObjectTier
 
 
 def _aligned(payload: bytes) -> memoryview:

@@ -30,10 +30,9 @@ from ckpt.format import (
 from ckptd.offline.restore import restore
 from ckptd.offline.verify import verify
 from ckptd.storage.object_store import S3Store, open_store
-from ckptd.tiers import object_shards
 from ckptd.tiers.nvme import LocalDirTier
-from ckptd.tiers.object import CommitConflict, ObjectTier
-from ckptd.tiers.object_keys import (
+from ckptd.tiers.object import shards as object_shards
+from ckptd.tiers.object.keys import (
     HASHED_KEYS,
     PREFIX_HEX_DIGITS,
     SHARDS_DIR,
@@ -43,7 +42,8 @@ from ckptd.tiers.object_keys import (
     hashed_job_dir,
     shard_dir,
 )
-from ckptd.tiers.object_layout import PART_BYTES, frame_index, frames_name, zstd_name
+from ckptd.tiers.object.layout import PART_BYTES, frame_index, frames_name, zstd_name
+from ckptd.tiers.object.tier import CommitConflict, ObjectTier
 
 
 @pytest.fixture(params=["file", "s3"])

@@ -1,1 +1,0 @@
-"""The data path, in save order: slots, flush and seal, progress, replicas, uploads, locate, retention, status."""

@@ -1,0 +1,293 @@
+"""Find a rank's shard for a load: the tiers of this node fastest first, then the peers, then the object store.
+
+Called on the event loop by the Locate, List and GetShard RPCs. Whatever reads the
+disk or the store runs on worker threads: this node's tiers on the locate threads,
+the store on the object threads, bounded in time (a hung store never holds up a
+load). A shard that no tier of this node holds is fetched onto NVMe first, verified;
+refetch (the client found this node's copies bad) does so over them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from ckpt.errors import CheckpointError, CorruptCheckpoint, NotFound
+from ckpt.format import CommitRecord, ShardMeta, digest, validate_tier
+from ckpt.shard_io import ShardSource
+
+from ckptd.config import Config
+from ckptd.keyed import KeyCounts, KeyedLocks
+from ckptd.load.fetch import fetch_shard
+from ckptd.replication.peering import Peering
+from ckptd.tiers.base import Tier
+from ckptd.tiers.catalog import StepInfo, list_steps, merge_steps
+from ckptd.tiers.nvme import LocalDirTier
+from ckptd.tiers.object.tier import ObjectTier
+
+log = logging.getLogger(__name__)
+
+LOCATE_THREADS = 4
+OBJECT_THREADS = 4  # object-store queries, fetches and retention (uploads have their own)
+OBJECT_QUERY_TIMEOUT_S = 5.0
+LOAD_LEASE_S = 600.0  # how long retention keeps off a step a load was pointed at
+
+
+class Locator:
+    """Point loads at the fastest good copy of a shard, fetching it onto this node when none is here."""
+
+    def __init__(
+        self,
+        config: Config,
+        tiers: list[Tier],
+        nvme: LocalDirTier,
+        peering: Peering,
+        object_tier: ObjectTier | None,
+        verification_failed: Callable[[str], None],
+    ) -> None:
+        self.config = config
+        self.tiers = tiers
+        self.nvme = nvme
+        self.peering = peering
+        self.object_tier = object_tier
+        self.verification_failed = verification_failed
+        self.threads = ThreadPoolExecutor(max_workers=LOCATE_THREADS, thread_name_prefix="locate")
+        self.object_threads = ThreadPoolExecutor(max_workers=OBJECT_THREADS, thread_name_prefix="object")
+        self._fetch_locks: KeyedLocks[tuple[str, int, int]] = KeyedLocks()  # one fetch of a shard at a time
+        self._fetching_from_object: KeyCounts[tuple[str, int]] = KeyCounts()  # ranks of a step may be fetched at once
+        self._being_read: dict[tuple[str, int], float] = {}  # steps a client was pointed at, until when
+
+    async def on_locate_threads(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run fn(*args) on a locate thread (this node's tiers)."""
+        return await asyncio.get_running_loop().run_in_executor(self.threads, fn, *args)
+
+    async def locate(
+        self, job: str, step: int | None, rank: int, tier: str = "auto", refetch: bool = False
+    ) -> tuple[int, int, list[ShardSource]]:
+        """Return (step, world_size, sources fastest first) for a rank's shard of a complete step."""
+        tiers = self.tiers_for(tier)
+        from_peers = tier in ("", "auto", "peer") and self.peering.peer_tier is not None
+        from_object = tier in ("", "auto", "object") and self.object_tier is not None
+        steps: set[int] = await self.on_locate_threads(lambda: {s for t in tiers for s in t.complete_steps(job)})
+        peer_steps: set[int] = set()
+        if from_peers and (step is None or step not in steps):
+            peer_steps = set(await self.peering.complete_steps(job, newest=step is None))
+        object_steps: set[int] = set()
+        store_silent = False  # then "not found" cannot be told: a caller must not start afresh on it
+        if from_object and (refetch or step is None or step not in steps | peer_steps):
+            answer = await (self.object_steps(job) if step is None else self.object_step(job, step))
+            store_silent, object_steps = answer is None, set(answer or [])
+        steps |= peer_steps | object_steps
+        if step is None and steps:
+            step = max(steps)
+        if step is None or step not in steps:
+            what = f"job {job} has no complete step" if step is None else f"{job} step {step} is not complete"
+            if store_silent:
+                raise CheckpointError(
+                    f"{what} on this node or its peers, and the object store ({self.config.object.url}) "
+                    "did not answer: it may hold it; try again"
+                )
+            raise NotFound(f"{what} on tier {tier or 'auto'}")
+        # From here on retention keeps off the step: a copy fetched below is older than the newest
+        # steps, and would otherwise go between its fetch and the client's read.
+        self.lease_for_reading(job, step)
+        record = await self.on_locate_threads(self.commit_record_here, job, step)
+        if record is not None and rank >= record.world_size:
+            raise NotFound(f"{job} step {step} has no rank {rank} (world_size {record.world_size})")
+        if refetch:
+            self.verification_failed("nvme")  # the client found this node's copies bad
+        if refetch and not (from_peers or from_object):
+            raise CorruptCheckpoint(f"{job} step {step} rank {rank}: no other tier to fetch a good copy from")
+        sources = [] if refetch else await self.on_locate_threads(self.local_sources, tiers, job, step, rank, record)
+        fetched_to = ShardSource(
+            tier if tier in ("peer", "object") else "nvme", "dir", str(self.nvme.step_dir(job, step)), job, step
+        )
+        if not sources and from_peers and (refetch or step not in object_steps):
+            try:
+                await self.peering.fetch(job, step, rank, replace=refetch)
+                sources = [fetched_to]
+            except CheckpointError as e:
+                if not from_object:
+                    raise
+                log.warning("%s; trying the object store", e)
+                answer = await self.object_step(job, step)
+                if answer is None or step not in answer:
+                    raise  # the peers' error says more than "not found": the step does exist
+                object_steps = set(answer)
+        if not sources and step in object_steps:
+            await self._fetch_from_object(job, step, rank, again=tier == "object" or refetch, replace=refetch)
+            sources = [fetched_to]
+        record = await self.on_locate_threads(self.commit_record_here, job, step)
+        if record is None or not sources:
+            world_size = record.world_size if record else 0
+            raise NotFound(f"{job} step {step} has no rank {rank} on tier {tier or 'auto'} (world_size {world_size})")
+        self.lease_for_reading(job, step)  # again: the lease runs from the answer
+        return step, record.world_size, sources
+
+    def tiers_for(self, tier: str) -> list[Tier]:
+        """Return this node's tiers that a load naming tier may read."""
+        if tier in ("", "auto"):
+            return self.tiers
+        return [t for t in self.tiers if t.name == validate_tier(tier)]
+
+    def commit_record_here(self, job: str, step: int) -> CommitRecord | None:
+        """Return the step's commit record from this node's tiers, or None."""
+        for t in self.tiers:
+            if step in t.complete_steps(job):
+                return t.commit_record(job, step)
+        return None
+
+    @staticmethod
+    def local_sources(
+        tiers: list[Tier], job: str, step: int, rank: int, record: CommitRecord | None
+    ) -> list[ShardSource]:
+        """Return the copies of a rank's shard on this node that belong to the step's commit record."""
+        if record is None or rank >= record.world_size:
+            return []
+        sources = []
+        for t in tiers:
+            if not t.has_shard(job, step, rank):
+                continue
+            if step not in t.complete_steps(job):  # a snapshot in memory of a step sealed across nodes
+                try:
+                    if digest(t.read_meta(job, step, rank).to_bytes()) != record.shard_meta_xxh3_128[rank]:
+                        continue
+                except CheckpointError:
+                    continue
+            sources.append(t.shard_source(job, step, rank))
+        return sources
+
+    def lease_for_reading(self, job: str, step: int) -> None:
+        """Keep retention off a step a client is about to read, for LOAD_LEASE_S."""
+        now = time.monotonic()
+        for key in [k for k, until in self._being_read.items() if until <= now]:
+            del self._being_read[key]
+        self._being_read[(job, step)] = now + LOAD_LEASE_S
+
+    def busy_steps(self) -> set[tuple[str, int]]:
+        """Return the steps being read by a client or fetched from the store: retention keeps off them (BusySteps)."""
+        now = time.monotonic()
+        return {step for step, until in self._being_read.items() if until > now} | self._fetching_from_object.keys()
+
+    # -- the object store ------------------------------------------------------------
+
+    async def on_object_threads(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run fn(*args) on an object-store thread."""
+        return await asyncio.get_running_loop().run_in_executor(self.object_threads, fn, *args)
+
+    async def ask_object_store(self, fn: Callable[..., list[Any] | None], *args: Any) -> list[Any] | None:
+        """Return fn(*args) from an object-store thread, or None if the store does not answer in time."""
+        try:
+            answer = await asyncio.wait_for(self.on_object_threads(fn, *args), OBJECT_QUERY_TIMEOUT_S)
+        except TimeoutError:
+            log.warning("the object store did not answer within %.0f s: going on without it", OBJECT_QUERY_TIMEOUT_S)
+            return None
+        return None if answer is None else list(answer)
+
+    async def object_steps(self, job: str) -> list[int] | None:
+        """Return the job's steps complete in the store, or None if it is off or did not say in time."""
+        tier = self.object_tier
+        if tier is None:
+            return None
+
+        def steps() -> list[int] | None:
+            try:
+                return tier.complete_steps(job)
+            except CheckpointError as e:
+                log.warning("%s", e)
+                return None
+
+        return await self.ask_object_store(steps)
+
+    async def object_step(self, job: str, step: int) -> list[int] | None:
+        """Return [step] if that step is complete in the store, else [], or None if it is off or did not say in time.
+
+        One read of the step's commit record: a job's whole history in the store is never listed for it.
+        """
+        tier = self.object_tier
+        if tier is None:
+            return None
+
+        def held() -> list[int] | None:
+            try:
+                return [step] if tier.is_complete(job, step) else []
+            except CheckpointError as e:
+                log.warning("%s", e)
+                return None
+
+        return await self.ask_object_store(held)
+
+    async def _fetch_from_object(self, job: str, step: int, rank: int, again: bool, replace: bool = False) -> None:
+        """Copy a rank's shard of a step complete in the object store onto this node's NVMe, verified.
+
+        again: read and check the store's copy even if NVMe holds the shard (a load that named tier "object").
+        """
+        async with self._fetch_locks.hold((job, step, rank)):
+            if not again and await self.on_locate_threads(self.nvme.has_committed_shard, job, step, rank):
+                return  # another load fetched it meanwhile
+            with self._fetching_from_object.counting((job, step)):
+                try:
+                    await self.on_object_threads(self._copy_from_object, job, step, rank, replace)
+                except CorruptCheckpoint:
+                    self.verification_failed("object")
+                    raise
+
+    def _copy_from_object(self, job: str, step: int, rank: int, replace: bool) -> None:
+        assert self.object_tier is not None
+        started = time.monotonic()
+        meta = fetch_shard(self.object_tier, self.nvme, job, step, rank, replace)
+        where = self.object_tier.store.describe(job, str(step))
+        elapsed_s = time.monotonic() - started
+        log.info(
+            "fetched rank %d shard of %s step %d from %s (%d bytes, verified, %.2f s)",
+            *(rank, job, step, where, meta.data_size_bytes, elapsed_s),
+        )
+
+    # -- listings and peers' requests ---------------------------------------------------
+
+    async def list_steps(self, job: str = "", newest: bool = False) -> list[StepInfo]:
+        """Return every complete step on any tier, by job and step (with peers, as the cluster sees it).
+
+        newest (with a job): only its newest step, which the cluster view answers without
+        asking every peer (Checkpointer.latest_step, on every rank at a restart).
+        """
+        local = await self.on_locate_threads(list_steps, self.tiers, job)
+        steps = await self.peering.list_steps(local, job, newest)
+        if newest:  # this node's sealed steps count too, whether or not the view has heard of them
+            steps = merge_steps(steps, [i for i in local if set(i.tiers) - {"memory"}])
+        if self.object_tier is not None:
+            steps = merge_steps(steps, await self.ask_object_store(_listed_or_nothing, self.object_tier, job) or [])
+        return [max(steps, key=lambda s: s.step)] if newest and steps else steps
+
+    async def shard_for_peer(self, job: str, step: int, rank: int, tier: str) -> tuple[ShardMeta, bytes, Path]:
+        """Return (record, its bytes, data file) of a shard of a complete step that a peer asks for."""
+
+        def find() -> tuple[ShardMeta, bytes, Path]:
+            for t in (self.nvme, self.peering.replica_store):
+                if tier in ("", t.name) and step in t.complete_steps(job) and t.has_shard(job, step, rank):
+                    source = t.shard_source(job, step, rank)
+                    raw = source.meta_path(rank).read_bytes()
+                    return ShardMeta.from_bytes(raw, str(source.meta_path(rank))), raw, source.data_path(rank)
+            node = self.config.node.name
+            raise NotFound(f"node {node} holds no rank {rank} shard of {job} step {step} on tier {tier or 'any'}")
+
+        result: tuple[ShardMeta, bytes, Path] = await self.on_locate_threads(find)
+        return result
+
+    def close(self) -> None:
+        """Stop the threads (after the RPCs that use them are done)."""
+        self.threads.shutdown(wait=True)
+        self.object_threads.shutdown(wait=True)
+
+
+def _listed_or_nothing(tier: Tier, job: str) -> list[StepInfo]:
+    try:
+        return list_steps([tier], job)
+    except CheckpointError as e:  # a store that is down must not hide the other tiers
+        log.warning("%s", e)
+        return []

@@ -1,0 +1,180 @@
+"""The status document of `ckptd status --json` and the /metrics page built from it.
+
+Called on the event loop: the Status RPC awaits document(), which lists the jobs on
+each tier on a worker thread, then adds what snapshot() reads from memory; a /metrics
+scrape awaits metrics_page(), which takes snapshot() alone and renders it on a worker
+thread, so a scrape touches no disk and keeps the event loop for a moment only. The
+newest complete step of each job on NVMe is learnt once at start (seed(), on a worker
+thread, before any RPC) and kept up to date by ShardProgress.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import time
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+from ckptd import __version__
+from ckptd.config import Config
+from ckptd.operations import metrics
+from ckptd.operations.retention import RetentionRunner
+from ckptd.replication.peering import Peering
+from ckptd.save.flush import Flusher
+from ckptd.save.progress import Completion, ShardProgress
+from ckptd.save.slot_files import UNFLUSHED
+from ckptd.save.staging import SlotPool
+from ckptd.save.uploading import Uploader
+from ckptd.tiers.memory import MemoryTier
+from ckptd.tiers.nvme import LocalDirTier
+
+LOOP_PROBE_S = 0.1  # how often the event loop's responsiveness is sampled
+
+
+class StatusReport:
+    """Gather what every role counts into one document."""
+
+    def __init__(
+        self,
+        config: Config,
+        pool: SlotPool,
+        memory: MemoryTier,
+        nvme: LocalDirTier,
+        flusher: Flusher,
+        progress: ShardProgress,
+        peering: Peering,
+        uploader: Uploader | None,
+        retention: RetentionRunner,
+    ) -> None:
+        self.config = config
+        self.pool = pool
+        self.memory = memory
+        self.nvme = nvme
+        self.flusher = flusher
+        self.progress = progress
+        self.peering = peering
+        self.uploader = uploader
+        self.retention = retention
+        self.started_unix_s = time.time()
+        self.verification_failures: Counter[str] = Counter()  # by tier: a bad byte caught on its way
+        self.replica_bytes_received = 0
+        self.loop_max_stall_s = 0.0  # the longest the event loop was late, since start
+        self.rpc_counters: Callable[[], dict[str, int]] = dict  # the RPC layer's own (set by the daemon)
+        self.histograms = [flusher.save_seconds, flusher.flush_seconds]
+        if uploader is not None:
+            self.histograms.append(uploader.upload_seconds)
+
+    def verification_failed(self, tier: str) -> None:
+        """Count a bad byte caught on its way (a chunk that did not match its checksum)."""
+        self.verification_failures[tier] += 1
+
+    def seed(self) -> None:
+        """Learn each job's newest complete step on NVMe and when it was sealed (a worker thread, at start)."""
+        for job in self.nvme.jobs():
+            steps = self.nvme.complete_steps(job)
+            if steps:
+                with contextlib.suppress(OSError):  # removed since it was listed
+                    self.progress.step_completed("nvme", job, steps[-1], self.nvme.committed_unix_s(job, steps[-1]))
+
+    async def probe_loop(self) -> None:
+        """Sample how late the event loop runs a timer: the longest stall clients and peers felt (runs forever)."""
+        loop = asyncio.get_running_loop()
+        while True:
+            due = loop.time() + LOOP_PROBE_S
+            await asyncio.sleep(LOOP_PROBE_S)  # a period, not a wait for anything
+            self.loop_max_stall_s = max(self.loop_max_stall_s, loop.time() - due)
+
+    async def document(self) -> dict[str, Any]:
+        """Return the status document: snapshot() and the jobs on each tier (listed on a worker thread)."""
+        memory_jobs, nvme_jobs = await asyncio.to_thread(lambda: (self.memory.jobs(), self.nvme.jobs()))
+        found = self.snapshot()
+        found["tiers"]["memory"]["jobs"] = memory_jobs
+        found["tiers"]["nvme"]["jobs"] = nvme_jobs
+        return found
+
+    async def metrics_page(self) -> str:
+        """Return the /metrics page: what snapshot() says, and the durations observed (rendered on a worker thread)."""
+        return await asyncio.to_thread(metrics.page, self.snapshot(), self.histograms)
+
+    def snapshot(self) -> dict[str, Any]:
+        """Return the status document but the job listings: memory only, quick enough for the event loop."""
+        slots = self.pool.slots()
+        failures = self.verification_failures
+        newest = _newest_complete(self.progress.newest.by_job(), {s.job for s in slots}, time.time())
+        passed_over = self.progress.passed_over.by_job()
+        return {
+            "version": __version__,
+            "node": self.config.node.name,
+            "cpus": sorted(os.sched_getaffinity(0)),  # where it runs: [node] cpus, else what it was given
+            "uptime_s": round(time.time() - self.started_unix_s, 3),
+            "socket": str(self.config.socket_path),
+            "tiers": {
+                "memory": {"dir": str(self.config.staging_dir)},
+                "nvme": {"root": str(self.config.root), "flush_every": self.config.nvme.flush_every},
+                "peer": {"replica_root": str(self.config.replica_root), **self.peering.status()},
+                "object": self.uploader.status() if self.uploader is not None else {"enabled": False},
+            },
+            "cluster": self.peering.view.status() if self.peering.view is not None else {"backend": "none"},
+            "staging": {
+                "policy": self.config.staging.policy,
+                "budget_bytes": self.config.staging.budget_bytes,
+                "in_use_bytes": self.pool.in_use_bytes(),
+                "bytes_by_job": _bytes_by_job(slots),
+                "slots": len(slots),
+                "pending_flushes": sum(1 for s in slots if s.state in UNFLUSHED),
+            },
+            "counters": {
+                **self.flusher.counters,
+                "passed_over": sum(p["steps"] for p in passed_over.values()),
+                "replica_bytes_received": self.replica_bytes_received,
+                "removal_failures": self.retention.removal_failures(),
+                **self.rpc_counters(),
+                "verification_failures": {
+                    **dict.fromkeys(("memory", "nvme", "peer", "object"), 0),
+                    **failures,
+                    "nvme": failures["nvme"] + (self.uploader.verification_failures if self.uploader else 0),
+                },
+            },
+            "event_loop": {"max_stall_s": round(self.loop_max_stall_s, 4)},
+            "newest_complete": newest,
+            "passed_over": passed_over,  # job -> steps passed over on NVMe here, the last one and what replaced it
+            "newest_complete_age_s": _youngest_by_tier(newest),  # deprecated: the same, any job
+            "recent_errors": list(self.progress.errors),
+        }
+
+
+def _newest_complete(
+    by_job: dict[str, dict[str, Completion]], staged_jobs: set[str], now_unix_s: float
+) -> dict[str, dict[str, dict[str, float]]]:
+    """Return job -> tier -> {step, completed_unix_s, age_s}; memory only for jobs that still hold slots."""
+    found: dict[str, dict[str, dict[str, float]]] = {}
+    for job, tiers in sorted(by_job.items()):
+        held = {tier: c for tier, c in tiers.items() if tier != "memory" or job in staged_jobs}
+        if held:
+            found[job] = {
+                tier: {"step": c.step, "completed_unix_s": round(c.unix_s, 3), "age_s": _age(c, now_unix_s)}
+                for tier, c in sorted(held.items(), key=lambda item: metrics.TIERS.index(item[0]))
+            }
+    return found
+
+
+def _age(completion: Completion, now_unix_s: float) -> float:
+    return round(max(0.0, now_unix_s - completion.unix_s), 3)
+
+
+def _youngest_by_tier(newest: dict[str, dict[str, dict[str, float]]]) -> dict[str, float]:
+    ages: dict[str, float] = {}
+    for tiers in newest.values():
+        for tier, n in tiers.items():
+            ages[tier] = min(ages.get(tier, n["age_s"]), n["age_s"])
+    return ages
+
+
+def _bytes_by_job(slots: list[Any]) -> dict[str, int]:
+    held: dict[str, int] = {}
+    for s in slots:
+        held[s.job] = held.get(s.job, 0) + max(s.size_bytes, s.allocating_bytes)
+    return held

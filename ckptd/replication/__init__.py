@@ -1,0 +1,1 @@
+"""Replication: send each shard to the peers that keep its replicas, receive theirs, seal steps across nodes."""

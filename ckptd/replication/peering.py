@@ -1,0 +1,399 @@
+"""This node's part in the cluster: seal steps across nodes, fetch shards it lacks, keep replicas flowing.
+
+Owned by the Pipeline and called on the event loop; blocking work runs on the
+peer threads. Nodes are known by their peer address ("ip:port", as [node] listen
+names this one). Which steps are committed across nodes, and which nodes are peers,
+the cluster view says (ckptd.cluster.view): Peering reports to it what this node
+holds of steps it cannot seal alone, and follows its membership (membership_changed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections import defaultdict
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from ckpt.errors import CheckpointError
+from ckpt.format import CommitRecord, ShardMeta, data_name, meta_name
+
+from ckptd.cluster.placement import Holding, StepHoldings, loadable_steps, seal_record
+from ckptd.cluster.view import ClusterView
+from ckptd.config import Config
+from ckptd.keyed import KeyCounts, KeyedLocks
+from ckptd.load.fetch import fetch_shard
+from ckptd.replication.sending import Replication
+from ckptd.rpc.peer_link import PeerLink
+from ckptd.save.staging import ShardKey
+from ckptd.tiers.base import DurableTier
+from ckptd.tiers.catalog import StepInfo
+from ckptd.tiers.nvme import LocalDirTier, StepAlreadyComplete
+from ckptd.tiers.peer import PeerTier
+
+log = logging.getLogger(__name__)
+
+FETCH_THREADS = 4
+
+
+class Peering:
+    """Coordinate this node's NVMe tier and replica store with the other nodes."""
+
+    def __init__(
+        self,
+        config: Config,
+        view: ClusterView | None,
+        nvme: LocalDirTier,
+        replica_store: LocalDirTier,
+        threads: ThreadPoolExecutor,
+        on_change: Callable[[ShardKey, bool], None],
+    ) -> None:
+        self.config = config
+        self.nvme = nvme
+        self.replica_store = replica_store
+        self.data_port = 0  # set by daemon.serve once its data listener listens (rpc.data_listener)
+        self.node = config.node.listen or config.node.name
+        self._threads = threads
+        self.instance = uuid.uuid4().hex  # this daemon's run: calls that carry it have come back to it
+        self.inventories_answered = 0  # Pipeline.holdings counts the peers' Inventory calls
+        # The peer tier is on wherever a cluster view is (peers may come later); its links follow the membership.
+        self.view = view
+        self.membership = view.membership if view is not None else None
+        self.peer_tier: PeerTier | None = None
+        self.replication: Replication | None = None
+        if self.membership is not None:
+            self.peer_tier = PeerTier([])
+            self.replication = Replication([], config.peer.replicas, on_change) if config.peer.replicas else None
+            self.membership.watch(self.membership_changed)
+        self._fetch_locks: KeyedLocks[tuple[str, int, int]] = KeyedLocks()  # one fetch of a shard at a time
+        self._fetching: KeyCounts[tuple[str, int]] = KeyCounts()  # steps being fetched: retention keeps off
+        # NVMe's complete steps by job, as the last reconciliation listed them (on a thread), for what replicas
+        # still owed keep off retention (judged on the event loop); a round old at most, it only keeps more.
+        self._nvme_complete: dict[str, list[int]] = {}
+        self._fetch_threads = ThreadPoolExecutor(max_workers=FETCH_THREADS, thread_name_prefix="fetch")
+
+    async def _run(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._threads, fn, *args)
+
+    async def membership_changed(self, added: frozenset[str], removed: frozenset[str]) -> None:
+        """Open links to the peers that joined, retire those of the peers that left, and place replicas again."""
+        assert self.peer_tier is not None
+        known = {link.address for link in self.peer_tier.links}
+        new = sorted(added - known)  # a change offered again after a failure: its links may be there
+        names = {a: self.membership.tls_name(a) for a in new} if self.membership is not None else {}
+        links = await self._run(lambda: [PeerLink(a, self.config.peer, self.instance, names.get(a, "")) for a in new])
+        self.peer_tier.update(links, removed)
+        if self.replication is not None:
+            self.replication.update(links, removed)
+        log.info("peers joined: %s; left: %s", ", ".join(sorted(added)) or "none", ", ".join(sorted(removed)) or "none")
+
+    @property
+    def replicas(self) -> int:
+        """Return how many other nodes hold a copy of each shard: at most one per peer known now."""
+        return min(self.config.peer.replicas, len(self.peer_tier.links)) if self.peer_tier is not None else 0
+
+    # -- what this node holds -----------------------------------------------------
+
+    def local_holdings(self, job: str = "", step: int | None = None) -> list[StepHoldings]:
+        """Return what this node's NVMe tier and replica store hold of a job's step (or of everything)."""
+        found = []
+        for tier in (self.nvme, self.replica_store):
+            for j in [job] if job else tier.jobs():
+                for s in [step] if step is not None else tier.all_steps(j):
+                    shards = tuple(tier.holdings(j, s, self.node))
+                    record = tier.checked_commit(j, s)
+                    if shards or record is not None:
+                        found.append(StepHoldings(self.node, j, s, record, shards))
+        return found
+
+    # -- sealing steps across nodes ---------------------------------------------------
+
+    async def _local_shards(self, job: str, step: int) -> list[Holding]:
+        shards: list[Holding] = await self._run(self.nvme.holdings, job, step, self.node)
+        return shards + await self._run(self.replica_store.holdings, job, step, self.node)
+
+    async def seal(self, job: str, step: int, run_id: str | None) -> CommitRecord | None:
+        """Seal the step here if this node holds every rank, or the cluster view knows it committed.
+
+        Otherwise report what this node holds of it to the view: the step is sealed here
+        when its commit comes back (Lifecycle hands it to adopt_told). A replica that
+        arrives after the commit is reported too: the view's holders() names it.
+        """
+        shards = await self._local_shards(job, step)
+        record = seal_record(job, step, shards, run_id)
+        sealed_here = record is not None
+        if record is None and self.view is not None:
+            record = self.view.commit_record(job, step)
+            self.view.report(job, step, shards)  # committed or not: replicas count for holders()
+        if record is None or not await self.adopt(record):
+            return None
+        if sealed_here and self.view is not None:
+            self.view.announce(record)
+        return record
+
+    async def adopt(self, record: CommitRecord) -> bool:
+        """Seal a step complete in the cluster wherever this node holds part of it; say whether it did anywhere."""
+        on_nvme = await self._run(self.nvme.adopt_commit, record)
+        on_replicas = await self._run(self.replica_store.adopt_commit, record)
+        return bool(on_nvme or on_replicas)
+
+    async def adopt_told(self, record: CommitRecord) -> bool:
+        """Adopt a commit record a peer told of; return whether the step became complete here just now.
+
+        Refused (StepAlreadyComplete) where this node holds the step complete with another record,
+        which stays. A peer may tell a step again (or lie about it): nothing changes, nothing is logged.
+        """
+        held = await self._run(self._commits_held, record.job, record.step)
+        if any(r != record for r in held):
+            raise StepAlreadyComplete(
+                f"{record.job} step {record.step} is complete on node {self.node} with another commit record; kept"
+            )
+        return await self.adopt(record) and not held
+
+    def _commits_held(self, job: str, step: int) -> list[CommitRecord]:
+        return [r for t in (self.nvme, self.replica_store) if (r := t.checked_commit(job, step)) is not None]
+
+    async def adopt_missed_commits(self, tier: DurableTier, job: str) -> None:
+        """Seal this node's incomplete steps of a job that the cluster view knows to be complete."""
+        if self.view is None:
+            return
+        for step in await self._run(_incomplete_steps, tier, job):
+            record = self.view.commit_record(job, step)
+            if record is not None and await self._run(tier.adopt_commit, record):
+                log.info("%s step %d on tier %s: adopted the commit record a peer holds", job, step, tier.name)
+
+    # -- reading from the cluster ---------------------------------------------------------
+
+    async def complete_steps(self, job: str, newest: bool = False) -> list[int]:
+        """Return the steps of a job that this node's shards and its peers' make whole (newest: the newest)."""
+        return [record.step for record, _ in await self._loadable(job, newest)]
+
+    async def _loadable(self, job: str, newest: bool = False) -> list[tuple[CommitRecord, list[str]]]:
+        """Return the steps of a job (or of every job) complete in the cluster, by every peer's inventory and ours.
+
+        newest: only the job's newest, which the view answers alone once it knows a commit of
+        the job (at a restart every rank asks, on every node: no peer is asked). A step this
+        node holds part of unsealed, whose commit a peer holds, is handed to the view (it may lag
+        after an outage) and adopted before this returns: a load finds what a listing showed.
+        """
+        if self.peer_tier is None or self.view is None:
+            return []
+        known = self.view.newest_complete(job) if newest and job else None
+        record = self.view.commit_record(job, known) if known is not None else None
+        if record is not None:
+            return [(record, [])]  # committed, on tiers the view does not say
+        self.peer_tier.forget()
+        local = await self._run(self.local_holdings, job, None)
+        loadable = loadable_steps(await self._run(self.peer_tier.inventories, job) + local, self.replicas)
+        unsealed = {(s.job, s.step) for s in local if s.shards} - {(s.job, s.step) for s in local if s.record}
+        for record, _ in loadable:
+            if (record.job, record.step) in unsealed:
+                await self.view.learned(record, again=True)  # Lifecycle.commit_learned: under the seal lock
+        return loadable
+
+    async def fetch(self, job: str, step: int, rank: int, replace: bool = False) -> None:
+        """Copy a rank's shard of a complete step from the peers onto this node's NVMe, verified.
+
+        replace: over a copy this node holds that failed its checks.
+        """
+        if self.peer_tier is None:
+            return
+        async with self._fetch_locks.hold((job, step, rank)):
+            if not replace and await self._run(self.nvme.has_committed_shard, job, step, rank):
+                return  # another load fetched it meanwhile
+            with self._fetching.counting((job, step)):
+                # The nodes the cluster view names first: asking every peer is for when they cannot serve.
+                named = {h.node for h in await self.view.holders(job, step, rank)} if self.view else set()
+                # On threads of their own: whole shards take long, and must not starve the
+                # inventories, receives and seals that share the peer threads.
+                await asyncio.get_running_loop().run_in_executor(
+                    self._fetch_threads, self._fetch, job, step, rank, replace, named
+                )
+
+    def _fetch(self, job: str, step: int, rank: int, replace: bool, named: set[str]) -> None:
+        assert self.peer_tier is not None
+        self.peer_tier.forget()
+        meta = None
+        if named:
+            try:
+                meta = fetch_shard(self.peer_tier.among(named), self.nvme, job, step, rank, replace)
+            except CheckpointError as e:
+                log.info("rank %d of %s step %d: the holders named (%s) could not serve it (%s); asking every peer",
+                         rank, job, step, ", ".join(sorted(named)), e)  # fmt: skip
+        if meta is None:
+            meta = fetch_shard(self.peer_tier, self.nvme, job, step, rank, replace)
+        log.info("fetched rank %d shard of %s step %d from the peers (%d bytes, verified)", rank, job, step,
+                 meta.data_size_bytes)  # fmt: skip
+
+    async def list_steps(self, local: list[StepInfo], job: str, newest: bool = False) -> list[StepInfo]:
+        """Return the cluster's view of complete steps: "nvme" and "peer" count every node's copies."""
+        if self.peer_tier is None:
+            return local
+        in_memory = {(i.job, i.step) for i in local if "memory" in i.tiers}
+        found = []
+        for r, tiers in await self._loadable(job, newest):
+            if not job or r.job == job:
+                memory = ["memory"] if (r.job, r.step) in in_memory else []
+                found.append(StepInfo(r.job, r.step, r.world_size, r.size_bytes, (*memory, *tiers)))
+        return found
+
+    # -- replication -------------------------------------------------------------------------
+
+    def replicate(self, key: ShardKey, meta: ShardMeta, slot_path: Path | None) -> None:
+        """Start replicating a shard from its staging slot (while it holds the snapshot), else from NVMe."""
+        if self.replication is None:
+            return
+        on_disk = self.nvme.step_dir(key.job, key.step) / data_name(key.rank)
+        self.replication.send(key, meta, [p for p in (slot_path, on_disk) if p is not None])
+
+    def forget_replicas(self, key: ShardKey) -> None:
+        """Stop following the replicas of a shard's earlier copy (it was saved again)."""
+        if self.replication is not None:
+            self.replication.untrack(key)
+
+    def replicated(self, key: ShardKey) -> tuple[bool, str, int, int]:
+        """Return (has every replica, the last error, consecutive failures, attempts finished) for a shard."""
+        if self.replication is None:
+            return False, f"tier peer is not configured on node {self.config.node.name}", 0, 0
+        return self.replication.state(key)
+
+    async def reconcile(self, seal_lock: asyncio.Lock, flushing: Callable[[str, int], bool], full: bool) -> None:
+        """Catch up: seal what this node's shards or the view's commits complete, report the rest, resume replicas.
+
+        full (at start-up: recovery): ask every peer's inventory, adopt the commits they hold
+        and seal from their shards too. Otherwise only the peers this node's replicas go to
+        are asked, to confirm those replicas: the work of a round does not grow with the cluster.
+        """
+        if self.peer_tier is None:
+            return
+        self.peer_tier.forget()
+        await self._run(self.peer_tier.close_retired)
+        asked = None if full else self.replication.target_peers() if self.replication is not None else set()
+        asked_at = time.monotonic()
+        peer_tier = self.peer_tier
+        remote: list[StepHoldings] = await self._run(lambda: peer_tier.ask(only=asked))
+        local: list[StepHoldings] = await self._run(self.local_holdings, "", None)
+        records = {(s.job, s.step): s.record for s in remote if s.record is not None and full}
+        remote_shards: dict[tuple[str, int], list[Holding]] = defaultdict(list)
+        for s in remote if full else []:
+            remote_shards[(s.job, s.step)].extend(s.shards)
+        mine: dict[tuple[str, int], list[Holding]] = defaultdict(list)  # both tiers of this node, by step
+        for s in local:
+            mine[(s.job, s.step)].extend(s.shards)
+            if s.record is not None:
+                records.setdefault((s.job, s.step), s.record)  # sealed in one tier here: seal the other too
+        unsealed = {(s.job, s.step) for s in local if s.record is None}
+        async with seal_lock:  # the pipeline's: one seal at a time, and never while a shard of the step flushes
+            for job, step in sorted(unsealed):
+                if flushing(job, step):
+                    continue
+                record = records.get((job, step)) or (self.view.commit_record(job, step) if self.view else None)
+                sealed_here = record is None
+                record = record or seal_record(job, step, [*mine[(job, step)], *remote_shards[(job, step)]])
+                if record is None:
+                    if self.view is not None:
+                        self.view.report(job, step, mine[(job, step)])
+                elif await self.adopt(record):
+                    log.info("%s step %d is complete across the cluster", job, step)
+                    if sealed_here and self.view is not None:
+                        self.view.announce(record)
+                    elif self.view is not None:
+                        self.view.seeded([record])  # a peer's record: the view answers latest_step from it
+        if self.replication is not None:
+            self._nvme_complete = await self._run(lambda: {j: self.nvme.complete_steps(j) for j in self.nvme.jobs()})
+            await self._run(self._track_local_shards, local)
+            reachable = self.peer_tier.reachable() if asked is None else self.peer_tier.reachable() & asked
+            on_disk = await self._run(self._steps_on_disk, self.replication.tracked())
+            # A step directory goes only with retention (a shard still being flushed has one already).
+            self.replication.forget(lambda k: on_disk.get((k.job, k.step), (True, None))[0] and self._kept(k))
+            self.replication.confirm([h for s in remote for h in s.shards], reachable, asked_at)
+            self.replication.retry_due(lambda k: on_disk.get((k.job, k.step), (True, None))[1])
+
+    def _steps_on_disk(self, keys: list[ShardKey]) -> dict[tuple[str, int], tuple[bool, CommitRecord | None]]:
+        """Return, for the steps of keys, whether each has a directory on NVMe and its commit record (a thread)."""
+        steps = {(k.job, k.step) for k in keys}
+        return {(j, s): (self.nvme.step_dir(j, s).is_dir(), self.nvme.checked_commit(j, s)) for j, s in steps}
+
+    def busy_steps(self) -> set[tuple[str, int]]:
+        """Return the steps being fetched, or replicated within [retention]: retention keeps off them (BusySteps)."""
+        return self.replicating_steps() | self._fetching.keys()
+
+    def replicating_steps(self) -> set[tuple[str, int]]:
+        """Return the steps whose replicas are still on their way, among those [retention] peer keeps.
+
+        At most twice [retention] nvme steps per job: a peer that stays down must not fill the disk.
+        """
+        if self.replication is None:
+            return set()
+        limit = 2 * self.config.retention.nvme
+
+        def within(key: ShardKey) -> bool:
+            complete = self._nvme_complete.get(key.job)
+            if complete is None:  # not listed yet: kept until the next reconciliation says
+                return True
+            return limit == 0 or key.step in complete[-limit:] or key.step > max(complete, default=-1)
+
+        return {(k.job, k.step) for k in self.replication.pending() if self._kept(k) and within(k)}
+
+    def _kept(self, key: ShardKey) -> bool:
+        """Say whether the peers keep a shard's step under [retention] peer (else it is not sent again)."""
+        keep = self.config.retention.peer
+        complete = self._nvme_complete.get(key.job)
+        if complete is None:  # not listed yet: kept until the next reconciliation says
+            return True
+        return keep == 0 or key.step in complete[-keep:] or key.step > max(complete, default=-1)
+
+    def _track_local_shards(self, local: list[StepHoldings]) -> None:
+        assert self.replication is not None
+        for s in local:
+            for h in s.shards:
+                if h.tier != "nvme":
+                    continue
+                key = ShardKey(h.job, h.step, h.rank, h.world_size)
+                if self.replication.tracks(key, h.meta_digest) or not self._kept(key):
+                    continue
+                path = self.nvme.step_dir(h.job, h.step) / meta_name(h.rank)
+                try:
+                    meta = ShardMeta.from_bytes(path.read_bytes(), str(path))
+                except (CheckpointError, OSError):
+                    continue  # removed or replaced since it was listed
+                self.replication.track(key, meta, [self.nvme.step_dir(h.job, h.step) / data_name(h.rank)])
+
+    def status(self) -> dict[str, Any]:
+        """Describe the peer tier for `ckptd status`."""
+        common = {
+            "enabled": self.peer_tier is not None,
+            "listen": self.config.node.listen,
+            "instance": self.instance,  # this daemon's run: peer calls that carry it are refused as its own
+            "data_port": self.data_port,  # where this node takes replicas' bytes beside gRPC; 0 = by gRPC only
+            "inventories_answered": self.inventories_answered,  # peers' Inventory calls (start-ups, ls, loads)
+        }
+        if self.peer_tier is None or self.membership is None:
+            return common
+        return {
+            **common,
+            "membership": self.membership.status(),  # [peer] addresses, what they resolve to, lookups failing
+            "replicas": self.replicas,
+            "tls": bool(self.config.peer.cert),
+            "unreachable": dict(self.peer_tier.unreachable),
+            "peers": self.replication.peers_status() if self.replication else {},
+            "counters": dict(self.replication.counters) if self.replication else {},
+            "last_transfer": dict(self.replication.last_transfer) if self.replication else {},
+        }
+
+    async def drain(self) -> None:
+        """Finish transfers under way and close the links."""
+        if self.replication is not None:
+            await self.replication.drain()
+        self._fetch_threads.shutdown(wait=True)
+        if self.peer_tier is not None:
+            self.peer_tier.close()
+
+
+def _incomplete_steps(tier: DurableTier, job: str) -> list[int]:
+    complete = set(tier.complete_steps(job))
+    return [s for s in tier.all_steps(job) if s not in complete]

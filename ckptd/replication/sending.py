@@ -1,0 +1,287 @@
+"""Send each shard this node wrote to the peers that keep its replicas, until each has it.
+
+Driven from the event loop: the pipeline calls send() after a shard is flushed,
+Peering calls update() when peers join or leave (ckptd.cluster.peer_membership) and,
+every few seconds, confirm() and retry_due() with what the peers hold, which also
+resumes the replication a restarted daemon left undone. Bytes move on worker
+threads, never holding a staging slot or a flush: a slow or dead peer delays only
+its own copies (two at a time). A peer that fails is retried with exponential
+back-off and jitter.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from collections.abc import Callable, Collection
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ckpt.errors import CheckpointError, CorruptCheckpoint
+from ckpt.format import CommitRecord, ShardMeta, digest
+
+from ckptd.cluster.placement import Holding, reseat, seated_placement
+from ckptd.rpc.peer_link import STREAMS_PER_SHARD, IsSelf, PeerLink
+from ckptd.save.staging import ShardKey
+
+log = logging.getLogger(__name__)
+
+SHARDS_IN_FLIGHT = 2  # per peer
+MAX_SENDERS = 16
+BACKOFF_MIN_S = 0.5
+BACKOFF_MAX_S = 30.0
+FAILURES_REPORTED = 3  # consecutive failures after which a waiter hears of them
+
+
+class LocalCopyGone(CheckpointError):
+    """Neither the staging slot nor the NVMe file holds the shard any more: no peer is at fault."""
+
+
+@dataclass
+class _Peer:
+    link: PeerLink
+    slots: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(SHARDS_IN_FLIGHT))
+    failures: int = 0
+    retry_at: float = 0.0
+    last_error: str = ""
+
+
+@dataclass
+class _Shard:
+    key: ShardKey
+    meta: ShardMeta
+    sources: list[Path]  # read in order: a staging slot (while it still holds the snapshot), then NVMe
+    targets: list[str]
+    done: dict[str, float] = field(default_factory=dict)  # peer -> when it was known to hold this copy
+    sending: set[str] = field(default_factory=set)
+    failures: int = 0  # consecutive
+    attempts: int = 0  # finished, successful or not
+    error: str = ""
+    meta_digest: str = ""
+
+    def __post_init__(self) -> None:
+        self.meta_digest = digest(self.meta.to_bytes())
+
+    @property
+    def replicated(self) -> bool:
+        """Say whether every peer chosen for this shard holds it (none chosen: no peer is known yet)."""
+        return bool(self.targets) and all(t in self.done for t in self.targets)
+
+
+class Replication:
+    """Keep `replicas` copies of every shard this node wrote on the peers chosen for it."""
+
+    def __init__(self, links: list[PeerLink], replicas: int, on_change: Callable[[ShardKey, bool], None]) -> None:
+        """on_change(key, replicated) is called on the event loop after every attempt for a shard.
+
+        replicas: copies wanted per shard; fewer while fewer peers are known.
+        """
+        self._peers = {link.address: _Peer(link) for link in links}
+        self._seats = reseat({}, self._peers)  # placement's view of the peers: see cluster.reseat
+        self.replicas = replicas
+        self._on_change = on_change
+        self._shards: dict[ShardKey, _Shard] = {}
+        # Two shards per peer at a time (_Peer.slots): a slow or dead peer ties up its own senders, not the others'.
+        self._senders = ThreadPoolExecutor(max_workers=MAX_SENDERS, thread_name_prefix="replicate")
+        self._streams = ThreadPoolExecutor(
+            max_workers=MAX_SENDERS * STREAMS_PER_SHARD, thread_name_prefix="replicate-stream"
+        )
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.counters = {"replicas_sent": 0, "replica_bytes_sent": 0, "replica_failures": 0}
+        self.last_transfer: dict[str, float] = {}
+
+    def targets(self, job: str, rank: int) -> list[str]:
+        """Return the peers that keep a rank's replicas."""
+        return seated_placement(job, rank, self._seats, self.replicas)
+
+    def update(self, added: list[PeerLink], removed: Collection[str]) -> None:
+        """Follow the peers that joined (their links) and left: choose every shard's targets again.
+
+        A shard keeps the targets still here that hold its replica (or are being sent it); the
+        others are chosen again. So the replicas a peer that left kept go to the peers now
+        chosen in its place (at the next retry_due), and a shard that waited for any peer at
+        all gets one; a replica in place never moves because another node joined.
+        """
+        for address in removed:
+            self._peers.pop(address, None)
+        for link in added:
+            self._peers.setdefault(link.address, _Peer(link))
+        self._seats = reseat(self._seats, self._peers)
+        for shard in self._shards.values():
+            for address in removed:
+                shard.done.pop(address, None)  # should it come back, what it holds is asked again
+            kept = [t for t in shard.targets if t in self._peers and (t in shard.done or t in shard.sending)]
+            ranked = seated_placement(shard.key.job, shard.key.rank, self._seats, len(self._seats))
+            shard.targets = (kept + [p for p in ranked if p not in kept])[: self.replicas]
+
+    def track(self, key: ShardKey, meta: ShardMeta, sources: list[Path]) -> _Shard:
+        """Keep a shard's replicas in view (a newer copy of the same shard replaces an older one)."""
+        shard = self._shards.get(key)
+        if shard is None or shard.meta != meta:
+            shard = self._shards[key] = _Shard(key, meta, sources, self.targets(key.job, key.rank))
+        return shard
+
+    def untrack(self, key: ShardKey) -> None:
+        """Stop following a shard (a newer copy will be tracked when it is hashed)."""
+        self._shards.pop(key, None)
+
+    def tracks(self, key: ShardKey, meta_digest: str) -> bool:
+        """Say whether this copy of a shard is already in view."""
+        shard = self._shards.get(key)
+        return shard is not None and shard.meta_digest == meta_digest
+
+    def send(self, key: ShardKey, meta: ShardMeta, sources: list[Path], record: CommitRecord | None = None) -> None:
+        """Start sending a shard's replicas now."""
+        self._kick(self.track(key, meta, sources), record)
+
+    def confirm(self, held: list[Holding], reachable: set[str], asked_at: float) -> None:
+        """Bring the count of replicas in line with what the reachable peers said they hold at asked_at.
+
+        After a restart this finds what was sent before; a peer that lost its disk
+        gets its replicas again. A copy in place counts wherever placement would put it
+        now (it was placed before a restart, or before the peers changed): it is kept
+        rather than sent again elsewhere.
+        """
+        by_key = {(h.node, h.job, h.step, h.rank): h.meta_digest for h in held if h.tier == "peer"}
+        peers = reachable & self._peers.keys()
+        for shard in self._shards.values():
+            where = (shard.key.job, shard.key.step, shard.key.rank)
+            holding = sorted(p for p in peers if by_key.get((p, *where)) == shard.meta_digest)
+            if not shard.replicated and set(holding) - set(shard.targets):
+                kept = [t for t in shard.targets if t in shard.done or t in shard.sending]
+                shard.targets = list(dict.fromkeys([*kept, *holding, *shard.targets]))[: self.replicas]
+            for target in reachable.intersection(shard.targets):
+                if by_key.get((target, shard.key.job, shard.key.step, shard.key.rank)) == shard.meta_digest:
+                    shard.done.setdefault(target, asked_at)
+                elif shard.done.get(target, asked_at) < asked_at:  # sent before it answered, yet not there
+                    log.warning("peer %s no longer holds the replica of %s: sending it again", target, shard.key)
+                    del shard.done[target]
+
+    def target_peers(self) -> set[str]:
+        """Return the peers that keep (or are to keep) a replica of some shard followed here."""
+        return {t for shard in self._shards.values() for t in shard.targets}
+
+    def tracked(self) -> list[ShardKey]:
+        """Return every shard being followed."""
+        return list(self._shards)
+
+    def pending(self) -> list[ShardKey]:
+        """Return the shards whose replicas are not all in yet."""
+        return [k for k, shard in self._shards.items() if not shard.replicated]
+
+    def forget(self, keep: Callable[[ShardKey], bool]) -> None:
+        """Stop tracking shards that are gone from this node (removed by retention)."""
+        for key in [k for k, shard in self._shards.items() if not shard.sending and not keep(k)]:
+            del self._shards[key]
+
+    def retry_due(self, record_of: Callable[[ShardKey], CommitRecord | None]) -> None:
+        """Retry every unfinished shard whose peers are out of back-off."""
+        for shard in sorted(self._shards.values(), key=lambda s: -s.key.step):  # newest first
+            self._kick(shard, record_of(shard.key))
+
+    def state(self, key: ShardKey) -> tuple[bool, str, int, int]:
+        """Return (has every replica, the last error, consecutive failures, attempts finished) for a shard."""
+        shard = self._shards.get(key)
+        if shard is None:
+            return False, "", 0, 0
+        return shard.replicated, shard.error, shard.failures, shard.attempts
+
+    def retry_now(self, key: ShardKey) -> None:
+        """Try a shard's missing replicas at once, whatever the back-off says (someone is waiting for them)."""
+        shard = self._shards.get(key)
+        if shard is not None:
+            self._kick(shard, None, now=True)
+
+    def peers_status(self) -> dict[str, dict[str, object]]:
+        """Describe each peer for `ckptd status`."""
+        now = time.monotonic()
+        return {
+            address: {
+                "consecutive_failures": p.failures,
+                "retry_in_s": round(max(0.0, p.retry_at - now), 3),
+                "last_error": p.last_error,
+                "pending_replicas": sum(
+                    1 for s in self._shards.values() if address in s.targets and address not in s.done
+                ),
+                "ranges_sent": dict(p.link.ranges_sent),  # by data channel, or by gRPC stream (PutShard)
+            }
+            for address, p in self._peers.items()
+        }
+
+    def _kick(self, shard: _Shard, record: CommitRecord | None, now: bool = False) -> None:
+        at = time.monotonic()
+        for target in shard.targets:
+            if target in shard.done or target in shard.sending or (self._peers[target].retry_at > at and not now):
+                continue
+            shard.sending.add(target)
+            task = asyncio.get_running_loop().create_task(self._send_one(shard, target, self._peers[target], record))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _send_one(self, shard: _Shard, target: str, peer: _Peer, record: CommitRecord | None) -> None:
+        try:
+            async with peer.slots:
+                if target in shard.targets:  # else chosen again while it waited: the peers changed
+                    await self._attempt(shard, target, peer, record)
+        finally:
+            shard.sending.discard(target)
+
+    async def _attempt(self, shard: _Shard, target: str, peer: _Peer, record: CommitRecord | None) -> None:
+        started = time.monotonic()
+        try:
+            await asyncio.get_running_loop().run_in_executor(self._senders, self._put, shard, peer.link, record)
+        except IsSelf as e:
+            log.info("%s: no replicas go there", e)
+            self._drop_peer(target)
+        except LocalCopyGone as e:  # retention removed it, or a newer save replaced it: nothing to send
+            log.info("%s; not replicating it", e)
+            if self._shards.get(shard.key) is shard:
+                del self._shards[shard.key]
+        except Exception as e:  # whatever broke, the shard is retried and a waiter hears why
+            if not isinstance(e, (CheckpointError, OSError)):
+                log.exception("replication of %s to peer %s failed unexpectedly", shard.key, target)
+            message = f"replication of {shard.key} to peer {target} failed: {e}"
+            peer.failures += 1
+            shard.failures += 1
+            peer.last_error = shard.error = message
+            backoff = min(BACKOFF_MAX_S, BACKOFF_MIN_S * 2 ** (peer.failures - 1))
+            peer.retry_at = time.monotonic() + backoff * random.uniform(0.5, 1.0)
+            self.counters["replica_failures"] += 1
+            log.warning("%s; retrying in %.1f s", message, peer.retry_at - time.monotonic())
+        else:
+            shard.done[target] = time.monotonic()
+            shard.failures, shard.error = 0, ""
+            peer.failures, peer.retry_at = 0, 0.0
+            elapsed = time.monotonic() - started
+            self.last_transfer = {"bytes": shard.meta.data_size_bytes, "seconds": round(elapsed, 6)}
+            self.counters["replicas_sent"] += 1
+            self.counters["replica_bytes_sent"] += shard.meta.data_size_bytes
+            log.info("replicated %s to peer %s in %.3f s", shard.key, target, elapsed)
+        finally:
+            shard.attempts += 1
+            # Only the copy still followed counts: an earlier copy's late success must not.
+            self._on_change(shard.key, self._shards.get(shard.key) is shard and shard.replicated)
+
+    def _drop_peer(self, address: str) -> None:
+        """Stop sending to a peer for good, and choose again the peers of the shards it was to keep."""
+        self.update([], [address])
+
+    def _put(self, shard: _Shard, link: PeerLink, record: CommitRecord | None) -> None:
+        errors = []
+        for path in shard.sources:
+            try:
+                link.put_shard(shard.meta, path, self._streams, record)
+                return
+            except (CorruptCheckpoint, FileNotFoundError) as e:  # this copy changed or went: try the next one
+                errors.append(str(e))
+        raise LocalCopyGone(f"no readable local copy of {shard.key} is left: " + "; ".join(errors))
+
+    async def drain(self) -> None:
+        """Wait for the transfers under way, then stop the threads."""
+        if self._tasks:
+            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+        self._senders.shutdown(wait=True)
+        self._streams.shutdown(wait=True)

@@ -1,0 +1,46 @@
+"""The table of newest complete steps that `ckptd status` prints."""
+
+from __future__ import annotations
+
+import pytest
+
+from ckptd.operations.status_table import human_age, newest_steps_table
+
+
+@pytest.mark.parametrize(
+    ("age_s", "said"),
+    [
+        (0.2, "0 s"),
+        (12.9, "12 s"),
+        (89, "89 s"),
+        (90, "1 min"),
+        (3 * 60 + 59, "3 min"),
+        (89 * 60, "89 min"),
+        (90 * 60, "1 h"),
+        (47 * 3600, "47 h"),
+        (2 * 86400, "2 d"),
+        (40 * 86400, "40 d"),
+    ],
+)
+def test_ages_read_as_people_say_them(age_s, said):
+    assert human_age(age_s) == said
+
+
+def test_one_row_per_job_and_tier_in_aligned_columns():
+    newest = {
+        "bert": {"nvme": {"step": 5, "completed_unix_s": 1.0, "age_s": 12.0}},
+        "llama-7b": {
+            "memory": {"step": 1200, "completed_unix_s": 1.0, "age_s": 3.0},
+            "object": {"step": 1100, "completed_unix_s": 1.0, "age_s": 200.0},
+        },
+    }
+    assert newest_steps_table(newest) == [
+        "JOB       TIER    NEWEST STEP  AGE",
+        "bert      nvme              5  12 s",
+        "llama-7b  memory         1200  3 s",
+        "llama-7b  object         1100  3 min",
+    ]
+
+
+def test_nothing_seen_yet_says_so():
+    assert newest_steps_table({}) == ["no complete step seen by this daemon yet"]

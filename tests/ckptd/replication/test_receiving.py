@@ -1,0 +1,244 @@
+"""Replicas arrive range by range; every chunk is checked before it is written, and only a whole one counts."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import socket
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from ckpt.errors import CorruptCheckpoint, InvalidArgument
+from ckpt.format import CommitRecord, ShardMeta, chunk_ranges, digest
+from ckpt.shard_io import read_meta
+
+from ckptd.replication.receiving import MAX_RANGES_IN_FLIGHT, ReceiverBusy, ReplicaReceiver
+from ckptd.rpc.shard_stream import PIECE_BYTES, byte_ranges
+from ckptd.tiers.nvme import LocalDirTier, StepAlreadyComplete
+
+CHUNK = 1 << 20
+
+
+def make_shard(size: int) -> tuple[ShardMeta, bytes]:
+    data = os.urandom(size)
+    digests = tuple(digest(data[o : o + n]) for o, n in chunk_ranges(size, CHUNK))
+    return ShardMeta("j", 3, 0, 1, size, CHUNK, digests, "{}", "run"), data
+
+
+async def pieces(data: bytes):
+    for o in range(0, len(data), PIECE_BYTES // 3):  # pieces that straddle chunks
+        yield data[o : o + PIECE_BYTES // 3]
+
+
+def run(tmp_path, body):
+    tier = LocalDirTier(tmp_path / "peer", name="peer")
+    with ThreadPoolExecutor(4) as threads:
+        receiver = ReplicaReceiver(tier, threads)
+        asyncio.run(body(receiver))
+        receiver.close()
+    tier.close()
+    return tier
+
+
+@contextlib.contextmanager
+def connection(data: bytes):
+    """Yield the receiving end of a socket pair whose other end sends data from a thread, then closes."""
+    theirs, ours = socket.socketpair()
+    sender = threading.Thread(target=lambda: (theirs.sendall(data), theirs.close()))
+    sender.start()
+    try:
+        yield ours
+    finally:
+        ours.close()  # a sender still blocked in sendall gets an error and ends
+        sender.join()
+
+
+def test_ranges_in_any_order_make_one_durable_replica(tmp_path):
+    meta, data = make_shard(5 * CHUNK + 12345)
+    ranges = byte_ranges(meta, 4)
+    assert len(ranges) >= 1 and sum(n for _, n in ranges) == meta.data_size_bytes
+
+    async def body(receiver):
+        halves = [(0, 3 * CHUNK), (3 * CHUNK, meta.data_size_bytes - 3 * CHUNK)]
+        await asyncio.gather(
+            *(receiver.receive_range(meta, "ab" * 8, o, n, pieces(data[o : o + n])) for o, n in reversed(halves))
+        )
+        await receiver.seal(meta, "ab" * 8, None)
+
+    tier = run(tmp_path, body)
+    step_dir = tier.step_dir("j", 3)
+    assert (step_dir / "rank-00000.data").read_bytes() == data
+    assert read_meta_ok(step_dir, meta)
+    assert not list(step_dir.glob("*.partial"))
+
+
+def test_ranges_read_from_data_connections_make_one_durable_replica(tmp_path):
+    meta, data = make_shard(19 * CHUNK + 4321)  # more than two 8 MiB blocks per range, and a short last chunk
+    halves = [(0, 10 * CHUNK), (10 * CHUNK, meta.data_size_bytes - 10 * CHUNK)]
+
+    async def body(receiver):
+        with connection(data[: 10 * CHUNK]) as first, connection(data[10 * CHUNK :]) as second:
+            await asyncio.gather(
+                *(
+                    receiver.receive_range(meta, "ab" * 8, o, n, sock)
+                    for (o, n), sock in zip(halves, (first, second), strict=True)
+                )
+            )
+        await receiver.seal(meta, "ab" * 8, None)
+
+    tier = run(tmp_path, body)
+    assert (tier.step_dir("j", 3) / "rank-00000.data").read_bytes() == data
+    assert read_meta_ok(tier.step_dir("j", 3), meta)
+
+
+@pytest.mark.parametrize("fault", ["bad chunk", "closed early"])
+def test_a_data_connection_with_a_bad_chunk_or_cut_short_leaves_nothing(tmp_path, fault):
+    meta, data = make_shard(12 * CHUNK)
+    sent = bytearray(data)
+    if fault == "bad chunk":
+        sent[9 * CHUNK + 5] ^= 1  # in the second block: the first is written by then
+    else:
+        del sent[11 * CHUNK :]
+    why = r"chunk 9 .* checksum mismatch" if fault == "bad chunk" else f"range ended after {11 * CHUNK} of"
+
+    async def body(receiver):
+        with connection(bytes(sent)) as sock, pytest.raises(CorruptCheckpoint, match=why):
+            await receiver.receive_range(meta, "cd" * 8, 0, len(data), sock)
+        with pytest.raises(InvalidArgument):
+            await receiver.seal(meta, "cd" * 8, None)
+
+    tier = run(tmp_path, body)
+    assert not tier.has_shard("j", 3, 0)
+    assert not list(tier.step_dir("j", 3).glob("*"))
+
+
+def read_meta_ok(step_dir, meta) -> bool:
+    return ShardMeta.from_bytes((step_dir / "rank-00000.meta.json").read_bytes(), "test") == meta
+
+
+def test_a_bad_chunk_is_rejected_and_leaves_nothing(tmp_path):
+    meta, data = make_shard(3 * CHUNK)
+    bad = bytearray(data)
+    bad[CHUNK + 7] ^= 1
+
+    async def body(receiver):
+        with pytest.raises(CorruptCheckpoint, match=r"chunk 1 .* checksum mismatch"):
+            await receiver.receive_range(meta, "cd" * 8, 0, len(bad), pieces(bytes(bad)))
+        with pytest.raises(InvalidArgument):
+            await receiver.seal(meta, "cd" * 8, None)
+
+    tier = run(tmp_path, body)
+    assert not tier.has_shard("j", 3, 0)
+    assert not list(tier.step_dir("j", 3).glob("*"))
+
+
+def test_another_replica_of_a_step_complete_here_is_refused_as_such(tmp_path):
+    meta, data = make_shard(CHUNK)
+    other, other_data = make_shard(CHUNK)  # other bytes for the same rank of the same step
+    record = CommitRecord("j", 3, 1, (digest(meta.to_bytes()),), CHUNK)
+
+    async def body(receiver):
+        await receiver.receive_range(meta, "ab" * 8, 0, CHUNK, pieces(data))
+        await receiver.seal(meta, "ab" * 8, record)
+        with pytest.raises(StepAlreadyComplete, match="never rewritten"):  # a refusal, not an internal error
+            await receiver.receive_range(other, "cd" * 8, 0, CHUNK, pieces(other_data))
+
+    tier = run(tmp_path, body)
+    assert tier.checked_commit("j", 3) == record and read_meta_ok(tier.step_dir("j", 3), meta)
+
+
+def test_a_replica_missing_a_range_is_never_sealed(tmp_path):
+    meta, data = make_shard(4 * CHUNK)
+
+    async def body(receiver):
+        await receiver.receive_range(meta, "ef" * 8, 0, 2 * CHUNK, pieces(data[: 2 * CHUNK]))
+        with pytest.raises(InvalidArgument, match="2 chunks never arrived"):
+            await receiver.seal(meta, "ef" * 8, None)
+
+    tier = run(tmp_path, body)
+    assert not tier.has_shard("j", 3, 0)
+
+
+@pytest.mark.parametrize(
+    ("transfer", "offset", "length", "why"),
+    [
+        ("../x", 0, CHUNK, "invalid transfer"),
+        ("ab" * 8, 5, CHUNK, "bad range"),
+        ("ab" * 8, 0, 8 * CHUNK, "bad range"),
+        ("ab" * 8, 0, CHUNK + 1, "does not end on a chunk"),
+    ],
+)
+def test_bad_ranges_are_refused(tmp_path, transfer, offset, length, why):
+    meta, data = make_shard(4 * CHUNK)
+
+    async def body(receiver):
+        with pytest.raises(InvalidArgument, match=why):
+            await receiver.receive_range(meta, transfer, offset, length, pieces(data))
+
+    run(tmp_path, body)
+
+
+def test_too_many_bytes_in_a_range_are_refused(tmp_path):
+    meta, data = make_shard(2 * CHUNK)
+
+    async def body(receiver):
+        with pytest.raises(CorruptCheckpoint, match="more bytes"):
+            await receiver.receive_range(meta, "ab" * 8, 0, CHUNK, pieces(data))
+
+    run(tmp_path, body)
+
+
+def test_read_meta_of_a_received_step_needs_its_commit(tmp_path):
+    meta, data = make_shard(CHUNK)
+
+    async def body(receiver):
+        await receiver.receive_range(meta, "ab" * 8, 0, CHUNK, pieces(data))
+        await receiver.seal(meta, "ab" * 8, None)
+
+    tier = run(tmp_path, body)
+    assert tier.try_commit("j", 3, 1) is not None
+    assert read_meta(tier.shard_source("j", 3, 0), 0) == meta
+
+
+def test_too_many_replicas_at_once_are_refused_until_some_end(tmp_path, monkeypatch):
+    import ckptd.replication.receiving
+
+    monkeypatch.setattr(ckptd.replication.receiving, "MAX_TRANSFERS", 1)
+    meta, data = make_shard(2 * CHUNK)
+    other = ShardMeta(**{**meta.__dict__, "rank": 0, "step": 4})
+
+    async def body(receiver):
+        await receiver.receive_range(meta, "ab" * 8, 0, CHUNK, pieces(data[:CHUNK]))  # stays open: no seal yet
+        with pytest.raises(ReceiverBusy):
+            await receiver.receive_range(other, "cd" * 8, 0, CHUNK, pieces(data[:CHUNK]))
+        await receiver.receive_range(meta, "ab" * 8, CHUNK, CHUNK, pieces(data[CHUNK:]))
+        await receiver.seal(meta, "ab" * 8, None)
+        await receiver.receive_range(other, "cd" * 8, 0, CHUNK, pieces(data[:CHUNK]))
+
+    run(tmp_path, body)
+
+
+def test_ranges_received_at_once_are_bounded(tmp_path):
+    meta, data = make_shard(CHUNK)
+    release = asyncio.Event()
+
+    async def held_open():
+        await release.wait()
+        yield data
+
+    async def body(receiver):
+        ranges = [
+            asyncio.ensure_future(receiver.receive_range(meta, f"{i:016x}", 0, CHUNK, held_open()))
+            for i in range(MAX_RANGES_IN_FLIGHT)
+        ]
+        while receiver._ranges_in_flight < MAX_RANGES_IN_FLIGHT:
+            await asyncio.sleep(0)  # let each range start (no time passes: the loop runs the others)
+        with pytest.raises(ReceiverBusy, match="ranges are being received"):
+            await receiver.receive_range(meta, "ff" * 8, 0, CHUNK, pieces(data))
+        release.set()
+        await asyncio.gather(*ranges, return_exceptions=True)
+        assert receiver._ranges_in_flight == 0
+
+    run(tmp_path, body)

@@ -1,0 +1,100 @@
+"""Where replicas go as peers join and leave: the replicas a lost peer kept are owed again, the others stay."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter
+
+from ckpt.format import CHUNK_SIZE_BYTES, ShardMeta, digest
+
+from ckptd.cluster.placement import Holding
+from ckptd.replication.sending import Replication
+from ckptd.save.staging import ShardKey
+
+WORLD_SIZE = 64
+
+
+class Link:
+    """What Replication reads of a PeerLink without sending anything."""
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self.ranges_sent = {"data_channel": 0, "grpc_stream": 0}
+
+
+def _meta(key: ShardKey) -> ShardMeta:
+    return ShardMeta(key.job, key.step, key.rank, key.world_size, 4096, CHUNK_SIZE_BYTES, (), "{}")
+
+
+def _held_where_placed(replication: Replication, keys: list[ShardKey]) -> list[Holding]:
+    """Return holdings saying that each shard's replica is on the peer placement chose for it."""
+    return [
+        Holding(
+            replication.targets(k.job, k.rank)[0], "peer", k.job, k.step, k.rank, k.world_size, 4096,
+            digest(_meta(k).to_bytes()), "",
+        )
+        for k in keys
+    ]  # fmt: skip
+
+
+def _pending(replication: Replication) -> dict[str, int]:
+    return {address: p["pending_replicas"] for address, p in replication.peers_status().items()}
+
+
+def test_a_replaced_peer_hands_its_replicas_to_the_new_one_and_a_peer_that_joins_moves_none_in_place():
+    links = [Link(f"10.0.0.{i}:7070") for i in range(1, 5)]
+    replication = Replication(links, 1, lambda key, done: None)
+    keys = [ShardKey("j", 1, rank, WORLD_SIZE) for rank in range(WORLD_SIZE)]
+    for k in keys:
+        replication.track(k, _meta(k), [])
+    placed = {k: replication.targets(k.job, k.rank)[0] for k in keys}
+    replication.confirm(_held_where_placed(replication, keys), {link.address for link in links}, time.monotonic())
+    assert all(replication.state(k)[0] for k in keys), "every replica in place"
+
+    old, new = links[1], Link("10.0.0.9:7070")
+    replication.update([new], [old.address])
+    owed = {k for k in keys if placed[k] == old.address}
+    assert owed and {k for k in keys if not replication.state(k)[0]} == owed
+    assert _pending(replication) == {**{link.address: 0 for link in links if link is not old}, new.address: len(owed)}
+    assert all(replication.targets(k.job, k.rank) == [new.address] for k in owed), "the new peer took its place"
+
+    joined = Link("10.0.0.10:7070")  # a peer more: replicas in place stay where they are, owed ones may go to it
+    replication.update([joined], [])
+    assert {k for k in keys if not replication.state(k)[0]} == owed
+    pending = _pending(replication)
+    assert pending[new.address] + pending[joined.address] == len(owed)
+    assert all(pending[link.address] == 0 for link in links if link is not old)
+    # The next copies spread over all five, the newest taking its share.
+    spread = Counter(replication.targets("j", rank)[0] for rank in range(1000))
+    assert set(spread) == {link.address for link in links if link is not old} | {new.address, joined.address}
+    asyncio.run(replication.drain())
+
+
+def test_shards_saved_with_no_peer_known_wait_for_the_first_one():
+    replication = Replication([], 1, lambda key, done: None)
+    key = ShardKey("j", 1, 0, 1)
+    replication.track(key, _meta(key), [])
+    assert replication.state(key)[0] is False and replication.pending() == [key]
+    first = Link("10.0.0.2:7070")
+    replication.update([first], [])
+    assert _pending(replication) == {first.address: 1}
+    asyncio.run(replication.drain())
+
+
+def test_a_replica_in_place_is_kept_where_placement_would_now_choose_another_peer():
+    # As after a restart once a node was replaced: the copies lie where the seats of the last run put them.
+    links = [Link(f"10.0.0.{i}:7070") for i in range(1, 5)]
+    replication = Replication(links, 1, lambda key, done: None)
+    keys = [ShardKey("j", 1, rank, WORLD_SIZE) for rank in range(WORLD_SIZE)]
+    for k in keys:
+        replication.track(k, _meta(k), [])
+    elsewhere = {k: next(a.address for a in links if a.address not in replication.targets(k.job, k.rank)) for k in keys}
+    held = [
+        Holding(elsewhere[k], "peer", k.job, k.step, k.rank, k.world_size, 4096, digest(_meta(k).to_bytes()), "")
+        for k in keys
+    ]
+    replication.confirm(held, {link.address for link in links}, time.monotonic())
+    assert all(replication.state(k)[0] for k in keys), "nothing is sent again"
+    assert set(_pending(replication).values()) == {0}
+    asyncio.run(replication.drain())

@@ -1,0 +1,92 @@
+"""Every table the daemon keeps per shard or per step is bounded: the oldest entries go first."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from ckptd.keyed import KeyCounts, KeyedLocks
+from ckptd.save import flush, progress
+from ckptd.save.flush import Flusher
+from ckptd.save.progress import ShardProgress
+from ckptd.save.staging import ShardKey, SlotPool
+from ckptd.tiers.nvme import LocalDirTier
+
+BOUND = 10
+
+
+@pytest.fixture
+def roles(tmp_path, monkeypatch):
+    monkeypatch.setattr(progress, "REMEMBERED_SHARDS", BOUND)
+    monkeypatch.setattr(flush, "REMEMBERED_SHARDS", BOUND)
+    pool = SlotPool(tmp_path / "staging", 0, "block")
+    nvme = LocalDirTier(tmp_path / "nvme")
+    shard_progress = ShardProgress(pool, nvme, peering=None, uploader=None)  # peers and store play no part here
+    flusher = Flusher(pool, nvme, [nvme], peering=None, uploader=None, progress=shard_progress)
+    yield shard_progress, flusher
+    flusher.threads.shutdown()
+    flusher.save_threads.shutdown()
+    nvme.close()
+
+
+def test_what_shards_reached_and_why_they_failed_is_bounded(roles):
+    shard_progress, _ = roles
+    keys = [ShardKey("j", step, 0, 1) for step in range(100)]
+    for key in keys:
+        shard_progress.copy_committed(key)
+        shard_progress.reached(key, "nvme")
+        shard_progress.failed(key, "peer", "the peer refused")
+    assert len(shard_progress._reached) == BOUND
+    assert len(shard_progress._failures) == BOUND
+    assert (keys[-1], "nvme") in shard_progress._reached and keys[-1] in shard_progress._failures  # newest kept
+    assert len(shard_progress.errors) <= progress.RECENT_ERRORS
+
+
+def test_the_run_that_committed_each_step_is_remembered_for_the_newest_steps_only(roles):
+    _, flusher = roles
+    for step in range(100):
+        flusher.note_run(ShardKey("j", step, 0, 1), f"run-{step}")
+    assert len(flusher._latest_run) == BOUND
+    assert flusher._latest_run[("j", 99)] == "run-99"
+
+
+def test_keyed_locks_serialise_in_order_and_keep_nothing_once_unused():
+    locks: KeyedLocks[str] = KeyedLocks()
+    events: list[str] = []
+    inside = 0
+
+    async def flush(name: str, release: asyncio.Event) -> None:
+        nonlocal inside
+        async with locks.hold("rank-0"):
+            inside += 1
+            assert inside == 1, "two holders of one key at once"
+            events.append(f"{name} in")
+            await release.wait()
+            events.append(f"{name} out")
+            inside -= 1
+
+    async def body() -> None:
+        releases = [asyncio.Event() for _ in range(3)]
+        tasks = [asyncio.ensure_future(flush(n, r)) for n, r in zip("abc", releases, strict=True)]
+        for release in releases:
+            while len(events) % 2 == 0:  # wait until the next holder is in (the loop runs the others)
+                await asyncio.sleep(0)
+            assert len(locks) == 1
+            release.set()
+            while len(events) % 2 == 1:
+                await asyncio.sleep(0)
+        await asyncio.gather(*tasks)
+
+    asyncio.run(body())
+    assert events == ["a in", "a out", "b in", "b out", "c in", "c out"]
+    assert len(locks) == 0
+
+
+def test_key_counts_forget_a_key_once_its_last_user_is_done():
+    counts: KeyCounts[tuple[str, int]] = KeyCounts()
+    with counts.counting(("j", 1)):
+        with counts.counting(("j", 1)):
+            assert counts.keys() == {("j", 1)}
+        assert counts.keys() == {("j", 1)}  # the other fetch of the step is still under way
+    assert counts.keys() == set()
