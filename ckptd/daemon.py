@@ -18,8 +18,8 @@ from ckptd import sd_notify
 from ckptd.addresses import host_of
 from ckptd.cluster.peers_view import PeersView
 from ckptd.config import Config
+from ckptd.errors import RootGone
 from ckptd.operations import metrics
-from ckptd.operations.root_identity import RootGone
 from ckptd.pipeline import Pipeline
 from ckptd.rpc.cluster_server import add_cluster_servicer
 from ckptd.rpc.data_listener import DataListener

@@ -27,10 +27,6 @@ ROOT_ID_NAME = ".ckptd-root"
 CHECK_S = 5.0
 
 
-class RootGone(Exception):
-    """The NVMe root was removed or replaced under the running daemon."""
-
-
 def identity(root: Path) -> str | None:
     """Return the identity a root carries, None if it carries none (or is not there)."""
     try:

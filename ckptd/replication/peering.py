@@ -25,6 +25,7 @@ from ckpt.format import CommitRecord, ShardMeta, data_name, meta_name
 from ckptd.cluster.placement import Holding, StepHoldings, loadable_steps, seal_record
 from ckptd.cluster.view import ClusterView
 from ckptd.config import Config
+from ckptd.errors import StepAlreadyComplete
 from ckptd.keyed import KeyCounts, KeyedLocks
 from ckptd.load.fetch import fetch_shard
 from ckptd.replication.sending import Replication
@@ -32,7 +33,7 @@ from ckptd.rpc.peer_link import PeerLink
 from ckptd.save.staging import ShardKey
 from ckptd.tiers.base import DurableTier
 from ckptd.tiers.catalog import StepInfo
-from ckptd.tiers.nvme import LocalDirTier, StepAlreadyComplete
+from ckptd.tiers.nvme import LocalDirTier
 from ckptd.tiers.peer import PeerTier
 
 log = logging.getLogger(__name__)

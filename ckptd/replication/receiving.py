@@ -24,9 +24,10 @@ from pathlib import Path
 from typing import TypeVar
 
 from ckpt.chunks import check_chunks
-from ckpt.errors import CheckpointError, CorruptCheckpoint, InvalidArgument
+from ckpt.errors import CorruptCheckpoint, InvalidArgument
 from ckpt.format import DIRECT_IO_ALIGN_BYTES, CommitRecord, ShardMeta, chunk_ranges, round_up, shown
 
+from ckptd.errors import AlreadyHeld, ReceiverBusy
 from ckptd.storage.durable_write import RangeWriter
 from ckptd.tiers.nvme import LocalDirTier
 
@@ -40,14 +41,6 @@ SPARE_BUFFERS = 16
 MAX_TRANSFERS = 32
 MAX_RANGES_IN_FLIGHT = 16  # each holds two blocks of buffers (16 MiB): bounds what peers can make this node hold
 TRANSFER_RE = re.compile(r"[0-9a-f]{8,64}")
-
-
-class ReceiverBusy(CheckpointError):
-    """Too many replicas are being received at once: the sender backs off and tries again."""
-
-
-class AlreadyHeld(CheckpointError):
-    """The replica is here already, exactly: the sender need not send it (nor is the copy here dropped)."""
 
 
 @dataclass

@@ -24,6 +24,7 @@ from ckpt.errors import CheckpointError, CorruptCheckpoint
 from ckpt.format import CommitRecord, ShardMeta, digest
 
 from ckptd.cluster.placement import Holding, reseat, seated_placement
+from ckptd.errors import LocalCopyGone
 from ckptd.rpc.peer_link import STREAMS_PER_SHARD, IsSelf, PeerLink
 from ckptd.save.staging import ShardKey
 
@@ -34,10 +35,6 @@ MAX_SENDERS = 16
 BACKOFF_MIN_S = 0.5
 BACKOFF_MAX_S = 30.0
 FAILURES_REPORTED = 3  # consecutive failures after which a waiter hears of them
-
-
-class LocalCopyGone(CheckpointError):
-    """Neither the staging slot nor the NVMe file holds the shard any more: no peer is at fault."""
 
 
 @dataclass

@@ -24,7 +24,8 @@ from ckpt.errors import CheckpointError, CorruptCheckpoint, InvalidArgument
 from ckpt.format import ShardMeta
 
 from ckptd.config import PeerConfig
-from ckptd.replication.receiving import ReceiverBusy, ReplicaReceiver
+from ckptd.errors import ReceiverBusy
+from ckptd.replication.receiving import ReplicaReceiver
 from ckptd.rpc.data_channel import STALL_TIMEOUT_S, TICKET_BYTES, recv_exactly, send_status
 
 log = logging.getLogger(__name__)

@@ -14,13 +14,12 @@ from ckpt.wire.v1 import ckptd_pb2 as pb
 from ckpt.wire.v1 import ckptd_pb2_grpc
 from google.protobuf.message import DecodeError
 
+from ckptd.errors import AlreadyHeld, ReceiverBusy, StepAlreadyComplete
 from ckptd.pipeline import Pipeline
-from ckptd.replication.receiving import AlreadyHeld, ReceiverBusy
 from ckptd.rpc.guard import NotAPeer, RequestGuard
 from ckptd.rpc.peer_link import IsSelf
 from ckptd.rpc.shard_stream import PIECE_BYTES
 from ckptd.save.staging import ShardKey, Snapshot
-from ckptd.tiers.nvme import StepAlreadyComplete
 
 T = TypeVar("T")
 MAX_LAYOUT_BYTES = 128 << 20

@@ -29,11 +29,12 @@ from ckpt.errors import CheckpointError, CorruptCheckpoint, NotFound
 from ckpt.format import CommitRecord, ShardMeta, data_name, meta_name
 
 from ckptd.config import Config
+from ckptd.errors import CommitConflict, LocalCopyGone
 from ckptd.keyed import KeyedLocks
 from ckptd.operations import metrics
 from ckptd.save.staging import ShardKey
 from ckptd.tiers.nvme import LocalDirTier
-from ckptd.tiers.object.tier import CommitConflict, ObjectTier
+from ckptd.tiers.object.tier import ObjectTier
 
 log = logging.getLogger(__name__)
 
@@ -45,10 +46,6 @@ COMMIT_POLL_MAX_S = 5.0
 COMMIT_WATCH_LIMIT_S = 3600.0  # how long a node waits for the other nodes' uploads of a step
 FAILURES_REPORTED = 3  # consecutive failures after which a waiter hears of them
 REMEMBERED = 1 << 16
-
-
-class LocalCopyGone(CheckpointError):
-    """The shard left NVMe before it was uploaded: no attempt can succeed."""
 
 
 @dataclass

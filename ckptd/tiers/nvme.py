@@ -39,6 +39,7 @@ from ckpt.format import (
 from ckpt.shard_io import ShardSource, read_index
 
 from ckptd.cluster.placement import Holding, seal_record
+from ckptd.errors import ShardWriteError, StepAlreadyComplete
 from ckptd.storage.commit_protocol import StepDirCommit
 from ckptd.storage.durable_write import RangeWriter, fsync_dir
 from ckptd.tiers.base import DurableTier
@@ -49,14 +50,6 @@ log = logging.getLogger(__name__)
 WRITE_BLOCK_BYTES = 32 << 20
 WRITE_THREADS = 4
 DELETING_PREFIX = ".deleting-"
-
-
-class ShardWriteError(CheckpointError):
-    """Writing a shard failed; the message names the shard and the cause."""
-
-
-class StepAlreadyComplete(ShardWriteError):
-    """The step is complete here with other shards: a complete step is never rewritten."""
 
 
 class LocalDirTier(DurableTier):

@@ -25,6 +25,7 @@ from ckpt.format import COMMIT_NAME, INDEX_NAME, JOB_RE, CommitRecord, ShardMeta
 from ckpt.shard_io import ShardSource
 from ckpt.step_index import StepIndex, index_bytes
 
+from ckptd.errors import CommitConflict
 from ckptd.storage.commit_protocol import ObjectStepCommit
 from ckptd.storage.object_store import ObjectStore
 from ckptd.tiers.base import Tier
@@ -47,10 +48,6 @@ from ckptd.tiers.object.shards import StepShards, holds_data
 log = logging.getLogger(__name__)
 
 UNCOMMITTED_STEPS_KEPT = 64  # steps an upload found not complete in the store, remembered for the next ranks
-
-
-class CommitConflict(CheckpointError):
-    """A commit record other than ours is already in the store: it stays, and the step is not ours to commit."""
 
 
 class ObjectTier(Tier):

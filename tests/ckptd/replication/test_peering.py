@@ -10,8 +10,9 @@ import pytest
 from ckpt.format import CHUNK_SIZE_BYTES, CommitRecord, ShardMeta, digest
 
 from ckptd.config import Config
+from ckptd.errors import StepAlreadyComplete
 from ckptd.replication.peering import Peering
-from ckptd.tiers.nvme import LocalDirTier, StepAlreadyComplete
+from ckptd.tiers.nvme import LocalDirTier
 
 
 def test_a_commit_told_again_changes_nothing_and_another_one_is_refused(tmp_path):

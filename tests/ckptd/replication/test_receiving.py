@@ -14,9 +14,10 @@ from ckpt.errors import CorruptCheckpoint, InvalidArgument
 from ckpt.format import CommitRecord, ShardMeta, chunk_ranges, digest
 from ckpt.shard_io import read_meta
 
-from ckptd.replication.receiving import MAX_RANGES_IN_FLIGHT, ReceiverBusy, ReplicaReceiver
+from ckptd.errors import ReceiverBusy, StepAlreadyComplete
+from ckptd.replication.receiving import MAX_RANGES_IN_FLIGHT, ReplicaReceiver
 from ckptd.rpc.shard_stream import PIECE_BYTES, byte_ranges
-from ckptd.tiers.nvme import LocalDirTier, StepAlreadyComplete
+from ckptd.tiers.nvme import LocalDirTier
 
 CHUNK = 1 << 20
 

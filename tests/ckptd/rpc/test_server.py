@@ -8,8 +8,8 @@ import grpc
 import pytest
 from ckpt.errors import InvalidArgument
 
+from ckptd.errors import StepAlreadyComplete
 from ckptd.rpc.server import MAX_DETAILS_BYTES, answer
-from ckptd.tiers.nvme import StepAlreadyComplete
 
 
 class Aborted(Exception):

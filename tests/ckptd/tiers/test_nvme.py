@@ -11,7 +11,8 @@ from ckpt.errors import CorruptCheckpoint, NotFound
 from ckpt.format import CHUNK_SIZE_BYTES, COMMIT_NAME, ShardMeta, data_name, round_up
 from ckpt.shard_io import read_meta, read_shard_into
 
-from ckptd.tiers.nvme import LocalDirTier, ShardWriteError
+from ckptd.errors import ShardWriteError
+from ckptd.tiers.nvme import LocalDirTier
 
 
 def _buffer(payload: bytes) -> memoryview:

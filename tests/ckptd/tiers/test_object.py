@@ -27,6 +27,7 @@ from ckpt.format import (
     validate_job,
 )
 
+from ckptd.errors import CommitConflict
 from ckptd.offline.restore import restore
 from ckptd.offline.verify import verify
 from ckptd.storage.object_store import S3Store, open_store
@@ -43,7 +44,7 @@ from ckptd.tiers.object.keys import (
     shard_dir,
 )
 from ckptd.tiers.object.layout import PART_BYTES, frame_index, frames_name, zstd_name
-from ckptd.tiers.object.tier import CommitConflict, ObjectTier
+from ckptd.tiers.object.tier import ObjectTier
 
 
 @pytest.fixture(params=["file", "s3"])

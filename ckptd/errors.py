@@ -1,0 +1,38 @@
+"""The daemon's errors that cross a role's border, one class per meaning.
+
+Each derives from ckpt.errors.CheckpointError (whose subclasses the RPC edges map to gRPC
+status codes), except RootGone, which stops the daemon.
+"""
+
+from __future__ import annotations
+
+from ckpt.errors import CheckpointError
+
+
+class ShardWriteError(CheckpointError):
+    """Writing a shard to a tier failed; the message names the shard, the tier and the cause."""
+
+
+class StepAlreadyComplete(ShardWriteError):
+    """The step is complete on the tier with other shards: a complete step is never rewritten."""
+
+
+class CommitConflict(CheckpointError):
+    """A commit record other than ours is already in the object store: it stays, and the step is not ours to commit."""
+
+
+class LocalCopyGone(CheckpointError):
+    """No readable local copy of a shard is left (retention removed it, or a newer save replaced it): no peer or
+    store is at fault, and no attempt to send or upload it can succeed."""
+
+
+class ReceiverBusy(CheckpointError):
+    """Too many replicas are being received at once: the sender backs off and tries again."""
+
+
+class AlreadyHeld(CheckpointError):
+    """The replica is here already, exactly: the sender need not send it (nor is the copy here dropped)."""
+
+
+class RootGone(Exception):
+    """The NVMe root was removed or replaced under the daemon: its view of the steps is void, it stops."""
