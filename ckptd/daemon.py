@@ -19,6 +19,7 @@ from ckptd.addresses import host_of
 from ckptd.cluster.peers_view import PeersView
 from ckptd.config import Config
 from ckptd.errors import RootGone
+from ckptd.node import Node
 from ckptd.operations import metrics
 from ckptd.pipeline import Pipeline
 from ckptd.rpc.cluster_server import add_cluster_servicer
@@ -51,8 +52,9 @@ async def serve(config: Config) -> None:
     _claim_socket(config.socket_path)
     if config.cpu_set:
         _pin(config.cpu_set)  # before the pipeline starts its threads: they inherit it
-    pipeline = Pipeline(config)
-    await pipeline.start()
+    node = Node(config)  # every role and thread pool of the daemon
+    await node.start()
+    pipeline = node.pipeline
     server = grpc.aio.server(
         options=[
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -60,7 +62,6 @@ async def serve(config: Config) -> None:
         ]
     )
     guard = RequestGuard()
-    pipeline.node.report.rpc_counters = lambda: {"malformed_requests": guard.malformed}
     guard.register(ckptd_pb2_grpc.add_CkptdServicer_to_server, CkptdServicer(pipeline, guard), server)
     server.add_insecure_port(f"unix:{config.socket_path}")
     old_umask = os.umask(0o117)  # the socket is born owner/group only: no moment where others may connect
@@ -74,8 +75,9 @@ async def serve(config: Config) -> None:
             "[peer] insecure = true: peers speak plaintext, unauthenticated; anyone who reaches %s can act as a peer",
             config.node.listen or "this node's peer port",
         )
-    data_listener = await _listen_for_data(config, pipeline) if config.node.listen else None
-    peer_server = await _serve_peers(config, pipeline, guard, data_listener) if config.node.listen else None
+    data_listener = await _listen_for_data(config, node) if config.node.listen else None
+    node.serving(data_listener.port if data_listener is not None else 0, guard.counters)
+    peer_server = await _serve_peers(config, node, guard, data_listener) if config.node.listen else None
     metrics_server = await _serve_metrics(config, pipeline) if config.metrics.listen else None
 
     stop = asyncio.Event()
@@ -85,13 +87,13 @@ async def serve(config: Config) -> None:
     watchdog = loop.create_task(_watchdog(stop))
     log.info("ckptd serving on %s, root %s, staging %s", config.socket_path, config.root, config.staging_dir)
     sd_notify.notify(f"READY=1\nSTATUS=serving on {config.socket_path}\nMAINPID={os.getpid()}")
-    stopping, root_gone = loop.create_task(stop.wait()), loop.create_task(pipeline.node.watch_root())
+    stopping, root_gone = loop.create_task(stop.wait()), loop.create_task(node.watch_root())
     await asyncio.wait({stopping, root_gone}, return_when=asyncio.FIRST_COMPLETED)
     gone = root_gone.done()
     stopping.cancel()
     root_gone.cancel()
     if gone:
-        freed = await pipeline.node.give_back_staging()
+        freed = await node.give_back_staging()
         log.error(
             "the NVMe root %s is gone (removed, or replaced by another): removed the staging directory %s "
             "(%d bytes of slots) and stopping",
@@ -108,37 +110,36 @@ async def serve(config: Config) -> None:
         await peer_server.stop(STOP_GRACE_S)
     if metrics_server is not None:
         metrics_server.close()
-    await pipeline.drain()
+    await node.drain()
     config.socket_path.unlink(missing_ok=True)
     log.info("stopped")
     if gone:
         raise RootGone(f"the NVMe root {config.root} was removed or replaced under the daemon")
 
 
-async def _listen_for_data(config: Config, pipeline: Pipeline) -> DataListener | None:
+async def _listen_for_data(config: Config, node: Node) -> DataListener | None:
     """Take replicas' bytes on a data connection beside gRPC, unless [peer] data_channel = false."""
     if not config.peer.data_channel:
         return None
     host = host_of(config.node.listen)
-    listener = DataListener(pipeline.receiver, config.peer, host, lambda: pipeline.verification_failed("peer"))
+    listener = DataListener(node.receiver, config.peer, host, lambda: node.verification_failed("peer"))
     try:
         await listener.start()
     except OSError as e:
         raise ListenFailed(
             f"cannot take peers' data on {host} port {config.peer.data_port} (peer.data_port): {e}"
         ) from None
-    pipeline.node.peering.data_port = listener.port
     log.info("taking replicas' bytes on %s port %d (peer data channel)", host, listener.port)
     return listener
 
 
 async def _serve_peers(
-    config: Config, pipeline: Pipeline, guard: RequestGuard, data_listener: DataListener | None
+    config: Config, node: Node, guard: RequestGuard, data_listener: DataListener | None
 ) -> grpc.aio.Server:
     server = grpc.aio.server(options=grpc_options(), maximum_concurrent_rpcs=MAX_PEER_RPCS)
-    peer_servicer = PeerServicer(pipeline, data_listener)
+    peer_servicer = PeerServicer(node.pipeline, node.receiver, config, node.executors.serve, data_listener)
     add_peer_servicer(peer_servicer, server, guard)
-    view = pipeline.node.view
+    view = node.view
     if isinstance(view, PeersView):  # the built-in cluster view's calls, on the same port
         add_cluster_servicer(view, server, guard, peer_servicer.admit)
     credentials = server_credentials(config.peer)

@@ -1,8 +1,11 @@
-"""Wire one node's roles together, recover what an earlier run left, keep up with the peers, and drain.
+"""The composition root: build every executor and every role of one node, start them in order, drain them.
 
-The daemon builds one Lifecycle (the constructor wires every role), awaits start()
-before serving any RPC, and awaits drain() after the servers stopped. Everything
-runs on the event loop; the roles put their byte work on their own threads.
+daemon.serve builds one Node, awaits start() before serving any RPC, hands the RPC edges
+node.pipeline (and the data listener node.receiver, the cluster servicer node.view), and
+awaits drain() after the servers stopped. Everything here runs on the event loop. No role
+builds another role or a thread pool of its own, and none reaches into another's attributes:
+each gets here, at construction, what it uses. The threads of the daemon are the Executors
+below (the thread map, with who submits what and what may block, is in docs/INTERNALS.md).
 """
 
 from __future__ import annotations
@@ -10,7 +13,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import shutil
+import uuid
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, fields
 
 from ckpt.errors import CheckpointError
 from ckpt.format import CommitRecord
@@ -21,76 +26,137 @@ from ckptd.load.locate import Locator
 from ckptd.load.sharded_reads import ShardedReads
 from ckptd.operations import root_identity
 from ckptd.operations.idle_release import IdleRelease
-from ckptd.operations.retention import BusySteps, RetentionRunner
+from ckptd.operations.retention import BusySteps, RetentionRunner, lowest_priority
 from ckptd.operations.status import StatusReport
+from ckptd.pipeline import Pipeline
 from ckptd.replication.peering import Peering
 from ckptd.replication.receiving import ReplicaReceiver
+from ckptd.replication.sending import Replication
+from ckptd.rpc.peer_link import STREAMS_PER_SHARD
 from ckptd.save.flush import Flusher
 from ckptd.save.progress import ShardProgress
-from ckptd.save.staging import ShardKey, SlotPool
-from ckptd.save.uploading import Uploader
+from ckptd.save.save_path import LOCAL_TIERS, SavePath
+from ckptd.save.staging import SlotPool
+from ckptd.save.uploading import UPLOAD_THREADS, Uploader
 from ckptd.storage.object_store import open_store
 from ckptd.tiers.base import DurableTier, Tier
 from ckptd.tiers.memory import MemoryTier
 from ckptd.tiers.nvme import LocalDirTier
 from ckptd.tiers.object.tier import ObjectTier
+from ckptd.tiers.peer import PeerTier
 
 log = logging.getLogger(__name__)
 
-PEER_THREADS = 8
 RECONCILE_S = 2.0  # how often a node catches up with its peers
-LOCAL_TIERS = ("nvme", "peer")
+MAX_SENDERS = 16  # shards being sent to peers at once (two per peer: Replication)
 
 
-class Lifecycle:
+@dataclass(frozen=True)
+class Executors:
+    """Every long-lived thread pool of the daemon, by role; Node builds them once and shuts them down last."""
+
+    save: ThreadPoolExecutor  # Reserve's and Commit's disk work: never queued behind a flush
+    flush: ThreadPoolExecutor  # hash a slot and feed it to the NVMe writers, one slot per thread
+    peer: ThreadPoolExecutor  # short tier work of the peer tier: inventories, seals, receiver writes, lookups
+    serve: ThreadPoolExecutor  # whole shards read for peers' fetches: never in the way of seals
+    fetch: ThreadPoolExecutor  # whole shards fetched from peers for a load
+    replicate: ThreadPoolExecutor  # one per shard being sent to a peer (blocks on the peer)
+    replicate_streams: ThreadPoolExecutor  # the byte ranges of those shards, several per shard
+    locate: ThreadPoolExecutor  # loads' lookups on this node's tiers
+    object: ThreadPoolExecutor  # object-store queries, fetches and retention there (uploads have their own)
+    upload: ThreadPoolExecutor  # uploads to the object store, and the reads of their NVMe copies
+    cleanup: ThreadPoolExecutor  # retention's removals, at the lowest CPU priority
+
+    @classmethod
+    def build(cls) -> Executors:
+        """Start every pool (their threads start lazily, on first use)."""
+        return cls(
+            save=ThreadPoolExecutor(4, thread_name_prefix="save"),
+            flush=ThreadPoolExecutor(2, thread_name_prefix="flush"),
+            peer=ThreadPoolExecutor(8, thread_name_prefix="peer"),
+            serve=ThreadPoolExecutor(8, thread_name_prefix="serve"),
+            fetch=ThreadPoolExecutor(4, thread_name_prefix="fetch"),
+            replicate=ThreadPoolExecutor(MAX_SENDERS, thread_name_prefix="replicate"),
+            replicate_streams=ThreadPoolExecutor(
+                MAX_SENDERS * STREAMS_PER_SHARD, thread_name_prefix="replicate-stream"
+            ),
+            locate=ThreadPoolExecutor(4, thread_name_prefix="locate"),
+            object=ThreadPoolExecutor(4, thread_name_prefix="object"),
+            upload=ThreadPoolExecutor(UPLOAD_THREADS + 1, thread_name_prefix="upload"),
+            cleanup=ThreadPoolExecutor(1, thread_name_prefix="cleanup", initializer=lowest_priority),
+        )
+
+    def shutdown(self) -> None:
+        """Wait for what runs on every pool, then stop them (after every role drained)."""
+        for f in fields(self):
+            getattr(self, f.name).shutdown(wait=True)
+
+
+class Node:
     """Own the roles of one node, from start-up recovery to drain."""
 
     def __init__(self, config: Config) -> None:
         self.config = config
+        self.executors = x = Executors.build()
+        instance = uuid.uuid4().hex  # this daemon's run: peer calls that carry it have come back to it
+        # -- the tiers, fastest first (loads try them in this order)
         self.pool = SlotPool(
             config.staging_dir, config.staging.budget_bytes, config.staging.policy, config.nvme.flush_every
         )
-        self.memory = MemoryTier(self.pool.copies)  # read on worker threads
+        memory = MemoryTier(self.pool.copies)
         self.nvme = LocalDirTier(config.root)
-        self.replica_store = LocalDirTier(config.replica_root, name="peer")  # replicas other nodes sent here
-        self.tiers: list[Tier] = [self.memory, self.nvme, self.replica_store]  # fastest first: loads try them so
-        self.durable_tiers: list[DurableTier] = [self.nvme, self.replica_store]
-        self.peer_threads = ThreadPoolExecutor(max_workers=PEER_THREADS, thread_name_prefix="peer")
-        # Serving shards to peers reads whole files: on threads of their own, never in the way of seals.
-        self.serve_threads = ThreadPoolExecutor(max_workers=PEER_THREADS, thread_name_prefix="serve")
-        self.receiver = ReplicaReceiver(self.replica_store, self.peer_threads)
-        self.view = open_view(config)  # the cluster view ([cluster] backend); None: no peers, every step sealed here
-        if self.view is not None:
-            self.view.watch(self.commit_learned)
+        replica_store = LocalDirTier(config.replica_root, name="peer")  # replicas other nodes sent here
+        tiers: list[Tier] = [memory, self.nvme, replica_store]
+        self.durable_tiers: list[DurableTier] = [self.nvme, replica_store]
+        object_tier = (
+            ObjectTier(open_store(config.object.url, config.object.storage_options)) if config.object.url else None
+        )
+        # -- the cluster: its view, and the peer tier wherever a view is (peers may come later)
+        self.view = open_view(config)  # [cluster] backend; None: no peers, every step sealed here
+        peer_tier = PeerTier([]) if self.view is not None else None
+        replication = None
+        if self.view is not None and config.peer.replicas:
+            replication = Replication(
+                [], config.peer.replicas, lambda key, done: save_path.replication_changed(key, done),
+                x.replicate, x.replicate_streams,
+            )  # fmt: skip
+        self.receiver = ReplicaReceiver(replica_store, x.peer)
         self.peering = Peering(
-            config, self.view, self.nvme, self.replica_store, self.peer_threads, self._replication_changed
+            config, self.view, self.nvme, replica_store, peer_tier, replication, instance, x.peer, x.fetch
         )
-        self.object_tier: ObjectTier | None = None
-        self.uploader: Uploader | None = None
-        if config.object.url:
-            self.object_tier = ObjectTier(open_store(config.object.url, config.object.storage_options))
-            self.uploader = Uploader(config, self.nvme, self.object_tier, self._upload_changed)
-        self.progress = ShardProgress(self.pool, self.nvme, self.peering, self.uploader)
-        self.flusher = Flusher(self.pool, self.nvme, self.durable_tiers, self.peering, self.uploader, self.progress)
-        self.locator = Locator(config, self.tiers, self.nvme, self.peering, self.object_tier, self.verification_failed)
-        self.sharded_reads = ShardedReads(self.locator)
-        holders: list[BusySteps] = [self.flusher, self.progress, self.locator, self.receiver, self.peering]
-        if self.uploader is not None:
-            holders.append(self.uploader)
+        uploader = None
+        if object_tier is not None:
+            uploader = Uploader(
+                config, self.nvme, object_tier, lambda key, committed: save_path.upload_changed(key, committed)
+            )
+        # -- the save path, the load path, operations
+        self.progress = ShardProgress(self.pool, self.nvme, self.peering, uploader)
+        flusher = Flusher(self.pool, self.nvme, x.flush)
+        self.locator = Locator(
+            config, tiers, self.nvme, self.peering, object_tier, self.verification_failed, x.locate, x.object
+        )
+        holders: list[BusySteps] = [flusher, self.progress, self.locator, self.receiver, self.peering]
+        if uploader is not None:
+            holders.append(uploader)
         self.retention = RetentionRunner(
-            config,
-            self.durable_tiers,
-            self.object_tier,
-            self.peering,
-            holders,
-            self.locator.on_object_threads,
-            self.uploader,
+            config, self.durable_tiers, object_tier, self.peering, holders, x.object, x.cleanup, uploader
         )
-        self.flusher.retention = lambda job: self.retention.collect(dry_run=False, job=job, tiers=LOCAL_TIERS)
-        self.idle_release = IdleRelease(self.pool, self.nvme, config.staging.idle_ttl_s, self.retention.cleanup_thread)
+        save_path = SavePath(
+            self.pool, flusher, self.nvme, self.durable_tiers, self.peering, uploader,
+            self.progress, self.retention, self.view, x.save, x.peer,
+        )  # fmt: skip
+        self.save_path = save_path
+        self.uploader = uploader
+        if self.view is not None:
+            self.view.watch(save_path.commit_learned)
+        self.idle_release = IdleRelease(self.pool, self.nvme, config.staging.idle_ttl_s, x.cleanup)
         self.report = StatusReport(
-            config, self.pool, self.memory, self.nvme,
-            self.flusher, self.progress, self.peering, self.uploader, self.retention,
+            config, self.pool, memory, self.nvme, flusher, save_path,
+            self.progress, self.peering, uploader, self.retention,
+        )  # fmt: skip
+        self.pipeline = Pipeline(
+            self.pool, save_path, self.progress, self.locator, ShardedReads(self.locator), self.peering,
+            self.receiver, self.retention, self.idle_release, self.report, self.view, instance, x.peer, x.serve,
         )  # fmt: skip
         self._background: list[asyncio.Task[None]] = []
         self.root_id = ""  # the NVMe root's identity, read at start()
@@ -99,21 +165,26 @@ class Lifecycle:
         """Count a bad byte caught on its way (see StatusReport)."""
         self.report.verification_failed(tier)
 
+    def serving(self, data_port: int, rpc_counters: dict[str, int]) -> None:
+        """Tell the status report what the RPC edges serve: the peer data port (0: none) and their counters."""
+        self.report.serving(data_port, rpc_counters)
+
     async def start(self) -> None:
         """Clean up after an interrupted run, resume the flushes it left, and start catching up with peers."""
         loop = asyncio.get_running_loop()
-        await loop.run_in_executor(self.peer_threads, self._prepare_disk)
+        peer_threads = self.executors.peer
+        await loop.run_in_executor(peer_threads, self._prepare_disk)
         if self.view is not None:
             # The peers first, so that the flushes resumed replicate to them; then the commits the cluster knows.
             await self.view.membership.refresh()
             self._background.append(loop.create_task(self.view.membership.run_forever()))
-            self.view.seeded(await loop.run_in_executor(self.peer_threads, self._commits_on_disk))
+            self.view.seeded(await loop.run_in_executor(peer_threads, self._commits_on_disk))
             await self.view.start()
             self._background.append(loop.create_task(self.view.run_forever()))
-        await self.flusher.resume()
-        for job in await loop.run_in_executor(self.peer_threads, self.nvme.jobs):
+        await self.save_path.resume()
+        for job in await loop.run_in_executor(peer_threads, self.nvme.jobs):
             await self.retention.collect_quietly(job, LOCAL_TIERS, keep_newest=False)
-        await loop.run_in_executor(self.peer_threads, self.report.seed)
+        await loop.run_in_executor(peer_threads, self.report.seed)
         if self.uploader is not None:
             self.uploader.start()
         self._background.append(loop.create_task(self.report.probe_loop()))
@@ -131,52 +202,18 @@ class Lifecycle:
 
     def _commits_on_disk(self) -> list[CommitRecord]:
         found = []
-        for tier in (self.nvme, self.replica_store):
+        for tier in self.durable_tiers:
+            assert isinstance(tier, LocalDirTier)
             for job in tier.jobs():
                 found += [r for s in tier.complete_steps(job) if (r := tier.checked_commit(job, s)) is not None]
         return found
-
-    async def commit_learned(self, record: CommitRecord) -> None:
-        """The view's on_commit: adopt_commit, its refusals logged (the view goes on following commits)."""
-        try:
-            await self.adopt_commit(record)
-        except (CheckpointError, OSError) as e:
-            log.warning("%s step %d: the cluster's commit was not adopted here: %s", record.job, record.step, e)
-
-    async def adopt_commit(self, record: CommitRecord) -> None:
-        """Seal a step the cluster found complete, where this node holds part of it (the view, a peer's CommitStep).
-
-        As a seal: under the flusher's commit lock, and not while a shard of the step is still
-        flushing (that flush seals the step when it ends, with the record the view now knows).
-        Raises StepAlreadyComplete where this node holds the step with another record.
-        """
-        try:
-            async with self.flusher.commit_lock:
-                if self.flusher.flushing(record.job, record.step):
-                    if self.view is not None:
-                        self.view.seeded([record])
-                    return
-                adopted = await self.peering.adopt_told(record)
-            if adopted:
-                log.info("%s step %d is complete across the cluster", record.job, record.step)
-                await self.note_nvme_complete(record)
-        finally:
-            await self.progress.changed()
-
-    async def note_nvme_complete(self, record: CommitRecord) -> None:
-        """Tell `status` and /metrics that a step sealed here is complete on this node's NVMe, if its shards are."""
-        held = await asyncio.get_running_loop().run_in_executor(
-            self.peer_threads, self.nvme.checked_commit, record.job, record.step
-        )
-        if held is not None:
-            self.progress.step_completed("nvme", record.job, record.step)
 
     async def _reconcile_forever(self) -> None:
         full = True  # the first round, at start-up, asks every peer: recovery
         while True:
             try:
                 self.receiver.drop_idle()
-                await self.peering.reconcile(self.flusher.commit_lock, self.flusher.flushing, full)
+                await self.peering.reconcile(self.save_path.seal_lock, self.save_path.flusher.flushing, full)
                 full = False
                 await self.retention.collect(dry_run=False, tiers=LOCAL_TIERS)  # adopted commits bring retention
             except (CheckpointError, OSError) as e:
@@ -184,19 +221,6 @@ class Lifecycle:
             except Exception:  # the loop must outlive any one bad round
                 log.exception("catching up with the peers failed unexpectedly")
             await asyncio.sleep(RECONCILE_S)  # a period, not a wait for anything
-
-    def _replication_changed(self, key: ShardKey, replicated: bool) -> None:
-        if replicated:
-            self.progress.reached(key, "peer")  # stays known after the shard is no longer tracked
-        self.progress.changed_soon()
-
-    def _upload_changed(self, key: ShardKey, committed: bool) -> None:
-        state = self.uploader.state(key) if self.uploader is not None else None
-        if state is not None and state.committed:  # its step's commit record is in the store
-            self.progress.step_completed("object", key.job, key.step)
-        self.progress.changed_soon()
-        if committed:  # a new step in the store: [retention] object may now remove an older one
-            self.retention.collect_soon(key.job, ("object",))
 
     async def watch_root(self) -> None:
         """Return once the NVMe root is gone: removed, or replaced by another (daemon.serve awaits it)."""
@@ -214,7 +238,8 @@ class Lifecycle:
         """Wait for every queued flush and replica under way to finish, then release threads and files."""
         for task in self._background:
             task.cancel()
-        await self.flusher.drain()
+        await self.save_path.drain()
+        self.executors.fetch.shutdown(wait=True)  # loads' fetches under way end before the peer links close
         await self.peering.drain()
         if self.view is not None:
             await self.view.close()
@@ -223,8 +248,6 @@ class Lifecycle:
             await self.uploader.drain()
         await self.retention.drain()
         self.receiver.close()
-        self.peer_threads.shutdown(wait=True)
-        self.serve_threads.shutdown(wait=True)
-        self.locator.close()
+        self.executors.shutdown()
         for tier in self.durable_tiers:
             tier.close()

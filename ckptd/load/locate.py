@@ -32,8 +32,6 @@ from ckptd.tiers.object.tier import ObjectTier
 
 log = logging.getLogger(__name__)
 
-LOCATE_THREADS = 4
-OBJECT_THREADS = 4  # object-store queries, fetches and retention (uploads have their own)
 OBJECT_QUERY_TIMEOUT_S = 5.0
 LOAD_LEASE_S = 600.0  # how long retention keeps off a step a load was pointed at
 
@@ -49,15 +47,18 @@ class Locator:
         peering: Peering,
         object_tier: ObjectTier | None,
         verification_failed: Callable[[str], None],
+        threads: ThreadPoolExecutor,
+        object_threads: ThreadPoolExecutor,
     ) -> None:
+        """threads: lookups on this node's tiers; object_threads: object-store queries and fetches."""
         self.config = config
         self.tiers = tiers
         self.nvme = nvme
         self.peering = peering
         self.object_tier = object_tier
         self.verification_failed = verification_failed
-        self.threads = ThreadPoolExecutor(max_workers=LOCATE_THREADS, thread_name_prefix="locate")
-        self.object_threads = ThreadPoolExecutor(max_workers=OBJECT_THREADS, thread_name_prefix="object")
+        self.threads = threads
+        self.object_threads = object_threads
         self._fetch_locks: KeyedLocks[tuple[str, int, int]] = KeyedLocks()  # one fetch of a shard at a time
         self._fetching_from_object: KeyCounts[tuple[str, int]] = KeyCounts()  # ranks of a step may be fetched at once
         self._being_read: dict[tuple[str, int], float] = {}  # steps a client was pointed at, until when
@@ -278,11 +279,6 @@ class Locator:
 
         result: tuple[ShardMeta, bytes, Path] = await self.on_locate_threads(find)
         return result
-
-    def close(self) -> None:
-        """Stop the threads (after the RPCs that use them are done)."""
-        self.threads.shutdown(wait=True)
-        self.object_threads.shutdown(wait=True)
 
 
 def _listed_or_nothing(tier: Tier, job: str) -> list[StepInfo]:

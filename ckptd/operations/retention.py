@@ -11,7 +11,7 @@ import contextlib
 import logging
 import os
 import threading
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -87,22 +87,21 @@ class RetentionRunner:
         object_tier: ObjectTier | None,
         peering: Peering,
         holders: list[BusySteps],
-        on_object_threads: Callable[..., Awaitable[Any]],
+        object_threads: ThreadPoolExecutor,
+        cleanup_thread: ThreadPoolExecutor,
         uploader: Uploader | None = None,
     ) -> None:
+        """object_threads: queries and removals in the object store; cleanup_thread: one thread, started with
+        lowest_priority as its initializer, for local removals."""
         self.config = config
         self.durable_tiers = durable_tiers
         self.object_tier = object_tier
         self.peering = peering
         self.holders = holders
         self.uploader = uploader  # its steps not yet committed in the store stay there too
-        self._on_object_threads = on_object_threads
+        self._object_threads = object_threads
         self._lock = asyncio.Lock()  # one pass at a time: two would race to remove the same step
-        # Removing old steps is never urgent: at the lowest CPU priority, unlinking gigabytes
-        # (with discard, seconds of kernel time) yields to training and to flushes.
-        self.cleanup_thread = ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix="cleanup", initializer=_lowest_priority
-        )
+        self.cleanup_thread = cleanup_thread
         self._tasks: set[asyncio.Task[None]] = set()
 
     def busy_steps(self) -> set[tuple[str, int]]:
@@ -233,10 +232,12 @@ class RetentionRunner:
         return sum(t.removal_failures for t in self.durable_tiers)
 
     async def drain(self) -> None:
-        """Let passes under way finish, then stop the cleanup thread."""
+        """Let passes under way finish."""
         while self._tasks:  # a pass may start another as it ends
             await asyncio.gather(*list(self._tasks), return_exceptions=True)
-        self.cleanup_thread.shutdown(wait=True)
+
+    async def _on_object_threads(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._object_threads, fn, *args)
 
 
 def _steps_of(tier: DurableTier, job: str) -> tuple[list[int], list[int], set[int]]:
@@ -244,6 +245,11 @@ def _steps_of(tier: DurableTier, job: str) -> tuple[list[int], list[int], set[in
     return tier.all_steps(job), tier.complete_steps(job), set(tier.damaged_steps(job))
 
 
-def _lowest_priority() -> None:
+def lowest_priority() -> None:
+    """Run the calling thread at the lowest CPU priority (the cleanup thread's initializer).
+
+    Removing old steps is never urgent: unlinking gigabytes (with discard, seconds of
+    kernel time) yields to training and to flushes.
+    """
     with contextlib.suppress(OSError):
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)  # this thread only, on Linux

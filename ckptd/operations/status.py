@@ -15,7 +15,6 @@ import contextlib
 import os
 import time
 from collections import Counter
-from collections.abc import Callable
 from typing import Any
 
 from ckptd import __version__
@@ -25,6 +24,7 @@ from ckptd.operations.retention import RetentionRunner
 from ckptd.replication.peering import Peering
 from ckptd.save.flush import Flusher
 from ckptd.save.progress import Completion, ShardProgress
+from ckptd.save.save_path import SavePath
 from ckptd.save.slot_files import UNFLUSHED
 from ckptd.save.staging import SlotPool
 from ckptd.save.uploading import Uploader
@@ -44,6 +44,7 @@ class StatusReport:
         memory: MemoryTier,
         nvme: LocalDirTier,
         flusher: Flusher,
+        save_path: SavePath,
         progress: ShardProgress,
         peering: Peering,
         uploader: Uploader | None,
@@ -54,6 +55,7 @@ class StatusReport:
         self.memory = memory
         self.nvme = nvme
         self.flusher = flusher
+        self.save_path = save_path
         self.progress = progress
         self.peering = peering
         self.uploader = uploader
@@ -61,11 +63,26 @@ class StatusReport:
         self.started_unix_s = time.time()
         self.verification_failures: Counter[str] = Counter()  # by tier: a bad byte caught on its way
         self.replica_bytes_received = 0
+        self.inventories_answered = 0  # peers' Inventory calls (start-ups, ls, loads)
+        self.data_port = 0  # where this node takes replicas' bytes beside gRPC; 0 = by gRPC only
         self.loop_max_stall_s = 0.0  # the longest the event loop was late, since start
-        self.rpc_counters: Callable[[], dict[str, int]] = dict  # the RPC layer's own (set by the daemon)
-        self.histograms = [flusher.save_seconds, flusher.flush_seconds]
+        self._rpc_counters: dict[str, int] = {}  # the RPC layer's own, read at each report (Node.serving)
+        self.histograms = [save_path.save_seconds, flusher.flush_seconds]
         if uploader is not None:
             self.histograms.append(uploader.upload_seconds)
+
+    def serving(self, data_port: int, rpc_counters: dict[str, int]) -> None:
+        """Learn what the RPC edges serve: the peer data port (0: none) and their counters, a live dict (at start)."""
+        self.data_port = data_port
+        self._rpc_counters = rpc_counters
+
+    def replica_received(self, size_bytes: int) -> None:
+        """Count a replica that became durable here."""
+        self.replica_bytes_received += size_bytes
+
+    def inventory_answered(self) -> None:
+        """Count a peer's Inventory call."""
+        self.inventories_answered += 1
 
     def verification_failed(self, tier: str) -> None:
         """Count a bad byte caught on its way (a chunk that did not match its checksum)."""
@@ -114,7 +131,12 @@ class StatusReport:
             "tiers": {
                 "memory": {"dir": str(self.config.staging_dir)},
                 "nvme": {"root": str(self.config.root), "flush_every": self.config.nvme.flush_every},
-                "peer": {"replica_root": str(self.config.replica_root), **self.peering.status()},
+                "peer": {
+                    "replica_root": str(self.config.replica_root),
+                    "data_port": self.data_port,
+                    "inventories_answered": self.inventories_answered,
+                    **self.peering.status(),
+                },
                 "object": self.uploader.status() if self.uploader is not None else {"enabled": False},
             },
             "cluster": self.peering.view.status() if self.peering.view is not None else {"backend": "none"},
@@ -127,11 +149,12 @@ class StatusReport:
                 "pending_flushes": sum(1 for s in slots if s.state in UNFLUSHED),
             },
             "counters": {
+                **self.save_path.counters,
                 **self.flusher.counters,
                 "passed_over": sum(p["steps"] for p in passed_over.values()),
                 "replica_bytes_received": self.replica_bytes_received,
                 "removal_failures": self.retention.removal_failures(),
-                **self.rpc_counters(),
+                **self._rpc_counters,
                 "verification_failures": {
                     **dict.fromkeys(("memory", "nvme", "peer", "object"), 0),
                     **failures,

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import uuid
 from collections import defaultdict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -38,8 +37,6 @@ from ckptd.tiers.peer import PeerTier
 
 log = logging.getLogger(__name__)
 
-FETCH_THREADS = 4
-
 
 class Peering:
     """Coordinate this node's NVMe tier and replica store with the other nodes."""
@@ -50,32 +47,36 @@ class Peering:
         view: ClusterView | None,
         nvme: LocalDirTier,
         replica_store: LocalDirTier,
+        peer_tier: PeerTier | None,
+        replication: Replication | None,
+        instance: str,
         threads: ThreadPoolExecutor,
-        on_change: Callable[[ShardKey, bool], None],
+        fetch_threads: ThreadPoolExecutor,
     ) -> None:
+        """peer_tier: wherever a cluster view is (peers may come later); replication: where [peer] replicas > 0.
+
+        instance: this daemon's run (calls that carry it have come back to it). threads: the
+        peer threads, for short tier work; fetch_threads: whole shards fetched for a load.
+        """
         self.config = config
         self.nvme = nvme
         self.replica_store = replica_store
-        self.data_port = 0  # set by daemon.serve once its data listener listens (rpc.data_listener)
         self.node = config.node.listen or config.node.name
         self._threads = threads
-        self.instance = uuid.uuid4().hex  # this daemon's run: calls that carry it have come back to it
-        self.inventories_answered = 0  # Pipeline.holdings counts the peers' Inventory calls
-        # The peer tier is on wherever a cluster view is (peers may come later); its links follow the membership.
+        self.instance = instance
+        # Their links follow the membership.
         self.view = view
         self.membership = view.membership if view is not None else None
-        self.peer_tier: PeerTier | None = None
-        self.replication: Replication | None = None
+        self.peer_tier = peer_tier
+        self.replication = replication
         if self.membership is not None:
-            self.peer_tier = PeerTier([])
-            self.replication = Replication([], config.peer.replicas, on_change) if config.peer.replicas else None
             self.membership.watch(self.membership_changed)
         self._fetch_locks: KeyedLocks[tuple[str, int, int]] = KeyedLocks()  # one fetch of a shard at a time
         self._fetching: KeyCounts[tuple[str, int]] = KeyCounts()  # steps being fetched: retention keeps off
         # NVMe's complete steps by job, as the last reconciliation listed them (on a thread), for what replicas
         # still owed keep off retention (judged on the event loop); a round old at most, it only keeps more.
         self._nvme_complete: dict[str, list[int]] = {}
-        self._fetch_threads = ThreadPoolExecutor(max_workers=FETCH_THREADS, thread_name_prefix="fetch")
+        self._fetch_threads = fetch_threads
 
     async def _run(self, fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._threads, fn, *args)
@@ -370,8 +371,6 @@ class Peering:
             "enabled": self.peer_tier is not None,
             "listen": self.config.node.listen,
             "instance": self.instance,  # this daemon's run: peer calls that carry it are refused as its own
-            "data_port": self.data_port,  # where this node takes replicas' bytes beside gRPC; 0 = by gRPC only
-            "inventories_answered": self.inventories_answered,  # peers' Inventory calls (start-ups, ls, loads)
         }
         if self.peer_tier is None or self.membership is None:
             return common
@@ -390,7 +389,6 @@ class Peering:
         """Finish transfers under way and close the links."""
         if self.replication is not None:
             await self.replication.drain()
-        self._fetch_threads.shutdown(wait=True)
         if self.peer_tier is not None:
             self.peer_tier.close()
 

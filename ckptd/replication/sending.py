@@ -25,7 +25,7 @@ from ckpt.format import CommitRecord, ShardMeta, digest
 
 from ckptd.cluster.placement import Holding, reseat, seated_placement
 from ckptd.errors import LocalCopyGone
-from ckptd.rpc.peer_link import STREAMS_PER_SHARD, IsSelf, PeerLink
+from ckptd.rpc.peer_link import IsSelf, PeerLink
 from ckptd.save.staging import ShardKey
 
 log = logging.getLogger(__name__)
@@ -71,10 +71,18 @@ class _Shard:
 class Replication:
     """Keep `replicas` copies of every shard this node wrote on the peers chosen for it."""
 
-    def __init__(self, links: list[PeerLink], replicas: int, on_change: Callable[[ShardKey, bool], None]) -> None:
+    def __init__(
+        self,
+        links: list[PeerLink],
+        replicas: int,
+        on_change: Callable[[ShardKey, bool], None],
+        senders: ThreadPoolExecutor,
+        streams: ThreadPoolExecutor,
+    ) -> None:
         """on_change(key, replicated) is called on the event loop after every attempt for a shard.
 
-        replicas: copies wanted per shard; fewer while fewer peers are known.
+        replicas: copies wanted per shard; fewer while fewer peers are known. senders: a thread
+        per shard being sent (blocked on its peer); streams: the shards' byte ranges, several each.
         """
         self._peers = {link.address: _Peer(link) for link in links}
         self._seats = reseat({}, self._peers)  # placement's view of the peers: see cluster.reseat
@@ -82,10 +90,8 @@ class Replication:
         self._on_change = on_change
         self._shards: dict[ShardKey, _Shard] = {}
         # Two shards per peer at a time (_Peer.slots): a slow or dead peer ties up its own senders, not the others'.
-        self._senders = ThreadPoolExecutor(max_workers=MAX_SENDERS, thread_name_prefix="replicate")
-        self._streams = ThreadPoolExecutor(
-            max_workers=MAX_SENDERS * STREAMS_PER_SHARD, thread_name_prefix="replicate-stream"
-        )
+        self._senders = senders
+        self._streams = streams
         self._tasks: set[asyncio.Task[None]] = set()
         self.counters = {"replicas_sent": 0, "replica_bytes_sent": 0, "replica_failures": 0}
         self.last_transfer: dict[str, float] = {}

@@ -45,13 +45,13 @@ class RequestGuard:
     """Count malformed requests, and say so (or another refusal) in the log at most once a minute per caller."""
 
     def __init__(self) -> None:
-        self.malformed = 0
+        self.counters = {"malformed_requests": 0}  # read by the status report at each document
         # (caller, what was refused) -> when it was last logged
         self._last_logged: OrderedDict[tuple[str, str], float] = OrderedDict()
 
     async def refuse(self, request: Malformed, context: grpc.aio.ServicerContext) -> None:
         """Count, maybe log, and answer INVALID_ARGUMENT (raises, as context.abort does)."""
-        self.malformed += 1
+        self.counters["malformed_requests"] += 1
         caller = self._due(context, "malformed")
         if caller is not None:
             log.warning(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncGenerator, AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, cast
 
 import grpc
@@ -13,7 +14,9 @@ from ckpt.format import CommitRecord, ShardMeta, validate_job, validate_step
 from ckpt.wire.v1 import peer_pb2 as pb
 from ckpt.wire.v1 import peer_pb2_grpc
 
+from ckptd.config import Config
 from ckptd.pipeline import Pipeline
+from ckptd.replication.receiving import ReplicaReceiver
 from ckptd.rpc.data_listener import DataListener
 from ckptd.rpc.guard import NotAPeer, RequestGuard
 from ckptd.rpc.peer_link import INSTANCE_HEADER, ITSELF, IsSelf, data_piece, holdings_to_pb, piece_data
@@ -48,20 +51,31 @@ def add_peer_servicer(servicer: PeerServicer, server: grpc.aio.Server, guard: Re
 class PeerServicer(peer_pb2_grpc.CkptdPeerServicer):
     """Serve ckpt/wire/v1/peer.proto to other nodes' daemons."""
 
-    def __init__(self, pipeline: Pipeline, data_listener: DataListener | None = None) -> None:
+    def __init__(
+        self,
+        pipeline: Pipeline,
+        receiver: ReplicaReceiver,
+        config: Config,
+        serve_threads: ThreadPoolExecutor,
+        data_listener: DataListener | None = None,
+    ) -> None:
+        """serve_threads: where GetShard reads and serializes pieces (never in the way of seals)."""
         self.pipeline = pipeline
+        self.receiver = receiver
+        self.config = config
+        self._serve_threads = serve_threads
         self.data_listener = data_listener  # None: [peer] data_channel = false, ranges come by PutShard
 
     async def _shard_meta(self, transfer: str, raw: bytes) -> ShardMeta:
         """Parse a shard record a peer sent, once per transfer (its layout may be megabytes: on a thread)."""
-        known = self.pipeline.receiver.known_meta(transfer, raw)
+        known = self.receiver.known_meta(transfer, raw)
         return known if known is not None else await asyncio.to_thread(_shard_meta, raw)
 
     def admit(self, context: Any) -> None:
         """Refuse the node itself, and (with TLS) a caller whose certificate names no configured peer's host."""
         if dict(context.invocation_metadata()).get(INSTANCE_HEADER) == self.pipeline.instance:
             raise IsSelf(f"{ITSELF} a peer address in [peer] addresses leads back to this node")
-        config = self.pipeline.config
+        config = self.config
         if not config.peer.cert:
             return  # plaintext, as [peer] insecure = true asked
         auth = context.auth_context()
@@ -94,9 +108,7 @@ class PeerServicer(peer_pb2_grpc.CkptdPeerServicer):
 
                 async with contextlib.aclosing(data()) as pieces:
                     try:
-                        await self.pipeline.receiver.receive_range(
-                            meta, first.transfer, first.offset, first.length, pieces
-                        )
+                        await self.receiver.receive_range(meta, first.transfer, first.offset, first.length, pieces)
                     except CorruptCheckpoint:
                         self.pipeline.verification_failed("peer")
                         raise
@@ -110,7 +122,7 @@ class PeerServicer(peer_pb2_grpc.CkptdPeerServicer):
             if self.data_listener is None:
                 return pb.DataRangeTicket()
             meta = await self._shard_meta(request.transfer, request.meta_json)
-            self.pipeline.receiver.admit_range(meta, request.transfer, request.offset, request.length)
+            self.receiver.admit_range(meta, request.transfer, request.offset, request.length)
             ticket = self.data_listener.offer(meta, request.transfer, request.offset, request.length)
             return pb.DataRangeTicket(port=self.data_listener.port, ticket=ticket)
 
@@ -121,7 +133,7 @@ class PeerServicer(peer_pb2_grpc.CkptdPeerServicer):
             self.admit(context)
             meta = await self._shard_meta(request.transfer, request.meta_json)
             record = await asyncio.to_thread(_commit_record, request.commit_json) if request.commit_json else None
-            await self.pipeline.receiver.seal(meta, request.transfer, record)
+            await self.receiver.seal(meta, request.transfer, record)
             await self.pipeline.replica_arrived(meta)
             return pb.SealShardReply()
 
@@ -137,7 +149,7 @@ class PeerServicer(peer_pb2_grpc.CkptdPeerServicer):
         yield pb.ShardPiece(meta_json=meta_json).SerializeToString()
         if request.meta_only:
             return
-        what = f"rank {meta.rank} shard of {meta.job} step {meta.step} on node {self.pipeline.config.node.name}"
+        what = f"rank {meta.rank} shard of {meta.job} step {meta.step} on node {self.config.node.name}"
         offset, length = (request.offset, request.length) if request.ranged else (0, meta.data_size_bytes)
         if offset % meta.chunk_size_bytes or not 0 <= offset <= offset + length <= meta.data_size_bytes:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{what}: no such range {offset}+{length}")
@@ -149,7 +161,7 @@ class PeerServicer(peer_pb2_grpc.CkptdPeerServicer):
             return None if data is None else data_piece(data)
 
         async def next_piece() -> bytes | None:
-            return await loop.run_in_executor(self.pipeline.serve_io, serialize_next)
+            return await loop.run_in_executor(self._serve_threads, serialize_next)
 
         while (piece := await answer(context, next_piece)) is not None:
             yield piece  # already a serialized ShardPiece
@@ -160,7 +172,7 @@ class PeerServicer(peer_pb2_grpc.CkptdPeerServicer):
             job = validate_job(request.job) if request.job else ""
             step = None if request.step == -1 else validate_step(request.step)
             steps = await self.pipeline.holdings(job, step)
-            return pb.InventoryReply(node=self.pipeline.config.node.name, steps=holdings_to_pb(steps))
+            return pb.InventoryReply(node=self.config.node.name, steps=holdings_to_pb(steps))
 
         return await answer(context, work)
 

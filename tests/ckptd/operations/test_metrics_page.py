@@ -10,7 +10,7 @@ import prometheus_client
 from prometheus_client.parser import text_string_to_metric_families
 
 from ckptd.config import Config, NodeConfig, StagingConfig
-from ckptd.pipeline import Pipeline
+from ckptd.node import Node
 from ckptd.save.staging import ShardKey
 
 DISK_CALLS = (
@@ -28,8 +28,8 @@ def test_a_scrape_touches_no_disk_where_status_lists_the_jobs(tmp_path, monkeypa
     def refuse(*args: object, **kwargs: object) -> None:
         raise TouchedTheDisk(f"disk call with {args}")
 
-    async def body(pipeline: Pipeline) -> tuple[str, BaseException | None]:
-        progress = pipeline.node.progress
+    async def body(node: Node) -> tuple[str, BaseException | None]:
+        progress, pipeline = node.progress, node.pipeline
         key = ShardKey("j", 4, 0, 1)
         progress.copy_committed(key)  # complete in memory: every rank's copy is in
         progress.step_completed("nvme", "j", 4, 1_700_000_000.0)
@@ -42,13 +42,13 @@ def test_a_scrape_touches_no_disk_where_status_lists_the_jobs(tmp_path, monkeypa
                 listed = None
             except TouchedTheDisk as e:
                 listed = e
-        await pipeline.drain()
+        await node.drain()
         return page, listed
 
     async def run() -> tuple[str, BaseException | None]:
-        pipeline = Pipeline(config)
-        await pipeline.start()
-        return await body(pipeline)
+        node = Node(config)
+        await node.start()
+        return await body(node)
 
     page, listed = asyncio.run(run())
     assert isinstance(listed, TouchedTheDisk)
@@ -68,10 +68,10 @@ def test_nothing_lands_in_prometheus_clients_global_registry(tmp_path):
     config = Config(node=NodeConfig(root=str(tmp_path / "nvme")), staging=StagingConfig(dir=str(tmp_path / "shm")))
 
     async def run() -> str:
-        pipeline = Pipeline(config)
-        await pipeline.start()
-        page = await pipeline.metrics_page()
-        await pipeline.drain()
+        node = Node(config)
+        await node.start()
+        page = await node.pipeline.metrics_page()
+        await node.drain()
         return page
 
     assert "ckptd_saves_total 0.0" in asyncio.run(run())

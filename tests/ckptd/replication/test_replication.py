@@ -5,12 +5,15 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 
 from ckpt.format import CHUNK_SIZE_BYTES, ShardMeta, digest
 
 from ckptd.cluster.placement import Holding
 from ckptd.replication.sending import Replication
 from ckptd.save.staging import ShardKey
+
+THREADS = ThreadPoolExecutor(4)  # the senders and streams of every Replication here (none sends)
 
 WORLD_SIZE = 64
 
@@ -44,7 +47,7 @@ def _pending(replication: Replication) -> dict[str, int]:
 
 def test_a_replaced_peer_hands_its_replicas_to_the_new_one_and_a_peer_that_joins_moves_none_in_place():
     links = [Link(f"10.0.0.{i}:7070") for i in range(1, 5)]
-    replication = Replication(links, 1, lambda key, done: None)
+    replication = Replication(links, 1, lambda key, done: None, THREADS, THREADS)
     keys = [ShardKey("j", 1, rank, WORLD_SIZE) for rank in range(WORLD_SIZE)]
     for k in keys:
         replication.track(k, _meta(k), [])
@@ -72,7 +75,7 @@ def test_a_replaced_peer_hands_its_replicas_to_the_new_one_and_a_peer_that_joins
 
 
 def test_shards_saved_with_no_peer_known_wait_for_the_first_one():
-    replication = Replication([], 1, lambda key, done: None)
+    replication = Replication([], 1, lambda key, done: None, THREADS, THREADS)
     key = ShardKey("j", 1, 0, 1)
     replication.track(key, _meta(key), [])
     assert replication.state(key)[0] is False and replication.pending() == [key]
@@ -85,7 +88,7 @@ def test_shards_saved_with_no_peer_known_wait_for_the_first_one():
 def test_a_replica_in_place_is_kept_where_placement_would_now_choose_another_peer():
     # As after a restart once a node was replaced: the copies lie where the seats of the last run put them.
     links = [Link(f"10.0.0.{i}:7070") for i in range(1, 5)]
-    replication = Replication(links, 1, lambda key, done: None)
+    replication = Replication(links, 1, lambda key, done: None, THREADS, THREADS)
     keys = [ShardKey("j", 1, rank, WORLD_SIZE) for rank in range(WORLD_SIZE)]
     for k in keys:
         replication.track(k, _meta(k), [])

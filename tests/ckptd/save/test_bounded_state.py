@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from ckptd.keyed import KeyCounts, KeyedLocks
-from ckptd.save import flush, progress
+from ckptd.save import progress, save_path
 from ckptd.save.flush import Flusher
 from ckptd.save.progress import ShardProgress
+from ckptd.save.save_path import SavePath
 from ckptd.save.staging import ShardKey, SlotPool
 from ckptd.tiers.nvme import LocalDirTier
 
@@ -19,14 +21,17 @@ BOUND = 10
 @pytest.fixture
 def roles(tmp_path, monkeypatch):
     monkeypatch.setattr(progress, "REMEMBERED_SHARDS", BOUND)
-    monkeypatch.setattr(flush, "REMEMBERED_SHARDS", BOUND)
+    monkeypatch.setattr(save_path, "REMEMBERED_SHARDS", BOUND)
     pool = SlotPool(tmp_path / "staging", 0, "block")
     nvme = LocalDirTier(tmp_path / "nvme")
     shard_progress = ShardProgress(pool, nvme, peering=None, uploader=None)  # peers and store play no part here
-    flusher = Flusher(pool, nvme, [nvme], peering=None, uploader=None, progress=shard_progress)
-    yield shard_progress, flusher
-    flusher.threads.shutdown()
-    flusher.save_threads.shutdown()
+    with ThreadPoolExecutor(1) as threads:
+        flusher = Flusher(pool, nvme, threads)
+        saves = SavePath(
+            pool, flusher, nvme, [nvme], peering=None, uploader=None, progress=shard_progress, retention=None,
+            view=None, save_threads=threads, peer_threads=threads,
+        )  # fmt: skip
+        yield shard_progress, saves
     nvme.close()
 
 
@@ -44,11 +49,11 @@ def test_what_shards_reached_and_why_they_failed_is_bounded(roles):
 
 
 def test_the_run_that_committed_each_step_is_remembered_for_the_newest_steps_only(roles):
-    _, flusher = roles
+    _, saves = roles
     for step in range(100):
-        flusher.note_run(ShardKey("j", step, 0, 1), f"run-{step}")
-    assert len(flusher._latest_run) == BOUND
-    assert flusher._latest_run[("j", 99)] == "run-99"
+        saves._note_run(ShardKey("j", step, 0, 1), f"run-{step}")
+    assert len(saves._latest_run) == BOUND
+    assert saves._latest_run[("j", 99)] == "run-99"
 
 
 def test_keyed_locks_serialise_in_order_and_keep_nothing_once_unused():

@@ -1,6 +1,6 @@
 """Saves that outrun the disk: the newest snapshot wins, ranks flush the same steps, flush_every keeps its steps.
 
-Each test runs a whole node's pipeline in this process on real files, with the NVMe
+Each test runs a whole node (the composition root, every role) in this process on real files, with the NVMe
 writes held at a gate (a threading.Event) so that what the disk is busy with, and what
 waits meanwhile, is decided by the test, not by the machine's speed.
 """
@@ -12,7 +12,7 @@ import queue
 import threading
 
 from ckptd.config import Config, NodeConfig, NvmeConfig, StagingConfig
-from ckptd.pipeline import Pipeline
+from ckptd.node import Node
 from ckptd.save.passed_over import PassedOver
 from ckptd.save.staging import ShardKey, SlotPool, Snapshot
 
@@ -21,14 +21,14 @@ GATE_TIMEOUT_S = 60.0
 
 
 class GatedDisk:
-    """Hold every NVMe write of a pipeline until opened; note each shard as its write starts and ends."""
+    """Hold every NVMe write of a node until opened; note each shard as its write starts and ends."""
 
-    def __init__(self, pipeline: Pipeline) -> None:
-        self.real = pipeline.node.nvme.write_shard
+    def __init__(self, node: Node) -> None:
+        self.real = node.nvme.write_shard
         self.opened = threading.Event()
         self.started: queue.Queue[tuple[int, int]] = queue.Queue()  # (step, rank) as each write begins
         self.written: list[tuple[int, int]] = []
-        pipeline.node.nvme.write_shard = self.write_shard  # type: ignore[method-assign]
+        node.nvme.write_shard = self.write_shard  # type: ignore[method-assign]
 
     def write_shard(self, meta, data, on_hashed=None):
         self.started.put((meta.step, meta.rank))
@@ -54,63 +54,63 @@ def _payload(step: int, rank: int, size: int = MIB) -> bytes:
     return bytes([(step * 7 + rank) % 251]) * size
 
 
-async def _reserve(pipeline: Pipeline, key: ShardKey, size: int = MIB):
-    return await pipeline.reserve(key, size)
+async def _reserve(node: Node, key: ShardKey, size: int = MIB):
+    return await node.pipeline.reserve(key, size)
 
 
-async def _commit(pipeline: Pipeline, key: ShardKey, slot, size: int = MIB) -> None:
+async def _commit(node: Node, key: ShardKey, slot, size: int = MIB) -> None:
     with open(slot.path, "r+b") as f:
         f.write(_payload(key.step, key.rank, size))
-    await pipeline.commit(Snapshot(key, str(slot.path), slot.reservation, size, "{}"))
+    await node.pipeline.commit(Snapshot(key, str(slot.path), slot.reservation, size, "{}"))
 
 
-async def _save(pipeline: Pipeline, job: str, step: int, ranks=(0,), world_size=1):
+async def _save(node: Node, job: str, step: int, ranks=(0,), world_size=1):
     """Save a step on every rank at once, as ranks do: all reserve, all copy, all commit; return the reservations."""
     keys = [ShardKey(job, step, rank, world_size) for rank in ranks]
-    reserved = await asyncio.gather(*(_reserve(pipeline, key) for key in keys))
+    reserved = await asyncio.gather(*(_reserve(node, key) for key in keys))
     for key, (slot, _, _) in zip(keys, reserved, strict=True):
         if slot is not None:
-            await _commit(pipeline, key, slot)
+            await _commit(node, key, slot)
     return reserved
 
 
-async def _wait(pipeline: Pipeline, job: str, step: int, rank=0, world_size=1, tier="nvme"):
-    return await pipeline.wait_shard(ShardKey(job, step, rank, world_size), tier, GATE_TIMEOUT_S)
+async def _wait(node: Node, job: str, step: int, rank=0, world_size=1, tier="nvme"):
+    return await node.pipeline.wait_shard(ShardKey(job, step, rank, world_size), tier, GATE_TIMEOUT_S)
 
 
 def _run(config, body):
     async def run():
-        pipeline = Pipeline(config)
-        disk = GatedDisk(pipeline)  # before start(): the flushes a restart resumes are held too
-        await pipeline.start()
+        node = Node(config)
+        disk = GatedDisk(node)  # before start(): the flushes a restart resumes are held too
+        await node.start()
         try:
-            return await body(pipeline, disk)
+            return await body(node, disk)
         finally:
             disk.opened.set()
-            await pipeline.drain()
+            await node.drain()
 
     return asyncio.run(run())
 
 
 def test_saves_never_wait_for_the_disk_and_the_newest_snapshot_is_flushed_next(tmp_path):
-    async def body(pipeline, disk):
-        await _save(pipeline, "j", 1)
+    async def body(node, disk):
+        await _save(node, "j", 1)
         assert await disk.writing() == (1, 0)  # the disk is busy with step 1 from now on
         for step in (2, 3, 4, 5):
-            [(slot, blocked_s, reason)] = await _save(pipeline, "j", step)
+            [(slot, blocked_s, reason)] = await _save(node, "j", step)
             assert slot is not None and blocked_s == 0 and reason == ""  # never a wait for the disk
         for step in (2, 3, 4):  # each replaced by the next save before the disk was free for it
-            answer = await _wait(pipeline, "j", step)
+            answer = await _wait(node, "j", step)
             assert answer.passed_over and not answer.done
             assert f"j step {step} rank 0 was passed over" in answer.error
             assert f"(step {step + 1})" in answer.error
-            assert (await _wait(pipeline, "j", step, tier="memory")).done  # it was in memory all the same
+            assert (await _wait(node, "j", step, tier="memory")).done  # it was in memory all the same
         disk.opened.set()
-        assert (await _wait(pipeline, "j", 5)).done
-        assert (await _wait(pipeline, "j", 1)).done
+        assert (await _wait(node, "j", 5)).done
+        assert (await _wait(node, "j", 1)).done
         assert disk.written == [(1, 0), (5, 0)]  # step 5, the newest, right after step 1: nothing in between
-        assert pipeline.node.nvme.complete_steps("j") == [1, 5]
-        status = await pipeline.status()
+        assert node.nvme.complete_steps("j") == [1, 5]
+        status = await node.pipeline.status()
         assert status["passed_over"] == {"j": {"steps": 3, "last_step": 4, "replaced_by": 5}}
         assert status["counters"]["passed_over"] == 3
 
@@ -120,55 +120,55 @@ def test_saves_never_wait_for_the_disk_and_the_newest_snapshot_is_flushed_next(t
 def test_the_ranks_of_a_job_flush_the_same_steps_in_rounds(tmp_path):
     ranks = range(4)
 
-    async def body(pipeline, disk):
-        await _save(pipeline, "r", 1, ranks, 4)
+    async def body(node, disk):
+        await _save(node, "r", 1, ranks, 4)
         first = {await disk.writing(), await disk.writing()}  # two flush threads, four shards of step 1
         assert {step for step, _ in first} == {1}
         for step in (2, 3, 4):
-            for slot, blocked_s, reason in await _save(pipeline, "r", step, ranks, 4):
+            for slot, blocked_s, reason in await _save(node, "r", step, ranks, 4):
                 assert slot is not None and blocked_s == 0 and "NVMe" not in reason
         # Rank 0 alone saves step 5 and its others have not yet: the ranks disagree (rank 0 replaced step 4).
-        await _save(pipeline, "r", 5, [0], 4)
+        await _save(node, "r", 5, [0], 4)
         disk.opened.set()
-        await _save(pipeline, "r", 5, [1, 2, 3], 4)
+        await _save(node, "r", 5, [1, 2, 3], 4)
         for rank in ranks:
-            assert (await _wait(pipeline, "r", 5, rank, 4)).done
+            assert (await _wait(node, "r", 5, rank, 4)).done
             for step in (2, 3, 4):
-                assert (await _wait(pipeline, "r", step, rank, 4)).passed_over
+                assert (await _wait(node, "r", step, rank, 4)).passed_over
         assert sorted(disk.written) == [(step, rank) for step in (1, 5) for rank in ranks]  # every rank the same steps
-        assert pipeline.node.nvme.complete_steps("r") == [1, 5]
-        assert (await pipeline.status())["passed_over"]["r"]["steps"] == 3  # steps, not shards
+        assert node.nvme.complete_steps("r") == [1, 5]
+        assert (await node.pipeline.status())["passed_over"]["r"]["steps"] == 3  # steps, not shards
 
     _run(_config(tmp_path), body)
 
 
 def test_flush_every_keeps_its_steps_and_a_save_that_needs_their_slot_waits_or_is_skipped(tmp_path):
-    async def body(pipeline, disk):
-        await _save(pipeline, "k", 1)
+    async def body(node, disk):
+        await _save(node, "k", 1)
         assert await disk.writing() == (1, 0)
-        await _save(pipeline, "k", 2)
-        [(slot, _, _)] = await _save(pipeline, "k", 3)  # replaces step 2, which flush_every = 3 does not keep
+        await _save(node, "k", 2)
+        [(slot, _, _)] = await _save(node, "k", 3)  # replaces step 2, which flush_every = 3 does not keep
         assert slot is not None
-        [(slot, blocked_s, reason)] = await _save(pipeline, "k", 4)  # step 1 on the disk, step 3 kept
+        [(slot, blocked_s, reason)] = await _save(node, "k", 4)  # step 1 on the disk, step 3 kept
         assert slot is None and blocked_s == 0
         assert "waits for the NVMe flush of k step 1" in reason and "step 3 is kept by [nvme] flush_every = 3" in reason
         assert "staging.policy = skip" in reason
         disk.opened.set()
-        assert (await _wait(pipeline, "k", 3)).done
-        assert (await _wait(pipeline, "k", 2)).passed_over
+        assert (await _wait(node, "k", 3)).done
+        assert (await _wait(node, "k", 2)).passed_over
         assert disk.written == [(1, 0), (3, 0)]
-        assert (await pipeline.status())["counters"]["skipped"] == 1
+        assert (await node.pipeline.status())["counters"]["skipped"] == 1
 
     _run(_config(tmp_path, flush_every=3, policy="skip"), body)
 
 
 def test_under_block_a_save_waits_for_the_flush_of_a_kept_step_and_says_so(tmp_path):
-    async def body(pipeline, disk):
-        await _save(pipeline, "b", 1)
+    async def body(node, disk):
+        await _save(node, "b", 1)
         assert await disk.writing() == (1, 0)
-        await _save(pipeline, "b", 2)  # kept (flush_every = 1: every step, as before)
-        pool = pipeline.node.pool
-        blocked = asyncio.ensure_future(_save(pipeline, "b", 3))
+        await _save(node, "b", 2)  # kept (flush_every = 1: every step, as before)
+        pool = node.pool
+        blocked = asyncio.ensure_future(_save(node, "b", 3))
         while not pool._changed._waiters:  # until the save waits for a slot
             await asyncio.sleep(0.01)
         assert not blocked.done()
@@ -177,9 +177,9 @@ def test_under_block_a_save_waits_for_the_flush_of_a_kept_step_and_says_so(tmp_p
         assert slot is not None and blocked_s > 0
         assert reason.startswith("waits for the NVMe flush of b step 1")
         for step in (1, 2, 3):
-            assert (await _wait(pipeline, "b", step)).done
+            assert (await _wait(node, "b", step)).done
         assert sorted(disk.written) == [(1, 0), (2, 0), (3, 0)]
-        assert (await pipeline.status())["passed_over"] == {}
+        assert (await node.pipeline.status())["passed_over"] == {}
 
     _run(_config(tmp_path, flush_every=1), body)
 
@@ -202,19 +202,19 @@ def test_a_restart_flushes_only_the_newest_pending_snapshot_and_passes_over_the_
     markers = sorted(p.name for p in (config.staging_dir / "c").glob("*.pending.json"))
     assert len(markers) == 4
 
-    async def body(pipeline, disk):
+    async def body(node, disk):
         for rank in (0, 1):
-            assert (await _wait(pipeline, "c", 6, rank, 2)).done
-            assert (await _wait(pipeline, "c", 5, rank, 2)).passed_over
+            assert (await _wait(node, "c", 6, rank, 2)).done
+            assert (await _wait(node, "c", 5, rank, 2)).passed_over
         assert sorted(disk.written) == [(6, 0), (6, 1)]  # step 5 was never written
-        assert pipeline.node.nvme.complete_steps("c") == [6]
+        assert node.nvme.complete_steps("c") == [6]
         assert not (config.root / "c" / "5").exists()
-        held = {s.shard.step for s in pipeline.node.pool.slots() if s.shard}
+        held = {s.shard.step for s in node.pool.slots() if s.shard}
         assert held == {6}  # step 5's markers are gone: a second restart would not find it either
 
-    async def opened(pipeline, disk):
+    async def opened(node, disk):
         disk.opened.set()
-        return await body(pipeline, disk)
+        return await body(node, disk)
 
     _run(config, opened)
 

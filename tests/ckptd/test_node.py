@@ -11,7 +11,7 @@ from ckpt.errors import InvalidArgument
 from ckpt.format import ShardMeta, chunk_ranges, digest
 
 from ckptd.config import Config, NodeConfig, StagingConfig
-from ckptd.pipeline import Pipeline
+from ckptd.node import Node
 
 CHUNK = 1 << 20
 
@@ -26,11 +26,11 @@ def test_a_job_is_not_removed_under_a_replica_being_received(tmp_path):
     async def first_half() -> AsyncIterator[bytes]:
         yield data[:CHUNK]
 
-    async def body(pipeline: Pipeline) -> None:
-        await pipeline.receiver.receive_range(meta, "ab" * 8, 0, CHUNK, first_half())  # the other half to come
+    async def body(node: Node) -> None:
+        await node.receiver.receive_range(meta, "ab" * 8, 0, CHUNK, first_half())  # the other half to come
         with pytest.raises(InvalidArgument, match="still receiving replicas of steps \\[3\\]"):
-            await pipeline.remove_job("j", dry_run=False, object_too=False)
-        assert list(pipeline.config.replica_root.glob("j/3/*.partial"))
-        await pipeline.drain()
+            await node.pipeline.remove_job("j", dry_run=False, object_too=False)
+        assert list(config.replica_root.glob("j/3/*.partial"))
+        await node.drain()
 
-    asyncio.run(body(Pipeline(config)))
+    asyncio.run(body(Node(config)))

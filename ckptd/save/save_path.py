@@ -1,0 +1,379 @@
+"""The save, in order, in one place: reserve → copy → commit → flush → seal → replicate → upload → retain.
+
+One SavePath per daemon, on the event loop; the composition root (node.py) builds it with
+the roles it orders, and Pipeline hands it the RPCs of a save. For each save of a rank:
+
+1. reserve()   SlotPool finds a slot (waits under "block", skipped under "skip"); a save that
+               replaces its rank's snapshot not yet flushed passes that step over;
+2. (the copy)  the client copies the tensors into the slot: nothing runs here;
+3. commit()    the slot's markers are written on the save threads, ShardProgress hears of
+               the copy, and the job's flush rounds start if they do not run;
+4. flush       each round (Flusher.begin_round) pins one step's slots; Flusher.write writes each
+               to NVMe. As soon as its checksums are known:
+5. replicate   Replication sends it to its peers, from the slot, beside the NVMe write;
+6. upload      once durable on NVMe: the Uploader queues it for the object store ([object] every);
+7. seal        after each shard, not awaited by the round: the step is sealed (its commit record)
+               if every rank is in, here or on the peers (Peering.seal), under the seal lock;
+8. retain      once sealed: retention runs for the job on NVMe and the replica store.
+
+The same seal (7) follows a replica's arrival (replica_arrived) and a commit the cluster
+learned (adopt_commit). At start-up, resume() takes over the slots an earlier run left,
+before any RPC is served, and flushes them by rounds too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import OrderedDict
+from collections.abc import Coroutine
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from ckpt.errors import CheckpointError, InvalidArgument
+from ckpt.format import CommitRecord, ShardMeta
+
+from ckptd.cluster.view import ClusterView
+from ckptd.operations import metrics
+from ckptd.operations.retention import RetentionRunner
+from ckptd.replication.peering import Peering
+from ckptd.save.flush import Flusher
+from ckptd.save.progress import REMEMBERED_SHARDS, ShardProgress
+from ckptd.save.staging import ShardKey, Slot, SlotPool, Snapshot
+from ckptd.save.uploading import Uploader
+from ckptd.tiers.base import DurableTier
+from ckptd.tiers.nvme import LocalDirTier
+
+log = logging.getLogger(__name__)
+
+LOCAL_TIERS = ("nvme", "peer")  # the tiers retention runs on after a seal here
+
+
+class SavePath:
+    """Order the roles of a save, from the slot reserved to the step retained."""
+
+    def __init__(
+        self,
+        pool: SlotPool,
+        flusher: Flusher,
+        nvme: LocalDirTier,
+        durable_tiers: list[DurableTier],
+        peering: Peering,
+        uploader: Uploader | None,
+        progress: ShardProgress,
+        retention: RetentionRunner,
+        view: ClusterView | None,
+        save_threads: ThreadPoolExecutor,
+        peer_threads: ThreadPoolExecutor,
+    ) -> None:
+        """save_threads: Reserve's and Commit's disk work, never behind a flush; peer_threads: short tier lookups."""
+        self.pool = pool
+        self.flusher = flusher
+        self.nvme = nvme
+        self.durable_tiers = durable_tiers
+        self.peering = peering
+        self.uploader = uploader
+        self.progress = progress
+        self.retention = retention
+        self.view = view
+        self._save_threads = save_threads
+        self._peer_threads = peer_threads
+        self.seal_lock = asyncio.Lock()  # one seal at a time on this node (reconciliation takes it too)
+        self._rounds: dict[str, asyncio.Task[None]] = {}  # job -> its rounds, while a snapshot of it waits
+        self._latest_run: OrderedDict[tuple[str, int], str] = OrderedDict()  # the run that committed a step last
+        self.tasks: set[asyncio.Task[None]] = set()
+        self.counters = {"saves": 0, "skipped": 0, "bytes_saved": 0}
+        self.save_seconds = metrics.Histogram(
+            "ckptd_save_duration_seconds",
+            "From a rank's slot reserved to its snapshot committed (the copy: what the daemon sees of a save's stall)",
+            metrics.SAVE_BUCKETS_S,
+        )
+
+    # -- 1. reserve -------------------------------------------------------------------
+
+    async def reserve(self, key: ShardKey, size_bytes: int) -> tuple[Slot | None, float, str]:
+        """Find staging room for a shard (see SlotPool.reserve); return (slot or None, seconds blocked, why)."""
+        # A skipped save is the caller's to report, and the servicer's to log (at a pace a caller cannot flood).
+        if await self.is_complete(key.job, key.step):  # before any slot is claimed for a save that will not be
+            self.counters["skipped"] += 1
+            return None, 0.0, f"{key.job} step {key.step} is already complete; a complete step is never rewritten"
+        reserved = await self.pool.reserve(key.job, key.rank, size_bytes)
+        if reserved.slot is None:
+            self.counters["skipped"] += 1
+            return None, 0.0, f"{reserved.reason} (staging.policy = skip)"
+        if reserved.blocked_s > 0.5:
+            log.warning("%s waited %.1f s for staging room: %s", key, reserved.blocked_s, reserved.reason)
+        self.flusher.reserved(key)
+        if reserved.replaced is not None and reserved.replaced.step != key.step:  # the same step: saved again
+            self.progress.passed_over.passed_over(reserved.replaced, key.step)
+            await self.progress.changed()
+        return reserved.slot, reserved.blocked_s, reserved.reason
+
+    async def is_complete(self, job: str, step: int) -> bool:
+        """Say whether a durable tier holds the step complete (one complete in memory alone may be saved again)."""
+        return await asyncio.get_running_loop().run_in_executor(self._save_threads, self._complete, job, step)
+
+    def _complete(self, job: str, step: int) -> bool:
+        return any(t.is_complete(job, step) for t in self.durable_tiers)
+
+    # -- 3. commit --------------------------------------------------------------------
+
+    async def commit(self, snapshot: Snapshot) -> None:
+        """Take over a filled slot and queue its flush; return once its markers are written."""
+        key = snapshot.key
+        if len(snapshot.run_id) > 256:
+            raise InvalidArgument(f"{key}: run_id is longer than 256 characters")
+        slot = self.pool.take(snapshot)
+        # Once taken, the slot is committed and flushed even if the client goes away meanwhile.
+        await asyncio.shield(self._spawn(self._take_over(slot, snapshot)))
+
+    async def _take_over(self, slot: Slot, snapshot: Snapshot) -> None:
+        key = snapshot.key
+        try:
+            # Off the event loop: the slot's layout, megabytes, is read and written beside it.
+            loop = asyncio.get_running_loop()
+            layout_json = await loop.run_in_executor(self._save_threads, self._write_markers, slot, snapshot)
+        except BaseException:
+            self.pool.abandon(slot)
+            raise
+        self.pool.committed(slot, snapshot, layout_json)
+        copy_s = await self.flusher.copied(key)
+        if copy_s is not None:
+            self.save_seconds.observe(copy_s)
+        self._note_run(key, snapshot.run_id)
+        self.progress.copy_committed(key)
+        self.peering.forget_replicas(key)  # of an earlier copy of the shard: this one replaces it
+        if self.uploader is not None:
+            self.uploader.forget(key)
+        self.counters["saves"] += 1
+        self.counters["bytes_saved"] += snapshot.data_size_bytes
+        self.flush_soon(key.job)
+
+    def _write_markers(self, slot: Slot, snapshot: Snapshot) -> str:
+        """Refuse a snapshot of a step complete meanwhile, else mark the slot committed (one hop: a save thread)."""
+        key = snapshot.key
+        if self._complete(key.job, key.step):
+            raise InvalidArgument(f"{key.job} step {key.step} is already complete; a complete step is never rewritten")
+        return self.pool.write_markers(slot, snapshot)
+
+    def _note_run(self, key: ShardKey, run_id: str) -> None:
+        """Remember the run that committed a step last (bounded, oldest first): seals take its shards only."""
+        self._latest_run.pop((key.job, key.step), None)  # re-insert: the table stays ordered by commit
+        self._latest_run[(key.job, key.step)] = run_id
+        while len(self._latest_run) > REMEMBERED_SHARDS:
+            self._latest_run.popitem(last=False)
+
+    # -- 4. flush, 5. replicate, 6. upload -----------------------------------------------
+
+    def flush_soon(self, job: str) -> None:
+        """Start the job's flush rounds unless they run: they go on while a snapshot of the job waits for its flush."""
+        if job in self._rounds:
+            return  # the running rounds look again after their current one
+        self._rounds[job] = self._spawn(self._rounds_of(job))
+
+    async def _rounds_of(self, job: str) -> None:
+        """Flush the job round after round until no snapshot of it waits (a task per job, see flush_soon)."""
+        try:
+            while True:
+                await self.flusher.until_ranks_agree(job)
+                begun = self.flusher.begin_round(job)
+                if begun is None:
+                    return  # and, before any await, out of _rounds: the next commit starts them again
+                chosen, passed_over = begun
+                for key in passed_over:
+                    self.progress.passed_over.passed_over(key, chosen.step)
+                await self.pool.changed()  # the slots passed over are free: saves waiting for one may go on
+                await self.progress.changed()  # their waiters hear they were passed over
+                await asyncio.gather(*(self._flush(slot) for slot in chosen.flushed))
+        finally:
+            self._rounds.pop(job, None)
+
+    async def _flush(self, slot: Slot) -> None:
+        """Write one pinned slot to NVMe, replicating it once hashed and uploading it once durable; then seal."""
+        key = slot.shard
+        assert key is not None
+        hashed_before = slot.meta is not None  # a flush resumed after a restart: no new checksums come
+        try:
+            if not await self.flusher.write(slot, lambda meta: self.peering.replicate(key, meta, slot.path)):
+                return  # another snapshot is in the slot now
+            if not self.flusher.others_unflushed(slot):
+                self.progress.sealing_started(key)
+            if hashed_before and slot.meta is not None:
+                self.peering.replicate(key, slot.meta, slot.path)
+            if self.uploader is not None:
+                self.uploader.upload(key)
+        except Exception as e:  # a flush must never fail silently, whatever broke
+            if not isinstance(e, (CheckpointError, OSError)):
+                log.exception("flush of %s failed unexpectedly", key)
+            self.progress.failed(key, "nvme", str(e))
+        # Not awaited by the round: the job's next round need not wait for the seal and retention.
+        self._spawn(self.after_flush(key))
+
+    # -- 7. seal, 8. retain ------------------------------------------------------------------
+
+    async def after_flush(self, key: ShardKey) -> None:
+        """Seal the shard's step if it can be, tell the waiters, then apply retention to the job."""
+        record = None
+        try:
+            record = await self.seal(key.job, key.step)
+        except (CheckpointError, OSError) as e:
+            self.progress.failed(key, "nvme", f"commit of {key.job} step {key.step} failed: {e}")
+        finally:
+            self.progress.sealing_done(key)
+        await self.progress.changed()  # waiters first: retention below may take a while
+        if record is None:
+            return
+        self.progress.step_completed("nvme", key.job, key.step)
+        log.info("%s step %d is complete on nvme (%d bytes)", key.job, key.step, record.size_bytes)
+        try:
+            await self.retention.collect(dry_run=False, job=key.job, tiers=LOCAL_TIERS)
+        except (CheckpointError, OSError) as e:
+            self.progress.failed(key, "nvme", f"retention for {key.job} failed: {e}")
+
+    async def seal(self, job: str, step: int) -> CommitRecord | None:
+        """Seal a step that just got a durable shard here (flushed or received), if it can be now.
+
+        One seal at a time (two ranks finishing together must not both write the record),
+        and none while another shard of the step is still on its way: a re-saved shard
+        replaces the old one before the step is sealed. Where other nodes hold ranks of the
+        step, it is reported to the cluster view instead, and sealed when its commit comes.
+        """
+        if self.flusher.flushing(job, step):
+            return None  # sealed when the last of its flushes ends
+        async with self.seal_lock:
+            if self.flusher.flushing(job, step):
+                return None
+            # Sealed from the latest run that committed the step: a late flush of an
+            # earlier run never counts beside the newer run's shards.
+            return await self.peering.seal(job, step, self._latest_run.get((job, step)))
+
+    async def replica_arrived(self, meta: ShardMeta) -> None:
+        """Seal the step of a replica that just became durable here, if it was the last rank missing.
+
+        Before the sender hears that its replica is in: once every rank has waited for
+        "peer", losing any one node can no longer lose the step.
+        """
+        try:
+            record = await self.seal(meta.job, meta.step)
+        except (CheckpointError, OSError) as e:
+            log.warning("sealing %s step %d after a replica arrived failed: %s", meta.job, meta.step, e)
+            return
+        if record is not None:
+            log.info("%s step %d is complete across the cluster", meta.job, meta.step)
+            await self._note_nvme_complete(record)
+
+    async def commit_learned(self, record: CommitRecord) -> None:
+        """The view's on_commit: adopt_commit, its refusals logged (the view goes on following commits)."""
+        try:
+            await self.adopt_commit(record)
+        except (CheckpointError, OSError) as e:
+            log.warning("%s step %d: the cluster's commit was not adopted here: %s", record.job, record.step, e)
+
+    async def adopt_commit(self, record: CommitRecord) -> None:
+        """Seal a step the cluster found complete, where this node holds part of it (the view, a peer's CommitStep).
+
+        As a seal: under the seal lock, and not while a shard of the step is still flushing
+        (that flush seals the step when it ends, with the record the view now knows).
+        Raises StepAlreadyComplete where this node holds the step with another record.
+        """
+        try:
+            async with self.seal_lock:
+                if self.flusher.flushing(record.job, record.step):
+                    if self.view is not None:
+                        self.view.seeded([record])
+                    return
+                adopted = await self.peering.adopt_told(record)
+            if adopted:
+                log.info("%s step %d is complete across the cluster", record.job, record.step)
+                await self._note_nvme_complete(record)
+        finally:
+            await self.progress.changed()
+
+    async def _note_nvme_complete(self, record: CommitRecord) -> None:
+        """Tell `status` and /metrics that a step sealed here is complete on this node's NVMe, if its shards are."""
+        held = await asyncio.get_running_loop().run_in_executor(
+            self._peer_threads, self.nvme.checked_commit, record.job, record.step
+        )
+        if held is not None:
+            self.progress.step_completed("nvme", record.job, record.step)
+
+    # -- what the replicas and uploads report (registered by the composition root) -----------------
+
+    def replication_changed(self, key: ShardKey, replicated: bool) -> None:
+        """Replication's on_change: a shard's replicas reached their peers, or an attempt failed."""
+        if replicated:
+            self.progress.reached(key, "peer")  # stays known after the shard is no longer tracked
+        self.progress.changed_soon()
+
+    def upload_changed(self, key: ShardKey, committed: bool) -> None:
+        """The Uploader's on_change: a shard's upload, or its step's commit in the store, moved on."""
+        state = self.uploader.state(key) if self.uploader is not None else None
+        if state is not None and state.committed:  # its step's commit record is in the store
+            self.progress.step_completed("object", key.job, key.step)
+        self.progress.changed_soon()
+        if committed:  # a new step in the store: [retention] object may now remove an older one
+            self.retention.collect_soon(key.job, ("object",))
+
+    # -- recovery and drain ------------------------------------------------------------------
+
+    async def resume(self) -> None:
+        """Take over the slots an earlier run left: flush what is not on NVMe yet, seal what a crash left whole.
+
+        What is not on NVMe is flushed by rounds, as any save: of each rank, the snapshot of
+        the step its job's round picks (the newest, or one [nvme] flush_every keeps); older
+        ones are passed over, their markers removed, so recovery never writes a step it would
+        pass over. The checks run on the save threads: resumed flushes take the flush threads meanwhile.
+        """
+        loop = asyncio.get_running_loop()
+        held = await loop.run_in_executor(self._save_threads, self.pool.recover)
+        for slot in sorted(held, key=lambda s: s.committed_seq):
+            assert slot.shard is not None
+            self._note_run(slot.shard, slot.run_id)
+        for slot in sorted(held, key=lambda s: s.shard.step if s.shard else 0):
+            key = slot.shard
+            assert key is not None
+            if await loop.run_in_executor(self._save_threads, self._flushed_already, slot, key):
+                await self.pool.settle(slot)
+        newest: dict[tuple[str, int], Slot] = {}  # of each rank, the snapshot its rounds will flush
+        for slot in sorted((s for s in held if s.state == "pending"), key=lambda s: s.committed_seq):
+            newest[(slot.job, slot.rank)] = slot
+        for slot in newest.values():
+            log.info("resuming flush of %s", slot.shard)
+        for job in sorted({job for job, _ in newest}):
+            self.flush_soon(job)
+        # A crash between the last shard's rename and the commit record leaves a
+        # step with every shard in place: commit it now.
+        for job, step, world_size in await loop.run_in_executor(self._save_threads, self._interrupted_commits):
+            await self.after_flush(ShardKey(job, step, 0, world_size))
+
+    def _flushed_already(self, slot: Slot, key: ShardKey) -> bool:
+        # Complete, or older than the newest complete step (removed by retention, or never
+        # to complete), or this very copy already on disk: nothing left to flush. A copy
+        # not even checksummed is flushed again (a rewrite of an incomplete step is harmless).
+        complete = self.nvme.complete_steps(key.job)
+        return key.step <= max(complete, default=-1) or (slot.meta is not None and self.nvme.holds(slot.meta))
+
+    def _interrupted_commits(self) -> list[tuple[str, int, int]]:
+        found = []
+        for job in self.nvme.jobs():
+            complete = set(self.nvme.complete_steps(job))
+            for step in self.nvme.all_steps(job):
+                world_size = None if step in complete else self.nvme.saved_world_size(job, step)
+                if world_size:
+                    found.append((job, step, world_size))
+        return found
+
+    def busy_steps(self) -> set[tuple[str, int]]:
+        """Return the steps with a shard on its way to NVMe: retention keeps off them (BusySteps)."""
+        return self.flusher.busy_steps()
+
+    async def drain(self) -> None:
+        """Wait for every queued flush, seal and retention pass of a save."""
+        while self.tasks:
+            await asyncio.gather(*list(self.tasks), return_exceptions=True)
+
+    def _spawn(self, work: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+        task = asyncio.get_running_loop().create_task(work)
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+        return task
