@@ -1,13 +1,19 @@
-"""The interfaces every tier offers to the pipeline, retention and the CLI."""
+"""The interfaces every tier offers to the save path, replication, retention and the CLI.
+
+Tier: read complete steps. DurableTier: also receive shards, each through one ShardWrite,
+and seal steps. The memory tier only reads; NVMe and the replica store (tiers.nvme) and the
+object store (tiers.object) are durable.
+"""
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
 
 from ckpt import shard_io
 from ckpt.format import CommitRecord, ShardMeta
 from ckpt.shard_io import ShardSource
+
+from ckptd.byte_range import ByteRange
 
 
 class Tier(ABC):
@@ -54,6 +60,42 @@ class Tier(ABC):
         shard_io.read_shard_into(source, meta, buffer, offset, length)
 
 
+class ShardWrite(ABC):
+    """One copy of one shard on its way into a durable tier: the one way bytes enter a tier.
+
+    The NVMe flush, the replica receiver (both transports) and the uploader all use it, in
+    this order, for one copy of one shard:
+
+    1. DurableTier.open_shard(meta, transfer) returns it, on a worker thread: the step is made
+       ready and the rank's older copy stops counting (refused, StepAlreadyComplete, where the
+       step is complete here with other shards);
+    2. write(range, data) for every byte range of the shard, each on chunk boundaries (the
+       last may end with the shard): every chunk is checked against meta's checksums, or
+       hashed where meta carries none. With `ordered` False (local directories) ranges come in
+       any order from any worker thread, several at once; with it True (the object store's
+       streams) they come in order from one thread;
+    3. seal(), on a worker thread, once every range is in: the shard is durable and counts
+       (the commit protocol of storage.commit_protocol) and seal returns its record, with
+       checksums; or abandon(), from any thread, at any point before: what was written goes
+       and nothing counts. After either, the ShardWrite is spent.
+    """
+
+    meta: ShardMeta
+    ordered: bool = False
+
+    @abstractmethod
+    def write(self, byte_range: ByteRange, data: memoryview) -> None:
+        """Write one range of the shard's bytes (data holds exactly them), every chunk checked or hashed."""
+
+    @abstractmethod
+    def seal(self) -> ShardMeta:
+        """Make the shard durable and counted once every range is in; return its record with checksums."""
+
+    @abstractmethod
+    def abandon(self) -> None:
+        """Give the copy up: what was written goes, nothing counts (safe to call twice, or after a failed seal)."""
+
+
 class DurableTier(Tier):
     """A tier written shard by shard with the atomic commit protocol of docs/FORMAT.md.
 
@@ -61,7 +103,7 @@ class DurableTier(Tier):
     the same step at once:
 
     1. remove_leftovers() once, at start-up, before anything else;
-    2. for each shard: write_shard(), which returns once the shard is durable;
+    2. for each shard: open_shard(), then the ShardWrite's calls (above) until it is sealed;
     3. after each shard: try_commit(), which seals the step once every rank is in, or
        adopt_commit(), when the step is complete across nodes;
     4. from retention: remove_step(), for steps the config no longer keeps, and
@@ -70,14 +112,8 @@ class DurableTier(Tier):
     """
 
     @abstractmethod
-    def write_shard(
-        self, meta: ShardMeta, data: memoryview, on_hashed: Callable[[ShardMeta], None] | None = None
-    ) -> ShardMeta:
-        """Write one shard durably and return its metadata with chunk checksums.
-
-        If meta carries checksums, the bytes are checked against them on the way;
-        if not, they are computed once and on_hashed receives the completed metadata.
-        """
+    def open_shard(self, meta: ShardMeta, transfer: str = "") -> ShardWrite:
+        """Begin receiving one copy of a shard (see ShardWrite); transfer names it, for the temporary files."""
 
     def is_complete(self, job: str, step: int) -> bool:
         """Say whether the step is complete here (a tier may answer without listing every step)."""
