@@ -8,6 +8,7 @@ object store (tiers.object) are durable.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 
 from ckpt import shard_io
 from ckpt.format import CommitRecord, ShardMeta
@@ -84,8 +85,13 @@ class ShardWrite(ABC):
     ordered: bool = False
 
     @abstractmethod
-    def write(self, byte_range: ByteRange, data: memoryview) -> None:
-        """Write one range of the shard's bytes (data holds exactly them), every chunk checked or hashed."""
+    def write(self, byte_range: ByteRange, data: memoryview, digests: Sequence[str] | None = None) -> None:
+        """Write one range of the shard's bytes (data holds exactly them), every chunk checked or hashed.
+
+        digests: the range's chunk checksums where the caller computed them from these very
+        bytes (the flush hashes ahead, on its own thread, so that replicas start before the
+        writes end): taken as they are, neither checked nor computed again.
+        """
 
     @abstractmethod
     def seal(self) -> ShardMeta:
