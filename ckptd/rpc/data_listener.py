@@ -4,7 +4,7 @@ Who calls what: daemon.serve starts a DataListener before the peer server and st
 first (event loop); PeerServicer.OpenDataRange calls offer() (event loop), after the
 receiver admitted the range; each connection is a task on the event loop, its TLS
 handshake, ticket and status on the listener's threads, its bytes on the receiver's
-(ReplicaReceiver._recv_range).
+(ReplicaReceiver._fill_and_write, the receive loop PutShard's pieces go through too).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from ckpt.errors import CheckpointError, CorruptCheckpoint, InvalidArgument
 from ckpt.format import ShardMeta
 
+from ckptd.byte_range import ByteRange
 from ckptd.config import PeerConfig
 from ckptd.errors import ReceiverBusy
 from ckptd.replication.receiving import ReplicaReceiver
@@ -39,8 +40,7 @@ MAX_CONNECTIONS = 32  # open at once; more are closed at once
 class _Offer:
     meta: ShardMeta
     transfer: str
-    offset: int
-    length: int
+    byte_range: ByteRange
     expires_s: float
 
 
@@ -88,7 +88,7 @@ class DataListener:
         self._sock, self.port = sock, sock.getsockname()[1]
         self._accepting = asyncio.get_running_loop().create_task(self._accept())
 
-    def offer(self, meta: ShardMeta, transfer: str, offset: int, length: int) -> bytes:
+    def offer(self, meta: ShardMeta, transfer: str, byte_range: ByteRange) -> bytes:
         """Return a one-time ticket for a range the receiver admitted (ReceiverBusy: too many offered)."""
         now = time.monotonic()
         for ticket in [k for k, o in self._offers.items() if o.expires_s < now]:
@@ -96,7 +96,7 @@ class DataListener:
         if len(self._offers) >= MAX_TICKETS:
             raise ReceiverBusy(f"{len(self._offers)} data ranges are offered already")
         ticket = secrets.token_bytes(TICKET_BYTES)
-        self._offers[ticket] = _Offer(meta, transfer, offset, length, now + TICKET_TTL_S)
+        self._offers[ticket] = _Offer(meta, transfer, byte_range, now + TICKET_TTL_S)
         return ticket
 
     async def stop(self) -> None:
@@ -153,7 +153,7 @@ class DataListener:
     async def _receive(self, offer: _Offer, sock: socket.socket) -> str:
         """Receive an offered range; return the status to send back."""
         try:
-            await self._receiver.receive_range(offer.meta, offer.transfer, offer.offset, offer.length, sock)
+            await self._receiver.receive_range(offer.meta, offer.transfer, offer.byte_range, sock)
         except CorruptCheckpoint as e:
             self._on_bad_chunk()
             return f"DATA_LOSS {e}"

@@ -7,14 +7,26 @@ object store (tiers.object) are durable.
 
 from __future__ import annotations
 
+import dataclasses
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import Executor, Future, wait
 
 from ckpt import shard_io
-from ckpt.format import CommitRecord, ShardMeta
+from ckpt.chunks import check_chunks, chunk_digests
+from ckpt.errors import CorruptCheckpoint
+from ckpt.format import CommitRecord, ShardMeta, chunk_ranges
 from ckpt.shard_io import ShardSource
 
 from ckptd.byte_range import ByteRange
+from ckptd.errors import ShardWriteError
+
+WRITE_BLOCK_BYTES = 32 << 20  # what write_shard hashes, then hands to a writer thread, at a time
+
+
+def shard_on_tier(meta: ShardMeta, tier_name: str) -> str:
+    """Name one copy of a shard in messages: "rank R shard of JOB step S on tier T"."""
+    return f"rank {meta.rank} shard of {meta.job} step {meta.step} on tier {tier_name}"
 
 
 class Tier(ABC):
@@ -109,7 +121,9 @@ class DurableTier(Tier):
     the same step at once:
 
     1. remove_leftovers() once, at start-up, before anything else;
-    2. for each shard: open_shard(), then the ShardWrite's calls (above) until it is sealed;
+    2. for each shard: open_shard(), then the ShardWrite's calls (above) until it is sealed or
+       abandoned (the replica receiver, range by range); or write_shard(), which makes those
+       calls for a whole shard in memory (the NVMe flush, fetch, restore);
     3. after each shard: try_commit(), which seals the step once every rank is in, or
        adopt_commit(), when the step is complete across nodes;
     4. from retention: remove_step(), for steps the config no longer keeps, and
@@ -120,6 +134,63 @@ class DurableTier(Tier):
     @abstractmethod
     def open_shard(self, meta: ShardMeta, transfer: str = "") -> ShardWrite:
         """Begin receiving one copy of a shard (see ShardWrite); transfer names it, for the temporary files."""
+
+    @property
+    def write_threads(self) -> Executor | None:
+        """Return the threads write_shard hands its blocks to, or None: it writes them itself, in order."""
+        return None
+
+    def write_shard(
+        self, meta: ShardMeta, data: memoryview, on_hashed: Callable[[ShardMeta], None] | None = None
+    ) -> ShardMeta:
+        """Write a whole shard from memory through open_shard, write and seal; return its record with checksums.
+
+        Called from a worker thread: the NVMe flush's (data a whole mmap'd slot), fetch_shard's,
+        restore's. data holds at least the shard's bytes, page-aligned for direct writes. The
+        calling thread goes through it in blocks of WRITE_BLOCK_BYTES, ahead of the writes:
+        each block's chunks are checked against meta's checksums or, where meta carries none,
+        hashed (once: write() takes those digests), then the block goes to write_threads
+        (several at once), or is written there and then for a tier without them or whose
+        ShardWrite is ordered. Where meta carries no checksums, on_hashed gets the full
+        record as soon as every chunk is hashed, before the writes are durable (replication
+        starts from it). Any failure abandons the copy; an OSError, or bytes that do not
+        match meta, is a ShardWriteError naming the shard and the tier.
+        """
+        what = shard_on_tier(meta, self.name)
+        size, chunk = meta.data_size_bytes, meta.chunk_size_bytes
+        if len(data) < size:
+            raise ValueError(f"{what}: buffer of {len(data)} bytes is short of the shard's {size}")
+        shard = self.open_shard(meta)
+        threads = None if shard.ordered else self.write_threads
+        writes: list[Future[None]] = []
+        try:
+            digests: list[str] = []
+            block_bytes = max(1, WRITE_BLOCK_BYTES // chunk) * chunk
+            for offset, length in chunk_ranges(size, block_bytes):
+                block = data[offset : offset + length]
+                if meta.chunk_xxh3_128:
+                    check_chunks(meta, block, offset, what)
+                    block_digests = list(meta.chunk_xxh3_128[offset // chunk : -(-(offset + length) // chunk)])
+                else:
+                    block_digests = chunk_digests(block, chunk)
+                    digests += block_digests
+                if threads is None:
+                    shard.write(ByteRange(offset, length), block, block_digests)
+                else:
+                    writes.append(threads.submit(shard.write, ByteRange(offset, length), block, block_digests))
+            if not meta.chunk_xxh3_128 and on_hashed is not None:
+                on_hashed(dataclasses.replace(meta, chunk_xxh3_128=tuple(digests)))
+            for w in writes:
+                w.result()
+            return shard.seal()
+        except BaseException as e:
+            wait(writes)  # never abandon the copy, nor give data back to the caller, under a write still running
+            shard.abandon()
+            if isinstance(e, OSError):
+                raise ShardWriteError(f"{what}: {e.strerror or e}") from e
+            if isinstance(e, CorruptCheckpoint):  # the bytes to write are not the ones meta describes
+                raise ShardWriteError(str(e)) from e
+            raise
 
     def is_complete(self, job: str, step: int) -> bool:
         """Say whether the step is complete here (a tier may answer without listing every step)."""

@@ -14,6 +14,7 @@ from ckpt.errors import CorruptCheckpoint, InvalidArgument
 from ckpt.format import CommitRecord, ShardMeta, chunk_ranges, digest
 from ckpt.shard_io import read_meta
 
+from ckptd.byte_range import ByteRange
 from ckptd.errors import ReceiverBusy, StepAlreadyComplete
 from ckptd.replication.receiving import MAX_RANGES_IN_FLIGHT, ReplicaReceiver
 from ckptd.rpc.shard_stream import PIECE_BYTES, byte_ranges
@@ -64,7 +65,10 @@ def test_ranges_in_any_order_make_one_durable_replica(tmp_path):
     async def body(receiver):
         halves = [(0, 3 * CHUNK), (3 * CHUNK, meta.data_size_bytes - 3 * CHUNK)]
         await asyncio.gather(
-            *(receiver.receive_range(meta, "ab" * 8, o, n, pieces(data[o : o + n])) for o, n in reversed(halves))
+            *(
+                receiver.receive_range(meta, "ab" * 8, ByteRange(o, n), pieces(data[o : o + n]))
+                for o, n in reversed(halves)
+            )
         )
         await receiver.seal(meta, "ab" * 8, None)
 
@@ -83,7 +87,7 @@ def test_ranges_read_from_data_connections_make_one_durable_replica(tmp_path):
         with connection(data[: 10 * CHUNK]) as first, connection(data[10 * CHUNK :]) as second:
             await asyncio.gather(
                 *(
-                    receiver.receive_range(meta, "ab" * 8, o, n, sock)
+                    receiver.receive_range(meta, "ab" * 8, ByteRange(o, n), sock)
                     for (o, n), sock in zip(halves, (first, second), strict=True)
                 )
             )
@@ -106,7 +110,7 @@ def test_a_data_connection_with_a_bad_chunk_or_cut_short_leaves_nothing(tmp_path
 
     async def body(receiver):
         with connection(bytes(sent)) as sock, pytest.raises(CorruptCheckpoint, match=why):
-            await receiver.receive_range(meta, "cd" * 8, 0, len(data), sock)
+            await receiver.receive_range(meta, "cd" * 8, ByteRange(0, len(data)), sock)
         with pytest.raises(InvalidArgument):
             await receiver.seal(meta, "cd" * 8, None)
 
@@ -126,7 +130,7 @@ def test_a_bad_chunk_is_rejected_and_leaves_nothing(tmp_path):
 
     async def body(receiver):
         with pytest.raises(CorruptCheckpoint, match=r"chunk 1 .* checksum mismatch"):
-            await receiver.receive_range(meta, "cd" * 8, 0, len(bad), pieces(bytes(bad)))
+            await receiver.receive_range(meta, "cd" * 8, ByteRange(0, len(bad)), pieces(bytes(bad)))
         with pytest.raises(InvalidArgument):
             await receiver.seal(meta, "cd" * 8, None)
 
@@ -141,10 +145,10 @@ def test_another_replica_of_a_step_complete_here_is_refused_as_such(tmp_path):
     record = CommitRecord("j", 3, 1, (digest(meta.to_bytes()),), CHUNK)
 
     async def body(receiver):
-        await receiver.receive_range(meta, "ab" * 8, 0, CHUNK, pieces(data))
+        await receiver.receive_range(meta, "ab" * 8, ByteRange(0, CHUNK), pieces(data))
         await receiver.seal(meta, "ab" * 8, record)
         with pytest.raises(StepAlreadyComplete, match="never rewritten"):  # a refusal, not an internal error
-            await receiver.receive_range(other, "cd" * 8, 0, CHUNK, pieces(other_data))
+            await receiver.receive_range(other, "cd" * 8, ByteRange(0, CHUNK), pieces(other_data))
 
     tier = run(tmp_path, body)
     assert tier.checked_commit("j", 3) == record and read_meta_ok(tier.step_dir("j", 3), meta)
@@ -154,7 +158,7 @@ def test_a_replica_missing_a_range_is_never_sealed(tmp_path):
     meta, data = make_shard(4 * CHUNK)
 
     async def body(receiver):
-        await receiver.receive_range(meta, "ef" * 8, 0, 2 * CHUNK, pieces(data[: 2 * CHUNK]))
+        await receiver.receive_range(meta, "ef" * 8, ByteRange(0, 2 * CHUNK), pieces(data[: 2 * CHUNK]))
         with pytest.raises(InvalidArgument, match="2 chunks never arrived"):
             await receiver.seal(meta, "ef" * 8, None)
 
@@ -176,7 +180,7 @@ def test_bad_ranges_are_refused(tmp_path, transfer, offset, length, why):
 
     async def body(receiver):
         with pytest.raises(InvalidArgument, match=why):
-            await receiver.receive_range(meta, transfer, offset, length, pieces(data))
+            await receiver.receive_range(meta, transfer, ByteRange(offset, length), pieces(data))
 
     run(tmp_path, body)
 
@@ -186,7 +190,7 @@ def test_too_many_bytes_in_a_range_are_refused(tmp_path):
 
     async def body(receiver):
         with pytest.raises(CorruptCheckpoint, match="more bytes"):
-            await receiver.receive_range(meta, "ab" * 8, 0, CHUNK, pieces(data))
+            await receiver.receive_range(meta, "ab" * 8, ByteRange(0, CHUNK), pieces(data))
 
     run(tmp_path, body)
 
@@ -195,7 +199,7 @@ def test_read_meta_of_a_received_step_needs_its_commit(tmp_path):
     meta, data = make_shard(CHUNK)
 
     async def body(receiver):
-        await receiver.receive_range(meta, "ab" * 8, 0, CHUNK, pieces(data))
+        await receiver.receive_range(meta, "ab" * 8, ByteRange(0, CHUNK), pieces(data))
         await receiver.seal(meta, "ab" * 8, None)
 
     tier = run(tmp_path, body)
@@ -211,12 +215,14 @@ def test_too_many_replicas_at_once_are_refused_until_some_end(tmp_path, monkeypa
     other = ShardMeta(**{**meta.__dict__, "rank": 0, "step": 4})
 
     async def body(receiver):
-        await receiver.receive_range(meta, "ab" * 8, 0, CHUNK, pieces(data[:CHUNK]))  # stays open: no seal yet
+        await receiver.receive_range(
+            meta, "ab" * 8, ByteRange(0, CHUNK), pieces(data[:CHUNK])
+        )  # stays open: no seal yet
         with pytest.raises(ReceiverBusy):
-            await receiver.receive_range(other, "cd" * 8, 0, CHUNK, pieces(data[:CHUNK]))
-        await receiver.receive_range(meta, "ab" * 8, CHUNK, CHUNK, pieces(data[CHUNK:]))
+            await receiver.receive_range(other, "cd" * 8, ByteRange(0, CHUNK), pieces(data[:CHUNK]))
+        await receiver.receive_range(meta, "ab" * 8, ByteRange(CHUNK, CHUNK), pieces(data[CHUNK:]))
         await receiver.seal(meta, "ab" * 8, None)
-        await receiver.receive_range(other, "cd" * 8, 0, CHUNK, pieces(data[:CHUNK]))
+        await receiver.receive_range(other, "cd" * 8, ByteRange(0, CHUNK), pieces(data[:CHUNK]))
 
     run(tmp_path, body)
 
@@ -231,13 +237,13 @@ def test_ranges_received_at_once_are_bounded(tmp_path):
 
     async def body(receiver):
         ranges = [
-            asyncio.ensure_future(receiver.receive_range(meta, f"{i:016x}", 0, CHUNK, held_open()))
+            asyncio.ensure_future(receiver.receive_range(meta, f"{i:016x}", ByteRange(0, CHUNK), held_open()))
             for i in range(MAX_RANGES_IN_FLIGHT)
         ]
         while receiver._ranges_in_flight < MAX_RANGES_IN_FLIGHT:
             await asyncio.sleep(0)  # let each range start (no time passes: the loop runs the others)
         with pytest.raises(ReceiverBusy, match="ranges are being received"):
-            await receiver.receive_range(meta, "ff" * 8, 0, CHUNK, pieces(data))
+            await receiver.receive_range(meta, "ff" * 8, ByteRange(0, CHUNK), pieces(data))
         release.set()
         await asyncio.gather(*ranges, return_exceptions=True)
         assert receiver._ranges_in_flight == 0

@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from ckpt.format import ShardMeta, chunk_ranges, digest
 
+from ckptd.byte_range import ByteRange
 from ckptd.replication.receiving import ReplicaReceiver
 from ckptd.storage.durable_write import RangeWriter
 from ckptd.tiers.nvme import LocalDirTier
@@ -99,7 +100,7 @@ def test_a_replica_written_after_a_refused_direct_write_is_the_sent_bytes(
 
     # The receiver writes in blocks of 8 MiB: the whole shard is its first direct write.
     async def body(receiver: ReplicaReceiver) -> None:
-        await receiver.receive_range(meta, "ab" * 8, 0, SIZE, pieces())
+        await receiver.receive_range(meta, "ab" * 8, ByteRange(0, SIZE), pieces())
         await receiver.seal(meta, "ab" * 8, None)
 
     with ThreadPoolExecutor(4) as threads:
