@@ -249,3 +249,67 @@ def test_ranges_received_at_once_are_bounded(tmp_path):
         assert receiver._ranges_in_flight == 0
 
     run(tmp_path, body)
+
+
+@pytest.mark.parametrize("transport", ["data connection", "PutShard pieces"])
+def test_both_transports_go_through_the_one_receive_loop(tmp_path, monkeypatch, transport):
+    meta, data = make_shard(19 * CHUNK + 4321)  # more than two 8 MiB blocks, and a short last chunk
+    small = ShardMeta("j", 4, 0, 1, 2 * 4096, 4096, (digest(b"\1" * 4096),) * 2, "{}", "run")
+    sources = []
+    fill_and_write = ReplicaReceiver._fill_and_write
+
+    def spy(self, t, recv_into, *args):
+        sources.append(type(getattr(recv_into, "__self__", None)).__name__)
+        return fill_and_write(self, t, recv_into, *args)
+
+    monkeypatch.setattr(ReplicaReceiver, "_fill_and_write", spy)
+
+    @contextlib.contextmanager
+    def source(sent: bytes):
+        if transport == "PutShard pieces":
+            yield pieces(sent)
+            return
+        theirs, ours = socket.socketpair()
+        try:
+            theirs.sendall(sent)  # small enough to be queued whole: the over-long bytes come with the last
+            theirs.close()
+            yield ours
+        finally:
+            ours.close()
+
+    async def body(receiver):
+        with connection(data) if transport == "data connection" else contextlib.nullcontext(pieces(data)) as whole:
+            await receiver.receive_range(meta, "ab" * 8, ByteRange.whole(len(data)), whole)
+        await receiver.seal(meta, "ab" * 8, None)
+        with source(b"\1" * (2 * 4096 + 100)) as too_long, pytest.raises(CorruptCheckpoint, match="more bytes"):
+            await receiver.receive_range(small, "cd" * 8, ByteRange.whole(2 * 4096), too_long)
+
+    tier = run(tmp_path, body)
+    assert (tier.step_dir("j", 3) / "rank-00000.data").read_bytes() == data
+    assert read_meta_ok(tier.step_dir("j", 3), meta)
+    assert not tier.has_shard("j", 4, 0) and not list(tier.root.rglob("*.partial"))
+    assert sources == ["socket" if transport == "data connection" else "_Pieces"] * 2
+
+
+def test_a_cancelled_putshard_range_ends_its_thread_and_leaves_nothing(tmp_path):
+    meta, data = make_shard(2 * CHUNK)
+    stalled = asyncio.Event()
+
+    async def first_piece_then_nothing():
+        yield data[:CHUNK]
+        stalled.set()
+        await asyncio.Event().wait()  # the sender went quiet: only a cancel ends this
+        yield data[CHUNK:]
+
+    async def body(receiver):
+        stream = first_piece_then_nothing()
+        task = asyncio.ensure_future(receiver.receive_range(meta, "ab" * 8, ByteRange(0, 2 * CHUNK), stream))
+        await stalled.wait()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await stream.aclose()  # no piece is being taken any more: the stream closes
+        assert receiver._ranges_in_flight == 0 and receiver.busy_steps() == set()
+
+    tier = run(tmp_path, body)
+    assert not tier.has_shard("j", 3, 0) and not list(tier.root.rglob("*.partial"))
