@@ -95,71 +95,68 @@ def bench(server: S3Server, work: Path, size: int, repeats: int) -> tuple[dict[s
     nvme = LocalDirTier(work / "nvme")
     raw: dict[str, list[float]] = defaultdict(list)
     stored: dict[str, int] = {}
-    try:
-        meta, path = write_shard(nvme, JOB, size, half_zeros=False)
-        meta_hz, path_hz = write_shard(nvme, JOB_HALF_ZEROS, size, half_zeros=True)
-        whole = digest_of_file(path)
-        record = CommitRecord(JOB, STEP, 1, (digest(meta.to_bytes()),), size)
-        fetched = work / "fetched.data"
+    meta, path = write_shard(nvme, JOB, size, half_zeros=False)
+    meta_hz, path_hz = write_shard(nvme, JOB_HALF_ZEROS, size, half_zeros=True)
+    whole = digest_of_file(path)
+    record = CommitRecord(JOB, STEP, 1, (digest(meta.to_bytes()),), size)
+    fetched = work / "fetched.data"
 
-        # Warm up: moto loads its S3 backend on first use, and both paths share one connection pool.
-        warm = server.new_bucket("warmup")
-        fs.pipe_file(f"{warm}/x", b"x" * 1024)
-        fs.cat_file(f"{warm}/x")
-        server.drop_bucket(warm)
+    # Warm up: moto loads its S3 backend on first use, and both paths share one connection pool.
+    warm = server.new_bucket("warmup")
+    fs.pipe_file(f"{warm}/x", b"x" * 1024)
+    fs.cat_file(f"{warm}/x")
+    server.drop_bucket(warm)
 
-        for repeat in range(repeats):
-            print(f"repeat {repeat + 1}/{repeats} ...", flush=True)
-            bucket = server.new_bucket("data")
+    for repeat in range(repeats):
+        print(f"repeat {repeat + 1}/{repeats} ...", flush=True)
+        bucket = server.new_bucket("data")
+        tier = ObjectTier(open_store(f"s3://{bucket}/ckpts", server.storage_options))
+
+        def plain_put(bucket: str = bucket) -> None:
+            drop_from_page_cache(path)
+            raw["plain_put"].append(timed(lambda: fs.put_file(str(path), f"{bucket}/plain")))
+
+        def ours_put(tier: ObjectTier = tier) -> None:
+            drop_from_page_cache(path)
+            raw["upload"].append(timed(lambda: tier.upload_shard(meta, path, "none")))
+
+        def plain_get(bucket: str = bucket, key: str = "plain_get", **kwargs: int) -> None:
+            raw[key].append(timed(lambda: fs.get_file(f"{bucket}/plain", str(fetched), **kwargs)))
+            if fetched.stat().st_size != size:
+                raise RuntimeError(f"get_file fetched {fetched.stat().st_size} bytes, expected {size}")
+            fetched.unlink()
+
+        def ours_restore(tier: ObjectTier = tier) -> None:
+            out = mmap.mmap(-1, size)  # fresh memory, as a restore into new tensors has
+            try:
+                start = time.perf_counter()
+                tier.read_into(tier.read_meta(JOB, STEP, 0), memoryview(out))
+                raw["restore"].append(time.perf_counter() - start)
+                # read_into has checked every chunk against meta; check the whole once more, untimed.
+                if digest(out) != whole:
+                    raise RuntimeError("the restored bytes differ from the shard")
+            finally:
+                out.close()
+
+        # Interleaved, the order alternating between repeats, so machine noise hits both alike.
+        for measure in (plain_put, ours_put) if repeat % 2 == 0 else (ours_put, plain_put):
+            measure()
+        if not tier.try_commit(record):
+            raise RuntimeError("the uploaded shard does not match its commit record")
+        restores = (plain_get, ours_restore)
+        for measure in restores if repeat % 2 == 0 else reversed(restores):
+            measure()
+        server.drop_bucket(bucket)
+
+        for key, m, p in (("zstd", meta, path), ("zstd_half_zeros", meta_hz, path_hz)):
+            bucket = server.new_bucket("zstd")
             tier = ObjectTier(open_store(f"s3://{bucket}/ckpts", server.storage_options))
-
-            def plain_put(bucket: str = bucket) -> None:
-                drop_from_page_cache(path)
-                raw["plain_put"].append(timed(lambda: fs.put_file(str(path), f"{bucket}/plain")))
-
-            def ours_put(tier: ObjectTier = tier) -> None:
-                drop_from_page_cache(path)
-                raw["upload"].append(timed(lambda: tier.upload_shard(meta, path, "none")))
-
-            def plain_get(bucket: str = bucket, key: str = "plain_get", **kwargs: int) -> None:
-                raw[key].append(timed(lambda: fs.get_file(f"{bucket}/plain", str(fetched), **kwargs)))
-                if fetched.stat().st_size != size:
-                    raise RuntimeError(f"get_file fetched {fetched.stat().st_size} bytes, expected {size}")
-                fetched.unlink()
-
-            def ours_restore(tier: ObjectTier = tier) -> None:
-                out = mmap.mmap(-1, size)  # fresh memory, as a restore into new tensors has
-                try:
-                    start = time.perf_counter()
-                    tier.read_into(tier.read_meta(JOB, STEP, 0), memoryview(out))
-                    raw["restore"].append(time.perf_counter() - start)
-                    # read_into has checked every chunk against meta; check the whole once more, untimed.
-                    if digest(out) != whole:
-                        raise RuntimeError("the restored bytes differ from the shard")
-                finally:
-                    out.close()
-
-            # Interleaved, the order alternating between repeats, so machine noise hits both alike.
-            for measure in (plain_put, ours_put) if repeat % 2 == 0 else (ours_put, plain_put):
-                measure()
-            if not tier.try_commit(record):
-                raise RuntimeError("the uploaded shard does not match its commit record")
-            restores = (plain_get, ours_restore)
-            for measure in restores if repeat % 2 == 0 else reversed(restores):
-                measure()
+            drop_from_page_cache(p)
+            raw[key].append(timed(lambda tier=tier, m=m, p=p: tier.upload_shard(m, p, "zstd")))
+            names = tier.store.names(*shard_dir(m.job, STEP, 0, tier.keys))  # under the rank's hash prefix
+            stored[key] = names[zstd_name(0)]
             server.drop_bucket(bucket)
-
-            for key, m, p in (("zstd", meta, path), ("zstd_half_zeros", meta_hz, path_hz)):
-                bucket = server.new_bucket("zstd")
-                tier = ObjectTier(open_store(f"s3://{bucket}/ckpts", server.storage_options))
-                drop_from_page_cache(p)
-                raw[key].append(timed(lambda tier=tier, m=m, p=p: tier.upload_shard(m, p, "zstd")))
-                names = tier.store.names(*shard_dir(m.job, STEP, 0, tier.keys))  # under the rank's hash prefix
-                stored[key] = names[zstd_name(0)]
-                server.drop_bucket(bucket)
-            fs.invalidate_cache()
-    finally:
-        nvme.close()
+        fs.invalidate_cache()
     return dict(raw), stored
 
 

@@ -122,7 +122,9 @@ async def _listen_for_data(config: Config, node: Node) -> DataListener | None:
     if not config.peer.data_channel:
         return None
     host = host_of(config.node.listen)
-    listener = DataListener(node.receiver, config.peer, host, lambda: node.verification_failed("peer"))
+    listener = DataListener(
+        node.receiver, config.peer, host, lambda: node.verification_failed("peer"), node.executors.data_connections
+    )
     try:
         await listener.start()
     except OSError as e:

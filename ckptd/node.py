@@ -30,8 +30,9 @@ from ckptd.operations.retention import BusySteps, RetentionRunner, lowest_priori
 from ckptd.operations.status import StatusReport
 from ckptd.pipeline import Pipeline
 from ckptd.replication.peering import Peering
-from ckptd.replication.receiving import ReplicaReceiver
+from ckptd.replication.receiving import MAX_RANGES_IN_FLIGHT, ReplicaReceiver
 from ckptd.replication.sending import Replication
+from ckptd.rpc.data_listener import MAX_CONNECTIONS
 from ckptd.rpc.peer_link import STREAMS_PER_SHARD
 from ckptd.save.flush import Flusher
 from ckptd.save.progress import ShardProgress
@@ -57,8 +58,12 @@ class Executors:
 
     save: ThreadPoolExecutor  # Reserve's and Commit's disk work: never queued behind a flush
     flush: ThreadPoolExecutor  # hash a slot and feed it to the NVMe writers, one slot per thread
+    nvme_writes: ThreadPoolExecutor  # the NVMe tier's direct-I/O writes of 32 MiB blocks, several at once
+    replica_writes: ThreadPoolExecutor  # the replica store's, likewise (fetches onto it, tests of it)
     peer: ThreadPoolExecutor  # short tier work of the peer tier: inventories, seals, receiver writes, lookups
     serve: ThreadPoolExecutor  # whole shards read for peers' fetches: never in the way of seals
+    receive: ThreadPoolExecutor  # one per replica range arriving: fills its buffers from the socket or PutShard
+    data_connections: ThreadPoolExecutor  # the data channel's TLS handshakes, tickets and statuses
     fetch: ThreadPoolExecutor  # whole shards fetched from peers for a load
     replicate: ThreadPoolExecutor  # one per shard being sent to a peer (blocks on the peer)
     replicate_streams: ThreadPoolExecutor  # the byte ranges of those shards, several per shard
@@ -73,8 +78,12 @@ class Executors:
         return cls(
             save=ThreadPoolExecutor(4, thread_name_prefix="save"),
             flush=ThreadPoolExecutor(2, thread_name_prefix="flush"),
+            nvme_writes=ThreadPoolExecutor(4, thread_name_prefix="nvme-io"),
+            replica_writes=ThreadPoolExecutor(4, thread_name_prefix="peer-io"),
             peer=ThreadPoolExecutor(8, thread_name_prefix="peer"),
             serve=ThreadPoolExecutor(8, thread_name_prefix="serve"),
+            receive=ThreadPoolExecutor(MAX_RANGES_IN_FLIGHT, thread_name_prefix="replica-recv"),
+            data_connections=ThreadPoolExecutor(MAX_CONNECTIONS, thread_name_prefix="data-conn"),
             fetch=ThreadPoolExecutor(4, thread_name_prefix="fetch"),
             replicate=ThreadPoolExecutor(MAX_SENDERS, thread_name_prefix="replicate"),
             replicate_streams=ThreadPoolExecutor(
@@ -87,9 +96,13 @@ class Executors:
         )
 
     def shutdown(self) -> None:
-        """Wait for what runs on every pool, then stop them (after every role drained)."""
+        """Wait for what runs on every pool, then stop them (after every role drained).
+
+        Not for a receiving thread: one may still block on a peer that went quiet (the
+        process exits without it; its transfer was dropped already).
+        """
         for f in fields(self):
-            getattr(self, f.name).shutdown(wait=True)
+            getattr(self, f.name).shutdown(wait=f.name != "receive")
 
 
 class Node:
@@ -104,8 +117,8 @@ class Node:
             config.staging_dir, config.staging.budget_bytes, config.staging.policy, config.nvme.flush_every
         )
         memory = MemoryTier(self.pool.copies)
-        self.nvme = LocalDirTier(config.root)
-        replica_store = LocalDirTier(config.replica_root, name="peer")  # replicas other nodes sent here
+        self.nvme = LocalDirTier(config.root, write_threads=x.nvme_writes)
+        replica_store = LocalDirTier(config.replica_root, "peer", x.replica_writes)  # replicas other nodes sent
         tiers: list[Tier] = [memory, self.nvme, replica_store]
         self.durable_tiers: list[DurableTier] = [self.nvme, replica_store]
         object_tier = (
@@ -120,7 +133,7 @@ class Node:
                 [], config.peer.replicas, lambda key, done: save_path.replication_changed(key, done),
                 x.replicate, x.replicate_streams,
             )  # fmt: skip
-        self.receiver = ReplicaReceiver(replica_store, x.peer)
+        self.receiver = ReplicaReceiver(replica_store, x.peer, x.receive)
         self.peering = Peering(
             config, self.view, self.nvme, replica_store, peer_tier, replication, instance, x.peer, x.fetch
         )
@@ -249,5 +262,3 @@ class Node:
         await self.retention.drain()
         self.receiver.close()
         self.executors.shutdown()
-        for tier in self.durable_tiers:
-            tier.close()

@@ -71,3 +71,65 @@ def test_the_daemon_moves_bytes_without_torch():
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
+
+
+# Thread pools built outside the composition root, each with its reason. Every long-lived pool of
+# the daemon is in node.Executors; these are fan-outs inside one call (gone when it returns, and
+# used by the offline tools too, which have no composition root), or owned by the cluster view.
+POOLS_ELSEWHERE = {
+    "ckptd/tiers/peer.py": "asks every peer's inventory at once, within one call",
+    "ckptd/tiers/object/tier.py": "lists and reads a step's objects at once, within one call",
+    "ckptd/tiers/object/shards.py": "checks a step's shards at once, within one call",
+    "ckptd/cluster/peer_membership.py": "the built-in view's DNS lookups, one thread it owns",
+    "ckptd/offline/restore.py": "the restore target's writers: `ckptd restore` is a program with no daemon",
+}
+
+
+def _daemon_modules() -> list[Path]:
+    return [p for p in _modules(REPO / "ckptd")]
+
+
+@pytest.mark.parametrize("path", _daemon_modules(), ids=lambda p: str(p.relative_to(REPO)))
+def test_only_the_composition_root_builds_thread_pools(path):
+    relative = str(path.relative_to(REPO))
+    if relative == "ckptd/node.py" or relative in POOLS_ELSEWHERE:
+        return
+    calls = [
+        n.lineno
+        for n in ast.walk(ast.parse(path.read_text()))
+        if isinstance(n, ast.Call) and ast.unparse(n.func).endswith("ThreadPoolExecutor")
+    ]
+    assert not calls, f"{relative} builds a thread pool at lines {calls}: take one from node.Executors"
+
+
+@pytest.mark.parametrize("path", _daemon_modules(), ids=lambda p: str(p.relative_to(REPO)))
+def test_no_role_sets_what_another_role_owns(path):
+    # `a.b.c = ...`: setting an attribute of an object held by another (a role wired after
+    # construction, a counter kept behind its owner's back). The owner gets it at construction,
+    # or offers a method.
+    reached = []
+    for n in ast.walk(ast.parse(path.read_text())):
+        targets = n.targets if isinstance(n, ast.Assign) else [n.target] if isinstance(n, ast.AugAssign) else []
+        reached += [
+            f"{n.lineno}: {ast.unparse(t)}"
+            for t in targets
+            if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Attribute)
+        ]
+    assert not reached, reached
+
+
+@pytest.mark.parametrize(
+    "path", [REPO / "ckptd" / "daemon.py", *_modules(REPO / "ckptd" / "rpc")], ids=lambda p: str(p.relative_to(REPO))
+)
+def test_the_edges_call_the_pipeline_and_never_reach_past_it(path):
+    # The RPC edges and the program get what they use at construction: `pipeline.node.peering`
+    # and the like (a role behind the pipeline or the root) are not theirs to touch.
+    past = [
+        f"{n.lineno}: {ast.unparse(n)}"
+        for n in ast.walk(ast.parse(path.read_text()))
+        if isinstance(n, ast.Attribute)
+        and isinstance(n.value, ast.Attribute)
+        and ast.unparse(n.value).split(".")[-2:-1] in (["pipeline"], ["node"])
+        and ast.unparse(n.value) != "node.executors"  # the root's thread pools, handed to an edge it builds
+    ]
+    assert not past, past

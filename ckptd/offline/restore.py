@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from ckpt.errors import CheckpointError, CorruptCheckpoint, NotFound
@@ -20,6 +21,7 @@ from ckptd.tiers.object.tier import ObjectTier
 from ckptd.tiers.peer import PeerTier
 
 Progress = Callable[[str], None]
+RESTORE_WRITE_THREADS = 4  # the restore target's writers, as the NVMe tier's in a daemon
 
 
 def readable_tiers(config: Config, source: str = "auto") -> list[Tier]:
@@ -60,7 +62,11 @@ def latest_step(tiers: list[Tier], job: str) -> int:
 
 def restore(tiers: list[Tier], job: str, step: int, target: Path, progress: Progress) -> Path:
     """Copy every shard of a complete step from the first tier holding a good copy into target/<job>/<step>/."""
-    out = LocalDirTier(target, name="restore")
+    with ThreadPoolExecutor(RESTORE_WRITE_THREADS, thread_name_prefix="restore-io") as writers:
+        return _restore(tiers, job, step, LocalDirTier(target, name="restore", write_threads=writers), progress)
+
+
+def _restore(tiers: list[Tier], job: str, step: int, out: LocalDirTier, progress: Progress) -> Path:
     step_dir = out.step_dir(job, step)
     if _knows(out, job, step):
         raise CheckpointError(f"{step_dir} already exists; restore into an empty place")
@@ -109,8 +115,6 @@ def restore(tiers: list[Tier], job: str, step: int, target: Path, progress: Prog
         if step_dir.exists():
             out.remove_step(job, step)  # nothing half-restored is left to trip the next attempt
         raise
-    finally:
-        out.close()
     return step_dir
 
 

@@ -1,11 +1,15 @@
 """Assemble the replicas other nodes send, range by range, into this node's replica store.
 
 The sender splits a shard into byte ranges and sends each on a data connection of
-its own (rpc.data_listener) or, where none is offered, a PutShard stream; every
-range is checked chunk by chunk before it is written. SealShard comes once every
-range is in: the file is fsynced and installed with the tier's atomic protocol.
-receive_range and seal run on the event loop; a data connection is read on a
-receiving thread, and checks and writes run on the receiver's threads.
+its own (rpc.data_listener) or, where none is offered, a PutShard stream. Each transfer
+(one copy of one shard) holds one ShardWrite of the tier (LocalDirTier.open_shard),
+opened by its first range: every range goes through the same receive loop, on a
+receiving thread, which fills two aligned block buffers by turns from the transport
+(a data connection's recv_into, or PutShard's pieces taken from the event loop) and
+hands each full one to ShardWrite.write on the receiver's threads, where its chunks
+are checked and written. SealShard comes once every range is in: ShardWrite.seal
+fsyncs and installs the shard with the tier's atomic protocol. receive_range and seal
+run on the event loop.
 """
 
 from __future__ import annotations
@@ -17,18 +21,17 @@ import mmap
 import re
 import socket
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TypeVar
 
-from ckpt.chunks import check_chunks
 from ckpt.errors import CorruptCheckpoint, InvalidArgument
-from ckpt.format import DIRECT_IO_ALIGN_BYTES, CommitRecord, ShardMeta, chunk_ranges, round_up, shown
+from ckpt.format import DIRECT_IO_ALIGN_BYTES, CommitRecord, ShardMeta, round_up, shown
 
+from ckptd.byte_range import ByteRange
 from ckptd.errors import AlreadyHeld, ReceiverBusy
-from ckptd.storage.durable_write import RangeWriter
+from ckptd.tiers.base import ShardWrite
 from ckptd.tiers.nvme import LocalDirTier
 
 log = logging.getLogger(__name__)
@@ -46,58 +49,54 @@ TRANSFER_RE = re.compile(r"[0-9a-f]{8,64}")
 @dataclass
 class _Transfer:
     meta: ShardMeta
-    partial: Path
-    writer: RangeWriter
-    chunks_written: set[int] = field(default_factory=set)
+    shard: ShardWrite
     touched_s: float = field(default_factory=time.monotonic)
-    ranges_open: int = 0  # ranges being received: the files stay open until the last one ends
+    ranges_open: int = 0  # ranges being received: the copy stays until the last one ends
     abandoned: bool = False
 
-    def close(self) -> None:
-        self.writer.close()
-
     def abandon(self) -> None:
-        """Give the transfer up: its file goes once no range is writing to it."""
+        """Give the transfer up: its copy goes once no range is receiving into it."""
         self.abandoned = True
         if self.ranges_open == 0:
-            self.close()
-            self.partial.unlink(missing_ok=True)
+            self.shard.abandon()
 
 
 class ReplicaReceiver:
     """Receive replicas into a LocalDirTier."""
 
-    def __init__(self, tier: LocalDirTier, threads: ThreadPoolExecutor) -> None:
+    def __init__(self, tier: LocalDirTier, threads: ThreadPoolExecutor, receive_threads: ThreadPoolExecutor) -> None:
+        """threads: checks and writes of received blocks; receive_threads: one per range being received (at most
+        MAX_RANGES_IN_FLIGHT), which fills its buffers from the range's transport."""
         self.tier = tier
         self._threads = threads
         self._transfers: dict[str, _Transfer] = {}
+        self._opening: dict[str, asyncio.Future[None]] = {}  # transfers whose ShardWrite a range is opening
         self._ranges_in_flight = 0
         self._spare_buffers: list[mmap.mmap] = []  # reused: fresh ones would fault in every page per range
-        self._recv_threads = ThreadPoolExecutor(MAX_RANGES_IN_FLIGHT, thread_name_prefix="replica-recv")
+        self._recv_threads = receive_threads
 
     async def receive_range(
         self,
         meta: ShardMeta,
         transfer: str,
-        offset: int,
-        length: int,
+        byte_range: ByteRange,
         source: AsyncIterator[memoryview] | socket.socket,
     ) -> None:
-        """Write one checked range of a replica (CorruptCheckpoint: a bad chunk).
+        """Write one checked range of a replica (CorruptCheckpoint: a bad chunk, or more bytes than the range).
 
         source is the range's bytes: PutShard's pieces, or a data connection (rpc.data_channel)
         that a receiving thread reads straight into the block buffers.
         """
-        self.admit_range(meta, transfer, offset, length)
+        self.admit_range(meta, transfer, byte_range)
         self._ranges_in_flight += 1
         try:
-            await self._receive(meta, transfer, offset, length, source)
+            await self._receive(meta, transfer, byte_range, source)
         finally:
             self._ranges_in_flight -= 1
 
-    def admit_range(self, meta: ShardMeta, transfer: str, offset: int, length: int) -> None:
+    def admit_range(self, meta: ShardMeta, transfer: str, byte_range: ByteRange) -> None:
         """Raise InvalidArgument for a range that does not fit its shard, ReceiverBusy when too many are under way."""
-        self._check(meta, transfer, offset, length)
+        self._check(meta, transfer, byte_range)
         if self._ranges_in_flight >= MAX_RANGES_IN_FLIGHT:
             raise ReceiverBusy(f"{self._what(meta)}: {self._ranges_in_flight} ranges are being received already")
 
@@ -105,8 +104,7 @@ class ReplicaReceiver:
         self,
         meta: ShardMeta,
         transfer: str,
-        offset: int,
-        length: int,
+        byte_range: ByteRange,
         source: AsyncIterator[memoryview] | socket.socket,
     ) -> None:
         if await _finished(self._threads.submit(self.tier.holds, meta)):
@@ -115,14 +113,24 @@ class ReplicaReceiver:
         t.ranges_open += 1
         block_bytes = max(1, BLOCK_BYTES // meta.chunk_size_bytes) * meta.chunk_size_bytes
         buffers = [self._buffer(round_up(block_bytes, DIRECT_IO_ALIGN_BYTES)) for _ in range(2)]
+        pieces = None
+        if isinstance(source, socket.socket):
+            recv_into: Callable[[memoryview], int] = source.recv_into
+        else:
+            pieces = _Pieces(source, asyncio.get_running_loop(), byte_range.length, self._what(meta))
+            recv_into = pieces.recv_into
         try:
-            if isinstance(source, socket.socket):
-                work = self._recv_threads.submit(self._recv_range, t, source, buffers, block_bytes, offset, length)
-                end = await _finished(work)
-            else:
-                end = await self._copy_pieces(t, source, buffers, block_bytes, offset, length)
-            if end != offset + length:
-                raise CorruptCheckpoint(f"{self._what(meta)}: range ended after {end - offset} of {length} bytes")
+            try:
+                work = self._recv_threads.submit(self._fill_and_write, t, recv_into, buffers, block_bytes, byte_range)
+                end = await _finished(work, on_cancel=pieces.stop if pieces is not None else None)
+            finally:
+                if pieces is not None:
+                    await pieces.settle()
+            if end != byte_range.end:
+                received = end - byte_range.offset
+                raise CorruptCheckpoint(
+                    f"{self._what(meta)}: range ended after {received} of {byte_range.length} bytes"
+                )
         except BaseException:
             if self._transfers.get(transfer) is t:  # not a later transfer of the same name
                 del self._transfers[transfer]
@@ -130,77 +138,47 @@ class ReplicaReceiver:
             raise
         finally:
             t.ranges_open -= 1
-            t.touched_s = time.monotonic()  # idle from now, not from the last piece
+            t.touched_s = time.monotonic()  # idle from now, not from the last block
             if t.abandoned:
                 t.abandon()
             self._spare_buffers = (self._spare_buffers + buffers)[-SPARE_BUFFERS:]
 
-    async def _copy_pieces(
+    def _fill_and_write(
         self,
         t: _Transfer,
-        pieces: AsyncIterator[memoryview],
+        recv_into: Callable[[memoryview], int],
         buffers: list[mmap.mmap],
         block_bytes: int,
-        offset: int,
-        length: int,
+        byte_range: ByteRange,
     ) -> int:
-        """Copy PutShard's pieces into the block buffers on the event loop; write each full one on a thread.
+        """On a receiving thread: fill the two block buffers by turns from recv_into, writing each on a thread.
 
-        Return where the received bytes end."""
+        The one receive loop of both transports. recv_into(view) puts the next bytes into view
+        and returns how many, 0 once the sender is done: a data connection's socket.recv_into,
+        or _Pieces.recv_into for PutShard's. Each read may fill the rest of a block buffer, so
+        bytes past the range that come with its last ones are seen: CorruptCheckpoint. A buffer
+        is refilled only once its write has ended, and the loop ends (also on an error) only
+        once no write is running. Return where the received bytes end: short of the range
+        when the sender stopped early.
+        """
         writes: list[Future[None] | None] = [None, None]
-        which, filled, base, end = 0, 0, offset, offset + length
-        try:
-            async for data in pieces:
-                view = memoryview(data)
-                if base + filled + len(view) > end:
-                    raise CorruptCheckpoint(f"{self._what(t.meta)}: more bytes than the range's {length}")
-                while view:
-                    take = min(len(view), block_bytes - filled)
-                    buffers[which][filled : filled + take] = view[:take]
-                    filled, view = filled + take, view[take:]
-                    if filled == block_bytes:
-                        writes[which] = self._threads.submit(self._write, t, buffers[which], base, filled)
-                        base, filled, which = base + filled, 0, which ^ 1
-                        pending = writes[which]
-                        if pending is not None:  # the other buffer's write must finish before it is refilled
-                            await _finished(pending)
-                            writes[which] = None
-                t.touched_s = time.monotonic()
-            if filled:
-                writes[which] = self._threads.submit(self._write, t, buffers[which], base, filled)
-                base += filled
-            for i, w in enumerate(writes):
-                if w is not None:
-                    writes[i] = None
-                    await _finished(w)
-            return base
-        finally:
-            # Never close the file or reuse a buffer under a write still running on a thread,
-            # even when the sender went away and this handler was cancelled.
-            for w in writes:
-                if w is not None:
-                    with contextlib.suppress(BaseException):
-                        await _finished(w)
-
-    def _recv_range(
-        self, t: _Transfer, sock: socket.socket, buffers: list[mmap.mmap], block_bytes: int, offset: int, length: int
-    ) -> int:
-        """On a receiving thread: recv_into the block buffers straight from a data connection, writing each on a thread.
-
-        Return where the received bytes end: short of the range when the sender closed early."""
-        writes: list[Future[None] | None] = [None, None]
-        which, base, end = 0, offset, offset + length
+        which, base, end = 0, byte_range.offset, byte_range.end
         try:
             while base < end:
                 want, filled = min(block_bytes, end - base), 0
                 with memoryview(buffers[which]) as view:
                     while filled < want:
-                        received = sock.recv_into(view[filled:want])
+                        received = recv_into(view[filled:block_bytes])
                         if not received:
-                            return base + filled
+                            break
                         filled += received
+                if base + filled > end:
+                    raise CorruptCheckpoint(f"{self._what(t.meta)}: more bytes than the range's {byte_range.length}")
                 t.touched_s = time.monotonic()
-                writes[which] = self._threads.submit(self._write, t, buffers[which], base, filled)
+                if filled < want:  # the sender is done, short of the range: that block is not written
+                    base += filled
+                    break
+                writes[which] = self._threads.submit(self._write, t, buffers[which], ByteRange(base, filled))
                 base, which = base + filled, which ^ 1
                 pending, writes[which] = writes[which], None
                 if pending is not None:  # the other buffer's write must finish before it is refilled
@@ -211,7 +189,7 @@ class ReplicaReceiver:
                     w.result()
             return base
         finally:
-            for w in writes:  # an error: still no buffer reused, no file closed, under a write
+            for w in writes:  # an error: still no buffer reused, no copy abandoned, under a write
                 if w is not None:
                     with contextlib.suppress(BaseException):
                         w.result()
@@ -224,76 +202,68 @@ class ReplicaReceiver:
         return mmap.mmap(-1, size_bytes)
 
     async def seal(self, meta: ShardMeta, transfer: str, record: CommitRecord | None) -> None:
-        """Make a fully received replica durable and count it; adopt the step's commit record if given."""
+        """Make a fully received replica durable and count it; adopt the step's commit record if given.
+
+        InvalidArgument where no such transfer is here whole (a range never arrived, or one is still running).
+        """
         t = self._transfers.pop(transfer, None)
         if t is None or t.meta != meta or t.ranges_open:
             if t is not None:
                 t.abandon()
             raise InvalidArgument(f"{self._what(meta)}: no complete transfer {shown(transfer)} of it is here")
-        missing = len(list(chunk_ranges(meta.data_size_bytes, meta.chunk_size_bytes))) - len(t.chunks_written)
         try:
-            if missing:
-                raise InvalidArgument(f"{self._what(meta)}: {missing} chunks never arrived")
             await _finished(self._threads.submit(self._install, t, record))
         except BaseException:
             t.abandon()
             raise
 
     def _install(self, t: _Transfer, record: CommitRecord | None) -> None:
-        t.writer.finish(t.meta.data_size_bytes)
-        t.close()
-        self.tier.install_shard(t.meta, t.partial, self._what(t.meta))
+        t.shard.seal()
         if record is not None and (record.job, record.step) == (t.meta.job, t.meta.step):
             self.tier.adopt_commit(record)
         log.info("received the %s", self._what(t.meta))
 
-    def _check(self, meta: ShardMeta, transfer: str, offset: int, length: int) -> None:
+    def _check(self, meta: ShardMeta, transfer: str, byte_range: ByteRange) -> None:
         chunk = meta.chunk_size_bytes
         if not TRANSFER_RE.fullmatch(transfer):
             raise InvalidArgument(f"invalid transfer name {shown(transfer)}")
         if not (0 < chunk <= MAX_CHUNK_BYTES and chunk % DIRECT_IO_ALIGN_BYTES == 0):
             raise InvalidArgument(f"{self._what(meta)}: chunk size {chunk} is not a multiple of 4 KiB up to 64 MiB")
-        end = offset + length
-        if offset < 0 or length < 0 or offset % chunk or end > meta.data_size_bytes:
-            raise InvalidArgument(f"{self._what(meta)}: bad range {offset}+{length}")
+        offset, end = byte_range.offset, byte_range.end
+        if offset < 0 or byte_range.length < 0 or offset % chunk or end > meta.data_size_bytes:
+            raise InvalidArgument(f"{self._what(meta)}: bad range {byte_range}")
         if end % chunk and end != meta.data_size_bytes:
-            raise InvalidArgument(f"{self._what(meta)}: range {offset}+{length} does not end on a chunk")
+            raise InvalidArgument(f"{self._what(meta)}: range {byte_range} does not end on a chunk")
 
     async def _open(self, meta: ShardMeta, transfer: str) -> _Transfer:
+        """Return the transfer's state, its ShardWrite opened by the first of its ranges (the others wait for it)."""
         self.drop_idle()
+        while (opening := self._opening.get(transfer)) is not None:
+            await asyncio.wait([opening])
         t = self._transfers.get(transfer)
         if t is not None:
             if t.meta != meta:
                 raise InvalidArgument(f"transfer {transfer} carries two different shards")
             return t
-        if len(self._transfers) >= MAX_TRANSFERS:  # bounds the memory and descriptors peers can take
+        if len(self._transfers) + len(self._opening) >= MAX_TRANSFERS:  # bounds the memory and descriptors peers take
             raise ReceiverBusy(f"{self._what(meta)}: {len(self._transfers)} replicas are being received already")
-        partial = self.tier.partial_path(meta, transfer[:16])
-
-        def prepare() -> RangeWriter | None:
-            self.tier.prepare_shard(meta, self._what(meta))
-            if transfer in self._transfers:
-                return None
-            return RangeWriter(partial, truncate=False, size_bytes=meta.data_size_bytes)
-
-        writer = await _finished(self._threads.submit(prepare))
-        t = self._transfers.get(transfer)  # another range of it may have opened it meanwhile
-        if t is None:
-            assert writer is not None
-            t = self._transfers[transfer] = _Transfer(meta, partial, writer)
-        elif writer is not None:
-            writer.close()
-        return t
-
-    def _write(self, t: _Transfer, buffer: mmap.mmap, offset: int, length: int) -> None:
-        view = memoryview(buffer)
+        opened = self._opening[transfer] = asyncio.get_running_loop().create_future()
+        work = self._threads.submit(self.tier.open_shard, meta, transfer[:16])
         try:
-            check_chunks(t.meta, view[:length], offset, self._what(t.meta))
-            t.writer.write_range(view, offset, length)
-            chunk = t.meta.chunk_size_bytes
-            t.chunks_written.update(range(offset // chunk, (offset + length + chunk - 1) // chunk))
+            shard = await _finished(work)
+            t = self._transfers[transfer] = _Transfer(meta, shard)
+            return t
+        except BaseException:
+            if work.done() and not work.cancelled() and work.exception() is None:  # cancelled once it was open
+                work.result().abandon()
+            raise
         finally:
-            view.release()
+            del self._opening[transfer]
+            opened.set_result(None)
+
+    def _write(self, t: _Transfer, buffer: mmap.mmap, byte_range: ByteRange) -> None:
+        with memoryview(buffer) as view:
+            t.shard.write(byte_range, view[: byte_range.length])
 
     def _abandon(self, transfer: str) -> None:
         t = self._transfers.pop(transfer, None)
@@ -321,18 +291,108 @@ class ReplicaReceiver:
         """Drop every unfinished transfer."""
         for transfer in list(self._transfers):
             self._abandon(transfer)
-        self._recv_threads.shutdown(wait=False)
 
     def _what(self, meta: ShardMeta) -> str:
         return f"replica of rank {meta.rank} shard of {meta.job} step {meta.step} on tier {self.tier.name}"
 
 
-async def _finished(work: Future[T]) -> T:
-    """Await work on a thread; if this task is cancelled meanwhile, still wait for the work to end first."""
+class _Pieces:
+    """PutShard's pieces, read into the receive loop's buffers from its receiving thread.
+
+    recv_into (the receiving thread) takes each piece from the async iterator on the event
+    loop and copies it on the thread, not on the loop. The range's bytes end where the
+    pieces end: a piece past the range's length, or one after its last byte, is
+    CorruptCheckpoint. stop() and settle() run on the event loop: stop, once the range's
+    handler is cancelled, ends the thread's wait for a piece; settle waits until no piece
+    is being taken, so that the iterator can be closed.
+    """
+
+    def __init__(self, pieces: AsyncIterator[memoryview], loop: asyncio.AbstractEventLoop, length: int, what: str):
+        self._pieces = pieces
+        self._loop = loop
+        self._length = length
+        self._what = what
+        self._left = length  # bytes of the range not yet in a piece taken
+        self._piece = memoryview(b"")  # the rest of the piece taken last
+        self._taking: asyncio.Task[memoryview | None] | None = None  # event loop only, as the two below
+        self._taken: Future[memoryview | None] | None = None
+        self._stopped = False
+
+    def recv_into(self, view: memoryview) -> int:
+        """Copy the next bytes into view; return how many (0: the pieces are over)."""
+        if not self._piece:
+            piece = self._next()
+            if piece is None:
+                return 0
+            if len(piece) > self._left:
+                raise CorruptCheckpoint(f"{self._what}: more bytes than the range's {self._length}")
+            self._left -= len(piece)
+            self._piece = piece
+        n = min(len(view), len(self._piece))
+        view[:n] = self._piece[:n]
+        self._piece = self._piece[n:]
+        if not self._piece and not self._left and self._next() is not None:
+            raise CorruptCheckpoint(f"{self._what}: more bytes than the range's {self._length}")
+        return n
+
+    def _next(self) -> memoryview | None:
+        """Take the next piece that is not empty, or None at the end (receiving thread)."""
+        while True:
+            taken: Future[memoryview | None] = Future()
+            self._loop.call_soon_threadsafe(self._take, taken)
+            piece = taken.result()  # CancelledError once stopped
+            if piece is None or len(piece):
+                return None if piece is None else memoryview(piece)
+
+    def _take(self, taken: Future[memoryview | None]) -> None:
+        if self._stopped:
+            taken.cancel()
+            return
+        self._taken = taken
+        self._taking = self._loop.create_task(_anext_or_none(self._pieces))
+        self._taking.add_done_callback(lambda task: _pass_on(task, taken))
+
+    def stop(self) -> None:
+        """Stop taking pieces: a wait for one ends with CancelledError."""
+        self._stopped = True
+        if self._taking is not None:
+            self._taking.cancel()
+        if self._taken is not None:
+            self._taken.cancel()
+
+    async def settle(self) -> None:
+        """Wait until no piece is being taken from the iterator."""
+        if self._taking is not None and not self._taking.done():
+            await asyncio.wait([self._taking])
+
+
+async def _anext_or_none(pieces: AsyncIterator[memoryview]) -> memoryview | None:
+    return await anext(pieces, None)
+
+
+def _pass_on(task: asyncio.Task[T], taken: Future[T]) -> None:
+    """Give a task's outcome to the thread waiting on taken (event loop); nothing if stop() cancelled it."""
+    if taken.cancelled():
+        return
+    if task.cancelled():
+        taken.cancel()
+    elif (error := task.exception()) is not None:
+        taken.set_exception(error)
+    else:
+        taken.set_result(task.result())
+
+
+async def _finished(work: Future[T], on_cancel: Callable[[], None] | None = None) -> T:
+    """Await work on a thread; if this task is cancelled meanwhile, still wait for the work to end first.
+
+    on_cancel, called on the event loop once this task is cancelled, tells the work to end soon.
+    """
     wrapped = asyncio.wrap_future(work)
     try:
         return await asyncio.shield(wrapped)
     except asyncio.CancelledError:
+        if on_cancel is not None:
+            on_cancel()
         while not wrapped.done():
             with contextlib.suppress(asyncio.CancelledError):  # cancelled again: still wait
                 await asyncio.wait([wrapped])

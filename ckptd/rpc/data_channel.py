@@ -4,7 +4,7 @@ gRPC stays the control plane: the sender asks for a range with OpenDataRange, wh
 checked and admitted like PutShard's first piece, and gets this node's data port and a
 one-time ticket. It connects, presents the ticket, sends the range's raw bytes, and
 reads one status back. The receiver reads them with recv_into straight into its aligned
-block buffers (ReplicaReceiver._recv_range): no message framing, no copy out of gRPC's
+block buffers (ReplicaReceiver._fill_and_write): no message framing, no copy out of gRPC's
 buffers, no copy on the event loop. With [peer] cert/key/ca the connection is TLS with
 client certificates, from the same files as gRPC; the ticket binds it to a caller that
 gRPC admitted.

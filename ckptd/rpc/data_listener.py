@@ -4,7 +4,7 @@ Who calls what: daemon.serve starts a DataListener before the peer server and st
 first (event loop); PeerServicer.OpenDataRange calls offer() (event loop), after the
 receiver admitted the range; each connection is a task on the event loop, its TLS
 handshake, ticket and status on the listener's threads, its bytes on the receiver's
-(ReplicaReceiver._recv_range).
+(ReplicaReceiver._fill_and_write, the receive loop PutShard's pieces go through too).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from ckpt.errors import CheckpointError, CorruptCheckpoint, InvalidArgument
 from ckpt.format import ShardMeta
 
+from ckptd.byte_range import ByteRange
 from ckptd.config import PeerConfig
 from ckptd.errors import ReceiverBusy
 from ckptd.replication.receiving import ReplicaReceiver
@@ -39,8 +40,7 @@ MAX_CONNECTIONS = 32  # open at once; more are closed at once
 class _Offer:
     meta: ShardMeta
     transfer: str
-    offset: int
-    length: int
+    byte_range: ByteRange
     expires_s: float
 
 
@@ -59,8 +59,14 @@ class DataListener:
     """Take replica ranges on data connections, for the ranges offered over gRPC."""
 
     def __init__(
-        self, receiver: ReplicaReceiver, peer: PeerConfig, host: str, on_bad_chunk: Callable[[], None]
+        self,
+        receiver: ReplicaReceiver,
+        peer: PeerConfig,
+        host: str,
+        on_bad_chunk: Callable[[], None],
+        threads: ThreadPoolExecutor,
     ) -> None:
+        """threads: each connection's TLS handshake, ticket and status (Executors.data_connections)."""
         self._receiver = receiver
         self._peer = peer
         self._host = host
@@ -68,7 +74,7 @@ class DataListener:
         self._tls = server_context(peer)
         self._offers: dict[bytes, _Offer] = {}
         self._connections: dict[asyncio.Task[None], socket.socket] = {}
-        self._threads = ThreadPoolExecutor(MAX_CONNECTIONS, thread_name_prefix="data-conn")
+        self._threads = threads
         self._sock: socket.socket | None = None
         self._accepting: asyncio.Task[None] | None = None
         self.port = 0
@@ -88,7 +94,7 @@ class DataListener:
         self._sock, self.port = sock, sock.getsockname()[1]
         self._accepting = asyncio.get_running_loop().create_task(self._accept())
 
-    def offer(self, meta: ShardMeta, transfer: str, offset: int, length: int) -> bytes:
+    def offer(self, meta: ShardMeta, transfer: str, byte_range: ByteRange) -> bytes:
         """Return a one-time ticket for a range the receiver admitted (ReceiverBusy: too many offered)."""
         now = time.monotonic()
         for ticket in [k for k, o in self._offers.items() if o.expires_s < now]:
@@ -96,7 +102,7 @@ class DataListener:
         if len(self._offers) >= MAX_TICKETS:
             raise ReceiverBusy(f"{len(self._offers)} data ranges are offered already")
         ticket = secrets.token_bytes(TICKET_BYTES)
-        self._offers[ticket] = _Offer(meta, transfer, offset, length, now + TICKET_TTL_S)
+        self._offers[ticket] = _Offer(meta, transfer, byte_range, now + TICKET_TTL_S)
         return ticket
 
     async def stop(self) -> None:
@@ -112,7 +118,6 @@ class DataListener:
                 conn.shutdown(socket.SHUT_RDWR)  # a thread blocked in recv_into returns
             task.cancel()
         await asyncio.gather(*self._connections, return_exceptions=True)
-        self._threads.shutdown(wait=True)
 
     async def _accept(self) -> None:
         assert self._sock is not None
@@ -153,7 +158,7 @@ class DataListener:
     async def _receive(self, offer: _Offer, sock: socket.socket) -> str:
         """Receive an offered range; return the status to send back."""
         try:
-            await self._receiver.receive_range(offer.meta, offer.transfer, offer.offset, offer.length, sock)
+            await self._receiver.receive_range(offer.meta, offer.transfer, offer.byte_range, sock)
         except CorruptCheckpoint as e:
             self._on_bad_chunk()
             return f"DATA_LOSS {e}"

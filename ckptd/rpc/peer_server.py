@@ -14,6 +14,7 @@ from ckpt.format import CommitRecord, ShardMeta, validate_job, validate_step
 from ckpt.wire.v1 import peer_pb2 as pb
 from ckpt.wire.v1 import peer_pb2_grpc
 
+from ckptd.byte_range import ByteRange
 from ckptd.config import Config
 from ckptd.pipeline import Pipeline
 from ckptd.replication.receiving import ReplicaReceiver
@@ -108,7 +109,8 @@ class PeerServicer(peer_pb2_grpc.CkptdPeerServicer):
 
                 async with contextlib.aclosing(data()) as pieces:
                     try:
-                        await self.receiver.receive_range(meta, first.transfer, first.offset, first.length, pieces)
+                        byte_range = ByteRange(first.offset, first.length)
+                        await self.receiver.receive_range(meta, first.transfer, byte_range, pieces)
                     except CorruptCheckpoint:
                         self.pipeline.verification_failed("peer")
                         raise
@@ -122,8 +124,9 @@ class PeerServicer(peer_pb2_grpc.CkptdPeerServicer):
             if self.data_listener is None:
                 return pb.DataRangeTicket()
             meta = await self._shard_meta(request.transfer, request.meta_json)
-            self.receiver.admit_range(meta, request.transfer, request.offset, request.length)
-            ticket = self.data_listener.offer(meta, request.transfer, request.offset, request.length)
+            byte_range = ByteRange(request.offset, request.length)
+            self.receiver.admit_range(meta, request.transfer, byte_range)
+            ticket = self.data_listener.offer(meta, request.transfer, byte_range)
             return pb.DataRangeTicket(port=self.data_listener.port, ticket=ticket)
 
         return await answer(context, work)

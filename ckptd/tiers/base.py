@@ -1,13 +1,32 @@
-"""The interfaces every tier offers to the pipeline, retention and the CLI."""
+"""The interfaces every tier offers to the save path, replication, retention and the CLI.
+
+Tier: read complete steps. DurableTier: also receive shards, each through one ShardWrite,
+and seal steps. The memory tier only reads; NVMe and the replica store (tiers.nvme) and the
+object store (tiers.object) are durable.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from concurrent.futures import Executor, Future, wait
 
 from ckpt import shard_io
-from ckpt.format import CommitRecord, ShardMeta
+from ckpt.chunks import check_chunks, chunk_digests
+from ckpt.errors import CorruptCheckpoint
+from ckpt.format import CommitRecord, ShardMeta, chunk_ranges
 from ckpt.shard_io import ShardSource
+
+from ckptd.byte_range import ByteRange
+from ckptd.errors import ShardWriteError
+
+WRITE_BLOCK_BYTES = 32 << 20  # what write_shard hashes, then hands to a writer thread, at a time
+
+
+def shard_on_tier(meta: ShardMeta, tier_name: str) -> str:
+    """Name one copy of a shard in messages: "rank R shard of JOB step S on tier T"."""
+    return f"rank {meta.rank} shard of {meta.job} step {meta.step} on tier {tier_name}"
 
 
 class Tier(ABC):
@@ -54,6 +73,47 @@ class Tier(ABC):
         shard_io.read_shard_into(source, meta, buffer, offset, length)
 
 
+class ShardWrite(ABC):
+    """One copy of one shard on its way into a durable tier: the one way bytes enter a tier.
+
+    The NVMe flush, the replica receiver (both transports) and the uploader all use it, in
+    this order, for one copy of one shard:
+
+    1. DurableTier.open_shard(meta, transfer) returns it, on a worker thread: the step is made
+       ready and the rank's older copy stops counting (refused, StepAlreadyComplete, where the
+       step is complete here with other shards);
+    2. write(range, data) for every byte range of the shard, each on chunk boundaries (the
+       last may end with the shard): every chunk is checked against meta's checksums, or
+       hashed where meta carries none. With `ordered` False (local directories) ranges come in
+       any order from any worker thread, several at once; with it True (the object store's
+       streams) they come in order from one thread;
+    3. seal(), on a worker thread, once every range is in: the shard is durable and counts
+       (the commit protocol of storage.commit_protocol) and seal returns its record, with
+       checksums; or abandon(), from any thread, at any point before: what was written goes
+       and nothing counts. After either, the ShardWrite is spent.
+    """
+
+    meta: ShardMeta
+    ordered: bool = False
+
+    @abstractmethod
+    def write(self, byte_range: ByteRange, data: memoryview, digests: Sequence[str] | None = None) -> None:
+        """Write one range of the shard's bytes (data holds exactly them), every chunk checked or hashed.
+
+        digests: the range's chunk checksums where the caller computed them from these very
+        bytes (the flush hashes ahead, on its own thread, so that replicas start before the
+        writes end): taken as they are, neither checked nor computed again.
+        """
+
+    @abstractmethod
+    def seal(self) -> ShardMeta:
+        """Make the shard durable and counted once every range is in; return its record with checksums."""
+
+    @abstractmethod
+    def abandon(self) -> None:
+        """Give the copy up: what was written goes, nothing counts (safe to call twice, or after a failed seal)."""
+
+
 class DurableTier(Tier):
     """A tier written shard by shard with the atomic commit protocol of docs/FORMAT.md.
 
@@ -61,23 +121,75 @@ class DurableTier(Tier):
     the same step at once:
 
     1. remove_leftovers() once, at start-up, before anything else;
-    2. for each shard: write_shard(), which returns once the shard is durable;
+    2. for each shard: open_shard(), then the ShardWrite's calls (above) until it is sealed or
+       abandoned (the replica receiver, range by range); or write_shard(), which makes those
+       calls for a whole shard in memory (the NVMe flush, fetch, restore);
     3. after each shard: try_commit(), which seals the step once every rank is in, or
        adopt_commit(), when the step is complete across nodes;
     4. from retention: remove_step(), for steps the config no longer keeps, and
-       retry_removals() before each pass, for removals that failed earlier;
-    5. close() at shutdown.
+       retry_removals() before each pass, for removals that failed earlier.
     """
 
     @abstractmethod
+    def open_shard(self, meta: ShardMeta, transfer: str = "") -> ShardWrite:
+        """Begin receiving one copy of a shard (see ShardWrite); transfer names it, for the temporary files."""
+
+    @property
+    def write_threads(self) -> Executor | None:
+        """Return the threads write_shard hands its blocks to, or None: it writes them itself, in order."""
+        return None
+
     def write_shard(
         self, meta: ShardMeta, data: memoryview, on_hashed: Callable[[ShardMeta], None] | None = None
     ) -> ShardMeta:
-        """Write one shard durably and return its metadata with chunk checksums.
+        """Write a whole shard from memory through open_shard, write and seal; return its record with checksums.
 
-        If meta carries checksums, the bytes are checked against them on the way;
-        if not, they are computed once and on_hashed receives the completed metadata.
+        Called from a worker thread: the NVMe flush's (data a whole mmap'd slot), fetch_shard's,
+        restore's. data holds at least the shard's bytes, page-aligned for direct writes. The
+        calling thread goes through it in blocks of WRITE_BLOCK_BYTES, ahead of the writes:
+        each block's chunks are checked against meta's checksums or, where meta carries none,
+        hashed (once: write() takes those digests), then the block goes to write_threads
+        (several at once), or is written there and then for a tier without them or whose
+        ShardWrite is ordered. Where meta carries no checksums, on_hashed gets the full
+        record as soon as every chunk is hashed, before the writes are durable (replication
+        starts from it). Any failure abandons the copy; an OSError, or bytes that do not
+        match meta, is a ShardWriteError naming the shard and the tier.
         """
+        what = shard_on_tier(meta, self.name)
+        size, chunk = meta.data_size_bytes, meta.chunk_size_bytes
+        if len(data) < size:
+            raise ValueError(f"{what}: buffer of {len(data)} bytes is short of the shard's {size}")
+        shard = self.open_shard(meta)
+        threads = None if shard.ordered else self.write_threads
+        writes: list[Future[None]] = []
+        try:
+            digests: list[str] = []
+            block_bytes = max(1, WRITE_BLOCK_BYTES // chunk) * chunk
+            for offset, length in chunk_ranges(size, block_bytes):
+                block = data[offset : offset + length]
+                if meta.chunk_xxh3_128:
+                    check_chunks(meta, block, offset, what)
+                    block_digests = list(meta.chunk_xxh3_128[offset // chunk : -(-(offset + length) // chunk)])
+                else:
+                    block_digests = chunk_digests(block, chunk)
+                    digests += block_digests
+                if threads is None:
+                    shard.write(ByteRange(offset, length), block, block_digests)
+                else:
+                    writes.append(threads.submit(shard.write, ByteRange(offset, length), block, block_digests))
+            if not meta.chunk_xxh3_128 and on_hashed is not None:
+                on_hashed(dataclasses.replace(meta, chunk_xxh3_128=tuple(digests)))
+            for w in writes:
+                w.result()
+            return shard.seal()
+        except BaseException as e:
+            wait(writes)  # never abandon the copy, nor give data back to the caller, under a write still running
+            shard.abandon()
+            if isinstance(e, OSError):
+                raise ShardWriteError(f"{what}: {e.strerror or e}") from e
+            if isinstance(e, CorruptCheckpoint):  # the bytes to write are not the ones meta describes
+                raise ShardWriteError(str(e)) from e
+            raise
 
     def is_complete(self, job: str, step: int) -> bool:
         """Say whether the step is complete here (a tier may answer without listing every step)."""
@@ -128,7 +240,3 @@ class DurableTier(Tier):
     @abstractmethod
     def remove_leftovers(self) -> list[str]:
         """Remove what interrupted writes and removals left; return what was removed."""
-
-    @abstractmethod
-    def close(self) -> None:
-        """Release threads and handles."""

@@ -1,9 +1,14 @@
-"""Keep checkpoints in a local directory tree: the node's NVMe tier, and restore targets.
+"""Keep checkpoints in a local directory tree: the node's NVMe tier, the replica store, and restore targets.
 
-Shards are written with large aligned direct-I/O writes from page-aligned memory,
-under a temporary name, fsynced, then renamed; the step's commit record is
-written last, once every rank's shard is in. Layout: <root>/<job>/<step>/.
-The records of a step directory are read through step_records, each parsed once.
+Every shard enters through open_shard, one LocalShardWrite per copy: the step directory
+is made ready and the rank's older record dropped (under the step's lock), its bytes go
+to a temporary file in large aligned direct-I/O writes, range by range, each chunk
+checked or hashed first; seal fsyncs the file and renames it in, its record last
+(storage.commit_protocol). The NVMe flush, fetch and restore write a whole shard from
+memory through DurableTier.write_shard (its blocks on this tier's writer threads); the
+replica receiver writes the ranges a peer sends. The step's commit record is written
+last, once every rank's shard is in. Layout: <root>/<job>/<step>/. The records of a
+step directory are read through step_records, each parsed once.
 """
 
 from __future__ import annotations
@@ -11,17 +16,17 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import mmap
 import os
 import shutil
 import threading
 import uuid
-from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from collections.abc import Iterator, Sequence
+from concurrent.futures import Executor
 from pathlib import Path
-from typing import Any
 
 from ckpt.chunks import check_chunks, chunk_digests
-from ckpt.errors import CheckpointError, CorruptCheckpoint, NotFound
+from ckpt.errors import CheckpointError, CorruptCheckpoint, InvalidArgument, NotFound
 from ckpt.format import (
     COMMIT_NAME,
     DIRECT_IO_ALIGN_BYTES,
@@ -29,45 +34,40 @@ from ckpt.format import (
     PARTIAL_SUFFIX,
     CommitRecord,
     ShardMeta,
-    chunk_ranges,
     data_name,
     digest,
     meta_name,
-    round_up,
     validate_job,
 )
 from ckpt.shard_io import ShardSource, read_index
 
+from ckptd.byte_range import ByteRange
 from ckptd.cluster.placement import Holding, seal_record
 from ckptd.errors import ShardWriteError, StepAlreadyComplete
 from ckptd.storage.commit_protocol import StepDirCommit
 from ckptd.storage.durable_write import RangeWriter, fsync_dir
-from ckptd.tiers.base import DurableTier
+from ckptd.tiers.base import DurableTier, ShardWrite, shard_on_tier
 from ckptd.tiers.step_records import StepRecords, entry_names
 
 log = logging.getLogger(__name__)
 
-WRITE_BLOCK_BYTES = 32 << 20
-WRITE_THREADS = 4
 DELETING_PREFIX = ".deleting-"
 
 
 class LocalDirTier(DurableTier):
     """Store steps under a root directory with the atomic commit protocol."""
 
-    def __init__(self, root: Path, name: str = "nvme") -> None:
+    def __init__(self, root: Path, name: str = "nvme", write_threads: Executor | None = None) -> None:
+        """write_threads: where write_shard's blocks are written, several at once (Executors.nvme_writes or
+        replica_writes; a restore's own); None writes them on the calling thread (readers, tests)."""
         self.root = root
         self.name = name
-        self._io = ThreadPoolExecutor(max_workers=WRITE_THREADS, thread_name_prefix=f"{name}-io")
+        self._io = write_threads
         self._records = StepRecords(name)
         self._step_locks: dict[tuple[str, int], threading.Lock] = {}
         self._step_locks_lock = threading.Lock()
         self.removal_failures = 0  # step directories that could not be deleted (see retry_removals)
         self._undeleted: set[Path] = set()  # those still there, retried before every retention pass
-
-    def close(self) -> None:
-        """Stop the writer threads."""
-        self._io.shutdown(wait=True)
 
     def step_dir(self, job: str, step: int) -> Path:
         """Return the directory of a job's step."""
@@ -150,58 +150,34 @@ class LocalDirTier(DurableTier):
 
     # -- writing -----------------------------------------------------------
 
-    def write_shard(
-        self,
-        meta: ShardMeta,
-        data: memoryview,
-        on_hashed: Callable[[ShardMeta], None] | None = None,
-    ) -> ShardMeta:
-        """Write a shard's bytes and metadata durably; return the metadata with checksums.
+    @property
+    def write_threads(self) -> Executor | None:
+        """Return the tier's writer threads, which write_shard hands its blocks to."""
+        return self._io
 
-        data must be page-aligned and at least the data size rounded up to 4 KiB.
-        If meta carries chunk checksums the bytes are checked against them as they
-        are written; if not, they are computed here, once, and on_hashed is called
-        with the completed metadata as soon as they are known (before the writes
-        are durable).
+    def open_shard(self, meta: ShardMeta, transfer: str = "") -> LocalShardWrite:
+        """Make the step directory ready for a shard, drop the rank's older copy, and open a temporary file for it.
+
+        Called on a worker thread (the flush's, through write_shard; the receiver's). Refused
+        (StepAlreadyComplete) when the step is complete here, unless meta is exactly the record
+        the step's commit lists for that rank (a replica, or a shard fetched back). transfer
+        names the temporary file, which start-up removes if a crash leaves it.
         """
-        what = f"rank {meta.rank} shard of {meta.job} step {meta.step} on tier {self.name}"
-        partial = self.partial_path(meta, uuid.uuid4().hex[:8])
+        what = shard_on_tier(meta, self.name)
+        commit = StepDirCommit(self.step_dir(meta.job, meta.step))
         try:
-            self.prepare_shard(meta, what)
-            meta = self._write_data(partial, meta, data, on_hashed, what)
-            self.install_shard(meta, partial, what)
-        except BaseException as e:
-            partial.unlink(missing_ok=True)
-            if isinstance(e, OSError):
-                raise ShardWriteError(f"{what}: {e.strerror or e}") from e
-            if isinstance(e, CorruptCheckpoint):  # the bytes to write are not the ones meta describes
-                raise ShardWriteError(str(e)) from e
-            raise
-        return meta
-
-    def partial_path(self, meta: ShardMeta, transfer: str) -> Path:
-        """Name the temporary file that receives a shard's bytes before install_shard (removed at start-up)."""
-        return StepDirCommit(self.step_dir(meta.job, meta.step)).temporary(data_name(meta.rank), transfer)
-
-    def prepare_shard(self, meta: ShardMeta, what: str) -> None:
-        """Make the step directory ready for a shard, and drop an older copy of it.
-
-        Refused when the step is complete, unless meta is exactly the record the
-        step's commit lists for that rank (a replica, or a shard fetched back).
-        """
-        step_dir = self.step_dir(meta.job, meta.step)
-        with self._step_lock(meta.job, meta.step):
-            self._check_writable(meta, what)
-            StepDirCommit(step_dir).begin()
-            # A shard saved again replaces the old one: drop it first, so a failure
-            # later leaves the step without this rank rather than with stale bytes.
-            (step_dir / meta_name(meta.rank)).unlink(missing_ok=True)
-
-    def install_shard(self, meta: ShardMeta, partial: Path, what: str) -> None:
-        """Make a fully written and fsynced data file the rank's shard: its record is renamed in last."""
-        StepDirCommit(self.step_dir(meta.job, meta.step)).install_shard(
-            meta.rank, partial, meta.to_bytes(), self._writable(meta, what)
-        )
+            with self._step_lock(meta.job, meta.step):
+                self._check_writable(meta, what)
+                commit.begin()
+                # A shard saved again replaces the old one: drop it first, so a failure
+                # later leaves the step without this rank rather than with stale bytes.
+                (commit.step_dir / meta_name(meta.rank)).unlink(missing_ok=True)
+            # Each copy owns its temporary file, even two copies of one transfer: abandoning
+            # one never removes the file another is writing.
+            unique = f"{transfer}-{uuid.uuid4().hex[:8]}" if transfer else ""
+            return LocalShardWrite(self, meta, commit, commit.temporary(data_name(meta.rank), unique), what)
+        except OSError as e:
+            raise ShardWriteError(f"{what}: {e.strerror or e}") from e
 
     @contextlib.contextmanager
     def _writable(self, meta: ShardMeta, what: str) -> Iterator[None]:
@@ -218,38 +194,6 @@ class LocalDirTier(DurableTier):
         listed = meta.rank < record.world_size and record.shard_meta_xxh3_128[meta.rank] == digest(meta.to_bytes())
         if not (meta.chunk_xxh3_128 and listed):
             raise StepAlreadyComplete(f"{what}: the step is already complete; a complete step is never rewritten")
-
-    def _write_data(
-        self, path: Path, meta: ShardMeta, data: memoryview, on_hashed: Callable[[ShardMeta], None] | None, what: str
-    ) -> ShardMeta:
-        """Write the data to path in large blocks on the writer threads, checking or computing each chunk's checksum."""
-        size = meta.data_size_bytes
-        if len(data) < round_up(size, DIRECT_IO_ALIGN_BYTES):
-            raise ValueError(f"{what}: buffer of {len(data)} bytes is short of {size} rounded to 4 KiB")
-        digests: list[str] = []
-        writes: list[Future[Any]] = []
-        writer = RangeWriter(path, size_bytes=size)
-        try:
-            block_bytes = max(1, WRITE_BLOCK_BYTES // meta.chunk_size_bytes) * meta.chunk_size_bytes
-            for offset, length in chunk_ranges(size, block_bytes):
-                block = data[offset : offset + length]
-                if meta.chunk_xxh3_128:
-                    check_chunks(meta, block, offset, what)
-                else:
-                    digests += chunk_digests(block, meta.chunk_size_bytes)
-                padded = data[offset : offset + round_up(length, DIRECT_IO_ALIGN_BYTES)]
-                writes.append(self._io.submit(writer.write_range, padded, offset, length))
-            if not meta.chunk_xxh3_128:
-                meta = dataclasses.replace(meta, chunk_xxh3_128=tuple(digests))
-                if on_hashed is not None:
-                    on_hashed(meta)
-            for w in writes:
-                w.result()
-            writer.finish(size)
-        finally:
-            wait(writes)  # never close the file under a write still running
-            writer.close()
-        return meta
 
     def try_commit(self, job: str, step: int, world_size: int, run_id: str = "") -> CommitRecord | None:
         """Write the step's commit record if every rank's shard is in, all of one run; return it, or None.
@@ -383,3 +327,123 @@ class LocalDirTier(DurableTier):
                             (entry / f).unlink(missing_ok=True)
                             removed.append(str(entry / f))
         return removed
+
+
+class LocalShardWrite(ShardWrite):
+    """One copy of one shard on its way into a LocalDirTier: a temporary file, written range by range, then installed.
+
+    LocalDirTier.open_shard makes it; then, as ShardWrite says: write() from any worker
+    threads, several at once, ranges in any order; seal() on a worker thread once every
+    chunk is in; or abandon() from any thread (the event loop included: it only closes
+    and unlinks). Where meta carries no checksums, those write() computes or is given
+    make the record seal returns.
+    """
+
+    def __init__(self, tier: LocalDirTier, meta: ShardMeta, commit: StepDirCommit, temporary: Path, what: str) -> None:
+        self.meta = meta
+        self.temporary = temporary
+        self._tier = tier
+        self._commit = commit
+        self._what = what
+        self._writer = RangeWriter(temporary, size_bytes=meta.data_size_bytes)
+        chunks = -(-meta.data_size_bytes // meta.chunk_size_bytes)
+        self._chunk_in = bytearray(chunks)  # 1 where the chunk is written
+        self._chunks_missing = chunks
+        self._digests = list(meta.chunk_xxh3_128) or [""] * chunks
+        self._lock = threading.Lock()  # guards the fields below and the two above
+        self._writes_running = 0
+        self._state = "open"  # then "sealing" and "sealed" (or "failed"), or "abandoned"
+
+    def write(self, byte_range: ByteRange, data: memoryview, digests: Sequence[str] | None = None) -> None:
+        """Check (or hash, or take digests for) the range's chunks, then write them; any worker thread."""
+        chunk = self.meta.chunk_size_bytes
+        first, end = byte_range.offset // chunk, -(-byte_range.end // chunk)
+        self._check_range(byte_range, data, digests)
+        with self._lock:
+            if self._state != "open":
+                raise ShardWriteError(f"{self._what}: a write after the copy was {self._state}")
+            self._writes_running += 1
+        try:
+            if digests is None and self.meta.chunk_xxh3_128:
+                check_chunks(self.meta, data, byte_range.offset, self._what)
+                digests = self.meta.chunk_xxh3_128[first:end]
+            elif digests is None:
+                digests = chunk_digests(data, chunk)
+            self._write_aligned(data, byte_range)
+            with self._lock:
+                self._digests[first:end] = digests
+                self._chunks_missing -= (end - first) - sum(self._chunk_in[first:end])
+                self._chunk_in[first:end] = b"\1" * (end - first)
+        except OSError as e:
+            raise ShardWriteError(f"{self._what}: {e.strerror or e}") from e
+        finally:
+            with self._lock:
+                self._writes_running -= 1
+                last_out = self._writes_running == 0 and self._state == "abandoned"
+            if last_out:  # abandoned while this write ran: the file goes now
+                self._discard()
+
+    def _check_range(self, byte_range: ByteRange, data: memoryview, digests: Sequence[str] | None) -> None:
+        chunk, size = self.meta.chunk_size_bytes, self.meta.data_size_bytes
+        offset, end = byte_range.offset, byte_range.end
+        fits = 0 <= offset <= end <= size and offset % chunk == 0 and (end % chunk == 0 or end == size)
+        if not fits or len(data) != byte_range.length:
+            raise InvalidArgument(f"{self._what}: range {byte_range} ({len(data)} bytes) does not fit the shard")
+        if digests is not None and len(digests) != -(-byte_range.length // chunk):
+            raise InvalidArgument(f"{self._what}: {len(digests)} checksums for range {byte_range}")
+
+    def _write_aligned(self, data: memoryview, byte_range: ByteRange) -> None:
+        # Direct writes need whole 4 KiB blocks: a range that ends mid-block (the shard's
+        # end) writes its last bytes from a small aligned copy; finish() cuts the padding.
+        whole = byte_range.length - byte_range.length % DIRECT_IO_ALIGN_BYTES
+        if whole:
+            self._writer.write_range(data[:whole], byte_range.offset, whole)
+        if whole < byte_range.length:
+            with mmap.mmap(-1, DIRECT_IO_ALIGN_BYTES) as tail, memoryview(tail) as view:
+                view[: byte_range.length - whole] = data[whole:]
+                self._writer.write_range(view, byte_range.offset + whole, byte_range.length - whole)
+
+    def seal(self) -> ShardMeta:
+        """Fsync the file and install it as the rank's shard, under the step's lock and its last checks."""
+        with self._lock:
+            if self._state != "open" or self._writes_running:
+                raise ShardWriteError(f"{self._what}: sealed while {self._state} or with a write running")
+            if self._chunks_missing:
+                raise InvalidArgument(f"{self._what}: {self._chunks_missing} chunks never arrived")
+            self._state = "sealing"
+        meta = (
+            self.meta
+            if self.meta.chunk_xxh3_128
+            else dataclasses.replace(self.meta, chunk_xxh3_128=tuple(self._digests))
+        )
+        try:
+            self._writer.finish(meta.data_size_bytes)
+            self._writer.close()
+            guard = self._tier._writable(meta, self._what)
+            self._commit.install_shard(meta.rank, self.temporary, meta.to_bytes(), guard)
+        except BaseException as e:
+            with self._lock:
+                self._state = "failed"  # abandon() removes what is left
+            if isinstance(e, OSError):
+                raise ShardWriteError(f"{self._what}: {e.strerror or e}") from e
+            raise
+        with self._lock:
+            self._state = "sealed"
+        return meta
+
+    def abandon(self) -> None:
+        """Close and unlink the temporary file now, or as the last running write ends; nothing counts.
+
+        A seal still running is left to end: its caller abandons the copy if it fails.
+        """
+        with self._lock:
+            if self._state not in ("open", "failed"):
+                return
+            self._state = "abandoned"
+            running = self._writes_running
+        if not running:
+            self._discard()
+
+    def _discard(self) -> None:
+        self._writer.close()
+        self.temporary.unlink(missing_ok=True)

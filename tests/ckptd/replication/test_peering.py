@@ -28,5 +28,3 @@ def test_a_commit_told_again_changes_nothing_and_another_one_is_refused(tmp_path
         with pytest.raises(StepAlreadyComplete, match="another commit record; kept"):
             asyncio.run(peering.adopt_told(other))
     assert nvme.checked_commit("j", 1) == record and nvme.has_shard("j", 1, 0)
-    nvme.close()
-    replicas.close()

@@ -32,7 +32,6 @@ def roles(tmp_path, monkeypatch):
             view=None, save_threads=threads, peer_threads=threads,
         )  # fmt: skip
         yield shard_progress, saves
-    nvme.close()
 
 
 def test_what_shards_reached_and_why_they_failed_is_bounded(roles):

@@ -14,7 +14,6 @@ from ckptd.tiers.nvme import LocalDirTier
 def shard_progress(tmp_path):
     nvme = LocalDirTier(tmp_path / "nvme")
     yield ShardProgress(SlotPool(tmp_path / "staging", 0, "block"), nvme, peering=None, uploader=None)
-    nvme.close()
 
 
 def steps(newest: NewestSteps) -> dict[str, dict[str, int]]:

@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from ckpt.format import ShardMeta, chunk_ranges, digest
 
+from ckptd.byte_range import ByteRange
 from ckptd.replication.receiving import ReplicaReceiver
 from ckptd.storage.durable_write import RangeWriter
 from ckptd.tiers.nvme import LocalDirTier
@@ -99,12 +100,11 @@ def test_a_replica_written_after_a_refused_direct_write_is_the_sent_bytes(
 
     # The receiver writes in blocks of 8 MiB: the whole shard is its first direct write.
     async def body(receiver: ReplicaReceiver) -> None:
-        await receiver.receive_range(meta, "ab" * 8, 0, SIZE, pieces())
+        await receiver.receive_range(meta, "ab" * 8, ByteRange(0, SIZE), pieces())
         await receiver.seal(meta, "ab" * 8, None)
 
-    with ThreadPoolExecutor(4) as threads:
-        asyncio.run(body(ReplicaReceiver(tier, threads)))
-    tier.close()
+    with ThreadPoolExecutor(4) as threads, ThreadPoolExecutor(4) as receiving:
+        asyncio.run(body(ReplicaReceiver(tier, threads, receiving)))
     assert faults.calls >= at_call  # the fault was reached
     assert faults.refused or not einval_after  # refused as asked (or, after an unaligned short write, anyway)
     assert (tier.step_dir("j", 3) / "rank-00000.data").read_bytes() == data

@@ -3,6 +3,7 @@
 A new tier joins by adding a harness below: how to put one rank's shard into it,
 and how to change one of its stored bytes (so a test can damage it); a tier that
 removes steps also says what it stores (so a test can see that nothing is left).
+A durable tier also keeps ShardWrite's promises (the tests at the end).
 """
 
 from __future__ import annotations
@@ -10,12 +11,24 @@ from __future__ import annotations
 import asyncio
 import mmap
 import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from ckpt.errors import CorruptCheckpoint, NotFound
-from ckpt.format import CHUNK_SIZE_BYTES, CommitRecord, ShardMeta, chunk_ranges, data_name, digest, round_up
+from ckpt.errors import CorruptCheckpoint, InvalidArgument, NotFound
+from ckpt.format import (
+    CHUNK_SIZE_BYTES,
+    CommitRecord,
+    ShardMeta,
+    chunk_ranges,
+    data_name,
+    digest,
+    meta_name,
+    round_up,
+)
 
+from ckptd.byte_range import ByteRange
+from ckptd.errors import ShardWriteError
 from ckptd.save.staging import ShardKey, SlotPool, Snapshot
 from ckptd.storage.object_store import open_store
 from ckptd.tiers.base import Tier
@@ -47,9 +60,6 @@ class NvmeHarness:
         """Return every file under the tier's root."""
         return sorted(str(p.relative_to(self.tier.root)) for p in self.tier.root.rglob("*") if not p.is_dir())
 
-    def close(self) -> None:
-        self.tier.close()
-
 
 class ObjectHarness:
     """The object tier, over file:// or a real S3 endpoint: shards go up from a scratch NVMe tier."""
@@ -80,9 +90,6 @@ class ObjectHarness:
         """Return every object in the store, and every unfinished upload."""
         store = self.tier.store
         return sorted([p[len(store.root) + 1 :] for p in store.fs.find(store.root)] + store.unfinished_uploads())
-
-    def close(self) -> None:
-        self.scratch.close()
 
 
 class MemoryHarness:
@@ -121,8 +128,7 @@ def harness(request, tmp_path):
     else:
         server = request.getfixturevalue("s3_server")
         h = ObjectHarness(tmp_path, f"s3://{server.new_bucket()}/p", server.storage_options)
-    yield h
-    h.close()
+    return h
 
 
 def _flip(path: Path, offset: int) -> None:
@@ -185,3 +191,82 @@ def test_removing_a_step_leaves_nothing_of_it(harness):
     harness.tier.remove_step("job", 3)
     harness.tier.remove_step("job", 4)
     assert harness.stored() == []
+
+
+# -- ShardWrite: the one way bytes enter a durable tier ---------------------------------
+# A durable tier joins by adding a fixture param that builds it (the object tier's
+# ShardWrite writes ranges in order from one thread: these tests write out of order).
+
+SMALL_CHUNK = 64 << 10
+
+
+@pytest.fixture(params=["nvme", "replica-store"])
+def durable(request, tmp_path):
+    return LocalDirTier(tmp_path / request.param, name=request.param)
+
+
+def _shard(size: int, with_checksums: bool = True) -> tuple[ShardMeta, bytes]:
+    data = os.urandom(size)
+    digests = tuple(digest(data[o : o + n]) for o, n in chunk_ranges(size, SMALL_CHUNK)) if with_checksums else ()
+    return ShardMeta("job", 1, 0, 1, size, SMALL_CHUNK, digests, "{}"), data
+
+
+def _temporaries(tier: LocalDirTier) -> list[Path]:
+    return list(tier.root.rglob("*.partial"))
+
+
+@pytest.mark.parametrize("with_checksums", [True, False], ids=["checked", "hashed"])
+def test_ranges_written_out_of_order_from_threads_make_the_shard_write_shard_makes(durable, tmp_path, with_checksums):
+    meta, data = _shard(9 * SMALL_CHUNK + 1234, with_checksums)  # a last chunk that ends mid-4 KiB
+    ranges = [ByteRange(o, n) for o, n in chunk_ranges(len(data), 2 * SMALL_CHUNK)]
+    shard = durable.open_shard(meta, "ab" * 8)
+    with ThreadPoolExecutor(4) as threads:
+        list(threads.map(lambda r: shard.write(r, memoryview(data)[r.offset : r.end]), reversed(ranges)))
+    sealed = shard.seal()
+    assert durable.try_commit("job", 1, 1) is not None
+
+    whole = LocalDirTier(tmp_path / "whole")
+    expected = whole.write_shard(meta, _aligned(data))
+    assert sealed == expected and len(sealed.chunk_xxh3_128) == 10
+    step, whole_step = durable.step_dir("job", 1), whole.step_dir("job", 1)
+    for name in (data_name(0), meta_name(0)):
+        assert (step / name).read_bytes() == (whole_step / name).read_bytes()
+    assert _read(durable, "job", 1, 0) == data
+    assert _temporaries(durable) == []
+
+
+def test_a_seal_with_a_chunk_missing_is_refused_and_nothing_counts(durable):
+    meta, data = _shard(4 * SMALL_CHUNK)
+    shard = durable.open_shard(meta)
+    for r in (ByteRange(0, SMALL_CHUNK), ByteRange(2 * SMALL_CHUNK, 2 * SMALL_CHUNK)):
+        shard.write(r, memoryview(data)[r.offset : r.end])
+    with pytest.raises(InvalidArgument, match="1 chunks never arrived"):
+        shard.seal()
+    shard.abandon()
+    assert not durable.has_shard("job", 1, 0) and durable.try_commit("job", 1, 1) is None
+    assert _temporaries(durable) == []
+
+
+def test_an_abandoned_write_leaves_no_temporary_file(durable):
+    meta, data = _shard(2 * SMALL_CHUNK)
+    shard = durable.open_shard(meta, "cd" * 8)
+    shard.write(ByteRange(0, SMALL_CHUNK), memoryview(data)[:SMALL_CHUNK])
+    assert len(_temporaries(durable)) == 1
+    shard.abandon()
+    shard.abandon()  # safe twice
+    assert _temporaries(durable) == [] and not durable.has_shard("job", 1, 0)
+    with pytest.raises(ShardWriteError, match="abandoned"):
+        shard.write(ByteRange(SMALL_CHUNK, SMALL_CHUNK), memoryview(data)[SMALL_CHUNK:])
+
+
+def test_a_bad_chunk_is_refused_and_nothing_counts(durable):
+    meta, data = _shard(3 * SMALL_CHUNK)
+    bad = bytearray(data)
+    bad[SMALL_CHUNK + 3] ^= 1
+    shard = durable.open_shard(meta)
+    with pytest.raises(CorruptCheckpoint, match=r"on tier .*chunk 1 .*checksum mismatch"):
+        shard.write(ByteRange.whole(len(bad)), memoryview(bad))
+    shard.abandon()
+    with pytest.raises(ShardWriteError, match=r"chunk 1 .*checksum mismatch"):  # write_shard: the caller's own bytes
+        durable.write_shard(meta, _aligned(bytes(bad)))
+    assert not durable.has_shard("job", 1, 0) and _temporaries(durable) == []

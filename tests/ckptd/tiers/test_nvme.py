@@ -29,7 +29,6 @@ def _meta(job="j", step=1, rank=0, world_size=2, size=0):
 def tier(tmp_path):
     t = LocalDirTier(tmp_path / "root")
     yield t
-    t.close()
 
 
 def _write(tier, rank, payload, world_size=2, step=1):
