@@ -68,7 +68,9 @@ class Lifecycle:
         self.object_tier: ObjectTier | None = None
         self.uploader: Uploader | None = None
         if config.object.url:
-            self.object_tier = ObjectTier(open_store(config.object.url, config.object.storage_options))
+            self.object_tier = ObjectTier(
+                open_store(config.object.url, config.object.storage_options), compression=config.object.compression
+            )
             self.uploader = Uploader(config, self.nvme, self.object_tier, self._upload_changed)
         self.progress = ShardProgress(self.pool, self.nvme, self.peering, self.uploader)
         self.flusher = Flusher(self.pool, self.nvme, self.durable_tiers, self.peering, self.uploader, self.progress)
