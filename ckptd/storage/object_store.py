@@ -27,7 +27,7 @@ import fsspec
 from ckpt.errors import CheckpointError
 from ckpt.format import PARTIAL_SUFFIX
 
-from ckptd.storage.durable_write import RangeWriter, fsync_dir, make_dirs, write_file
+from ckptd.storage.durable_write import fsync_dir, make_dirs, write_file
 
 UPLOAD_CONCURRENCY = 8  # parts of one object in flight at once (and batches of deletes)
 DELETE_BATCH = 1000  # keys one DeleteObjects request removes at most
@@ -358,28 +358,31 @@ class _FsspecParts(ObjectParts):
 
 
 class _FileParts(ObjectParts):
-    """A file under a temporary name, written through durable_write, fsynced and renamed into place once finished."""
+    """A file under a temporary name, written through the page cache, fsynced and renamed into place once finished.
+
+    Not durable_write.RangeWriter: its direct I/O suits NVMe, not a store that may be a network
+    filesystem, where uncached writes would each wait for the server.
+    """
 
     def __init__(self, target: str) -> None:
         make_dirs(Path(target).parent)
         self._target = target
         self._temporary = Path(_temporary_name(target))
-        self._file = RangeWriter(self._temporary)
-        self._size_bytes = 0
+        self._file = open(self._temporary, "wb")  # noqa: SIM115 (kept open across put calls, closed by finish/abort)
 
     @_store_errors
     def put(self, part: bytes) -> None:
         try:
-            self._file.write_range(memoryview(part), self._size_bytes, len(part))
+            self._file.write(part)  # a buffered file writes all of it, or raises
         except BaseException:
             self.abort()
             raise
-        self._size_bytes += len(part)
 
     @_store_errors
     def finish(self) -> None:
         try:
-            self._file.finish(self._size_bytes)
+            self._file.flush()
+            os.fsync(self._file.fileno())
             self._file.close()
             os.replace(self._temporary, self._target)
         except BaseException:
@@ -388,7 +391,8 @@ class _FileParts(ObjectParts):
         fsync_dir(os.path.dirname(self._target))
 
     def abort(self) -> None:
-        self._file.close()
+        with contextlib.suppress(OSError):
+            self._file.close()
         self._temporary.unlink(missing_ok=True)
 
 

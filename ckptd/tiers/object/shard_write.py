@@ -89,18 +89,18 @@ class ObjectShardWrite(ShardWrite):
                 raise CorruptCheckpoint(f"{self.what}: chunk {bad} of {self._source} changed before upload")
             last = byte_range.end == meta.data_size_bytes
             if self._compressor is None:
-                self._push(_owned(data), last)
+                self._push(data, last)
             else:
                 packed, sizes = compress_frames(self._compressor, meta, data)
                 self._frame_sizes += sizes
                 self._push(packed, last)
             self._next_offset = byte_range.end
 
-    def _push(self, piece: bytes, last: bool) -> None:
+    def _push(self, piece: bytes | memoryview, last: bool) -> None:
         """Hand the store whole parts of at least part_bytes (the last one may be short), in order."""
         if not self._pending and (len(piece) >= self._part_bytes or last):
-            if piece:
-                self._data.put(piece)  # as it came: no copy
+            if len(piece):
+                self._data.put(_owned(piece))
             return
         self._pending += piece
         if len(self._pending) >= self._part_bytes or last:
@@ -156,12 +156,14 @@ def _first_unlike(meta: ShardMeta, byte_range: ByteRange, digests: Sequence[str]
     return None
 
 
-def _owned(data: memoryview) -> bytes:
-    """Return data's bytes as an object the store may keep: the caller's own bytes where the view is all of them.
+def _owned(piece: bytes | memoryview) -> bytes:
+    """Return piece as bytes the store may keep: parts stay in flight after write() returns.
 
-    Parts stay in flight after write() returns, so a view of memory the caller reuses is copied;
-    a view of a whole bytes object (the uploader's pread) is not, bytes never change.
+    A view of memory the caller reuses is copied; bytes are not (they never change), nor is a
+    view of a whole bytes object (the uploader's pread).
     """
-    if isinstance(data.obj, bytes) and data.nbytes == len(data.obj) and data.contiguous:
-        return data.obj
-    return bytes(data)
+    if isinstance(piece, bytes):
+        return piece
+    if isinstance(piece.obj, bytes) and piece.nbytes == len(piece.obj) and piece.contiguous:
+        return piece.obj
+    return bytes(piece)
