@@ -2,13 +2,13 @@
 
 An S3 endpoint runs on loopback (moto's server, a child process on a port chosen at run time).
 One shard of random, incompressible bytes is written to a local NVMe tier on the disk under test,
-then, in each repeat, uploaded by the object tier (`ObjectTier.upload_shard`: reads the local
-file, checks every chunk, multipart with parts in flight) and, interleaved with it, by a plain
-`s3fs.put_file` of the same file (the limit). Then it is restored from the object tier
-(`read_meta` + `read_into`, parallel ranged GETs, every chunk checked) against a plain
-`s3fs.get_file` of the same bytes. zstd uploads of the same shard and of a half-zeros shard are
-measured beside them, for information. It prints a table and writes JSON; it is not a test.
-See benchmarks/README.md.
+then, in each repeat, uploaded by the object tier (`uploading.upload_file`: reads the local file
+and pushes it through `ObjectTier.open_shard`, which checks every chunk, multipart with parts in
+flight) and, interleaved with it, by a plain `s3fs.put_file` of the same file (the limit). Then it
+is restored from the object tier (`read_meta` + `read_into`, parallel ranged GETs, every chunk
+checked) against a plain `s3fs.get_file` of the same bytes. zstd uploads of the same shard and of
+a half-zeros shard are measured beside them, for information. It prints a table and writes JSON;
+it is not a test. See benchmarks/README.md.
 
     .venv/bin/python benchmarks/bench_object.py --size-mib 512 --repeats 3
 """
@@ -40,6 +40,7 @@ from report import (  # benchmarks/report.py: run as scripts, this directory is 
 )
 from s3_server import S3Server
 
+from ckptd.save.uploading import upload_file
 from ckptd.storage.object_store import UPLOAD_CONCURRENCY, open_store
 from ckptd.tiers.nvme import LocalDirTier
 from ckptd.tiers.object.keys import shard_dir
@@ -118,7 +119,7 @@ def bench(server: S3Server, work: Path, size: int, repeats: int) -> tuple[dict[s
 
         def ours_put(tier: ObjectTier = tier) -> None:
             drop_from_page_cache(path)
-            raw["upload"].append(timed(lambda: tier.upload_shard(meta, path, "none")))
+            raw["upload"].append(timed(lambda: upload_file(tier, meta, path)))
 
         def plain_get(bucket: str = bucket, key: str = "plain_get", **kwargs: int) -> None:
             raw[key].append(timed(lambda: fs.get_file(f"{bucket}/plain", str(fetched), **kwargs)))
@@ -150,9 +151,9 @@ def bench(server: S3Server, work: Path, size: int, repeats: int) -> tuple[dict[s
 
         for key, m, p in (("zstd", meta, path), ("zstd_half_zeros", meta_hz, path_hz)):
             bucket = server.new_bucket("zstd")
-            tier = ObjectTier(open_store(f"s3://{bucket}/ckpts", server.storage_options))
+            tier = ObjectTier(open_store(f"s3://{bucket}/ckpts", server.storage_options), compression="zstd")
             drop_from_page_cache(p)
-            raw[key].append(timed(lambda tier=tier, m=m, p=p: tier.upload_shard(m, p, "zstd")))
+            raw[key].append(timed(lambda tier=tier, m=m, p=p: upload_file(tier, m, p)))
             names = tier.store.names(*shard_dir(m.job, STEP, 0, tier.keys))  # under the rank's hash prefix
             stored[key] = names[zstd_name(0)]
             server.drop_bucket(bucket)

@@ -31,7 +31,8 @@ class ReceiverBusy(CheckpointError):
 
 
 class AlreadyHeld(CheckpointError):
-    """The replica is here already, exactly: the sender need not send it (nor is the copy here dropped)."""
+    """This exact shard is there already (a peer's replica, a shard the store's commit record lists): nothing to
+    write, and the copy there is not dropped."""
 
 
 class RootGone(Exception):

@@ -121,9 +121,10 @@ class Node:
         replica_store = LocalDirTier(config.replica_root, "peer", x.replica_writes)  # replicas other nodes sent
         tiers: list[Tier] = [memory, self.nvme, replica_store]
         self.durable_tiers: list[DurableTier] = [self.nvme, replica_store]
-        object_tier = (
-            ObjectTier(open_store(config.object.url, config.object.storage_options)) if config.object.url else None
-        )
+        object_tier = None
+        if config.object.url:
+            store = open_store(config.object.url, config.object.storage_options)
+            object_tier = ObjectTier(store, compression=config.object.compression)
         # -- the cluster: its view, and the peer tier wherever a view is (peers may come later)
         self.view = open_view(config)  # [cluster] backend; None: no peers, every step sealed here
         peer_tier = PeerTier([]) if self.view is not None else None
@@ -140,7 +141,11 @@ class Node:
         uploader = None
         if object_tier is not None:
             uploader = Uploader(
-                config, self.nvme, object_tier, lambda key, committed: save_path.upload_changed(key, committed)
+                config,
+                self.nvme,
+                object_tier,
+                lambda key, committed: save_path.upload_changed(key, committed),
+                x.upload,
             )
         # -- the save path, the load path, operations
         self.progress = ShardProgress(self.pool, self.nvme, self.peering, uploader)

@@ -4,8 +4,11 @@ Driven from the event loop: the pipeline calls start() once (which resumes the
 uploads that the disk says are pending), upload() after each shard is durable on
 NVMe, forget() when a shard is saved again, state() for waiters and drain() at
 shutdown. Bytes move on the uploader's own threads: a slow or failing store never
-holds a staging slot, a flush or training. Failures retry with exponential
-back-off and jitter, forever, and are reported after a few in a row.
+holds a staging slot, a flush or training. Each shard goes the one way into a tier,
+upload_file: the NVMe file is read in the store's part-sized ranges and pushed
+through ObjectTier.open_shard -> write -> seal (abandon on any failure). Failures
+retry with exponential back-off and jitter, forever, and are reported after a few
+in a row.
 
 Which node writes a step's commit record: the node that uploaded rank 0's shard,
 once the step is complete in the cluster (its commit record is on this node's NVMe)
@@ -18,22 +21,26 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import random
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from ckpt.errors import CheckpointError, CorruptCheckpoint, NotFound
-from ckpt.format import CommitRecord, ShardMeta, data_name, meta_name
+from ckpt.format import CommitRecord, ShardMeta, chunk_ranges, data_name, meta_name
 
+from ckptd.byte_range import ByteRange
 from ckptd.config import Config
-from ckptd.errors import CommitConflict, LocalCopyGone
+from ckptd.errors import AlreadyHeld, CommitConflict, LocalCopyGone
 from ckptd.keyed import KeyedLocks
 from ckptd.operations import metrics
 from ckptd.save.staging import ShardKey
 from ckptd.tiers.nvme import LocalDirTier
+from ckptd.tiers.object.layout import part_bytes
 from ckptd.tiers.object.tier import ObjectTier
 
 log = logging.getLogger(__name__)
@@ -64,13 +71,18 @@ class Uploader:
     """Keep the object tier one step behind NVMe at most: upload, commit, retry."""
 
     def __init__(
-        self, config: Config, nvme: LocalDirTier, tier: ObjectTier, on_change: Callable[[ShardKey, bool], None]
+        self,
+        config: Config,
+        nvme: LocalDirTier,
+        tier: ObjectTier,
+        on_change: Callable[[ShardKey, bool], None],
+        threads: ThreadPoolExecutor,
     ) -> None:
         """on_change(key, committed) is called on the event loop whenever a shard's state changes."""
         self.config = config
         self.nvme = nvme
         self.tier = tier
-        self.io = ThreadPoolExecutor(max_workers=UPLOAD_THREADS + 1, thread_name_prefix="upload")
+        self.io = threads  # UPLOAD_THREADS uploads and the commit checks (Executors.upload)
         self._on_change = on_change
         self._states: dict[ShardKey, UploadState] = {}
         self._locks: KeyedLocks[tuple[str, int, int]] = KeyedLocks()
@@ -235,7 +247,7 @@ class Uploader:
         if self.tier.holds(meta):
             return None
         started = time.monotonic()
-        if not self.tier.upload_shard(meta, step_dir / data_name(key.rank), self.config.object.compression):
+        if not upload_file(self.tier, meta, step_dir / data_name(key.rank)):
             return None  # the step is complete in the store with this very shard
         self.upload_seconds.observe(time.monotonic() - started)
         log.info(
@@ -347,7 +359,41 @@ class Uploader:
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*list(self._tasks), return_exceptions=True)
-        self.io.shutdown(wait=True)
+
+
+def upload_file(tier: ObjectTier, meta: ShardMeta, data_path: Path) -> bool:
+    """Upload a shard from its local data file through tier.open_shard, every chunk checked on the way.
+
+    Called on an uploader thread (tests and benchmarks call it on theirs). The file is read in
+    order, in ranges of the store's part size, with a sequential read-ahead hint: each range
+    goes to ShardWrite.write while the parts before it are still in flight. Any failure
+    abandons the copy. Return False where the store's commit record lists this very shard
+    already (AlreadyHeld): nothing was sent.
+    """
+    try:
+        shard = tier.open_shard(meta, transfer=str(data_path))
+    except AlreadyHeld:
+        return False
+    try:
+        fd = os.open(data_path, os.O_RDONLY)
+        try:
+            if os.fstat(fd).st_size != meta.data_size_bytes:
+                raise CorruptCheckpoint(f"{shard.what}: the local copy {data_path} has the wrong size")
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+            for offset, length in chunk_ranges(meta.data_size_bytes, part_bytes(meta)):
+                block = os.pread(fd, length, offset)
+                if len(block) != length:
+                    raise CorruptCheckpoint(
+                        f"{shard.what}: the local copy {data_path} ended at byte {offset + len(block)}"
+                    )
+                shard.write(ByteRange(offset, length), memoryview(block))
+        finally:
+            os.close(fd)
+        shard.seal()
+    except BaseException:
+        shard.abandon()
+        raise
+    return True
 
 
 def _jittered(delay_s: float) -> float:

@@ -11,10 +11,15 @@ In a directory (NVMe, the replica store, a restore target), for one step:
     3. write_index()                   where every rank's record is here and some are sharded: INDEX.json
     4. write_commit()                  last, once every rank's shard is in: COMMIT.json the same way
 
-In an object store (the uploader), for one step:
+In an object store (the uploader, through the object tier's ShardWrite), for one step:
 
-    1. per shard: put_shard()          its data objects (a multipart upload is atomic), then its record,
-                                       in the rank's own directory (under a hash prefix: docs/FORMAT.md)
+    1. per shard, in the rank's own directory (under a hash prefix: docs/FORMAT.md):
+       a. begin_shard()                its older record goes (that copy stops counting), then the
+                                       objects of the data format not written this time
+       b. open_data()                  its data object is written part by part (store.open_parts:
+                                       a multipart upload is atomic), and finished
+       c. install_shard()              the small objects that go with the data (a frame index), then
+                                       its record: the shard counts from here on
     2. put_index()                     where some records are sharded: INDEX.json, in the step's directory
     3. write_commit()                  last, create-only, there too: a commit record already there is
                                        never replaced
@@ -29,7 +34,7 @@ from __future__ import annotations
 import logging
 import os
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterable
 from contextlib import AbstractContextManager
 from pathlib import Path
 
@@ -38,7 +43,7 @@ from ckpt.format import COMMIT_NAME, INDEX_NAME, PARTIAL_SUFFIX, CommitRecord, S
 from ckpt.step_index import SHARDED_RECORD_MARK, index_bytes
 
 from ckptd.storage.durable_write import fsync_dir, make_dirs, write_file
-from ckptd.storage.object_store import ObjectStore
+from ckptd.storage.object_store import ObjectParts, ObjectStore
 
 log = logging.getLogger(__name__)
 
@@ -115,14 +120,23 @@ class ObjectStepCommit:
         self.store = store
         self.names = (job, str(step))
 
-    def put_shard(
-        self, rank: int, directory: tuple[str, ...], data: Iterator[tuple[str, Iterator[bytes]]], record: bytes
+    def begin_shard(self, rank: int, directory: tuple[str, ...], stale_names: Iterable[str]) -> None:
+        """Make rank's older copy in directory stop counting before its data changes, then remove stale_names."""
+        self.store.remove(*directory, meta_name(rank))
+        for name in stale_names:  # one data format per shard: a reader takes either
+            self.store.remove(*directory, name)
+
+    def open_data(self, directory: tuple[str, ...], name: str) -> ObjectParts:
+        """Begin writing a data object of a shard; the caller finishes it (or aborts it) before install_shard."""
+        return self.store.open_parts(*directory, name)
+
+    def install_shard(
+        self, rank: int, directory: tuple[str, ...], record: bytes, beside: Iterable[tuple[str, bytes]] = ()
     ) -> None:
-        """Upload a shard into directory: each (name, parts) of its data, then its record (it counts from then on)."""
-        self.store.remove(*directory, meta_name(rank))  # an older copy stops counting before its data changes
-        for name, parts in data:
-            self.store.put_parts(parts, *directory, name)
-        self.store.put(record, *directory, meta_name(rank))
+        """Upload what goes with a finished data object (beside: (name, bytes) each), then rank's record, last."""
+        for name, data in beside:
+            self.store.put(data, *directory, name)
+        self.store.put(record, *directory, meta_name(rank))  # the shard counts from here on
 
     def put_index(self, index: bytes) -> None:
         """Upload the step's index (docs/FORMAT.md), before its commit record."""

@@ -1,11 +1,13 @@
-"""Objects under one fsspec URL: small whole objects, large ones in parts, create-only commit records.
+"""Objects under one fsspec URL: small whole objects, large ones part by part, create-only commit records.
 
 The object tier's only way to the store. Three backends behind one interface:
-S3Store (s3fs: multipart uploads with concurrency, If-None-Match create-only
-writes, abandoned multipart uploads aborted), LocalStore (file://: temporary name,
-fsync, rename, and create-only through link()), and FsspecStore for any other
-fsspec URL (create-only is check-then-write there: documented in the README).
-Calls block: make them from worker threads. Paths are relative to the URL.
+S3Store (s3fs: multipart uploads with parts in flight at once, If-None-Match
+create-only writes, abandoned multipart uploads aborted), LocalStore (file://:
+temporary name, fsync, rename, and create-only through link()), and the base
+ObjectStore for any other fsspec URL (create-only is check-then-write there:
+documented in the README). Every object is written through one ObjectParts that
+open_parts returns (put() writes a small one through it too). Calls block: make
+them from worker threads. Paths are relative to the URL.
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ import contextlib
 import functools
 import os
 import uuid
-from collections.abc import Callable, Iterator
+from abc import ABC, abstractmethod
+from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, TypeVar
@@ -94,22 +97,14 @@ class ObjectStore:
     @_store_errors
     def put(self, data: bytes, *names: str) -> None:
         """Write a small object whole, replacing any object of that name."""
-        self.put_parts(iter([data]), *names)
+        parts = self.open_parts(*names)
+        parts.put(data)
+        parts.finish()
 
     @_store_errors
-    def put_parts(self, parts: Iterator[bytes], *names: str) -> None:
-        """Write a large object from its parts, in order; a reader sees it only once every part is in."""
-        target = self.path(*names)
-        temporary = f"{target}.{uuid.uuid4().hex[:8]}{PARTIAL_SUFFIX}"  # a file object commits what it has on error
-        try:
-            with self.fs.open(temporary, "wb") as f:
-                for part in parts:
-                    f.write(part)
-            self.fs.mv(temporary, target)
-        except BaseException:
-            with contextlib.suppress(Exception):
-                self.fs.rm_file(temporary)
-            raise
+    def open_parts(self, *names: str) -> ObjectParts:
+        """Begin writing an object part by part (see ObjectParts): it replaces any object of that name once finished."""
+        return _FsspecParts(self, names)
 
     @_store_errors
     def create(self, data: bytes, *names: str) -> bool:
@@ -166,39 +161,24 @@ class LocalStore(ObjectStore):
     spreads_keys = False  # a filesystem has no per-prefix limit: the flat layout, which ckpt.load_local reads as is
 
     @_store_errors
-    def put_parts(self, parts: Iterator[bytes], *names: str) -> None:
-        target = self.path(*names)
-        temporary = self._write_temporary(parts, target)
-        try:
-            os.replace(temporary, target)
-        except BaseException:
-            os.unlink(temporary)
-            raise
-        fsync_dir(os.path.dirname(target))
+    def open_parts(self, *names: str) -> ObjectParts:
+        return _FileParts(self.path(*names))
 
     @_store_errors
     def create(self, data: bytes, *names: str) -> bool:
         target = self.path(*names)
-        temporary = self._write_temporary(iter([data]), target)
+        make_dirs(Path(target).parent)
+        temporary = _temporary_name(target)
         try:
+            write_file(Path(temporary), [data])
             os.link(temporary, target)  # fails if the name exists: create-only, and atomic
         except FileExistsError:
             return False
         finally:
-            os.unlink(temporary)
-        fsync_dir(os.path.dirname(target))
-        return True
-
-    def _write_temporary(self, parts: Iterator[bytes], target: str) -> str:
-        make_dirs(Path(target).parent)
-        temporary = f"{target}.{uuid.uuid4().hex[:8]}{PARTIAL_SUFFIX}"
-        try:
-            write_file(Path(temporary), parts)
-        except BaseException:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(temporary)
-            raise
-        return temporary
+        fsync_dir(os.path.dirname(target))
+        return True
 
 
 class S3Store(ObjectStore):
@@ -259,55 +239,8 @@ class S3Store(ObjectStore):
                 raise ObjectStoreError(f"{len(errors)} objects were not removed, first {errors[0]}")
 
     @_store_errors
-    def put_parts(self, parts: Iterator[bytes], *names: str) -> None:
-        bucket, key, _ = self.fs.split_path(self.path(*names))
-        self.abort_uploads(*names)  # an upload of this object that a crash left unfinished
-        first = next(parts, b"")
-        second = next(parts, None)
-        if second is None:  # one part: a plain PUT
-            self._call("put_object", Bucket=bucket, Key=key, Body=first)
-            self.fs.invalidate_cache(self.path(*names))
-            return
-        upload_id = self._call("create_multipart_upload", Bucket=bucket, Key=key)["UploadId"]
-        try:
-            etags = self._upload_parts(bucket, key, upload_id, _chain(first, second, parts))
-            done = [{"PartNumber": n, "ETag": etag} for n, etag in enumerate(etags, 1)]
-            self._call(
-                "complete_multipart_upload",
-                Bucket=bucket,
-                Key=key,
-                UploadId=upload_id,
-                MultipartUpload={"Parts": done},
-            )
-        except BaseException:
-            with contextlib.suppress(OSError):  # else the next upload of this object, or the step's removal, aborts it
-                self._call("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id)
-            raise
-        self.fs.invalidate_cache(self.path(*names))
-
-    def _upload_parts(self, bucket: str, key: str, upload_id: str, parts: Iterator[bytes]) -> list[str]:
-        """Send parts with up to UPLOAD_CONCURRENCY in flight (a window, not batches); return their ETags."""
-        in_flight: dict[int, Future[Any]] = {}
-        etags: dict[int, str] = {}
-        try:
-            for number, part in enumerate(parts, 1):
-                while len(in_flight) >= UPLOAD_CONCURRENCY:
-                    self._collect_one(in_flight, etags)
-                coro = self.fs._call_s3(
-                    "upload_part", Bucket=bucket, Key=key, UploadId=upload_id, PartNumber=number, Body=part
-                )
-                in_flight[number] = asyncio.run_coroutine_threadsafe(coro, self.fs.loop)
-            while in_flight:
-                self._collect_one(in_flight, etags)
-        finally:
-            for f in in_flight.values():
-                f.cancel()
-        return [etags[n] for n in sorted(etags)]
-
-    @staticmethod
-    def _collect_one(in_flight: dict[int, Future[Any]], etags: dict[int, str]) -> None:
-        first = min(in_flight)
-        etags[first] = in_flight.pop(first).result()["ETag"]
+    def open_parts(self, *names: str) -> ObjectParts:
+        return _S3Parts(self, names)
 
     @_store_errors
     def create(self, data: bytes, *names: str) -> bool:
@@ -358,12 +291,192 @@ def open_store(url: str, storage_options: dict[str, Any]) -> ObjectStore:
     return ObjectStore(url, storage_options)
 
 
+def _temporary_name(target: str) -> str:
+    """Name a temporary for the object target: <target>.<random>.partial (see _written_as)."""
+    return f"{target}.{uuid.uuid4().hex[:8]}{PARTIAL_SUFFIX}"
+
+
 def _written_as(name: str) -> str:
-    """Return the object a temporary name stands for (put_parts names them <object>.<random>.partial), else ""."""
+    """Return the object a temporary name stands for (see _temporary_name), else ""."""
     return name[: -len(PARTIAL_SUFFIX)].rsplit(".", 1)[0] if name.endswith(PARTIAL_SUFFIX) else ""
 
 
-def _chain(first: bytes, second: bytes, rest: Iterator[bytes]) -> Iterator[bytes]:
-    yield first
-    yield second
-    yield from rest
+class ObjectParts(ABC):
+    """One object on its way into a store, part by part: readers see it whole once finished, or never.
+
+    ObjectStore.open_parts returns it; then, from one thread: put() for every part, in
+    order, then finish(), or abort() at any point before (from that thread too). A put()
+    or finish() that fails aborts it first. After finish or abort it is spent; abort is
+    safe to call again. Parts but the last must be of at least 5 MiB (S3's multipart
+    floor); a part handed to put() is the store's from then on: never change it.
+    """
+
+    @abstractmethod
+    def put(self, part: bytes) -> None:
+        """Add the next part (it may still be on its way when put returns)."""
+
+    @abstractmethod
+    def finish(self) -> None:
+        """Make the object whole under its name, once every part is in (no part at all: an empty object)."""
+
+    @abstractmethod
+    def abort(self) -> None:
+        """Give the object up: nothing of it stays (no temporary, no unfinished multipart upload)."""
+
+
+class _FsspecParts(ObjectParts):
+    """Any fsspec backend: a file object under a temporary name, moved into place once finished."""
+
+    def __init__(self, store: ObjectStore, names: tuple[str, ...]) -> None:
+        self._fs = store.fs
+        self._target = store.path(*names)
+        self._temporary = _temporary_name(self._target)  # a file object commits what it has when closed
+        self._file: Any = self._fs.open(self._temporary, "wb")
+
+    @_store_errors
+    def put(self, part: bytes) -> None:
+        try:
+            self._file.write(part)
+        except BaseException:
+            self.abort()
+            raise
+
+    @_store_errors
+    def finish(self) -> None:
+        try:
+            self._file.close()
+            self._fs.mv(self._temporary, self._target)
+        except BaseException:
+            self.abort()
+            raise
+
+    def abort(self) -> None:
+        with contextlib.suppress(Exception):
+            self._file.close()
+        with contextlib.suppress(Exception):
+            self._fs.rm_file(self._temporary)
+
+
+class _FileParts(ObjectParts):
+    """A file under a temporary name, written through the page cache, fsynced and renamed into place once finished.
+
+    Not durable_write.RangeWriter: its direct I/O suits NVMe, not a store that may be a network
+    filesystem, where uncached writes would each wait for the server.
+    """
+
+    def __init__(self, target: str) -> None:
+        make_dirs(Path(target).parent)
+        self._target = target
+        self._temporary = Path(_temporary_name(target))
+        self._file = open(self._temporary, "wb")  # noqa: SIM115 (kept open across put calls, closed by finish/abort)
+
+    @_store_errors
+    def put(self, part: bytes) -> None:
+        try:
+            self._file.write(part)  # a buffered file writes all of it, or raises
+        except BaseException:
+            self.abort()
+            raise
+
+    @_store_errors
+    def finish(self) -> None:
+        try:
+            self._file.flush()
+            os.fsync(self._file.fileno())
+            self._file.close()
+            os.replace(self._temporary, self._target)
+        except BaseException:
+            self.abort()
+            raise
+        fsync_dir(os.path.dirname(self._target))
+
+    def abort(self) -> None:
+        with contextlib.suppress(OSError):
+            self._file.close()
+        self._temporary.unlink(missing_ok=True)
+
+
+class _S3Parts(ObjectParts):
+    """A multipart upload with up to UPLOAD_CONCURRENCY parts in flight (a window, not batches); one part: a PUT.
+
+    An unfinished upload of the same key (a crash's) is aborted when it opens. The first part
+    waits for the second: only then is a multipart upload begun.
+    """
+
+    def __init__(self, store: S3Store, names: tuple[str, ...]) -> None:
+        self._store = store
+        self._path = store.path(*names)
+        self._bucket, self._key, _ = store.fs.split_path(self._path)
+        store.abort_uploads(*names)  # an upload of this object that a crash left unfinished
+        self._first: bytes | None = None
+        self._upload_id: str | None = None
+        self._in_flight: dict[int, Future[Any]] = {}
+        self._etags: dict[int, str] = {}
+        self._sent = 0  # parts handed to the store: the last one's number
+
+    @_store_errors
+    def put(self, part: bytes) -> None:
+        try:
+            if self._upload_id is None:
+                if self._first is None:
+                    self._first = part
+                    return
+                reply = self._store._call("create_multipart_upload", Bucket=self._bucket, Key=self._key)
+                self._upload_id = reply["UploadId"]
+                first, self._first = self._first, None
+                self._send(first)
+            self._send(part)
+        except BaseException:
+            self.abort()
+            raise
+
+    def _send(self, part: bytes) -> None:
+        while len(self._in_flight) >= UPLOAD_CONCURRENCY:
+            self._collect_one()
+        self._sent += 1
+        coro = self._store.fs._call_s3(
+            "upload_part",
+            Bucket=self._bucket,
+            Key=self._key,
+            UploadId=self._upload_id,
+            PartNumber=self._sent,
+            Body=part,
+        )
+        self._in_flight[self._sent] = asyncio.run_coroutine_threadsafe(coro, self._store.fs.loop)
+
+    def _collect_one(self) -> None:
+        first = min(self._in_flight)
+        self._etags[first] = self._in_flight.pop(first).result()["ETag"]
+
+    @_store_errors
+    def finish(self) -> None:
+        try:
+            if self._upload_id is None:  # one part (or none): a plain PUT
+                self._store._call("put_object", Bucket=self._bucket, Key=self._key, Body=self._first or b"")
+                self._first = None
+            else:
+                while self._in_flight:
+                    self._collect_one()
+                done = [{"PartNumber": n, "ETag": self._etags[n]} for n in sorted(self._etags)]
+                self._store._call(
+                    "complete_multipart_upload",
+                    Bucket=self._bucket,
+                    Key=self._key,
+                    UploadId=self._upload_id,
+                    MultipartUpload={"Parts": done},
+                )
+                self._upload_id = None
+        except BaseException:
+            self.abort()
+            raise
+        self._store.fs.invalidate_cache(self._path)
+
+    def abort(self) -> None:
+        for f in self._in_flight.values():
+            f.cancel()
+        self._in_flight.clear()
+        self._first = None
+        upload_id, self._upload_id = self._upload_id, None
+        if upload_id is not None:
+            with contextlib.suppress(OSError):  # else the next upload of this object, or the step's removal, aborts it
+                self._store._call("abort_multipart_upload", Bucket=self._bucket, Key=self._key, UploadId=upload_id)

@@ -1,1 +1,1 @@
-"""The object tier: complete steps in an object store, one module per role (the tier, keys, layout, shards)."""
+"""The object tier: complete steps in an object store, a module per role (tier, shard_write, keys, layout, shards)."""

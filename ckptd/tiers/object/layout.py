@@ -1,22 +1,21 @@
-"""Lay out a shard's bytes as objects: the names, the parts sent, the ranges fetched.
+"""Lay out a shard's bytes as objects: the names, the parts sent, the frames packed, the ranges fetched.
 
 A rank's data is stored whole (`rank-NNNNN.data`) or compressed, one zstd frame per
 checksum chunk (`rank-NNNNN.data.zst`), beside a sealed frame index
 (`rank-NNNNN.frames.json`) that lists each frame's compressed size. Uploads are cut
 into parts of part_bytes; fetches into ranges of range_bytes, whole frames each.
-ObjectTier calls these: read_parts on the upload thread that calls upload_shard,
-unpack_range on its read threads (one fetched range each), the rest on any thread.
-Nothing here touches the store.
+The object tier calls these: compress_frames on the uploading thread that writes its
+ShardWrite (one range at a time), unpack_range on its read threads (one fetched range
+each), the rest on any thread. Nothing here touches the store.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
-from pathlib import Path
+from typing import Any
 
 import zstandard
-from ckpt.chunks import find_bad_chunk, first_bad_chunk
+from ckpt.chunks import find_bad_chunk
 from ckpt.errors import CorruptCheckpoint
 from ckpt.format import ShardMeta, chunk_ranges, data_name, seal, unseal
 
@@ -65,41 +64,20 @@ def checked_frame_sizes(raw: bytes, meta: ShardMeta, what: str) -> list[int]:
     return sizes
 
 
-def read_parts(
-    meta: ShardMeta, data_path: Path, compression: str, frame_sizes: list[int], what: str
-) -> Iterator[bytes]:
-    """Yield the object's parts from a local data file, each chunk checked; fill frame_sizes when compressing."""
-    compressor = zstandard.ZstdCompressor(level=ZSTD_LEVEL) if compression == "zstd" else None
-    pending = bytearray()
-    fd = os.open(data_path, os.O_RDONLY)
-    try:
-        if os.fstat(fd).st_size != meta.data_size_bytes:
-            raise CorruptCheckpoint(f"{what}: the local copy {data_path} has the wrong size")
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
-        for offset, length in chunk_ranges(meta.data_size_bytes, part_bytes(meta)):
-            block = os.pread(fd, length, offset)
-            if len(block) != length:
-                raise CorruptCheckpoint(f"{what}: the local copy {data_path} ended at byte {offset + len(block)}")
-            bad = first_bad_chunk(meta, memoryview(block), offset)
-            if bad is not None:
-                raise CorruptCheckpoint(f"{what}: chunk {bad} of the local copy {data_path} changed before upload")
-            if compressor is None:
-                yield block
-                continue
-            chunks: list[bytes | bytearray | memoryview] = [
-                block[o : o + n] for o, n in chunk_ranges(length, meta.chunk_size_bytes)
-            ]
-            frames = compressor.multi_compress_to_buffer(chunks, threads=COMPRESS_THREADS)
-            for i in range(len(frames)):
-                frame_sizes.append(len(frames[i]))
-                pending += frames[i].tobytes()
-            if len(pending) >= part_bytes(meta):
-                yield bytes(pending)
-                pending.clear()
-        if compressor is not None and (pending or not frame_sizes):
-            yield bytes(pending)
-    finally:
-        os.close(fd)
+def compress_frames(compressor: zstandard.ZstdCompressor, meta: ShardMeta, data: memoryview) -> tuple[bytes, list[int]]:
+    """Compress whole checksum chunks of a shard (the last may end with it), one zstd frame each.
+
+    Return the frames back to back, and the size of each.
+    """
+    chunks: list[bytes | bytearray | memoryview] = [
+        data[o : o + n] for o, n in chunk_ranges(len(data), meta.chunk_size_bytes)
+    ]
+    if not chunks:
+        return b"", []
+    # Each segment is one frame, readable through the buffer protocol (which zstandard's stubs leave out).
+    frames: Any = compressor.multi_compress_to_buffer(chunks, threads=COMPRESS_THREADS)
+    segments = [memoryview(frames[i]) for i in range(len(frames))]
+    return b"".join(segments), [len(s) for s in segments]
 
 
 def part_bytes(meta: ShardMeta) -> int:

@@ -5,9 +5,10 @@ rank's `rank-NNNNN.data` (or, compressed, `rank-NNNNN.data.zst` with its frame i
 `rank-NNNNN.frames.json`), then its `rank-NNNNN.meta.json`, lie under `<url>/_shards/<hh>/<job>/<step>/`
 (object_keys names them; a step committed before that layout has them beside its commit record, and
 its record says so). A step is listed only through its commit record, written create-only once every
-rank's shard is there and matches it. How a shard's bytes become objects is object_layout's; what is
-done to every rank of a step at once (the commit check, removal, the scan for leftovers) is
-object_shards'. Calls block: the daemon makes them from its threads, the CLI from its own.
+rank's shard is there and matches it. A shard comes in through open_shard (the uploader's only way
+in), whose ShardWrite is shard_write's; how its bytes become objects is layout's; what is done to
+every rank of a step at once (the commit check, removal, the scan for leftovers) is shards'. Calls
+block: the daemon makes them from its threads, the CLI from its own.
 """
 
 from __future__ import annotations
@@ -18,14 +19,13 @@ from collections import OrderedDict
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from pathlib import Path
 
 from ckpt.errors import CheckpointError, CorruptCheckpoint, NotFound
 from ckpt.format import COMMIT_NAME, INDEX_NAME, JOB_RE, CommitRecord, ShardMeta, data_name, digest, meta_name
 from ckpt.shard_io import ShardSource
 from ckpt.step_index import StepIndex, index_bytes
 
-from ckptd.errors import CommitConflict
+from ckptd.errors import AlreadyHeld, CommitConflict
 from ckptd.storage.commit_protocol import ObjectStepCommit
 from ckptd.storage.object_store import ObjectStore
 from ckptd.tiers.base import Tier
@@ -35,14 +35,13 @@ from ckptd.tiers.object.layout import (
     Piece,
     checked_frame_sizes,
     frame_groups,
-    frame_index,
     frames_name,
     plain_pieces,
     range_bytes,
-    read_parts,
     unpack_range,
     zstd_name,
 )
+from ckptd.tiers.object.shard_write import ObjectShardWrite
 from ckptd.tiers.object.shards import StepShards, holds_data
 
 log = logging.getLogger(__name__)
@@ -55,8 +54,10 @@ class ObjectTier(Tier):
 
     name = "object"
 
-    def __init__(self, store: ObjectStore) -> None:
+    def __init__(self, store: ObjectStore, compression: str = "none") -> None:
+        """compression: how shards written here are stored, "none" or "zstd" ([object] compression)."""
         self.store = store
+        self.compression = compression
         self.shards = StepShards(store)
         self.keys = HASHED_KEYS if store.spreads_keys else FLAT_KEYS  # where this tier puts shard objects
         # (job, step) -> (commit record, its object_keys), or "damaged" (logged once): a record once read is
@@ -281,13 +282,13 @@ class ObjectTier(Tier):
         except FileNotFoundError:
             return False
 
-    def upload_shard(self, meta: ShardMeta, data_path: Path, compression: str) -> bool:
-        """Upload one shard from a local data file, checking every chunk against meta as it is read.
+    def open_shard(self, meta: ShardMeta, transfer: str = "") -> ObjectShardWrite:
+        """Begin uploading one shard, under the rank's hash prefix (see ObjectShardWrite); transfer names the copy sent.
 
-        The data goes first, then (compressed) its frame index, then the shard record, all
-        under the rank's hash prefix: a shard counts as uploaded once its record is there. A
-        step complete in the store is never written to: if its commit record lists this very
-        shard there is nothing to do (return False), else CommitConflict is raised.
+        Called on an uploader thread. A step complete in the store is never written to: where
+        its commit record lists this very shard there is nothing to write (AlreadyHeld), else
+        CommitConflict. Then the rank's older record goes (that copy stops counting), and the
+        objects of the data format not written this time.
         """
         job, rank = meta.job, meta.rank
         directory = shard_dir(job, meta.step, rank, self.keys)
@@ -297,7 +298,7 @@ class ObjectTier(Tier):
             state = self._commit_state(job, meta.step)  # from the store, unless a commit record was read already
             listed = isinstance(state, CommitRecord) and rank < state.world_size
             if listed and state.shard_meta_xxh3_128[rank] == digest(meta.to_bytes()):  # type: ignore[union-attr]
-                return False
+                raise AlreadyHeld(f"{self._what(meta, directory)}: listed by the step's commit record already")
             if state != "missing":
                 raise CommitConflict(
                     f"{self.store.describe(job, str(meta.step))} has a commit record for other shards (or a damaged "
@@ -307,26 +308,28 @@ class ObjectTier(Tier):
                 self._uncommitted[(job, meta.step)] = None
                 while len(self._uncommitted) > UNCOMMITTED_STEPS_KEPT:
                     self._uncommitted.popitem(last=False)
-        frame_sizes: list[int] = []
-        parts = read_parts(meta, data_path, compression, frame_sizes, self._what(meta, directory))
-        store = self.store
-
-        def data() -> Iterator[tuple[str, Iterator[bytes]]]:
-            # One data format per shard: a reader takes either, so the other one goes first.
-            if compression == "zstd":
-                store.remove(*directory, data_name(rank))
-                yield zstd_name(rank), parts
-                yield frames_name(rank), iter([frame_index(frame_sizes)])  # written once the data is, its sizes known
-            else:
-                store.remove(*directory, frames_name(rank))
-                store.remove(*directory, zstd_name(rank))
-                yield data_name(rank), parts
-
+        compressed = self.compression == "zstd"
+        commit = ObjectStepCommit(self.store, job, meta.step)
         try:
-            ObjectStepCommit(store, job, meta.step).put_shard(rank, directory, data(), meta.to_bytes())
-        finally:
+            if compressed:
+                commit.begin_shard(rank, directory, [data_name(rank)])
+                data = commit.open_data(directory, zstd_name(rank))
+            else:
+                commit.begin_shard(rank, directory, [frames_name(rank), zstd_name(rank)])
+                data = commit.open_data(directory, data_name(rank))
+        except BaseException:
             self.shards.forget_listings(directory)
-        return True
+            raise
+        return ObjectShardWrite(
+            meta,
+            commit,
+            directory,
+            data,
+            compressed,
+            what=self._what(meta, directory),
+            source=f"the local copy {transfer}" if transfer else "the copy sent",
+            on_spent=lambda: self.shards.forget_listings(directory),
+        )
 
     def try_commit(self, record: CommitRecord) -> bool:
         """Write the step's commit record, create-only, if every rank's shard is there and matches it.

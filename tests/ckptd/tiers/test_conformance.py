@@ -30,6 +30,7 @@ from ckpt.format import (
 from ckptd.byte_range import ByteRange
 from ckptd.errors import ShardWriteError
 from ckptd.save.staging import ShardKey, SlotPool, Snapshot
+from ckptd.save.uploading import upload_file
 from ckptd.storage.object_store import open_store
 from ckptd.tiers.base import Tier
 from ckptd.tiers.memory import MemoryTier
@@ -72,7 +73,7 @@ class ObjectHarness:
     def put(self, key: ShardKey, payload: bytes) -> None:
         meta = ShardMeta(key.job, key.step, key.rank, key.world_size, len(payload), CHUNK_SIZE_BYTES, (), "{}")
         meta = self.scratch.write_shard(meta, _aligned(payload))
-        self.tier.upload_shard(meta, self.scratch.step_dir(key.job, key.step) / data_name(key.rank), "none")
+        upload_file(self.tier, meta, self.scratch.step_dir(key.job, key.step) / data_name(key.rank))
         metas = self.metas.setdefault((key.job, key.step), {})
         metas[key.rank] = meta
         if len(metas) == key.world_size:

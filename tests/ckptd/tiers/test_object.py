@@ -18,6 +18,7 @@ from ckpt.format import (
     READABLE_VERSIONS,
     CommitRecord,
     ShardMeta,
+    chunk_ranges,
     data_name,
     digest,
     meta_name,
@@ -27,10 +28,13 @@ from ckpt.format import (
     validate_job,
 )
 
-from ckptd.errors import CommitConflict
+from ckptd.byte_range import ByteRange
+from ckptd.errors import AlreadyHeld, CommitConflict
 from ckptd.offline.restore import restore
 from ckptd.offline.verify import verify
+from ckptd.save.uploading import upload_file
 from ckptd.storage.object_store import S3Store, open_store
+from ckptd.tiers.base import ShardWrite
 from ckptd.tiers.nvme import LocalDirTier
 from ckptd.tiers.object import shards as object_shards
 from ckptd.tiers.object.keys import (
@@ -76,6 +80,12 @@ def shards(tmp_path) -> Shards:
     return Shards(tmp_path / "nvme")
 
 
+def _upload(tier: ObjectTier, meta: ShardMeta, path: Path, compression: str = "none") -> bool:
+    """Upload a shard from its NVMe file as the uploader does, stored as compression says ([object] compression)."""
+    tier.compression = compression  # read by each open_shard: one node, its caches kept, as before
+    return upload_file(tier, meta, path)
+
+
 def _record(metas: list[ShardMeta]) -> CommitRecord:
     first = metas[0]
     return CommitRecord(
@@ -118,12 +128,12 @@ def test_a_step_is_listed_only_through_its_commit_record_and_reads_back_bit_for_
     metas = [shards.write("job", 4, r, 3, p) for r, p in enumerate(payloads)]
     record = _record(metas)
     for meta in metas[:2]:
-        tier.upload_shard(meta, shards.path(meta), compression)
+        _upload(tier, meta, shards.path(meta), compression)
     assert not tier.try_commit(record), "committed with rank 2 missing"
     assert tier.complete_steps("job") == [] and tier.all_steps("job") == [4]
     with pytest.raises(NotFound):
         tier.read_meta("job", 4, 0)
-    tier.upload_shard(metas[2], shards.path(metas[2]), compression)
+    _upload(tier, metas[2], shards.path(metas[2]), compression)
     assert tier.try_commit(record)
     assert tier.complete_steps("job") == [4] and tier.jobs() == ["job"]
     assert tier.commit_record("job", 4) == record
@@ -139,7 +149,7 @@ def test_a_step_is_listed_only_through_its_commit_record_and_reads_back_bit_for_
 
 def test_two_writers_never_commit_different_records(tier, shards):
     meta = shards.write("job", 1, 0, 1, b"the one shard")
-    tier.upload_shard(meta, shards.path(meta), "none")
+    _upload(tier, meta, shards.path(meta), "none")
     record = _record([meta])
     assert tier.try_commit(record)
     assert tier.try_commit(record), "the same record again is not a conflict"
@@ -152,7 +162,7 @@ def test_two_writers_never_commit_different_records(tier, shards):
 
 def test_a_changed_byte_in_the_store_is_an_error_naming_the_shard_and_tier(tier, shards):
     meta = shards.write("job", 2, 0, 1, os.urandom(3 * CHUNK_SIZE_BYTES))
-    tier.upload_shard(meta, shards.path(meta), "none")
+    _upload(tier, meta, shards.path(meta), "none")
     assert tier.try_commit(_record([meta]))
     data = bytearray(tier.store.read(*_dir(tier, "job", 2, 0), data_name(0)))
     data[CHUNK_SIZE_BYTES + 7] ^= 1
@@ -164,16 +174,18 @@ def test_a_changed_byte_in_the_store_is_an_error_naming_the_shard_and_tier(tier,
 def test_a_local_copy_that_changed_is_never_uploaded(tier, shards):
     meta = shards.write("job", 3, 0, 1, os.urandom(CHUNK_SIZE_BYTES + 1))
     with open(shards.path(meta), "r+b") as f:
-        f.write(b"X")
+        first = f.read(1)
+        f.seek(0)
+        f.write(bytes([first[0] ^ 1]))  # changed for sure (a random first byte may be any given one)
     with pytest.raises(CorruptCheckpoint, match="chunk 0 of the local copy"):
-        tier.upload_shard(meta, shards.path(meta), "none")
+        _upload(tier, meta, shards.path(meta), "none")
     assert not tier.has_shard("job", 3, 0)
 
 
 def test_removing_a_step_unlists_it_first_and_leaves_nothing(tier, shards):
     for step in (1, 2):
         meta = shards.write("job", step, 0, 1, b"x" * 100)
-        tier.upload_shard(meta, shards.path(meta), "zstd")
+        _upload(tier, meta, shards.path(meta), "zstd")
         assert tier.try_commit(_record([meta]))
     tier.remove_step("job", 1)
     assert tier.complete_steps("job") == [2]
@@ -187,7 +199,7 @@ def test_an_upload_abandoned_by_a_crash_is_aborted_by_the_next_upload(s3_server,
     s3 = s3_server.client()
     key = "/".join(["p", *_dir(tier, "job", 5, 0), data_name(0)])
     s3.create_multipart_upload(Bucket=bucket, Key=key)  # what a killed daemon leaves
-    tier.upload_shard(meta, shards.path(meta), "none")
+    _upload(tier, meta, shards.path(meta), "none")
     assert s3.list_multipart_uploads(Bucket=bucket).get("Uploads", []) == []
     assert tier.try_commit(_record([meta]))
     assert tier.holds(meta)
@@ -196,7 +208,7 @@ def test_an_upload_abandoned_by_a_crash_is_aborted_by_the_next_upload(s3_server,
 def test_verify_reports_a_rank_missing_from_the_store_even_on_a_node_with_peers(tier, shards):
     metas = [shards.write("job", 6, r, 2, os.urandom(1000)) for r in range(2)]
     for meta in metas:
-        tier.upload_shard(meta, shards.path(meta), "none")
+        _upload(tier, meta, shards.path(meta), "none")
     assert tier.try_commit(_record(metas))
     tier.store.remove(*_dir(tier, "job", 6, 1), data_name(1))
     tier.store.remove(*_dir(tier, "job", 6, 1), meta_name(1))
@@ -216,7 +228,7 @@ class _RemovedOnSight(dict):
 
 def test_records_removed_by_another_thread_meanwhile_are_read_again(tier, shards):
     metas = [shards.write("job", 5, 0, 1, os.urandom(100))]
-    tier.upload_shard(metas[0], shards.path(metas[0]), "none")
+    _upload(tier, metas[0], shards.path(metas[0]), "none")
     assert tier.try_commit(_record(metas))
     assert tier.complete_steps("job") == [5]  # the record is cached now
     tier._records = _RemovedOnSight(tier._records)
@@ -225,7 +237,7 @@ def test_records_removed_by_another_thread_meanwhile_are_read_again(tier, shards
 
 def test_a_record_removed_right_after_the_listing_is_read_again(tier, shards):
     metas = [shards.write("job", 6, 0, 1, os.urandom(100))]
-    tier.upload_shard(metas[0], shards.path(metas[0]), "none")
+    _upload(tier, metas[0], shards.path(metas[0]), "none")
     assert tier.try_commit(_record(metas))
     assert tier.complete_steps("job") == [6]  # the record is cached now
     listed = tier._steps
@@ -244,7 +256,7 @@ def test_a_record_removed_right_after_the_listing_is_read_again(tier, shards):
 def test_a_range_of_a_shard_is_read_alone_from_the_store(tier, shards, compression):
     payload = os.urandom(5 * CHUNK_SIZE_BYTES + 99)
     meta = shards.write("job", 2, 0, 1, payload)
-    tier.upload_shard(meta, shards.path(meta), compression)
+    _upload(tier, meta, shards.path(meta), compression)
     assert tier.try_commit(_record([meta]))
     for offset, length in [(CHUNK_SIZE_BYTES, 2 * CHUNK_SIZE_BYTES), (4 * CHUNK_SIZE_BYTES, CHUNK_SIZE_BYTES + 99)]:
         buf = memoryview(mmap.mmap(-1, round_up(length, 4096)))
@@ -254,7 +266,7 @@ def test_a_range_of_a_shard_is_read_alone_from_the_store(tier, shards, compressi
 
 def test_a_damaged_commit_record_is_not_complete_and_is_logged_once(tier, shards, caplog):
     meta = shards.write("job", 2, 0, 1, b"a shard")
-    tier.upload_shard(meta, shards.path(meta), "none")
+    _upload(tier, meta, shards.path(meta), "none")
     record = _record([meta])
     assert tier.try_commit(record) and tier.is_complete("job", 2)
     raw = bytearray(tier.store.read("job", "2", COMMIT_NAME))
@@ -276,7 +288,7 @@ def test_shard_objects_spread_over_256_hash_prefixes_and_the_step_keeps_its_comm
     payloads = [os.urandom(100 + rank) for rank in range(world)]
     metas = [shards.write("job", 9, rank, world, p) for rank, p in enumerate(payloads)]
     for meta in metas:
-        tier.upload_shard(meta, shards.path(meta), "none")
+        _upload(tier, meta, shards.path(meta), "none")
     assert tier.try_commit(_record(metas))
     shard_keys = {
         f"{SHARDS_DIR}/{hash_prefix('job', 9, rank)}/job/9/{name}"
@@ -297,7 +309,7 @@ def test_the_shards_directory_is_never_taken_for_a_job(tier, shards):
     with pytest.raises(InvalidArgument):
         validate_job(SHARDS_DIR)
     meta = shards.write("job", 1, 0, 1, b"a shard")
-    tier.upload_shard(meta, shards.path(meta), "none")
+    _upload(tier, meta, shards.path(meta), "none")
     assert tier.try_commit(_record([meta]))
     assert tier.store.names().keys() == {SHARDS_DIR, "job"}
     assert tier.jobs() == ["job"]
@@ -332,7 +344,7 @@ def test_a_step_of_the_flat_layout_with_an_older_record_still_lists_and_loads(ti
 
 def test_the_stores_record_names_its_keys_in_a_version_that_readers_of_versions_1_and_2_refuse(tier, shards, tmp_path):
     meta = shards.write("job", 8, 0, 1, b"a shard")
-    tier.upload_shard(meta, shards.path(meta), "none")
+    _upload(tier, meta, shards.path(meta), "none")
     record = _record([meta])
     assert tier.try_commit(record)
     raw = tier.store.read("job", "8", COMMIT_NAME)
@@ -368,7 +380,7 @@ def test_a_commit_poll_lists_each_prefix_once_and_reads_only_the_records_not_fou
     metas = [shards.write("job", 5, rank, world, os.urandom(50)) for rank in range(world)]
     record = _record(metas)
     for meta in metas[:4]:
-        tier.upload_shard(meta, shards.path(meta), "none")
+        _upload(tier, meta, shards.path(meta), "none")
     reads: list[str] = []
     listings: list[tuple[str, ...]] = []
     read, names = tier.store.read, tier.store.names
@@ -390,7 +402,7 @@ def test_a_commit_poll_lists_each_prefix_once_and_reads_only_the_records_not_fou
     tier.store.put(metas[1].to_bytes(), *_dir(tier, "job", 5, 1), meta_name(1))  # ...and comes back: read again
     assert not poll() and reads == [meta_name(1)]
     for meta in metas[4:]:
-        tier.upload_shard(meta, shards.path(meta), "none")
+        _upload(tier, meta, shards.path(meta), "none")
     assert poll() and sorted(reads) == [meta_name(4), meta_name(5)]
     assert tier.shards._matched == {}, "what a commit remembered outlives it"
 
@@ -399,11 +411,11 @@ def test_removing_a_committed_and_a_never_committed_step_leaves_nothing_in_the_s
     world = 5
     done = [shards.write("job", 1, rank, world, os.urandom(100)) for rank in range(world)]
     for meta in done:
-        tier.upload_shard(meta, shards.path(meta), "zstd" if meta.rank % 2 else "none")
+        _upload(tier, meta, shards.path(meta), "zstd" if meta.rank % 2 else "none")
     assert tier.try_commit(_record(done))
     for rank in range(3):  # a crash before the commit: three ranks of five uploaded
         meta = shards.write("job", 2, rank, world, os.urandom(100))
-        tier.upload_shard(meta, shards.path(meta), "none")
+        _upload(tier, meta, shards.path(meta), "none")
     if isinstance(tier.store, S3Store):  # and the upload cut short by the crash
         bucket, key, _ = tier.store.fs.split_path(tier.store.path(*_dir(tier, "job", 2, 4), data_name(4)))
         request.getfixturevalue("s3_server").client().create_multipart_upload(Bucket=bucket, Key=key)
@@ -421,11 +433,11 @@ def test_removing_a_committed_and_a_never_committed_step_leaves_nothing_in_the_s
 def test_steps_with_shard_objects_only_are_found_by_a_scan_of_the_prefixes_kept_a_while(tier, shards, monkeypatch):
     hashed_only(tier)
     meta = shards.write("job", 1, 0, 1, b"done")
-    tier.upload_shard(meta, shards.path(meta), "none")
+    _upload(tier, meta, shards.path(meta), "none")
     assert tier.try_commit(_record([meta]))
     assert tier.all_steps("job") == [1]
     crashed = shards.write("job", 2, 0, 2, b"never committed")
-    tier.upload_shard(crashed, shards.path(crashed), "none")
+    _upload(tier, crashed, shards.path(crashed), "none")
     listings: list[tuple[str, ...]] = []
     names = tier.store.names
     monkeypatch.setattr(tier.store, "names", lambda *d: listings.append(d) or names(*d))
@@ -435,7 +447,7 @@ def test_steps_with_shard_objects_only_are_found_by_a_scan_of_the_prefixes_kept_
     assert sorted(d for d in listings if d[0] == SHARDS_DIR) == [hashed_job_dir(p, "job") for p in all_prefixes()]
     tier.remove_step("job", 2)
     assert tier.all_steps("job") == [1]
-    tier.upload_shard(crashed, shards.path(crashed), "none")
+    _upload(tier, crashed, shards.path(crashed), "none")
     monkeypatch.setattr(object_shards, "SCAN_INTERVAL_S", 0.0)  # the interval is over
     assert tier.all_steps("job") == [1, 2]
 
@@ -449,21 +461,21 @@ def test_uploads_ask_for_the_commit_record_once_per_step_and_never_write_into_a_
         tier.store, "read", lambda *n, **kw: (n[-1] == COMMIT_NAME and asked.append(n)) or read(*n, **kw)
     )
     for meta in metas:
-        assert tier.upload_shard(meta, shards.path(meta), "none")
+        assert _upload(tier, meta, shards.path(meta), "none")
     assert asked == [("job", "3", COMMIT_NAME)], "one node's ranks each asked the step's prefix"
     assert tier.try_commit(_record(metas))
     resaved = shards.write("job", 3, 2, 4, b"another save of rank 2")
     for node in (tier, ObjectTier(tier.store)):  # this node, and one that never asked
         with pytest.raises(CommitConflict, match="never rewritten"):
-            node.upload_shard(resaved, shards.path(resaved), "none")
-        assert not node.upload_shard(metas[0], shards.path(metas[0]), "none")  # listed as it is: nothing to do
+            _upload(node, resaved, shards.path(resaved), "none")
+        assert not _upload(node, metas[0], shards.path(metas[0]), "none")  # listed as it is: nothing to do
     assert _read(tier, "job", 3, 2) == payloads[2]
 
 
 def test_a_store_in_the_flat_layout_never_looks_under_the_hash_prefixes(tmp_path, shards, monkeypatch):
     tier = ObjectTier(open_store(f"file://{tmp_path}/store", {}))
     meta = shards.write("job", 1, 0, 1, b"flat")
-    tier.upload_shard(meta, shards.path(meta), "none")
+    _upload(tier, meta, shards.path(meta), "none")
     assert tier.try_commit(_record([meta]))
     names, uploads = tier.store.names, tier.store.unfinished_uploads
     asked: list[tuple[str, ...]] = []
@@ -477,7 +489,7 @@ def test_a_store_in_the_flat_layout_never_looks_under_the_hash_prefixes(tmp_path
 
 def test_a_damaged_commit_record_is_read_and_logged_once_while_its_step_is_listed(tier, shards, monkeypatch, caplog):
     meta = shards.write("job", 3, 0, 1, b"x")
-    tier.upload_shard(meta, shards.path(meta), "none")
+    _upload(tier, meta, shards.path(meta), "none")
     assert tier.try_commit(_record([meta]))
     tier.store.put(b"not a record", "job", "3", COMMIT_NAME)
     fresh = ObjectTier(tier.store)
@@ -489,3 +501,84 @@ def test_a_damaged_commit_record_is_read_and_logged_once_while_its_step_is_liste
         assert not fresh.is_complete("job", 3)
     assert reads.count(("job", "3", COMMIT_NAME)) == 1
     assert sum("COMMIT.json" in r.getMessage() for r in caplog.records if r.levelname == "ERROR") == 1
+
+
+def _checked_meta(job: str, step: int, rank: int, world_size: int, payload: bytes) -> ShardMeta:
+    """Return the record of a shard of payload, with its chunks' checksums (as the flush writes it)."""
+    chunks = tuple(digest(payload[o : o + n]) for o, n in chunk_ranges(len(payload)))
+    return ShardMeta(job, step, rank, world_size, len(payload), CHUNK_SIZE_BYTES, chunks, "{}")
+
+
+def _write_ranges(shard: ShardWrite, payload: bytes, range_bytes: int, upto: int = -1) -> None:
+    """Write payload's ranges of range_bytes in order, those before byte upto (-1: all of them)."""
+    for offset, length in chunk_ranges(len(payload), range_bytes):
+        if 0 <= upto <= offset:
+            return
+        shard.write(ByteRange(offset, length), memoryview(payload)[offset : offset + length])
+
+
+@pytest.mark.parametrize("compression", ["none", "zstd"])
+def test_a_shard_written_through_open_shard_in_chunk_sized_ranges_reads_back_identical(tier, compression):
+    tier.compression = compression
+    payload = os.urandom(PART_BYTES + 3 * CHUNK_SIZE_BYTES) + b"\0" * (PART_BYTES + 17)  # three parts, at least
+    meta = _checked_meta("job", 2, 0, 1, payload)
+    shard = tier.open_shard(meta)
+    assert shard.ordered
+    _write_ranges(shard, payload, CHUNK_SIZE_BYTES)  # smaller than a part: the ShardWrite packs them
+    assert shard.seal() == meta
+    assert tier.holds(meta) and tier.try_commit(_record([meta]))
+    assert _read(tier, "job", 2, 0) == payload
+    names = tier.store.names(*_dir(tier, "job", 2, 0))
+    assert (zstd_name(0) in names) == (compression == "zstd") and (data_name(0) in names) == (compression == "none")
+
+
+@pytest.mark.parametrize("compression", ["none", "zstd"])
+def test_an_abandoned_shard_leaves_no_object_no_temporary_and_no_unfinished_upload(tier, compression):
+    tier.compression = compression
+    payload = os.urandom(3 * PART_BYTES)
+    meta = _checked_meta("job", 3, 0, 1, payload)
+    shard = tier.open_shard(meta)
+    _write_ranges(shard, payload, PART_BYTES, upto=2 * PART_BYTES)  # two parts in: a multipart upload on S3
+    if isinstance(tier.store, S3Store):
+        assert tier.store.unfinished_uploads() != []
+    else:
+        assert [p for p in tier.store.fs.find(tier.store.root) if p.endswith(".partial")] != []
+    shard.abandon()
+    shard.abandon()  # safe twice
+    assert _stored(tier) == []
+    assert not tier.has_shard("job", 3, 0) and not tier.holds(meta)
+
+
+def test_a_bad_chunk_is_refused_and_nothing_of_the_shard_counts(tier):
+    payload = os.urandom(PART_BYTES + 2 * CHUNK_SIZE_BYTES)
+    meta = _checked_meta("job", 4, 0, 1, payload)
+    changed = bytearray(payload)
+    changed[PART_BYTES + CHUNK_SIZE_BYTES + 5] ^= 1
+    shard = tier.open_shard(meta, transfer="/nvme/job/4/rank-00000.data")
+    _write_ranges(shard, bytes(changed), PART_BYTES, upto=PART_BYTES)  # the first part is good
+    bad = ByteRange(PART_BYTES, 2 * CHUNK_SIZE_BYTES)
+    with pytest.raises(CorruptCheckpoint, match=r"chunk 5 of the local copy /nvme/job/4/rank-00000.data changed"):
+        shard.write(bad, memoryview(bytes(changed))[bad.offset : bad.end])
+    wrong = [digest(payload[bad.offset : bad.offset + CHUNK_SIZE_BYTES])] * 2  # a caller's checksums, not the record's
+    with pytest.raises(CorruptCheckpoint, match="chunk 5 of the local copy"):
+        shard.write(bad, memoryview(payload)[bad.offset : bad.end], digests=wrong)
+    shard.abandon()
+    assert _stored(tier) == []
+    assert not tier.has_shard("job", 4, 0)
+    assert not tier.try_commit(_record([meta]))
+
+
+def test_a_shard_the_commit_record_lists_is_already_held_and_another_one_a_conflict(tier):
+    payloads = [os.urandom(1000), os.urandom(2000)]
+    metas = [_checked_meta("job", 5, rank, 2, p) for rank, p in enumerate(payloads)]
+    for meta, payload in zip(metas, payloads, strict=True):
+        shard = tier.open_shard(meta)
+        _write_ranges(shard, payload, PART_BYTES)
+        shard.seal()
+    assert tier.try_commit(_record(metas))
+    for node in (tier, ObjectTier(tier.store)):  # this node, and one that never uploaded
+        with pytest.raises(AlreadyHeld, match="rank 1 shard of job step 5 on tier object"):
+            node.open_shard(metas[1])
+        with pytest.raises(CommitConflict, match="never rewritten"):
+            node.open_shard(_checked_meta("job", 5, 1, 2, b"another save of rank 1"))
+    assert _read(tier, "job", 5, 1) == payloads[1]
