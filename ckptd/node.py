@@ -37,7 +37,7 @@ from ckptd.rpc.peer_link import STREAMS_PER_SHARD
 from ckptd.save.flush import Flusher
 from ckptd.save.progress import ShardProgress
 from ckptd.save.save_path import LOCAL_TIERS, SavePath
-from ckptd.save.staging import SlotPool
+from ckptd.save.staging import ShardKey, SlotPool
 from ckptd.save.uploading import UPLOAD_THREADS, Uploader
 from ckptd.storage.object_store import open_store
 from ckptd.tiers.base import DurableTier, Tier
@@ -125,28 +125,27 @@ class Node:
         if config.object.url:
             store = open_store(config.object.url, config.object.storage_options)
             object_tier = ObjectTier(store, compression=config.object.compression)
+
+        # SavePath orders the others, so it is built last; the replicas and uploads report to it through these.
+        def replication_changed(key: ShardKey, replicated: bool) -> None:
+            save_path.replication_changed(key, replicated)
+
+        def upload_changed(key: ShardKey, committed: bool) -> None:
+            save_path.upload_changed(key, committed)
+
         # -- the cluster: its view, and the peer tier wherever a view is (peers may come later)
         self.view = open_view(config)  # [cluster] backend; None: no peers, every step sealed here
         peer_tier = PeerTier([]) if self.view is not None else None
         replication = None
         if self.view is not None and config.peer.replicas:
-            replication = Replication(
-                [], config.peer.replicas, lambda key, done: save_path.replication_changed(key, done),
-                x.replicate, x.replicate_streams,
-            )  # fmt: skip
+            replication = Replication([], config.peer.replicas, replication_changed, x.replicate, x.replicate_streams)
         self.receiver = ReplicaReceiver(replica_store, x.peer, x.receive)
         self.peering = Peering(
             config, self.view, self.nvme, replica_store, peer_tier, replication, instance, x.peer, x.fetch
         )
         uploader = None
         if object_tier is not None:
-            uploader = Uploader(
-                config,
-                self.nvme,
-                object_tier,
-                lambda key, committed: save_path.upload_changed(key, committed),
-                x.upload,
-            )
+            uploader = Uploader(config, self.nvme, object_tier, upload_changed, x.upload)
         # -- the save path, the load path, operations
         self.progress = ShardProgress(self.pool, self.nvme, self.peering, uploader)
         flusher = Flusher(self.pool, self.nvme, x.flush)
