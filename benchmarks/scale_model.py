@@ -107,7 +107,7 @@ WATCH_READS_PER_POLL = 5  # LIST <job>/, then HEAD + LIST of COMMIT.json twice (
 HASHED_READS_PER_RANK = 4  # holds()' LIST of its directory, 2 ListMultipartUploads, the committer's GET of its record
 HASHED_ROUND_TRIPS_PER_UPLOAD = 9  # that LIST, the 3 deletes, the 2 ListMultipartUploads, create, complete, record
 HASHED_RESTORE_READS_PER_RANK = 2  # a GET of its record, a LIST of its directory (then the ranged GETs)
-HASHED_STEP_READS_PER_NODE = 1  # upload_shard's GET of COMMIT.json, once per node and step
+HASHED_STEP_READS_PER_NODE = 1  # ObjectTier.open_shard's GET of COMMIT.json, once per node and step
 HASHED_WATCH_READS_PER_POLL = 1  # LIST <job>/: the step's directory appears with its commit record
 
 
