@@ -324,51 +324,10 @@ class ObjectParts(ABC):
         """Give the object up: nothing of it stays (no temporary, no unfinished multipart upload)."""
 
 
-class _FsspecParts(ObjectParts):
-    """Any fsspec backend: a file object under a temporary name, moved into place once finished."""
+class _TemporaryParts(ObjectParts):
+    """A file object under a temporary name, written part by part in order; finish moves it into place (_install)."""
 
-    def __init__(self, store: ObjectStore, names: tuple[str, ...]) -> None:
-        self._fs = store.fs
-        self._target = store.path(*names)
-        self._temporary = _temporary_name(self._target)  # a file object commits what it has when closed
-        self._file: Any = self._fs.open(self._temporary, "wb")
-
-    @_store_errors
-    def put(self, part: bytes) -> None:
-        try:
-            self._file.write(part)
-        except BaseException:
-            self.abort()
-            raise
-
-    @_store_errors
-    def finish(self) -> None:
-        try:
-            self._file.close()
-            self._fs.mv(self._temporary, self._target)
-        except BaseException:
-            self.abort()
-            raise
-
-    def abort(self) -> None:
-        with contextlib.suppress(Exception):
-            self._file.close()
-        with contextlib.suppress(Exception):
-            self._fs.rm_file(self._temporary)
-
-
-class _FileParts(ObjectParts):
-    """A file under a temporary name, written through the page cache, fsynced and renamed into place once finished.
-
-    Not durable_write.RangeWriter: its direct I/O suits NVMe, not a store that may be a network
-    filesystem, where uncached writes would each wait for the server.
-    """
-
-    def __init__(self, target: str) -> None:
-        make_dirs(Path(target).parent)
-        self._target = target
-        self._temporary = Path(_temporary_name(target))
-        self._file = open(self._temporary, "wb")  # noqa: SIM115 (kept open across put calls, closed by finish/abort)
+    _file: Any
 
     @_store_errors
     def put(self, part: bytes) -> None:
@@ -381,13 +340,54 @@ class _FileParts(ObjectParts):
     @_store_errors
     def finish(self) -> None:
         try:
-            self._file.flush()
-            os.fsync(self._file.fileno())
-            self._file.close()
-            os.replace(self._temporary, self._target)
+            self._install()
         except BaseException:
             self.abort()
             raise
+
+    @abstractmethod
+    def _install(self) -> None:
+        """Close the file and give it the object's name."""
+
+
+class _FsspecParts(_TemporaryParts):
+    """Any fsspec backend: a file object under a temporary name, moved into place once finished."""
+
+    def __init__(self, store: ObjectStore, names: tuple[str, ...]) -> None:
+        self._fs = store.fs
+        self._target = store.path(*names)
+        self._temporary = _temporary_name(self._target)  # a file object commits what it has when closed
+        self._file = self._fs.open(self._temporary, "wb")
+
+    def _install(self) -> None:
+        self._file.close()
+        self._fs.mv(self._temporary, self._target)
+
+    def abort(self) -> None:
+        with contextlib.suppress(Exception):
+            self._file.close()
+        with contextlib.suppress(Exception):
+            self._fs.rm_file(self._temporary)
+
+
+class _FileParts(_TemporaryParts):
+    """A file under a temporary name, written through the page cache, fsynced and renamed into place once finished.
+
+    Not durable_write.RangeWriter: its direct I/O suits NVMe, not a store that may be a network
+    filesystem, where uncached writes would each wait for the server.
+    """
+
+    def __init__(self, target: str) -> None:
+        make_dirs(Path(target).parent)
+        self._target = target
+        self._temporary = Path(_temporary_name(target))
+        self._file = open(self._temporary, "wb")  # noqa: SIM115 (kept open across put calls, closed by finish/abort)
+
+    def _install(self) -> None:
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self._file.close()
+        os.replace(self._temporary, self._target)
         fsync_dir(os.path.dirname(self._target))
 
     def abort(self) -> None:
