@@ -20,6 +20,7 @@ from ckpt.errors import InvalidArgument
 from ckpt.format import CommitRecord, ShardMeta
 from ckpt.shard_io import ShardSource
 
+from ckptd.byte_range import ByteRange
 from ckptd.cluster.placement import StepHoldings
 from ckptd.cluster.view import ClusterView
 from ckptd.load.locate import Locator
@@ -107,7 +108,7 @@ class Pipeline:
         """Return (commit record, sealed index, this node's sources by rank) of a complete step: sharded loads."""
         return await self._sharded_reads.locate_step(job, step, tier)
 
-    def read_shard(self, job: str, step: int, rank: int, ranges: list[tuple[int, int]]) -> AsyncIterator[bytes]:
+    def read_shard(self, job: str, step: int, rank: int, ranges: list[ByteRange]) -> AsyncIterator[bytes]:
         """Yield a rank's shard record, then ranges of its bytes from the peers or the store (see ShardedReads)."""
         return self._sharded_reads.read_shard(job, step, rank, ranges)
 

@@ -20,6 +20,7 @@ from ckpt.format import CommitRecord, ShardMeta, digest
 from ckpt.shard_io import ShardSource
 from ckpt.step_index import index_bytes
 
+from ckptd.byte_range import ByteRange
 from ckptd.load.fetch import aligned_buffer
 from ckptd.load.locate import Locator
 from ckptd.tiers.base import Tier
@@ -128,7 +129,7 @@ class ShardedReads:
                 errors.append(str(e))
         raise NotFound(f"rank {rank} shard record of {record.job} step {record.step}: " + "; ".join(errors))
 
-    async def read_shard(self, job: str, step: int, rank: int, ranges: list[tuple[int, int]]) -> AsyncIterator[bytes]:
+    async def read_shard(self, job: str, step: int, rank: int, ranges: list[ByteRange]) -> AsyncIterator[bytes]:
         """Yield a rank's sealed shard record, then the bytes of each range (in blocks of about FETCH_RANGE_BYTES),
         fetched from the peers or the store; the servicer cuts them into messages."""
         locator = self.locator
@@ -136,16 +137,14 @@ class ShardedReads:
         if not 0 <= rank < record.world_size:
             raise InvalidArgument(f"{job} step {step} has no rank {rank} (world_size {record.world_size})")
         meta: ShardMeta = await locator.on_object_threads(self._meta, record, rank)
-        for offset, length in ranges:
-            if offset < 0 or offset % meta.chunk_size_bytes or length < 0 or offset + length > meta.data_size_bytes:
-                raise InvalidArgument(f"rank {rank} shard of {job} step {step}: no range {offset}+{length}")
+        for r in ranges:
+            if r.offset < 0 or r.offset % meta.chunk_size_bytes or r.length < 0 or r.end > meta.data_size_bytes:
+                raise InvalidArgument(f"rank {rank} shard of {job} step {step}: no range {r}")
         yield meta.to_bytes()
         piece_bytes = max(1, FETCH_RANGE_BYTES // meta.chunk_size_bytes) * meta.chunk_size_bytes
-        for offset, length in ranges:
-            for at in range(offset, offset + length, piece_bytes):
-                data, bad_tiers = await locator.on_object_threads(
-                    self._fetch, meta, at, min(piece_bytes, offset + length - at)
-                )
+        for r in ranges:
+            for at in range(r.offset, r.end, piece_bytes):
+                data, bad_tiers = await locator.on_object_threads(self._fetch, meta, at, min(piece_bytes, r.end - at))
                 for name in bad_tiers:
                     locator.verification_failed(name)
                 yield data

@@ -26,6 +26,7 @@ from pathlib import Path
 
 from ckpt.format import ShardMeta
 
+from ckptd.byte_range import ByteRange
 from ckptd.config import PeerConfig
 from ckptd.rpc.shard_stream import read_pieces
 
@@ -56,8 +57,7 @@ def send_range(
     context: ssl.SSLContext | None,
     path: Path,
     meta: ShardMeta,
-    offset: int,
-    length: int,
+    byte_range: ByteRange,
     what: str,
     tls_name: str = "",
 ) -> str:
@@ -73,7 +73,7 @@ def send_range(
             tls = context.wrap_socket(conn, server_hostname=tls_name or host) if context is not None else None
             with tls or conn as sock:
                 sock.sendall(ticket)
-                for data in read_pieces(path, meta, offset, length, what):
+                for data in read_pieces(path, meta, byte_range, what):
                     sock.sendall(data)
                 (size,) = _LENGTH.unpack(recv_exactly(sock, _LENGTH.size))
                 if size > MAX_STATUS_BYTES:

@@ -24,6 +24,7 @@ from ckpt.wire.v1 import peer_pb2 as pb
 from ckpt.wire.v1 import peer_pb2_grpc
 
 from ckptd.addresses import host_of
+from ckptd.byte_range import ByteRange
 from ckptd.cluster.placement import Holding, StepHoldings
 from ckptd.config import PeerConfig
 from ckptd.rpc.data_channel import DataChannelError, client_context, send_range
@@ -256,7 +257,7 @@ class PeerLink:
         transfer = uuid.uuid4().hex
         meta_json = meta.to_bytes()
         ranges = byte_ranges(meta, STREAMS_PER_SHARD)
-        sends = [streams.submit(self._put_range, meta, meta_json, transfer, path, lo, n, what) for lo, n in ranges]
+        sends = [streams.submit(self._put_range, meta, meta_json, transfer, path, r, what) for r in ranges]
         errors = [e for f in sends if (e := f.exception()) is not None]
         if errors and all(isinstance(e, ReplicaHeld) for e in errors):
             return  # sent before (a resume, or a retry after a lost answer): nothing to do
@@ -271,24 +272,26 @@ class PeerLink:
         )
 
     def _put_range(
-        self, meta: ShardMeta, meta_json: bytes, transfer: str, path: Path, offset: int, length: int, what: str
+        self, meta: ShardMeta, meta_json: bytes, transfer: str, path: Path, byte_range: ByteRange, what: str
     ) -> None:
         """Send one range: on the peer's data channel where it offers one, else by PutShard."""
         way = "grpc_stream"
         if time.monotonic() >= self._data_channel_off_until and self._put_on_data_channel(
-            meta, meta_json, transfer, path, offset, length, what
+            meta, meta_json, transfer, path, byte_range, what
         ):
             way = "data_channel"
         else:
-            self._put_by_stream(meta, meta_json, transfer, path, offset, length, what)
+            self._put_by_stream(meta, meta_json, transfer, path, byte_range, what)
         with self._lock:
             self.ranges_sent[way] += 1
 
     def _put_on_data_channel(
-        self, meta: ShardMeta, meta_json: bytes, transfer: str, path: Path, offset: int, length: int, what: str
+        self, meta: ShardMeta, meta_json: bytes, transfer: str, path: Path, byte_range: ByteRange, what: str
     ) -> bool:
         """Send a range on a data connection; return False where the peer offers none (or it just failed)."""
-        request = pb.ShardPiece(meta_json=meta_json, transfer=transfer, offset=offset, length=length)
+        request = pb.ShardPiece(
+            meta_json=meta_json, transfer=transfer, offset=byte_range.offset, length=byte_range.length
+        )
         try:
             offer = self._stub.OpenDataRange(request, timeout=CALL_TIMEOUT_S, metadata=self._metadata)
         except grpc.RpcError as e:
@@ -306,8 +309,7 @@ class PeerLink:
                 self._data_tls,
                 path,
                 meta,
-                offset,
-                length,
+                byte_range,
                 what,
                 self._tls_name,
             )
@@ -324,7 +326,7 @@ class PeerLink:
         return True
 
     def _put_by_stream(
-        self, meta: ShardMeta, meta_json: bytes, transfer: str, path: Path, offset: int, length: int, what: str
+        self, meta: ShardMeta, meta_json: bytes, transfer: str, path: Path, byte_range: ByteRange, what: str
     ) -> None:
         local_failure: list[BaseException] = []
 
@@ -333,14 +335,16 @@ class PeerLink:
             # which the receiver refuses as short; raising here would only get logged by gRPC
             # as an error and reported as CANCELLED.
             try:
-                first = pb.ShardPiece(meta_json=meta_json, transfer=transfer, offset=offset, length=length)
+                first = pb.ShardPiece(
+                    meta_json=meta_json, transfer=transfer, offset=byte_range.offset, length=byte_range.length
+                )
                 yield first.SerializeToString()
-                for data in read_pieces(path, meta, offset, length, f"{what} at {path}"):
+                for data in read_pieces(path, meta, byte_range, f"{what} at {path}"):
                     yield data_piece(data)
             except (CheckpointError, OSError) as e:
                 local_failure.append(e)
 
-        timeout_s = CALL_TIMEOUT_S + length / MIN_TRANSFER_BYTES_PER_S
+        timeout_s = CALL_TIMEOUT_S + byte_range.length / MIN_TRANSFER_BYTES_PER_S
         try:
             self._call(
                 f"replica of {what}", lambda: self._put_shard(pieces(), timeout=timeout_s, metadata=self._metadata)

@@ -153,10 +153,10 @@ class PeerServicer(peer_pb2_grpc.CkptdPeerServicer):
         if request.meta_only:
             return
         what = f"rank {meta.rank} shard of {meta.job} step {meta.step} on node {self.config.node.name}"
-        offset, length = (request.offset, request.length) if request.ranged else (0, meta.data_size_bytes)
-        if offset % meta.chunk_size_bytes or not 0 <= offset <= offset + length <= meta.data_size_bytes:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{what}: no such range {offset}+{length}")
-        pieces = read_pieces(path, meta, offset, length, what)
+        wanted = ByteRange(request.offset, request.length) if request.ranged else ByteRange.whole(meta.data_size_bytes)
+        if wanted.offset % meta.chunk_size_bytes or not 0 <= wanted.offset <= wanted.end <= meta.data_size_bytes:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{what}: no such range {wanted}")
+        pieces = read_pieces(path, meta, wanted, what)
         loop = asyncio.get_running_loop()
 
         def serialize_next() -> bytes | None:

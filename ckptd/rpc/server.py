@@ -14,6 +14,7 @@ from ckpt.wire.v1 import ckptd_pb2 as pb
 from ckpt.wire.v1 import ckptd_pb2_grpc
 from google.protobuf.message import DecodeError
 
+from ckptd.byte_range import ByteRange
 from ckptd.errors import AlreadyHeld, ReceiverBusy, StepAlreadyComplete
 from ckptd.pipeline import Pipeline
 from ckptd.rpc.guard import NotAPeer, RequestGuard
@@ -177,7 +178,7 @@ class CkptdServicer(ckptd_pb2_grpc.CkptdServicer):
     async def ReadShard(self, request: pb.ReadShardRequest, context: Any) -> AsyncIterator[pb.ReadShardPiece]:
         async def start() -> AsyncIterator[bytes]:
             job, step = validate_job(request.job), validate_step(request.step)
-            ranges = [(r.offset, r.length) for r in request.ranges]
+            ranges = [ByteRange(r.offset, r.length) for r in request.ranges]
             return self.pipeline.read_shard(job, step, request.rank, ranges)
 
         blocks = await answer(context, start)

@@ -13,33 +13,36 @@ from ckpt.errors import CorruptCheckpoint
 from ckpt.format import DIRECT_IO_ALIGN_BYTES, ShardMeta, round_up
 from ckpt.shard_io import open_direct, pread_into
 
+from ckptd.byte_range import ByteRange
+
 PIECE_BYTES = 1 << 20  # one gRPC message
 MIN_RANGE_BYTES = 32 << 20  # smaller shards travel on fewer streams
 
 
-def byte_ranges(meta: ShardMeta, streams: int) -> list[tuple[int, int]]:
-    """Split a shard into up to `streams` (offset, length) ranges on chunk boundaries."""
+def byte_ranges(meta: ShardMeta, streams: int) -> list[ByteRange]:
+    """Split a shard into up to `streams` ranges on chunk boundaries."""
     chunks = max(1, -(-meta.data_size_bytes // meta.chunk_size_bytes))
     min_chunks = max(1, MIN_RANGE_BYTES // meta.chunk_size_bytes)
     count = max(1, min(streams, chunks // min_chunks))
     per = -(-chunks // count) * meta.chunk_size_bytes
-    return [(lo, min(per, meta.data_size_bytes - lo)) for lo in range(0, meta.data_size_bytes, per)] or [(0, 0)]
+    size = meta.data_size_bytes
+    return [ByteRange(lo, min(per, size - lo)) for lo in range(0, size, per)] or [ByteRange(0, 0)]
 
 
-def read_pieces(path: Path, meta: ShardMeta, offset: int, length: int, what: str) -> Iterator[memoryview]:
+def read_pieces(path: Path, meta: ShardMeta, byte_range: ByteRange, what: str) -> Iterator[memoryview]:
     """Yield a range of a shard's bytes in pieces, each chunk checked against meta before its pieces are yielded.
 
     A piece is a view of a reused buffer: copy it before asking for the next one.
 
-    offset is a multiple of the chunk size. Reads use direct I/O where the file
+    The range starts on a chunk boundary. Reads use direct I/O where the file
     allows it (a shard on NVMe, written with direct I/O, is not in the page cache).
     Raises CorruptCheckpoint naming the chunk when the bytes do not match, which is
     also what a staging slot reused for a newer snapshot looks like.
     """
     chunk = meta.chunk_size_bytes
     with open(path, "rb", buffering=0) as f, _Reader(f.fileno(), path, round_up(chunk, DIRECT_IO_ALIGN_BYTES)) as read:
-        for lo in range(offset, offset + length, chunk):
-            n = min(chunk, offset + length - lo)
+        for lo in range(byte_range.offset, byte_range.end, chunk):
+            n = min(chunk, byte_range.end - lo)
             data = read(lo, n)
             check_chunks(meta, data, lo, what)
             for p in range(0, n, PIECE_BYTES):

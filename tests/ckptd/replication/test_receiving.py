@@ -59,7 +59,7 @@ def connection(data: bytes):
 def test_ranges_in_any_order_make_one_durable_replica(tmp_path):
     meta, data = make_shard(5 * CHUNK + 12345)
     ranges = byte_ranges(meta, 4)
-    assert len(ranges) >= 1 and sum(n for _, n in ranges) == meta.data_size_bytes
+    assert len(ranges) >= 1 and sum(r.length for r in ranges) == meta.data_size_bytes
 
     async def body(receiver):
         halves = [(0, 3 * CHUNK), (3 * CHUNK, meta.data_size_bytes - 3 * CHUNK)]
