@@ -1,4 +1,12 @@
-"""Find a rank's shard for a load: the tiers of this node fastest first, then the peers, then the object store.
+"""The load path, in order: locate a rank's shard, fetch what this node lacks, verify it, serve where it lies.
+
+1. locate: the tiers of this node fastest first (memory, NVMe, the replica store), then the
+   peers (the cluster's complete steps), then the object store;
+2. fetch: a shard no tier of this node holds is copied onto NVMe first, every chunk checked
+   (from the peers by Peering.fetch, from the store here); refetch (the client found this
+   node's copies bad) does so over them;
+3. verify and serve: the answer is where the bytes lie, fastest first (ShardSource); the
+   client reads them itself and checks every chunk again (ckpt.shard_io).
 
 Called on the event loop by the Locate, List and GetShard RPCs. Whatever reads the
 disk or the store runs on worker threads: this node's tiers on the locate threads,
