@@ -22,6 +22,7 @@ from ckpt.format import CommitRecord
 
 from ckptd.cluster.backends import open_view
 from ckptd.config import Config
+from ckptd.load.cluster_steps import ClusterSteps
 from ckptd.load.locate import Locator
 from ckptd.load.sharded_reads import ShardedReads
 from ckptd.operations import root_identity
@@ -140,19 +141,20 @@ class Node:
         if self.view is not None and config.peer.replicas:
             replication = Replication([], config.peer.replicas, replication_changed, x.replicate, x.replicate_streams)
         self.receiver = ReplicaReceiver(replica_store, x.peer, x.receive)
-        self.peering = Peering(
-            config, self.view, self.nvme, replica_store, peer_tier, replication, instance, x.peer, x.fetch
+        self.peering = Peering(config, self.view, self.nvme, replica_store, peer_tier, replication, instance, x.peer)
+        cluster = ClusterSteps(
+            self.view, peer_tier, self.nvme, self.peering.local_holdings, lambda: self.peering.replicas, x.peer, x.fetch
         )
         uploader = None
         if object_tier is not None:
             uploader = Uploader(config, self.nvme, object_tier, upload_changed, x.upload)
         # -- the save path, the load path, operations
-        self.progress = ShardProgress(self.pool, self.nvme, self.peering, uploader)
+        self.progress = ShardProgress(self.pool, self.nvme, replication, uploader, config.node.name)
         flusher = Flusher(self.pool, self.nvme, x.flush)
         self.locator = Locator(
-            config, tiers, self.nvme, self.peering, object_tier, self.verification_failed, x.locate, x.object
+            config, tiers, self.nvme, replica_store, cluster, object_tier, self.verification_failed, x.locate, x.object
         )
-        holders: list[BusySteps] = [flusher, self.progress, self.locator, self.receiver, self.peering]
+        holders: list[BusySteps] = [flusher, self.progress, self.locator, cluster, self.receiver, self.peering]
         if uploader is not None:
             holders.append(uploader)
         self.retention = RetentionRunner(
@@ -169,10 +171,10 @@ class Node:
         self.idle_release = IdleRelease(self.pool, self.nvme, config.staging.idle_ttl_s, x.cleanup)
         self.report = StatusReport(
             config, self.pool, memory, self.nvme, flusher, save_path,
-            self.progress, self.peering, uploader, self.retention,
+            self.progress, self.peering, self.view, uploader, self.retention,
         )  # fmt: skip
         self.pipeline = Pipeline(
-            self.pool, save_path, self.progress, self.locator, ShardedReads(self.locator), self.peering,
+            self.pool, save_path, self.progress, self.locator, ShardedReads(self.locator, cluster), self.peering,
             self.receiver, self.retention, self.idle_release, self.report, self.view, instance, x.peer, x.serve,
         )  # fmt: skip
         self._background: list[asyncio.Task[None]] = []
@@ -206,7 +208,7 @@ class Node:
             self.uploader.start()
         self._background.append(loop.create_task(self.report.probe_loop()))
         self._background.append(loop.create_task(self.idle_release.run_forever()))
-        if self.peering.peer_tier is not None:
+        if self.view is not None:  # the peer tier is on wherever a cluster view is
             self._background.append(loop.create_task(self._reconcile_forever()))
 
     def _prepare_disk(self) -> None:

@@ -3,7 +3,7 @@
 1. locate: the tiers of this node fastest first (memory, NVMe, the replica store), then the
    peers (the cluster's complete steps), then the object store;
 2. fetch: a shard no tier of this node holds is copied onto NVMe first, every chunk checked
-   (from the peers by Peering.fetch, from the store here); refetch (the client found this
+   (from the peers by ClusterSteps.fetch, from the store here); refetch (the client found this
    node's copies bad) does so over them;
 3. verify and serve: the answer is where the bytes lie, fastest first (ShardSource); the
    client reads them itself and checks every chunk again (ckpt.shard_io).
@@ -31,8 +31,8 @@ from ckpt.shard_io import ShardSource
 
 from ckptd.config import Config
 from ckptd.keyed import KeyCounts, KeyedLocks
+from ckptd.load.cluster_steps import ClusterSteps
 from ckptd.load.fetch import fetch_shard
-from ckptd.replication.peering import Peering
 from ckptd.tiers.base import Tier
 from ckptd.tiers.catalog import StepInfo, list_steps, merge_steps
 from ckptd.tiers.nvme import LocalDirTier
@@ -52,7 +52,8 @@ class Locator:
         config: Config,
         tiers: list[Tier],
         nvme: LocalDirTier,
-        peering: Peering,
+        replica_store: LocalDirTier,
+        cluster: ClusterSteps,
         object_tier: ObjectTier | None,
         verification_failed: Callable[[str], None],
         threads: ThreadPoolExecutor,
@@ -62,7 +63,8 @@ class Locator:
         self.config = config
         self.tiers = tiers
         self.nvme = nvme
-        self.peering = peering
+        self.replica_store = replica_store
+        self.cluster = cluster
         self.object_tier = object_tier
         self.verification_failed = verification_failed
         self.threads = threads
@@ -80,12 +82,12 @@ class Locator:
     ) -> tuple[int, int, list[ShardSource]]:
         """Return (step, world_size, sources fastest first) for a rank's shard of a complete step."""
         tiers = self.tiers_for(tier)
-        from_peers = tier in ("", "auto", "peer") and self.peering.peer_tier is not None
+        from_peers = tier in ("", "auto", "peer") and self.cluster.peer_tier is not None
         from_object = tier in ("", "auto", "object") and self.object_tier is not None
         steps: set[int] = await self.on_locate_threads(lambda: {s for t in tiers for s in t.complete_steps(job)})
         peer_steps: set[int] = set()
         if from_peers and (step is None or step not in steps):
-            peer_steps = set(await self.peering.complete_steps(job, newest=step is None))
+            peer_steps = set(await self.cluster.complete_steps(job, newest=step is None))
         object_steps: set[int] = set()
         store_silent = False  # then "not found" cannot be told: a caller must not start afresh on it
         if from_object and (refetch or step is None or step not in steps | peer_steps):
@@ -118,7 +120,7 @@ class Locator:
         )
         if not sources and from_peers and (refetch or step not in object_steps):
             try:
-                await self.peering.fetch(job, step, rank, replace=refetch)
+                await self.cluster.fetch(job, step, rank, replace=refetch)
                 sources = [fetched_to]
             except CheckpointError as e:
                 if not from_object:
@@ -266,7 +268,7 @@ class Locator:
         asking every peer (Checkpointer.latest_step, on every rank at a restart).
         """
         local = await self.on_locate_threads(list_steps, self.tiers, job)
-        steps = await self.peering.list_steps(local, job, newest)
+        steps = await self.cluster.list_steps(local, job, newest)
         if newest:  # this node's sealed steps count too, whether or not the view has heard of them
             steps = merge_steps(steps, [i for i in local if set(i.tiers) - {"memory"}])
         if self.object_tier is not None:
@@ -277,7 +279,7 @@ class Locator:
         """Return (record, its bytes, data file) of a shard of a complete step that a peer asks for."""
 
         def find() -> tuple[ShardMeta, bytes, Path]:
-            for t in (self.nvme, self.peering.replica_store):
+            for t in (self.nvme, self.replica_store):
                 if tier in ("", t.name) and step in t.complete_steps(job) and t.has_shard(job, step, rank):
                     source = t.shard_source(job, step, rank)
                     raw = source.meta_path(rank).read_bytes()

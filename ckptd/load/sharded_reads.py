@@ -21,6 +21,7 @@ from ckpt.shard_io import ShardSource
 from ckpt.step_index import index_bytes
 
 from ckptd.byte_range import ByteRange
+from ckptd.load.cluster_steps import ClusterSteps
 from ckptd.load.fetch import aligned_buffer
 from ckptd.load.locate import Locator
 from ckptd.tiers.base import Tier
@@ -34,14 +35,14 @@ FETCH_RANGE_BYTES = 64 << 20  # a range asked for is fetched and sent about this
 class ShardedReads:
     """Answer LocateStep and ReadShard for one node."""
 
-    def __init__(self, locator: Locator) -> None:
+    def __init__(self, locator: Locator, cluster: ClusterSteps) -> None:
         self.locator = locator
+        self.cluster = cluster
         self._indexes: OrderedDict[tuple[str, int], tuple[tuple[str, ...], bytes]] = OrderedDict()
 
     def _remote_tiers(self) -> list[Tier]:
         """Return the tiers that reach beyond this node, in the order a range is fetched from them."""
-        peering, store = self.locator.peering, self.locator.object_tier
-        return [t for t in (peering.peer_tier, store) if t is not None]
+        return [t for t in (self.cluster.peer_tier, self.locator.object_tier) if t is not None]
 
     async def locate_step(
         self, job: str, step: int | None, tier: str = "auto"
@@ -52,7 +53,7 @@ class ShardedReads:
         steps: set[int] = await locator.on_locate_threads(lambda: {s for t in tiers for s in t.complete_steps(job)})
         if step is None or step not in steps:
             if tier in ("", "auto", "peer"):
-                steps |= set(await locator.peering.complete_steps(job, newest=step is None))
+                steps |= set(await self.cluster.complete_steps(job, newest=step is None))
             if tier in ("", "auto", "object"):
                 found = locator.object_steps(job) if step is None else locator.object_step(job, step)
                 steps |= set(await found or [])
@@ -71,7 +72,7 @@ class ShardedReads:
 
     async def _record(self, job: str, step: int) -> CommitRecord:
         """Return a complete step's commit record: this node's, the view's, else the first peer's or the store's."""
-        view = self.locator.peering.view  # on the event loop: it knows recent steps without asking every peer
+        view = self.cluster.view  # on the event loop: it knows recent steps without asking every peer
         known = view.commit_record(job, step) if view is not None else None
         record: CommitRecord = await self.locator.on_locate_threads(self._commit_record, job, step, known)
         return record

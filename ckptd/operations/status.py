@@ -18,6 +18,7 @@ from collections import Counter
 from typing import Any
 
 from ckptd import __version__
+from ckptd.cluster.view import ClusterView
 from ckptd.config import Config
 from ckptd.operations import metrics
 from ckptd.operations.retention import RetentionRunner
@@ -47,6 +48,7 @@ class StatusReport:
         save_path: SavePath,
         progress: ShardProgress,
         peering: Peering,
+        view: ClusterView | None,
         uploader: Uploader | None,
         retention: RetentionRunner,
     ) -> None:
@@ -58,6 +60,7 @@ class StatusReport:
         self.save_path = save_path
         self.progress = progress
         self.peering = peering
+        self.view = view
         self.uploader = uploader
         self.retention = retention
         self.started_unix_s = time.time()
@@ -139,7 +142,7 @@ class StatusReport:
                 },
                 "object": self.uploader.status() if self.uploader is not None else {"enabled": False},
             },
-            "cluster": self.peering.view.status() if self.peering.view is not None else {"backend": "none"},
+            "cluster": self.view.status() if self.view is not None else {"backend": "none"},
             "staging": {
                 "policy": self.config.staging.policy,
                 "budget_bytes": self.config.staging.budget_bytes,

@@ -1,10 +1,12 @@
-"""This node's part in the cluster: seal steps across nodes, fetch shards it lacks, keep replicas flowing.
+"""This node's part in the cluster: seal steps across nodes, keep replicas flowing, catch up with the peers.
 
-Owned by the Pipeline and called on the event loop; blocking work runs on the
-peer threads. Nodes are known by their peer address ("ip:port", as [node] listen
-names this one). Which steps are committed across nodes, and which nodes are peers,
-the cluster view says (ckptd.cluster.view): Peering reports to it what this node
-holds of steps it cannot seal alone, and follows its membership (membership_changed).
+Built by the composition root and called on the event loop (by SavePath to seal, by the
+reconciliation loop, by retention for commits it missed); what loads need of the cluster is
+load/cluster_steps.py's. Blocking work runs on the peer threads. Nodes are known by their
+peer address ("ip:port", as [node] listen names this one). Which steps are committed across
+nodes, and which nodes are peers, the cluster view says (ckptd.cluster.view): Peering reports
+to it what this node holds of steps it cannot seal alone, and follows its membership
+(membership_changed).
 """
 
 from __future__ import annotations
@@ -21,17 +23,14 @@ from typing import Any
 from ckpt.errors import CheckpointError
 from ckpt.format import CommitRecord, ShardMeta, data_name, meta_name
 
-from ckptd.cluster.placement import Holding, StepHoldings, loadable_steps, seal_record
+from ckptd.cluster.placement import Holding, StepHoldings, seal_record
 from ckptd.cluster.view import ClusterView
 from ckptd.config import Config
 from ckptd.errors import StepAlreadyComplete
-from ckptd.keyed import KeyCounts, KeyedLocks
-from ckptd.load.fetch import fetch_shard
 from ckptd.replication.sending import Replication
 from ckptd.rpc.peer_link import PeerLink
 from ckptd.save.staging import ShardKey
 from ckptd.tiers.base import DurableTier
-from ckptd.tiers.catalog import StepInfo
 from ckptd.tiers.nvme import LocalDirTier
 from ckptd.tiers.peer import PeerTier
 
@@ -51,12 +50,11 @@ class Peering:
         replication: Replication | None,
         instance: str,
         threads: ThreadPoolExecutor,
-        fetch_threads: ThreadPoolExecutor,
     ) -> None:
         """peer_tier: wherever a cluster view is (peers may come later); replication: where [peer] replicas > 0.
 
         instance: this daemon's run (calls that carry it have come back to it). threads: the
-        peer threads, for short tier work; fetch_threads: whole shards fetched for a load.
+        peer threads, for short tier work.
         """
         self.config = config
         self.nvme = nvme
@@ -71,12 +69,9 @@ class Peering:
         self.replication = replication
         if self.membership is not None:
             self.membership.watch(self.membership_changed)
-        self._fetch_locks: KeyedLocks[tuple[str, int, int]] = KeyedLocks()  # one fetch of a shard at a time
-        self._fetching: KeyCounts[tuple[str, int]] = KeyCounts()  # steps being fetched: retention keeps off
         # NVMe's complete steps by job, as the last reconciliation listed them (on a thread), for what replicas
         # still owed keep off retention (judged on the event loop); a round old at most, it only keeps more.
         self._nvme_complete: dict[str, list[int]] = {}
-        self._fetch_threads = fetch_threads
 
     async def _run(self, fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._threads, fn, *args)
@@ -168,81 +163,6 @@ class Peering:
             if record is not None and await self._run(tier.adopt_commit, record):
                 log.info("%s step %d on tier %s: adopted the commit record a peer holds", job, step, tier.name)
 
-    # -- reading from the cluster ---------------------------------------------------------
-
-    async def complete_steps(self, job: str, newest: bool = False) -> list[int]:
-        """Return the steps of a job that this node's shards and its peers' make whole (newest: the newest)."""
-        return [record.step for record, _ in await self._loadable(job, newest)]
-
-    async def _loadable(self, job: str, newest: bool = False) -> list[tuple[CommitRecord, list[str]]]:
-        """Return the steps of a job (or of every job) complete in the cluster, by every peer's inventory and ours.
-
-        newest: only the job's newest, which the view answers alone once it knows a commit of
-        the job (at a restart every rank asks, on every node: no peer is asked). A step this
-        node holds part of unsealed, whose commit a peer holds, is handed to the view (it may lag
-        after an outage) and adopted before this returns: a load finds what a listing showed.
-        """
-        if self.peer_tier is None or self.view is None:
-            return []
-        known = self.view.newest_complete(job) if newest and job else None
-        record = self.view.commit_record(job, known) if known is not None else None
-        if record is not None:
-            return [(record, [])]  # committed, on tiers the view does not say
-        self.peer_tier.forget()
-        local = await self._run(self.local_holdings, job, None)
-        loadable = loadable_steps(await self._run(self.peer_tier.inventories, job) + local, self.replicas)
-        unsealed = {(s.job, s.step) for s in local if s.shards} - {(s.job, s.step) for s in local if s.record}
-        for record, _ in loadable:
-            if (record.job, record.step) in unsealed:
-                await self.view.learned(record, again=True)  # Lifecycle.commit_learned: under the seal lock
-        return loadable
-
-    async def fetch(self, job: str, step: int, rank: int, replace: bool = False) -> None:
-        """Copy a rank's shard of a complete step from the peers onto this node's NVMe, verified.
-
-        replace: over a copy this node holds that failed its checks.
-        """
-        if self.peer_tier is None:
-            return
-        async with self._fetch_locks.hold((job, step, rank)):
-            if not replace and await self._run(self.nvme.has_committed_shard, job, step, rank):
-                return  # another load fetched it meanwhile
-            with self._fetching.counting((job, step)):
-                # The nodes the cluster view names first: asking every peer is for when they cannot serve.
-                named = {h.node for h in await self.view.holders(job, step, rank)} if self.view else set()
-                # On threads of their own: whole shards take long, and must not starve the
-                # inventories, receives and seals that share the peer threads.
-                await asyncio.get_running_loop().run_in_executor(
-                    self._fetch_threads, self._fetch, job, step, rank, replace, named
-                )
-
-    def _fetch(self, job: str, step: int, rank: int, replace: bool, named: set[str]) -> None:
-        assert self.peer_tier is not None
-        self.peer_tier.forget()
-        meta = None
-        if named:
-            try:
-                meta = fetch_shard(self.peer_tier.among(named), self.nvme, job, step, rank, replace)
-            except CheckpointError as e:
-                log.info("rank %d of %s step %d: the holders named (%s) could not serve it (%s); asking every peer",
-                         rank, job, step, ", ".join(sorted(named)), e)  # fmt: skip
-        if meta is None:
-            meta = fetch_shard(self.peer_tier, self.nvme, job, step, rank, replace)
-        log.info("fetched rank %d shard of %s step %d from the peers (%d bytes, verified)", rank, job, step,
-                 meta.data_size_bytes)  # fmt: skip
-
-    async def list_steps(self, local: list[StepInfo], job: str, newest: bool = False) -> list[StepInfo]:
-        """Return the cluster's view of complete steps: "nvme" and "peer" count every node's copies."""
-        if self.peer_tier is None:
-            return local
-        in_memory = {(i.job, i.step) for i in local if "memory" in i.tiers}
-        found = []
-        for r, tiers in await self._loadable(job, newest):
-            if not job or r.job == job:
-                memory = ["memory"] if (r.job, r.step) in in_memory else []
-                found.append(StepInfo(r.job, r.step, r.world_size, r.size_bytes, (*memory, *tiers)))
-        return found
-
     # -- replication -------------------------------------------------------------------------
 
     def replicate(self, key: ShardKey, meta: ShardMeta, slot_path: Path | None) -> None:
@@ -256,12 +176,6 @@ class Peering:
         """Stop following the replicas of a shard's earlier copy (it was saved again)."""
         if self.replication is not None:
             self.replication.untrack(key)
-
-    def replicated(self, key: ShardKey) -> tuple[bool, str, int, int]:
-        """Return (has every replica, the last error, consecutive failures, attempts finished) for a shard."""
-        if self.replication is None:
-            return False, f"tier peer is not configured on node {self.config.node.name}", 0, 0
-        return self.replication.state(key)
 
     async def reconcile(self, seal_lock: asyncio.Lock, flushing: Callable[[str, int], bool], full: bool) -> None:
         """Catch up: seal what this node's shards or the view's commits complete, report the rest, resume replicas.
@@ -321,8 +235,8 @@ class Peering:
         return {(j, s): (self.nvme.step_dir(j, s).is_dir(), self.nvme.checked_commit(j, s)) for j, s in steps}
 
     def busy_steps(self) -> set[tuple[str, int]]:
-        """Return the steps being fetched, or replicated within [retention]: retention keeps off them (BusySteps)."""
-        return self.replicating_steps() | self._fetching.keys()
+        """Return the steps whose replicas are still owed within [retention]: retention keeps off them (BusySteps)."""
+        return self.replicating_steps()
 
     def replicating_steps(self) -> set[tuple[str, int]]:
         """Return the steps whose replicas are still on their way, among those [retention] peer keeps.

@@ -21,8 +21,7 @@ from typing import Any
 
 from ckpt.format import validate_tier
 
-from ckptd.replication.peering import Peering
-from ckptd.replication.sending import FAILURES_REPORTED
+from ckptd.replication.sending import FAILURES_REPORTED, Replication
 from ckptd.save.passed_over import PassedOver
 from ckptd.save.slot_files import UNFLUSHED
 from ckptd.save.staging import ShardKey, SlotPool
@@ -108,11 +107,15 @@ class ShardProgress:
     node) and on the peer tier (every shard of it committed on this node has its replicas).
     """
 
-    def __init__(self, pool: SlotPool, nvme: LocalDirTier, peering: Peering, uploader: Uploader | None) -> None:
+    def __init__(
+        self, pool: SlotPool, nvme: LocalDirTier, replication: Replication | None, uploader: Uploader | None, node: str
+    ) -> None:
+        """replication, uploader: None where the tier is not configured; node: this node's name, for messages."""
         self.pool = pool
         self.nvme = nvme
-        self.peering = peering
+        self.replication = replication
         self.uploader = uploader
+        self.node = node
         self._condition = asyncio.Condition()
         self._failures: OrderedDict[ShardKey, str] = OrderedDict()
         self._reached: OrderedDict[tuple[ShardKey, str], None] = OrderedDict()
@@ -199,8 +202,8 @@ class ShardProgress:
         an upload may have finished before this daemon started.
         """
         validate_tier(tier)
-        if (tier == "object" and self.uploader is None) or (tier == "peer" and self.peering.replication is None):
-            return ShardWait(False, f"tier {tier} is not configured on node {self.peering.config.node.name}")
+        if (tier == "object" and self.uploader is None) or (tier == "peer" and self.replication is None):
+            return ShardWait(False, f"tier {tier} is not configured on node {self.node}")
         if tier == "object":
             verdict = await self._upload_verdict(key, object_step)
         elif tier == "peer":
@@ -244,12 +247,14 @@ class ShardProgress:
         return on_disk_before  # durable before this daemon started, or before this copy was tracked
 
     def _replica_verdict(self, key: ShardKey) -> Verdict:
-        attempts_before = self.peering.replicated(key)[3]
-        if self.peering.replicated(key)[2] >= FAILURES_REPORTED and self.peering.replication:
-            self.peering.replication.retry_now(key)  # failing so far: a waiter hears how a fresh attempt goes
+        replication = self.replication
+        assert replication is not None  # wait() answered already where the tier is not configured
+        attempts_before = replication.state(key)[3]
+        if replication.state(key)[2] >= FAILURES_REPORTED:
+            replication.retry_now(key)  # failing so far: a waiter hears how a fresh attempt goes
 
         def verdict() -> tuple[bool, str] | None:
-            done, error, failures, attempts = self.peering.replicated(key)
+            done, error, failures, attempts = replication.state(key)
             if done or (key, "peer") in self._reached:
                 return True, ""
             if failures >= FAILURES_REPORTED and attempts > attempts_before:

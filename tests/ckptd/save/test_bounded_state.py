@@ -24,7 +24,9 @@ def roles(tmp_path, monkeypatch):
     monkeypatch.setattr(save_path, "REMEMBERED_SHARDS", BOUND)
     pool = SlotPool(tmp_path / "staging", 0, "block")
     nvme = LocalDirTier(tmp_path / "nvme")
-    shard_progress = ShardProgress(pool, nvme, peering=None, uploader=None)  # peers and store play no part here
+    shard_progress = ShardProgress(
+        pool, nvme, replication=None, uploader=None, node="n"
+    )  # peers and store play no part here
     with ThreadPoolExecutor(1) as threads:
         flusher = Flusher(pool, nvme, threads)
         saves = SavePath(

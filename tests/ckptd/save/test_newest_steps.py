@@ -13,7 +13,7 @@ from ckptd.tiers.nvme import LocalDirTier
 @pytest.fixture
 def shard_progress(tmp_path):
     nvme = LocalDirTier(tmp_path / "nvme")
-    yield ShardProgress(SlotPool(tmp_path / "staging", 0, "block"), nvme, peering=None, uploader=None)
+    yield ShardProgress(SlotPool(tmp_path / "staging", 0, "block"), nvme, replication=None, uploader=None, node="n")
 
 
 def steps(newest: NewestSteps) -> dict[str, dict[str, int]]:
