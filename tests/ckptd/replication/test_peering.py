@@ -22,7 +22,7 @@ def test_a_commit_told_again_changes_nothing_and_another_one_is_refused(tmp_path
     record = CommitRecord("j", 1, 1, (digest(meta.to_bytes()),), 4096)
     other = CommitRecord("j", 1, 1, (digest(b"another shard"),), 4096)
     with ThreadPoolExecutor(2) as threads:
-        peering = Peering(Config(), None, nvme, replicas, None, None, "instance", threads, threads)
+        peering = Peering(Config(), None, nvme, replicas, None, None, "instance", threads)
         assert asyncio.run(peering.adopt_told(record)) is True  # sealed just now: worth a line in the log
         assert asyncio.run(peering.adopt_told(record)) is False  # told again (or by a peer that repeats itself)
         with pytest.raises(StepAlreadyComplete, match="another commit record; kept"):
