@@ -345,7 +345,11 @@ class LocalShardWrite(ShardWrite):
         self._tier = tier
         self._commit = commit
         self._what = what
-        self._writer = RangeWriter(temporary, size_bytes=meta.data_size_bytes)
+        try:
+            self._writer = RangeWriter(temporary, size_bytes=meta.data_size_bytes)
+        except BaseException:  # a full disk says so here, once the file exists: it goes
+            temporary.unlink(missing_ok=True)
+            raise
         chunks = -(-meta.data_size_bytes // meta.chunk_size_bytes)
         self._chunk_in = bytearray(chunks)  # 1 where the chunk is written
         self._chunks_missing = chunks
