@@ -10,7 +10,7 @@ import urllib.request
 import ckpt
 import pytest
 import torch
-from ckpt.format import COMMIT_NAME
+from ckpt.format import COMMIT_NAME, meta_name
 from ckpt.transport import DaemonClient
 from ckpt.wire.v1 import ckptd_pb2 as pb
 from conftest import free_port
@@ -156,7 +156,7 @@ def test_kill_9_while_saves_outrun_the_disk_loses_nothing_complete_and_recovery_
     whole_before = {
         int(d.name)
         for d in (daemon.root / "crash").iterdir()
-        if all((d / f"rank-{r}.meta.json").exists() for r in range(2))
+        if all((d / meta_name(r)).exists() for r in range(2))
     }
     pending = {  # rank -> the steps its slots hold that no complete step covers
         r: {s.shard.step for s in scan_slots(daemon.staging_dir) if s.shard and s.rank == r} - complete_before
