@@ -1,6 +1,6 @@
 """Membership from etcd: every live daemon keeps a key under <prefix>nodes/ on a lease it renews.
 
-EtcdView builds it and shares its EtcdClient; Lifecycle drives it like any Membership
+EtcdView builds it and shares its EtcdClient; Node drives it like any Membership
 (refresh() once at start, run_forever() as a task, close() at drain), all on the event
 loop. A daemon that stops renewing its lease ([cluster] lease_ttl_s) leaves the set when
 the lease expires; one that stops cleanly revokes it at once. While etcd cannot be

@@ -30,7 +30,7 @@ class Membership(ABC):
     """Keep the set of other nodes' peer addresses current, and report each change.
 
     Order of calls, all on the event loop: Peering calls watch(on_change) once, when it
-    is built; Lifecycle awaits refresh() once at start (before the first flush resumes),
+    is built; Node awaits refresh() once at start (before the first flush resumes),
     runs run_forever() as a task until drain, then calls close(). Each change is awaited
     as on_change(added, removed) inside refresh(), one change at a time; the set that
     peers() returns moves only once on_change returned, so a change that failed is

@@ -1,8 +1,9 @@
 """The cluster view: which steps are committed, who holds which shard, who is alive — one interface, two backends.
 
-Peering (ckptd.replication.peering) is the one user. Order of calls, all on the event loop:
-  1. Peering builds the view with open_view() and calls watch(on_commit) once;
-  2. Lifecycle awaits start() once at start-up, after Peering seeded() it with the commit
+Peering (ckptd.replication.peering) and ClusterSteps (ckptd.load.cluster_steps) use it; the
+composition root (ckptd.node) builds and starts it. Order of calls, all on the event loop:
+  1. Node builds the view with open_view() and calls watch(SavePath.commit_learned) once;
+  2. Node awaits start() once at start-up, after it seeded() it with the commit
      records this node's disks hold, then runs run_forever() as a task until drain;
   3. Peering calls report(job, step, shards) whenever what this node holds durably of a step
      changed and the step is not committed yet (a flush ended, a replica arrived, a

@@ -83,7 +83,7 @@ class ClusterSteps:
         unsealed = {(s.job, s.step) for s in local if s.shards} - {(s.job, s.step) for s in local if s.record}
         for record, _ in loadable:
             if (record.job, record.step) in unsealed:
-                await self.view.learned(record, again=True)  # Lifecycle.commit_learned: under the seal lock
+                await self.view.learned(record, again=True)  # SavePath.commit_learned: under the seal lock
         return loadable
 
     async def fetch(self, job: str, step: int, rank: int, replace: bool = False) -> None:

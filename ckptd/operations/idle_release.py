@@ -1,6 +1,6 @@
 """Give back the staging memory of jobs that stopped saving: `[staging] idle_ttl_s` after their last save.
 
-Lifecycle starts run_forever() on the event loop at start-up. Every CHECK_S (or sooner
+Node starts run_forever() on the event loop at start-up. Every CHECK_S (or sooner
 for a short TTL) it asks the pool for the jobs whose last save is older than the TTL and
 none of whose slots is being written or flushed; for each, on the cleanup thread, it
 checks that NVMe holds every snapshot those slots hold (a slot whose flush failed keeps

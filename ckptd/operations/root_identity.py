@@ -1,11 +1,11 @@
 """Tie the staging slots to the NVMe root they were taken for, and notice when that root is gone.
 
 The root carries a random identity in ROOT_ID_NAME, written at its first start; the
-staging directory keeps a copy. Lifecycle calls claim() at start-up, on a worker thread,
+staging directory keeps a copy. Node (the composition root) calls claim() at start-up, on a worker thread,
 before the slots are recovered: slots found beside another root's identity were taken for
 a root that was deleted, wiped or replaced, and are removed, never flushed into this one.
 Their steps belong to another history: a job started again on a fresh root would resume
-from them. While the daemon runs, Lifecycle's task awaits watch(), which returns once the
+from them. While the daemon runs, daemon.serve awaits watch() (Node.watch_root), which returns once the
 root no longer carries its identity; the daemon then gives its staging memory back with
 remove_slots() and stops (daemon.serve).
 """

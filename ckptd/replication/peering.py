@@ -117,7 +117,7 @@ class Peering:
         """Seal the step here if this node holds every rank, or the cluster view knows it committed.
 
         Otherwise report what this node holds of it to the view: the step is sealed here
-        when its commit comes back (Lifecycle hands it to adopt_told). A replica that
+        when its commit comes back (SavePath.adopt_commit hands it to adopt_told). A replica that
         arrives after the commit is reported too: the view's holders() names it.
         """
         shards = await self._local_shards(job, step)

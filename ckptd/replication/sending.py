@@ -1,6 +1,6 @@
 """Send each shard this node wrote to the peers that keep its replicas, until each has it.
 
-Driven from the event loop: the pipeline calls send() after a shard is flushed,
+Driven from the event loop: SavePath calls send() (through Peering.replicate) once a shard is hashed,
 Peering calls update() when peers join or leave (ckptd.cluster.peer_membership) and,
 every few seconds, confirm() and retry_due() with what the peers hold, which also
 resumes the replication a restarted daemon left undone. Bytes move on worker

@@ -1,9 +1,9 @@
 """Upload each shard of every `every`-th step from NVMe to the object tier, then commit the step there.
 
-Driven from the event loop: the pipeline calls start() once (which resumes the
-uploads that the disk says are pending), upload() after each shard is durable on
-NVMe, forget() when a shard is saved again, state() for waiters and drain() at
-shutdown. Bytes move on the uploader's own threads: a slow or failing store never
+Driven from the event loop: Node calls start() once (which resumes the
+uploads that the disk says are pending); SavePath calls upload() after each shard is
+durable on NVMe and forget() when a shard is saved again; ShardProgress state() for
+waiters; Node drain() at shutdown. Bytes move on the upload threads (Executors.upload): a slow or failing store never
 holds a staging slot, a flush or training. Each shard goes the one way into a tier,
 upload_file: the NVMe file is read in the store's part-sized ranges and pushed
 through ObjectTier.open_shard -> write -> seal (abandon on any failure). Failures
