@@ -1,4 +1,4 @@
-"""Build the cluster view that [cluster] backend names; Node (the composition root) calls open_view() once, at construction."""
+"""Build the cluster view that [cluster] backend names; Node calls open_view() once, at construction."""
 
 from __future__ import annotations
 

@@ -154,9 +154,7 @@ def test_kill_9_while_saves_outrun_the_disk_loses_nothing_complete_and_recovery_
     complete_before = {int(p.parent.name) for p in (daemon.root / "crash").glob(f"*/{COMMIT_NAME}")}
     # A kill between a step's last shard in place and its commit record: the restart commits that step.
     whole_before = {
-        int(d.name)
-        for d in (daemon.root / "crash").iterdir()
-        if all((d / meta_name(r)).exists() for r in range(2))
+        int(d.name) for d in (daemon.root / "crash").iterdir() if all((d / meta_name(r)).exists() for r in range(2))
     }
     pending = {  # rank -> the steps its slots hold that no complete step covers
         r: {s.shard.step for s in scan_slots(daemon.staging_dir) if s.shard and s.rank == r} - complete_before
