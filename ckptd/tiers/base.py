@@ -106,8 +106,13 @@ class ShardWrite(ABC):
         """
 
     @abstractmethod
-    def seal(self) -> ShardMeta:
-        """Make the shard durable and counted once every range is in; return its record with checksums."""
+    def seal(self, record: ShardMeta | None = None) -> ShardMeta:
+        """Make the shard durable and counted once every range is in; return its record with checksums.
+
+        record: the full record where the caller built it already from the same checksums
+        (write_shard hands one to on_hashed): installed as it is. A record's JSON holds the
+        layout, megabytes for a large state, so it is built and serialized once, not twice.
+        """
 
     @abstractmethod
     def abandon(self) -> None:
@@ -177,11 +182,12 @@ class DurableTier(Tier):
                     shard.write(ByteRange(offset, length), block, block_digests)
                 else:
                     writes.append(threads.submit(shard.write, ByteRange(offset, length), block, block_digests))
+            record = dataclasses.replace(meta, chunk_xxh3_128=tuple(digests)) if not meta.chunk_xxh3_128 else meta
             if not meta.chunk_xxh3_128 and on_hashed is not None:
-                on_hashed(dataclasses.replace(meta, chunk_xxh3_128=tuple(digests)))
+                on_hashed(record)
             for w in writes:
                 w.result()
-            return shard.seal()
+            return shard.seal(record)
         except BaseException as e:
             wait(writes)  # never abandon the copy, nor give data back to the caller, under a write still running
             shard.abandon()

@@ -407,7 +407,7 @@ class LocalShardWrite(ShardWrite):
                 view[: byte_range.length - whole] = data[whole:]
                 self._writer.write_range(view, byte_range.offset + whole, byte_range.length - whole)
 
-    def seal(self) -> ShardMeta:
+    def seal(self, record: ShardMeta | None = None) -> ShardMeta:
         """Fsync the file and install it as the rank's shard, under the step's lock and its last checks."""
         with self._lock:
             if self._state != "open" or self._writes_running:
@@ -415,11 +415,18 @@ class LocalShardWrite(ShardWrite):
             if self._chunks_missing:
                 raise InvalidArgument(f"{self._what}: {self._chunks_missing} chunks never arrived")
             self._state = "sealing"
-        meta = (
+        meta = record or (
             self.meta
             if self.meta.chunk_xxh3_128
             else dataclasses.replace(self.meta, chunk_xxh3_128=tuple(self._digests))
         )
+        if record is not None and (
+            record.chunk_xxh3_128 != tuple(self._digests)
+            or dataclasses.replace(record, chunk_xxh3_128=self.meta.chunk_xxh3_128) != self.meta
+        ):
+            with self._lock:
+                self._state = "failed"
+            raise InvalidArgument(f"{self._what}: the record to seal is not the one its bytes were written for")
         try:
             self._writer.finish(meta.data_size_bytes)
             self._writer.close()

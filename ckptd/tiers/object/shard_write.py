@@ -107,9 +107,11 @@ class ObjectShardWrite(ShardWrite):
             self._data.put(bytes(self._pending))
             self._pending.clear()
 
-    def seal(self) -> ShardMeta:
+    def seal(self, record: ShardMeta | None = None) -> ShardMeta:
         """Finish the data object, then upload the frame index (compressed) and the record: the shard counts."""
         meta = self.meta
+        if record is not None and record != meta:  # opened with its full record: nothing to build
+            raise ShardWriteError(f"{self.what}: the record to seal is not the one the shard was opened with")
         with self._lock:
             self._check_open()
             self._spent = True
