@@ -1,4 +1,4 @@
-"""The ckptd command: serve, status, ls, restore, verify, gc, export.
+"""The ckptd command: serve, status, ls, inspect, restore, verify, gc, export.
 
 Exit codes: 0 success, 1 failure (not found, verification failed, daemon
 error), 2 usage or config error.
@@ -134,6 +134,22 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--step", type=int, help="only this step (default: every complete step)")
     s.add_argument(
         "--tier", help="only this tier: memory, nvme, peer, object or an object-store URL (default: every tier)"
+    )
+
+    s = command(
+        "inspect",
+        parents=[common],
+        help="list a step's tensors: keys, dtypes, shapes, bytes and the ranks holding them (no torch needed)",
+        epilog=_examples(
+            "ckptd inspect --job llama-7b --step 1200",
+            "ckptd inspect --job llama-7b --step 1200 --json --tier object",
+        ),
+    )
+    s.add_argument("--json", action="store_true", help="print one JSON document instead of a table")
+    s.add_argument("--job", required=True, help="the job")
+    s.add_argument("--step", type=int, required=True, help="the step (a complete one)")
+    s.add_argument(
+        "--tier", help="read this tier: memory, nvme, peer, object or an object-store URL (default: the fastest)"
     )
 
     s = command(
@@ -334,6 +350,26 @@ def cmd_restore(args: argparse.Namespace, config: Config) -> int:
     return 0
 
 
+def cmd_inspect(args: argparse.Namespace, config: Config) -> int:
+    from ckptd.offline.inspect import inspect_step
+    from ckptd.offline.restore import human_size, readable_tiers
+
+    found = inspect_step(readable_tiers(config, args.tier or "auto"), validate_job(args.job), validate_step(args.step))
+    if args.json:
+        print(json.dumps(found.to_json()))
+        return 0
+    print(f"{found.job} step {found.step}: {found.world_size} ranks, {human_size(found.size_bytes)}, read from tier "
+          f"{found.tier}")  # fmt: skip
+    width = max((len(row.key) for row in found.tensors), default=3)
+    print(f"{'key':<{width}}  {'dtype':<9}  {'shape':<18}  {'bytes':>10}  ranks")
+    for row in found.tensors:
+        shape = "x".join(map(str, row.shape)) or "()"
+        ranks = ",".join(map(str, row.ranks)) if len(row.ranks) < 9 else f"{len(row.ranks)} ranks"
+        kind = " (sharded)" if row.kind == "sharded" else ""
+        print(f"{row.key:<{width}}  {row.dtype:<9}  {shape:<18}  {human_size(row.size_bytes):>10}  {ranks}{kind}")
+    return 0
+
+
 def cmd_verify(args: argparse.Namespace, config: Config) -> int:
     from ckptd.offline.restore import readable_tiers
     from ckptd.offline.verify import verify
@@ -389,6 +425,7 @@ COMMANDS = {
     "serve": cmd_serve,
     "status": cmd_status,
     "ls": cmd_ls,
+    "inspect": cmd_inspect,
     "restore": cmd_restore,
     "verify": cmd_verify,
     "gc": cmd_gc,

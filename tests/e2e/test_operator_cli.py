@@ -153,3 +153,22 @@ def test_status_shows_each_jobs_newest_complete_step_and_its_age_per_tier(make_d
     assert all(row[4] == "s" and 0 <= int(row[3]) < 90 for row in rows)  # "12 s": seconds, just now
     step_ends = lines[header].index("NEWEST STEP") + len("NEWEST STEP")  # steps right-aligned under their title
     assert all(line[:step_ends].endswith(" " + row[2]) for line, row in zip(lines[header + 1 :], rows, strict=False))
+
+
+def test_inspect_lists_a_steps_tensors_from_the_cli_as_a_table_and_as_json(daemon):
+    state = {"model": {"w": torch.ones(64, 32), "b": torch.zeros(32, dtype=torch.bfloat16)}, "step": 3}
+    with ckpt.Checkpointer(job="seen", address=daemon.address) as c:
+        c.save_async(state, step=3).wait("nvme", timeout=60)
+    found = daemon.cli("inspect", "--job", "seen", "--step", "3", "--json")
+    assert found.returncode == 0, found.stderr
+    doc = json.loads(found.stdout)
+    rows = {row["key"]: row for row in doc["tensors"]}
+    assert (doc["job"], doc["step"], doc["world_size"]) == ("seen", 3, 1)
+    assert rows["model.w"] == {
+        "key": "model.w", "kind": "tensor", "dtype": "float32", "shape": [64, 32], "size_bytes": 8192, "ranks": [0]
+    }  # fmt: skip
+    assert rows["model.b"]["dtype"] == "bfloat16" and rows["model.b"]["shape"] == [32]
+    table = daemon.cli("inspect", "--job", "seen", "--step", "3")
+    assert table.returncode == 0 and "model.w" in table.stdout and "64x32" in table.stdout and "8.0 KiB" in table.stdout
+    missing = daemon.cli("inspect", "--job", "seen", "--step", "4")
+    assert missing.returncode != 0 and "seen step 4 is not complete" in missing.stderr
