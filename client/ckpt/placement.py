@@ -124,9 +124,10 @@ class Placement:
         if device is None:
             device = _parse(location, "a saved location")
             example = f"map_location={{{location!r}: 'cpu'}}" if self._targets is not None else 'map_location="cpu"'
+            because = "returned None" if self._call is not None else "does not map it"
             _check_available(
                 device,
-                f"a tensor saved on {location} goes back there (map_location {self.given!r} does not move it)",
+                f"a tensor saved on {location} goes back there (map_location {self.given!r} {because})",
                 fix=f"map it elsewhere, e.g. {example}",
             )
             self._checked[location] = device

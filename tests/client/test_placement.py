@@ -65,8 +65,10 @@ def test_a_callable_is_called_once_per_tensor_with_its_saved_location():
     assert torch.equal(back["param"].detach(), torch.full((2, 2), 7.0))
     to_meta = unflatten(layout, data, Placement.of(lambda tensor, location: tensor.to("meta")))
     assert to_meta["host"].device.type == "meta"
-    # None, as for torch.load: back where it was saved (the CPU here)
-    assert unflatten(layout, data, Placement.of(lambda tensor, location: None))["host"].device.type == "cpu"
+    # None, as for torch.load: back where it was saved (the CPU here; cuda:0 in test_cuda_without_cuda_...)
+    host_layout, host_data = _saved({"host": torch.arange(4)})
+    back = unflatten(host_layout, host_data, Placement.of(lambda tensor, location: None))
+    assert back["host"].device.type == "cpu" and torch.equal(back["host"], torch.arange(4))
 
 
 def test_a_callable_must_return_the_tensor_it_is_given():
@@ -84,7 +86,7 @@ def test_forms_that_cannot_apply_are_refused_naming_every_form():
 
 @no_cuda
 def test_cuda_without_cuda_is_a_checkpoint_error_saying_to_load_on_the_cpu():
-    for form in ("cuda", "cuda:0", torch.device("cuda", 1), 0):
+    for form in ("cuda", "cuda:0", torch.device("cuda", 1), b"cuda"):
         with pytest.raises(InvalidArgument, match=r'CUDA is not available here.*map_location="cpu"') as raised:
             Placement.of(form)
         assert isinstance(raised.value, CheckpointError)

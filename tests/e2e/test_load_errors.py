@@ -30,7 +30,7 @@ def test_a_step_that_is_not_complete_names_the_newest_complete_ones(make_daemon)
         with pytest.raises(NotFound, match=r"two step 3 is not complete on tier auto; .*\(all 2\): 5, 1$"):
             c.load(step=3)
     with ckpt.Checkpointer(job="none-yet", address=daemon.address) as c:
-        with pytest.raises(NotFound, match="none-yet step 7 is not complete on tier auto: the job has no complete"):
+        with pytest.raises(NotFound, match="step 7 is not complete on tier auto: job none-yet has no complete step"):
             c.load(step=7)
         with pytest.raises(NotFound, match="job none-yet has no complete step on tier auto"):
             c.load()
