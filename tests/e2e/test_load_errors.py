@@ -36,6 +36,21 @@ def test_a_step_that_is_not_complete_names_the_newest_complete_ones(make_daemon)
             c.load()
 
 
+@pytest.mark.s3
+def test_the_steps_named_include_those_only_the_object_store_holds(make_daemon, s3_server):
+    node = make_daemon(s3_server.toml(f"s3://{s3_server.new_bucket()}/ckpts")).start()
+    with ckpt.Checkpointer(job="stored", address=node.address) as c:
+        for step in (1, 2):
+            c.save_async({"x": torch.zeros(2)}, step=step).wait("object", timeout=60)
+    node.lose()  # the store alone holds them: a load asks it for the one step, the error lists it
+    node.start()
+    with ckpt.Checkpointer(job="stored", address=node.address) as c:
+        with pytest.raises(NotFound, match=r"stored step 99 is not complete on tier auto; .*\(all 2\): 2, 1$"):
+            c.load(step=99)
+        with pytest.raises(NotFound, match=r"stored step 99 is not complete on tier auto; .*\(all 2\): 2, 1$"):
+            c.load(step=99, into={"x": torch.zeros(2)})
+
+
 def test_a_world_size_mismatch_names_load_into_with_both_sizes(daemon):
     for rank in (0, 1):
         with ckpt.Checkpointer(job="resize", rank=rank, world_size=2, address=daemon.address) as c:
