@@ -3,11 +3,10 @@
 Checkpointer.load and ckpt.load_local call Placement.of(map_location) before anything is
 asked or read: it raises InvalidArgument for a value it cannot apply, or for a device this
 machine lacks that a str or torch.device names. unflatten then calls the placement, on the
-loading thread, once for each
-tensor of the shard as it is built (a tensor that appears twice in the state is built once),
-with the tensor as read into host memory and the location it was saved from: its layout
-entry's `device` ("cuda:N"), or "cpu" where the entry has none (a CPU tensor, or a step
-saved before the layout recorded devices). The forms, as in torch.load:
+loading thread, once for each tensor of the shard as it is built (a tensor that appears twice
+in the state is built once), with the tensor as read into host memory and the location it was
+saved from: its layout entry's `device` ("cuda:N"), or "cpu" where the entry has none (a CPU
+tensor, or a step saved before the layout recorded devices). The forms, as in torch.load:
 
 - None: every tensor stays in host memory, where it was read (torch.load would restore
   the saved devices instead; ckpt keeps its own default).
@@ -18,8 +17,9 @@ saved before the layout recorded devices). The forms, as in torch.load:
   shape, on any device); None sends the tensor back to the location it was saved from.
 
 What cannot be applied as a tensor is built (a device this machine lacks that a dict or a
-saved location names, a callable's wrong result) raises Refused, an InvalidArgument that the
-loader tells from a bad layout: no other tier's copy would do better.
+saved location names, a callable's wrong result, or a KeyError, TypeError or ValueError it
+raised) raises Refused, an InvalidArgument that the loader tells from a bad layout: no other
+tier's copy would do better.
 """
 
 from __future__ import annotations
