@@ -40,7 +40,7 @@ run() {
 }
 : > "$RESULTS/gpu-check.log"
 run "$PYTHON" -c 'import torch; print("torch", torch.__version__, "CUDA:", torch.cuda.is_available() and torch.cuda.get_device_name())'
-run "$PYTHON" -m pytest -q -m gpu -rs -p no:cacheprovider tests/client/test_cuda_staging.py
+run "$PYTHON" -m pytest -q -m gpu -rs -p no:cacheprovider tests/client/test_cuda_staging.py tests/client/test_placement.py
 run "$PYTHON" benchmarks/bench_local.py --device cuda --size-gib "${GPU_BENCH_GIB:-2}" --repeats 2 \
   --json "$RESULTS/local-cuda.json"
 run "$PYTHON" benchmarks/bench_gpu_training.py --json "$RESULTS/gpu-training.json"

@@ -42,6 +42,7 @@ log = logging.getLogger(__name__)
 
 OBJECT_QUERY_TIMEOUT_S = 5.0
 LOAD_LEASE_S = 600.0  # how long retention keeps off a step a load was pointed at
+STEPS_NAMED = 10  # a load of a step that is not complete names at most this many of the job's complete steps
 
 
 class Locator:
@@ -103,13 +104,17 @@ class Locator:
                     f"{what} on this node or its peers, and the object store ({self.config.object.url}) "
                     "did not answer: it may hold it; try again"
                 )
-            raise NotFound(f"{what} on tier {tier or 'auto'}")
+            raise await self.not_complete(job, step, tier, steps, from_object)
         # From here on retention keeps off the step: a copy fetched below is older than the newest
         # steps, and would otherwise go between its fetch and the client's read.
         self.lease_for_reading(job, step)
         record = await self.on_locate_threads(self.commit_record_here, job, step)
         if record is not None and rank >= record.world_size:
-            raise NotFound(f"{job} step {step} has no rank {rank} (world_size {record.world_size})")
+            raise NotFound(
+                f"{job} step {step} has no rank {rank}: it was saved by {record.world_size} ranks (world_size "
+                f"{record.world_size}). To reshard it onto more ranks, load it with load(step={step}, into=state), "
+                "where state holds this rank's tensors (DTensors for the sharded ones) to fill in place"
+            )
         if refetch:
             self.verification_failed("nvme")  # the client found this node's copies bad
         if refetch and not (from_peers or from_object):
@@ -139,6 +144,33 @@ class Locator:
             raise NotFound(f"{job} step {step} has no rank {rank} on tier {tier or 'auto'} (world_size {world_size})")
         self.lease_for_reading(job, step)  # again: the lease runs from the answer
         return step, record.world_size, sources
+
+    async def not_complete(self, job: str, step: int | None, tier: str, steps: set[int], from_object: bool) -> NotFound:
+        """Return the NotFound for a step that is not complete on tier, naming the job's newest complete steps there.
+
+        steps: the job's complete steps that the load found on tier. The object store
+        was asked for the one step (its history is never listed for a load): on this
+        error path alone it is listed, bounded in time like every query of it.
+        """
+        where = f"on tier {tier or 'auto'}"
+        if step is None:
+            return NotFound(f"job {job} has no complete step {where}")
+        unlisted = ""
+        if from_object:
+            listed = await self.object_steps(job)
+            if listed is None:
+                unlisted = f" (the object store, {self.config.object.url}, did not list its own in time)"
+            steps = steps | set(listed or [])
+        if not steps:
+            return NotFound(
+                f"{job} step {step} is not complete {where}: job {job} has no complete step there{unlisted}"
+            )
+        newest = sorted(steps, reverse=True)[:STEPS_NAMED]
+        count = f"all {len(steps)}" if len(steps) <= STEPS_NAMED else f"the newest {STEPS_NAMED} of {len(steps)}"
+        return NotFound(
+            f"{job} step {step} is not complete {where}; job {job}'s complete steps there, newest first "
+            f"({count}): {', '.join(map(str, newest))}{unlisted}"
+        )
 
     def tiers_for(self, tier: str) -> list[Tier]:
         """Return this node's tiers that a load naming tier may read."""

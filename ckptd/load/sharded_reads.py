@@ -60,8 +60,8 @@ class ShardedReads:
         if step is None and steps:
             step = max(steps)
         if step is None or step not in steps:
-            what = f"job {job} has no complete step" if step is None else f"{job} step {step} is not complete"
-            raise NotFound(f"{what} on tier {tier or 'auto'}")
+            from_object = tier in ("", "auto", "object") and locator.object_tier is not None
+            raise await locator.not_complete(job, step, tier, steps, from_object)
         record = await self._record(job, step)
         sources = await locator.on_locate_threads(
             lambda: [locator.local_sources(tiers, job, step, r, record) for r in range(record.world_size)]

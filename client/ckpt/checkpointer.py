@@ -35,6 +35,7 @@ from ckpt.format import (
 )
 from ckpt.launcher import rank_and_world_size
 from ckpt.local_read import checked_index, load_first_good
+from ckpt.placement import Placement
 from ckpt.range_read import StepReader
 from ckpt.reshard import load_into
 from ckpt.shard_io import ShardSource
@@ -383,9 +384,22 @@ class Checkpointer:
         tier picks one tier instead of the fastest verified copy ("auto"). The bytes
         are read once, straight into the memory the returned tensors use.
 
+        map_location takes what torch.load takes (ckpt.placement). Each tensor is read
+        into host memory, and its location is the device it was saved from ("cuda:N",
+        or "cpu"; "cpu" for every tensor of a step saved before ckpt recorded devices):
+        - a str or torch.device: every tensor goes there ("cpu", the default, copies nothing);
+        - None: every tensor stays in host memory (unlike torch.load, which restores devices);
+        - a dict {location: device}, e.g. {"cuda:1": "cuda:0"}: a tensor saved on a key goes
+          to its value, any other back to its saved location;
+        - a callable f(tensor, location): returns the tensor to use (same dtype and shape, any
+          device), or None to send it back to its saved location; called once per tensor.
+        A device this machine lacks ("cuda" on a CPU-only torch) raises InvalidArgument,
+        saying so: a str or torch.device before anything is read, others as tensors are built.
+
         With into, fill its tensors and DTensors in place from the step, whatever the
         sharding, world size and mesh on either side, replace its other values, and
-        return it (ckpt.reshard). A step that holds DTensors needs into.
+        return it (ckpt.reshard); map_location does not apply: each tensor stays where
+        into holds it. A step that holds DTensors, or one saved by another world size, needs into.
         """
         if step is not None:
             validate_step(step)
@@ -393,23 +407,26 @@ class Checkpointer:
             validate_tier(tier)
         if into is not None:
             return self._load_into(into, step, tier)
+        place = Placement.of(map_location)  # before the daemon is asked: a device missing here fails at once
         locate = pb.LocateRequest(job=self.job, step=-1 if step is None else step, rank=self.rank, tier=tier)
         reply = self._daemon.call("Locate", locate)
         if reply.world_size != self.world_size:
             raise InvalidArgument(
                 f"{self.job} step {reply.step} was saved by {reply.world_size} ranks, and this Checkpointer has "
-                f"world_size {self.world_size}: rank {self.rank}'s shard of it belongs to another sharding"
+                f"world_size {self.world_size}: rank {self.rank}'s shard of it belongs to another sharding. "
+                f"To reshard it onto {self.world_size} ranks, load it with load(step={reply.step}, into=state), "
+                "where state holds this rank's tensors (DTensors for the sharded ones) to fill in place"
             )
         sources = [ShardSource(s.tier, s.kind, s.path, self.job, reply.step) for s in reply.sources]
         try:
             try:
-                return load_first_good(sources, self.rank, map_location)
+                return load_first_good(sources, self.rank, place)
             except NotFound as e:  # the copy it was pointed at went meanwhile (an operator, a race): ask again, once
                 log.warning("ckpt: %s; asking the daemon where the shard is now", e)
                 locate.step = reply.step
                 again = self._daemon.call("Locate", locate)
                 sources = [ShardSource(s.tier, s.kind, s.path, self.job, again.step) for s in again.sources]
-                return load_first_good(sources, self.rank, map_location)
+                return load_first_good(sources, self.rank, place)
         except CorruptCheckpoint as e:
             if tier not in ("auto", "peer", "object"):
                 raise
@@ -422,7 +439,7 @@ class Checkpointer:
             except CheckpointError as other:
                 raise CorruptCheckpoint(f"{e}; and no good copy elsewhere: {other}") from other
             sources = [ShardSource(s.tier, s.kind, s.path, self.job, again.step) for s in again.sources]
-            return load_first_good(sources, self.rank, map_location)
+            return load_first_good(sources, self.rank, place)
 
     def _load_into(self, into: Any, step: int | None, tier: str) -> Any:
         """Fill into from a step: the ranks this node holds read from their files, the rest through the daemon."""

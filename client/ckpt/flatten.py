@@ -63,6 +63,8 @@ def _entry(obj: torch.Tensor | np.ndarray) -> dict[str, Any]:
             "requires_grad": bool(obj.requires_grad),
             "parameter": isinstance(obj, torch.nn.Parameter),
         }
+        if obj.device.type != "cpu":  # the location a load's map_location sees (absent: "cpu")
+            entry["device"] = str(obj.device)
     else:
         entry = {
             "kind": "numpy",
@@ -133,15 +135,19 @@ def flatten(state: Any) -> Flattened:
 
 
 def unflatten(
-    layout: dict[str, Any], data: np.ndarray, device: torch.device | None = None, dtensor_ref: Any = None
+    layout: dict[str, Any],
+    data: np.ndarray,
+    place: Callable[[torch.Tensor, str], torch.Tensor] | None = None,
+    dtensor_ref: Any = None,
 ) -> Any:
     """Rebuild a state from its layout and a uint8 array of its shard bytes, without copying them.
 
     Each tensor gets a storage of its own that starts at its first byte (torch
     code that assumes storage_offset 0, such as set_rng_state, works on it),
-    while all of them share data's memory. With a device other than the CPU,
-    every tensor, wherever it sits in the state, is moved there. A DTensor of the
-    step becomes dtensor_ref(key); with no dtensor_ref, it is an InvalidArgument.
+    while all of them share data's memory. With place (ckpt.placement), every
+    tensor, wherever it sits in the state, becomes place(tensor, the location its
+    entry was saved from). A DTensor of the step becomes dtensor_ref(key); with no
+    dtensor_ref, it is an InvalidArgument.
     """
     entries = layout["tensors"]
     built: list[Any] = [None] * len(entries)
@@ -159,8 +165,8 @@ def unflatten(
             t = torch.from_numpy(data[start : start + nbytes]).view(torch_dtype).view(shape)
         else:
             t = torch.empty(shape, dtype=torch_dtype)
-        if device is not None and device.type != "cpu":
-            t = t.to(device)
+        if place is not None:
+            t = place(t, e.get("device", "cpu"))
         if e.get("parameter"):
             return torch.nn.Parameter(t, requires_grad=e["requires_grad"])
         return t.requires_grad_(True) if e["requires_grad"] else t

@@ -13,11 +13,10 @@ import os
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from ckpt.errors import CheckpointError, CorruptCheckpoint, InvalidArgument, NotFound
 from ckpt.flatten import unflatten
 from ckpt.format import COMMIT_NAME, DIRECT_IO_ALIGN_BYTES, INDEX_NAME, JOB_RE, CommitRecord, round_up
+from ckpt.placement import Placement, Refused
 from ckpt.range_read import StepReader, fresh_buffer
 from ckpt.reshard import load_into
 from ckpt.shard_io import ShardSource, read_commit, read_index, read_meta, read_shard_into, step_dir_source
@@ -32,12 +31,13 @@ def load_local(path: str | os.PathLike[str], rank: int = 0, map_location: Any = 
     path is a step directory (it holds COMMIT.json), a job directory (its newest step
     with a commit record is read), or a directory holding one job's directories, as
     `ckptd restore --to DIR` and an NVMe root of one job are. With into, fill it in
-    place as Checkpointer.load does (rank is the loading rank).
+    place as Checkpointer.load does (rank is the loading rank). map_location takes what
+    Checkpointer.load takes (ckpt.placement), and applies only without into.
     """
-    step_dir = find_step_dir(Path(path))
-    if into is None:
-        return load_first_good([step_dir_source(step_dir, "local")], rank, map_location)
-    return load_into(into, *open_step_dir(step_dir), rank)
+    if into is not None:
+        return load_into(into, *open_step_dir(find_step_dir(Path(path))), rank)
+    place = Placement.of(map_location)  # first: a map_location this machine cannot honour costs no read
+    return load_first_good([step_dir_source(find_step_dir(Path(path)), "local")], rank, place)
 
 
 def find_step_dir(path: Path) -> Path:
@@ -80,15 +80,15 @@ def checked_index(data: bytes, record: CommitRecord, what: str) -> StepIndex | N
 
 
 def load_first_good(sources: list[ShardSource], rank: int, map_location: Any) -> Any:
-    """Load from the first source that holds a good copy; say what was wrong with each one that did not."""
-    try:
-        device = None if map_location is None else torch.device(map_location)
-    except (RuntimeError, TypeError):
-        raise InvalidArgument(f"invalid map_location {map_location!r}: a device such as 'cpu' or 'cuda:0'") from None
+    """Load from the first source that holds a good copy; say what was wrong with each one that did not.
+
+    map_location: any form Placement.of takes, or a Placement.
+    """
+    place = Placement.of(map_location)  # before any read: a map_location this machine cannot honour is refused
     errors: list[Exception] = []
     for source in sources:
         try:
-            return _load_shard(source, rank, device)
+            return _load_shard(source, rank, place)
         except InvalidArgument:
             raise  # the step itself does not fit this load: another tier's copy would not either
         except (CheckpointError, OSError) as e:
@@ -105,7 +105,7 @@ def load_first_good(sources: list[ShardSource], rank: int, map_location: Any) ->
     raise CheckpointError("no tier could be read: " + summary)
 
 
-def _load_shard(source: ShardSource, rank: int, device: torch.device | None) -> Any:
+def _load_shard(source: ShardSource, rank: int, place: Placement) -> Any:
     meta = read_meta(source, rank)
     if is_sharded(meta):
         raise InvalidArgument(
@@ -115,6 +115,8 @@ def _load_shard(source: ShardSource, rank: int, device: torch.device | None) -> 
     buffer = fresh_buffer(round_up(meta.data_size_bytes, DIRECT_IO_ALIGN_BYTES))
     read_shard_into(source, meta, memoryview(buffer))  # type: ignore[arg-type]  # ndarray is a buffer
     try:
-        return unflatten(json.loads(meta.layout_json), buffer[: meta.data_size_bytes], device)
+        return unflatten(json.loads(meta.layout_json), buffer[: meta.data_size_bytes], place)
+    except Refused:
+        raise  # map_location cannot be applied here: no copy anywhere would do better
     except (KeyError, TypeError, ValueError) as e:
         raise CorruptCheckpoint(f"rank {rank} shard on tier {source.tier}: bad layout ({e})") from None
