@@ -131,6 +131,11 @@ class ReplicaReceiver:
                 raise CorruptCheckpoint(
                     f"{self._what(meta)}: range ended after {received} of {byte_range.length} bytes"
                 )
+            if byte_range.length == 0 and not isinstance(source, socket.socket):
+                # An empty range reads no piece in the loop: one that comes anyway is refused, as any extra.
+                extra: memoryview | None = await anext(source, None)
+                if extra:
+                    raise CorruptCheckpoint(f"{self._what(meta)}: more bytes than the range's 0")
         except BaseException:
             if self._transfers.get(transfer) is t:  # not a later transfer of the same name
                 del self._transfers[transfer]
@@ -396,4 +401,6 @@ async def _finished(work: Future[T], on_cancel: Callable[[], None] | None = None
         while not wrapped.done():
             with contextlib.suppress(asyncio.CancelledError):  # cancelled again: still wait
                 await asyncio.wait([wrapped])
+        if not wrapped.cancelled():
+            wrapped.exception()  # read: the work's own end (stopped by on_cancel) is not an error to log
         raise

@@ -101,7 +101,9 @@ class Flusher:
 
         on_hashed(meta) runs on the event loop as soon as the shard's checksums are known,
         before the writes are durable (replicas start from the slot then). Raises what the
-        write raised; the slot is settled either way.
+        write raised; the slot is settled either way, before this returns. The caller's
+        bookkeeping after it (sealing started, or the failure) runs before any waiter does:
+        settle() takes SlotPool's lock, which is never held across an await, so it never yields.
         """
         key, committed_seq = slot.shard, slot.committed_seq
         assert key is not None

@@ -192,14 +192,14 @@ class SavePath:
         """Write one pinned slot to NVMe, replicating it once hashed and uploading it once durable; then seal."""
         key = slot.shard
         assert key is not None
-        hashed_before = slot.meta is not None  # a flush resumed after a restart: no new checksums come
+        resumed = slot.meta  # a flush resumed after a restart: no new checksums come; read before the slot settles
         try:
             if not await self.flusher.write(slot, lambda meta: self.peering.replicate(key, meta, slot.path)):
                 return  # another snapshot is in the slot now
             if not self.flusher.others_unflushed(slot):
                 self.progress.sealing_started(key)
-            if hashed_before and slot.meta is not None:
-                self.peering.replicate(key, slot.meta, slot.path)
+            if resumed is not None:
+                self.peering.replicate(key, resumed, slot.path)
             if self.uploader is not None:
                 self.uploader.upload(key)
         except Exception as e:  # a flush must never fail silently, whatever broke
