@@ -1,13 +1,15 @@
 """The ckptd command: serve, status, ls, inspect, restore, verify, gc, export.
 
 Exit codes: 0 success, 1 failure (not found, verification failed, daemon
-error), 2 usage or config error.
+error), 2 usage or config error. Output to a pipe whose reader left goes to /dev/null:
+the command runs to its end, quietly, and exits with its own status.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import datetime
 import functools
@@ -16,8 +18,9 @@ import logging
 import os
 import shutil
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any, TextIO, cast
 
 from ckpt.errors import CheckpointError, DaemonUnavailable, InvalidArgument
 from ckpt.format import validate_job, validate_step
@@ -27,7 +30,7 @@ from ckpt.wire.v1 import ckptd_pb2 as pb
 from ckptd import __version__
 from ckptd.config import Config, ConfigError, load_config
 from ckptd.offline import export
-from ckptd.operations.status_table import cluster_line, newest_steps_table, passed_over_lines
+from ckptd.operations.status_table import human_size, status_lines
 
 EXAMPLES = """\
 examples:
@@ -186,16 +189,62 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"ckptd: config error: {e}", file=sys.stderr)
         return 2
+    with _stdout_outliving_its_reader():
+        try:
+            return COMMANDS[args.command](args, config)
+        except InvalidArgument as e:
+            print(f"ckptd: {e}", file=sys.stderr)
+            return 2
+        except (CheckpointError, OSError) as e:
+            print(f"ckptd: {e}", file=sys.stderr)
+            return 1
+        except KeyboardInterrupt:
+            return 130
+
+
+class _OutlivingItsReader:
+    """Stand in for sys.stdout: once whoever reads it has gone (`ckptd verify ... | head -1`), it is /dev/null.
+
+    Python's docs' way with a closed pipe (stdout pointed at /dev/null, so that no flush fails
+    again), taken where the write fails: the command runs on to its end and exits with its own
+    status (for verify, 1 still means a bad byte, never a reader that stopped reading).
+    """
+
+    def __init__(self, stream: TextIO) -> None:
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except BrokenPipeError:
+            self._to_devnull()
+            return len(text)
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except BrokenPipeError:
+            self._to_devnull()
+
+    def _to_devnull(self) -> None:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, self._stream.fileno())  # what is still buffered goes there at the next flush
+        os.close(devnull)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
+@contextlib.contextmanager
+def _stdout_outliving_its_reader() -> Iterator[None]:
+    """Run a command with sys.stdout an _OutlivingItsReader, flushed through it at the end, not at exit."""
+    stream = sys.stdout
+    sys.stdout = cast(TextIO, _OutlivingItsReader(stream))
     try:
-        return COMMANDS[args.command](args, config)
-    except InvalidArgument as e:
-        print(f"ckptd: {e}", file=sys.stderr)
-        return 2
-    except (CheckpointError, OSError) as e:
-        print(f"ckptd: {e}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        return 130
+        yield
+    finally:
+        sys.stdout.flush()
+        sys.stdout = stream
 
 
 class JsonLogFormatter(logging.Formatter):
@@ -230,11 +279,13 @@ def _progress() -> Callable[[str], None]:
 
 
 def _client(args: argparse.Namespace, config: Config) -> DaemonClient:
-    return DaemonClient(args.address or str(config.socket_path))
+    """Return a client of the daemon named by --address, else $CKPTD_ADDRESS, else the configured socket."""
+    return DaemonClient(args.address or os.environ.get("CKPTD_ADDRESS") or str(config.socket_path))
 
 
 def cmd_serve(args: argparse.Namespace, config: Config) -> int:
     from ckptd.daemon import AlreadyServing, ListenFailed, RootGone, serve
+    from ckptd.operations.root_lock import RootInUse
 
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(
@@ -247,7 +298,7 @@ def cmd_serve(args: argparse.Namespace, config: Config) -> int:
     except (AlreadyServing, RootGone) as e:
         print(f"ckptd: {e}", file=sys.stderr)
         return 1
-    except ListenFailed as e:
+    except (ListenFailed, RootInUse) as e:
         print(f"ckptd: {e}", file=sys.stderr)
         return 2
     return 0
@@ -258,44 +309,7 @@ def cmd_status(args: argparse.Namespace, config: Config) -> int:
     if args.json:
         print(json.dumps(doc, indent=2))
         return 0
-    st = doc["staging"]
-    print(f"ckptd {doc['version']} on {doc['node']}, up {doc['uptime_s']:.0f} s, socket {doc['socket']}")
-    print(f"nvme root   {doc['tiers']['nvme']['root']}")
-    print(
-        f"staging     {doc['tiers']['memory']['dir']}: {st['in_use_bytes']} bytes in {st['slots']} slots, "
-        f"{st['pending_flushes']} flushes pending, policy {st['policy']}"
-    )
-    print("counters    " + ", ".join(f"{k} {v}" for k, v in doc["counters"].items()))
-    peer = doc["tiers"]["peer"]
-    if peer["enabled"]:
-        tls = "TLS" if peer["tls"] else "plaintext"
-        print(f"peer tier   listen {peer['listen'] or '(none)'} ({tls}), {peer['replicas']} replica(s) per shard")
-        for address, p in peer["peers"].items():
-            state = "unreachable" if address in peer["unreachable"] else "ok"
-            line = f"  {address}: {state}, {p['pending_replicas']} replicas pending"
-            if p["consecutive_failures"]:
-                line += f", {p['consecutive_failures']} failures in a row, retry in {p['retry_in_s']:.1f} s"
-            print(line)
-    else:
-        print("peer tier   off (no [peer] addresses)")
-    print(cluster_line(doc.get("cluster", {})))
-    obj = doc["tiers"]["object"]
-    if obj["enabled"]:
-        print(
-            f"object tier {obj['url']} (every {obj['every']} steps, compression {obj['compression']}): "
-            f"{obj['pending_uploads']} uploads pending, {obj['waiting_for_commit']} steps waiting for their commit, "
-            f"{obj['uploaded_shards']} shards ({obj['uploaded_bytes']} bytes) uploaded, "
-            f"{obj['commits_written']} commits written"
-        )
-        for shard, error in obj["failing"].items():
-            print(f"  failing {shard}: {error}")
-    else:
-        print("object tier off (no [object] url)")
-    print("\n".join(newest_steps_table(doc["newest_complete"])))
-    for line in passed_over_lines(doc.get("passed_over", {}), doc["tiers"]["nvme"].get("flush_every", 0)):
-        print(line)
-    for err in doc["recent_errors"]:
-        print(f"error       {err['tier']}: {err['error']}")
+    print("\n".join(status_lines(doc)))
     return 0
 
 
@@ -303,8 +317,6 @@ MIXED = "(mixed: each rank has a copy, no single tier has all)"
 
 
 def cmd_ls(args: argparse.Namespace, config: Config) -> int:
-    from ckptd.offline.restore import human_size
-
     job = validate_job(args.job) if args.job else ""
     try:
         found = _client(args, config).call("List", pb.ListRequest(job=job)).steps
@@ -352,7 +364,7 @@ def cmd_restore(args: argparse.Namespace, config: Config) -> int:
 
 def cmd_inspect(args: argparse.Namespace, config: Config) -> int:
     from ckptd.offline.inspect import inspect_step
-    from ckptd.offline.restore import human_size, readable_tiers
+    from ckptd.offline.restore import readable_tiers
 
     found = inspect_step(readable_tiers(config, args.tier or "auto"), validate_job(args.job), validate_step(args.step))
     if args.json:

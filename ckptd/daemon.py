@@ -20,7 +20,7 @@ from ckptd.cluster.peers_view import PeersView
 from ckptd.config import Config
 from ckptd.errors import RootGone
 from ckptd.node import Node
-from ckptd.operations import metrics
+from ckptd.operations import metrics, root_lock
 from ckptd.pipeline import Pipeline
 from ckptd.rpc.cluster_server import add_cluster_servicer
 from ckptd.rpc.data_listener import DataListener
@@ -47,9 +47,20 @@ async def serve(config: Config) -> None:
     """Serve until SIGTERM or SIGINT, then drain in-flight flushes and return.
 
     Raises RootGone, after giving the staging memory back and stopping the same way, when
-    the NVMe root is removed or replaced under the daemon: its view of the steps is void.
+    the NVMe root is removed or replaced under the daemon: its view of the steps is void;
+    RootInUse when another daemon holds the NVMe root (root_lock), and InvalidArgument naming
+    node.root when it cannot be written.
     """
     _claim_socket(config.socket_path)
+    # Before anything touches the root: another daemon's start-up cleanup and retention would undo ours.
+    lock = await asyncio.to_thread(root_lock.hold, config.root, config.socket_path)
+    try:
+        await _serve_holding_root(config)
+    finally:
+        lock.release()
+
+
+async def _serve_holding_root(config: Config) -> None:
     if config.cpu_set:
         _pin(config.cpu_set)  # before the pipeline starts its threads: they inherit it
     node = Node(config)  # every role and thread pool of the daemon

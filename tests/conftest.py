@@ -154,6 +154,27 @@ def small_disk(short_tmp: Path) -> Iterator[Path]:
 
 
 @pytest.fixture
+def read_only_dir(short_tmp: Path) -> Iterator[Path]:
+    """Yield a directory nothing can be written in: a read-only tmpfs where we are root (permission bits do not
+    stop root), else one without write permission; skip where root cannot mount one."""
+    path = short_tmp / "read-only"
+    path.mkdir()
+    if os.geteuid() != 0:
+        path.chmod(0o555)
+        try:
+            yield path
+        finally:
+            path.chmod(0o755)
+        return
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(path)], capture_output=True).returncode:
+        pytest.skip("root cannot mount a read-only filesystem here, and nothing else stops root writing")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], capture_output=True)
+
+
+@pytest.fixture
 def make_daemon(short_tmp: Path) -> Iterator:
     """Return a factory of daemons (not started), each in its own directory, all killed at the end."""
     daemons: list[Daemon] = []

@@ -8,10 +8,12 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from ckpt.errors import CheckpointError, CorruptCheckpoint, NotFound
-from ckpt.format import validate_tier
+from ckpt.format import ShardMeta, validate_tier
 
 from ckptd.config import Config
+from ckptd.errors import ShardWriteError
 from ckptd.load.fetch import aligned_buffer
+from ckptd.operations.status_table import human_size
 from ckptd.rpc.peer_link import PeerLink
 from ckptd.storage.object_store import open_store
 from ckptd.tiers.base import Tier
@@ -22,6 +24,10 @@ from ckptd.tiers.peer import PeerTier
 
 Progress = Callable[[str], None]
 RESTORE_WRITE_THREADS = 4  # the restore target's writers, as the NVMe tier's in a daemon
+
+
+class DestinationUnwritable(CheckpointError):
+    """The restore destination (--to) cannot be written: no tier's copy is at fault, and no other tier helps."""
 
 
 def readable_tiers(config: Config, source: str = "auto") -> list[Tier]:
@@ -86,6 +92,7 @@ def _restore(tiers: list[Tier], job: str, step: int, out: LocalDirTier, progress
         holders.remove(other)
     world_size = record.world_size
     try:
+        _make_destination(out, step_dir)
         for rank in range(world_size):
             errors = []
             for tier in holders:
@@ -97,19 +104,25 @@ def _restore(tiers: list[Tier], job: str, step: int, out: LocalDirTier, progress
                     started = time.monotonic()
                     with aligned_buffer(meta.data_size_bytes) as buf:
                         tier.read_into(meta, buf)
-                        out.write_shard(meta, buf)
+                        _write_to(out, meta, buf)
                     rate = meta.data_size_bytes / max(time.monotonic() - started, 1e-9) / 1e6
                     progress(
                         f"rank {rank}/{world_size}: {meta.data_size_bytes} bytes from {tier.name}, verified "
                         f"({rate:.0f} MB/s)"
                     )
                     break
+                except DestinationUnwritable:
+                    raise  # the same for every tier: no other copy can help
                 except (CheckpointError, OSError) as e:
                     progress(f"rank {rank}/{world_size}: {e}; trying the next tier")
                     errors.append(str(e))
             else:
                 raise CorruptCheckpoint(f"no good copy of rank {rank} of {job} step {step}: " + "; ".join(errors))
-        if out.try_commit(job, step, world_size) is None:
+        try:
+            committed = out.try_commit(job, step, world_size)
+        except OSError as e:
+            raise DestinationUnwritable(f"cannot write the restore destination {out.root}: {e.strerror or e}") from e
+        if committed is None:
             raise CheckpointError(f"{step_dir}: not every shard was written")
     except BaseException:
         if step_dir.exists():
@@ -118,13 +131,22 @@ def _restore(tiers: list[Tier], job: str, step: int, out: LocalDirTier, progress
     return step_dir
 
 
-def human_size(n: int) -> str:
-    """Return a byte count for people: 512.0 MiB."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024  # type: ignore[assignment]
-    raise AssertionError
+def _make_destination(out: LocalDirTier, step_dir: Path) -> None:
+    """Create the step's directory in the destination, or say that the destination cannot be written."""
+    try:
+        step_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise DestinationUnwritable(f"cannot write the restore destination {out.root}: {e.strerror or e}") from None
+
+
+def _write_to(out: LocalDirTier, meta: ShardMeta, buf: memoryview) -> None:
+    """Write a shard read from a tier into the destination; a disk error there is the destination's, not the tier's."""
+    try:
+        out.write_shard(meta, buf)
+    except ShardWriteError as e:
+        if isinstance(e.__cause__, OSError):  # the bytes were in memory: only the destination's disk failed
+            raise DestinationUnwritable(f"cannot write the restore destination {out.root}: {e}") from e
+        raise
 
 
 def _knows(tier: Tier, job: str, step: int) -> bool:

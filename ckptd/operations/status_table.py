@@ -1,9 +1,11 @@
-"""Render the newest complete step of each job on each tier, as `ckptd status` prints it.
+"""Render the status document for people, as `ckptd status` prints it (`--json` prints the document itself).
 
-cmd_status (cli.py) calls newest_steps_table() with the "newest_complete" part of the
-status document, passed_over_lines() with its "passed_over" part, on the CLI's only
-thread; ages come from the daemon, measured when it answered, so the table does not
-depend on the clock of whoever reads it.
+cmd_status (cli.py) calls status_lines() with the whole document, on the CLI's only thread;
+it renders the newest complete step of each job on each tier with newest_steps_table(), the
+steps passed over with passed_over_lines() and the cluster view with cluster_line(). Ages
+come from the daemon, measured when it answered, so the table does not depend on the clock
+of whoever reads it. Sizes are in KiB, MiB, GiB (human_size, also `ls`'s and restore's);
+no line shows a Python dict.
 """
 
 from __future__ import annotations
@@ -14,6 +16,15 @@ from typing import Any
 MINUTE_S = 60
 HOUR_S = 60 * MINUTE_S
 DAY_S = 24 * HOUR_S
+
+
+def human_size(n: int) -> str:
+    """Return a byte count for people: 512.0 MiB."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024  # type: ignore[assignment]
+    raise AssertionError
 
 
 def human_age(age_s: float) -> str:
@@ -65,3 +76,59 @@ def cluster_line(cluster: Mapping[str, Any]) -> str:
         f"cluster     {backend}{where}: {state}, {cluster.get('members', 0)} nodes, "
         f"{cluster.get('pending_reports', 0)} reports waiting to be delivered"
     )
+
+
+def status_lines(doc: Mapping[str, Any]) -> list[str]:
+    """Return `ckptd status`'s lines: where the daemon runs, each tier, the counters, the newest steps, errors."""
+    st, tiers = doc["staging"], doc["tiers"]
+    budget = f"of a {human_size(st['budget_bytes'])} budget" if st["budget_bytes"] else "(sized on demand)"
+    lines = [
+        f"ckptd {doc['version']} on {doc['node']}, up {doc['uptime_s']:.0f} s, socket {doc['socket']}",
+        f"nvme root   {tiers['nvme']['root']}",
+        f"staging     {tiers['memory']['dir']}: {human_size(st['in_use_bytes'])} in {st['slots']} slots {budget}, "
+        f"{st['pending_flushes']} flushes pending, policy {st['policy']}",
+        *counter_lines(doc["counters"]),
+    ]
+    peer = tiers["peer"]
+    if peer["enabled"]:
+        tls = "TLS" if peer["tls"] else "plaintext"
+        listen = peer["listen"] or "(none)"
+        lines.append(f"peer tier   listen {listen} ({tls}), {peer['replicas']} replica(s) per shard")
+        for address, p in peer["peers"].items():
+            state = "unreachable" if address in peer["unreachable"] else "ok"
+            line = f"  {address}: {state}, {p['pending_replicas']} replicas pending"
+            if p["consecutive_failures"]:
+                line += f", {p['consecutive_failures']} failures in a row, retry in {p['retry_in_s']:.1f} s"
+            lines.append(line)
+    else:
+        lines.append("peer tier   off (no [peer] addresses)")
+    lines.append(cluster_line(doc.get("cluster", {})))
+    obj = tiers["object"]
+    if obj["enabled"]:
+        lines.append(
+            f"object tier {obj['url']} (every {obj['every']} steps, compression {obj['compression']}): "
+            f"{obj['pending_uploads']} uploads pending, {obj['waiting_for_commit']} steps waiting for their commit, "
+            f"{obj['uploaded_shards']} shards ({human_size(obj['uploaded_bytes'])}) uploaded, "
+            f"{obj['commits_written']} commits written"
+        )
+        lines += [f"  failing {shard}: {error}" for shard, error in obj["failing"].items()]
+    else:
+        lines.append("object tier off (no [object] url)")
+    lines += newest_steps_table(doc["newest_complete"])
+    lines += passed_over_lines(doc.get("passed_over", {}), tiers["nvme"].get("flush_every", 0))
+    lines += [f"error       {err['tier']}: {err['error']}" for err in doc["recent_errors"]]
+    return lines
+
+
+def counter_lines(counters: Mapping[str, Any]) -> list[str]:
+    """Return the counters: counts as they are, byte counts in KiB/MiB/GiB, a counter by tier on a line of its own."""
+
+    def shown(name: str, value: Any) -> str:
+        return f"{name} {human_size(value)}" if "bytes" in name and isinstance(value, int) else f"{name} {value}"
+
+    flat = [shown(name, v) for name, v in counters.items() if not isinstance(v, Mapping)]
+    lines = ["counters    " + ", ".join(flat)]
+    for name, by in counters.items():
+        if isinstance(by, Mapping):
+            lines.append(f"  {name}: " + ", ".join(shown(k, v) for k, v in by.items()))
+    return lines

@@ -3,6 +3,7 @@
 In a directory (NVMe, the replica store, a restore target), for one step:
 
     1. begin()                         the step directory exists, and is durable in its parent
+                                       (a copy that fails before its shard is in: remove_if_empty())
     2. per shard, in any order:
        a. its data is written under temporary(data_name) and fsynced (durable_write.RangeWriter)
        b. install_shard()              its record is written under a temporary name and fsynced;
@@ -59,9 +60,27 @@ class StepDirCommit:
         if not self.step_dir.is_dir():
             make_dirs(self.step_dir)
 
+    def remove_if_empty(self) -> bool:
+        """Remove the step directory if nothing is in it (what a failed copy leaves); return whether it went.
+
+        The caller holds the step's lock, under which every copy creates its temporary file
+        (create_temporary): a directory with a shard, a commit record or a copy under way stays.
+        """
+        try:
+            self.step_dir.rmdir()
+        except OSError:  # not empty, or gone already
+            return False
+        return True
+
     def temporary(self, name: str, transfer: str = "") -> Path:
         """Name a temporary file for name in the step directory (start-up removes what a crash leaves)."""
         return self.step_dir / f"{name}.{transfer or uuid.uuid4().hex[:8]}{PARTIAL_SUFFIX}"
+
+    def create_temporary(self, name: str, transfer: str = "") -> Path:
+        """Create an empty temporary file for name (see temporary()): from here on the directory is not empty."""
+        path = self.temporary(name, transfer)
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+        return path
 
     def install_shard(
         self, rank: int, data_temporary: Path, record: bytes, guard: AbstractContextManager[None]

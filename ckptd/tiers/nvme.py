@@ -165,19 +165,48 @@ class LocalDirTier(DurableTier):
         """
         what = shard_on_tier(meta, self.name)
         commit = StepDirCommit(self.step_dir(meta.job, meta.step))
+        # Each copy owns its temporary file, even two copies of one transfer: abandoning
+        # one never removes the file another is writing.
+        unique = f"{transfer}-{uuid.uuid4().hex[:8]}" if transfer else ""
         try:
             with self._step_lock(meta.job, meta.step):
                 self._check_writable(meta, what)
                 commit.begin()
-                # A shard saved again replaces the old one: drop it first, so a failure
-                # later leaves the step without this rank rather than with stale bytes.
-                (commit.step_dir / meta_name(meta.rank)).unlink(missing_ok=True)
-            # Each copy owns its temporary file, even two copies of one transfer: abandoning
-            # one never removes the file another is writing.
-            unique = f"{transfer}-{uuid.uuid4().hex[:8]}" if transfer else ""
-            return LocalShardWrite(self, meta, commit, commit.temporary(data_name(meta.rank), unique), what)
+                try:
+                    # A shard saved again replaces the old one: drop it first, so a failure
+                    # later leaves the step without this rank rather than with stale bytes.
+                    (commit.step_dir / meta_name(meta.rank)).unlink(missing_ok=True)
+                    # Created under the lock: a failed copy's remove_if_empty never takes the directory from this one.
+                    temporary = commit.create_temporary(data_name(meta.rank), unique)
+                except OSError:
+                    commit.remove_if_empty()
+                    raise
+            try:
+                return LocalShardWrite(self, meta, commit, temporary, what)
+            except BaseException:  # a full disk, found by fallocate: the file is gone; so is the directory, if empty
+                self.remove_if_empty(meta.job, meta.step)
+                raise
         except OSError as e:
             raise ShardWriteError(f"{what}: {e.strerror or e}") from e
+
+    def remove_if_empty(self, job: str, step: int, wait: bool = True) -> bool:
+        """Remove a step's directory if nothing is in it, under the step's lock; return whether it went.
+
+        A failed copy calls it once its temporary file is gone, so that no empty step directory
+        is left. wait=False (abandon(), which may run on the event loop) gives up at once when
+        the lock is held: whoever holds it is working in the directory.
+        """
+        lock = self._step_lock(job, step)
+        if not lock.acquire(blocking=wait):
+            return False
+        try:
+            step_dir = self.step_dir(job, step)
+            removed = StepDirCommit(step_dir).remove_if_empty()
+            if removed:
+                self._records.forget(step_dir)  # records of shards it once held, dropped since
+            return removed
+        finally:
+            lock.release()
 
     @contextlib.contextmanager
     def _writable(self, meta: ShardMeta, what: str) -> Iterator[None]:
@@ -335,7 +364,8 @@ class LocalShardWrite(ShardWrite):
     LocalDirTier.open_shard makes it; then, as ShardWrite says: write() from any worker
     threads, several at once, ranges in any order; seal() on a worker thread once every
     chunk is in; or abandon() from any thread (the event loop included: it only closes
-    and unlinks). Where meta carries no checksums, those write() computes or is given
+    and unlinks, and removes the step's directory if that leaves it empty and its lock is
+    free). Where meta carries no checksums, those write() computes or is given
     make the record seal returns.
     """
 
@@ -458,3 +488,4 @@ class LocalShardWrite(ShardWrite):
     def _discard(self) -> None:
         self._writer.close()
         self.temporary.unlink(missing_ok=True)
+        self._tier.remove_if_empty(self.meta.job, self.meta.step, wait=False)

@@ -402,6 +402,56 @@ def test_second_daemon_on_the_same_socket_refuses(daemon):
     assert r.returncode == 1 and "already serving" in r.stderr
 
 
+def _serve(daemon) -> subprocess.CompletedProcess[str]:
+    """Run `ckptd serve` for a daemon that is expected to refuse to start (it would serve on otherwise)."""
+    return subprocess.run(
+        [sys.executable, "-m", "ckptd", "serve", "--config", str(daemon.config_path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_a_second_daemon_on_the_same_root_refuses_naming_the_first(make_daemon):
+    first = make_daemon(name="first").start()
+    with ckpt.Checkpointer(job="held", address=first.address) as c:
+        c.save_async({"x": torch.arange(10)}, step=1).wait(timeout=60)
+    in_flight = first.root / "held" / "2" / f"{data_name(0)}.0123abcd.partial"  # as a flush under way has it
+    in_flight.parent.mkdir()
+    in_flight.write_bytes(b"being written")
+
+    second = make_daemon(name="second", root=first.root)  # its own socket and staging directory
+    r = _serve(second)
+    assert r.returncode == 2, r.stderr
+    assert f"NVMe root {first.root} (node.root) is in use" in r.stderr
+    assert f"pid {first.proc.pid}, socket {first.socket}" in r.stderr
+    assert in_flight.exists() and not second.socket.exists()  # it touched nothing of the first one's
+    assert first.cli("status", "--json").returncode == 0
+
+    assert first.stop() == 0
+    second.start()  # the root is free once its daemon stopped
+    lock = json.loads((first.root / ".ckptd-lock").read_text())
+    assert lock == {"pid": second.proc.pid, "socket": str(second.socket)}
+    second.kill()
+    second.start()  # and once it was killed: the kernel drops the lock with the process
+    with ckpt.Checkpointer(job="held", address=second.address) as c:
+        assert c.latest_step() == 1
+
+
+@pytest.mark.parametrize("where", ["read-only", "under a file"])
+def test_an_nvme_root_that_cannot_be_written_is_a_config_error_naming_it(make_daemon, short_tmp, request, where):
+    if where == "read-only":
+        root = request.getfixturevalue("read_only_dir")
+    else:
+        (short_tmp / "a-file").write_text("not a directory")
+        root = short_tmp / "a-file" / "nvme"
+    node = make_daemon(root=root)
+    r = _serve(node)
+    assert r.returncode == 2, r.stderr
+    assert f"config key node.root: cannot write the NVMe root {root}: " in r.stderr
+    assert "Traceback" not in r.stderr
+
+
 def _hold_staging(daemon, job, size_bytes):
     """Reserve a slot as a rank in the middle of its copy would, and never commit it."""
     from ckpt.transport import DaemonClient
@@ -453,6 +503,7 @@ def test_full_disk_fails_the_save_clearly_and_the_daemon_stays_up(make_daemon, s
             h.wait("nvme", timeout=60)
         c.save_async({"x": torch.ones(1000)}, step=2).wait("nvme", timeout=60)  # still serving
     assert not list(small_disk.rglob("*.partial"))
+    assert sorted(p.name for p in (small_disk / "full").iterdir()) == ["2"]  # no empty directory of step 1
     status = json.loads(daemon.cli("status", "--json", "--address", daemon.address).stdout)
     assert "No space left" in status["recent_errors"][0]["error"]
     daemon.stop()

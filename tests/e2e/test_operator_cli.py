@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 from pathlib import Path
 
 import ckpt
 import pytest
 import torch
+from ckpt.format import data_name
 from conftest import CKPTD
 
 pytestmark = pytest.mark.e2e
@@ -172,3 +174,98 @@ def test_inspect_lists_a_steps_tensors_from_the_cli_as_a_table_and_as_json(daemo
     assert table.returncode == 0 and "model.w" in table.stdout and "64x32" in table.stdout and "8.0 KiB" in table.stdout
     missing = daemon.cli("inspect", "--job", "seen", "--step", "4")
     assert missing.returncode != 0 and "seen step 4 is not complete" in missing.stderr
+
+
+def _run(*args: str, env: dict[str, str] | None = None, stdout: int = subprocess.PIPE) -> subprocess.CompletedProcess:
+    """Run a ckptd command with env over ours, where $CKPTD_ADDRESS is set only if env sets it."""
+    base = {k: v for k, v in os.environ.items() if k != "CKPTD_ADDRESS"}
+    return subprocess.run(
+        [*CKPTD, *args], env={**base, **(env or {})}, stdout=stdout, stderr=subprocess.PIPE, text=True, timeout=120
+    )
+
+
+def test_ckptd_address_names_the_daemon_every_command_talks_to(make_daemon):
+    a, b = make_daemon(name="a").start(), make_daemon(name="b").start()
+    with ckpt.Checkpointer(job="addressed", address=b.address) as c:
+        c.save_async({"w": torch.arange(10)}, step=1).wait(timeout=60)
+    config = ("--config", str(a.config_path))  # a's socket is the configured one
+    env = {"CKPTD_ADDRESS": b.address}
+
+    def status(*args: str, env: dict[str, str]) -> str:
+        out = _run("status", "--json", *config, *args, env=env)
+        assert out.returncode == 0, out.stderr
+        return json.loads(out.stdout)["socket"]
+
+    assert status(env={}) == a.address
+    assert status(env=env) == b.address  # $CKPTD_ADDRESS over the configured socket
+    assert status("--address", a.address, env=env) == a.address  # --address over both
+    listed = _run("ls", "--json", *config, env=env)
+    assert listed.returncode == 0, listed.stderr
+    assert [(s["job"], s["step"]) for s in json.loads(listed.stdout)] == [("addressed", 1)]
+    collected = _run("gc", "--dry-run", "--json", *config, env=env)
+    assert collected.returncode == 0 and json.loads(collected.stdout) == []
+    a.stop()
+    for command in ("status", "ls", "gc"):  # asked about a daemon that is gone: no other one answers instead
+        gone = _run(command, "--config", str(b.config_path), env={"CKPTD_ADDRESS": a.address})
+        assert gone.returncode == 1 and a.address in gone.stderr, (command, gone.stdout, gone.stderr)
+
+
+def _into_a_closed_pipe(*args: str) -> subprocess.CompletedProcess:
+    """Run a command whose stdout is a pipe that nobody reads any more (`| head -1` once head is done)."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        return _run(*args, stdout=write_end)
+    finally:
+        os.close(write_end)
+
+
+def test_output_to_a_closed_pipe_ends_quietly_with_the_commands_own_status(daemon):
+    with ckpt.Checkpointer(job="piped", address=daemon.address) as c:
+        c.save_async({"w": torch.arange(1000)}, step=1).wait("nvme", timeout=60)
+    config = ("--config", str(daemon.config_path))
+
+    for args, status in ((("status",), 0), (("ls", "--job", "piped"), 0), (("verify", "--job", "piped"), 0)):
+        out = _into_a_closed_pipe(*args, *config)
+        assert out.returncode == status, (args, out.stderr)
+        assert "Broken pipe" not in out.stderr and "Traceback" not in out.stderr, (args, out.stderr)
+
+    data = daemon.root / "piped" / "1" / data_name(0)
+    raw = bytearray(data.read_bytes())
+    raw[10] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    out = _into_a_closed_pipe("verify", "--job", "piped", "--tier", "nvme", *config)
+    assert out.returncode == 1 and "0 of 1 shards check" in out.stderr  # 1: a bad byte, not the pipe
+    assert "Broken pipe" not in out.stderr and "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize("where", ["read-only", "under a file"])
+def test_restore_into_a_destination_that_cannot_be_written_says_so(daemon, short_tmp, request, where):
+    with ckpt.Checkpointer(job="dest", address=daemon.address) as c:
+        c.save_async({"w": torch.arange(1000)}, step=1).wait("nvme", timeout=60)
+    if where == "read-only":
+        to = request.getfixturevalue("read_only_dir")
+    else:
+        (short_tmp / "a-file").write_text("not a directory")
+        to = short_tmp / "a-file" / "restore"
+
+    out = daemon.cli("restore", "--job", "dest", "--to", str(to))
+    assert out.returncode == 1
+    error = out.stderr.splitlines()[-1]
+    assert error.startswith(f"ckptd: cannot write the restore destination {to}: "), out.stderr
+    assert "no good copy" not in out.stderr and "trying the next tier" not in out.stderr  # no tier is blamed
+
+
+def test_status_shows_sizes_in_binary_units_and_no_python_dicts(daemon):
+    with ckpt.Checkpointer(job="sized", address=daemon.address) as c:
+        c.save_async({"w": torch.ones(3 << 20)}, step=1).wait("nvme", timeout=60)  # 12 MiB
+
+    out = daemon.cli("status")
+    assert out.returncode == 0, out.stderr
+    staging = next(line for line in out.stdout.splitlines() if line.startswith("staging "))
+    assert re.search(r": \d+\.\d (MiB|GiB) in \d+ slots", staging), staging
+    assert re.search(r"\bbytes_saved 12\.\d MiB\b", out.stdout), out.stdout
+    assert re.search(r"\bbytes_flushed 12\.\d MiB\b", out.stdout), out.stdout
+    assert re.search(r"verification_failures: memory 0, nvme 0, peer 0, object 0$", out.stdout, re.M), out.stdout
+    assert "{" not in out.stdout and "}" not in out.stdout, out.stdout
+    assert not re.search(r"\d{4,} bytes", out.stdout), out.stdout

@@ -1,10 +1,10 @@
-"""The table of newest complete steps that `ckptd status` prints."""
+"""What `ckptd status` prints for people: the table of newest complete steps, sizes, counters."""
 
 from __future__ import annotations
 
 import pytest
 
-from ckptd.operations.status_table import human_age, newest_steps_table
+from ckptd.operations.status_table import counter_lines, human_age, human_size, newest_steps_table
 
 
 @pytest.mark.parametrize(
@@ -44,3 +44,26 @@ def test_one_row_per_job_and_tier_in_aligned_columns():
 
 def test_nothing_seen_yet_says_so():
     assert newest_steps_table({}) == ["no complete step seen by this daemon yet"]
+
+
+@pytest.mark.parametrize(
+    ("size_bytes", "said"),
+    [
+        (0, "0 B"),
+        (1023, "1023 B"),
+        (1024, "1.0 KiB"),
+        (12 << 20, "12.0 MiB"),
+        (1098907648, "1.0 GiB"),
+        (3 << 40, "3.0 TiB"),
+    ],
+)
+def test_sizes_read_in_binary_units(size_bytes, said):
+    assert human_size(size_bytes) == said
+
+
+def test_counters_show_byte_counts_for_people_and_a_line_per_group_not_a_dict():
+    counters = {"saves": 2, "bytes_saved": 1098907648, "verification_failures": {"memory": 0, "nvme": 1}}
+    assert counter_lines(counters) == [
+        "counters    saves 2, bytes_saved 1.0 GiB",
+        "  verification_failures: memory 0, nvme 1",
+    ]

@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 from ckpt.errors import CorruptCheckpoint, NotFound
-from ckpt.format import CHUNK_SIZE_BYTES, COMMIT_NAME, ShardMeta, data_name, round_up
+from ckpt.format import CHUNK_SIZE_BYTES, COMMIT_NAME, ShardMeta, data_name, meta_name, round_up
 from ckpt.shard_io import read_meta, read_shard_into
 
 from ckptd.errors import ShardWriteError
@@ -79,7 +79,20 @@ def test_expected_checksums_are_checked_while_writing(tier):
     other = ShardMeta(**{**meta.__dict__, "step": 2})
     with pytest.raises(ShardWriteError, match="checksum mismatch"):
         tier.write_shard(other, _buffer(b"x" * 100))
-    assert not any(tier.step_dir("j", 2).iterdir())  # the partial file is gone
+    assert not tier.step_dir("j", 2).exists()  # the partial file is gone, and the directory it was alone in
+
+
+def test_a_failed_copy_leaves_no_empty_step_directory_and_never_takes_one_in_use(tier):
+    step_dir = tier.step_dir("j", 1)
+    first, second = tier.open_shard(_meta(size=100)), tier.open_shard(_meta(rank=1, size=100))
+    first.abandon()
+    assert second.temporary.exists()  # the directory stayed: another copy is under way in it
+    second.abandon()
+    assert not step_dir.exists()  # the last copy out leaves nothing behind
+
+    _write(tier, 1, b"abc")
+    tier.open_shard(_meta(size=100)).abandon()
+    assert sorted(p.name for p in step_dir.iterdir()) == [data_name(1), meta_name(1)]  # a shard is in: it stays
 
 
 def test_remove_step_unlists_first_and_leftovers_are_cleaned(tier):

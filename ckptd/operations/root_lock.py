@@ -1,0 +1,78 @@
+"""Keep one daemon per NVMe root: a lock on the root, held for the daemon's whole life.
+
+Two daemons on one root would undo each other: start-up removes the temporary files the
+other's flushes are writing, retention removes steps the other is sealing. daemon.serve
+calls hold() at start-up, before Node prepares the disk (cleanup, retention), and releases
+the lock once it drained. The lock is an flock on LOCK_NAME in the root, which names its
+holder (pid and socket) for the message a second daemon stops with; the kernel drops it
+when the holder's process ends, however it ends, so a daemon killed leaves no stale lock.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+from pathlib import Path
+
+from ckpt.errors import InvalidArgument
+
+LOCK_NAME = ".ckptd-lock"
+HOLDER_MAX_BYTES = 4096
+
+
+class RootInUse(Exception):
+    """Another daemon holds the NVMe root (a config problem: give each daemon a root of its own)."""
+
+
+class RootLock:
+    """The lock on one NVMe root, held from hold() until release()."""
+
+    def __init__(self, path: Path, fd: int) -> None:
+        self.path = path
+        self._fd = fd
+
+    def release(self) -> None:
+        """Let another daemon have the root (idempotent); the lock file stays, naming nobody who holds it."""
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+def hold(root: Path, socket_path: Path) -> RootLock:
+    """Create root if missing and lock it for this process; name this process and its socket in the lock file.
+
+    Blocks on the disk: call it from a worker thread. Raises InvalidArgument naming node.root
+    when the root cannot be written (read-only, not a directory, no permission), RootInUse
+    naming the holder's pid and socket when another daemon holds it.
+    """
+    path = root / LOCK_NAME
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    except OSError as e:
+        raise InvalidArgument(f"config key node.root: cannot write the NVMe root {root}: {e.strerror or e}") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = _holder(fd)
+        os.close(fd)
+        raise RootInUse(
+            f"the NVMe root {root} (node.root) is in use by another ckptd ({holder}): one daemon per root; "
+            "give this one a root of its own"
+        ) from None
+    except BaseException:
+        os.close(fd)
+        raise
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, json.dumps({"pid": os.getpid(), "socket": str(socket_path)}).encode() + b"\n", 0)
+    return RootLock(path, fd)
+
+
+def _holder(fd: int) -> str:
+    """Say who holds the lock, from what it wrote in the lock file (it may not have written it yet)."""
+    try:
+        holder = json.loads(os.pread(fd, HOLDER_MAX_BYTES, 0))
+        return f"pid {int(holder['pid'])}, socket {holder['socket']}"
+    except (OSError, ValueError, KeyError, TypeError):
+        return "pid and socket not written yet"
