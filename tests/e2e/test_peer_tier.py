@@ -60,7 +60,9 @@ def ls(node) -> dict[int, list[str]]:
 
 def test_a_lost_node_is_restored_from_its_peers(make_cluster, short_tmp):
     nodes = [d.start() for d in make_cluster(3)]
-    save_step(nodes, step=5, world_size=3)
+    # Both tiers waited for: a replica may be durable before its own node's NVMe copy is (it is sent
+    # from the slot as soon as hashed), and ls is asked about both below.
+    save_step(nodes, step=5, world_size=3, wait_tiers=("nvme", "peer"))
     # Each node holds its own rank on NVMe and one other node's rank as a replica.
     for i, d in enumerate(nodes):
         assert (d.root / JOB / "5" / data_name(i)).exists()
