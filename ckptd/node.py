@@ -32,7 +32,7 @@ from ckptd.operations.status import StatusReport
 from ckptd.pipeline import Pipeline
 from ckptd.replication.peering import Peering
 from ckptd.replication.receiving import MAX_RANGES_IN_FLIGHT, ReplicaReceiver
-from ckptd.replication.sending import Replication
+from ckptd.replication.sending import MAX_SENDERS, Replication
 from ckptd.rpc.data_listener import MAX_CONNECTIONS
 from ckptd.rpc.peer_link import STREAMS_PER_SHARD
 from ckptd.save.flush import Flusher
@@ -50,7 +50,6 @@ from ckptd.tiers.peer import PeerTier
 log = logging.getLogger(__name__)
 
 RECONCILE_S = 2.0  # how often a node catches up with its peers
-MAX_SENDERS = 16  # shards being sent to peers at once (two per peer: Replication)
 
 
 @dataclass(frozen=True)
@@ -175,7 +174,7 @@ class Node:
         )  # fmt: skip
         self.pipeline = Pipeline(
             self.pool, save_path, self.progress, self.locator, ShardedReads(self.locator, cluster), self.peering,
-            self.receiver, self.retention, self.idle_release, self.report, self.view, instance, x.peer, x.serve,
+            self.receiver, self.retention, self.idle_release, self.report, self.view, instance, x.peer,
         )  # fmt: skip
         self._background: list[asyncio.Task[None]] = []
         self.root_id = ""  # the NVMe root's identity, read at start()

@@ -54,9 +54,8 @@ class Pipeline:
         view: ClusterView | None,
         instance: str,
         peer_threads: ThreadPoolExecutor,
-        serve_threads: ThreadPoolExecutor,
     ) -> None:
-        """peer_threads: inventories; serve_threads: whole shards read for a peer (never in the way of seals)."""
+        """peer_threads: where a peer's Inventory lists this node's holdings."""
         self._pool = pool
         self._save_path = save_path
         self._progress = progress
@@ -69,7 +68,6 @@ class Pipeline:
         self._report = report
         self._view = view
         self._peer_threads = peer_threads
-        self.serve_threads = serve_threads
         self.instance = instance  # this daemon's run, to refuse calls from itself
 
     # -- the save path: Reserve, Commit, WaitShard ---------------------------------------

@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ckpt.errors import CheckpointError, NotFound
-from ckpt.format import CommitRecord, ShardMeta
+from ckpt.format import CommitRecord, ShardMeta, keyed_leaves
 
 from ckptd.tiers.base import Tier
 
@@ -156,16 +156,6 @@ def _keys_from_skeleton(skeleton: bytes) -> dict[int, str]:
     """Return each plain tensor's key by its index in the tensor table, walking dicts, lists and tuples."""
     state = _SkeletonReader(io.BytesIO(skeleton)).load()
     keys: dict[int, str] = {}
-    seen: set[int] = set()
-
-    def walk(obj: Any, path: str) -> None:
-        if isinstance(obj, _Tensor):
-            keys.setdefault(obj.index, path)
-        elif isinstance(obj, dict | list | tuple) and id(obj) not in seen:
-            seen.add(id(obj))
-            items = obj.items() if isinstance(obj, dict) else enumerate(obj)
-            for k, v in items:
-                walk(v, f"{path}.{k}" if path else str(k))
-
-    walk(state, "")
+    for marker, path in keyed_leaves(state, lambda o: isinstance(o, _Tensor)):
+        keys.setdefault(marker.index, path)  # the key the client named it by (sharding.tensor_keys)
     return keys

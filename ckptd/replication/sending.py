@@ -31,7 +31,7 @@ from ckptd.save.staging import ShardKey
 log = logging.getLogger(__name__)
 
 SHARDS_IN_FLIGHT = 2  # per peer
-MAX_SENDERS = 16
+MAX_SENDERS = 16  # shards being sent at once, to every peer (Executors.replicate)
 BACKOFF_MIN_S = 0.5
 BACKOFF_MAX_S = 30.0
 FAILURES_REPORTED = 3  # consecutive failures after which a waiter hears of them
@@ -283,8 +283,6 @@ class Replication:
         raise LocalCopyGone(f"no readable local copy of {shard.key} is left: " + "; ".join(errors))
 
     async def drain(self) -> None:
-        """Wait for the transfers under way, then stop the threads."""
+        """Wait for the transfers under way (their threads are the composition root's to stop)."""
         if self._tasks:
             await asyncio.gather(*list(self._tasks), return_exceptions=True)
-        self._senders.shutdown(wait=True)
-        self._streams.shutdown(wait=True)

@@ -363,10 +363,6 @@ class SavePath:
                     found.append((job, step, world_size))
         return found
 
-    def busy_steps(self) -> set[tuple[str, int]]:
-        """Return the steps with a shard on its way to NVMe: retention keeps off them (BusySteps)."""
-        return self.flusher.busy_steps()
-
     async def drain(self) -> None:
         """Wait for every queued flush, seal and retention pass of a save."""
         while self.tasks:

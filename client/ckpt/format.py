@@ -11,7 +11,7 @@ import json.encoder
 import re
 import reprlib
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -92,6 +92,26 @@ def meta_name(rank: int) -> str:
 def round_up(n: int, multiple: int) -> int:
     """Round n up to a multiple of multiple."""
     return -(-n // multiple) * multiple
+
+
+def keyed_leaves(state: Any, is_leaf: Callable[[Any], bool]) -> Iterator[tuple[Any, str]]:
+    """Yield each leaf reachable through dicts, lists and tuples with its key: its path, joined with dots.
+
+    The keys are those of torch.distributed.checkpoint's flattened state dicts
+    ("model.layers.0.weight"). A container reached twice is walked once; a leaf reached
+    twice is yielded twice (callers keep its first key). No torch: the client names a
+    state's tensors with it (sharding.tensor_keys), `ckptd inspect` a saved skeleton's.
+    """
+    seen: set[int] = set()
+    stack: list[tuple[Any, str]] = [(state, "")]
+    while stack:
+        obj, path = stack.pop()
+        if is_leaf(obj):
+            yield obj, path
+        elif isinstance(obj, dict | list | tuple) and id(obj) not in seen:
+            seen.add(id(obj))
+            items = list(obj.items() if isinstance(obj, dict) else enumerate(obj))
+            stack.extend((v, f"{path}.{k}" if path else str(k)) for k, v in reversed(items))
 
 
 def layout_offset(data_size_bytes: int) -> int:

@@ -19,6 +19,7 @@ import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from ckpt.errors import InvalidArgument
+from ckpt.format import keyed_leaves
 
 
 def dtensor_type() -> type | None:
@@ -68,18 +69,8 @@ def tensor_keys(state: Any) -> dict[int, str]:
     ("model.layers.0.weight"); a tensor reached twice keeps its first path.
     """
     keys: dict[int, str] = {}
-    seen: set[int] = set()
-
-    def walk(obj: Any, path: str) -> None:
-        if isinstance(obj, torch.Tensor | LocalChunks):
-            keys.setdefault(id(obj), path)
-        elif isinstance(obj, dict | list | tuple) and id(obj) not in seen:
-            seen.add(id(obj))
-            items = obj.items() if isinstance(obj, dict) else enumerate(obj)
-            for k, v in items:
-                walk(v, f"{path}.{k}" if path else str(k))
-
-    walk(state, "")
+    for obj, path in keyed_leaves(state, lambda o: isinstance(o, torch.Tensor | LocalChunks)):
+        keys.setdefault(id(obj), path)
     return keys
 
 
