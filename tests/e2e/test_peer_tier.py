@@ -70,7 +70,8 @@ def test_a_lost_node_is_restored_from_its_peers(make_cluster, short_tmp):
         p.parent.parent.parent.name + "/" + p.name for d in nodes for p in (d.root / ".peer").rglob("*.data")
     )
     assert len(replicas) == 3, replicas
-    assert ls(nodes[0])[5] == ["nvme", "peer"]
+    # Every shard is durable; the node asked learns of the others' within a round of the cluster view.
+    eventually(lambda: ls(nodes[0])[5] == ["nvme", "peer"])
     # On a healthy node, verify checks what it holds, and restore gathers the other ranks from the peers.
     out = nodes[0].cli("verify", "--job", JOB)
     assert out.returncode == 0, out.stdout + out.stderr
