@@ -37,3 +37,15 @@ class AlreadyHeld(CheckpointError):
 
 class RootGone(Exception):
     """The NVMe root was removed or replaced under the daemon: its view of the steps is void, it stops."""
+
+
+class MixedLines(CheckpointError):
+    """The ranks' shard records of a step name different lines of the job's history (some ranks loaded an older
+    step before saving, others did not): the step is never complete. Every rank must load the same step first."""
+
+    def __init__(self, job: str, step: int, lines: list[str]) -> None:
+        shown = "; ".join(line or "the first line" for line in lines)
+        super().__init__(
+            f"{job} step {step} is never complete: its ranks' shards continue different lines of the job ({shown}); "
+            "every rank must load the same step (or none) before its next save"
+        )

@@ -14,6 +14,7 @@ from collections.abc import Collection, Sequence
 from ckpt.format import CommitRecord
 
 from ckptd.cluster.placement import Holding, seal_record
+from ckptd.errors import MixedLines
 
 STEPS_KEPT = 64  # steps per job whose reports a coordinator keeps (committed or not): the newest
 
@@ -38,7 +39,10 @@ class _StepReports:
         if not world or len(self.per_rank) < world:
             return None  # a rank is held nowhere: no need to weigh the reports
         live = [h for n, held in self.by_node.items() if alive is None or n in alive for h in held]
-        return seal_record(job, step, live)
+        try:
+            return seal_record(job, step, live)
+        except MixedLines:
+            return None  # never complete: the nodes that wrote its shards told the ranks waiting on them
 
 
 class Collector:

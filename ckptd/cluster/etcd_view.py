@@ -47,7 +47,7 @@ def _step_key(step: int) -> bytes:
 
 
 def _holdings_json(shards: Sequence[Holding]) -> bytes:
-    fields = ("tier", "rank", "world_size", "data_size_bytes", "meta_digest", "run_id")
+    fields = ("tier", "rank", "world_size", "data_size_bytes", "meta_digest", "run_id", "line", "saved_at")
     return json.dumps([{f: getattr(h, f) for f in fields} for h in shards], separators=(",", ":")).encode()
 
 

@@ -13,6 +13,9 @@ from dataclasses import dataclass
 
 import xxhash
 from ckpt.format import CommitRecord
+from ckpt.history import line_from_text
+
+from ckptd.errors import MixedLines
 
 
 @dataclass(frozen=True)
@@ -28,6 +31,8 @@ class Holding:
     data_size_bytes: int
     meta_digest: str  # xxh3-128 of the sealed shard record, as a commit record lists it
     run_id: str
+    line: str = ""  # the shard record's line as canonical JSON text (ckpt.history.line_text); "" the first line
+    saved_at: str = ""  # the shard record's saved_at
 
 
 @dataclass(frozen=True)
@@ -57,7 +62,9 @@ def seal_record(
 
     Only shards of one run count: run_id names it, or (None) every shard must agree.
     Two different records of one rank (saved twice and not yet replaced) also mean
-    not yet. The record is the same whichever node computes it.
+    not yet. The record is the same whichever node computes it: its time is its ranks'
+    latest saved_at. Ranks whose shard records name different lines (some loaded an older
+    step before saving, some not) raise MixedLines: such a step is never complete.
     """
     nvme = [h for h in shards if h.tier in tiers and (h.job, h.step) == (job, step)]
     if run_id is not None:
@@ -72,8 +79,13 @@ def seal_record(
         by_rank[h.rank].add((h.meta_digest, h.data_size_bytes))
     if sorted(by_rank) != list(range(size)) or any(len(v) != 1 for v in by_rank.values()):
         return None
+    lines = {h.line for h in nvme}
+    if len(lines) != 1:
+        raise MixedLines(job, step, sorted(lines))
     ranks = [next(iter(by_rank[r])) for r in range(size)]
-    return CommitRecord(job, step, size, tuple(d for d, _ in ranks), sum(n for _, n in ranks))
+    line = line_from_text(lines.pop(), f"{job} step {step}'s shard records")
+    saved_at = max(h.saved_at for h in nvme)
+    return CommitRecord(job, step, size, tuple(d for d, _ in ranks), sum(n for _, n in ranks), line, saved_at)
 
 
 def holders(record: CommitRecord, shards: Iterable[Holding], rank: int, tier: str = "") -> list[Holding]:

@@ -26,7 +26,7 @@ from ckpt.format import CommitRecord, ShardMeta, data_name, meta_name
 from ckptd.cluster.placement import Holding, StepHoldings, seal_record
 from ckptd.cluster.view import ClusterView
 from ckptd.config import Config
-from ckptd.errors import StepAlreadyComplete
+from ckptd.errors import MixedLines, StepAlreadyComplete
 from ckptd.replication.sending import Replication
 from ckptd.rpc.peer_link import PeerLink
 from ckptd.save.staging import ShardKey
@@ -209,7 +209,11 @@ class Peering:
                     continue
                 record = records.get((job, step)) or (self.view.commit_record(job, step) if self.view else None)
                 sealed_here = record is None
-                record = record or seal_record(job, step, [*mine[(job, step)], *remote_shards[(job, step)]])
+                try:
+                    record = record or seal_record(job, step, [*mine[(job, step)], *remote_shards[(job, step)]])
+                except MixedLines as e:
+                    log.debug("%s", e)  # the flush that wrote its last shard reported it to the rank waiting on it
+                    continue
                 if record is None:
                     if self.view is not None:
                         self.view.report(job, step, mine[(job, step)])

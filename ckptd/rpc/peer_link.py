@@ -138,6 +138,8 @@ def holdings_to_pb(steps: list[StepHoldings]) -> list[pb.StepHoldings]:
                     data_size_bytes=h.data_size_bytes,
                     meta_xxh3_128=h.meta_digest,
                     run_id=h.run_id,
+                    line=h.line,
+                    saved_at=h.saved_at,
                 )
                 for h in s.shards
             ],
@@ -155,7 +157,19 @@ def holdings_from_pb(node: str, steps: Any) -> list[StepHoldings]:
         if record is not None and (record.job, record.step) != (job, step):
             raise CorruptCheckpoint(f"{node} sent the commit record of {record.job} step {record.step} for step {step}")
         shards = tuple(
-            Holding(node, h.tier, job, step, h.rank, h.world_size, h.data_size_bytes, h.meta_xxh3_128, h.run_id)
+            Holding(
+                node,
+                h.tier,
+                job,
+                step,
+                h.rank,
+                h.world_size,
+                h.data_size_bytes,
+                h.meta_xxh3_128,
+                h.run_id,
+                h.line,
+                h.saved_at,
+            )
             for h in s.shards
             if h.tier in ("nvme", "peer") and 0 <= h.rank < h.world_size
         )

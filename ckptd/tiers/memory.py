@@ -68,6 +68,8 @@ class MemoryTier(Tier):
             world_size,
             tuple(digest(m.to_bytes()) for m in metas if m),
             sum(m.data_size_bytes for m in metas if m),
+            metas[0].line if metas[0] else (),
+            max((m.saved_at for m in metas if m), default=""),
         )
 
     def has_shard(self, job: str, step: int, rank: int) -> bool:

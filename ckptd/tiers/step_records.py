@@ -18,6 +18,7 @@ from pathlib import Path
 
 from ckpt.errors import CheckpointError
 from ckpt.format import COMMIT_NAME, CommitRecord, ShardMeta, digest, meta_name
+from ckpt.history import line_text
 
 from ckptd.cluster.placement import Holding
 
@@ -85,7 +86,17 @@ class StepRecords:
     def _holding(self, meta: ShardMeta, raw: bytes) -> Holding:
         tier = "peer" if self.tier == "peer" else "nvme"
         return Holding(
-            "", tier, meta.job, meta.step, meta.rank, meta.world_size, meta.data_size_bytes, digest(raw), meta.run_id
+            "",
+            tier,
+            meta.job,
+            meta.step,
+            meta.rank,
+            meta.world_size,
+            meta.data_size_bytes,
+            digest(raw),
+            meta.run_id,
+            line_text(meta.line),
+            meta.saved_at,
         )
 
     def _read_holding(self, path: Path, job: str, step: int, name: str) -> Holding | None:

@@ -18,6 +18,7 @@ from typing import Any
 import xxhash
 
 from ckpt.errors import CorruptCheckpoint, InvalidArgument
+from ckpt.history import Line, line_from_json, line_to_json
 
 FORMAT_VERSION = 2  # version 2 adds sharded (DTensor) chunks to the layout and the step index
 READABLE_VERSIONS = (1, 2)
@@ -201,6 +202,12 @@ def unseal(data: bytes, what: str) -> dict[str, Any]:
     return record
 
 
+def _history_fields(line: Line, time_name: str, time: str) -> dict[str, Any]:
+    """Return a record's line and time fields, where set: a record without them reads as it did before them."""
+    fields: dict[str, Any] = {"line": line_to_json(line)} if line else {}
+    return fields | ({time_name: time} if time else {})
+
+
 _SEALED: dict[int, bytes] = {}  # id(ShardMeta) -> its sealed bytes, dropped when the record dies
 
 
@@ -217,6 +224,8 @@ class ShardMeta:
     chunk_xxh3_128: tuple[str, ...]
     layout_json: str  # the client's tensor table and skeleton, as JSON text; the daemon never parses it
     run_id: str = ""  # which run of the job wrote it: a step is sealed from one run's shards only
+    line: Line = ()  # the job's line the step belongs to (ckpt.history): every rank's shard names the same
+    saved_at: str = ""  # when the daemon took the rank's snapshot (UTC, ISO 8601): a commit is its ranks' latest
 
     def to_bytes(self) -> bytes:
         """Serialise as a sealed record, written as it is hashed.
@@ -251,7 +260,8 @@ class ShardMeta:
                 "chunk_xxh3_128": list(self.chunk_xxh3_128),
                 "layout_json": self.layout_json,
                 "run_id": self.run_id,
-            },
+            }
+            | _history_fields(self.line, "saved_at", self.saved_at),
             compact=True,
         )
 
@@ -272,6 +282,8 @@ class ShardMeta:
                 chunk_xxh3_128=tuple(r["chunk_xxh3_128"]),
                 layout_json=str(r["layout_json"]),
                 run_id=str(r.get("run_id", "")),
+                line=line_from_json(r.get("line", []), what),
+                saved_at=str(r.get("saved_at", "")),
             )
             validate_rank(meta.rank, meta.world_size)
         except (KeyError, TypeError, ValueError) as e:
@@ -294,6 +306,8 @@ class CommitRecord:
     world_size: int
     shard_meta_xxh3_128: tuple[str, ...]  # by rank
     size_bytes: int
+    line: Line = ()  # its ranks' line (ckpt.history)
+    committed_at: str = ""  # its ranks' latest saved_at (UTC, ISO 8601): the same on every node that seals it
 
     def to_bytes(self, object_keys: str = "") -> bytes:
         """Serialise as a sealed record; with object_keys, as an object store's record of version 3.
@@ -310,7 +324,7 @@ class CommitRecord:
             "world_size": self.world_size,
             "shard_meta_xxh3_128": list(self.shard_meta_xxh3_128),
             "size_bytes": self.size_bytes,
-        }
+        } | _history_fields(self.line, "committed_at", self.committed_at)
         if object_keys:
             record |= {"version": OBJECT_KEYS_VERSION, "object_keys": object_keys}
         return seal(record)
@@ -346,6 +360,8 @@ class CommitRecord:
                 world_size=validate_rank(0, r["world_size"])[1],
                 shard_meta_xxh3_128=tuple(r["shard_meta_xxh3_128"]),
                 size_bytes=r["size_bytes"],
+                line=line_from_json(r.get("line", []), what),
+                committed_at=str(r.get("committed_at", "")),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise CorruptCheckpoint(f"{what}: malformed commit record ({e})") from None

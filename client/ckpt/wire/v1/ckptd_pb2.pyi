@@ -18,17 +18,33 @@ class ShardId(_message.Message):
     def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
-    __slots__ = ("shard", "size_bytes", "prepare")
+    __slots__ = ("shard", "size_bytes", "prepare", "has_line", "line", "after", "retention")
     SHARD_FIELD_NUMBER: _ClassVar[int]
     SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
     PREPARE_FIELD_NUMBER: _ClassVar[int]
+    HAS_LINE_FIELD_NUMBER: _ClassVar[int]
+    LINE_FIELD_NUMBER: _ClassVar[int]
+    AFTER_FIELD_NUMBER: _ClassVar[int]
+    RETENTION_FIELD_NUMBER: _ClassVar[int]
     shard: ShardId
     size_bytes: int
     prepare: bool
-    def __init__(self, shard: _Optional[_Union[ShardId, _Mapping]] = ..., size_bytes: _Optional[int] = ..., prepare: bool = ...) -> None: ...
+    has_line: bool
+    line: str
+    after: int
+    retention: JobRetention
+    def __init__(self, shard: _Optional[_Union[ShardId, _Mapping]] = ..., size_bytes: _Optional[int] = ..., prepare: bool = ..., has_line: bool = ..., line: _Optional[str] = ..., after: _Optional[int] = ..., retention: _Optional[_Union[JobRetention, _Mapping]] = ...) -> None: ...
+
+class JobRetention(_message.Message):
+    __slots__ = ("keep", "keep_every")
+    KEEP_FIELD_NUMBER: _ClassVar[int]
+    KEEP_EVERY_FIELD_NUMBER: _ClassVar[int]
+    keep: int
+    keep_every: int
+    def __init__(self, keep: _Optional[int] = ..., keep_every: _Optional[int] = ...) -> None: ...
 
 class ReserveReply(_message.Message):
-    __slots__ = ("skipped", "slot_path", "slot_size_bytes", "blocked_s", "reason", "reservation", "spare_slot_path", "spare_slot_size_bytes", "layout_in_slot")
+    __slots__ = ("skipped", "slot_path", "slot_size_bytes", "blocked_s", "reason", "reservation", "spare_slot_path", "spare_slot_size_bytes", "layout_in_slot", "line")
     SKIPPED_FIELD_NUMBER: _ClassVar[int]
     SLOT_PATH_FIELD_NUMBER: _ClassVar[int]
     SLOT_SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -38,6 +54,7 @@ class ReserveReply(_message.Message):
     SPARE_SLOT_PATH_FIELD_NUMBER: _ClassVar[int]
     SPARE_SLOT_SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_IN_SLOT_FIELD_NUMBER: _ClassVar[int]
+    LINE_FIELD_NUMBER: _ClassVar[int]
     skipped: bool
     slot_path: str
     slot_size_bytes: int
@@ -47,10 +64,11 @@ class ReserveReply(_message.Message):
     spare_slot_path: str
     spare_slot_size_bytes: int
     layout_in_slot: bool
-    def __init__(self, skipped: bool = ..., slot_path: _Optional[str] = ..., slot_size_bytes: _Optional[int] = ..., blocked_s: _Optional[float] = ..., reason: _Optional[str] = ..., reservation: _Optional[int] = ..., spare_slot_path: _Optional[str] = ..., spare_slot_size_bytes: _Optional[int] = ..., layout_in_slot: bool = ...) -> None: ...
+    line: str
+    def __init__(self, skipped: bool = ..., slot_path: _Optional[str] = ..., slot_size_bytes: _Optional[int] = ..., blocked_s: _Optional[float] = ..., reason: _Optional[str] = ..., reservation: _Optional[int] = ..., spare_slot_path: _Optional[str] = ..., spare_slot_size_bytes: _Optional[int] = ..., layout_in_slot: bool = ..., line: _Optional[str] = ...) -> None: ...
 
 class CommitRequest(_message.Message):
-    __slots__ = ("shard", "slot_path", "data_size_bytes", "layout_json", "reservation", "run_id", "layout_size_bytes")
+    __slots__ = ("shard", "slot_path", "data_size_bytes", "layout_json", "reservation", "run_id", "layout_size_bytes", "line")
     SHARD_FIELD_NUMBER: _ClassVar[int]
     SLOT_PATH_FIELD_NUMBER: _ClassVar[int]
     DATA_SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -58,6 +76,7 @@ class CommitRequest(_message.Message):
     RESERVATION_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LINE_FIELD_NUMBER: _ClassVar[int]
     shard: ShardId
     slot_path: str
     data_size_bytes: int
@@ -65,7 +84,8 @@ class CommitRequest(_message.Message):
     reservation: int
     run_id: str
     layout_size_bytes: int
-    def __init__(self, shard: _Optional[_Union[ShardId, _Mapping]] = ..., slot_path: _Optional[str] = ..., data_size_bytes: _Optional[int] = ..., layout_json: _Optional[bytes] = ..., reservation: _Optional[int] = ..., run_id: _Optional[str] = ..., layout_size_bytes: _Optional[int] = ...) -> None: ...
+    line: str
+    def __init__(self, shard: _Optional[_Union[ShardId, _Mapping]] = ..., slot_path: _Optional[str] = ..., data_size_bytes: _Optional[int] = ..., layout_json: _Optional[bytes] = ..., reservation: _Optional[int] = ..., run_id: _Optional[str] = ..., layout_size_bytes: _Optional[int] = ..., line: _Optional[str] = ...) -> None: ...
 
 class CommitReply(_message.Message):
     __slots__ = ()
@@ -116,16 +136,18 @@ class Source(_message.Message):
     def __init__(self, tier: _Optional[str] = ..., kind: _Optional[str] = ..., path: _Optional[str] = ...) -> None: ...
 
 class LocateReply(_message.Message):
-    __slots__ = ("found", "step", "world_size", "sources")
+    __slots__ = ("found", "step", "world_size", "sources", "next_line")
     FOUND_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     SOURCES_FIELD_NUMBER: _ClassVar[int]
+    NEXT_LINE_FIELD_NUMBER: _ClassVar[int]
     found: bool
     step: int
     world_size: int
     sources: _containers.RepeatedCompositeFieldContainer[Source]
-    def __init__(self, found: bool = ..., step: _Optional[int] = ..., world_size: _Optional[int] = ..., sources: _Optional[_Iterable[_Union[Source, _Mapping]]] = ...) -> None: ...
+    next_line: str
+    def __init__(self, found: bool = ..., step: _Optional[int] = ..., world_size: _Optional[int] = ..., sources: _Optional[_Iterable[_Union[Source, _Mapping]]] = ..., next_line: _Optional[str] = ...) -> None: ...
 
 class LocateStepRequest(_message.Message):
     __slots__ = ("job", "step", "tier")
@@ -144,18 +166,20 @@ class RankSources(_message.Message):
     def __init__(self, sources: _Optional[_Iterable[_Union[Source, _Mapping]]] = ...) -> None: ...
 
 class LocateStepReply(_message.Message):
-    __slots__ = ("step", "world_size", "commit_json", "index_json", "ranks")
+    __slots__ = ("step", "world_size", "commit_json", "index_json", "ranks", "next_line")
     STEP_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     COMMIT_JSON_FIELD_NUMBER: _ClassVar[int]
     INDEX_JSON_FIELD_NUMBER: _ClassVar[int]
     RANKS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_LINE_FIELD_NUMBER: _ClassVar[int]
     step: int
     world_size: int
     commit_json: bytes
     index_json: bytes
     ranks: _containers.RepeatedCompositeFieldContainer[RankSources]
-    def __init__(self, step: _Optional[int] = ..., world_size: _Optional[int] = ..., commit_json: _Optional[bytes] = ..., index_json: _Optional[bytes] = ..., ranks: _Optional[_Iterable[_Union[RankSources, _Mapping]]] = ...) -> None: ...
+    next_line: str
+    def __init__(self, step: _Optional[int] = ..., world_size: _Optional[int] = ..., commit_json: _Optional[bytes] = ..., index_json: _Optional[bytes] = ..., ranks: _Optional[_Iterable[_Union[RankSources, _Mapping]]] = ..., next_line: _Optional[str] = ...) -> None: ...
 
 class ByteRange(_message.Message):
     __slots__ = ("offset", "length")
@@ -194,18 +218,24 @@ class ListRequest(_message.Message):
     def __init__(self, job: _Optional[str] = ..., newest: bool = ...) -> None: ...
 
 class StepInfo(_message.Message):
-    __slots__ = ("job", "step", "world_size", "size_bytes", "tiers")
+    __slots__ = ("job", "step", "world_size", "size_bytes", "tiers", "committed_at", "superseded", "pinned")
     JOB_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
     TIERS_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_AT_FIELD_NUMBER: _ClassVar[int]
+    SUPERSEDED_FIELD_NUMBER: _ClassVar[int]
+    PINNED_FIELD_NUMBER: _ClassVar[int]
     job: str
     step: int
     world_size: int
     size_bytes: int
     tiers: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., world_size: _Optional[int] = ..., size_bytes: _Optional[int] = ..., tiers: _Optional[_Iterable[str]] = ...) -> None: ...
+    committed_at: str
+    superseded: bool
+    pinned: bool
+    def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., world_size: _Optional[int] = ..., size_bytes: _Optional[int] = ..., tiers: _Optional[_Iterable[str]] = ..., committed_at: _Optional[str] = ..., superseded: bool = ..., pinned: bool = ...) -> None: ...
 
 class ListReply(_message.Message):
     __slots__ = ("steps",)
@@ -246,6 +276,34 @@ class Removal(_message.Message):
     step: int
     reason: str
     def __init__(self, tier: _Optional[str] = ..., job: _Optional[str] = ..., step: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class PinRequest(_message.Message):
+    __slots__ = ("job", "step", "pin")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    PIN_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    step: int
+    pin: bool
+    def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., pin: bool = ...) -> None: ...
+
+class PinReply(_message.Message):
+    __slots__ = ("pinned",)
+    PINNED_FIELD_NUMBER: _ClassVar[int]
+    pinned: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, pinned: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class RemoveStepRequest(_message.Message):
+    __slots__ = ("job", "step", "force", "dry_run")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    FORCE_FIELD_NUMBER: _ClassVar[int]
+    DRY_RUN_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    step: int
+    force: bool
+    dry_run: bool
+    def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., force: bool = ..., dry_run: bool = ...) -> None: ...
 
 class CollectReply(_message.Message):
     __slots__ = ("removals",)

@@ -79,6 +79,16 @@ class CkptdStub(object):
                 request_serializer=ckpt_dot_wire_dot_v1_dot_ckptd__pb2.CollectRequest.SerializeToString,
                 response_deserializer=ckpt_dot_wire_dot_v1_dot_ckptd__pb2.CollectReply.FromString,
                 _registered_method=True)
+        self.Pin = channel.unary_unary(
+                '/ckpt.wire.v1.Ckptd/Pin',
+                request_serializer=ckpt_dot_wire_dot_v1_dot_ckptd__pb2.PinRequest.SerializeToString,
+                response_deserializer=ckpt_dot_wire_dot_v1_dot_ckptd__pb2.PinReply.FromString,
+                _registered_method=True)
+        self.RemoveStep = channel.unary_unary(
+                '/ckpt.wire.v1.Ckptd/RemoveStep',
+                request_serializer=ckpt_dot_wire_dot_v1_dot_ckptd__pb2.RemoveStepRequest.SerializeToString,
+                response_deserializer=ckpt_dot_wire_dot_v1_dot_ckptd__pb2.CollectReply.FromString,
+                _registered_method=True)
 
 
 class CkptdServicer(object):
@@ -151,6 +161,20 @@ class CkptdServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Pin(self, request, context):
+        """Keep a complete step from retention (pin), or give it back to retention (unpin).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RemoveStep(self, request, context):
+        """Remove one step from every tier of this node (`ckptd rm`).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CkptdServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -197,6 +221,16 @@ def add_CkptdServicer_to_server(servicer, server):
             'Collect': grpc.unary_unary_rpc_method_handler(
                     servicer.Collect,
                     request_deserializer=ckpt_dot_wire_dot_v1_dot_ckptd__pb2.CollectRequest.FromString,
+                    response_serializer=ckpt_dot_wire_dot_v1_dot_ckptd__pb2.CollectReply.SerializeToString,
+            ),
+            'Pin': grpc.unary_unary_rpc_method_handler(
+                    servicer.Pin,
+                    request_deserializer=ckpt_dot_wire_dot_v1_dot_ckptd__pb2.PinRequest.FromString,
+                    response_serializer=ckpt_dot_wire_dot_v1_dot_ckptd__pb2.PinReply.SerializeToString,
+            ),
+            'RemoveStep': grpc.unary_unary_rpc_method_handler(
+                    servicer.RemoveStep,
+                    request_deserializer=ckpt_dot_wire_dot_v1_dot_ckptd__pb2.RemoveStepRequest.FromString,
                     response_serializer=ckpt_dot_wire_dot_v1_dot_ckptd__pb2.CollectReply.SerializeToString,
             ),
     }
@@ -442,6 +476,60 @@ class Ckptd(object):
             target,
             '/ckpt.wire.v1.Ckptd/Collect',
             ckpt_dot_wire_dot_v1_dot_ckptd__pb2.CollectRequest.SerializeToString,
+            ckpt_dot_wire_dot_v1_dot_ckptd__pb2.CollectReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Pin(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ckpt.wire.v1.Ckptd/Pin',
+            ckpt_dot_wire_dot_v1_dot_ckptd__pb2.PinRequest.SerializeToString,
+            ckpt_dot_wire_dot_v1_dot_ckptd__pb2.PinReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RemoveStep(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ckpt.wire.v1.Ckptd/RemoveStep',
+            ckpt_dot_wire_dot_v1_dot_ckptd__pb2.RemoveStepRequest.SerializeToString,
             ckpt_dot_wire_dot_v1_dot_ckptd__pb2.CollectReply.FromString,
             options,
             channel_credentials,

@@ -74,20 +74,24 @@ class InventoryRequest(_message.Message):
     def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ...) -> None: ...
 
 class Holding(_message.Message):
-    __slots__ = ("tier", "rank", "world_size", "data_size_bytes", "meta_xxh3_128", "run_id")
+    __slots__ = ("tier", "rank", "world_size", "data_size_bytes", "meta_xxh3_128", "run_id", "line", "saved_at")
     TIER_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     DATA_SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
     META_XXH3_128_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    LINE_FIELD_NUMBER: _ClassVar[int]
+    SAVED_AT_FIELD_NUMBER: _ClassVar[int]
     tier: str
     rank: int
     world_size: int
     data_size_bytes: int
     meta_xxh3_128: str
     run_id: str
-    def __init__(self, tier: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., data_size_bytes: _Optional[int] = ..., meta_xxh3_128: _Optional[str] = ..., run_id: _Optional[str] = ...) -> None: ...
+    line: str
+    saved_at: str
+    def __init__(self, tier: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., data_size_bytes: _Optional[int] = ..., meta_xxh3_128: _Optional[str] = ..., run_id: _Optional[str] = ..., line: _Optional[str] = ..., saved_at: _Optional[str] = ...) -> None: ...
 
 class StepHoldings(_message.Message):
     __slots__ = ("job", "step", "commit_json", "shards")
