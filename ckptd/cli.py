@@ -18,6 +18,7 @@ import logging
 import os
 import shutil
 import sys
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TextIO, cast
@@ -30,7 +31,7 @@ from ckpt.wire.v1 import ckptd_pb2 as pb
 from ckptd import __version__
 from ckptd.config import Config, ConfigError, load_config
 from ckptd.offline import export
-from ckptd.operations.status_table import human_size, status_lines
+from ckptd.operations.status_table import human_age, human_size, status_lines
 
 EXAMPLES = """\
 examples:
@@ -329,7 +330,15 @@ def cmd_ls(args: argparse.Namespace, config: Config) -> int:
         print(f"ckptd: {e}\nckptd: listing what this node's own tiers hold instead", file=sys.stderr)
         found = list_steps(readable_tiers(config), job)
     steps = [
-        {"job": s.job, "step": s.step, "world_size": s.world_size, "size_bytes": s.size_bytes, "tiers": list(s.tiers)}
+        {
+            "job": s.job,
+            "step": s.step,
+            "world_size": s.world_size,
+            "size_bytes": s.size_bytes,
+            "tiers": list(s.tiers),
+            "committed_at": s.committed_at or None,
+            "superseded": s.superseded,
+        }
         for s in found
     ]
     if args.json:
@@ -339,12 +348,24 @@ def cmd_ls(args: argparse.Namespace, config: Config) -> int:
         print("no complete steps")
         return 0
     width = max(len("JOB"), *(len(s["job"]) for s in steps))
-    print(f"{'JOB':<{width}}  {'STEP':>10}  {'RANKS':>5}  {'SIZE':>10}  TIERS")
+    print(f"{'JOB':<{width}}  {'STEP':>10}  {'RANKS':>5}  {'SIZE':>10}  {'COMMITTED (UTC)':<19}  {'AGE':>7}  TIERS")
+    now = time.time()
     for s in steps:
         size = human_size(s["size_bytes"])
         tiers = ",".join(s["tiers"]) or MIXED
-        print(f"{s['job']:<{width}}  {s['step']:>10}  {s['world_size']:>5}  {size:>10}  {tiers}")
+        when, age = _committed(s["committed_at"], now)
+        superseded = "  superseded" if s["superseded"] else ""
+        print(f"{s['job']:<{width}}  {s['step']:>10}  {s['world_size']:>5}  {size:>10}  {when:<19}  {age:>7}  "
+              f"{tiers}{superseded}")  # fmt: skip
     return 0
+
+
+def _committed(committed_at: str | None, now: float) -> tuple[str, str]:
+    """Return ls's commit time (to the second) and age of a step; "-" for a step saved before records had it."""
+    if not committed_at:
+        return "-", "-"
+    moment = datetime.datetime.fromisoformat(committed_at)
+    return moment.strftime("%Y-%m-%d %H:%M:%S"), human_age(now - moment.timestamp())
 
 
 def cmd_restore(args: argparse.Namespace, config: Config) -> int:

@@ -18,12 +18,13 @@ from typing import Any
 
 from ckpt.errors import InvalidArgument
 from ckpt.format import CommitRecord, ShardMeta
+from ckpt.history import Line
 from ckpt.shard_io import ShardSource
 
 from ckptd.byte_range import ByteRange
 from ckptd.cluster.placement import StepHoldings
 from ckptd.cluster.view import ClusterView
-from ckptd.load.locate import Locator
+from ckptd.load.locate import Located, Locator
 from ckptd.load.sharded_reads import ShardedReads
 from ckptd.operations.idle_release import IdleRelease
 from ckptd.operations.retention import RETAINED_TIERS, Removal, RetentionRunner
@@ -72,9 +73,13 @@ class Pipeline:
 
     # -- the save path: Reserve, Commit, WaitShard ---------------------------------------
 
-    async def reserve(self, key: ShardKey, size_bytes: int) -> tuple[Slot | None, float, str]:
-        """Find staging room for a shard."""
-        return await self._save_path.reserve(key, size_bytes)
+    async def line_for(self, key: ShardKey, asked: Line | None, after: int) -> Line:
+        """Place a save on the job's line, or refuse it (see SavePath.line_for)."""
+        return await self._save_path.line_for(key, asked, after)
+
+    async def reserve(self, key: ShardKey, size_bytes: int, line: Line = ()) -> tuple[Slot | None, float, str]:
+        """Find staging room for a shard of a step on line."""
+        return await self._save_path.reserve(key, size_bytes, line)
 
     async def prepare(self, key: ShardKey, size_bytes: int) -> list[Slot]:
         """Allocate a rank's slots ahead of its first save; return its free slots (see SlotPool.prepare)."""
@@ -94,16 +99,15 @@ class Pipeline:
 
     # -- loads and listings ------------------------------------------------------------------
 
-    async def locate(
-        self, job: str, step: int | None, rank: int, tier: str = "auto", refetch: bool = False
-    ) -> tuple[int, int, list[ShardSource]]:
-        """Return (step, world_size, sources fastest first) for a rank's shard of a complete step."""
+    async def locate(self, job: str, step: int | None, rank: int, tier: str = "auto", refetch: bool = False) -> Located:
+        """Return where a rank's shard of a complete step lies, fastest first (step None: the job's head)."""
         return await self._locator.locate(job, step, rank, tier, refetch)
 
     async def locate_step(
         self, job: str, step: int | None, tier: str = "auto"
-    ) -> tuple[CommitRecord, bytes, list[list[ShardSource]]]:
-        """Return (commit record, sealed index, this node's sources by rank) of a complete step: sharded loads."""
+    ) -> tuple[CommitRecord, bytes, list[list[ShardSource]], Line]:
+        """Return (commit record, sealed index, this node's sources by rank, the line a save after the load
+        continues) of a complete step: sharded loads."""
         return await self._sharded_reads.locate_step(job, step, tier)
 
     def read_shard(self, job: str, step: int, rank: int, ranges: list[ByteRange]) -> AsyncIterator[bytes]:

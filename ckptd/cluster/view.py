@@ -33,6 +33,7 @@ from typing import Any
 
 import xxhash
 from ckpt.format import CommitRecord
+from ckpt.history import History
 
 from ckptd.cluster.peer_membership import Membership
 from ckptd.cluster.placement import Holding
@@ -99,8 +100,12 @@ class ClusterView(ABC):
         return self.commits.get(job, step)
 
     def newest_complete(self, job: str) -> int | None:
-        """Return the newest step of a job known committed in the cluster."""
+        """Return the head of a job known committed in the cluster: the newest step of its newest line."""
         return self.commits.newest(job)
+
+    def committed(self, job: str) -> list[CommitRecord]:
+        """Return the commit records of the job's steps known committed in the cluster (those kept)."""
+        return self.commits.records(job)
 
     @abstractmethod
     async def start(self) -> None:
@@ -162,8 +167,9 @@ class CommitBook:
         return steps.get(step) if steps is not None else None
 
     def newest(self, job: str) -> int | None:
+        """Return the job's head (ckpt.history): its newest line's newest step."""
         steps = self._jobs.get(job)
-        return next(reversed(steps)) if steps else None
+        return History.of({s: r.line for s, r in steps.items()}).head if steps else None
 
     def jobs(self) -> list[str]:
         return sorted(self._jobs)

@@ -59,9 +59,12 @@ class ClusterSteps:
     async def _run(self, fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._threads, fn, *args)
 
-    async def complete_steps(self, job: str, newest: bool = False) -> list[int]:
-        """Return the steps of a job that this node's shards and its peers' make whole (newest: the newest)."""
-        return [record.step for record, _ in await self._loadable(job, newest)]
+    async def complete_records(self, job: str, newest: bool = False) -> list[CommitRecord]:
+        """Return the commit records of the steps of a job that this node's shards and its peers' make whole.
+
+        newest: only the job's head (the newest step of its newest line).
+        """
+        return [record for record, _ in await self._loadable(job, newest)]
 
     async def _loadable(self, job: str, newest: bool = False) -> list[tuple[CommitRecord, list[str]]]:
         """Return the steps of a job (or of every job) complete in the cluster, by every peer's inventory and ours.
@@ -129,7 +132,7 @@ class ClusterSteps:
         for r, tiers in await self._loadable(job, newest):
             if not job or r.job == job:
                 memory = ["memory"] if (r.job, r.step) in in_memory else []
-                found.append(StepInfo(r.job, r.step, r.world_size, r.size_bytes, (*memory, *tiers)))
+                found.append(StepInfo.of(r, (*memory, *tiers)))
         return found
 
     def busy_steps(self) -> set[tuple[str, int]]:

@@ -22,11 +22,13 @@ import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ckpt.errors import CheckpointError, CorruptCheckpoint, NotFound
 from ckpt.format import CommitRecord, ShardMeta, digest, validate_tier
+from ckpt.history import History, Line
 from ckpt.shard_io import ShardSource
 
 from ckptd.config import Config
@@ -34,7 +36,7 @@ from ckptd.keyed import KeyCounts, KeyedLocks
 from ckptd.load.cluster_steps import ClusterSteps
 from ckptd.load.fetch import fetch_shard
 from ckptd.tiers.base import Tier
-from ckptd.tiers.catalog import StepInfo, list_steps, merge_steps
+from ckptd.tiers.catalog import StepInfo, head_of, list_steps, merge_steps, with_superseded
 from ckptd.tiers.nvme import LocalDirTier
 from ckptd.tiers.object.tier import ObjectTier
 
@@ -78,25 +80,49 @@ class Locator:
         """Run fn(*args) on a locate thread (this node's tiers)."""
         return await asyncio.get_running_loop().run_in_executor(self.threads, fn, *args)
 
-    async def locate(
-        self, job: str, step: int | None, rank: int, tier: str = "auto", refetch: bool = False
-    ) -> tuple[int, int, list[ShardSource]]:
-        """Return (step, world_size, sources fastest first) for a rank's shard of a complete step."""
+    async def known_steps(self, job: str, step: int | None, tier: str = "auto", refetch: bool = False) -> KnownSteps:
+        """Return the job's complete steps a load of step (None: the head) finds on tier: this node's, then beyond.
+
+        The peers are asked when this node lacks the step (for the head, the cluster view
+        alone answers), the object store when neither has it (for the head, it is listed).
+        """
         tiers = self.tiers_for(tier)
         from_peers = tier in ("", "auto", "peer") and self.cluster.peer_tier is not None
         from_object = tier in ("", "auto", "object") and self.object_tier is not None
-        steps: set[int] = await self.on_locate_threads(lambda: {s for t in tiers for s in t.complete_steps(job)})
-        peer_steps: set[int] = set()
-        if from_peers and (step is None or step not in steps):
-            peer_steps = set(await self.cluster.complete_steps(job, newest=step is None))
-        object_steps: set[int] = set()
-        store_silent = False  # then "not found" cannot be told: a caller must not start afresh on it
-        if from_object and (refetch or step is None or step not in steps | peer_steps):
-            answer = await (self.object_steps(job) if step is None else self.object_step(job, step))
-            store_silent, object_steps = answer is None, set(answer or [])
-        steps |= peer_steps | object_steps
-        if step is None and steps:
-            step = max(steps)
+        records: dict[int, CommitRecord] = await self.on_locate_threads(_complete_records, tiers, job)
+        lines = {s: r.line for s, r in records.items()}
+        if from_peers and (step is None or step not in lines):
+            for r in await self.cluster.complete_records(job, newest=step is None):
+                lines.setdefault(r.step, r.line)
+        known = KnownSteps(lines, set(), False)
+        if from_object and (refetch or step is None or step not in lines):
+            if step is None:
+                listed = await self.ask_object_store(_complete_in_store, self.object_tier, job)
+                for r in listed or []:
+                    lines.setdefault(r.step, r.line)
+                known = KnownSteps(lines, {r.step for r in listed or []}, listed is None)
+            else:
+                answer = await self.object_step(job, step)
+                known = KnownSteps(lines, set(answer or []), answer is None)
+        return known
+
+    def next_line(self, job: str, record: CommitRecord, known: KnownSteps) -> Line:
+        """Return the line a rank's saves continue after it loads record's step: the head's, or a rollback's new one."""
+        lines = dict(known.lines)
+        for r in self.cluster.view.committed(job) if self.cluster.view is not None else []:
+            lines.setdefault(r.step, r.line)
+        lines[record.step] = record.line
+        return History.of(lines).line_after_load(record.step, record.line)
+
+    async def locate(self, job: str, step: int | None, rank: int, tier: str = "auto", refetch: bool = False) -> Located:
+        """Return where a rank's shard of a complete step (None: the job's head) lies, fastest first."""
+        tiers = self.tiers_for(tier)
+        from_peers = tier in ("", "auto", "peer") and self.cluster.peer_tier is not None
+        from_object = tier in ("", "auto", "object") and self.object_tier is not None
+        known = await self.known_steps(job, step, tier, refetch)
+        steps, object_steps, store_silent = known.steps, known.object_steps, known.store_silent
+        if step is None and known.lines:
+            step = History.of(known.lines).head
         if step is None or step not in steps:
             what = f"job {job} has no complete step" if step is None else f"{job} step {step} is not complete"
             if store_silent:
@@ -143,7 +169,7 @@ class Locator:
             world_size = record.world_size if record else 0
             raise NotFound(f"{job} step {step} has no rank {rank} on tier {tier or 'auto'} (world_size {world_size})")
         self.lease_for_reading(job, step)  # again: the lease runs from the answer
-        return step, record.world_size, sources
+        return Located(step, record.world_size, sources, self.next_line(job, record, known))
 
     async def not_complete(self, job: str, step: int | None, tier: str, steps: set[int], from_object: bool) -> NotFound:
         """Return the NotFound for a step that is not complete on tier, naming the job's newest complete steps there.
@@ -305,7 +331,10 @@ class Locator:
             steps = merge_steps(steps, [i for i in local if set(i.tiers) - {"memory"}])
         if self.object_tier is not None:
             steps = merge_steps(steps, await self.ask_object_store(_listed_or_nothing, self.object_tier, job) or [])
-        return [max(steps, key=lambda s: s.step)] if newest and steps else steps
+        if newest:
+            head = head_of(steps)
+            return [head] if head is not None else []
+        return with_superseded(steps)
 
     async def shard_for_peer(self, job: str, step: int, rank: int, tier: str) -> tuple[ShardMeta, bytes, Path]:
         """Return (record, its bytes, data file) of a shard of a complete step that a peer asks for."""
@@ -321,6 +350,45 @@ class Locator:
 
         result: tuple[ShardMeta, bytes, Path] = await self.on_locate_threads(find)
         return result
+
+
+@dataclass(frozen=True)
+class KnownSteps:
+    """The complete steps of a job that a load found: their lines, and what the object store said."""
+
+    lines: dict[int, Line]  # each step whose commit record was read, with its line
+    object_steps: set[int]  # the steps the store holds (listed, or the one asked for)
+    store_silent: bool  # the store was asked and did not answer in time: "not found" cannot be told
+
+    @property
+    def steps(self) -> set[int]:
+        return set(self.lines) | self.object_steps
+
+
+@dataclass(frozen=True)
+class Located:
+    """Where a rank's shard of a complete step lies, fastest first; and the line a save after the load continues."""
+
+    step: int
+    world_size: int
+    sources: list[ShardSource]
+    next_line: Line
+
+
+def _complete_records(tiers: list[Tier], job: str) -> dict[int, CommitRecord]:
+    records: dict[int, CommitRecord] = {}
+    for t in tiers:
+        for step, record in t.complete_records(job).items():
+            records.setdefault(step, record)
+    return records
+
+
+def _complete_in_store(tier: ObjectTier, job: str) -> list[CommitRecord] | None:
+    try:
+        return list(tier.complete_records(job).values())
+    except CheckpointError as e:
+        log.warning("%s", e)
+        return None
 
 
 def _listed_or_nothing(tier: Tier, job: str) -> list[StepInfo]:

@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator
 
 from ckpt.errors import CheckpointError, CorruptCheckpoint, InvalidArgument, NotFound
 from ckpt.format import CommitRecord, ShardMeta, digest
+from ckpt.history import History, Line
 from ckpt.shard_io import ShardSource
 from ckpt.step_index import index_bytes
 
@@ -46,29 +47,24 @@ class ShardedReads:
 
     async def locate_step(
         self, job: str, step: int | None, tier: str = "auto"
-    ) -> tuple[CommitRecord, bytes, list[list[ShardSource]]]:
-        """Return (commit record, sealed index, this node's sources of each rank's shard) of a complete step."""
+    ) -> tuple[CommitRecord, bytes, list[list[ShardSource]], Line]:
+        """Return (commit record, sealed index, this node's sources of each rank's shard, the line a save after the
+        load continues) of a complete step (None: the job's head)."""
         locator = self.locator
         tiers = locator.tiers_for(tier)
-        steps: set[int] = await locator.on_locate_threads(lambda: {s for t in tiers for s in t.complete_steps(job)})
-        if step is None or step not in steps:
-            if tier in ("", "auto", "peer"):
-                steps |= set(await self.cluster.complete_steps(job, newest=step is None))
-            if tier in ("", "auto", "object"):
-                found = locator.object_steps(job) if step is None else locator.object_step(job, step)
-                steps |= set(await found or [])
-        if step is None and steps:
-            step = max(steps)
-        if step is None or step not in steps:
+        known = await locator.known_steps(job, step, tier)
+        if step is None and known.lines:
+            step = History.of(known.lines).head
+        if step is None or step not in known.steps:
             from_object = tier in ("", "auto", "object") and locator.object_tier is not None
-            raise await locator.not_complete(job, step, tier, steps, from_object)
+            raise await locator.not_complete(job, step, tier, known.steps, from_object)
         record = await self._record(job, step)
         sources = await locator.on_locate_threads(
             lambda: [locator.local_sources(tiers, job, step, r, record) for r in range(record.world_size)]
         )
         index = await self._index(record)
         locator.lease_for_reading(job, step)
-        return record, index, sources
+        return record, index, sources, locator.next_line(job, record, known)
 
     async def _record(self, job: str, step: int) -> CommitRecord:
         """Return a complete step's commit record: this node's, the view's, else the first peer's or the store's."""

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from ckpt.errors import CheckpointError, CorruptCheckpoint, NotFound
 from ckpt.format import ShardMeta, validate_tier
+from ckpt.history import History
 
 from ckptd.config import Config
 from ckptd.errors import ShardWriteError
@@ -59,11 +60,12 @@ def readable_tiers(config: Config, source: str = "auto") -> list[Tier]:
 
 
 def latest_step(tiers: list[Tier], job: str) -> int:
-    """Return the newest step of job complete on any of the tiers."""
-    steps = [s for t in tiers for s in t.complete_steps(job)]
-    if not steps:
+    """Return the job's head on the tiers: the newest step of its newest line (ckpt.history)."""
+    lines = {s: r.line for t in tiers for s, r in t.complete_records(job).items()}
+    head = History.of(lines).head
+    if head is None:
         raise NotFound(f"job {job} has no complete step on tier(s) {', '.join(t.name for t in tiers)}")
-    return max(steps)
+    return head
 
 
 def restore(tiers: list[Tier], job: str, step: int, target: Path, progress: Progress) -> Path:

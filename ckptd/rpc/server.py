@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 import grpc
 from ckpt.errors import CheckpointError, CorruptCheckpoint, InvalidArgument, NotFound, ReservationLost
-from ckpt.format import validate_job, validate_rank, validate_step
+from ckpt.format import utc_timestamp, validate_job, validate_rank, validate_step
+from ckpt.history import Line, line_from_text, line_text
 from ckpt.wire.v1 import ckptd_pb2 as pb
 from ckpt.wire.v1 import ckptd_pb2_grpc
 from google.protobuf.message import DecodeError
@@ -27,6 +29,7 @@ MAX_LAYOUT_BYTES = 128 << 20
 MAX_WAIT_S = 24 * 3600.0
 # A status travels in a header, which gRPC refuses over 16 KiB (the caller would see RESOURCE_EXHAUSTED, not why).
 MAX_DETAILS_BYTES = 2048
+MAX_LINE_CHARS = 64 << 10  # a line is a few numbers per rollback
 
 
 def _shard_key(shard: pb.ShardId) -> ShardKey:
@@ -59,6 +62,16 @@ async def answer(context: grpc.aio.ServicerContext, work: Callable[[], Awaitable
     raise AssertionError("unreachable")
 
 
+def _line(text: str, key: ShardKey) -> Line:
+    """Parse the line a client names (ckpt.history.line_text), raising InvalidArgument if it is not one."""
+    if len(text) > MAX_LINE_CHARS:
+        raise InvalidArgument(f"{key}: a line of {len(text)} characters is too long")
+    try:
+        return line_from_text(text, f"{key}: the line")
+    except CorruptCheckpoint as e:
+        raise InvalidArgument(str(e)) from None
+
+
 def _details(error: object) -> str:
     """Return an error's message cut to what fits a status (it may quote megabytes a caller sent)."""
     text = str(error)
@@ -87,10 +100,12 @@ class CkptdServicer(ckptd_pb2_grpc.CkptdServicer):
                     spare_slot_size_bytes=free[1].size_bytes if len(free) > 1 else 0,
                     layout_in_slot=True,
                 )
-            slot, blocked_s, reason = await self.pipeline.reserve(key, request.size_bytes)
+            asked = _line(request.line, key) if request.has_line else None
+            line = await self.pipeline.line_for(key, asked, request.after)
+            slot, blocked_s, reason = await self.pipeline.reserve(key, request.size_bytes, line)
             if slot is None:
                 self.guard.note(context, "skipped", f"skipped {key}: {reason}")
-                return pb.ReserveReply(skipped=True, reason=reason)
+                return pb.ReserveReply(skipped=True, reason=reason, line=line_text(line))
             spare = self.pipeline.spare(key.job, key.rank)
             return pb.ReserveReply(
                 slot_path=str(slot.path),
@@ -101,6 +116,7 @@ class CkptdServicer(ckptd_pb2_grpc.CkptdServicer):
                 spare_slot_path=str(spare.path) if spare else "",
                 spare_slot_size_bytes=spare.size_bytes if spare else 0,
                 layout_in_slot=True,
+                line=line_text(line),
             )
 
         return await answer(context, work)
@@ -122,6 +138,8 @@ class CkptdServicer(ckptd_pb2_grpc.CkptdServicer):
                 layout_json,
                 request.run_id,
                 in_slot,
+                _line(request.line, key),
+                utc_timestamp(time.time()),
             )
             await self.pipeline.commit(snapshot)
             return pb.CommitReply()
@@ -145,14 +163,13 @@ class CkptdServicer(ckptd_pb2_grpc.CkptdServicer):
             step = None if request.step == -1 else validate_step(request.step)
             if request.rank < 0:
                 raise InvalidArgument(f"invalid rank {request.rank}")
-            step, world_size, sources = await self.pipeline.locate(
-                job, step, request.rank, request.tier, refetch=request.refetch
-            )
+            located = await self.pipeline.locate(job, step, request.rank, request.tier, refetch=request.refetch)
             return pb.LocateReply(
                 found=True,
-                step=step,
-                world_size=world_size,
-                sources=[pb.Source(tier=s.tier, kind=s.kind, path=s.path) for s in sources],
+                step=located.step,
+                world_size=located.world_size,
+                sources=[pb.Source(tier=s.tier, kind=s.kind, path=s.path) for s in located.sources],
+                next_line=line_text(located.next_line),
             )
 
         return await answer(context, work)
@@ -161,7 +178,7 @@ class CkptdServicer(ckptd_pb2_grpc.CkptdServicer):
         async def work() -> pb.LocateStepReply:
             job = validate_job(request.job)
             step = None if request.step == -1 else validate_step(request.step)
-            record, index, sources = await self.pipeline.locate_step(job, step, request.tier)
+            record, index, sources, next_line = await self.pipeline.locate_step(job, step, request.tier)
             return pb.LocateStepReply(
                 step=record.step,
                 world_size=record.world_size,
@@ -171,6 +188,7 @@ class CkptdServicer(ckptd_pb2_grpc.CkptdServicer):
                     pb.RankSources(sources=[pb.Source(tier=s.tier, kind=s.kind, path=s.path) for s in by_rank])
                     for by_rank in sources
                 ],
+                next_line=line_text(next_line),
             )
 
         return await answer(context, work)
@@ -197,7 +215,15 @@ class CkptdServicer(ckptd_pb2_grpc.CkptdServicer):
             steps = await self.pipeline.list_steps(job, request.newest)
             return pb.ListReply(
                 steps=[
-                    pb.StepInfo(job=s.job, step=s.step, world_size=s.world_size, size_bytes=s.size_bytes, tiers=s.tiers)
+                    pb.StepInfo(
+                        job=s.job,
+                        step=s.step,
+                        world_size=s.world_size,
+                        size_bytes=s.size_bytes,
+                        tiers=s.tiers,
+                        committed_at=s.committed_at,
+                        superseded=s.superseded,
+                    )
                     for s in steps
                 ]
             )

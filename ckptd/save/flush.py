@@ -143,6 +143,8 @@ class Flusher:
             (),
             slot.layout_json,
             slot.run_id,
+            slot.line,
+            slot.saved_at,
         )
         with open(slot.path, "rb") as f:
             m = mmap.mmap(f.fileno(), slot.size_bytes, prot=mmap.PROT_READ)

@@ -171,6 +171,17 @@ class ShardProgress:
         _bound(self._failures)
         self.errors.append({"time_unix_s": time.time(), "tier": tier, "shard": str(key), "error": message})
 
+    def step_failed(self, job: str, step: int, world_size: int, tier: str, message: str) -> None:
+        """Record that a step can never be complete: every rank saved here hears why, not that it is on the tier."""
+        log.error("%s", message)
+        for rank in self._committed_ranks.get((job, step, world_size), set()):
+            key = ShardKey(job, step, rank, world_size)
+            self._reached.pop((key, tier), None)
+            self._failures[key] = message
+            self._failures.move_to_end(key)
+            self.errors.append({"time_unix_s": time.time(), "tier": tier, "shard": str(key), "error": message})
+        _bound(self._failures)
+
     def step_completed(self, tier: str, job: str, step: int, unix_s: float | None = None) -> None:
         """Note that a job's step became complete on a tier, now or at unix_s (for `status` and /metrics)."""
         self.newest.completed(job, tier, step, time.time() if unix_s is None else unix_s)

@@ -3,7 +3,9 @@
 One SavePath per daemon, on the event loop; the composition root (node.py) builds it with
 the roles it orders, and Pipeline hands it the RPCs of a save. For each save of a rank:
 
-1. reserve()   SlotPool finds a slot (waits under "block", skipped under "skip"); a save that
+1. reserve()   line_for() first places the save on the job's line (docs/DESIGN.md, "A job's
+               history"): a step not newer than the head is refused unless the rank rolled back.
+               Then SlotPool finds a slot (waits under "block", skipped under "skip"); a save that
                replaces its rank's snapshot not yet flushed passes that step over;
 2. (the copy)  the client copies the tensors into the slot: nothing runs here;
 3. commit()    the slot's markers are written on the save threads, ShardProgress hears of
@@ -30,10 +32,12 @@ from collections.abc import Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from ckpt.errors import CheckpointError, InvalidArgument
+from ckpt.errors import CheckpointError, InvalidArgument, NotFound
 from ckpt.format import CommitRecord, ShardMeta
+from ckpt.history import History, Line, generation
 
 from ckptd.cluster.view import ClusterView
+from ckptd.errors import MixedLines
 from ckptd.operations import metrics
 from ckptd.operations.retention import RetentionRunner
 from ckptd.replication.peering import Peering
@@ -91,10 +95,46 @@ class SavePath:
 
     # -- 1. reserve -------------------------------------------------------------------
 
-    async def reserve(self, key: ShardKey, size_bytes: int) -> tuple[Slot | None, float, str]:
-        """Find staging room for a shard (see SlotPool.reserve); return (slot or None, seconds blocked, why)."""
+    async def line_for(self, key: ShardKey, asked: Line | None, after: int) -> Line:
+        """Return the line of the job's history a save belongs to, or refuse it (InvalidArgument); before reserve().
+
+        asked is the line the rank continues (Checkpointer: after a load, or its last save),
+        after the step it loaded or saved last; None: the rank has neither, and the save
+        continues the job's head. The head is the newest step of the newest line this node
+        knows (its durable tiers, the cluster view's commits).
+        """
+        records = await asyncio.get_running_loop().run_in_executor(self._save_threads, self._records_of, key.job)
+        history = History.of({s: r.line for s, r in records.items()})
+        head = history.head
+        if asked is None and head is not None and key.step <= head:
+            record = records[head]
+            saved = f", saved {record.committed_at}" if record.committed_at else ""
+            raise _not_newer(key, f"step {head}, the job's newest complete step{saved}")
+        if asked is None:
+            return history.head_line
+        if key.step <= after:
+            raise _not_newer(key, f"step {after}, which this rank loaded or saved last")
+        if head is not None and generation(asked) < generation(history.head_line):
+            raise InvalidArgument(
+                f"{key.job} step {key.step} continues a line of the job that a later rollback superseded (the job's "
+                f"newest step is {head}, of a newer line): load the step to continue from first"
+            )
+        return asked
+
+    def _records_of(self, job: str) -> dict[int, CommitRecord]:
+        """Return the records of the job's steps complete on this node or known to the cluster (a save thread)."""
+        records = {r.step: r for r in self.view.committed(job)} if self.view is not None else {}
+        for tier in self.durable_tiers:
+            records.update(tier.complete_records(job))
+        return records
+
+    async def reserve(self, key: ShardKey, size_bytes: int, line: Line = ()) -> tuple[Slot | None, float, str]:
+        """Find staging room for a shard (see SlotPool.reserve); return (slot or None, seconds blocked, why).
+
+        line is the one line_for() gave: a step complete here on an older line is saved again (it is superseded).
+        """
         # A skipped save is the caller's to report, and the servicer's to log (at a pace a caller cannot flood).
-        if await self.is_complete(key.job, key.step):  # before any slot is claimed for a save that will not be
+        if await self.is_complete(key.job, key.step, line):  # before any slot is claimed for a save that will not be
             self.counters["skipped"] += 1
             return None, 0.0, f"{key.job} step {key.step} is already complete; a complete step is never rewritten"
         reserved = await self.pool.reserve(key.job, key.rank, size_bytes)
@@ -109,12 +149,23 @@ class SavePath:
             await self.progress.changed()
         return reserved.slot, reserved.blocked_s, reserved.reason
 
-    async def is_complete(self, job: str, step: int) -> bool:
-        """Say whether a durable tier holds the step complete (one complete in memory alone may be saved again)."""
-        return await asyncio.get_running_loop().run_in_executor(self._save_threads, self._complete, job, step)
+    async def is_complete(self, job: str, step: int, line: Line = ()) -> bool:
+        """Say whether a durable tier holds the step complete, on line or a newer one.
 
-    def _complete(self, job: str, step: int) -> bool:
-        return any(t.is_complete(job, step) for t in self.durable_tiers)
+        One complete in memory alone may be saved again; so may one of an older line (a rollback's
+        new line saves the step number again: the tier retires the superseded step when the new
+        shard comes, LocalDirTier.open_shard).
+        """
+        return await asyncio.get_running_loop().run_in_executor(self._save_threads, self._complete, job, step, line)
+
+    def _complete(self, job: str, step: int, line: Line = ()) -> bool:
+        for tier in self.durable_tiers:
+            try:
+                if generation(tier.commit_record(job, step).line) >= generation(line):
+                    return True
+            except NotFound:
+                continue
+        return False
 
     # -- 3. commit --------------------------------------------------------------------
 
@@ -152,7 +203,7 @@ class SavePath:
     def _write_markers(self, slot: Slot, snapshot: Snapshot) -> str:
         """Refuse a snapshot of a step complete meanwhile, else mark the slot committed (one hop: a save thread)."""
         key = snapshot.key
-        if self._complete(key.job, key.step):
+        if self._complete(key.job, key.step, snapshot.line):
             raise InvalidArgument(f"{key.job} step {key.step} is already complete; a complete step is never rewritten")
         return self.pool.write_markers(slot, snapshot)
 
@@ -214,12 +265,17 @@ class SavePath:
     async def after_flush(self, key: ShardKey) -> None:
         """Seal the shard's step if it can be, tell the waiters, then apply retention to the job."""
         record = None
+        mixed = None
         try:
             record = await self.seal(key.job, key.step)
+        except MixedLines as e:
+            mixed = e
         except (CheckpointError, OSError) as e:
             self.progress.failed(key, "nvme", f"commit of {key.job} step {key.step} failed: {e}")
         finally:
             self.progress.sealing_done(key)
+        if mixed is not None:  # no rank of it may count as saved
+            self.progress.step_failed(key.job, key.step, key.world_size, "nvme", str(mixed))
         await self.progress.changed()  # waiters first: retention below may take a while
         if record is None:
             return
@@ -373,3 +429,14 @@ class SavePath:
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
         return task
+
+
+def _not_newer(key: ShardKey, than: str) -> InvalidArgument:
+    """Return the refusal of a save whose step does not grow the job's line, naming the ways forward."""
+    return InvalidArgument(
+        f"{key.job} step {key.step} is not newer than {than}: a job's steps grow along its line, and a save "
+        "below it would be older than the job's newest. For a new run, use a new job name or remove the old "
+        f"run's steps first (ckptd gc --job {key.job} --all); to go back on purpose (a rollback), load the step to "
+        "continue from (Checkpointer.load(step=N)) and save steps after N: they start a new line, and the old "
+        "line's steps after N become superseded"
+    )

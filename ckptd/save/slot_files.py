@@ -23,6 +23,7 @@ from typing import Any
 
 from ckpt.errors import CheckpointError, CorruptCheckpoint
 from ckpt.format import ShardMeta, digest, unseal, validate_job, validate_rank, validate_step
+from ckpt.history import Line, line_from_json
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +60,8 @@ class Slot:
     data_size_bytes: int = 0
     layout_json: str = ""
     run_id: str = ""
+    line: Line = ()  # the committed snapshot's line and time (Snapshot)
+    saved_at: str = ""
     meta: ShardMeta | None = None  # set once checksummed: the memory tier can serve it
     reservation: int = 0  # the token of the current reservation; a stale one cannot commit
     committed_seq: int = 0  # order of commits across the pool: among two copies of a shard, the later wins
@@ -129,12 +132,15 @@ def _load_markers(slot: Slot) -> None:
             meta.layout_json,
             meta.run_id,
         )
+        slot.line, slot.saved_at = meta.line, meta.saved_at
     elif record is not None:
         s = record["shard"]
         validate_rank(s["rank"], s["world_size"])
         slot.shard = ShardKey(validate_job(s["job"]), validate_step(s["step"]), s["rank"], s["world_size"])
         slot.data_size_bytes, slot.layout_json = int(record["data_size_bytes"]), _layout(slot, record)
         slot.run_id = str(record.get("run_id", ""))
+        slot.line = line_from_json(record.get("line", []), str(slot.pending_path))
+        slot.saved_at = str(record.get("saved_at", ""))
     if slot.shard is not None and (slot.shard.job != slot.job or slot.shard.rank != slot.rank):
         raise ValueError("record names another job or rank")
     if slot.data_size_bytes > slot.size_bytes:

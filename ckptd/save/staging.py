@@ -29,6 +29,7 @@ from pathlib import Path
 
 from ckpt.errors import CheckpointError, InvalidArgument, ReservationLost
 from ckpt.format import MAX_SHARD_BYTES, ShardMeta, digest, layout_offset, round_up, seal, shown
+from ckpt.history import Line, line_to_json
 
 from ckptd.save.rounds import kept
 
@@ -70,6 +71,8 @@ class Snapshot:
     layout_json: str | bytes  # bytes as it came (UTF-8 text), decoded off the event loop
     run_id: str = ""
     layout_size_bytes: int = 0  # > 0: the layout lies in the slot at layout_offset(data_size_bytes), not in layout_json
+    line: Line = ()  # the line of the job's history the step belongs to (SavePath.line_for)
+    saved_at: str = ""  # when the daemon took the snapshot over (UTC, ISO 8601)
 
 
 class SlotPool:
@@ -295,6 +298,8 @@ class SlotPool:
                 "data_size_bytes": snapshot.data_size_bytes,
                 "layout_xxh3_128": digest(layout),
                 "run_id": snapshot.run_id,
+                "line": line_to_json(snapshot.line),
+                "saved_at": snapshot.saved_at,
                 "committed_ns": slot.committed_seq,
             }
             write_replace(slot.pending_path, seal(record))
@@ -308,6 +313,7 @@ class SlotPool:
         """Make the slot hold the snapshot, pending: flushed by a round of its job, unless a newer one replaces it."""
         slot.shard, slot.data_size_bytes, slot.meta = snapshot.key, snapshot.data_size_bytes, None
         slot.layout_json, slot.run_id, slot.state = layout_json, snapshot.run_id, "pending"
+        slot.line, slot.saved_at = snapshot.line, snapshot.saved_at
         slot.committed_at_s = self.last_saved[slot.job] = time.monotonic()
 
     def abandon(self, slot: Slot) -> None:

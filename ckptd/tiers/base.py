@@ -14,7 +14,7 @@ from concurrent.futures import Executor, Future, wait
 
 from ckpt import shard_io
 from ckpt.chunks import check_chunks, chunk_digests
-from ckpt.errors import CorruptCheckpoint
+from ckpt.errors import CorruptCheckpoint, NotFound
 from ckpt.format import CommitRecord, ShardMeta, chunk_ranges
 from ckpt.shard_io import ShardSource
 
@@ -50,6 +50,16 @@ class Tier(ABC):
     @abstractmethod
     def commit_record(self, job: str, step: int) -> CommitRecord:
         """Return a complete step's commit record; raise NotFound if it is not complete."""
+
+    def complete_records(self, job: str) -> dict[int, CommitRecord]:
+        """Return the commit record of each complete step of the job, oldest first (its history is read off them)."""
+        records = {}
+        for step in self.complete_steps(job):
+            try:
+                records[step] = self.commit_record(job, step)
+            except NotFound:
+                continue  # removed since it was listed
+        return records
 
     @abstractmethod
     def shard_source(self, job: str, step: int, rank: int) -> ShardSource:

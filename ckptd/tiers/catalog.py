@@ -6,6 +6,8 @@ import dataclasses
 from dataclasses import dataclass
 
 from ckpt.errors import NotFound
+from ckpt.format import CommitRecord
+from ckpt.history import History, Line
 
 from ckptd.tiers.base import Tier
 
@@ -19,6 +21,16 @@ class StepInfo:
     world_size: int
     size_bytes: int
     tiers: tuple[str, ...]
+    committed_at: str = ""  # its commit record's (UTC, ISO 8601); "" for steps saved before records had it
+    line: Line = ()  # its line of the job's history (ckpt.history)
+    superseded: bool = False  # off the job's line: set by whoever lists the job's steps together
+
+    @classmethod
+    def of(cls, record: CommitRecord, tiers: tuple[str, ...]) -> StepInfo:
+        """Describe a complete step by its commit record."""
+        return cls(
+            record.job, record.step, record.world_size, record.size_bytes, tiers, record.committed_at, record.line
+        )
 
 
 def merge_steps(steps: list[StepInfo], more: list[StepInfo]) -> list[StepInfo]:
@@ -28,6 +40,20 @@ def merge_steps(steps: list[StepInfo], more: list[StepInfo]) -> list[StepInfo]:
         prev = found.get((i.job, i.step))
         found[(i.job, i.step)] = i if prev is None else dataclasses.replace(prev, tiers=(*prev.tiers, *i.tiers))
     return [found[k] for k in sorted(found)]
+
+
+def with_superseded(steps: list[StepInfo]) -> list[StepInfo]:
+    """Return steps (of any jobs, all of each job's complete steps known) with each one off its job's line marked."""
+    by_job: dict[str, History] = {}
+    for job in {i.job for i in steps}:
+        by_job[job] = History.of({i.step: i.line for i in steps if i.job == job})
+    return [dataclasses.replace(i, superseded=by_job[i.job].is_superseded(i.step)) for i in steps]
+
+
+def head_of(steps: list[StepInfo]) -> StepInfo | None:
+    """Return the head among one job's complete steps: the newest step of the newest line."""
+    head = History.of({i.step: i.line for i in steps}).head
+    return next((i for i in steps if i.step == head), None)
 
 
 def list_steps(tiers: list[Tier], job: str = "") -> list[StepInfo]:
@@ -42,5 +68,5 @@ def list_steps(tiers: list[Tier], job: str = "") -> list[StepInfo]:
                     continue  # removed since it was listed
                 prev = found.get((j, step))
                 tiers_holding = (*prev.tiers, tier.name) if prev else (tier.name,)
-                found[(j, step)] = StepInfo(j, step, record.world_size, record.size_bytes, tiers_holding)
-    return [found[k] for k in sorted(found)]
+                found[(j, step)] = StepInfo.of(record, tiers_holding)
+    return with_superseded([found[k] for k in sorted(found)])

@@ -53,8 +53,10 @@ class MemoryTier(Tier):
 
     @staticmethod
     def _is_complete(held: dict[int, Slot]) -> bool:
+        """Say whether every rank is held, all on one line of the job's history (never complete otherwise)."""
         world_size = next(iter(held.values())).shard.world_size if held else 0  # type: ignore[union-attr]
-        return bool(held) and sorted(held) == list(range(world_size))
+        one_line = len({s.meta.line for s in held.values() if s.meta is not None}) == 1
+        return bool(held) and sorted(held) == list(range(world_size)) and one_line
 
     def commit_record(self, job: str, step: int) -> CommitRecord:
         held = self._held(job, step)

@@ -39,6 +39,7 @@ from ckpt.format import (
     meta_name,
     validate_job,
 )
+from ckpt.history import generation
 from ckpt.shard_io import ShardSource, read_index
 
 from ckptd.byte_range import ByteRange
@@ -217,8 +218,28 @@ class LocalDirTier(DurableTier):
             self._records.learn(self.step_dir(meta.job, meta.step), meta)
 
     def _check_writable(self, meta: ShardMeta, what: str) -> None:
+        """Refuse a shard of a step complete here, unless listed there; retire the step if meta's line supersedes it.
+
+        Called under the step's lock. A step complete here on a line older than the shard's
+        (a rollback's new line saved the same step number again) is superseded: it is
+        removed, and the new line's step takes its place.
+        """
         record = self.checked_commit(meta.job, meta.step)
         if record is None:
+            return
+        if generation(record.line) < generation(meta.line):
+            log.warning(
+                "%s step %d on tier %s: removing the step saved at %s, superseded by a rollback's line that saves "
+                "step %d again",
+                *(meta.job, meta.step, self.name, record.committed_at or "an unknown time", meta.step),
+            )
+            step_dir = self.step_dir(meta.job, meta.step)
+            doomed = step_dir.parent / f"{DELETING_PREFIX}{meta.step}-{uuid.uuid4().hex[:8]}"
+            (step_dir / COMMIT_NAME).unlink(missing_ok=True)
+            self._records.forget(step_dir)
+            os.replace(step_dir, doomed)
+            fsync_dir(step_dir.parent)
+            self._delete(doomed)
             return
         listed = meta.rank < record.world_size and record.shard_meta_xxh3_128[meta.rank] == digest(meta.to_bytes())
         if not (meta.chunk_xxh3_128 and listed):

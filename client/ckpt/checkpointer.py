@@ -33,6 +33,7 @@ from ckpt.format import (
     validate_step,
     validate_tier,
 )
+from ckpt.history import line_from_text
 from ckpt.launcher import rank_and_world_size
 from ckpt.local_read import checked_index, load_first_good
 from ckpt.placement import Placement
@@ -184,6 +185,9 @@ class Checkpointer:
         self._lazy_copy: lazy_copies.LazyCopy | None = None  # the last lazy save's copy, maybe still running
         self._policy: str | None = None  # the daemon's [staging] policy, once asked
         self._preparing: Future[None] | None = None  # prepare()'s work in the background, until a save waited for it
+        # The job's history (ckpt.history): the line this rank's saves continue, as the daemon named it at its
+        # last load or save, and the step loaded or saved last. None: neither yet; a save continues the job's head.
+        self._line: str | None = None
         self._last_step: int | None = None
         self._closed = False
 
@@ -280,9 +284,10 @@ class Checkpointer:
         # The layout travels in the slot, after the data: megabytes for a large model never cross the socket.
         size_bytes = layout_offset(flat.data_size_bytes) + len(layout)
         asked = time.monotonic()
-        reserved = self._daemon.call(
-            "Reserve", pb.ReserveRequest(shard=self._shard(step), size_bytes=size_bytes), timeout_s=None
-        )
+        request = pb.ReserveRequest(shard=self._shard(step), size_bytes=size_bytes)
+        if self._line is not None and self._last_step is not None:
+            request.has_line, request.line, request.after = True, self._line, self._last_step
+        reserved = self._daemon.call("Reserve", request, timeout_s=None)
         if reserved.skipped:
             log.warning("ckpt: save of %s step %d skipped: %s", self.job, step, reserved.reason)
             return SaveHandle(self, step, True, 0.0, reserved.reason)
@@ -318,6 +323,7 @@ class Checkpointer:
                 layout_json=b"" if in_slot else layout,
                 reservation=reserved.reservation,
                 run_id=self.run_id,
+                line=reserved.line,
             )
             staged = None
             if owned:
@@ -343,11 +349,11 @@ class Checkpointer:
                     raise
             else:
                 self._commit(request)
-        self._last_step = step
+        self._line, self._last_step = reserved.line, step
         return SaveHandle(self, step, False, waits.blocked_s, waits.reason, staged)
 
     def _next_step(self, step: int | None) -> int:
-        """Return the step to save: step itself, checked, or one past the latest."""
+        """Return the step to save: step itself, checked, or one past the step loaded or saved last, else the latest."""
         if step is None:
             latest = self._last_step if self._last_step is not None else self.latest_step()
             step = 0 if latest is None else latest + 1
@@ -418,6 +424,7 @@ class Checkpointer:
                 "where state holds this rank's tensors (DTensors for the sharded ones) to fill in place"
             )
         sources = [ShardSource(s.tier, s.kind, s.path, self.job, reply.step) for s in reply.sources]
+        self._loading(reply.step, reply.next_line)
         try:
             try:
                 return load_first_good(sources, self.rank, place)
@@ -441,9 +448,27 @@ class Checkpointer:
             sources = [ShardSource(s.tier, s.kind, s.path, self.job, again.step) for s in again.sources]
             return load_first_good(sources, self.rank, place)
 
+    def _loading(self, step: int, next_line: str) -> None:
+        """Continue this rank's saves after the step being loaded, on the line the daemon named.
+
+        Loading a step older than the job's head and saving after it is a rollback: the next
+        save starts a new line of the job's history from that step (docs/DESIGN.md). Every
+        rank of the job loads the same step before its next save; the daemon refuses a step
+        whose ranks' lines differ.
+        """
+        line = line_from_text(next_line, f"the line of {self.job} step {step}")
+        if line and line[-1][0] == step:
+            log.warning(
+                "ckpt: %s: loaded step %d, older than the job's newest: the next save starts a new line of the job "
+                'from it, and the steps after %d become superseded (docs/DESIGN.md, "A job\'s history")',
+                *(self.job, step, step),
+            )
+        self._line, self._last_step = next_line, step
+
     def _load_into(self, into: Any, step: int | None, tier: str) -> Any:
         """Fill into from a step: the ranks this node holds read from their files, the rest through the daemon."""
-        reader, index = self.open_step(step, tier)
+        reader, index, reply = self._open_step(step, tier)
+        self._loading(reply.step, reply.next_line)
         return load_into(into, reader, index, self.rank)
 
     def open_step(self, step: int | None = None, tier: str = "auto") -> tuple[StepReader, StepIndex | None]:
@@ -452,6 +477,10 @@ class Checkpointer:
         Called on the loading thread by load(into=...) and ckpt.dcp's Reader. The ranks
         this node holds are read from their files, the rest through the daemon.
         """
+        reader, index, _ = self._open_step(step, tier)
+        return reader, index
+
+    def _open_step(self, step: int | None, tier: str) -> tuple[StepReader, StepIndex | None, pb.LocateStepReply]:
         request = pb.LocateStepRequest(job=self.job, step=-1 if step is None else step, tier=tier)
         reply = self._daemon.call("LocateStep", request)
         record = CommitRecord.from_bytes(reply.commit_json, f"commit record of {self.job} step {reply.step}")
@@ -476,7 +505,7 @@ class Checkpointer:
             return (r.data for r in replies)
 
         reader = StepReader(self.job, record.step, record.shard_meta_xxh3_128, local, (remote_meta, remote_runs))
-        return reader, checked_index(reply.index_json, record, f"index of {self.job} step {record.step}")
+        return reader, checked_index(reply.index_json, record, f"index of {self.job} step {record.step}"), reply
 
 
 class _Waits:

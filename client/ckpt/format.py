@@ -6,6 +6,7 @@ See docs/FORMAT.md for the byte-level description.
 
 from __future__ import annotations
 
+import datetime
 import json
 import json.encoder
 import re
@@ -88,6 +89,12 @@ def data_name(rank: int) -> str:
 def meta_name(rank: int) -> str:
     """Name the file that holds a rank's shard metadata."""
     return f"rank-{rank:05d}.meta.json"
+
+
+def utc_timestamp(unix_s: float) -> str:
+    """Return a time as records hold it: UTC, ISO 8601, to the millisecond ("2026-11-26T18:49:16.123Z")."""
+    moment = datetime.datetime.fromtimestamp(unix_s, datetime.UTC)
+    return moment.strftime("%Y-%m-%dT%H:%M:%S.") + f"{moment.microsecond // 1000:03d}Z"
 
 
 def round_up(n: int, multiple: int) -> int:

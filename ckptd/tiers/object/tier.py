@@ -107,6 +107,10 @@ class ObjectTier(Tier):
         states = self._commit_states(job)
         return [s for s, state in states.items() if isinstance(state, CommitRecord)]
 
+    def complete_records(self, job: str) -> dict[int, CommitRecord]:
+        """Return each complete step's commit record from one listing (records once read are kept)."""
+        return {s: state for s, state in self._commit_states(job).items() if isinstance(state, CommitRecord)}
+
     def damaged_steps(self, job: str) -> list[int]:
         """Return the steps whose commit record is there but does not check."""
         return [s for s, state in self._commit_states(job).items() if state == "damaged"]

@@ -1,0 +1,126 @@
+"""A job's history against a real ckptd: no silent rewind, rollback on purpose, superseded steps, mixed lines."""
+
+from __future__ import annotations
+
+import datetime
+import json
+
+import ckpt
+import pytest
+import torch
+from ckpt.errors import InvalidArgument, SaveFailed
+
+pytestmark = pytest.mark.e2e
+
+
+def _state(value: float) -> dict[str, torch.Tensor]:
+    return {"w": torch.full((4,), value)}
+
+
+def _ls(daemon, job: str) -> dict[int, dict]:
+    listed = daemon.cli("ls", "--job", job, "--json")
+    assert listed.returncode == 0, listed.stderr
+    return {s["step"]: s for s in json.loads(listed.stdout)}
+
+
+def _ranks(daemon, job: str, world_size: int) -> list[ckpt.Checkpointer]:
+    return [
+        ckpt.Checkpointer(job=job, rank=r, world_size=world_size, address=daemon.address) for r in range(world_size)
+    ]
+
+
+def _save_all(ranks: list[ckpt.Checkpointer], step: int) -> None:
+    handles = [c.save_async(_state(float(step)), step=step) for c in ranks]
+    for h in handles:
+        h.wait("nvme", timeout=60)
+
+
+def test_a_new_run_under_a_used_job_name_is_refused_and_the_old_steps_stay(make_daemon):
+    daemon = make_daemon("[retention]\nnvme = 0\n").start()
+    with ckpt.Checkpointer(job="rewind", address=daemon.address) as c:
+        for s in (100, 200, 300, 400):
+            c.save_async(_state(float(s)), step=s).wait("nvme", timeout=60)
+        with pytest.raises(InvalidArgument, match=r"rewind step 10 is not newer than step 400, which this rank"):
+            c.save_async(_state(10.0), step=10)
+    with ckpt.Checkpointer(job="rewind", address=daemon.address) as fresh:  # a new run: the snippet of issue 24
+        with pytest.raises(InvalidArgument) as refused:
+            fresh.save_async(_state(10.0), step=10)
+        message = str(refused.value)
+        saved_at = _ls(daemon, "rewind")[400]["committed_at"]
+        assert f"step 400, the job's newest complete step, saved {saved_at}" in message
+        for way_forward in ("a new job name", "ckptd gc --job rewind --all", "Checkpointer.load(step=N)"):
+            assert way_forward in message
+        with pytest.raises(InvalidArgument, match="is not newer than step 400"):
+            fresh.save_async(_state(400.0), step=400)  # the head itself, saved again
+        assert fresh.latest_step() == 400
+        assert fresh.load()["w"][0].item() == 400.0
+    assert sorted(_ls(daemon, "rewind")) == [100, 200, 300, 400]
+    assert not any(s["superseded"] for s in _ls(daemon, "rewind").values())
+
+
+def test_a_rollback_at_two_ranks_starts_a_new_line_and_supersedes_the_old(make_daemon):
+    daemon = make_daemon("[retention]\nnvme = 0\n").start()
+    ranks = _ranks(daemon, "spike", 2)
+    for s in (100, 200, 300, 400):
+        _save_all(ranks, s)
+    for c in ranks:  # the loss spike: every rank goes back to 300
+        assert c.load(step=300)["w"][0].item() == 300.0
+    for s in (310, 320):
+        _save_all(ranks, s)
+    for c in ranks:
+        c.close()
+    restarted = _ranks(daemon, "spike", 2)
+    assert [c.latest_step() for c in restarted] == [320, 320]
+    assert [c.load()["w"][0].item() for c in restarted] == [320.0, 320.0]
+    listed = _ls(daemon, "spike")
+    assert {s: v["superseded"] for s, v in listed.items()} == {
+        100: False, 200: False, 300: False, 310: False, 320: False, 400: True
+    }  # fmt: skip
+    text = daemon.cli("ls", "--job", "spike")
+    assert text.returncode == 0, text.stderr
+    row = next(line for line in text.stdout.splitlines() if line.split()[1:2] == ["400"])
+    assert row.endswith("superseded")
+    committed = datetime.datetime.fromisoformat(listed[320]["committed_at"])
+    assert abs((datetime.datetime.now(datetime.UTC) - committed).total_seconds()) < 120
+    assert committed.strftime("%Y-%m-%d %H:%M:%S") in next(line for line in text.stdout.splitlines() if " 320 " in line)
+    # The restarted ranks continue the new line; a save below its head is refused as any rewind is.
+    with pytest.raises(InvalidArgument, match="not newer than step 320"):
+        restarted[0].save_async(_state(315.0), step=315)
+    _save_all(restarted, 330)
+    assert restarted[1].latest_step() == 330
+    for c in restarted:
+        c.close()
+    with ckpt.Checkpointer(job="spike", rank=0, world_size=2, address=daemon.address) as reader:
+        assert reader.load(step=400)["w"][0].item() == 400.0  # named, a superseded step still loads
+
+
+def test_a_rollback_saves_a_superseded_step_number_again(make_daemon):
+    daemon = make_daemon("[retention]\nnvme = 0\n").start()
+    with ckpt.Checkpointer(job="again", address=daemon.address) as c:
+        for s in (100, 200, 300, 400):
+            c.save_async(_state(float(s)), step=s).wait("nvme", timeout=60)
+        c.load(step=300)
+        c.save_async(_state(-400.0), step=400).wait("nvme", timeout=60)  # the cadence of the old line, on the new one
+        assert c.latest_step() == 400
+        assert c.load()["w"][0].item() == -400.0
+        assert c.load(step=400)["w"][0].item() == -400.0
+    listed = _ls(daemon, "again")
+    assert sorted(listed) == [100, 200, 300, 400]
+    assert not any(s["superseded"] for s in listed.values())
+
+
+def test_ranks_that_continue_different_lines_never_complete_the_step(make_daemon):
+    daemon = make_daemon("[retention]\nnvme = 0\n").start()
+    ranks = _ranks(daemon, "mixed", 2)
+    for s in (100, 200, 300):
+        _save_all(ranks, s)
+    ranks[0].load(step=200)  # rank 0 rolls back, rank 1 does not
+    handles = [c.save_async(_state(310.0), step=310) for c in ranks]
+    with pytest.raises(SaveFailed, match="every rank must load the same step"):  # the rank that came last, at least
+        handles[1].wait("nvme", timeout=60)
+    assert 310 not in _ls(daemon, "mixed")
+    status = json.loads(daemon.cli("status", "--json").stdout)
+    assert any("continue different lines" in e["error"] for e in status["recent_errors"])
+    assert ranks[1].latest_step() == 300
+    for c in ranks:
+        c.close()
