@@ -4,7 +4,7 @@ One SavePath per daemon, on the event loop; the composition root (node.py) build
 the roles it orders, and Pipeline hands it the RPCs of a save. For each save of a rank:
 
 1. reserve()   line_for() first places the save on the job's line (docs/DESIGN.md, "A job's
-               history"): a step not newer than the head is refused unless the rank rolled back.
+               history"): a step older than the head is refused unless the rank rolled back.
                Then SlotPool finds a slot (waits under "block", skipped under "skip"); a save that
                replaces its rank's snapshot not yet flushed passes that step over;
 2. (the copy)  the client copies the tensors into the slot: nothing runs here;
@@ -98,6 +98,8 @@ class SavePath:
     async def line_for(self, key: ShardKey, asked: Line | None, after: int) -> Line:
         """Return the line of the job's history a save belongs to, or refuse it (InvalidArgument); before reserve().
 
+        Refused: a step older than the job's head, or than the step the rank loaded or saved last.
+
         asked is the line the rank continues (Checkpointer: after a load, or its last save),
         after the step it loaded or saved last; None: the rank has neither, and the save
         continues the job's head. The head is the newest step of the newest line this node
@@ -106,13 +108,15 @@ class SavePath:
         records = await asyncio.get_running_loop().run_in_executor(self._save_threads, self._records_of, key.job)
         history = History.of({s: r.line for s, r in records.items()})
         head = history.head
-        if asked is None and head is not None and key.step <= head:
+        # The head itself, or the step last saved, saved again: reserve() skips it if complete, else (a rank
+        # that never got its shard in) it is saved again.
+        if asked is None and head is not None and key.step < head:
             record = records[head]
             saved = f", saved {record.committed_at}" if record.committed_at else ""
             raise _not_newer(key, f"step {head}, the job's newest complete step{saved}")
         if asked is None:
             return history.head_line
-        if key.step <= after:
+        if key.step < after:
             raise _not_newer(key, f"step {after}, which this rank loaded or saved last")
         if head is not None and generation(asked) < generation(history.head_line):
             raise InvalidArgument(
@@ -434,7 +438,7 @@ class SavePath:
 def _not_newer(key: ShardKey, than: str) -> InvalidArgument:
     """Return the refusal of a save whose step does not grow the job's line, naming the ways forward."""
     return InvalidArgument(
-        f"{key.job} step {key.step} is not newer than {than}: a job's steps grow along its line, and a save "
+        f"{key.job} step {key.step} is older than {than}: a job's steps grow along its line, and a save "
         "below it would be older than the job's newest. For a new run, use a new job name or remove the old "
         f"run's steps first (ckptd gc --job {key.job} --all); to go back on purpose (a rollback), load the step to "
         "continue from (Checkpointer.load(step=N)) and save steps after N: they start a new line, and the old "

@@ -12,10 +12,13 @@ a good copy (waiting, if need be, the moment the daemon takes to checksum a fres
 copy). remove_checkpoint removes the pointer; the step's bytes are ckptd's
 retention's to keep or drop.
 
-The ckptd step of a checkpoint is Lightning's global_step, unless the job already
-holds that step or a later one (a run resumed from an older checkpoint, a new run
-under a used job name, a step saved again with other tensors): then it is one past
-the job's newest step, since ckptd never rewrites a step. The pointer records both.
+The ckptd step of a checkpoint is Lightning's global_step, unless this plugin saved that
+step already with other tensors (then it is one past the step it saved last: ckptd never
+rewrites a step). The pointer records both. The job's history is ckptd's (docs/DESIGN.md,
+"A job's history"): a run resumed from an older checkpoint loads it through the plugin's
+Checkpointer, so its saves start a new line from it and the old run's later steps become
+superseded; a new run under a used job name is refused at its first save, naming the
+job's newest step and the ways forward.
 A save of the global_step saved last whose tensors are the same tensors, none changed
 in place since (Fingerprint), writes only another pointer to the same step: so
 ModelCheckpoint's top-k file and last.ckpt of one step are one ckptd step, as with
@@ -48,7 +51,8 @@ from ckpt.torch_version import require_torch
 
 require_torch()
 
-import json  # noqa: E402 (torch checked first)
+import contextlib  # noqa: E402 (torch checked first)
+import json  # noqa: E402
 import logging  # noqa: E402
 import os  # noqa: E402
 from dataclasses import asdict, dataclass  # noqa: E402
@@ -176,7 +180,6 @@ class CkptdCheckpointIO(CheckpointIO):
         self._checkpointer: Checkpointer | None = None  # opened by the first save after each teardown
         self._in_flight: list[SaveHandle] = []  # saves not known to have reached teardown_tier (pruned at each save)
         self._last: tuple[Pointer, Fingerprint | None] | None = None  # the last save, and its tensors
-        self._next_step: int | None = None  # one past the job's newest step, once asked
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any | None = None) -> None:
         """Stage checkpoint into ckptd and write a pointer to it at path; return without waiting for durability."""
@@ -205,23 +208,27 @@ class CkptdCheckpointIO(CheckpointIO):
         self, checkpoint: dict[str, Any], global_step: int, path: str, tensors: Fingerprint | None
     ) -> Pointer | None:
         """Stage one checkpoint as a new step of the job; return its pointer, or None if ckptd skipped it."""
-        if self._checkpointer is None:
-            self._checkpointer = Checkpointer(job=self.job, rank=0, world_size=1, address=self.address)
-        if self._next_step is None:
-            latest = self._checkpointer.latest_step()
-            self._next_step = 0 if latest is None else latest + 1
-        step = max(global_step, self._next_step)
-        handle = self._checkpointer.save_async(checkpoint, step=step)
+        last = self._last[0].step if self._last is not None else -1
+        step = max(global_step, last + 1)  # the same global step saved again with other tensors: a step of its own
+        handle = self._opened().save_async(checkpoint, step=step)
         if handle.skipped:  # staging policy "skip" found no room (ckpt logged why)
             log.warning(
                 "ckpt: global step %d was not saved, so %s is not written: %s", global_step, path, handle.reason
             )
             return None
         self._in_flight.append(handle)
-        self._next_step = step + 1
         pointer = Pointer(self.job, step, global_step, resolve_address(self.address))
         self._last = (pointer, tensors)
         return pointer
+
+    def _opened(self) -> Checkpointer:
+        """Return the plugin's Checkpointer, opened by the first save or load after each teardown.
+
+        Saves and loads share it: a resumed run's saves continue the line of the step it loaded.
+        """
+        if self._checkpointer is None:
+            self._checkpointer = Checkpointer(job=self.job, rank=0, world_size=1, address=self.address)
+        return self._checkpointer
 
     def _raise_failures(self) -> None:
         """Forget the saves that reached teardown_tier; raise SaveFailed for one that failed."""
@@ -246,7 +253,10 @@ class CkptdCheckpointIO(CheckpointIO):
                 f"{path}: the values of a ckptd checkpoint that are not tensors are pickled and load as with "
                 "torch.load(weights_only=False); load it with weights_only=None or False, and only if you trust it"
             )
-        with Checkpointer(job=pointer.job, rank=0, world_size=1, address=self.address) as c:
+        # The plugin's own job is loaded through its Checkpointer: the saves after it continue from that step.
+        own = pointer.job == self.job
+        c = self._opened() if own else Checkpointer(job=pointer.job, rank=0, world_size=1, address=self.address)
+        with contextlib.nullcontext(c) if own else c:
             try:
                 checkpoint: dict[str, Any] = c.load(pointer.step, map_location or "cpu")
             except NotFound as e:
@@ -260,6 +270,8 @@ class CkptdCheckpointIO(CheckpointIO):
                     ) from e
                 copy.wait("nvme", timeout=FLUSH_WAIT_S)
                 checkpoint = c.load(pointer.step, map_location or "cpu")
+        if own:
+            self._last = None  # the saves after a load follow its step, not the plugin's earlier saves
         return checkpoint
 
     def remove_checkpoint(self, path: _PATH) -> None:

@@ -40,7 +40,7 @@ def test_a_new_run_under_a_used_job_name_is_refused_and_the_old_steps_stay(make_
     with ckpt.Checkpointer(job="rewind", address=daemon.address) as c:
         for s in (100, 200, 300, 400):
             c.save_async(_state(float(s)), step=s).wait("nvme", timeout=60)
-        with pytest.raises(InvalidArgument, match=r"rewind step 10 is not newer than step 400, which this rank"):
+        with pytest.raises(InvalidArgument, match=r"rewind step 10 is older than step 400, which this rank"):
             c.save_async(_state(10.0), step=10)
     with ckpt.Checkpointer(job="rewind", address=daemon.address) as fresh:  # a new run: the snippet of issue 24
         with pytest.raises(InvalidArgument) as refused:
@@ -50,8 +50,8 @@ def test_a_new_run_under_a_used_job_name_is_refused_and_the_old_steps_stay(make_
         assert f"step 400, the job's newest complete step, saved {saved_at}" in message
         for way_forward in ("a new job name", "ckptd gc --job rewind --all", "Checkpointer.load(step=N)"):
             assert way_forward in message
-        with pytest.raises(InvalidArgument, match="is not newer than step 400"):
-            fresh.save_async(_state(400.0), step=400)  # the head itself, saved again
+        again = fresh.save_async(_state(400.0), step=400)  # the head itself, saved again: complete, never rewritten
+        assert again.skipped and "already complete" in again.reason
         assert fresh.latest_step() == 400
         assert fresh.load()["w"][0].item() == 400.0
     assert sorted(_ls(daemon, "rewind")) == [100, 200, 300, 400]
@@ -84,7 +84,7 @@ def test_a_rollback_at_two_ranks_starts_a_new_line_and_supersedes_the_old(make_d
     assert abs((datetime.datetime.now(datetime.UTC) - committed).total_seconds()) < 120
     assert committed.strftime("%Y-%m-%d %H:%M:%S") in next(line for line in text.stdout.splitlines() if " 320 " in line)
     # The restarted ranks continue the new line; a save below its head is refused as any rewind is.
-    with pytest.raises(InvalidArgument, match="not newer than step 320"):
+    with pytest.raises(InvalidArgument, match="older than step 320"):
         restarted[0].save_async(_state(315.0), step=315)
     _save_all(restarted, 330)
     assert restarted[1].latest_step() == 330

@@ -286,9 +286,12 @@ def test_restore_works_with_no_daemon_running(daemon):
     assert daemon.stop() == 0
     r = daemon.cli("ls", "--json")  # with no daemon, ls reads this node's tiers itself
     assert r.returncode == 0 and "listing what this node's own tiers hold" in r.stderr
-    assert json.loads(r.stdout) == [
-        {"job": "cold", "step": 1, "world_size": 1, "size_bytes": 128, "tiers": ["memory", "nvme"]}
-    ]
+    [listed] = json.loads(r.stdout)
+    committed_at = listed.pop("committed_at")
+    assert listed == {
+        "job": "cold", "step": 1, "world_size": 1, "size_bytes": 128, "tiers": ["memory", "nvme"], "superseded": False
+    }  # fmt: skip
+    assert committed_at.endswith("Z") and committed_at[:4].isdigit()
     r = daemon.cli("restore", "--job", "cold", "--from", "nvme", "--to", str(daemon.base / "out"))
     assert r.returncode == 0, r.stderr
     assert torch.equal(ckpt.load_local(daemon.base / "out" / "cold" / "1")["x"], torch.arange(10))
