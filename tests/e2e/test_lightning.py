@@ -14,6 +14,7 @@ import torch
 from ckpt.lightning import CkptdCheckpointIO, Pointer, read_pointer, write_pointer
 from ckpt.transport import DaemonClient
 from ckpt.wire.v1 import ckptd_pb2 as pb
+from conftest import eventually
 from states import assert_same
 from torchrun import torchrun
 
@@ -144,19 +145,29 @@ def test_the_same_tensors_at_the_same_global_step_write_only_another_pointer(mak
     assert_same(io.load_checkpoint(final)["w"], torch.arange(10.0) * 2)
 
 
-def test_a_job_holding_the_global_step_already_gets_the_next_free_step(make_daemon, short_tmp):
+def test_a_new_run_under_a_used_job_is_refused_and_a_resumed_run_continues_from_its_checkpoint(make_daemon, short_tmp):
     daemon = make_daemon(RETAIN_ALL).start()
-    with ckpt.Checkpointer(job=JOB, address=daemon.address) as c:
-        c.save_async({"earlier": "run"}, step=7).wait("nvme")  # the newest step, listed
-    io = CkptdCheckpointIO(job=JOB, address=daemon.address)
-    for global_step, step in [(3, 8), (9, 9), (10, 10)]:  # a run resumed from an older step, then past the newest
-        state = {"global_step": global_step, "w": torch.full((4,), float(global_step))}
-        io.save_checkpoint(state, str(short_tmp / f"{global_step}.ckpt"))
+    first = CkptdCheckpointIO(job=JOB, address=daemon.address)
+    for global_step in (5, 7):
+        first.save_checkpoint({"global_step": global_step, "w": torch.ones(4)}, str(short_tmp / f"{global_step}.ckpt"))
+    first.teardown()
+    fresh = CkptdCheckpointIO(job=JOB, address=daemon.address)  # a new run under the same job name
+    with pytest.raises(ckpt.InvalidArgument, match=r"step 3 is older than step 7, the job's newest complete step"):
+        fresh.save_checkpoint({"global_step": 3, "w": torch.zeros(4)}, str(short_tmp / "3.ckpt"))
+    fresh.teardown()
+    resumed = CkptdCheckpointIO(job=JOB, address=daemon.address)  # Trainer.fit(ckpt_path=".../5.ckpt")
+    assert resumed.load_checkpoint(str(short_tmp / "5.ckpt"))["global_step"] == 5
+    for global_step in (6, 7):  # a new line from step 5: the old run's 7 is superseded, then saved again
+        state = {"global_step": global_step, "w": torch.full((4,), float(-global_step))}
+        resumed.save_checkpoint(state, str(short_tmp / f"{global_step}.ckpt"))
         pointer = read_pointer(str(short_tmp / f"{global_step}.ckpt"))
-        assert pointer == Pointer(JOB, step, global_step, f"unix:{daemon.address}")
-        assert_same(io.load_checkpoint(str(short_tmp / f"{global_step}.ckpt")), state)
-    io.teardown()
-    assert sorted(ls(daemon)) == [7, 8, 9, 10]
+        assert pointer == Pointer(JOB, global_step, global_step, f"unix:{daemon.address}")
+        if global_step == 6:
+            eventually(lambda: ls(daemon).get(7, {}).get("superseded") is True, what="the old run's 7 superseded")
+    resumed.teardown()
+    assert_same(resumed.load_checkpoint(str(short_tmp / "7.ckpt")), {"global_step": 7, "w": torch.full((4,), -7.0)})
+    resumed.teardown()
+    assert sorted(ls(daemon)) == [5, 6, 7] and not any(s["superseded"] for s in ls(daemon).values())
 
 
 def test_a_pointer_to_a_step_ckptd_no_longer_holds_names_path_job_and_step(daemon, short_tmp):
