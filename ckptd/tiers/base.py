@@ -7,6 +7,7 @@ object store (tiers.object) are durable.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
@@ -14,8 +15,9 @@ from concurrent.futures import Executor, Future, wait
 
 from ckpt import shard_io
 from ckpt.chunks import check_chunks, chunk_digests
-from ckpt.errors import CorruptCheckpoint
+from ckpt.errors import CorruptCheckpoint, NotFound
 from ckpt.format import CommitRecord, ShardMeta, chunk_ranges
+from ckpt.history import Line
 from ckpt.shard_io import ShardSource
 
 from ckptd.byte_range import ByteRange
@@ -50,6 +52,14 @@ class Tier(ABC):
     @abstractmethod
     def commit_record(self, job: str, step: int) -> CommitRecord:
         """Return a complete step's commit record; raise NotFound if it is not complete."""
+
+    def complete_lines(self, job: str) -> dict[int, Line]:
+        """Return the line of each complete step of the job (ckpt.history), oldest step first (retention, rm)."""
+        lines = {}
+        for step in self.complete_steps(job):
+            with contextlib.suppress(NotFound):  # removed since it was listed
+                lines[step] = self.commit_record(job, step).line
+        return lines
 
     @abstractmethod
     def shard_source(self, job: str, step: int, rank: int) -> ShardSource:

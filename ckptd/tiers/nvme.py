@@ -39,6 +39,7 @@ from ckpt.format import (
     meta_name,
     validate_job,
 )
+from ckpt.history import Line
 from ckpt.shard_io import ShardSource, read_index
 
 from ckptd.byte_range import ByteRange
@@ -86,6 +87,10 @@ class LocalDirTier(DurableTier):
     def complete_steps(self, job: str) -> list[int]:
         """Return the steps whose commit record is in place and checks; a damaged one is logged and left out."""
         return [s for s in self.all_steps(job) if self.checked_commit(job, s) is not None]
+
+    def complete_lines(self, job: str) -> dict[int, Line]:
+        """Return the line of each complete step, from the commit records (each parsed once, then kept)."""
+        return {s: r.line for s in self.all_steps(job) if (r := self.checked_commit(job, s)) is not None}
 
     def checked_commit(self, job: str, step: int) -> CommitRecord | None:
         """Return the step's commit record if it is there and checks, else None (not complete here)."""

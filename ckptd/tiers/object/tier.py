@@ -22,6 +22,7 @@ from contextlib import contextmanager
 
 from ckpt.errors import CheckpointError, CorruptCheckpoint, NotFound
 from ckpt.format import COMMIT_NAME, INDEX_NAME, JOB_RE, CommitRecord, ShardMeta, data_name, digest, meta_name
+from ckpt.history import Line
 from ckpt.shard_io import ShardSource
 from ckpt.step_index import StepIndex, index_bytes
 
@@ -106,6 +107,10 @@ class ObjectTier(Tier):
     def complete_steps(self, job: str) -> list[int]:
         states = self._commit_states(job)
         return [s for s, state in states.items() if isinstance(state, CommitRecord)]
+
+    def complete_lines(self, job: str) -> dict[int, Line]:
+        """Return the line of each complete step: one listing, each commit record read once (then kept)."""
+        return {s: state.line for s, state in self._commit_states(job).items() if isinstance(state, CommitRecord)}
 
     def damaged_steps(self, job: str) -> list[int]:
         """Return the steps whose commit record is there but does not check."""
