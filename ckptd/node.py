@@ -141,7 +141,11 @@ class Node:
         if self.view is not None and config.peer.replicas:
             replication = Replication([], config.peer.replicas, replication_changed, x.replicate, x.replicate_streams)
         self.receiver = ReplicaReceiver(replica_store, x.peer, x.receive)
-        self.peering = Peering(config, self.view, self.nvme, replica_store, peer_tier, replication, instance, x.peer)
+        self.job_retention = JobRetention(config, x.save)  # each job's settings and pins, read at start()
+        self.peering = Peering(
+            config, self.view, self.nvme, replica_store, peer_tier, replication, instance, x.peer,
+            lambda job, tier: self.job_retention.effective(job).keep[tier],
+        )  # fmt: skip
         cluster = ClusterSteps(
             self.view, peer_tier, self.nvme, self.peering.local_holdings, lambda: self.peering.replicas, x.peer, x.fetch
         )
@@ -157,7 +161,6 @@ class Node:
         holders: list[BusySteps] = [flusher, self.progress, self.locator, cluster, self.receiver, self.peering]
         if uploader is not None:
             holders.append(uploader)
-        self.job_retention = JobRetention(config, x.save)  # each job's settings and pins, read at start()
         self.retention = RetentionRunner(
             config, self.durable_tiers, object_tier, self.peering, holders, x.object, x.cleanup,
             self.job_retention, uploader,

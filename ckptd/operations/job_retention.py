@@ -92,7 +92,8 @@ class _JobRecord:
                 "keep": self.client.keep,
                 "keep_every": self.client.keep_every,
                 "pinned": sorted(self.pinned),
-            }
+            },
+            compact=True,
         )
 
     @classmethod
