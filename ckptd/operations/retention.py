@@ -278,8 +278,8 @@ class RetentionRunner:
                 raise _not_here(job, step, steps, "on no tier of this node")
             if (job, step) in self.busy_steps():
                 raise RemovalRefused(
-                    f"{job} step {step} is in use on this node (being written, replicated, uploaded or read): "
-                    "try again later"
+                    f"{job} step {step} is in use on this node (being written, replicated or uploaded, or "
+                    "pointed at by a load in the last 10 minutes): try again later"
                 )
             lines = {s: line for _, tier_lines in held.values() for s, line in tier_lines.items()}
             head = History.of(lines).head
@@ -321,20 +321,25 @@ class RetentionRunner:
         """
         async with self._lock:
             if pinned:
-                held = await self._holding(job)
+                held = await self._holding(job, in_store=False)  # this node's disks first: the store may be away
                 complete = {s for _, lines in held.values() for s in lines}
+                if step not in complete and self.object_tier is not None:
+                    complete |= set(await self._on_object_threads(self.object_tier.complete_lines, job))
                 if step not in complete:
                     raise _not_here(job, step, complete, "not complete on any tier of this node", "complete ")
             return sorted(await self.job_retention.set_pin(job, step, pinned))
 
-    async def _holding(self, job: str) -> dict[str, tuple[list[int], dict[int, Line]]]:
-        """Return, by tier of this node, (every step of the job there, the line of each complete one)."""
+    async def _holding(self, job: str, in_store: bool = True) -> dict[str, tuple[list[int], dict[int, Line]]]:
+        """Return, by tier of this node, (every step of the job there, the line of each complete one).
+
+        in_store: the object store too, if one is configured (a store that does not answer raises CheckpointError).
+        """
         loop = asyncio.get_running_loop()
         held = {}
         for tier in self.durable_tiers:
             every, lines, _ = await loop.run_in_executor(self.cleanup_thread, _steps_of, tier, job)
             held[tier.name] = (every, lines)
-        if self.object_tier is not None:
+        if in_store and self.object_tier is not None:
             store = self.object_tier
 
             def listed() -> tuple[list[int], dict[int, Line]]:

@@ -111,3 +111,24 @@ def test_rm_removes_a_step_and_the_head_only_with_force(make_daemon):
 def test_the_new_commands_have_help(command):
     out = subprocess.run([*CKPTD, command, "--help"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and "--job" in out.stdout and "examples:\n  ckptd " + command in out.stdout
+
+
+def test_rm_removes_the_step_from_the_object_store_too_and_pins_count_there(make_daemon, short_tmp):
+    store = short_tmp / "store"
+    node = make_daemon(f'[object]\nurl = "file://{store}"\n[retention]\nnvme = 0\nobject = 1\n').start()
+    with ckpt.Checkpointer(job="o", address=node.address) as c:
+        c.save_async({"w": torch.ones(4)}, step=1).wait("object", timeout=60)
+        assert node.cli("pin", "--job", "o", "--step", "1").returncode == 0
+        for step in (2, 3):
+            c.save_async({"w": torch.ones(4) * step}, step=step).wait("object", timeout=60)
+    node.cli("gc")
+    assert sorted(p.name for p in (store / "o").iterdir()) == ["1", "3"]  # object = 1 keeps 3, the pin keeps 1
+
+    out = node.cli("rm", "--job", "o", "--step", "1")
+    assert out.returncode == 1 and "o step 1 is pinned" in out.stderr and "--force" in out.stderr
+    out = node.cli("rm", "--job", "o", "--step", "1", "--force", "--json")
+    assert out.returncode == 0, out.stderr
+    assert {r["tier"] for r in json.loads(out.stdout)} >= {"nvme", "object"}
+    assert sorted(p.name for p in (store / "o").iterdir()) == ["3"]
+    assert on_nvme(node, "o") == [2, 3]
+    assert retention(node, "o")["pinned"] == []  # the removed step's pin went with it
