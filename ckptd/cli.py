@@ -1,4 +1,4 @@
-"""The ckptd command: serve, status, ls, inspect, restore, verify, gc, export.
+"""The ckptd command: serve, status, ls, inspect, restore, verify, gc, pin, unpin, rm, export.
 
 Exit codes: 0 success, 1 failure (not found, verification failed, daemon
 error), 2 usage or config error. Output to a pipe whose reader left goes to /dev/null:
@@ -43,6 +43,8 @@ examples:
   ckptd verify --job llama-7b --tier object
   ckptd verify --job llama-7b --step 1200
   ckptd gc --dry-run
+  ckptd pin --job llama-7b --step 1200
+  ckptd rm --job llama-7b --step 1100
   ckptd export --job llama-7b --format dcp --to /mnt/export/llama-7b-dcp
 """
 
@@ -171,6 +173,48 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--job", help="only this job")
     s.add_argument("--all", action="store_true", help="with --job: remove the finished job from this node entirely")
     s.add_argument("--tier", choices=("object",), help="with --all: its steps in the object store too")
+
+    for name, verb in (("pin", "pin"), ("unpin", "unpin")):
+        s = command(
+            name,
+            parents=[common, daemon],
+            help="keep a step from retention on this node"
+            if name == "pin"
+            else "give a pinned step back to retention on this node",
+            description=(
+                "Pin a step complete on some tier of this node: retention never removes it from any tier of "
+                "this node, whatever [retention] keeps. Pins persist across restarts (under the node root)."
+                if name == "pin"
+                else "Unpin a step: retention treats it as any other step from its next pass "
+                "(after the job's next save, or `ckptd gc`)."
+            ),
+            epilog=_examples(f"ckptd {verb} --job llama-7b --step 1200"),
+        )
+        s.add_argument("--job", required=True, help="the job")
+        s.add_argument("--step", type=int, required=True, help="the step")
+        s.add_argument("--json", action="store_true", help='print {"job", "pinned": [steps]}')
+
+    s = command(
+        "rm",
+        parents=[common, daemon],
+        help="remove one step from every tier of this node",
+        description=(
+            "Remove one step from every tier of this node: NVMe, the replicas other nodes sent here, the object "
+            "store if one is configured, and its settled staging slots. Refused for the job's head (the newest "
+            "step of its line) unless --force, for a pinned step unless --force, and for a step being written, "
+            "replicated, uploaded or read (try again later). Other nodes' copies stay.\n\n"
+            "exit codes: 0 removed, 1 not found or refused, 2 usage"
+        ),
+        epilog=_examples(
+            "ckptd rm --job llama-7b --step 1100 --dry-run",
+            "ckptd rm --job llama-7b --step 1200 --force   # the job's head: its latest step goes back to 1100",
+        ),
+    )
+    s.add_argument("--job", required=True, help="the job")
+    s.add_argument("--step", type=int, required=True, help="the step to remove")
+    s.add_argument("--force", action="store_true", help="remove it even if it is the job's head or pinned")
+    s.add_argument("--dry-run", action="store_true", help="show what would be removed, remove nothing")
+    s.add_argument("--json", action="store_true", help="print one JSON list of removals")
     export.add_parser(command, common)
     return p
 
@@ -338,6 +382,7 @@ def cmd_ls(args: argparse.Namespace, config: Config) -> int:
             "tiers": list(s.tiers),
             "committed_at": s.committed_at or None,
             "superseded": s.superseded,
+            "pinned": s.pinned,
         }
         for s in found
     ]
@@ -354,7 +399,7 @@ def cmd_ls(args: argparse.Namespace, config: Config) -> int:
         size = human_size(s["size_bytes"])
         tiers = ",".join(s["tiers"]) or MIXED
         when, age = _committed(s["committed_at"], now)
-        superseded = "  superseded" if s["superseded"] else ""
+        superseded = ("  superseded" if s["superseded"] else "") + ("  pinned" if s["pinned"] else "")
         print(f"{s['job']:<{width}}  {s['step']:>10}  {s['world_size']:>5}  {size:>10}  {when:<19}  {age:>7}  "
               f"{tiers}{superseded}")  # fmt: skip
     return 0
@@ -437,14 +482,38 @@ def cmd_gc(args: argparse.Namespace, config: Config) -> int:
         raise InvalidArgument("--all needs --job J, and --tier object needs --all")
     request = pb.CollectRequest(dry_run=args.dry_run, job=args.job or "", all=args.all, object=args.tier == "object")
     reply = _client(args, config).call("Collect", request)
-    if args.json:
-        print(json.dumps([{"tier": r.tier, "job": r.job, "step": r.step, "reason": r.reason} for r in reply.removals]))
-        return 0
-    verb = "would remove" if args.dry_run else "removed"
-    for r in reply.removals:
+    _print_removals(reply.removals, args.dry_run, args.json)
+    return 0
+
+
+def _print_removals(removals: Any, dry_run: bool, as_json: bool) -> None:
+    """Print gc's and rm's removals: a line each ("removed TIER JOB step N: why"), or one JSON list."""
+    if as_json:
+        print(json.dumps([{"tier": r.tier, "job": r.job, "step": r.step, "reason": r.reason} for r in removals]))
+        return
+    verb = "would remove" if dry_run else "removed"
+    for r in removals:
         print(f"{verb} {r.tier} {r.job} step {r.step}: {r.reason}")
-    if not reply.removals:
+    if not removals:
         print("nothing to remove")
+
+
+def cmd_pin(args: argparse.Namespace, config: Config) -> int:
+    job, step = validate_job(args.job), validate_step(args.step)
+    pin = args.command == "pin"
+    pinned = list(_client(args, config).call("Pin", pb.PinRequest(job=job, step=step, pin=pin)).pinned)
+    if args.json:
+        print(json.dumps({"job": job, "pinned": pinned}))
+        return 0
+    print(f"{'pinned' if pin else 'unpinned'} {job} step {step}; pinned steps of {job}: "
+          f"{', '.join(map(str, pinned)) or 'none'}")  # fmt: skip
+    return 0
+
+
+def cmd_rm(args: argparse.Namespace, config: Config) -> int:
+    job, step = validate_job(args.job), validate_step(args.step)
+    request = pb.RemoveStepRequest(job=job, step=step, force=args.force, dry_run=args.dry_run)
+    _print_removals(_client(args, config).call("RemoveStep", request).removals, args.dry_run, args.json)
     return 0
 
 
@@ -462,5 +531,8 @@ COMMANDS = {
     "restore": cmd_restore,
     "verify": cmd_verify,
     "gc": cmd_gc,
+    "pin": cmd_pin,
+    "unpin": cmd_pin,
+    "rm": cmd_rm,
     "export": export.cmd_export,
 }

@@ -14,6 +14,8 @@ from pathlib import Path
 from typing import Any
 
 import fsspec
+from ckpt.errors import InvalidArgument
+from ckpt.format import validate_job
 from ckpt.transport import default_socket_path
 
 from ckptd.addresses import dialled_names, endpoints_or_none, host_of, is_host_port, peer_endpoints
@@ -79,10 +81,20 @@ class ObjectConfig:
 
 
 @dataclass(frozen=True)
+class JobRetentionConfig:
+    """One job's [retention.jobs.<job>] table: unset keys fall back to [retention]."""
+
+    keep: int | None = None  # newest complete steps of the job's line kept on NVMe and the replica store
+    keep_every: int | None = None  # also keep every step of the line that is a multiple of it; 0 = none
+
+
+@dataclass(frozen=True)
 class RetentionConfig:
     nvme: int = 3
     peer: int = 3
     object: int = 0
+    keep_every: int = 0  # every tier also keeps the steps of a job's line that are multiples of it; 0 = none
+    jobs: dict[str, JobRetentionConfig] = field(default_factory=dict)  # [retention.jobs.<job>], by job
 
 
 @dataclass(frozen=True)
@@ -214,6 +226,8 @@ def _build(raw: dict[str, dict[str, Any]]) -> Config:
             if key not in known:
                 raise ConfigError(f"unknown config key {section}.{key}")
             values[key] = _check_type(f"{section}.{key}", known[key], value)
+        if section == "retention" and "jobs" in values:
+            values["jobs"] = _job_retention(values["jobs"])
         sections[section] = cls(**values)
     config = Config(**sections)
     _check_values(config)
@@ -238,6 +252,29 @@ def _check_type(name: str, f: dataclasses.Field[Any], value: Any) -> Any:
     elif isinstance(default, dict) and not isinstance(value, dict):
         raise ConfigError(f"config key {name} must be a table, not {value!r}")
     return value
+
+
+def _job_retention(tables: dict[str, Any]) -> dict[str, JobRetentionConfig]:
+    """Return the [retention.jobs.<job>] tables, each job name and key checked (an unknown key is an error)."""
+    found = {}
+    known = {f.name for f in dataclasses.fields(JobRetentionConfig)}
+    for job, table in tables.items():
+        name = f"retention.jobs.{job}"
+        try:
+            validate_job(job)
+        except InvalidArgument as e:
+            raise ConfigError(f"config key {name}: {e}") from None
+        if not isinstance(table, dict):
+            raise ConfigError(f"config key {name} must be a table, not {table!r}")
+        for key, value in table.items():
+            if key not in known:
+                raise ConfigError(f"unknown config key {name}.{key}")
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ConfigError(f"config key {name}.{key} must be an integer, not {value!r}")
+            if value < 0:
+                raise ConfigError(f"config key {name}.{key}: must be 0 or positive")
+        found[job] = JobRetentionConfig(**table)
+    return found
 
 
 def parse_cpus(text: str) -> set[int]:
@@ -278,6 +315,7 @@ def _check_values(c: Config) -> None:
     require(c.object.compression in ("none", "zstd"), "object.compression", "must be none or zstd")
     for tier in ("nvme", "peer", "object"):
         require(getattr(c.retention, tier) >= 0, f"retention.{tier}", "must be 0 (keep all) or positive")
+    require(c.retention.keep_every >= 0, "retention.keep_every", "must be 0 (none) or a number of steps")
     for key, value in (("node.listen", c.node.listen), ("metrics.listen", c.metrics.listen)):
         require(value == "" or is_host_port(value), key, f"must be host:port, not {value!r}")
     for address in c.peer.addresses:

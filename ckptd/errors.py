@@ -49,3 +49,8 @@ class MixedLines(CheckpointError):
             f"{job} step {step} is never complete: its ranks' shards continue different lines of the job ({shown}); "
             "every rank must load the same step (or none) before its next save"
         )
+
+
+class RemovalRefused(CheckpointError):
+    """`ckptd rm` will not remove the step: a role is busy with it, or it is the job's head or pinned (without
+    --force). The message says which, and what to do."""

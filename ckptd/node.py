@@ -27,6 +27,7 @@ from ckptd.load.locate import Locator
 from ckptd.load.sharded_reads import ShardedReads
 from ckptd.operations import root_identity
 from ckptd.operations.idle_release import IdleRelease
+from ckptd.operations.job_retention import JobRetention
 from ckptd.operations.retention import BusySteps, RetentionRunner, lowest_priority
 from ckptd.operations.status import StatusReport
 from ckptd.pipeline import Pipeline
@@ -140,7 +141,11 @@ class Node:
         if self.view is not None and config.peer.replicas:
             replication = Replication([], config.peer.replicas, replication_changed, x.replicate, x.replicate_streams)
         self.receiver = ReplicaReceiver(replica_store, x.peer, x.receive)
-        self.peering = Peering(config, self.view, self.nvme, replica_store, peer_tier, replication, instance, x.peer)
+        self.job_retention = JobRetention(config, x.save)  # each job's settings and pins, read at start()
+        self.peering = Peering(
+            config, self.view, self.nvme, replica_store, peer_tier, replication, instance, x.peer,
+            lambda job, tier: self.job_retention.effective(job).keep[tier],
+        )  # fmt: skip
         cluster = ClusterSteps(
             self.view, peer_tier, self.nvme, self.peering.local_holdings, lambda: self.peering.replicas, x.peer, x.fetch
         )
@@ -157,8 +162,9 @@ class Node:
         if uploader is not None:
             holders.append(uploader)
         self.retention = RetentionRunner(
-            config, self.durable_tiers, object_tier, self.peering, holders, x.object, x.cleanup, uploader
-        )
+            config, self.durable_tiers, object_tier, self.peering, holders, x.object, x.cleanup,
+            self.job_retention, uploader,
+        )  # fmt: skip
         save_path = SavePath(
             self.pool, flusher, self.nvme, self.durable_tiers, self.peering, uploader,
             self.progress, self.retention, self.view, x.save, x.peer,
@@ -170,11 +176,12 @@ class Node:
         self.idle_release = IdleRelease(self.pool, self.nvme, config.staging.idle_ttl_s, x.cleanup)
         self.report = StatusReport(
             config, self.pool, memory, self.nvme, flusher, save_path,
-            self.progress, self.peering, self.view, uploader, self.retention,
+            self.progress, self.peering, self.view, uploader, self.retention, self.job_retention,
         )  # fmt: skip
         self.pipeline = Pipeline(
             self.pool, save_path, self.progress, self.locator, ShardedReads(self.locator, cluster), self.peering,
-            self.receiver, self.retention, self.idle_release, self.report, self.view, instance, x.peer,
+            self.receiver, self.retention, self.job_retention, self.idle_release, self.report, self.view, instance,
+            x.peer,
         )  # fmt: skip
         self._background: list[asyncio.Task[None]] = []
         self.root_id = ""  # the NVMe root's identity, read at start()
@@ -214,6 +221,7 @@ class Node:
         self.config.root.mkdir(parents=True, exist_ok=True)
         self.config.replica_root.mkdir(exist_ok=True)
         self.root_id = root_identity.claim(self.config.root, self.config.staging_dir)
+        self.job_retention.load()  # before any retention pass: pins and the clients' settings of the last run
         for tier in self.durable_tiers:
             for path in tier.remove_leftovers():
                 log.info("removed leftover %s from tier %s", path, tier.name)

@@ -11,6 +11,7 @@ status report.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -27,6 +28,7 @@ from ckptd.cluster.view import ClusterView
 from ckptd.load.locate import Located, Locator
 from ckptd.load.sharded_reads import ShardedReads
 from ckptd.operations.idle_release import IdleRelease
+from ckptd.operations.job_retention import ClientRetention, JobRetention
 from ckptd.operations.retention import RETAINED_TIERS, Removal, RetentionRunner
 from ckptd.operations.status import StatusReport
 from ckptd.replication.peering import Peering
@@ -50,6 +52,7 @@ class Pipeline:
         peering: Peering,
         receiver: ReplicaReceiver,
         retention: RetentionRunner,
+        job_retention: JobRetention,
         idle_release: IdleRelease,
         report: StatusReport,
         view: ClusterView | None,
@@ -65,6 +68,7 @@ class Pipeline:
         self._peering = peering
         self._receiver = receiver
         self._retention = retention
+        self._job_retention = job_retention
         self._idle_release = idle_release
         self._report = report
         self._view = view
@@ -115,8 +119,9 @@ class Pipeline:
         return self._sharded_reads.read_shard(job, step, rank, ranges)
 
     async def list_steps(self, job: str = "", newest: bool = False) -> list[StepInfo]:
-        """Return every complete step on any tier, as the cluster sees it (newest: only a job's newest)."""
-        return await self._locator.list_steps(job, newest)
+        """Return every complete step on any tier, as the cluster sees it (newest: only a job's head), pins marked."""
+        steps = await self._locator.list_steps(job, newest)
+        return [dataclasses.replace(s, pinned=s.step in self._job_retention.pinned(s.job)) for s in steps]
 
     # -- operations -------------------------------------------------------------------------
 
@@ -132,6 +137,23 @@ class Pipeline:
         """Apply retention on every tier (`ckptd gc`), or report what it would remove."""
         return await self._retention.collect(dry_run=dry_run, job=job, tiers=RETAINED_TIERS)
 
+    async def remove_step(self, job: str, step: int, force: bool, dry_run: bool) -> list[Removal]:
+        """Remove one step from every tier of this node (`ckptd rm`): its durable copies, then its settled slots."""
+        removals = await self._retention.remove_step(job, step, force, dry_run)  # refuses, or raises NotFound
+        slots = self._pool.drop_step(job, step, dry_run)  # no await between: nothing took them meanwhile
+        removals += [Removal("memory", job, step, f"rank {s.rank}'s staging slot") for s in slots]
+        if slots and not dry_run:
+            await self._pool.changed()
+        return removals
+
+    async def pin(self, job: str, step: int, pinned: bool) -> list[int]:
+        """Pin a step complete on this node (never removed by retention) or unpin it; return the job's pins."""
+        return await self._retention.pin(job, step, pinned)
+
+    async def client_retention(self, job: str, asked: ClientRetention) -> None:
+        """Take the retention a job's client asks for (Reserve)."""
+        await self._job_retention.client_asked(job, asked)
+
     async def remove_job(self, job: str, dry_run: bool, object_too: bool) -> list[Removal]:
         """Remove a finished job from this node (`ckptd gc --job J --all`): its slots, then its steps."""
         receiving = sorted({step for j, step in self._receiver.busy_steps() if j == job})
@@ -143,6 +165,7 @@ class Pipeline:
         removals += await self._retention.remove_job(job, dry_run, tiers)
         if not dry_run:  # `status` and /metrics stop reporting its newest steps there, nor the cluster view
             self._progress.newest.forget(job, ("memory", *tiers))
+            await self._job_retention.forget(job)  # its pins and its client's settings
             if self._view is not None:
                 await self._view.forget_job(job)
         return removals

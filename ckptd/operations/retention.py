@@ -11,14 +11,17 @@ import contextlib
 import logging
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from ckpt.errors import CheckpointError
+from ckpt.errors import CheckpointError, NotFound
+from ckpt.history import History, Line
 
 from ckptd.config import Config
+from ckptd.errors import RemovalRefused
+from ckptd.operations.job_retention import JobRetention
 from ckptd.replication.peering import Peering
 from ckptd.save.uploading import Uploader
 from ckptd.tiers.base import DurableTier
@@ -27,30 +30,52 @@ from ckptd.tiers.object.tier import ObjectTier
 log = logging.getLogger(__name__)
 
 RETAINED_TIERS = ("nvme", "peer", "object")  # the tiers [retention] applies to
+STEPS_NAMED = 10  # a NotFound names at most this many of the job's steps (as a load's does)
 
 
-def plan_removals(all_steps: list[int], complete_steps: list[int], keep: int, busy: set[int]) -> list[tuple[int, str]]:
-    """Return (step, reason) for each step to remove from a tier, oldest first.
+def plan_removals(
+    all_steps: Iterable[int],
+    lines: Mapping[int, Line],
+    keep: int,
+    busy: Collection[int],
+    keep_every: int = 0,
+    pinned: Collection[int] = (),
+) -> list[tuple[int, str]]:
+    """Return (step, reason) for each step to remove from a tier, in the order to remove them.
 
-    keep is the number of newest complete steps to keep (0 keeps all). An
-    incomplete step older than the newest complete one can no longer complete
-    unless a shard of it is still being written. A busy step is never removed
-    (being written, read by a load, or not yet on a slower tier), nor is the
-    newest complete step.
+    lines: the line of each complete step on the tier (ckpt.history). The job's line
+    orders them: first the superseded steps (off the line), oldest first; then the steps
+    of the line older than its newest `keep` (0 keeps every complete step, superseded
+    ones too), except those that are multiples of keep_every (0: none); then the
+    incomplete steps older than the head (the newest step of the line), which can no
+    longer complete unless a shard of them is still being written. Never removed: the
+    head, a busy step (being written, read by a load, or not yet on a slower tier), a
+    pinned one (`ckptd pin`). Steps saved before lines existed are all on the first
+    line: for them this is the newest `keep` by number, as before lines.
     """
-    complete = sorted(complete_steps)
-    removals: dict[int, str] = {}
+    history = History.of(lines)
+    spared = set(busy) | set(pinned)
+    removals: list[tuple[int, str]] = []
+    if history.head is None:
+        return removals
     if keep > 0:
-        for step in complete[:-keep]:
-            if step not in busy:
-                removals[step] = f"older than the newest {keep} complete steps"
-    if complete:
-        newest = complete[-1]
-        for step in all_steps:
-            if step < newest and step not in complete and step not in busy:
-                removals[step] = "incomplete, and older than the newest complete step"
-        removals.pop(newest, None)
-    return sorted(removals.items())
+        removals += [
+            (step, f"superseded: off the job's line (its head is step {history.head})")
+            for step in history.superseded
+            if step not in spared
+        ]
+        multiples = {s for s in history.in_line if keep_every and s % keep_every == 0}
+        removals += [
+            (step, f"older than the newest {keep} complete steps")  # of the line; as worded before lines
+            for step in history.in_line[:-keep]
+            if step not in spared and step not in multiples
+        ]
+    removals += [
+        (step, "incomplete, and older than the newest complete step")
+        for step in sorted(all_steps)
+        if step < history.head and step not in lines and step not in spared
+    ]
+    return [(step, reason) for step, reason in removals if step != history.head]
 
 
 class BusySteps(Protocol):
@@ -89,11 +114,13 @@ class RetentionRunner:
         holders: list[BusySteps],
         object_threads: ThreadPoolExecutor,
         cleanup_thread: ThreadPoolExecutor,
+        job_retention: JobRetention,
         uploader: Uploader | None = None,
     ) -> None:
         """object_threads: queries and removals in the object store; cleanup_thread: one thread, started with
-        lowest_priority as its initializer, for local removals."""
+        lowest_priority as its initializer, for local removals; job_retention: each job's settings and pins."""
         self.config = config
+        self.job_retention = job_retention
         self.durable_tiers = durable_tiers
         self.object_tier = object_tier
         self.peering = peering
@@ -150,7 +177,6 @@ class RetentionRunner:
         loop = asyncio.get_running_loop()
         removals: list[Removal] = []
         for tier in [t for t in self.durable_tiers if t.name in tiers]:
-            keep = getattr(self.config.retention, tier.name) if keep_newest else 0
             if not dry_run:
                 await loop.run_in_executor(self.cleanup_thread, tier.retry_removals)
             for j in [job] if job else await loop.run_in_executor(self.cleanup_thread, tier.jobs):
@@ -159,8 +185,16 @@ class RetentionRunner:
                 await self.peering.adopt_missed_commits(tier, j)
                 steps = await loop.run_in_executor(self.cleanup_thread, _steps_of, tier, j)
                 busy = self.busy_steps()  # now, after the awaits above
-                all_steps, complete, damaged = steps
-                plan = plan_removals(all_steps, complete, keep, {s for bj, s in busy if bj == j} | damaged)
+                policy = self.job_retention.effective(j)  # pins change only under this pass's lock
+                all_steps, lines, damaged = steps
+                plan = plan_removals(
+                    all_steps,
+                    lines,
+                    policy.keep[tier.name] if keep_newest else 0,
+                    {s for bj, s in busy if bj == j} | damaged,
+                    policy.keep_every,
+                    policy.pinned,
+                )
                 for step, reason in plan:
                     if not dry_run and (j, step) in self.busy_steps():
                         continue  # taken meanwhile, while an earlier step was being removed (a load pointed at it)
@@ -177,16 +211,18 @@ class RetentionRunner:
         tier = self.object_tier
         assert tier is not None
         removals = []
-        keep = self.config.retention.object if keep_newest else 0
         for j in [job] if job else tier.jobs():
-            complete = tier.complete_steps(j)
+            policy = self.job_retention.effective(j)  # read only here; changed on the event loop, under the pass's lock
+            lines = tier.complete_lines(j)
             plan = plan_removals(
                 all_steps=tier.all_steps(j, scan=unfinished_uploads),  # gc: what crashes left under the hash prefixes
-                complete_steps=complete,
-                keep=keep,
+                lines=lines,
+                keep=policy.keep["object"] if keep_newest else 0,
                 busy={s for bj, s in busy if bj == j} | set(tier.damaged_steps(j)),
+                keep_every=policy.keep_every,
+                pinned=policy.pinned,
             )
-            plan = [(step, reason) for step, reason in plan if unfinished_uploads or step in complete]
+            plan = [(step, reason) for step, reason in plan if unfinished_uploads or step in lines]
             for step, reason in plan:
                 removals.append(Removal(tier.name, j, step, reason))
                 if not dry_run:
@@ -227,6 +263,91 @@ class RetentionRunner:
             log.info("removed job %s from %s: %d steps", job, ", ".join(tiers), len(removals))
         return removals
 
+    async def remove_step(self, job: str, step: int, force: bool, dry_run: bool) -> list[Removal]:
+        """Remove one step from every durable tier of this node that has any of it (`ckptd rm`).
+
+        Refused (RemovalRefused) while a role is busy with the step, for the job's head (the
+        newest step of its line on this node) and for a pinned step, unless force (never a
+        busy one); NotFound names the job's steps here when no tier has it. The pin of a
+        removed step goes too. One pass at a time: under the lock of every pass.
+        """
+        async with self._lock:
+            held = await self._holding(job)
+            steps = {s for on_tier, _ in held.values() for s in on_tier}
+            if step not in steps:
+                raise _not_here(job, step, steps, "on no tier of this node")
+            if (job, step) in self.busy_steps():
+                raise RemovalRefused(
+                    f"{job} step {step} is in use on this node (being written, replicated or uploaded, or "
+                    "pointed at by a load in the last 10 minutes): try again later"
+                )
+            lines = {s: line for _, tier_lines in held.values() for s, line in tier_lines.items()}
+            head = History.of(lines).head
+            pinned = step in self.job_retention.pinned(job)
+            if step == head and not force:
+                raise RemovalRefused(
+                    f"{job} step {step} is the job's head (the newest step of its line): the job's next load of "
+                    f"its latest step would go back to an older one; pass --force to remove it anyway"
+                )
+            if pinned and not force:
+                raise RemovalRefused(
+                    f"{job} step {step} is pinned: unpin it first (ckptd unpin --job {job} --step {step}), "
+                    "or pass --force"
+                )
+            reason = "removed by ckptd rm" + (" --force (the job's head)" if step == head else "")
+            removals: list[Removal] = []
+            loop = asyncio.get_running_loop()
+            tiers: list[DurableTier | ObjectTier] = [*self.durable_tiers]
+            if self.object_tier is not None:
+                tiers.append(self.object_tier)
+            for tier in [t for t in tiers if step in held[t.name][0]]:
+                removals.append(Removal(tier.name, job, step, reason))
+                if dry_run:
+                    continue
+                if isinstance(tier, ObjectTier):  # requests to the store
+                    await self._on_object_threads(tier.remove_step, job, step)
+                else:
+                    await loop.run_in_executor(self.cleanup_thread, tier.remove_step, job, step)
+                log.info("removed %s step %d from %s: %s", job, step, tier.name, reason)
+            if pinned and not dry_run:
+                await self.job_retention.set_pin(job, step, False)
+            return removals
+
+    async def pin(self, job: str, step: int, pinned: bool) -> list[int]:
+        """Pin a step complete on some tier of this node (else NotFound), or unpin one; return the job's pins.
+
+        Under the lock of every pass: a pass under way ends before the pin counts, and none
+        removes the step after this returns.
+        """
+        async with self._lock:
+            if pinned:
+                held = await self._holding(job, in_store=False)  # this node's disks first: the store may be away
+                complete = {s for _, lines in held.values() for s in lines}
+                if step not in complete and self.object_tier is not None:
+                    complete |= set(await self._on_object_threads(self.object_tier.complete_lines, job))
+                if step not in complete:
+                    raise _not_here(job, step, complete, "not complete on any tier of this node", "complete ")
+            return sorted(await self.job_retention.set_pin(job, step, pinned))
+
+    async def _holding(self, job: str, in_store: bool = True) -> dict[str, tuple[list[int], dict[int, Line]]]:
+        """Return, by tier of this node, (every step of the job there, the line of each complete one).
+
+        in_store: the object store too, if one is configured (a store that does not answer raises CheckpointError).
+        """
+        loop = asyncio.get_running_loop()
+        held = {}
+        for tier in self.durable_tiers:
+            every, lines, _ = await loop.run_in_executor(self.cleanup_thread, _steps_of, tier, job)
+            held[tier.name] = (every, lines)
+        if in_store and self.object_tier is not None:
+            store = self.object_tier
+
+            def listed() -> tuple[list[int], dict[int, Line]]:
+                return store.all_steps(job), store.complete_lines(job)
+
+            held[store.name] = await self._on_object_threads(listed)
+        return held
+
     def removal_failures(self) -> int:
         """Return how many step removals failed on this node's disks since start (each is retried)."""
         return sum(t.removal_failures for t in self.durable_tiers)
@@ -240,9 +361,19 @@ class RetentionRunner:
         return await asyncio.get_running_loop().run_in_executor(self._object_threads, fn, *args)
 
 
-def _steps_of(tier: DurableTier, job: str) -> tuple[list[int], list[int], set[int]]:
-    """Return (every step, complete steps, damaged steps) of a job on a tier (reads the disk)."""
-    return tier.all_steps(job), tier.complete_steps(job), set(tier.damaged_steps(job))
+def _not_here(job: str, step: int, steps: Collection[int], why: str, kind: str = "") -> NotFound:
+    """Return the NotFound of `ckptd rm` and `ckptd pin` for a step this node lacks, naming the job's steps here."""
+    if not steps:
+        return NotFound(f"{job} step {step} is {why}: job {job} has no {kind}step here")
+    newest = sorted(steps, reverse=True)[:STEPS_NAMED]
+    count = f"all {len(steps)}" if len(steps) <= STEPS_NAMED else f"the newest {STEPS_NAMED} of {len(steps)}"
+    named = ", ".join(map(str, newest))
+    return NotFound(f"{job} step {step} is {why}; job {job}'s {kind}steps here, newest first ({count}): {named}")
+
+
+def _steps_of(tier: DurableTier, job: str) -> tuple[list[int], dict[int, Line], set[int]]:
+    """Return (every step, the line of each complete step, damaged steps) of a job on a tier (reads the disk)."""
+    return tier.all_steps(job), tier.complete_lines(job), set(tier.damaged_steps(job))
 
 
 def lowest_priority() -> None:

@@ -1,7 +1,8 @@
 """The status document of `ckptd status --json` and the /metrics page built from it.
 
 Called on the event loop: the Status RPC awaits document(), which lists the jobs on
-each tier on a worker thread, then adds what snapshot() reads from memory; a /metrics
+each tier on a worker thread, then adds what snapshot() reads from memory and each
+job's retention (JobRetention.describe, from memory); a /metrics
 scrape awaits metrics_page(), which takes snapshot() alone and renders it on a worker
 thread, so a scrape touches no disk and keeps the event loop for a moment only. The
 newest complete step of each job on NVMe is learnt once at start (seed(), on a worker
@@ -21,6 +22,7 @@ from ckptd import __version__
 from ckptd.cluster.view import ClusterView
 from ckptd.config import Config
 from ckptd.operations import metrics
+from ckptd.operations.job_retention import JobRetention
 from ckptd.operations.retention import RetentionRunner
 from ckptd.replication.peering import Peering
 from ckptd.save.flush import Flusher
@@ -51,6 +53,7 @@ class StatusReport:
         view: ClusterView | None,
         uploader: Uploader | None,
         retention: RetentionRunner,
+        job_retention: JobRetention,
     ) -> None:
         self.config = config
         self.pool = pool
@@ -63,6 +66,7 @@ class StatusReport:
         self.view = view
         self.uploader = uploader
         self.retention = retention
+        self.job_retention = job_retention
         self.started_unix_s = time.time()
         self.verification_failures: Counter[str] = Counter()  # by tier: a bad byte caught on its way
         self.replica_bytes_received = 0
@@ -113,6 +117,7 @@ class StatusReport:
         found = self.snapshot()
         found["tiers"]["memory"]["jobs"] = memory_jobs
         found["tiers"]["nvme"]["jobs"] = nvme_jobs
+        found["retention"] = self.job_retention.describe(nvme_jobs)  # job -> what retention keeps of it here
         return found
 
     async def metrics_page(self) -> str:

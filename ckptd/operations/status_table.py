@@ -2,7 +2,8 @@
 
 cmd_status (cli.py) calls status_lines() with the whole document, on the CLI's only thread;
 it renders the newest complete step of each job on each tier with newest_steps_table(), the
-steps passed over with passed_over_lines() and the cluster view with cluster_line(). Ages
+steps passed over with passed_over_lines(), each job's retention with retention_lines() and
+the cluster view with cluster_line(). Ages
 come from the daemon, measured when it answered, so the table does not depend on the clock
 of whoever reads it. Sizes are in KiB, MiB, GiB (human_size, also `ls`'s and restore's);
 no line shows a Python dict.
@@ -65,6 +66,18 @@ def passed_over_lines(passed_over: Mapping[str, Mapping[str, int]], flush_every:
     ]
 
 
+def retention_lines(retention: Mapping[str, Mapping[str, Any]]) -> list[str]:
+    """Return one line per job on what retention keeps of it here: the newest steps by tier, multiples, pins."""
+    lines = []
+    for job, r in retention.items():
+        keep = ", ".join(f"{tier} {n or 'all'}" for tier, n in r["keep"].items())
+        every = f"every multiple of {r['keep_every']}" if r["keep_every"] else "no multiples"
+        pinned = ", ".join(map(str, r["pinned"])) or "none"
+        source = ", ".join(f"{name} from {where}" for name, where in r["from"].items())
+        lines.append(f"retention {job}: newest {keep}; {every}; pinned {pinned} ({source})")
+    return lines
+
+
 def cluster_line(cluster: Mapping[str, Any]) -> str:
     """Return `ckptd status`'s line on the cluster view: its backend, whether it answers, what waits."""
     backend = cluster.get("backend", "none")
@@ -116,6 +129,7 @@ def status_lines(doc: Mapping[str, Any]) -> list[str]:
         lines.append("object tier off (no [object] url)")
     lines += newest_steps_table(doc["newest_complete"])
     lines += passed_over_lines(doc.get("passed_over", {}), tiers["nvme"].get("flush_every", 0))
+    lines += retention_lines(doc.get("retention", {}))
     lines += [f"error       {err['tier']}: {err['error']}" for err in doc["recent_errors"]]
     return lines
 

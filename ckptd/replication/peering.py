@@ -50,13 +50,16 @@ class Peering:
         replication: Replication | None,
         instance: str,
         threads: ThreadPoolExecutor,
+        keep_of: Callable[[str, str], int] | None = None,
     ) -> None:
         """peer_tier: wherever a cluster view is (peers may come later); replication: where [peer] replicas > 0.
 
         instance: this daemon's run (calls that carry it have come back to it). threads: the
-        peer threads, for short tier work.
+        peer threads, for short tier work. keep_of(job, tier): the newest steps retention keeps
+        of a job on a tier (JobRetention's, on the event loop); default [retention]'s.
         """
         self.config = config
+        self._keep_of = keep_of or (lambda job, tier: int(getattr(config.retention, tier)))
         self.nvme = nvme
         self.replica_store = replica_store
         self.node = config.node.listen or config.node.name
@@ -243,15 +246,15 @@ class Peering:
         return self.replicating_steps()
 
     def replicating_steps(self) -> set[tuple[str, int]]:
-        """Return the steps whose replicas are still on their way, among those [retention] peer keeps.
+        """Return the steps whose replicas are still on their way, among those the peers keep of the job (keep_of).
 
-        At most twice [retention] nvme steps per job: a peer that stays down must not fill the disk.
+        At most twice the job's NVMe keep per job: a peer that stays down must not fill the disk.
         """
         if self.replication is None:
             return set()
-        limit = 2 * self.config.retention.nvme
 
         def within(key: ShardKey) -> bool:
+            limit = 2 * self._keep_of(key.job, "nvme")
             complete = self._nvme_complete.get(key.job)
             if complete is None:  # not listed yet: kept until the next reconciliation says
                 return True
@@ -260,8 +263,8 @@ class Peering:
         return {(k.job, k.step) for k in self.replication.pending() if self._kept(k) and within(k)}
 
     def _kept(self, key: ShardKey) -> bool:
-        """Say whether the peers keep a shard's step under [retention] peer (else it is not sent again)."""
-        keep = self.config.retention.peer
+        """Say whether the peers keep a shard's step under the job's peer keep (else it is not sent again)."""
+        keep = self._keep_of(key.job, "peer")
         complete = self._nvme_complete.get(key.job)
         if complete is None:  # not listed yet: kept until the next reconciliation says
             return True

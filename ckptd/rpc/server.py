@@ -17,7 +17,9 @@ from ckpt.wire.v1 import ckptd_pb2_grpc
 from google.protobuf.message import DecodeError
 
 from ckptd.byte_range import ByteRange
-from ckptd.errors import AlreadyHeld, ReceiverBusy, StepAlreadyComplete
+from ckptd.errors import AlreadyHeld, ReceiverBusy, RemovalRefused, StepAlreadyComplete
+from ckptd.operations.job_retention import ClientRetention
+from ckptd.operations.retention import Removal
 from ckptd.pipeline import Pipeline
 from ckptd.rpc.guard import NotAPeer, RequestGuard
 from ckptd.rpc.peer_link import IsSelf
@@ -47,7 +49,7 @@ async def answer(context: grpc.aio.ServicerContext, work: Callable[[], Awaitable
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, _details(f"malformed message: {e}"))
     except NotFound as e:
         await context.abort(grpc.StatusCode.NOT_FOUND, _details(e))
-    except (ReservationLost, IsSelf, StepAlreadyComplete) as e:
+    except (ReservationLost, IsSelf, StepAlreadyComplete, RemovalRefused) as e:
         await context.abort(grpc.StatusCode.FAILED_PRECONDITION, _details(e))
     except NotAPeer as e:
         await context.abort(grpc.StatusCode.PERMISSION_DENIED, _details(e))
@@ -81,6 +83,12 @@ def _details(error: object) -> str:
     return encoded[:MAX_DETAILS_BYTES].decode(errors="ignore") + f"... ({len(encoded)} bytes in all)"
 
 
+def _collect_reply(removals: list[Removal]) -> pb.CollectReply:
+    return pb.CollectReply(
+        removals=[pb.Removal(tier=r.tier, job=r.job, step=r.step, reason=r.reason) for r in removals]
+    )
+
+
 class CkptdServicer(ckptd_pb2_grpc.CkptdServicer):
     """Serve the local-client protocol of ckpt/wire/v1/ckptd.proto."""
 
@@ -91,6 +99,15 @@ class CkptdServicer(ckptd_pb2_grpc.CkptdServicer):
     async def Reserve(self, request: pb.ReserveRequest, context: Any) -> pb.ReserveReply:
         async def work() -> pb.ReserveReply:
             key = _shard_key(request.shard)
+            if request.HasField("retention"):  # the job's own retention (Checkpointer keep=, keep_every=)
+                wanted = request.retention
+                await self.pipeline.client_retention(
+                    key.job,
+                    ClientRetention(
+                        wanted.keep if wanted.HasField("keep") else None,
+                        wanted.keep_every if wanted.HasField("keep_every") else None,
+                    ),
+                )
             if request.prepare:  # slots allocated ahead, no reservation: the client maps and pins them
                 free = await self.pipeline.prepare(key, request.size_bytes)
                 return pb.ReserveReply(
@@ -223,6 +240,7 @@ class CkptdServicer(ckptd_pb2_grpc.CkptdServicer):
                         tiers=s.tiers,
                         committed_at=s.committed_at,
                         superseded=s.superseded,
+                        pinned=s.pinned,
                     )
                     for s in steps
                 ]
@@ -245,8 +263,21 @@ class CkptdServicer(ckptd_pb2_grpc.CkptdServicer):
                 removals = await self.pipeline.remove_job(job, request.dry_run, request.object)
             else:
                 removals = await self.pipeline.collect(dry_run=request.dry_run, job=job)
-            return pb.CollectReply(
-                removals=[pb.Removal(tier=r.tier, job=r.job, step=r.step, reason=r.reason) for r in removals]
-            )
+            return _collect_reply(removals)
+
+        return await answer(context, work)
+
+    async def Pin(self, request: pb.PinRequest, context: Any) -> pb.PinReply:
+        async def work() -> pb.PinReply:
+            job, step = validate_job(request.job), validate_step(request.step)
+            return pb.PinReply(pinned=await self.pipeline.pin(job, step, request.pin))
+
+        return await answer(context, work)
+
+    async def RemoveStep(self, request: pb.RemoveStepRequest, context: Any) -> pb.CollectReply:
+        async def work() -> pb.CollectReply:
+            job, step = validate_job(request.job), validate_step(request.step)
+            removals = await self.pipeline.remove_step(job, step, request.force, request.dry_run)
+            return _collect_reply(removals)
 
         return await answer(context, work)

@@ -350,6 +350,18 @@ class SlotPool:
             slot.state = "settled"
             self._changed.notify_all()
 
+    def drop_step(self, job: str, step: int, dry_run: bool = False) -> list[Slot]:
+        """Drop the settled snapshots of a step (`ckptd rm`) and return their slots (event loop; changed() follows).
+
+        Only settled ones: a snapshot still to be flushed belongs to a save under way (its step is busy,
+        and rm refuses it). The slots stay, free for the rank's next saves.
+        """
+        held = [s for s in self.slots() if s.job == job and s.shard and s.shard.step == step and s.state == "settled"]
+        if not dry_run:
+            for slot in held:
+                self.pass_over(slot)
+        return held
+
     def drop_job(self, job: str) -> list[Slot]:
         """Forget every slot of a job and return them, for the caller to unlink (event loop)."""
         dropped = [s for key in [k for k in self._slots if k[0] == job] for s in self._slots.pop(key)]

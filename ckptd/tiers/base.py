@@ -16,6 +16,7 @@ from ckpt import shard_io
 from ckpt.chunks import check_chunks, chunk_digests
 from ckpt.errors import CorruptCheckpoint, NotFound
 from ckpt.format import CommitRecord, ShardMeta, chunk_ranges
+from ckpt.history import Line
 from ckpt.shard_io import ShardSource
 
 from ckptd.byte_range import ByteRange
@@ -60,6 +61,10 @@ class Tier(ABC):
             except NotFound:
                 continue  # removed since it was listed
         return records
+
+    def complete_lines(self, job: str) -> dict[int, Line]:
+        """Return the line of each complete step of the job (ckpt.history), oldest step first (retention, rm)."""
+        return {step: record.line for step, record in self.complete_records(job).items()}
 
     @abstractmethod
     def shard_source(self, job: str, step: int, rank: int) -> ShardSource:

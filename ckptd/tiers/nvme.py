@@ -88,6 +88,10 @@ class LocalDirTier(DurableTier):
         """Return the steps whose commit record is in place and checks; a damaged one is logged and left out."""
         return [s for s in self.all_steps(job) if self.checked_commit(job, s) is not None]
 
+    def complete_records(self, job: str) -> dict[int, CommitRecord]:
+        """Return each complete step's commit record (each parsed once, then kept while its file stays)."""
+        return {s: r for s in self.all_steps(job) if (r := self.checked_commit(job, s)) is not None}
+
     def checked_commit(self, job: str, step: int) -> CommitRecord | None:
         """Return the step's commit record if it is there and checks, else None (not complete here)."""
         record = self._commit_state(job, step)

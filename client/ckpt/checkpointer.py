@@ -160,9 +160,11 @@ class Checkpointer:
         copy_threads = options.pop("copy_threads", 2)
         self.run_id = str(options.pop("run_id", None) or _default_run_id())
         spill_bytes = options.pop("spill_bytes", None)
+        keep, keep_every = options.pop("keep", None), options.pop("keep_every", None)
         if options:
             raise InvalidArgument(
-                f"unknown Checkpointer options {sorted(options)}; known: copy_threads, run_id, spill_bytes"
+                f"unknown Checkpointer options {sorted(options)}; known: copy_threads, keep, keep_every, run_id, "
+                "spill_bytes"
             )
         if len(self.run_id) > 256:
             raise InvalidArgument("run_id is longer than 256 characters")
@@ -175,6 +177,7 @@ class Checkpointer:
                 f"spill_bytes must be None (a share of free GPU memory) or an integer >= 0, not {spill_bytes!r}"
             )
         self._spill_bytes: int | None = spill_bytes
+        self._retention = _job_retention(keep, keep_every)  # sent on every Reserve; None: the daemon's config
         self._daemon = DaemonClient(address)
         self._slots = SlotMappings()
         self._copy_threads = copy_threads
@@ -284,7 +287,7 @@ class Checkpointer:
         # The layout travels in the slot, after the data: megabytes for a large model never cross the socket.
         size_bytes = layout_offset(flat.data_size_bytes) + len(layout)
         asked = time.monotonic()
-        request = pb.ReserveRequest(shard=self._shard(step), size_bytes=size_bytes)
+        request = pb.ReserveRequest(shard=self._shard(step), size_bytes=size_bytes, retention=self._retention)
         if self._line is not None and self._last_step is not None:
             request.has_line, request.line, request.after = True, self._line, self._last_step
         reserved = self._daemon.call("Reserve", request, timeout_s=None)
@@ -544,6 +547,23 @@ def _gpu_of(arrays: list[Any]) -> int | None:
         if isinstance(array, torch.Tensor) and array.is_cuda:
             return array.device.index if array.device.index is not None else torch.cuda.current_device()
     return None
+
+
+def _job_retention(keep: Any, keep_every: Any) -> pb.JobRetention | None:
+    """Return the job's own retention for Reserve (only what was given), None if neither; check both first.
+
+    keep: the newest complete steps of the job's line the daemon keeps on NVMe and the replica store
+    (0: all); keep_every: it also keeps the steps that are multiples of it (0: none). Each overrides
+    the daemon's [retention.jobs.<job>] and [retention] for this job.
+    """
+    given = {}
+    for name, value in (("keep", keep), ("keep_every", keep_every)):
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**31:
+            raise InvalidArgument(f"{name} must be None (the daemon's config) or an integer >= 0, not {value!r}")
+        given[name] = value
+    return pb.JobRetention(**given) if given else None
 
 
 def _default_run_id() -> str:

@@ -69,6 +69,13 @@ def test_env_values_are_parsed_as_toml():
         ("", {"CKPTD_NVME__FLUSH_EVERY": "2.5"}, "nvme.flush_every must be an integer"),
         ("[nvme]\nevery = 2\n", {}, "nvme.every"),
         ('[cluster]\ncert = "/no/such.pem"\n', {}, "cluster.cert: set cluster.cert, cluster.key and cluster.ca"),
+        ("[retention]\nkeep_every = -1\n", {}, "retention.keep_every: must be 0"),
+        ("[retention.jobs.a]\nkeep = 2\nkep_every = 4\n", {}, "unknown config key retention.jobs.a.kep_every"),
+        ("[retention.jobs.a]\nkeep = -2\n", {}, "retention.jobs.a.keep: must be 0 or positive"),
+        ('[retention.jobs.a]\nkeep = "2"\n', {}, "retention.jobs.a.keep must be an integer"),
+        ('[retention.jobs."a/b"]\nkeep = 2\n', {}, "retention.jobs.a/b: invalid job name"),
+        ("[retention]\njobs = 3\n", {}, "retention.jobs must be a table"),
+        ("[retention]\njobs = {a = 3}\n", {}, "retention.jobs.a must be a table"),
     ],
 )
 def test_bad_config_names_the_key(tmp_path, toml, env, message):
@@ -181,3 +188,11 @@ def test_flush_every_defaults_to_the_newest_snapshot_winning_and_reads_a_cadence
     path.write_text("[nvme]\nflush_every = 10\n")
     assert load_config(str(path), env={}).nvme.flush_every == 10
     assert load_config(str(path), env={"CKPTD_NVME__FLUSH_EVERY": "1"}).nvme.flush_every == 1
+
+
+def test_a_jobs_retention_table_overrides_keys_it_sets(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text('[retention]\nnvme = 4\nkeep_every = 10\n[retention.jobs."llama.7b"]\nkeep_every = 1000\n')
+    c = load_config(str(path), env={})
+    assert c.retention.keep_every == 10 and c.retention.nvme == 4
+    assert c.retention.jobs["llama.7b"].keep_every == 1000 and c.retention.jobs["llama.7b"].keep is None

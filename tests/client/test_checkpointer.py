@@ -21,11 +21,32 @@ def test_job_rank_and_world_size_come_from_the_environment(monkeypatch):
         ({"job": "x", "copy_threads": 0}, "copy_threads"),
         ({"job": "x", "rank": 2, "world_size": 2}, "invalid rank"),
         ({"job": "x/y"}, "invalid job name"),
+        ({"job": "x", "keep": -1}, "keep must be None"),
+        ({"job": "x", "keep_every": "1000"}, "keep_every must be None"),
+        ({"job": "x", "keep": True}, "keep must be None"),
+        ({"job": "x", "keep": 2**31}, "keep must be None"),
     ],
 )
 def test_bad_arguments_are_clear_errors(kwargs, message):
     with pytest.raises(ckpt.InvalidArgument, match=message):
         ckpt.Checkpointer(address="/nonexistent.sock", **kwargs)
+
+
+@pytest.mark.parametrize(
+    "kwargs, sent",
+    [
+        ({}, None),
+        ({"keep": 0}, {"keep": 0}),
+        ({"keep_every": 1000}, {"keep_every": 1000}),
+        ({"keep": 3, "keep_every": 5}, {"keep": 3, "keep_every": 5}),
+    ],
+)
+def test_the_jobs_own_retention_carries_only_what_was_given(kwargs, sent):
+    with ckpt.Checkpointer(job="x", address="/nonexistent.sock", **kwargs) as c:
+        given = c._retention
+        assert (given is None) == (sent is None)
+        if given is not None:  # proto3 optional: an unset field is not a 0
+            assert {f.name: v for f, v in given.ListFields()} == sent
 
 
 def test_a_bad_rank_in_the_environment_is_named(monkeypatch):

@@ -289,7 +289,8 @@ def test_restore_works_with_no_daemon_running(daemon):
     [listed] = json.loads(r.stdout)
     committed_at = listed.pop("committed_at")
     assert listed == {
-        "job": "cold", "step": 1, "world_size": 1, "size_bytes": 128, "tiers": ["memory", "nvme"], "superseded": False
+        "job": "cold", "step": 1, "world_size": 1, "size_bytes": 128, "tiers": ["memory", "nvme"], "superseded": False,
+        "pinned": False
     }  # fmt: skip
     assert committed_at.endswith("Z") and committed_at[:4].isdigit()
     r = daemon.cli("restore", "--job", "cold", "--from", "nvme", "--to", str(daemon.base / "out"))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ckptd.operations.status_table import counter_lines, human_age, human_size, newest_steps_table
+from ckptd.operations.status_table import counter_lines, human_age, human_size, newest_steps_table, retention_lines
 
 
 @pytest.mark.parametrize(
@@ -66,4 +66,27 @@ def test_counters_show_byte_counts_for_people_and_a_line_per_group_not_a_dict():
     assert counter_lines(counters) == [
         "counters    saves 2, bytes_saved 1.0 GiB",
         "  verification_failures: memory 0, nvme 1",
+    ]
+
+
+def test_a_line_per_job_says_what_retention_keeps_and_where_it_came_from():
+    retention = {
+        "llama": {
+            "keep": {"nvme": 3, "peer": 3, "object": 0},
+            "keep_every": 1000,
+            "pinned": [1200, 1500],
+            "from": {"keep": "client", "keep_every": "config"},
+        },
+        "small": {
+            "keep": {"nvme": 3, "peer": 3, "object": 0},
+            "keep_every": 0,
+            "pinned": [],
+            "from": {"keep": "default", "keep_every": "default"},
+        },
+    }
+    assert retention_lines(retention) == [
+        "retention llama: newest nvme 3, peer 3, object all; every multiple of 1000; pinned 1200, 1500 "
+        "(keep from client, keep_every from config)",
+        "retention small: newest nvme 3, peer 3, object all; no multiples; pinned none "
+        "(keep from default, keep_every from default)",
     ]

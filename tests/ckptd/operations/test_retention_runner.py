@@ -1,0 +1,94 @@
+"""The retention runner on real step directories: passes follow the job's line and its pins; rm refuses what it must."""
+
+from __future__ import annotations
+
+import asyncio
+import mmap
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from ckpt.errors import NotFound
+from ckpt.format import CHUNK_SIZE_BYTES, ShardMeta
+
+from ckptd.config import Config, NodeConfig, RetentionConfig
+from ckptd.errors import RemovalRefused
+from ckptd.operations.job_retention import JobRetention
+from ckptd.operations.retention import RetentionRunner
+from ckptd.replication.peering import Peering
+from ckptd.tiers.nvme import LocalDirTier
+
+
+class Holder:
+    """A role that holds steps (BusySteps)."""
+
+    def __init__(self) -> None:
+        self.held: set[tuple[str, int]] = set()
+
+    def busy_steps(self) -> set[tuple[str, int]]:
+        return set(self.held)
+
+
+def seal_step(tier, step, line=()):
+    meta = ShardMeta("j", step, 0, 1, 4096, CHUNK_SIZE_BYTES, (), "{}", line=line)
+    tier.write_shard(meta, memoryview(mmap.mmap(-1, 4096)))
+    assert tier.try_commit("j", step, 1) is not None
+
+
+@pytest.fixture
+def node(tmp_path):
+    """Yield (runner, the NVMe tier, the busy holder): steps 1..4 of the first line, then 5 and 6 forked at 2."""
+    config = Config(node=NodeConfig(root=str(tmp_path / "nvme")), retention=RetentionConfig(nvme=2, peer=2))
+    nvme, replicas = LocalDirTier(config.root), LocalDirTier(config.replica_root, name="peer")
+    for step in (1, 2, 3, 4):
+        seal_step(nvme, step)
+    for step in (5, 6):
+        seal_step(nvme, step, line=((2, 1),))  # a rollback to step 2: 3 and 4 are superseded, 6 is the head
+    holder = Holder()
+    with ThreadPoolExecutor(2) as threads:
+        peering = Peering(config, None, nvme, replicas, None, None, "instance", threads)
+        jobs = JobRetention(config, threads)
+        runner = RetentionRunner(config, [nvme, replicas], None, peering, [holder], threads, threads, jobs)
+        yield runner, nvme, holder
+
+
+def steps_on(tier):
+    return tier.all_steps("j")
+
+
+def test_a_pass_removes_the_superseded_steps_first_and_keeps_the_lines_newest_and_the_pins(node):
+    runner, nvme, _ = node
+    asyncio.run(runner.pin("j", 3, True))
+    removals = asyncio.run(runner.collect(dry_run=False, job="j", tiers=("nvme",)))
+    assert [(r.step, r.reason.split(":")[0]) for r in removals] == [
+        (4, "superseded"),
+        (1, "older than the newest 2 complete steps"),
+        (2, "older than the newest 2 complete steps"),
+    ]
+    assert steps_on(nvme) == [3, 5, 6]  # the line's newest 2, and the pinned superseded step
+
+
+def test_rm_refuses_the_head_a_busy_step_and_a_pinned_one_and_names_the_steps_for_a_missing_one(node):
+    runner, nvme, holder = node
+    with pytest.raises(RemovalRefused, match=r"j step 6 is the job's head .* pass --force"):
+        asyncio.run(runner.remove_step("j", 6, force=False, dry_run=False))
+    holder.held = {("j", 5)}
+    with pytest.raises(RemovalRefused, match=r"j step 5 is in use on this node .* try again later"):
+        asyncio.run(runner.remove_step("j", 5, force=True, dry_run=False))  # --force never overrides a busy step
+    asyncio.run(runner.pin("j", 1, True))
+    with pytest.raises(RemovalRefused, match="j step 1 is pinned"):
+        asyncio.run(runner.remove_step("j", 1, force=False, dry_run=False))
+    with pytest.raises(NotFound, match=r"j step 9 is on no tier of this node; .*\(all 6\): 6, 5, 4, 3, 2, 1"):
+        asyncio.run(runner.remove_step("j", 9, force=False, dry_run=False))
+    with pytest.raises(NotFound, match=r"j step 9 is not complete on any tier of this node"):
+        asyncio.run(runner.pin("j", 9, True))
+    assert steps_on(nvme) == [1, 2, 3, 4, 5, 6]
+
+    assert [r.step for r in asyncio.run(runner.remove_step("j", 3, force=False, dry_run=True))] == [3]
+    assert steps_on(nvme) == [1, 2, 3, 4, 5, 6]
+    asyncio.run(runner.remove_step("j", 3, force=False, dry_run=False))  # superseded: not the head
+    removals = asyncio.run(runner.remove_step("j", 6, force=True, dry_run=False))
+    assert [(r.tier, r.step, r.reason) for r in removals] == [
+        ("nvme", 6, "removed by ckptd rm --force (the job's head)")
+    ]
+    asyncio.run(runner.remove_step("j", 1, force=True, dry_run=False))
+    assert steps_on(nvme) == [2, 4, 5] and runner.job_retention.pinned("j") == frozenset()
