@@ -187,7 +187,8 @@ class JobRetention:
         if record.client == asked:
             return
         await self._change(job, replace(record, client=asked))
-        log.info("job %s asks for retention keep=%s keep_every=%s", job, asked.keep, asked.keep_every)
+        # Debug only: a caller could flood the log by asking otherwise at every save; `ckptd status` shows it.
+        log.debug("job %s asks for retention keep=%s keep_every=%s", job, asked.keep, asked.keep_every)
 
     async def set_pin(self, job: str, step: int, pinned: bool) -> frozenset[int]:
         """Pin a step (never removed by retention) or unpin it; return the job's pinned steps now."""
