@@ -138,7 +138,9 @@ class Node:
         peer_tier = PeerTier([]) if self.view is not None else None
         replication = None
         if self.view is not None and config.peer.replicas:
-            replication = Replication([], config.peer.replicas, replication_changed, x.replicate, x.replicate_streams)
+            replication = Replication(
+                [], config.peer.replicas, replication_changed, x.replicate, x.replicate_streams, config.peer.failover_s
+            )
         self.receiver = ReplicaReceiver(replica_store, x.peer, x.receive)
         self.peering = Peering(config, self.view, self.nvme, replica_store, peer_tier, replication, instance, x.peer)
         cluster = ClusterSteps(

@@ -299,6 +299,8 @@ class Peering:
             "tls": bool(self.config.peer.cert),
             "unreachable": dict(self.peer_tier.unreachable),
             "peers": self.replication.peers_status() if self.replication else {},
+            # shards short of a copy (and for how long), shards whose copy a stand-in keeps (replication.sending)
+            "under_replicated": self.replication.under_replicated() if self.replication else {},
             "counters": dict(self.replication.counters) if self.replication else {},
             "last_transfer": dict(self.replication.last_transfer) if self.replication else {},
         }
