@@ -96,6 +96,8 @@ def status_lines(doc: Mapping[str, Any]) -> list[str]:
         lines.append(f"peer tier   listen {listen} ({tls}), {peer['replicas']} replica(s) per shard")
         for address, p in peer["peers"].items():
             state = "unreachable" if address in peer["unreachable"] else "ok"
+            if address in peer.get("connecting", []):
+                state = "connecting"
             line = f"  {address}: {state}, {p['pending_replicas']} replicas pending"
             if p.get("stood_in_for"):
                 line += f", standing in for a failing peer with {p['stood_in_for']} replicas"
