@@ -58,6 +58,7 @@ class PeerConfig:
     data_channel: bool = True  # replicas' bytes on a TCP connection beside gRPC (INTERNALS); false: gRPC streams
     data_port: int = 0  # the port this node takes them on (host of node.listen); 0 = any free port
     resolve_interval_s: int = 30  # names in addresses are looked up again this often (membership); 0 = once
+    failover_s: float = 10.0  # a placed peer failing this long: the next node in placement order keeps its copies
 
 
 @dataclass(frozen=True)
@@ -242,6 +243,10 @@ def _check_type(name: str, f: dataclasses.Field[Any], value: Any) -> Any:
     elif isinstance(default, int):
         if isinstance(value, bool) or not isinstance(value, int):
             raise ConfigError(f"config key {name} must be an integer, not {value!r}")
+    elif isinstance(default, float):
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ConfigError(f"config key {name} must be a number, not {value!r}")
+        value = float(value)
     elif isinstance(default, str):
         if not isinstance(value, str):
             raise ConfigError(f"config key {name} must be a string, not {value!r}")
@@ -311,6 +316,7 @@ def _check_values(c: Config) -> None:
     require(c.peer.replicas >= 0, "peer.replicas", "must not be negative")
     require(0 <= c.peer.data_port <= 65535, "peer.data_port", "must be a port number, or 0 for any free port")
     require(c.peer.resolve_interval_s >= 0, "peer.resolve_interval_s", "must be 0 (once, at start) or seconds")
+    require(c.peer.failover_s > 0, "peer.failover_s", "must be seconds (more than 0)")
     require(c.object.every >= 1, "object.every", "must be at least 1")
     require(c.object.compression in ("none", "zstd"), "object.compression", "must be none or zstd")
     for tier in ("nvme", "peer", "object"):

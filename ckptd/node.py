@@ -139,7 +139,9 @@ class Node:
         peer_tier = PeerTier([]) if self.view is not None else None
         replication = None
         if self.view is not None and config.peer.replicas:
-            replication = Replication([], config.peer.replicas, replication_changed, x.replicate, x.replicate_streams)
+            replication = Replication(
+                [], config.peer.replicas, replication_changed, x.replicate, x.replicate_streams, config.peer.failover_s
+            )
         self.receiver = ReplicaReceiver(replica_store, x.peer, x.receive)
         self.job_retention = JobRetention(config, x.save)  # each job's settings and pins, read at start()
         self.peering = Peering(

@@ -126,6 +126,22 @@ def families(status: dict[str, Any]) -> Iterator[Metric]:
     yield CounterMetricFamily(
         "ckptd_replica_bytes_sent_total", "Shard bytes sent to peers", value=peer.get("replica_bytes_sent", 0)
     )
+    short = status["tiers"]["peer"].get("under_replicated", {})
+    yield GaugeMetricFamily(
+        "ckptd_under_replicated_shards",
+        "Shards written here that lack a replica on a live peer ([peer] replicas wanted)",
+        value=short.get("shards", 0),
+    )
+    yield GaugeMetricFamily(
+        "ckptd_under_replicated_seconds",
+        "How long the shard longest short of a replica has been so (0: none is)",
+        value=short.get("oldest_s", 0.0),
+    )
+    yield GaugeMetricFamily(
+        "ckptd_replicas_on_stand_in",
+        "Shards whose replica a stand-in keeps while the peer placed to keep it fails ([peer] failover_s)",
+        value=short.get("on_stand_in", 0),
+    )
     yield _by_tier(
         CounterMetricFamily(
             "ckptd_retries_total", "Failed attempts at replicas (peer) and uploads (object), retried", labels=["tier"]

@@ -114,6 +114,7 @@ class StatusReport:
     async def document(self) -> dict[str, Any]:
         """Return the status document: snapshot() and the jobs on each tier (listed on a worker thread)."""
         memory_jobs, nvme_jobs = await asyncio.to_thread(lambda: (self.memory.jobs(), self.nvme.jobs()))
+        await self.peering.recheck_unreachable()
         found = self.snapshot()
         found["tiers"]["memory"]["jobs"] = memory_jobs
         found["tiers"]["nvme"]["jobs"] = nvme_jobs

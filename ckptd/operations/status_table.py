@@ -109,10 +109,20 @@ def status_lines(doc: Mapping[str, Any]) -> list[str]:
         lines.append(f"peer tier   listen {listen} ({tls}), {peer['replicas']} replica(s) per shard")
         for address, p in peer["peers"].items():
             state = "unreachable" if address in peer["unreachable"] else "ok"
+            if address in peer.get("connecting", []):
+                state = "connecting"
             line = f"  {address}: {state}, {p['pending_replicas']} replicas pending"
+            if p.get("stood_in_for"):
+                line += f", standing in for a failing peer with {p['stood_in_for']} replicas"
             if p["consecutive_failures"]:
                 line += f", {p['consecutive_failures']} failures in a row, retry in {p['retry_in_s']:.1f} s"
             lines.append(line)
+        short = peer.get("under_replicated", {})
+        if short.get("shards") or short.get("on_stand_in"):
+            lines.append(
+                f"  under-replicated: {short['shards']} shards (the oldest for {short['oldest_s']:.0f} s); "
+                f"{short['on_stand_in']} kept by a stand-in while their peer fails"
+            )
     else:
         lines.append("peer tier   off (no [peer] addresses)")
     lines.append(cluster_line(doc.get("cluster", {})))

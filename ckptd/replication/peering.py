@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import defaultdict
+from collections import OrderedDict, defaultdict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -35,6 +35,10 @@ from ckptd.tiers.nvme import LocalDirTier
 from ckptd.tiers.peer import PeerTier
 
 log = logging.getLogger(__name__)
+
+PROBE_STEP = 2**62 - 1  # a step no job has: asking a peer about it only tells whether the peer answers
+PROBE_TIMEOUT_S = 1.0
+ANNOUNCED_STEPS = 4096  # the steps "complete across the cluster" was logged for, remembered to log it once
 
 
 class Peering:
@@ -75,6 +79,7 @@ class Peering:
         # NVMe's complete steps by job, as the last reconciliation listed them (on a thread), for what replicas
         # still owed keep off retention (judged on the event loop); a round old at most, it only keeps more.
         self._nvme_complete: dict[str, list[int]] = {}
+        self._announced: OrderedDict[tuple[str, int], None] = OrderedDict()  # see note_complete
 
     async def _run(self, fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._threads, fn, *args)
@@ -221,7 +226,7 @@ class Peering:
                     if self.view is not None:
                         self.view.report(job, step, mine[(job, step)])
                 elif await self.adopt(record):
-                    log.info("%s step %d is complete across the cluster", job, step)
+                    self.note_complete(job, step)
                     if sealed_here and self.view is not None:
                         self.view.announce(record)
                     elif self.view is not None:
@@ -286,6 +291,25 @@ class Peering:
                     continue  # removed or replaced since it was listed
                 self.replication.track(key, meta, [self.nvme.step_dir(h.job, h.step) / data_name(h.rank)])
 
+    def note_complete(self, job: str, step: int) -> None:
+        """Log that a step is complete across the cluster, once per step (a seal, a commit learned, a catch-up)."""
+        if (job, step) in self._announced:
+            return
+        self._announced[(job, step)] = None
+        while len(self._announced) > ANNOUNCED_STEPS:
+            self._announced.popitem(last=False)
+        log.info("%s step %d is complete across the cluster", job, step)
+
+    async def recheck_unreachable(self) -> None:
+        """Ask the peers last found unreachable again, briefly, so that `status` does not lag a node that came up.
+
+        Called by StatusReport.document before it describes the peers: a question about a step no
+        job has (PROBE_STEP) answers at once, and an answer clears the peer's unreachable mark.
+        """
+        if self.peer_tier is None or not self.peer_tier.unreachable:
+            return
+        await self._run(self.peer_tier.ask, "", PROBE_STEP, PROBE_TIMEOUT_S, set(self.peer_tier.unreachable))
+
     def status(self) -> dict[str, Any]:
         """Describe the peer tier for `ckptd status`."""
         common = {
@@ -301,7 +325,10 @@ class Peering:
             "replicas": self.replicas,
             "tls": bool(self.config.peer.cert),
             "unreachable": dict(self.peer_tier.unreachable),
+            "connecting": self.peer_tier.connecting(),  # no answer nor failure yet: "connecting", not "unreachable"
             "peers": self.replication.peers_status() if self.replication else {},
+            # shards short of a copy (and for how long), shards whose copy a stand-in keeps (replication.sending)
+            "under_replicated": self.replication.under_replicated() if self.replication else {},
             "counters": dict(self.replication.counters) if self.replication else {},
             "last_transfer": dict(self.replication.last_transfer) if self.replication else {},
         }

@@ -288,6 +288,12 @@ class ReplicaReceiver:
                 log.warning("dropping the unfinished replica of %s: its sender went quiet", self._what(t.meta))
                 self._abandon(transfer)
 
+    async def retire(self, job: str, step: int, rank: int, meta_digest: str) -> bool:
+        """Drop the replica store's copy of a shard (RetireReplica: this node stood in for its placed node)."""
+        if any((job, step) == busy for busy in self.busy_steps()):
+            return False  # being received again: the sender's newer copy is not the one to retire
+        return bool(await _finished(self._threads.submit(self.tier.remove_shard, job, step, rank, meta_digest)))
+
     def busy_steps(self) -> set[tuple[str, int]]:
         """Return the (job, step) of every replica being received: retention keeps off them."""
         return {(t.meta.job, t.meta.step) for t in self._transfers.values()}

@@ -7,6 +7,13 @@ resumes the replication a restarted daemon left undone. Bytes move on worker
 threads, never holding a staging slot or a flush: a slow or dead peer delays only
 its own copies (two at a time). A peer that fails is retried with exponential
 back-off and jitter.
+
+Failover: a peer placed to keep a shard's replica that has failed for `[peer] failover_s`
+has a stand-in, the next node in the shard's placement order that is not failing: the
+replica goes there too, and counts in its place. The placed peer is still retried; once it
+holds the replica, the stand-in's copy is retired (RetireReplica). So every shard has its
+`replicas` copies on live nodes within about failover_s, and the placement stays
+rendezvous-stable: a node's return moves back only what it held.
 """
 
 from __future__ import annotations
@@ -44,6 +51,7 @@ class _Peer:
     failures: int = 0
     retry_at: float = 0.0
     last_error: str = ""
+    failing_since: float | None = None  # time.monotonic() of the first of its failures in a row
 
 
 @dataclass
@@ -51,21 +59,31 @@ class _Shard:
     key: ShardKey
     meta: ShardMeta
     sources: list[Path]  # read in order: a staging slot (while it still holds the snapshot), then NVMe
-    targets: list[str]
+    targets: list[str]  # the peers placed to keep its replicas
     done: dict[str, float] = field(default_factory=dict)  # peer -> when it was known to hold this copy
     sending: set[str] = field(default_factory=set)
+    stand_ins: dict[str, str] = field(default_factory=dict)  # a placed peer that keeps failing -> who stands in
     failures: int = 0  # consecutive
     attempts: int = 0  # finished, successful or not
     error: str = ""
     meta_digest: str = ""
+    since: float | None = field(default_factory=time.monotonic)  # since when it is short of a copy (status)
 
     def __post_init__(self) -> None:
         self.meta_digest = digest(self.meta.to_bytes())
 
+    def covered(self, target: str) -> bool:
+        """Say whether a placed peer's copy is in, there or on its stand-in."""
+        return target in self.done or self.stand_ins.get(target, "") in self.done
+
     @property
     def replicated(self) -> bool:
-        """Say whether every peer chosen for this shard holds it (none chosen: no peer is known yet)."""
-        return bool(self.targets) and all(t in self.done for t in self.targets)
+        """Say whether every placed peer holds it, or its stand-in does (none placed: no peer is known yet)."""
+        return bool(self.targets) and all(self.covered(t) for t in self.targets)
+
+    def receivers(self) -> list[str]:
+        """Return every peer this shard is sent to: the placed ones, then the stand-ins."""
+        return [*self.targets, *self.stand_ins.values()]
 
 
 class Replication:
@@ -78,12 +96,15 @@ class Replication:
         on_change: Callable[[ShardKey, bool], None],
         senders: ThreadPoolExecutor,
         streams: ThreadPoolExecutor,
+        failover_s: float = 10.0,
     ) -> None:
         """on_change(key, replicated) is called on the event loop after every attempt for a shard.
 
         replicas: copies wanted per shard; fewer while fewer peers are known. senders: a thread
         per shard being sent (blocked on its peer); streams: the shards' byte ranges, several each.
+        failover_s: how long a placed peer fails before a stand-in keeps its copies ([peer] failover_s).
         """
+        self.failover_s = failover_s
         self._peers = {link.address: _Peer(link) for link in links}
         self._seats = reseat({}, self._peers)  # placement's view of the peers: see cluster.reseat
         self.replicas = replicas
@@ -119,6 +140,8 @@ class Replication:
             kept = [t for t in shard.targets if t in self._peers and (t in shard.done or t in shard.sending)]
             ranked = seated_placement(shard.key.job, shard.key.rank, self._seats, len(self._seats))
             shard.targets = (kept + [p for p in ranked if p not in kept])[: self.replicas]
+            # A stand-in whose placed peer left, or who left itself, stands in no more (placement chose again).
+            shard.stand_ins = {t: s for t, s in shard.stand_ins.items() if t in shard.targets and s in self._peers}
 
     def track(self, key: ShardKey, meta: ShardMeta, sources: list[Path]) -> _Shard:
         """Keep a shard's replicas in view (a newer copy of the same shard replaces an older one)."""
@@ -156,16 +179,17 @@ class Replication:
             if not shard.replicated and set(holding) - set(shard.targets):
                 kept = [t for t in shard.targets if t in shard.done or t in shard.sending]
                 shard.targets = list(dict.fromkeys([*kept, *holding, *shard.targets]))[: self.replicas]
-            for target in reachable.intersection(shard.targets):
+            for target in reachable.intersection(shard.receivers()):
                 if by_key.get((target, shard.key.job, shard.key.step, shard.key.rank)) == shard.meta_digest:
                     shard.done.setdefault(target, asked_at)
                 elif shard.done.get(target, asked_at) < asked_at:  # sent before it answered, yet not there
                     log.warning("peer %s no longer holds the replica of %s: sending it again", target, shard.key)
                     del shard.done[target]
+                    shard.since = shard.since or time.monotonic()
 
     def target_peers(self) -> set[str]:
-        """Return the peers that keep (or are to keep) a replica of some shard followed here."""
-        return {t for shard in self._shards.values() for t in shard.targets}
+        """Return the peers that keep (or are to keep) a replica of some shard followed here, stand-ins too."""
+        return {t for shard in self._shards.values() for t in shard.receivers()}
 
     def tracked(self) -> list[ShardKey]:
         """Return every shard being followed."""
@@ -198,6 +222,21 @@ class Replication:
         if shard is not None:
             self._kick(shard, None, now=True)
 
+    def under_replicated(self) -> dict[str, float]:
+        """Describe the shards short of a copy for `ckptd status` and /metrics.
+
+        shards: followed here and not replicated (no copy on a placed peer nor its stand-in);
+        oldest_s: for how long the oldest of them has been short; on_stand_in: shards whose
+        copy is kept by a stand-in while its placed peer fails.
+        """
+        now = time.monotonic()
+        short = [s for s in self._shards.values() if s.targets and not s.replicated]
+        return {
+            "shards": len(short),
+            "oldest_s": round(max((now - (s.since or now) for s in short), default=0.0), 3),
+            "on_stand_in": sum(1 for s in self._shards.values() if any(v in s.done for v in s.stand_ins.values())),
+        }
+
     def peers_status(self) -> dict[str, dict[str, object]]:
         """Describe each peer for `ckptd status`."""
         now = time.monotonic()
@@ -207,8 +246,9 @@ class Replication:
                 "retry_in_s": round(max(0.0, p.retry_at - now), 3),
                 "last_error": p.last_error,
                 "pending_replicas": sum(
-                    1 for s in self._shards.values() if address in s.targets and address not in s.done
+                    1 for s in self._shards.values() if address in s.targets and not s.covered(address)
                 ),
+                "stood_in_for": sum(1 for s in self._shards.values() if address in s.stand_ins.values()),
                 "ranges_sent": dict(p.link.ranges_sent),  # by data channel, or by gRPC stream (PutShard)
             }
             for address, p in self._peers.items()
@@ -216,7 +256,8 @@ class Replication:
 
     def _kick(self, shard: _Shard, record: CommitRecord | None, now: bool = False) -> None:
         at = time.monotonic()
-        for target in shard.targets:
+        self._stand_in(shard, at)
+        for target in shard.receivers():
             if target in shard.done or target in shard.sending or (self._peers[target].retry_at > at and not now):
                 continue
             shard.sending.add(target)
@@ -224,10 +265,53 @@ class Replication:
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
+    def _stand_in(self, shard: _Shard, at: float) -> None:
+        """Give each placed peer of the shard that has failed for failover_s a stand-in: the next healthy node in
+        the shard's placement order that keeps none of its copies. One that stood in for a peer that is well
+        again and holds the copy is retired (its copy dropped there)."""
+        for target in shard.targets:
+            peer = self._peers.get(target)
+            stand_in = shard.stand_ins.get(target)
+            if stand_in is not None and target in shard.done:
+                del shard.stand_ins[target]
+                if stand_in in shard.done and stand_in not in shard.targets:
+                    del shard.done[stand_in]
+                    self._retire(shard, stand_in)
+                continue
+            failing_s = at - peer.failing_since if peer is not None and peer.failing_since is not None else -1.0
+            if stand_in is not None or target in shard.done or failing_s < self.failover_s:
+                continue
+            ranked = seated_placement(shard.key.job, shard.key.rank, self._seats, len(self._seats))
+            taken = set(shard.receivers())
+            healthy = [p for p in ranked if p not in taken and self._peers[p].failing_since is None]
+            if healthy:
+                shard.stand_ins[target] = healthy[0]
+                log.warning(
+                    "peer %s has failed for %.0f s: %s stands in for it to keep the replica of %s",
+                    *(target, failing_s, healthy[0], shard.key),
+                )
+
+    def _retire(self, shard: _Shard, stand_in: str) -> None:
+        """Drop a stand-in's copy of a shard, now that the placed peer holds it (a task; a failure is logged)."""
+
+        async def retire() -> None:
+            link = self._peers[stand_in].link if stand_in in self._peers else None
+            if link is None:
+                return
+            try:
+                await asyncio.get_running_loop().run_in_executor(self._senders, link.retire_replica, shard.meta)
+                log.info("retired the copy of %s that %s kept while its placed peer failed", shard.key, stand_in)
+            except (CheckpointError, OSError) as e:
+                log.warning("retiring the copy of %s on %s failed (its retention drops it): %s", shard.key, stand_in, e)
+
+        task = asyncio.get_running_loop().create_task(retire())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
     async def _send_one(self, shard: _Shard, target: str, peer: _Peer, record: CommitRecord | None) -> None:
         try:
             async with peer.slots:
-                if target in shard.targets:  # else chosen again while it waited: the peers changed
+                if target in shard.receivers():  # else chosen again while it waited: the peers changed
                     await self._attempt(shard, target, peer, record)
         finally:
             shard.sending.discard(target)
@@ -248,6 +332,8 @@ class Replication:
                 log.exception("replication of %s to peer %s failed unexpectedly", shard.key, target)
             message = f"replication of {shard.key} to peer {target} failed: {e}"
             peer.failures += 1
+            if peer.failing_since is None:
+                peer.failing_since = started
             shard.failures += 1
             peer.last_error = shard.error = message
             backoff = min(BACKOFF_MAX_S, BACKOFF_MIN_S * 2 ** (peer.failures - 1))
@@ -257,7 +343,7 @@ class Replication:
         else:
             shard.done[target] = time.monotonic()
             shard.failures, shard.error = 0, ""
-            peer.failures, peer.retry_at = 0, 0.0
+            peer.failures, peer.retry_at, peer.failing_since = 0, 0.0, None
             elapsed = time.monotonic() - started
             self.last_transfer = {"bytes": shard.meta.data_size_bytes, "seconds": round(elapsed, 6)}
             self.counters["replicas_sent"] += 1
@@ -265,8 +351,12 @@ class Replication:
             log.info("replicated %s to peer %s in %.3f s", shard.key, target, elapsed)
         finally:
             shard.attempts += 1
+            if shard.replicated:
+                shard.since = None
             # Only the copy still followed counts: an earlier copy's late success must not.
             self._on_change(shard.key, self._shards.get(shard.key) is shard and shard.replicated)
+            if target in shard.targets and target in shard.done and target in shard.stand_ins:
+                self._kick(shard, record)  # the placed peer is back: its stand-in's copy is retired
 
     def _drop_peer(self, address: str) -> None:
         """Stop sending to a peer for good, and choose again the peers of the shards it was to keep."""

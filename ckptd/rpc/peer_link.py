@@ -19,7 +19,7 @@ from typing import Any
 
 import grpc
 from ckpt.errors import CheckpointError, CorruptCheckpoint, NotFound
-from ckpt.format import CommitRecord, ShardMeta, validate_job, validate_step
+from ckpt.format import CommitRecord, ShardMeta, digest, validate_job, validate_step
 from ckpt.wire.v1 import peer_pb2 as pb
 from ckpt.wire.v1 import peer_pb2_grpc
 
@@ -261,6 +261,20 @@ class PeerLink:
                 pb.CommitStepRequest(commit_json=record.to_bytes()), timeout=timeout_s, metadata=self._metadata
             ),
         )
+
+    def retire_replica(self, meta: ShardMeta, timeout_s: float = CALL_TIMEOUT_S) -> bool:
+        """Have the peer drop its replica of a shard (it stood in for the placed node); return whether it held it."""
+        reply = self._call(
+            f"retiring the replica of rank {meta.rank} shard of {meta.job} step {meta.step}",
+            lambda: self._stub.RetireReplica(
+                pb.RetireReplicaRequest(
+                    job=meta.job, step=meta.step, rank=meta.rank, meta_xxh3_128=digest(meta.to_bytes())
+                ),
+                timeout=timeout_s,
+                metadata=self._metadata,
+            ),
+        )
+        return bool(reply.removed)
 
     def put_shard(
         self, meta: ShardMeta, path: Path, streams: ThreadPoolExecutor, record: CommitRecord | None = None

@@ -179,6 +179,17 @@ class PeerServicer(peer_pb2_grpc.CkptdPeerServicer):
 
         return await answer(context, work)
 
+    async def RetireReplica(self, request: pb.RetireReplicaRequest, context: Any) -> pb.RetireReplicaReply:
+        async def work() -> pb.RetireReplicaReply:
+            self.admit(context)
+            job, step = validate_job(request.job), validate_step(request.step)
+            if request.rank < 0 or len(request.meta_xxh3_128) != 32:
+                raise InvalidArgument(f"invalid rank {request.rank} or digest {request.meta_xxh3_128[:40]!r}")
+            removed = await self.receiver.retire(job, step, request.rank, request.meta_xxh3_128)
+            return pb.RetireReplicaReply(removed=removed)
+
+        return await answer(context, work)
+
     async def CommitStep(self, request: pb.CommitStepRequest, context: Any) -> pb.CommitStepReply:
         async def work() -> pb.CommitStepReply:
             self.admit(context)

@@ -319,7 +319,7 @@ class SavePath:
             log.warning("sealing %s step %d after a replica arrived failed: %s", meta.job, meta.step, e)
             return
         if record is not None:
-            log.info("%s step %d is complete across the cluster", meta.job, meta.step)
+            self.peering.note_complete(meta.job, meta.step)
             await self._note_nvme_complete(record)
 
     async def commit_learned(self, record: CommitRecord) -> None:
@@ -344,7 +344,7 @@ class SavePath:
                     return
                 adopted = await self.peering.adopt_told(record)
             if adopted:
-                log.info("%s step %d is complete across the cluster", record.job, record.step)
+                self.peering.note_complete(record.job, record.step)
                 await self._note_nvme_complete(record)
         finally:
             await self.progress.changed()

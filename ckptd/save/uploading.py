@@ -325,6 +325,8 @@ class Uploader:
             elif step not in self.nvme.all_steps(job):
                 return "it left NVMe (retention) before it was complete in the cluster"
         newer = [s for s in self.tier.complete_steps(job) if s > step]
+        if newer and self.tier.is_complete(job, step):  # its commit read afresh: a listing may lag a commit
+            return "committed"
         if newer:
             return f"a newer step ({newer[-1]}) is complete there first"
         if time.monotonic() - since > COMMIT_WATCH_LIMIT_S:

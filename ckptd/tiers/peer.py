@@ -44,6 +44,7 @@ class PeerTier(Tier):
         self.links = links
         self._views: dict[str, tuple[float, list[StepHoldings]]] = {}
         self.unreachable: dict[str, str] = {}  # peer address -> why its last inventory failed
+        self.answered: set[str] = set()  # the peers that answered an inventory at least once
         self._retired: list[tuple[float, PeerLink]] = []  # (when, link) of peers that left: see close_retired
         self._lock = threading.Lock()  # inventories are asked from several threads at once
 
@@ -109,7 +110,13 @@ class PeerTier(Tier):
             return []
         with self._lock:
             self.unreachable.pop(link.address, None)
+            self.answered.add(link.address)
         return steps
+
+    def connecting(self) -> list[str]:
+        """Return the peers not asked yet to the end: neither answered nor failed (a node starting up)."""
+        with self._lock:
+            return sorted({link.address for link in self.links} - self.answered - set(self.unreachable))
 
     def forget(self) -> None:
         """Drop the cached inventories: the next question asks the peers again."""

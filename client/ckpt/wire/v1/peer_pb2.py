@@ -24,37 +24,41 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x63kpt/wire/v1/peer.proto\x12\x0c\x63kpt.wire.v1\"_\n\nShardPiece\x12\x11\n\tmeta_json\x18\x01 \x01(\x0c\x12\x10\n\x08transfer\x18\x02 \x01(\t\x12\x0e\n\x06offset\x18\x03 \x01(\x03\x12\x0e\n\x06length\x18\x04 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\x0c\"\x0f\n\rPutShardReply\"/\n\x0f\x44\x61taRangeTicket\x12\x0c\n\x04port\x18\x01 \x01(\r\x12\x0e\n\x06ticket\x18\x02 \x01(\x0c\"L\n\x10SealShardRequest\x12\x11\n\tmeta_json\x18\x01 \x01(\x0c\x12\x10\n\x08transfer\x18\x02 \x01(\t\x12\x13\n\x0b\x63ommit_json\x18\x03 \x01(\x0c\"\x10\n\x0eSealShardReply\"\x8b\x01\n\x0fGetShardRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\x0c\n\x04tier\x18\x04 \x01(\t\x12\x11\n\tmeta_only\x18\x05 \x01(\x08\x12\x0e\n\x06ranged\x18\x06 \x01(\x08\x12\x0e\n\x06offset\x18\x07 \x01(\x03\x12\x0e\n\x06length\x18\x08 \x01(\x03\"-\n\x10InventoryRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\"\x99\x01\n\x07Holding\x12\x0c\n\x04tier\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12\x12\n\nworld_size\x18\x03 \x01(\x05\x12\x17\n\x0f\x64\x61ta_size_bytes\x18\x04 \x01(\x03\x12\x15\n\rmeta_xxh3_128\x18\x05 \x01(\t\x12\x0e\n\x06run_id\x18\x06 \x01(\t\x12\x0c\n\x04line\x18\x07 \x01(\t\x12\x10\n\x08saved_at\x18\x08 \x01(\t\"e\n\x0cStepHoldings\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x13\n\x0b\x63ommit_json\x18\x03 \x01(\x0c\x12%\n\x06shards\x18\x04 \x03(\x0b\x32\x15.ckpt.wire.v1.Holding\"I\n\x0eInventoryReply\x12\x0c\n\x04node\x18\x01 \x01(\t\x12)\n\x05steps\x18\x02 \x03(\x0b\x32\x1a.ckpt.wire.v1.StepHoldings\"(\n\x11\x43ommitStepRequest\x12\x13\n\x0b\x63ommit_json\x18\x01 \x01(\x0c\"\x11\n\x0f\x43ommitStepReply2\xc5\x03\n\tCkptdPeer\x12\x43\n\x08PutShard\x12\x18.ckpt.wire.v1.ShardPiece\x1a\x1b.ckpt.wire.v1.PutShardReply(\x01\x12H\n\rOpenDataRange\x12\x18.ckpt.wire.v1.ShardPiece\x1a\x1d.ckpt.wire.v1.DataRangeTicket\x12I\n\tSealShard\x12\x1e.ckpt.wire.v1.SealShardRequest\x1a\x1c.ckpt.wire.v1.SealShardReply\x12\x45\n\x08GetShard\x12\x1d.ckpt.wire.v1.GetShardRequest\x1a\x18.ckpt.wire.v1.ShardPiece0\x01\x12I\n\tInventory\x12\x1e.ckpt.wire.v1.InventoryRequest\x1a\x1c.ckpt.wire.v1.InventoryReply\x12L\n\nCommitStep\x12\x1f.ckpt.wire.v1.CommitStepRequest\x1a\x1d.ckpt.wire.v1.CommitStepReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x63kpt/wire/v1/peer.proto\x12\x0c\x63kpt.wire.v1\"V\n\x14RetireReplicaRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\x15\n\rmeta_xxh3_128\x18\x04 \x01(\t\"%\n\x12RetireReplicaReply\x12\x0f\n\x07removed\x18\x01 \x01(\x08\"_\n\nShardPiece\x12\x11\n\tmeta_json\x18\x01 \x01(\x0c\x12\x10\n\x08transfer\x18\x02 \x01(\t\x12\x0e\n\x06offset\x18\x03 \x01(\x03\x12\x0e\n\x06length\x18\x04 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\x0c\"\x0f\n\rPutShardReply\"/\n\x0f\x44\x61taRangeTicket\x12\x0c\n\x04port\x18\x01 \x01(\r\x12\x0e\n\x06ticket\x18\x02 \x01(\x0c\"L\n\x10SealShardRequest\x12\x11\n\tmeta_json\x18\x01 \x01(\x0c\x12\x10\n\x08transfer\x18\x02 \x01(\t\x12\x13\n\x0b\x63ommit_json\x18\x03 \x01(\x0c\"\x10\n\x0eSealShardReply\"\x8b\x01\n\x0fGetShardRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\x0c\n\x04tier\x18\x04 \x01(\t\x12\x11\n\tmeta_only\x18\x05 \x01(\x08\x12\x0e\n\x06ranged\x18\x06 \x01(\x08\x12\x0e\n\x06offset\x18\x07 \x01(\x03\x12\x0e\n\x06length\x18\x08 \x01(\x03\"-\n\x10InventoryRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\"\x99\x01\n\x07Holding\x12\x0c\n\x04tier\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12\x12\n\nworld_size\x18\x03 \x01(\x05\x12\x17\n\x0f\x64\x61ta_size_bytes\x18\x04 \x01(\x03\x12\x15\n\rmeta_xxh3_128\x18\x05 \x01(\t\x12\x0e\n\x06run_id\x18\x06 \x01(\t\x12\x0c\n\x04line\x18\x07 \x01(\t\x12\x10\n\x08saved_at\x18\x08 \x01(\t\"e\n\x0cStepHoldings\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x13\n\x0b\x63ommit_json\x18\x03 \x01(\x0c\x12%\n\x06shards\x18\x04 \x03(\x0b\x32\x15.ckpt.wire.v1.Holding\"I\n\x0eInventoryReply\x12\x0c\n\x04node\x18\x01 \x01(\t\x12)\n\x05steps\x18\x02 \x03(\x0b\x32\x1a.ckpt.wire.v1.StepHoldings\"(\n\x11\x43ommitStepRequest\x12\x13\n\x0b\x63ommit_json\x18\x01 \x01(\x0c\"\x11\n\x0f\x43ommitStepReply2\x9c\x04\n\tCkptdPeer\x12\x43\n\x08PutShard\x12\x18.ckpt.wire.v1.ShardPiece\x1a\x1b.ckpt.wire.v1.PutShardReply(\x01\x12H\n\rOpenDataRange\x12\x18.ckpt.wire.v1.ShardPiece\x1a\x1d.ckpt.wire.v1.DataRangeTicket\x12I\n\tSealShard\x12\x1e.ckpt.wire.v1.SealShardRequest\x1a\x1c.ckpt.wire.v1.SealShardReply\x12\x45\n\x08GetShard\x12\x1d.ckpt.wire.v1.GetShardRequest\x1a\x18.ckpt.wire.v1.ShardPiece0\x01\x12I\n\tInventory\x12\x1e.ckpt.wire.v1.InventoryRequest\x1a\x1c.ckpt.wire.v1.InventoryReply\x12L\n\nCommitStep\x12\x1f.ckpt.wire.v1.CommitStepRequest\x1a\x1d.ckpt.wire.v1.CommitStepReply\x12U\n\rRetireReplica\x12\".ckpt.wire.v1.RetireReplicaRequest\x1a .ckpt.wire.v1.RetireReplicaReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'ckpt.wire.v1.peer_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_SHARDPIECE']._serialized_start=41
-  _globals['_SHARDPIECE']._serialized_end=136
-  _globals['_PUTSHARDREPLY']._serialized_start=138
-  _globals['_PUTSHARDREPLY']._serialized_end=153
-  _globals['_DATARANGETICKET']._serialized_start=155
-  _globals['_DATARANGETICKET']._serialized_end=202
-  _globals['_SEALSHARDREQUEST']._serialized_start=204
-  _globals['_SEALSHARDREQUEST']._serialized_end=280
-  _globals['_SEALSHARDREPLY']._serialized_start=282
-  _globals['_SEALSHARDREPLY']._serialized_end=298
-  _globals['_GETSHARDREQUEST']._serialized_start=301
-  _globals['_GETSHARDREQUEST']._serialized_end=440
-  _globals['_INVENTORYREQUEST']._serialized_start=442
-  _globals['_INVENTORYREQUEST']._serialized_end=487
-  _globals['_HOLDING']._serialized_start=490
-  _globals['_HOLDING']._serialized_end=643
-  _globals['_STEPHOLDINGS']._serialized_start=645
-  _globals['_STEPHOLDINGS']._serialized_end=746
-  _globals['_INVENTORYREPLY']._serialized_start=748
-  _globals['_INVENTORYREPLY']._serialized_end=821
-  _globals['_COMMITSTEPREQUEST']._serialized_start=823
-  _globals['_COMMITSTEPREQUEST']._serialized_end=863
-  _globals['_COMMITSTEPREPLY']._serialized_start=865
-  _globals['_COMMITSTEPREPLY']._serialized_end=882
-  _globals['_CKPTDPEER']._serialized_start=885
-  _globals['_CKPTDPEER']._serialized_end=1338
+  _globals['_RETIREREPLICAREQUEST']._serialized_start=41
+  _globals['_RETIREREPLICAREQUEST']._serialized_end=127
+  _globals['_RETIREREPLICAREPLY']._serialized_start=129
+  _globals['_RETIREREPLICAREPLY']._serialized_end=166
+  _globals['_SHARDPIECE']._serialized_start=168
+  _globals['_SHARDPIECE']._serialized_end=263
+  _globals['_PUTSHARDREPLY']._serialized_start=265
+  _globals['_PUTSHARDREPLY']._serialized_end=280
+  _globals['_DATARANGETICKET']._serialized_start=282
+  _globals['_DATARANGETICKET']._serialized_end=329
+  _globals['_SEALSHARDREQUEST']._serialized_start=331
+  _globals['_SEALSHARDREQUEST']._serialized_end=407
+  _globals['_SEALSHARDREPLY']._serialized_start=409
+  _globals['_SEALSHARDREPLY']._serialized_end=425
+  _globals['_GETSHARDREQUEST']._serialized_start=428
+  _globals['_GETSHARDREQUEST']._serialized_end=567
+  _globals['_INVENTORYREQUEST']._serialized_start=569
+  _globals['_INVENTORYREQUEST']._serialized_end=614
+  _globals['_HOLDING']._serialized_start=617
+  _globals['_HOLDING']._serialized_end=770
+  _globals['_STEPHOLDINGS']._serialized_start=772
+  _globals['_STEPHOLDINGS']._serialized_end=873
+  _globals['_INVENTORYREPLY']._serialized_start=875
+  _globals['_INVENTORYREPLY']._serialized_end=948
+  _globals['_COMMITSTEPREQUEST']._serialized_start=950
+  _globals['_COMMITSTEPREQUEST']._serialized_end=990
+  _globals['_COMMITSTEPREPLY']._serialized_start=992
+  _globals['_COMMITSTEPREPLY']._serialized_end=1009
+  _globals['_CKPTDPEER']._serialized_start=1012
+  _globals['_CKPTDPEER']._serialized_end=1552
 # @@protoc_insertion_point(module_scope)

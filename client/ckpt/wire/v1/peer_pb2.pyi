@@ -5,6 +5,24 @@ from typing import ClassVar as _ClassVar, Iterable as _Iterable, Mapping as _Map
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class RetireReplicaRequest(_message.Message):
+    __slots__ = ("job", "step", "rank", "meta_xxh3_128")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    META_XXH3_128_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    step: int
+    rank: int
+    meta_xxh3_128: str
+    def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., rank: _Optional[int] = ..., meta_xxh3_128: _Optional[str] = ...) -> None: ...
+
+class RetireReplicaReply(_message.Message):
+    __slots__ = ("removed",)
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    removed: bool
+    def __init__(self, removed: bool = ...) -> None: ...
+
 class ShardPiece(_message.Message):
     __slots__ = ("meta_json", "transfer", "offset", "length", "data")
     META_JSON_FIELD_NUMBER: _ClassVar[int]

@@ -64,6 +64,11 @@ class CkptdPeerStub(object):
                 request_serializer=ckpt_dot_wire_dot_v1_dot_peer__pb2.CommitStepRequest.SerializeToString,
                 response_deserializer=ckpt_dot_wire_dot_v1_dot_peer__pb2.CommitStepReply.FromString,
                 _registered_method=True)
+        self.RetireReplica = channel.unary_unary(
+                '/ckpt.wire.v1.CkptdPeer/RetireReplica',
+                request_serializer=ckpt_dot_wire_dot_v1_dot_peer__pb2.RetireReplicaRequest.SerializeToString,
+                response_deserializer=ckpt_dot_wire_dot_v1_dot_peer__pb2.RetireReplicaReply.FromString,
+                _registered_method=True)
 
 
 class CkptdPeerServicer(object):
@@ -116,6 +121,13 @@ class CkptdPeerServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RetireReplica(self, request, context):
+        """Drop this node's replica of a shard: it stood in for the shard's placed node, which holds it again.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CkptdPeerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -148,6 +160,11 @@ def add_CkptdPeerServicer_to_server(servicer, server):
                     servicer.CommitStep,
                     request_deserializer=ckpt_dot_wire_dot_v1_dot_peer__pb2.CommitStepRequest.FromString,
                     response_serializer=ckpt_dot_wire_dot_v1_dot_peer__pb2.CommitStepReply.SerializeToString,
+            ),
+            'RetireReplica': grpc.unary_unary_rpc_method_handler(
+                    servicer.RetireReplica,
+                    request_deserializer=ckpt_dot_wire_dot_v1_dot_peer__pb2.RetireReplicaRequest.FromString,
+                    response_serializer=ckpt_dot_wire_dot_v1_dot_peer__pb2.RetireReplicaReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -312,6 +329,33 @@ class CkptdPeer(object):
             '/ckpt.wire.v1.CkptdPeer/CommitStep',
             ckpt_dot_wire_dot_v1_dot_peer__pb2.CommitStepRequest.SerializeToString,
             ckpt_dot_wire_dot_v1_dot_peer__pb2.CommitStepReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RetireReplica(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ckpt.wire.v1.CkptdPeer/RetireReplica',
+            ckpt_dot_wire_dot_v1_dot_peer__pb2.RetireReplicaRequest.SerializeToString,
+            ckpt_dot_wire_dot_v1_dot_peer__pb2.RetireReplicaReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,74 @@
+"""Replica failover with real daemons: a dead placed peer gets a stand-in, retired when the peer returns."""
+
+from __future__ import annotations
+
+import json
+
+import ckpt
+import pytest
+import torch
+from ckpt.format import data_name
+from conftest import eventually
+from states import assert_same
+
+from ckptd.cluster.placement import reseat, seated_placement
+
+pytestmark = pytest.mark.e2e
+
+
+def _state(step: int) -> dict:
+    return {"w": torch.arange(1 << 16, dtype=torch.float32) + step, "step": step}
+
+
+def _job_placed_on(peers: list[str], wanted: str) -> str:
+    """Return a job name whose rank 0 replica the saving node places on `wanted` (rendezvous hashing)."""
+    for n in range(1000):
+        job = f"failover-{n}"
+        if seated_placement(job, 0, reseat({}, peers), 1) == [wanted]:
+            return job
+    raise AssertionError("no job name places its replica there")
+
+
+def _replica_held(node, job: str, step: int) -> bool:
+    return (node.root / ".peer" / job / str(step) / data_name(0)).exists()
+
+
+def test_a_dead_placed_peer_gets_a_stand_in_and_its_copy_moves_back_when_it_returns(make_cluster):
+    a, b, c = make_cluster(3, extra_toml="failover_s = 1\n")
+    for node in (a, b, c):
+        node.start()
+    job = _job_placed_on([b.listen, c.listen], c.listen)
+    with ckpt.Checkpointer(job=job, address=a.address) as saver:
+        saver.save_async(_state(1), step=1).wait("peer", timeout=60)
+        assert _replica_held(c, job, 1) and not _replica_held(b, job, 1)
+        c.kill()
+        saver.save_async(_state(2), step=2).wait("peer", timeout=60)  # within failover_s and a retry or two
+        assert _replica_held(b, job, 2), "the next node in placement order keeps the copy while c is dead"
+        peer = json.loads(a.cli("status", "--json").stdout)["tiers"]["peer"]
+        assert peer["under_replicated"]["on_stand_in"] >= 1
+        assert peer["peers"][b.listen]["stood_in_for"] >= 1
+        text = a.cli("status").stdout
+        assert "kept by a stand-in" in text
+
+        c.start()  # the placed node returns: it gets its copy, and the stand-in's goes
+        eventually(lambda: _replica_held(c, job, 2), what="the returned node holds its replica")
+        eventually(lambda: not _replica_held(b, job, 2), what="the stand-in's copy is retired")
+        peer = json.loads(a.cli("status", "--json").stdout)["tiers"]["peer"]
+        assert peer["under_replicated"] == {"shards": 0, "oldest_s": 0.0, "on_stand_in": 0}
+
+    a.kill()  # lose the saving node: the step loads from the replica on the node placed to keep it
+    with ckpt.Checkpointer(job=job, address=c.address) as reader:
+        assert_same(reader.load(step=2), _state(2))
+
+
+def test_a_load_after_losing_the_saving_node_reads_the_stand_ins_copy(make_cluster):
+    a, b, c = make_cluster(3, extra_toml="failover_s = 1\n")
+    for node in (a, b, c):
+        node.start()
+    job = _job_placed_on([b.listen, c.listen], c.listen)
+    c.kill()
+    with ckpt.Checkpointer(job=job, address=a.address) as saver:
+        saver.save_async(_state(3), step=3).wait("peer", timeout=60)
+    a.kill()  # two of three nodes lost: the stand-in's copy is the step's last
+    with ckpt.Checkpointer(job=job, address=b.address) as reader:
+        assert_same(reader.load(step=3), _state(3))
