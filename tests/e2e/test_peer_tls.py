@@ -7,8 +7,12 @@ Real daemons on loopback ports; gRPC's own handshake lines must reach their logs
 from __future__ import annotations
 
 import json
+import re
+import shutil
 import socket
 import ssl
+import subprocess
+from pathlib import Path
 
 import ckpt
 import pytest
@@ -24,6 +28,8 @@ pytestmark = pytest.mark.e2e
 
 JOB = "train"
 RAW_CORE_LINE = "ssl_transport_security.cc"
+OPERATIONS = Path(__file__).resolve().parents[2] / "docs" / "OPERATIONS.md"
+RECIPE_MARK = "<!-- tests/e2e/test_peer_tls.py runs this very block"
 
 
 def rank_state(rank: int, step: int) -> dict:
@@ -117,3 +123,34 @@ def test_an_expired_certificate_is_named(make_cluster, short_tmp):
     assert f"certificate rejected by {a.listen}: this node's certificate: the certificate has expired" in said_to_b
     eventually(lambda: "the certificate has expired" in a.log(), what="a's refusal logged")
     assert RAW_CORE_LINE not in a.log() + b.log()
+
+
+def recipe() -> str:
+    """Return the certificate recipe of OPERATIONS.md §6, as an operator would paste it."""
+    text = OPERATIONS.read_text()
+    block = re.search(r"```sh\n(.*?)```", text[text.index(RECIPE_MARK) :], re.DOTALL)
+    assert block is not None
+    return block.group(1)
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="no openssl here")
+def test_the_certificate_recipe_of_the_operations_guide_makes_peers_that_replicate(make_cluster, short_tmp):
+    commands = recipe()
+    nodes_line = next(line for line in commands.splitlines() if line.startswith("NODES="))
+    # This machine's nodes, both on loopback: only the NODES line is ours, every command is the guide's.
+    script = commands.replace(nodes_line, 'NODES="node-a.test=127.0.0.1 node-b.test=127.0.0.1"')
+    made = subprocess.run(["bash", "-euc", script], cwd=short_tmp, capture_output=True, text=True, timeout=60)
+    assert made.returncode == 0, made.stderr
+    files = [
+        (short_tmp / f"{n}.pem", short_tmp / f"{n}.key", short_tmp / "ca.pem") for n in ("node-a.test", "node-b.test")
+    ]
+    a, b = (d.start() for d in make_cluster(2, tls=files))
+    handles = []
+    for rank, node in enumerate((a, b)):
+        c = ckpt.Checkpointer(job=JOB, rank=rank, world_size=2, address=node.address)
+        handles.append((c, c.save_async(rank_state(rank, 1), step=1)))
+    for c, h in handles:
+        h.wait("peer", timeout=60)  # each rank's replica went to the other node over TLS
+        c.close()
+    for node in (a, b):
+        assert "ckptd.grpc" not in node.log() and "certificate rejected" not in node.log(), node.log()
