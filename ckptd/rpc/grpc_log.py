@@ -14,9 +14,12 @@ Who calls what: daemon.serve calls start() before its first channel or server an
 last (event loop; both quick). The pipe is read on a thread of its own ("grpc-log"), which
 never stops reading while the pipe is open: a full pipe would block gRPC's threads.
 
-GRPC_VERBOSITY is left as the operator set it. gRPC 1.85 logs a failed handshake at INFO,
-which its default (unset) shows; ERROR or NONE hides it, and start() says so. Releases before
-the core moved to absl logging (1.6x) log it at ERROR, shown by their default, ERROR.
+GRPC_VERBOSITY is left as the operator set it: gRPC 1.85 (checked) logs a failed handshake
+at INFO ("Handshake failed with error"), which it shows with GRPC_VERBOSITY unset and hides
+with ERROR or NONE, which start() warns about; setting INFO would add a warning of gRPC's own
+at every start. Earlier releases logged it at ERROR ("Handshake failed with fatal error");
+translate reads both, at any severity. The environment is read when gRPC initialises, before
+serve runs, so it is not set here.
 """
 
 from __future__ import annotations
