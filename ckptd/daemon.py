@@ -24,6 +24,7 @@ from ckptd.operations import metrics, root_lock
 from ckptd.pipeline import Pipeline
 from ckptd.rpc.cluster_server import add_cluster_servicer
 from ckptd.rpc.data_listener import DataListener
+from ckptd.rpc.grpc_log import CoreLog
 from ckptd.rpc.guard import RequestGuard
 from ckptd.rpc.peer_link import grpc_options, server_credentials
 from ckptd.rpc.peer_server import PeerServicer, add_peer_servicer
@@ -51,13 +52,18 @@ async def serve(config: Config) -> None:
     RootInUse when another daemon holds the NVMe root (root_lock), and InvalidArgument naming
     node.root when it cannot be written.
     """
-    _claim_socket(config.socket_path)
-    # Before anything touches the root: another daemon's start-up cleanup and retention would undo ours.
-    lock = await asyncio.to_thread(root_lock.hold, config.root, config.socket_path)
+    core_log = CoreLog()  # gRPC's C core writes to stderr: its failed TLS handshakes come into our log, readable
+    core_log.start()
     try:
-        await _serve_holding_root(config)
+        _claim_socket(config.socket_path)
+        # Before anything touches the root: another daemon's start-up cleanup and retention would undo ours.
+        lock = await asyncio.to_thread(root_lock.hold, config.root, config.socket_path)
+        try:
+            await _serve_holding_root(config)
+        finally:
+            lock.release()
     finally:
-        lock.release()
+        core_log.stop()
 
 
 async def _serve_holding_root(config: Config) -> None:
@@ -150,7 +156,7 @@ async def _serve_peers(
     config: Config, node: Node, guard: RequestGuard, data_listener: DataListener | None
 ) -> grpc.aio.Server:
     server = grpc.aio.server(options=grpc_options(), maximum_concurrent_rpcs=MAX_PEER_RPCS)
-    peer_servicer = PeerServicer(node.pipeline, node.receiver, config, node.executors.serve, data_listener)
+    peer_servicer = PeerServicer(node.pipeline, node.receiver, config, node.executors.serve, data_listener, guard)
     add_peer_servicer(peer_servicer, server, guard)
     view = node.view
     if isinstance(view, PeersView):  # the built-in cluster view's calls, on the same port

@@ -44,13 +44,16 @@ class CertificateAuthority:
         self.ca_path = directory / f"{name}.pem"
         self.ca_path.write_bytes(self._cert.public_bytes(serialization.Encoding.PEM))
 
-    def issue(self, node: str, dns_names: tuple[str, ...] = ()) -> tuple[Path, Path]:
+    def issue(self, node: str, dns_names: tuple[str, ...] = (), expired: bool = False) -> tuple[Path, Path]:
         """Return (certificate, key) files for a node, good as TLS server and client.
 
-        The certificate names localhost and 127.0.0.1, or only dns_names when given.
+        The certificate names localhost and 127.0.0.1, or only dns_names when given; expired: it
+        was valid for a day that ended an hour ago.
         """
         key = ec.generate_private_key(ec.SECP256R1())
-        now = datetime.datetime.now(datetime.UTC)
+        now = datetime.datetime.now(datetime.UTC) - (
+            datetime.timedelta(days=1, hours=1) if expired else datetime.timedelta()
+        )
         cert = (
             x509.CertificateBuilder()
             .subject_name(_name(node))

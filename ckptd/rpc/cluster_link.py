@@ -22,6 +22,7 @@ from ckpt.wire.v1 import cluster_pb2_grpc
 
 from ckptd.cluster.placement import Holding, StepHoldings
 from ckptd.config import PeerConfig
+from ckptd.rpc import tls_refusal
 from ckptd.rpc.peer_link import (
     INSTANCE_HEADER,
     PeerError,
@@ -93,6 +94,9 @@ class ClusterLinks:
                 raise PeerBusy(f"peer {address}: {kind}: busy, {e.details()}") from None
             if e.code() in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED):
                 raise PeerSlow(f"peer {address}: {kind}: no answer in time ({e.code().name})") from None
+            refusal = tls_refusal.sender_error(address, e.details() or "")  # a refused certificate, said plainly
+            if e.code() == grpc.StatusCode.UNAVAILABLE and refusal is not None:
+                raise PeerError(f"peer {address}: {kind} failed: {refusal}") from None
             raise PeerError(f"peer {address}: {kind} failed: {e.code().name} {e.details()}") from None
         self.counters[f"received_bytes.{kind}"] += reply.ByteSize()
         return reply

@@ -28,6 +28,7 @@ from ckpt.format import ShardMeta
 
 from ckptd.byte_range import ByteRange
 from ckptd.config import PeerConfig
+from ckptd.rpc import tls_refusal
 from ckptd.rpc.shard_stream import read_pieces
 
 TICKET_BYTES = 16
@@ -82,7 +83,8 @@ def send_range(
     except (OSError, EOFError) as e:
         if isinstance(e, DataChannelError):
             raise
-        raise DataChannelError(f"data connection to {host}:{port}: {e}") from e
+        refusal = tls_refusal.sender_error(f"{host}:{port}", str(e)) if isinstance(e, ssl.SSLError) else None
+        raise DataChannelError(refusal or f"data connection to {host}:{port}: {e}") from e
 
 
 def send_status(sock: socket.socket, status: str) -> None:

@@ -27,7 +27,9 @@ from ckptd.byte_range import ByteRange
 from ckptd.config import PeerConfig
 from ckptd.errors import ReceiverBusy
 from ckptd.replication.receiving import ReplicaReceiver
+from ckptd.rpc import tls_refusal
 from ckptd.rpc.data_channel import STALL_TIMEOUT_S, TICKET_BYTES, recv_exactly, send_status
+from ckptd.rpc.log_pace import LogPace
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +74,7 @@ class DataListener:
         self._host = host
         self._on_bad_chunk = on_bad_chunk
         self._tls = server_context(peer)
+        self._refusals_logged = LogPace()  # keyed by (caller, why)
         self._offers: dict[bytes, _Offer] = {}
         self._connections: dict[asyncio.Task[None], socket.socket] = {}
         self._threads = threads
@@ -135,6 +138,7 @@ class DataListener:
     async def _serve(self, conn: socket.socket) -> None:
         loop = asyncio.get_running_loop()
         sock = conn
+        caller = _caller(conn)  # before TLS takes the socket over
         try:
             sock, ticket = await loop.run_in_executor(self._threads, self._handshake, conn)
             self._connections[asyncio.current_task()] = sock  # type: ignore[index]
@@ -144,11 +148,24 @@ class DataListener:
             else:
                 status = await self._receive(offer, sock)
             await loop.run_in_executor(self._threads, send_status, sock, status)
+        except ssl.SSLError as e:
+            self._log_refusal(caller, e)
         except (OSError, EOFError) as e:  # the sender went away, or spoke no TLS, or stalled: nothing to answer
             log.debug("data connection dropped: %s", e)
         finally:
             sock.close()
             conn.close()
+
+    def _log_refusal(self, caller: str, error: ssl.SSLError) -> None:
+        """Log a refused certificate once a minute per caller and reason; any other TLS failure at debug."""
+        why = tls_refusal.reason(str(error))
+        if why is None:
+            log.debug("data connection from %s dropped: %s", caller, error)
+        elif self._refusals_logged.due((caller, why)):
+            log.warning(
+                "refused a data connection from %s: its certificate: %s (more within %.0f s are not logged)",
+                caller, why, self._refusals_logged.every_s,
+            )  # fmt: skip
 
     def _handshake(self, conn: socket.socket) -> tuple[socket.socket, bytes]:
         """On a connection thread: TLS where configured, then the ticket."""
@@ -169,3 +186,11 @@ class DataListener:
         except (CheckpointError, OSError) as e:
             return f"INTERNAL {e}"
         return "OK"
+
+
+def _caller(conn: socket.socket) -> str:
+    """Name a caller by its address without the port: a sender reconnecting is the same caller."""
+    try:
+        return str(conn.getpeername()[0])
+    except OSError:
+        return "a caller gone already"

@@ -13,8 +13,6 @@ to refuse a Malformed request. Everything here runs on the event loop.
 from __future__ import annotations
 
 import logging
-import time
-from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -22,10 +20,9 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError
 
-log = logging.getLogger(__name__)
+from ckptd.rpc.log_pace import LOG_EVERY_S, LogPace
 
-LOG_EVERY_S = 60.0  # per caller
-MAX_CALLERS_REMEMBERED = 1024
+log = logging.getLogger(__name__)
 
 
 class NotAPeer(Exception):
@@ -46,8 +43,7 @@ class RequestGuard:
 
     def __init__(self) -> None:
         self.counters = {"malformed_requests": 0}  # read by the status report at each document
-        # (caller, what was refused) -> when it was last logged
-        self._last_logged: OrderedDict[tuple[str, str], float] = OrderedDict()
+        self._pace = LogPace()  # keyed by (caller, what was refused)
 
     async def refuse(self, request: Malformed, context: grpc.aio.ServicerContext) -> None:
         """Count, maybe log, and answer INVALID_ARGUMENT (raises, as context.abort does)."""
@@ -72,15 +68,7 @@ class RequestGuard:
     def _due(self, context: grpc.aio.ServicerContext, what: str) -> str | None:
         """Return the caller's name if a line about what from it is due, else None."""
         caller = _caller(str(context.peer() or "unknown"))
-        now = time.monotonic()
-        last = self._last_logged.get((caller, what))
-        if last is not None and now - last < LOG_EVERY_S:
-            return None
-        self._last_logged[(caller, what)] = now
-        self._last_logged.move_to_end((caller, what))
-        while len(self._last_logged) > MAX_CALLERS_REMEMBERED:
-            self._last_logged.popitem(last=False)
-        return caller
+        return caller if self._pace.due((caller, what)) else None
 
     def register(self, add_to_server: Callable[[Any, Any], None], servicer: Any, server: grpc.aio.Server,
                  change: Callable[[dict[str, Any]], None] | None = None) -> None:  # fmt: skip

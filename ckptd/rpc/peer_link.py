@@ -2,7 +2,8 @@
 
 Blocking calls, made from worker threads (never from the event loop). Every
 failure is a PeerError naming the peer; a replica the peer rejected for a bad
-chunk is a ReplicaRejected.
+chunk is a ReplicaRejected; a TLS handshake refused over a certificate (the peer's,
+or this node's) is a CertificateRefused saying which and why (tls_refusal).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from ckptd.addresses import host_of
 from ckptd.byte_range import ByteRange
 from ckptd.cluster.placement import Holding, StepHoldings
 from ckptd.config import PeerConfig
+from ckptd.rpc import tls_refusal
 from ckptd.rpc.data_channel import DataChannelError, client_context, send_range
 from ckptd.rpc.shard_stream import byte_ranges, fill_from_pieces, read_pieces
 
@@ -87,6 +89,10 @@ class ReplicaHeld(PeerError):
 
 class ReplicaRejected(PeerError):
     """The peer found a bad chunk in a replica it received (the sender's copy or the wire is at fault)."""
+
+
+class CertificateRefused(PeerError):
+    """A TLS handshake with the peer failed over a certificate: "certificate rejected by" or "... not trusted"."""
 
 
 def grpc_options() -> list[tuple[str, Any]]:
@@ -187,6 +193,7 @@ class PeerLink:
         (an "ip:port" found by resolving a name in [peer] addresses: the name, as dialled before).
         """
         self.address = address
+        self._peer = peer
         self._tls_name = tls_name or host_of(address)
         self._metadata = ((INSTANCE_HEADER, instance),) if instance else ()
         credentials = channel_credentials(peer)
@@ -220,7 +227,27 @@ class PeerLink:
         try:
             grpc.channel_ready_future(self._channel).result(timeout=timeout_s)
         except grpc.FutureTimeoutError:
+            refusal = self._certificate_refusal("")
+            if refusal is not None:
+                raise CertificateRefused(refusal) from None
             raise PeerError(f"peer {self.address}: not reachable within {timeout_s:.0f} s") from None
+
+    def _certificate_refusal(self, details: str) -> str | None:
+        """Return the error for a refused certificate, from gRPC's details (UNAVAILABLE) or a handshake of our own.
+
+        gRPC's details carry this node's refusal of the peer's certificate; the peer's refusal
+        of ours reaches them only as "Socket closed" (a gRPC server sends no alert), and a
+        channel that never became ready carries no details at all: then tls_refusal.probe asks.
+        """
+        if not self._peer.cert:
+            return None
+        said = tls_refusal.sender_error(self.address, details)
+        if said is not None or (details and "Socket closed" not in details):
+            return said
+        port = self.address.rsplit(":", 1)[1]
+        if not port.isdigit():
+            return None
+        return tls_refusal.probe(self.address, host_of(self.address), int(port), self._peer, self._tls_name)
 
     def _call(self, what: str, call: Callable[[], Any]) -> Any:
         try:
@@ -238,6 +265,8 @@ class PeerLink:
             return ReplicaRejected(f"peer {self.address} rejected {what}: {detail}")
         if code == "NOT_FOUND":
             return NotFound(f"peer {self.address}: {detail}")
+        if code == "UNAVAILABLE" and (refusal := self._certificate_refusal(detail)) is not None:
+            return CertificateRefused(refusal)
         return PeerError(f"peer {self.address}: {what} failed: {code} {detail}")
 
     def inventory(self, job: str = "", step: int = -1, timeout_s: float = CALL_TIMEOUT_S) -> list[StepHoldings]:

@@ -59,13 +59,18 @@ class PeerServicer(peer_pb2_grpc.CkptdPeerServicer):
         config: Config,
         serve_threads: ThreadPoolExecutor,
         data_listener: DataListener | None = None,
+        guard: RequestGuard | None = None,
     ) -> None:
-        """serve_threads: where GetShard reads and serializes pieces (never in the way of seals)."""
+        """serve_threads: where GetShard reads and serializes pieces (never in the way of seals).
+
+        guard: where a caller refused by admit() is logged, once a minute per caller.
+        """
         self.pipeline = pipeline
         self.receiver = receiver
         self.config = config
         self._serve_threads = serve_threads
         self.data_listener = data_listener  # None: [peer] data_channel = false, ranges come by PutShard
+        self._guard = guard or RequestGuard()
 
     async def _shard_meta(self, transfer: str, raw: bytes) -> ShardMeta:
         """Parse a shard record a peer sent, once per transfer (its layout may be megabytes: on a thread)."""
@@ -83,10 +88,13 @@ class PeerServicer(peer_pb2_grpc.CkptdPeerServicer):
         names = auth.get("x509_subject_alternative_name") or auth.get("x509_common_name") or []
         named = {n.decode(errors="replace") for n in names}
         if not named & config.peer_hosts:
-            raise NotAPeer(
-                f"a caller at {context.peer()} presented a certificate for {sorted(named)}, "
+            subject = b", ".join(auth.get("x509_common_name") or []).decode(errors="replace")
+            refusal = NotAPeer(
+                f"a caller at {context.peer()} presented a certificate for {sorted(named)} (subject CN={subject}), "
                 "which names none of the hosts in [peer] addresses"
             )
+            self._guard.note(context, "not a peer", f"refused a peer's call: {refusal}")
+            raise refusal
 
     async def PutShard(self, request_iterator: AsyncIterator[bytes], context: Any) -> pb.PutShardReply:
         async def work() -> pb.PutShardReply:
