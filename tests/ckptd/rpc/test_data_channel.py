@@ -1,4 +1,5 @@
-"""The data channel's receiving side: refusals reach the sender as statuses, and no connection can stop or starve it.
+"""The data channel, both ends: refusals reach the sender as statuses, no connection stops or starves the listener,
+and the sender falls back to PutShard only when the channel itself fails.
 
 A real DataListener and ReplicaReceiver on an event loop of their own (a thread), senders on the test's thread.
 """
@@ -16,17 +17,20 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
 
+import grpc
 import pytest
 from ckpt.format import ShardMeta, chunk_ranges, digest
+from ckpt.wire.v1 import peer_pb2 as pb
 
 from ckptd.byte_range import ByteRange
 from ckptd.config import PeerConfig
 from ckptd.errors import AlreadyHeld, ReceiverBusy, StepAlreadyComplete
 from ckptd.replication.receiving import ReplicaReceiver
-from ckptd.rpc import data_channel, data_listener
+from ckptd.rpc import data_channel, data_listener, shard_stream
 from ckptd.rpc.data_channel import DataChannelError, send_range
 from ckptd.rpc.data_listener import MAX_PER_ADDRESS, DataListener
-from ckptd.rpc.statuses import status_line
+from ckptd.rpc.peer_link import PeerLink, ReplicaRejected, piece_data
+from ckptd.rpc.statuses import status_line, status_of
 from ckptd.tiers.nvme import LocalDirTier
 
 T = TypeVar("T")
@@ -247,3 +251,164 @@ def test_the_listener_takes_the_family_of_the_listen_host(tmp_path):
         assert send_range("::1", n.listener.port, ticket, None, path, meta, ByteRange(0, 2 * CHUNK), "t") == "OK"
     finally:
         n.close()
+
+
+# -- the sending side: PeerLink, with a stand-in for the peer's servicer in front of the real receiver
+
+
+class RpcError(grpc.RpcError):
+    def __init__(self, code: str, details: str = "") -> None:
+        self._code, self._details = grpc.StatusCode[code], details
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+
+class Peer:
+    """OpenDataRange, PutShard and SealShard answered as PeerServicer does, on a Node's receiver and listener."""
+
+    def __init__(self, node: Node, unimplemented: bool = False, expect: ShardMeta | None = None) -> None:
+        self.node = node
+        self.unimplemented = unimplemented
+        self.expect = expect  # the shard record the receiver is told of (default: the one sent)
+        self.opened: list[str] = []
+        self.streamed: list[str] = []
+        self.sealed: list[str] = []
+
+    def _answer(self, work: Coroutine[Any, Any, T]) -> T:
+        try:
+            return self.node.run(work)
+        except Exception as e:
+            code, details = status_of(e) or ("INTERNAL", str(e))
+            raise RpcError(code, details) from None
+
+    def OpenDataRange(self, request: pb.ShardPiece, timeout: float, metadata: Any) -> pb.DataRangeTicket:
+        self.opened.append(request.transfer)
+        if self.unimplemented:
+            raise RpcError("UNIMPLEMENTED")
+        meta = self.expect or ShardMeta.from_bytes(request.meta_json, "test")
+        byte_range = ByteRange(request.offset, request.length)
+        ticket = self._answer(self.node.offer(meta, request.transfer, byte_range))
+        return pb.DataRangeTicket(port=self.node.listener.port, ticket=ticket)
+
+    def put_shard(self, pieces: Iterator[bytes], timeout: float, metadata: Any) -> pb.PutShardReply:
+        first = pb.ShardPiece.FromString(next(pieces))
+        data = [bytes(piece_data(p)) for p in pieces]
+        self.streamed.append(first.transfer)
+
+        async def source():
+            for piece in data:
+                yield memoryview(piece)
+
+        meta = ShardMeta.from_bytes(first.meta_json, "test")
+        byte_range = ByteRange(first.offset, first.length)
+        self._answer(self.node.receiver.receive_range(meta, first.transfer, byte_range, source()))
+        return pb.PutShardReply()
+
+    def SealShard(self, request: pb.SealShardRequest, timeout: float, metadata: Any) -> pb.SealShardReply:
+        meta = ShardMeta.from_bytes(request.meta_json, "test")
+        self._answer(self.node.receiver.seal(meta, request.transfer, None))
+        self.sealed.append(request.transfer)
+        return pb.SealShardReply()
+
+
+@pytest.fixture
+def link() -> Iterator[PeerLink]:
+    link = PeerLink("127.0.0.1:1", PeerConfig())
+    link.connect = lambda timeout_s=0.0: None  # type: ignore[method-assign]
+    yield link
+    link.close()
+
+
+def talk_to(link: PeerLink, peer: Peer) -> None:
+    link._stub = peer  # type: ignore[assignment]
+    link._put_shard = peer.put_shard  # type: ignore[assignment]
+
+
+@pytest.fixture
+def streams() -> Iterator[ThreadPoolExecutor]:
+    with ThreadPoolExecutor(1) as pool:  # one range at a time, in order
+        yield pool
+
+
+def received(node: Node, path: Path) -> bool:
+    return (node.tier.step_dir("j", 3) / "rank-00000.data").read_bytes() == path.read_bytes()
+
+
+def test_an_older_peer_without_open_data_range_gets_put_shard_and_is_asked_again_after_a_minute(
+    node, link, streams, tmp_path
+):
+    peer = Peer(node, unimplemented=True)
+    talk_to(link, peer)
+    meta, path = make_shard(tmp_path, 2 * CHUNK)
+    link.put_shard(meta, path, streams)
+    assert received(node, path) and peer.streamed == peer.sealed == peer.opened
+    assert link.ranges_sent == {"data_channel": 0, "grpc_stream": 1}
+    other = ShardMeta(**{**meta.__dict__, "step": 4})
+    link.put_shard(other, path, streams)
+    assert len(peer.opened) == 1, "asked again within DATA_CHANNEL_RETRY_S"
+    link._data_channel_off_until = time.monotonic()  # a minute later
+    link.put_shard(ShardMeta(**{**meta.__dict__, "step": 5}), path, streams)
+    assert len(peer.opened) == 2
+
+
+def test_a_refusal_on_the_data_channel_is_the_peers_answer_not_a_channel_failure(node, link, streams, tmp_path):
+    meta, path = make_shard(tmp_path, BIG)
+    other, _ = make_shard(tmp_path, BIG, "other.data")
+    peer = Peer(node, expect=other)  # the receiver finds the first chunk bad, 31 MiB before the sender is done
+    talk_to(link, peer)
+    with pytest.raises(ReplicaRejected, match=r"chunk 0 .*checksum mismatch"):
+        link.put_shard(meta, path, streams)
+    assert link._data_channel_off_until == 0.0, "a refusal turned the data channel off"
+    assert peer.streamed == [] and link.ranges_sent == {"data_channel": 0, "grpc_stream": 0}
+
+
+class CutShort:
+    """A stand-in TLS context whose nth connection is cut after a few bytes, with no status (the channel fails)."""
+
+    def __init__(self, nth: int) -> None:
+        self.connections, self.nth = 0, nth
+
+    def wrap_socket(self, conn: socket.socket, server_hostname: str) -> Any:
+        self.connections += 1
+        return _Cut(conn) if self.connections == self.nth else conn
+
+
+class _Cut:
+    def __init__(self, conn: socket.socket) -> None:
+        self._conn, self._sent = conn, 0
+
+    def sendall(self, data: Any) -> None:
+        if self._sent > CHUNK:
+            self._conn.shutdown(socket.SHUT_RDWR)
+            raise ConnectionResetError(errno.ECONNRESET, "cut short")
+        self._conn.sendall(data)
+        self._sent += len(data)
+
+    def recv(self, size: int) -> bytes:
+        return self._conn.recv(size)
+
+    def __enter__(self) -> _Cut:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._conn.close()
+
+
+def test_a_range_cut_short_sends_the_shard_again_under_a_fresh_transfer_by_put_shard(
+    node, link, streams, tmp_path, monkeypatch
+):
+    monkeypatch.setattr(shard_stream, "MIN_RANGE_BYTES", 2 * CHUNK)
+    meta, path = make_shard(tmp_path, 8 * CHUNK)  # four ranges: the last is cut short half way
+    peer = Peer(node)
+    talk_to(link, peer)
+    link._data_tls = CutShort(nth=4)  # type: ignore[assignment]
+    link.put_shard(meta, path, streams)
+    assert received(node, path)
+    first = peer.opened[0]
+    assert peer.opened == [first] * 4 and peer.sealed and peer.sealed[0] != first
+    assert set(peer.streamed) == {peer.sealed[0]} and len(peer.streamed) == 4
+    assert link._data_channel_off_until > time.monotonic() + 50  # by PutShard for a minute
