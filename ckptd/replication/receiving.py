@@ -10,6 +10,12 @@ hands each full one to ShardWrite.write on the receiver's threads, where its chu
 are checked and written. SealShard comes once every range is in: ShardWrite.seal
 fsyncs and installs the shard with the tier's atomic protocol. receive_range and seal
 run on the event loop.
+
+A range that comes on a data connection is reserved first (reserve_range, from
+OpenDataRange): every refusal that needs none of its bytes (a bad range, too many under
+way, held already, a step complete here) is made then, as a gRPC status, and the range
+keeps its place among those in flight until receive_reserved (the connection) or release
+(its ticket unused: the transfer is given up too) gives it back.
 """
 
 from __future__ import annotations
@@ -120,10 +126,18 @@ class ReplicaReceiver:
         return RangeReservation(meta, transfer, byte_range, t)
 
     def release(self, reservation: RangeReservation) -> None:
-        """Give back the place of a reserved range that never came (its ticket expired, or the listener stopped)."""
-        if not reservation.released:
-            reservation.released = True
-            self._ranges_in_flight -= 1
+        """Give back the place of a reserved range that never came (its ticket expired or was not offered, or the
+        listener stopped), and give its transfer up: its sender sends the shard again under another, if at all."""
+        if self._give_back(reservation) and self._transfers.get(reservation.transfer) is reservation.transfer_state:
+            self._abandon(reservation.transfer)
+
+    def _give_back(self, reservation: RangeReservation) -> bool:
+        """Give back a reserved range's place among those in flight; return whether it still held one."""
+        if reservation.released:
+            return False
+        reservation.released = True
+        self._ranges_in_flight -= 1
+        return True
 
     async def receive_reserved(
         self, reservation: RangeReservation, source: AsyncIterator[memoryview] | socket.socket
@@ -137,7 +151,7 @@ class ReplicaReceiver:
                 )
             await self._receive(t, reservation.meta, reservation.transfer, reservation.byte_range, source)
         finally:
-            self.release(reservation)
+            self._give_back(reservation)
 
     def admit_range(self, meta: ShardMeta, transfer: str, byte_range: ByteRange) -> None:
         """Raise InvalidArgument for a range that does not fit its shard, ReceiverBusy when too many are under way."""

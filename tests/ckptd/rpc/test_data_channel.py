@@ -158,6 +158,8 @@ def test_tickets_are_bounded_and_an_unused_one_gives_its_place_back(node, tmp_pa
     while node.run(_in_flight(node)):
         assert time.monotonic() < deadline, "unused tickets kept their places"
         time.sleep(0.05)
+    assert node.receiver.busy_steps() == set()  # the transfer they opened is given up, its file gone
+    assert not list(node.tier.root.rglob("*.partial"))
     assert send(node, tickets[0], meta, path, ByteRange(0, CHUNK)).startswith("PERMISSION_DENIED")
 
 
