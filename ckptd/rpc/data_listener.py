@@ -9,11 +9,13 @@ status and drain on the listener's threads, its bytes on the receiver's
 
 Bounds, against anyone who can reach the port: a connection has HANDSHAKE_DEADLINE_S in
 all for its TLS handshake and its ticket; at most MAX_HANDSHAKING connections are there
-before their ticket, and MAX_PER_ADDRESS from one source address. A connection with a
-good ticket leaves the handshaking slots for the receiver's place its ticket reserved, so
-idle connections hold up no range. A refusal read after the ticket is written, the
-connection half-closed and what the sender still sends read and dropped for up to DRAIN_S,
-so that the sender reads the status rather than a reset.
+before their ticket, MAX_PER_ADDRESS of them from one source address. A connection with a
+good ticket leaves those slots for the receiver's place its ticket reserved (ranges in
+flight are bounded there, and by the tickets), so idle connections hold up no range.
+
+A refusal made after the ticket is written, the connection half-closed and what the sender
+still sends read and dropped for up to DRAIN_S, so that the sender reads the status rather
+than a reset.
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ TICKET_TTL_S = 30.0
 MAX_TICKETS = 64  # offered and not yet used: bounds what callers can make this node keep
 HANDSHAKE_DEADLINE_S = 5.0  # from accept to a whole ticket (TLS handshake included), however slowly bytes come
 MAX_HANDSHAKING = 32  # connections not yet past their ticket; more are closed at once
-MAX_PER_ADDRESS = 8  # connections open at once from one source address; more are closed at once
+MAX_PER_ADDRESS = 8  # connections before their ticket from one source address; more are closed at once
 DRAIN_S = 5.0  # after a refusal, the sender's bytes are read and dropped this long, so that it reads the status
 STOP_GRACE_S = 10.0  # at stop, ranges in flight (and tickets offered) get this long to end
 ACCEPT_BACKOFF_MIN_S = 0.1  # after accept fails (EMFILE, ENFILE, ENOBUFS...): wait, doubling to the max
@@ -101,7 +103,7 @@ class DataListener:
         self._connections: dict[asyncio.Task[None], socket.socket] = {}
         self._receiving: set[asyncio.Task[None]] = set()  # connections past a good ticket
         self._handshaking = 0
-        self._by_address: dict[str, int] = {}  # open connections per source address (only while there are some)
+        self._by_address: dict[str, int] = {}  # handshaking connections per source address (only while some are)
         self._threads = threads
         self._sock: socket.socket | None = None
         self._accepting: asyncio.Task[None] | None = None
@@ -222,7 +224,8 @@ class DataListener:
                 refusal: BaseException | None = NotOffered("no such data range offered (or its ticket expired)")
             else:
                 offer.expiry.cancel()
-                self._handshaking, handshaking = self._handshaking - 1, False
+                self._handshake_done(source)
+                handshaking = False
                 self._receiving.add(task)
                 refusal = await self._receive(offer.reservation, sock)
             await self._on_thread(self._answer, sock, refusal)
@@ -231,13 +234,17 @@ class DataListener:
         finally:
             self._receiving.discard(task)
             if handshaking:
-                self._handshaking -= 1
-            if self._by_address[source] <= 1:
-                del self._by_address[source]
-            else:
-                self._by_address[source] -= 1
+                self._handshake_done(source)
             sock.close()
             conn.close()
+
+    def _handshake_done(self, source: str) -> None:
+        """Give back a connection's handshaking slot and its share of its address's."""
+        self._handshaking -= 1
+        if self._by_address[source] <= 1:
+            del self._by_address[source]
+        else:
+            self._by_address[source] -= 1
 
     async def _on_thread(self, work: Callable[..., T], *args: object) -> T:
         """Run work on a connection thread; cancelled, still wait for it to end (it uses the socket)."""

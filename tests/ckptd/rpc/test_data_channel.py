@@ -224,6 +224,31 @@ def test_idle_and_trickling_connections_starve_no_range(node, tmp_path, monkeypa
         s.close()
 
 
+def test_ranges_past_their_ticket_leave_their_address_share_to_others(node, tmp_path):
+    # Two shards of four ranges each from one sender, and a second daemon on the same host: more than
+    # MAX_PER_ADDRESS ranges come from one address at once; only connections before their ticket count.
+    meta, path = make_shard(tmp_path, 12 * CHUNK)
+    held = []
+    for i in range(MAX_PER_ADDRESS + 1):
+        ticket = node.run(node.offer(meta, "cd" * 8, ByteRange(i * CHUNK, CHUNK)))
+        sock = socket.create_connection(("127.0.0.1", node.listener.port), timeout=20)
+        sock.sendall(ticket + b"x")  # past its ticket, receiving (slowly)
+        held.append(sock)
+    deadline = time.monotonic() + 10
+    while node.run(_receiving(node)) < len(held):
+        assert time.monotonic() < deadline, "the held ranges never began"
+        time.sleep(0.05)
+    ticket = node.run(node.offer(meta, "ab" * 8, ByteRange(11 * CHUNK, CHUNK)))
+    assert send(node, ticket, meta, path, ByteRange(11 * CHUNK, CHUNK)) == "OK"
+    assert node.listener.counters["connections_refused"] == 0
+    for sock in held:
+        sock.close()
+
+
+async def _receiving(node: Node) -> int:
+    return len(node.listener._receiving)
+
+
 def test_at_stop_offered_tickets_and_ranges_in_flight_get_their_grace(tmp_path):
     n = Node(tmp_path)
     meta, path = make_shard(tmp_path, 4 * CHUNK)
