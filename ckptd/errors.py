@@ -35,6 +35,10 @@ class AlreadyHeld(CheckpointError):
     write, and the copy there is not dropped."""
 
 
+class NotOffered(CheckpointError):
+    """A data connection's ticket names no range offered here (never offered, used already, or expired)."""
+
+
 class RootGone(Exception):
     """The NVMe root was removed or replaced under the daemon: its view of the steps is void, it stops."""
 

@@ -34,7 +34,7 @@ from ckptd.pipeline import Pipeline
 from ckptd.replication.peering import Peering
 from ckptd.replication.receiving import MAX_RANGES_IN_FLIGHT, ReplicaReceiver
 from ckptd.replication.sending import MAX_SENDERS, Replication
-from ckptd.rpc.data_listener import MAX_CONNECTIONS
+from ckptd.rpc.data_listener import CONNECTION_THREADS
 from ckptd.rpc.peer_link import STREAMS_PER_SHARD
 from ckptd.save.flush import Flusher
 from ckptd.save.progress import ShardProgress
@@ -64,7 +64,7 @@ class Executors:
     peer: ThreadPoolExecutor  # short tier work of the peer tier: inventories, seals, receiver writes, lookups
     serve: ThreadPoolExecutor  # whole shards read for peers' fetches: never in the way of seals
     receive: ThreadPoolExecutor  # one per replica range arriving: fills its buffers from the socket or PutShard
-    data_connections: ThreadPoolExecutor  # the data channel's TLS handshakes, tickets and statuses
+    data_connections: ThreadPoolExecutor  # the data channel's TLS handshakes, tickets, statuses and drains
     fetch: ThreadPoolExecutor  # whole shards fetched from peers for a load
     replicate: ThreadPoolExecutor  # one per shard being sent to a peer (blocks on the peer)
     replicate_streams: ThreadPoolExecutor  # the byte ranges of those shards, several per shard
@@ -84,7 +84,7 @@ class Executors:
             peer=ThreadPoolExecutor(8, thread_name_prefix="peer"),
             serve=ThreadPoolExecutor(8, thread_name_prefix="serve"),
             receive=ThreadPoolExecutor(MAX_RANGES_IN_FLIGHT, thread_name_prefix="replica-recv"),
-            data_connections=ThreadPoolExecutor(MAX_CONNECTIONS, thread_name_prefix="data-conn"),
+            data_connections=ThreadPoolExecutor(CONNECTION_THREADS, thread_name_prefix="data-conn"),
             fetch=ThreadPoolExecutor(4, thread_name_prefix="fetch"),
             replicate=ThreadPoolExecutor(MAX_SENDERS, thread_name_prefix="replicate"),
             replicate_streams=ThreadPoolExecutor(

@@ -10,6 +10,12 @@ hands each full one to ShardWrite.write on the receiver's threads, where its chu
 are checked and written. SealShard comes once every range is in: ShardWrite.seal
 fsyncs and installs the shard with the tier's atomic protocol. receive_range and seal
 run on the event loop.
+
+A range that comes on a data connection is reserved first (reserve_range, from
+OpenDataRange): every refusal that needs none of its bytes (a bad range, too many under
+way, held already, a step complete here) is made then, as a gRPC status, and the range
+keeps its place among those in flight until receive_reserved (the connection) or release
+(its ticket unused: the transfer is given up too) gives it back.
 """
 
 from __future__ import annotations
@@ -61,6 +67,17 @@ class _Transfer:
             self.shard.abandon()
 
 
+@dataclass
+class RangeReservation:
+    """A range admitted before its bytes come (a data connection's ticket): its place among the ranges in flight."""
+
+    meta: ShardMeta
+    transfer: str
+    byte_range: ByteRange
+    transfer_state: _Transfer
+    released: bool = False
+
+
 class ReplicaReceiver:
     """Receive replicas into a LocalDirTier."""
 
@@ -87,12 +104,54 @@ class ReplicaReceiver:
         source is the range's bytes: PutShard's pieces, or a data connection (rpc.data_channel)
         that a receiving thread reads straight into the block buffers.
         """
+        await self.receive_reserved(await self.reserve_range(meta, transfer, byte_range), source)
+
+    async def reserve_range(self, meta: ShardMeta, transfer: str, byte_range: ByteRange) -> RangeReservation:
+        """Make every refusal known before a range's bytes come, and hold a place for it (event loop).
+
+        Raises InvalidArgument (the range does not fit its shard, or the transfer carries another
+        shard), ReceiverBusy (too many ranges or replicas under way), AlreadyHeld (this very replica
+        is here) and StepAlreadyComplete (the step is complete here with other shards). The place
+        is given back by receive_reserved, or by release when the range never comes.
+        """
         self.admit_range(meta, transfer, byte_range)
         self._ranges_in_flight += 1
         try:
-            await self._receive(meta, transfer, byte_range, source)
-        finally:
+            if await wait_finished(self._threads.submit(self.tier.holds, meta)):
+                raise AlreadyHeld(f"{self._what(meta)}: held already")
+            t = await self._open(meta, transfer)
+        except BaseException:
             self._ranges_in_flight -= 1
+            raise
+        return RangeReservation(meta, transfer, byte_range, t)
+
+    def release(self, reservation: RangeReservation) -> None:
+        """Give back the place of a reserved range that never came (its ticket expired or was not offered, or the
+        listener stopped), and give its transfer up: its sender sends the shard again under another, if at all."""
+        if self._give_back(reservation) and self._transfers.get(reservation.transfer) is reservation.transfer_state:
+            self._abandon(reservation.transfer)
+
+    def _give_back(self, reservation: RangeReservation) -> bool:
+        """Give back a reserved range's place among those in flight; return whether it still held one."""
+        if reservation.released:
+            return False
+        reservation.released = True
+        self._ranges_in_flight -= 1
+        return True
+
+    async def receive_reserved(
+        self, reservation: RangeReservation, source: AsyncIterator[memoryview] | socket.socket
+    ) -> None:
+        """Receive a range reserve_range admitted, then give its place back (see receive_range)."""
+        try:
+            t = reservation.transfer_state
+            if self._transfers.get(reservation.transfer) is not t or t.abandoned:
+                raise InvalidArgument(
+                    f"{self._what(reservation.meta)}: transfer {shown(reservation.transfer)} was dropped meanwhile"
+                )
+            await self._receive(t, reservation.meta, reservation.transfer, reservation.byte_range, source)
+        finally:
+            self._give_back(reservation)
 
     def admit_range(self, meta: ShardMeta, transfer: str, byte_range: ByteRange) -> None:
         """Raise InvalidArgument for a range that does not fit its shard, ReceiverBusy when too many are under way."""
@@ -102,14 +161,12 @@ class ReplicaReceiver:
 
     async def _receive(
         self,
+        t: _Transfer,
         meta: ShardMeta,
         transfer: str,
         byte_range: ByteRange,
         source: AsyncIterator[memoryview] | socket.socket,
     ) -> None:
-        if await _finished(self._threads.submit(self.tier.holds, meta)):
-            raise AlreadyHeld(f"{self._what(meta)}: held already")
-        t = await self._open(meta, transfer)
         t.ranges_open += 1
         block_bytes = max(1, BLOCK_BYTES // meta.chunk_size_bytes) * meta.chunk_size_bytes
         buffers = [self._buffer(round_up(block_bytes, DIRECT_IO_ALIGN_BYTES)) for _ in range(2)]
@@ -122,7 +179,7 @@ class ReplicaReceiver:
         try:
             try:
                 work = self._recv_threads.submit(self._fill_and_write, t, recv_into, buffers, block_bytes, byte_range)
-                end = await _finished(work, on_cancel=pieces.stop if pieces is not None else None)
+                end = await wait_finished(work, on_cancel=pieces.stop if pieces is not None else None)
             finally:
                 if pieces is not None:
                     await pieces.settle()
@@ -217,7 +274,7 @@ class ReplicaReceiver:
                 t.abandon()
             raise InvalidArgument(f"{self._what(meta)}: no complete transfer {shown(transfer)} of it is here")
         try:
-            await _finished(self._threads.submit(self._install, t, record))
+            await wait_finished(self._threads.submit(self._install, t, record))
         except BaseException:
             t.abandon()
             raise
@@ -255,7 +312,7 @@ class ReplicaReceiver:
         opened = self._opening[transfer] = asyncio.get_running_loop().create_future()
         work = self._threads.submit(self.tier.open_shard, meta, transfer[:16])
         try:
-            shard = await _finished(work)
+            shard = await wait_finished(work)
             t = self._transfers[transfer] = _Transfer(meta, shard)
             return t
         except BaseException:
@@ -292,7 +349,7 @@ class ReplicaReceiver:
         """Drop the replica store's copy of a shard (RetireReplica: this node stood in for its placed node)."""
         if any((job, step) == busy for busy in self.busy_steps()):
             return False  # being received again: the sender's newer copy is not the one to retire
-        return bool(await _finished(self._threads.submit(self.tier.remove_shard, job, step, rank, meta_digest)))
+        return bool(await wait_finished(self._threads.submit(self.tier.remove_shard, job, step, rank, meta_digest)))
 
     def busy_steps(self) -> set[tuple[str, int]]:
         """Return the (job, step) of every replica being received: retention keeps off them."""
@@ -393,7 +450,7 @@ def _pass_on(task: asyncio.Task[T], taken: Future[T]) -> None:
         taken.set_result(task.result())
 
 
-async def _finished(work: Future[T], on_cancel: Callable[[], None] | None = None) -> T:
+async def wait_finished(work: Future[T], on_cancel: Callable[[], None] | None = None) -> T:
     """Await work on a thread; if this task is cancelled meanwhile, still wait for the work to end first.
 
     on_cancel, called on the event loop once this task is cancelled, tells the work to end soon.

@@ -11,7 +11,10 @@ gRPC admitted.
 
 The wire: ticket (TICKET_BYTES), then the range's bytes; back, a 4-byte big-endian
 length and "CODE detail" in UTF-8, CODE a gRPC status name ("OK" when the range is
-checked and written).
+checked and written; the names and the errors they stand for are rpc.statuses', as on
+gRPC). A refusal may come before the range's last byte: the receiver then half-closes
+and reads on for a while, and the sender reads the status even if its sending failed.
+Whatever can be refused without the bytes is refused by OpenDataRange instead.
 
 PeerLink._put_range calls send_range from a sender's worker thread; the receiving side
 is rpc.data_listener's.
@@ -22,6 +25,7 @@ from __future__ import annotations
 import socket
 import ssl
 import struct
+from collections.abc import Iterator
 from pathlib import Path
 
 from ckpt.format import ShardMeta
@@ -64,27 +68,58 @@ def send_range(
 ) -> str:
     """Send a range of a shard read from path on a data connection; return the receiver's status ("OK", or CODE detail).
 
-    tls_name is the name the receiver's certificate must carry (default: host).
-    Raises DataChannelError when the connection fails, and what read_pieces raises when
-    the local copy changed (then the connection is closed short, which the receiver refuses).
+    tls_name is the name the receiver's certificate must carry (default: host). A receiver
+    that refuses the range part-way stops taking it: the status is read even when sending
+    failed, and only a connection that gives none is a DataChannelError (refused, reset, stalled,
+    TLS). What read_pieces raises when the local copy changed or went is raised as it is (then
+    the connection is closed short, which the receiver refuses).
     """
+    pieces = read_pieces(path, meta, byte_range, what)
     try:
-        with socket.create_connection((host, port), timeout=CONNECT_TIMEOUT_S) as conn:
+        conn = socket.create_connection((host, port), timeout=CONNECT_TIMEOUT_S)
+    except OSError as e:
+        raise DataChannelError(f"data connection to {host}:{port}: {e}") from e
+    with conn:
+        try:
             conn.settimeout(STALL_TIMEOUT_S)
-            tls = context.wrap_socket(conn, server_hostname=tls_name or host) if context is not None else None
-            with tls or conn as sock:
-                sock.sendall(ticket)
-                for data in read_pieces(path, meta, byte_range, what):
-                    sock.sendall(data)
+            sock = context.wrap_socket(conn, server_hostname=tls_name or host) if context is not None else conn
+        except OSError as e:
+            raise _channel_error(host, port, e) from e
+        with sock:
+            failed = _send(sock, ticket, pieces)
+            try:
                 (size,) = _LENGTH.unpack(recv_exactly(sock, _LENGTH.size))
                 if size > MAX_STATUS_BYTES:
                     raise DataChannelError(f"the receiver answered with {size} bytes of status")
                 return recv_exactly(sock, size).decode(errors="replace")
-    except (OSError, EOFError) as e:
-        if isinstance(e, DataChannelError):
-            raise
-        refusal = tls_refusal.sender_error(f"{host}:{port}", str(e)) if isinstance(e, ssl.SSLError) else None
-        raise DataChannelError(refusal or f"data connection to {host}:{port}: {e}") from e
+            except (OSError, EOFError) as e:
+                if isinstance(e, DataChannelError):
+                    raise
+                cause = failed or e
+                raise _channel_error(host, port, cause) from cause
+
+
+def _channel_error(host: str, port: int, error: BaseException) -> DataChannelError:
+    """Return the failure of a data connection; a refused certificate says so (rpc.tls_refusal), not "reset"."""
+    refusal = tls_refusal.sender_error(f"{host}:{port}", str(error)) if isinstance(error, ssl.SSLError) else None
+    return DataChannelError(refusal or f"data connection to {host}:{port}: {error}")
+
+
+def _send(sock: socket.socket, ticket: bytes, pieces: Iterator[memoryview]) -> OSError | None:
+    """Send the ticket and the range's pieces; return the error that stopped the sending, if one did.
+
+    Only the socket's errors are caught: those of the local copy (pieces) go to the caller.
+    """
+    try:
+        sock.sendall(ticket)
+    except OSError as e:
+        return e
+    for data in pieces:
+        try:
+            sock.sendall(data)
+        except OSError as e:  # the receiver refused the range and stopped reading, or the connection broke
+            return e
+    return None
 
 
 def send_status(sock: socket.socket, status: str) -> None:

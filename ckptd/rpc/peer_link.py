@@ -311,11 +311,16 @@ class PeerLink:
         """Send a replica of a shard read from path, on several streams at once, and have the peer seal it."""
         what = f"rank {meta.rank} shard of {meta.job} step {meta.step}"
         self.connect()
-        transfer = uuid.uuid4().hex
         meta_json = meta.to_bytes()
         ranges = byte_ranges(meta, STREAMS_PER_SHARD)
-        sends = [streams.submit(self._put_range, meta, meta_json, transfer, path, r, what) for r in ranges]
-        errors = [e for f in sends if (e := f.exception()) is not None]
+        for tries_left in (1, 0):
+            transfer = uuid.uuid4().hex
+            sends = [streams.submit(self._put_range, meta, meta_json, transfer, path, r, what) for r in ranges]
+            errors = [e for f in sends if (e := f.exception()) is not None]
+            # The data channel failed under a range: the receiver dropped that transfer. The whole
+            # shard goes again under a new one, by PutShard now that the channel is off.
+            if not tries_left or not any(isinstance(e, DataChannelError) for e in errors):
+                break
         if errors and all(isinstance(e, ReplicaHeld) for e in errors):
             return  # sent before (a resume, or a retry after a lost answer): nothing to do
         if errors:
@@ -345,7 +350,11 @@ class PeerLink:
     def _put_on_data_channel(
         self, meta: ShardMeta, meta_json: bytes, transfer: str, path: Path, byte_range: ByteRange, what: str
     ) -> bool:
-        """Send a range on a data connection; return False where the peer offers none (or it just failed)."""
+        """Send a range on a data connection; return False where the peer offers none.
+
+        DataChannelError (after which ranges go by PutShard for DATA_CHANNEL_RETRY_S) only where
+        the channel itself failed; a refusal, on gRPC or on the connection, is the PeerError it names.
+        """
         request = pb.ShardPiece(
             meta_json=meta_json, transfer=transfer, offset=byte_range.offset, length=byte_range.length
         )
@@ -376,8 +385,8 @@ class PeerLink:
                 self.address, e, DATA_CHANNEL_RETRY_S,
             )  # fmt: skip
             self._data_channel_off_until = time.monotonic() + DATA_CHANNEL_RETRY_S
-            return False
-        if status != "OK":
+            raise
+        if status != "OK":  # a refusal, said by the receiver: the channel works
             code, _, detail = status.partition(" ")
             raise self._error(code, detail, f"replica of {what}")
         return True

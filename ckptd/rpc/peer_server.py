@@ -133,8 +133,13 @@ class PeerServicer(peer_pb2_grpc.CkptdPeerServicer):
                 return pb.DataRangeTicket()
             meta = await self._shard_meta(request.transfer, request.meta_json)
             byte_range = ByteRange(request.offset, request.length)
-            self.receiver.admit_range(meta, request.transfer, byte_range)
-            ticket = self.data_listener.offer(meta, request.transfer, byte_range)
+            # Every refusal that needs none of the bytes is made here, as a status: never on the data connection.
+            reservation = await self.receiver.reserve_range(meta, request.transfer, byte_range)
+            try:
+                ticket = self.data_listener.offer(reservation)
+            except BaseException:
+                self.receiver.release(reservation)
+                raise
             return pb.DataRangeTicket(port=self.data_listener.port, ticket=ticket)
 
         return await answer(context, work)

@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 import grpc
-from ckpt.errors import CheckpointError, CorruptCheckpoint, InvalidArgument, NotFound, ReservationLost
+from ckpt.errors import CheckpointError, CorruptCheckpoint, InvalidArgument
 from ckpt.format import utc_timestamp, validate_job, validate_rank, validate_step
 from ckpt.history import Line, line_from_text, line_text
 from ckpt.wire.v1 import ckptd_pb2 as pb
@@ -17,20 +17,17 @@ from ckpt.wire.v1 import ckptd_pb2_grpc
 from google.protobuf.message import DecodeError
 
 from ckptd.byte_range import ByteRange
-from ckptd.errors import AlreadyHeld, ReceiverBusy, RemovalRefused, StepAlreadyComplete
 from ckptd.operations.job_retention import ClientRetention
 from ckptd.operations.retention import Removal
 from ckptd.pipeline import Pipeline
 from ckptd.rpc.guard import NotAPeer, RequestGuard
-from ckptd.rpc.peer_link import IsSelf
 from ckptd.rpc.shard_stream import PIECE_BYTES
+from ckptd.rpc.statuses import status_of
 from ckptd.save.staging import ShardKey, Snapshot
 
 T = TypeVar("T")
 MAX_LAYOUT_BYTES = 128 << 20
 MAX_WAIT_S = 24 * 3600.0
-# A status travels in a header, which gRPC refuses over 16 KiB (the caller would see RESOURCE_EXHAUSTED, not why).
-MAX_DETAILS_BYTES = 2048
 MAX_LINE_CHARS = 64 << 10  # a line is a few numbers per rollback
 
 
@@ -40,28 +37,19 @@ def _shard_key(shard: pb.ShardId) -> ShardKey:
 
 
 async def answer(context: grpc.aio.ServicerContext, work: Callable[[], Awaitable[T]]) -> T:
-    """Run an RPC's work, turning ckpt errors into gRPC status codes."""
+    """Run an RPC's work, turning ckpt errors into gRPC status codes (the one table: rpc.statuses)."""
     try:
         return await work()
-    except InvalidArgument as e:
-        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, _details(e))
-    except DecodeError as e:  # a piece of a stream of raw bytes (PutShard) that does not parse
-        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, _details(f"malformed message: {e}"))
-    except NotFound as e:
-        await context.abort(grpc.StatusCode.NOT_FOUND, _details(e))
-    except (ReservationLost, IsSelf, StepAlreadyComplete, RemovalRefused) as e:
-        await context.abort(grpc.StatusCode.FAILED_PRECONDITION, _details(e))
-    except NotAPeer as e:
-        await context.abort(grpc.StatusCode.PERMISSION_DENIED, _details(e))
-    except CorruptCheckpoint as e:
-        await context.abort(grpc.StatusCode.DATA_LOSS, _details(e))
-    except AlreadyHeld as e:
-        await context.abort(grpc.StatusCode.ALREADY_EXISTS, _details(e))
-    except ReceiverBusy as e:
-        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, _details(e))
-    except (CheckpointError, OSError) as e:
-        await context.abort(grpc.StatusCode.INTERNAL, _details(e))
+    except (CheckpointError, OSError, DecodeError, NotAPeer) as e:
+        code, details = status_of(e) or ("INTERNAL", str(e))
+        await context.abort(grpc.StatusCode[code], details)
     raise AssertionError("unreachable")
+
+
+def _collect_reply(removals: list[Removal]) -> pb.CollectReply:
+    return pb.CollectReply(
+        removals=[pb.Removal(tier=r.tier, job=r.job, step=r.step, reason=r.reason) for r in removals]
+    )
 
 
 def _line(text: str, key: ShardKey) -> Line:
@@ -72,21 +60,6 @@ def _line(text: str, key: ShardKey) -> Line:
         return line_from_text(text, f"{key}: the line")
     except CorruptCheckpoint as e:
         raise InvalidArgument(str(e)) from None
-
-
-def _details(error: object) -> str:
-    """Return an error's message cut to what fits a status (it may quote megabytes a caller sent)."""
-    text = str(error)
-    encoded = text.encode(errors="replace")
-    if len(encoded) <= MAX_DETAILS_BYTES:
-        return text
-    return encoded[:MAX_DETAILS_BYTES].decode(errors="ignore") + f"... ({len(encoded)} bytes in all)"
-
-
-def _collect_reply(removals: list[Removal]) -> pb.CollectReply:
-    return pb.CollectReply(
-        removals=[pb.Removal(tier=r.tier, job=r.job, step=r.step, reason=r.reason) for r in removals]
-    )
 
 
 class CkptdServicer(ckptd_pb2_grpc.CkptdServicer):

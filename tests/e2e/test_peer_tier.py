@@ -11,6 +11,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import ckpt
+import grpc
 import pytest
 import torch
 from certs import CertificateAuthority
@@ -223,14 +224,21 @@ def test_replicas_go_on_the_data_channel_and_hostile_connections_change_nothing(
     port = peer_status(b)["data_port"]
     assert port > 0
 
-    # A ticket never offered, and bytes that are no ticket at all, are refused; nothing is written.
-    # (A refused sender's bytes are left unread: here none follow the ticket, so no reset hides the answer.)
+    # A ticket never offered, and bytes that are no ticket at all, are refused; nothing is written. The
+    # refused sender's bytes are read and dropped: it reads the answer, not a reset, even 16 MiB on.
     assert b"PERMISSION_DENIED" in data_connection(port, bytes(16), b"")
+    assert b"PERMISSION_DENIED" in data_connection(port, bytes(16), bytes(16 << 20))
     assert data_connection(port, b"abc", b"") == b""
     # A real offer whose sender stops half way: the range is refused and its file goes.
     meta = ShardMeta.from_bytes((a.root / JOB / "1" / meta_name(0)).read_bytes(), "test")
     fake = ShardMeta(**{**meta.__dict__, "job": "other", "step": 9})
     link = PeerLink(b.listen, PeerConfig())
+    with pytest.raises(grpc.RpcError) as held:  # a replica b holds is refused before any connection
+        link._stub.OpenDataRange(
+            pb.ShardPiece(meta_json=meta.to_bytes(), transfer="cd" * 8, offset=0, length=meta.data_size_bytes),
+            timeout=10,
+        )
+    assert held.value.code() == grpc.StatusCode.ALREADY_EXISTS
     offer = link._stub.OpenDataRange(  # what PeerLink._put_on_data_channel asks
         pb.ShardPiece(meta_json=fake.to_bytes(), transfer="ab" * 8, offset=0, length=fake.data_size_bytes), timeout=10
     )

@@ -9,7 +9,8 @@ import pytest
 from ckpt.errors import InvalidArgument
 
 from ckptd.errors import StepAlreadyComplete
-from ckptd.rpc.server import MAX_DETAILS_BYTES, answer
+from ckptd.rpc.server import answer
+from ckptd.rpc.statuses import MAX_DETAILS_BYTES
 
 
 class Aborted(Exception):
