@@ -37,7 +37,7 @@ from ckptd.tiers.peer import PeerTier
 log = logging.getLogger(__name__)
 
 PROBE_STEP = 2**62 - 1  # a step no job has: asking a peer about it only tells whether the peer answers
-PROBE_TIMEOUT_S = 1.0
+PROBE_TIMEOUT_S = 2.0  # beyond gRPC's reconnect back-off (peer_link.grpc_options: at most 1 s)
 ANNOUNCED_STEPS = 4096  # the steps "complete across the cluster" was logged for, remembered to log it once
 
 
@@ -308,7 +308,8 @@ class Peering:
         """
         if self.peer_tier is None or not self.peer_tier.unreachable:
             return
-        await self._run(self.peer_tier.ask, "", PROBE_STEP, PROBE_TIMEOUT_S, set(self.peer_tier.unreachable))
+        unreachable = set(self.peer_tier.unreachable)
+        await self._run(self.peer_tier.ask, "", PROBE_STEP, PROBE_TIMEOUT_S, unreachable, True)
 
     def status(self) -> dict[str, Any]:
         """Describe the peer tier for `ckptd status`."""

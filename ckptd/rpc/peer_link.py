@@ -269,12 +269,21 @@ class PeerLink:
             return CertificateRefused(refusal)
         return PeerError(f"peer {self.address}: {what} failed: {code} {detail}")
 
-    def inventory(self, job: str = "", step: int = -1, timeout_s: float = CALL_TIMEOUT_S) -> list[StepHoldings]:
-        """Return what the peer holds of a job's step (or of everything)."""
+    def inventory(
+        self, job: str = "", step: int = -1, timeout_s: float = CALL_TIMEOUT_S, wait_for_ready: bool = False
+    ) -> list[StepHoldings]:
+        """Return what the peer holds of a job's step (or of everything).
+
+        wait_for_ready: wait (within timeout_s) for the channel to connect rather than fail at once while
+        gRPC backs off after a failed connection (a peer that just came up answers the next attempt).
+        """
         reply = self._call(
             "inventory",
             lambda: self._stub.Inventory(
-                pb.InventoryRequest(job=job, step=step), timeout=timeout_s, metadata=self._metadata
+                pb.InventoryRequest(job=job, step=step),
+                timeout=timeout_s,
+                metadata=self._metadata,
+                wait_for_ready=wait_for_ready,
             ),
         )
         try:

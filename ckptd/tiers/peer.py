@@ -83,18 +83,28 @@ class PeerTier(Tier):
         return found
 
     def ask(
-        self, job: str = "", step: int = -1, timeout_s: float = INVENTORY_TIMEOUT_S, only: Collection[str] | None = None
+        self,
+        job: str = "",
+        step: int = -1,
+        timeout_s: float = INVENTORY_TIMEOUT_S,
+        only: Collection[str] | None = None,
+        wait_for_ready: bool = False,
     ) -> list[StepHoldings]:
-        """Ask every peer (or those in only) now, no cache, what it holds of a job's step, or of every step."""
+        """Ask every peer (or those in only) now, no cache, what it holds of a job's step, or of every step.
+
+        wait_for_ready: a peer whose connection failed last is given until timeout_s to connect (PeerLink.inventory).
+        """
         links = [link for link in self.links if only is None or link.address in only]
         threads = max(1, min(len(links), INVENTORY_THREADS))
         with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="inventory") as pool:
-            answers = list(pool.map(lambda link: self._inventory(link, job, step, timeout_s), links))
+            answers = list(pool.map(lambda link: self._inventory(link, job, step, timeout_s, wait_for_ready), links))
         return [s for answer in answers for s in answer]
 
-    def _inventory(self, link: PeerLink, job: str, step: int, timeout_s: float) -> list[StepHoldings]:
+    def _inventory(
+        self, link: PeerLink, job: str, step: int, timeout_s: float, wait_for_ready: bool = False
+    ) -> list[StepHoldings]:
         try:
-            steps = link.inventory(job, step, timeout_s=timeout_s)
+            steps = link.inventory(job, step, timeout_s=timeout_s, wait_for_ready=wait_for_ready)
         except IsSelf as e:
             with self._lock:
                 if link in self.links:
