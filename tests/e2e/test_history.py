@@ -124,3 +124,18 @@ def test_ranks_that_continue_different_lines_never_complete_the_step(make_daemon
     assert ranks[1].latest_step() == 300
     for c in ranks:
         c.close()
+
+
+@pytest.mark.s3
+def test_a_rollback_saves_a_superseded_step_again_in_the_object_store_too(make_daemon, s3_server, short_tmp):
+    bucket = s3_server.new_bucket()
+    daemon = make_daemon(s3_server.toml(f"s3://{bucket}/ckpts") + "[retention]\nnvme = 0\n").start()
+    with ckpt.Checkpointer(job="cloud", address=daemon.address) as c:
+        for s in (1, 2):
+            c.save_async(_state(float(s)), step=s).wait("object", timeout=60)
+        c.load(step=1)
+        c.save_async(_state(-2.0), step=2).wait("object", timeout=60)  # the new line's step 2, uploaded
+    out = daemon.cli("restore", "--job", "cloud", "--step", "2", "--from", "object", "--to", str(short_tmp / "r"))
+    assert out.returncode == 0, out.stderr
+    assert ckpt.load_local(short_tmp / "r" / "cloud" / "2")["w"][0].item() == -2.0
+    assert "superseded by a rollback's line that saves it again" in daemon.log()

@@ -22,6 +22,7 @@ from contextlib import contextmanager
 
 from ckpt.errors import CheckpointError, CorruptCheckpoint, NotFound
 from ckpt.format import COMMIT_NAME, INDEX_NAME, JOB_RE, CommitRecord, ShardMeta, data_name, digest, meta_name
+from ckpt.history import generation
 from ckpt.shard_io import ShardSource
 from ckpt.step_index import StepIndex, index_bytes
 
@@ -300,6 +301,9 @@ class ObjectTier(Tier):
         # record of it: a commit comes after every rank's record, so with none of this rank, none came since.
         if meta_name(rank) in self._listed(directory) or (job, meta.step) not in self._uncommitted:
             state = self._commit_state(job, meta.step)  # from the store, unless a commit record was read already
+            if isinstance(state, CommitRecord) and generation(state.line) < generation(meta.line):
+                self._unlist_superseded(state, meta)
+                state = "missing"
             listed = isinstance(state, CommitRecord) and rank < state.world_size
             if listed and state.shard_meta_xxh3_128[rank] == digest(meta.to_bytes()):  # type: ignore[union-attr]
                 raise AlreadyHeld(f"{self._what(meta, directory)}: listed by the step's commit record already")
@@ -334,6 +338,21 @@ class ObjectTier(Tier):
             source=f"the local copy {transfer}" if transfer else "the copy sent",
             on_spent=lambda: self.shards.forget_listings(directory),
         )
+
+    def _unlist_superseded(self, old: CommitRecord, meta: ShardMeta) -> None:
+        """Remove the commit record of a step a rollback's line saves again (ckpt.history): the step it made
+        complete is superseded. Its shard objects are written over rank by rank, and the new record lists the
+        new ones; removing a record that is gone already (another rank, another node) is no error."""
+        job, step = meta.job, meta.step
+        log.warning(
+            "%s step %d in the object store (%s, saved %s) is superseded by a rollback's line that saves it again: "
+            "its commit record goes",
+            *(job, step, self.store.describe(job, str(step)), old.committed_at or "at an unknown time"),
+        )
+        with self._lock:
+            self._records.pop((job, step), None)
+        self.shards.forget_listings((job,))
+        self.store.remove(*step_dir(job, step), COMMIT_NAME)
 
     def try_commit(self, record: CommitRecord) -> bool:
         """Write the step's commit record, create-only, if every rank's shard is there and matches it.
