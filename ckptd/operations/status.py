@@ -18,6 +18,8 @@ import time
 from collections import Counter
 from typing import Any
 
+from ckpt.history import History, generation
+
 from ckptd import __version__
 from ckptd.cluster.view import ClusterView
 from ckptd.config import Config
@@ -96,12 +98,14 @@ class StatusReport:
         self.verification_failures[tier] += 1
 
     def seed(self) -> None:
-        """Learn each job's newest complete step on NVMe and when it was sealed (a worker thread, at start)."""
+        """Learn each job's head on NVMe (ckpt.history) and when it was sealed (a worker thread, at start)."""
         for job in self.nvme.jobs():
-            steps = self.nvme.complete_steps(job)
-            if steps:
+            records = self.nvme.complete_records(job)
+            head = History.of({s: r.line for s, r in records.items()}).head
+            if head is not None:
                 with contextlib.suppress(OSError):  # removed since it was listed
-                    self.progress.step_completed("nvme", job, steps[-1], self.nvme.committed_unix_s(job, steps[-1]))
+                    when = self.nvme.committed_unix_s(job, head)
+                    self.progress.step_completed("nvme", job, head, when, generation(records[head].line))
 
     async def probe_loop(self) -> None:
         """Sample how late the event loop runs a timer: the longest stall clients and peers felt (runs forever)."""

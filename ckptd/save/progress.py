@@ -53,6 +53,7 @@ class Completion:
 
     step: int
     unix_s: float
+    generation: int = 0  # of the step's line (ckpt.history): a rollback's new line is newer whatever its numbers
 
 
 class NewestSteps:
@@ -68,14 +69,17 @@ class NewestSteps:
         self._jobs: OrderedDict[str, dict[str, Completion]] = OrderedDict()
         self._lock = threading.Lock()
 
-    def completed(self, job: str, tier: str, step: int, unix_s: float) -> None:
-        """Note that a step became complete on a tier; an older step than the one known changes nothing."""
+    def completed(self, job: str, tier: str, step: int, unix_s: float, generation: int = 0) -> None:
+        """Note that a step became complete on a tier; an older step than the one known changes nothing.
+
+        Older is by the job's history: a lower line generation, or the same one and a lower step.
+        """
         with self._lock:
             tiers = self._jobs.setdefault(job, {})
             known = tiers.get(tier)
-            if known is not None and known.step >= step:
+            if known is not None and (known.generation, known.step) >= (generation, step):
                 return
-            tiers[tier] = Completion(step, unix_s)
+            tiers[tier] = Completion(step, unix_s, generation)
             self._jobs.move_to_end(job)
             while len(self._jobs) > MAX_JOBS_REPORTED:
                 self._jobs.popitem(last=False)
@@ -124,12 +128,19 @@ class ShardProgress:
         self.newest = NewestSteps()
         self.passed_over = PassedOver(REMEMBERED_SHARDS, MAX_JOBS_REPORTED)
         self._committed_ranks: OrderedDict[tuple[str, int, int], set[int]] = OrderedDict()  # ranks saved here
+        self._generations: OrderedDict[tuple[str, int], int] = OrderedDict()  # (job, step) -> its line's generation
         self._wakers: set[asyncio.Task[None]] = set()
 
     # -- reports ------------------------------------------------------------------
 
-    def copy_committed(self, key: ShardKey) -> None:
-        """Forget what an earlier copy of the shard reached: the new copy has reached only memory."""
+    def copy_committed(self, key: ShardKey, generation: int = 0) -> None:
+        """Forget what an earlier copy of the shard reached: the new copy has reached only memory.
+
+        generation is that of the step's line (ckpt.history), for the newest steps `status` reports.
+        """
+        self._generations[(key.job, key.step)] = generation
+        self._generations.move_to_end((key.job, key.step))
+        _bound(self._generations)
         self._failures.pop(key, None)
         self._reached.pop((key, "nvme"), None)
         self._reached.pop((key, "peer"), None)
@@ -182,9 +193,15 @@ class ShardProgress:
             self.errors.append({"time_unix_s": time.time(), "tier": tier, "shard": str(key), "error": message})
         _bound(self._failures)
 
-    def step_completed(self, tier: str, job: str, step: int, unix_s: float | None = None) -> None:
-        """Note that a job's step became complete on a tier, now or at unix_s (for `status` and /metrics)."""
-        self.newest.completed(job, tier, step, time.time() if unix_s is None else unix_s)
+    def step_completed(
+        self, tier: str, job: str, step: int, unix_s: float | None = None, generation: int | None = None
+    ) -> None:
+        """Note that a job's step became complete on a tier, now or at unix_s (for `status` and /metrics).
+
+        generation: of the step's line, where the caller has its record; else as its save said (copy_committed).
+        """
+        gen = self._generations.get((job, step), 0) if generation is None else generation
+        self.newest.completed(job, tier, step, time.time() if unix_s is None else unix_s, gen)
 
     async def changed(self) -> None:
         """Wake every waiter to look again."""

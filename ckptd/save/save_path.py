@@ -196,7 +196,7 @@ class SavePath:
         if copy_s is not None:
             self.save_seconds.observe(copy_s)
         self._note_run(key, snapshot.run_id)
-        self.progress.copy_committed(key)
+        self.progress.copy_committed(key, generation(snapshot.line))
         self.peering.forget_replicas(key)  # of an earlier copy of the shard: this one replaces it
         if self.uploader is not None:
             self.uploader.forget(key)
@@ -283,7 +283,7 @@ class SavePath:
         await self.progress.changed()  # waiters first: retention below may take a while
         if record is None:
             return
-        self.progress.step_completed("nvme", key.job, key.step)
+        self.progress.step_completed("nvme", key.job, key.step, generation=generation(record.line))
         log.info("%s step %d is complete on nvme (%d bytes)", key.job, key.step, record.size_bytes)
         try:
             await self.retention.collect(dry_run=False, job=key.job, tiers=LOCAL_TIERS)
@@ -355,7 +355,7 @@ class SavePath:
             self._peer_threads, self.nvme.checked_commit, record.job, record.step
         )
         if held is not None:
-            self.progress.step_completed("nvme", record.job, record.step)
+            self.progress.step_completed("nvme", record.job, record.step, generation=generation(record.line))
 
     # -- what the replicas and uploads report (registered by the composition root) -----------------
 

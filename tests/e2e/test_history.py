@@ -69,6 +69,8 @@ def test_a_rollback_at_two_ranks_starts_a_new_line_and_supersedes_the_old(make_d
         _save_all(ranks, s)
     for c in ranks:
         c.close()
+    newest = json.loads(daemon.cli("status", "--json").stdout)["newest_complete"]["spike"]
+    assert newest["nvme"]["step"] == 320 and newest["memory"]["step"] == 320  # the head, not the old line's 400
     restarted = _ranks(daemon, "spike", 2)
     assert [c.latest_step() for c in restarted] == [320, 320]
     assert [c.load()["w"][0].item() for c in restarted] == [320.0, 320.0]
