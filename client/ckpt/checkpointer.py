@@ -192,6 +192,7 @@ class Checkpointer:
         # last load or save, and the step loaded or saved last. None: neither yet; a save continues the job's head.
         self._line: str | None = None
         self._last_step: int | None = None
+        self._rolled_back_to: int | None = None  # a step older than the head was loaded: the next save forks
         self._closed = False
 
     def __enter__(self) -> Checkpointer:
@@ -352,6 +353,13 @@ class Checkpointer:
                     raise
             else:
                 self._commit(request)
+        if self._rolled_back_to is not None:
+            log.warning(
+                "ckpt: %s step %d starts a new line of the job from step %d, loaded before it (a rollback): the "
+                "old line's steps after %d are superseded (docs/DESIGN.md, \"A job's history\")",
+                *(self.job, step, self._rolled_back_to, self._rolled_back_to),
+            )
+            self._rolled_back_to = None
         self._line, self._last_step = reserved.line, step
         return SaveHandle(self, step, False, waits.blocked_s, waits.reason, staged)
 
@@ -460,12 +468,7 @@ class Checkpointer:
         whose ranks' lines differ.
         """
         line = line_from_text(next_line, f"the line of {self.job} step {step}")
-        if line and line[-1][0] == step:
-            log.warning(
-                "ckpt: %s: loaded step %d, older than the job's newest: the next save starts a new line of the job "
-                'from it, and the steps after %d become superseded (docs/DESIGN.md, "A job\'s history")',
-                *(self.job, step, step),
-            )
+        self._rolled_back_to = step if line and line[-1][0] == step else None  # said at the next save
         self._line, self._last_step = next_line, step
 
     def _load_into(self, into: Any, step: int | None, tier: str) -> Any:

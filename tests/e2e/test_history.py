@@ -9,6 +9,7 @@ import ckpt
 import pytest
 import torch
 from ckpt.errors import InvalidArgument, SaveFailed
+from conftest import eventually
 
 pytestmark = pytest.mark.e2e
 
@@ -141,3 +142,23 @@ def test_a_rollback_saves_a_superseded_step_again_in_the_object_store_too(make_d
     assert out.returncode == 0, out.stderr
     assert ckpt.load_local(short_tmp / "r" / "cloud" / "2")["w"][0].item() == -2.0
     assert "superseded by a rollback's line that saves it again" in daemon.log()
+
+
+def test_retention_removes_the_superseded_step_before_any_step_of_the_line(make_daemon):
+    daemon = make_daemon("[retention]\nnvme = 3\n").start()
+    ranks = _ranks(daemon, "order", 2)
+    for s in (100, 200, 300, 400):
+        _save_all(ranks, s)
+    for c in ranks:
+        c.load(step=300)
+    _save_all(ranks, 310)
+
+    def on_nvme() -> list[int]:
+        return sorted(s for s, v in _ls(daemon, "order").items() if "nvme" in v["tiers"])
+
+    # The line is 100, 200, 300, 310: the newest 3 of it stay; 400, newer by number, goes first, and 100.
+    eventually(lambda: on_nvme() == [200, 300, 310], what="the superseded step and the line's oldest removed")
+    _save_all(ranks, 320)
+    eventually(lambda: on_nvme() == [300, 310, 320], what="the line's oldest removed")
+    for c in ranks:
+        c.close()
