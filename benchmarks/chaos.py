@@ -1,15 +1,19 @@
-"""A seeded fault campaign against two real daemons, an S3 endpoint behind a fault proxy and a training rank.
+"""A seeded fault campaign against three real daemons, an S3 endpoint behind a fault proxy and a training rank.
 
     .venv/bin/python benchmarks/chaos.py --faults 30 --seed 1
 
 The system (chaos_cluster.py): node a, which the rank saves to, with its NVMe root on
-a small tmpfs; node b, a's peer, keeping a replica of every step; moto's S3 server,
+a small tmpfs; nodes b and c, a's peers, one of them keeping a replica of every step
+(the other standing in for it once it fails for [peer] failover_s); moto's S3 server,
 which a reaches through a proxy that can fail; the rank, saving a state known from its
 step and printing the tiers each step reached. Between faults the rank runs a random
 while; then one fault of those in chaos_faults.py: kill -9 of the daemon, the rank,
 both, the daemon again in its start-up recovery, the peer, a restore; a peer that stops
 answering; a full disk; a store that answers 5xx, resets or stalls; a bit flipped or a
-file cut short in a slot, an NVMe copy, a replica or an object.
+file cut short in a slot, an NVMe copy, a replica or an object; a peer down for long
+(--peer-down-s: every step saved meanwhile must have a replica on a live node within
+failover_s + 10 s); a flood of idle connections on a peer's data port; a peer out of
+file descriptors.
 
 After each fault it waits until a new step reaches the tier the fault hit (the time to
 serve again), pauses the rank and checks, then lets it go on:
@@ -52,6 +56,7 @@ FINAL_NEWEST = 50  # at the end: the newest steps, every step that must load, an
 FINAL_SAMPLE = 300
 RECOVER_TIMEOUT_S = 120.0  # a store's retries back off up to 30 s
 BAD = ("lost", "wrong bytes", "partial visible", "not serving again")
+FAILOVER_BAD = ("not replicated within the bound", "not fully replicated after the return")  # peer-down's own
 
 
 def must_load(cluster: Cluster, damaged: dict[int, set[str]]) -> set[int]:
@@ -221,7 +226,8 @@ def print_table(table: dict[str, Counter[str]]) -> None:
 
 
 def main() -> int:
-    """Run a campaign, print its table, write JSON; exit 1 if anything was lost, wrong, partial or stuck."""
+    """Run a campaign, print its table, write JSON; exit 1 if anything was lost, wrong, partial or stuck,
+    or a peer-down found a step without a replica on a live node in time, or replicas never back in place."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--faults", type=int, default=30, help="how many faults to inject (default 30)")
     p.add_argument("--seed", type=int, default=1, help="the campaign's seed (default 1)")
@@ -259,7 +265,7 @@ def main() -> int:
         result = {"seed": args.seed, "faults": args.faults, "peer_down_s": args.peer_down_s, "kinds": KINDS}
         result["kinds_not_possible_here"] = not_here
         args.json.write_text(json.dumps({**result, "table": table}, indent=1))
-    return 1 if any(counts.get(c, 0) for counts in table.values() for c in BAD) else 0
+    return 1 if any(counts.get(c, 0) for counts in table.values() for c in (*BAD, *FAILOVER_BAD)) else 0
 
 
 if __name__ == "__main__":

@@ -154,6 +154,7 @@ class Cluster:
         self.peers = (self.b, self.c)
         self._a_toml = _peer_toml(b_listen, c_listen) + retention
         self.rank = Rank(str(self.a.socket_path), work / "rank.log")
+        self.peer_downs = 0  # peer-down faults so far (chaos_faults: the first takes the placed peer down)
 
     def start(self) -> None:
         """Start the store, the proxy, the three nodes and the rank."""

@@ -213,7 +213,8 @@ def _under_replicated(cluster: Cluster) -> dict[str, float] | None:
 
 
 def _peer_down(rng: random.Random, cluster: Cluster, outage_s: float) -> Fault:
-    """Kill b or c and keep it down for outage_s while the rank saves; start it again.
+    """Kill b or c (the rng chooses; the campaign's first peer-down, the placed peer: failover, for sure) and keep
+    it down for outage_s while the rank saves; start it again.
 
     Checks that every step saved meanwhile has a replica on a live node within
     REPLICATED_WITHIN_S (failover: a stand-in keeps the copies of a placed peer that fails),
@@ -221,6 +222,9 @@ def _peer_down(rng: random.Random, cluster: Cluster, outage_s: float) -> Fault:
     (a's under_replicated: no shard short, none on a stand-in: their copies retired).
     """
     victim = rng.choice(cluster.peers)
+    if not cluster.peer_downs:
+        victim = cluster.placed_peer()
+    cluster.peer_downs += 1
     live = [p for p in cluster.peers if p is not victim]
     fault = Fault("peer-down", awaits="peer")
     fault.found["placed peer down" if victim is cluster.placed_peer() else "other peer down"] += 1
@@ -266,6 +270,18 @@ def _peer_reports(cluster: Cluster, since: float) -> int:
     return sum(1 for at in cluster.rank.steps("peer").values() if at >= since)
 
 
+def _ranges_sent(cluster: Cluster, peer: BenchDaemon) -> Counter[str]:
+    """Return the ranges a has sent the peer so far, by way (data_channel, grpc_stream), from a's status."""
+    try:
+        return Counter(cluster.a.status()["tiers"]["peer"]["peers"][peer.listen]["ranges_sent"])
+    except Exception:  # a node that does not answer says nothing
+        return Counter()
+
+
+def _ranges_during(before: Counter[str], after: Counter[str], what: str) -> Counter[str]:
+    return Counter({f"ranges by {way.replace('_', ' ')} {what}": after[way] - before[way] for way in after})
+
+
 def _data_flood(rng: random.Random, cluster: Cluster) -> Fault | None:
     """Open FLOOD_CONNECTIONS connections to the placed peer's data port, half silent, half trickling a byte now
     and then; hold them for a while as the rank saves, then close them. None if the peer has no data channel."""
@@ -279,6 +295,7 @@ def _data_flood(rng: random.Random, cluster: Cluster) -> Fault | None:
     fault = Fault("data-flood", awaits="peer")
     host = target.listen.rsplit(":", 1)[0]
     connections: list[socket.socket] = []
+    ranges = _ranges_sent(cluster, target)
     started = time.monotonic()
     try:
         for _ in range(FLOOD_CONNECTIONS):
@@ -297,6 +314,7 @@ def _data_flood(rng: random.Random, cluster: Cluster) -> Fault | None:
         for conn in connections:
             conn.close()
     fault.found["steps on the peer during the flood"] += _peer_reports(cluster, started)
+    fault.found += _ranges_during(ranges, _ranges_sent(cluster, target), "during the flood")
     fault.ended_at = time.monotonic()
     return fault
 
@@ -309,12 +327,14 @@ def _fd_exhaustion(rng: random.Random, cluster: Cluster) -> Fault:
     pid = target.proc.pid
     fault = Fault("fd-exhaustion", awaits="peer")
     old = resource.prlimit(pid, resource.RLIMIT_NOFILE)
+    ranges = _ranges_sent(cluster, target)
     started = time.monotonic()
     try:
         resource.prlimit(pid, resource.RLIMIT_NOFILE, (len(os.listdir(f"/proc/{pid}/fd")) + FD_HEADROOM, old[1]))
         time.sleep(rng.uniform(*OUTAGE_S))
+        fault.found += _ranges_during(ranges, _ranges_sent(cluster, target), "while short of fds")
     finally:
-        if target.proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):  # it died of it: counted below
             resource.prlimit(pid, resource.RLIMIT_NOFILE, old)
     fault.found["steps on the peer while short of fds"] += _peer_reports(cluster, started)
     if target.proc.poll() is not None:
