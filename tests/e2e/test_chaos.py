@@ -17,7 +17,7 @@ import pytest
 pytestmark = pytest.mark.e2e
 
 CHAOS = Path(__file__).resolve().parents[2] / "benchmarks" / "chaos.py"
-FAULTS = 34  # each of the 20 kinds once, then 14 at random: about three minutes on a busy 2-core machine
+FAULTS = 34  # each of the 20 kinds once, then 14 at random: two to three minutes on a busy 2-core machine
 PEER_DOWN_S = 6
 
 
