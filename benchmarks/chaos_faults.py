@@ -58,6 +58,7 @@ REPLICATED_WITHIN_S = FAILOVER_S + 10.0  # a step saved while a peer is down has
 FULLY_REPLICATED_TIMEOUT_S = 120.0  # after a peer-down's peer returns: every shard on its placed peer by then
 POLL_S = 0.1
 FLOOD_CONNECTIONS = 64
+FLOOD_WAIT_S = 5.0  # data-flood: for a's next range to the peer, to say which way replicas go before it
 FD_HEADROOM = 2  # fd-exhaustion: the descriptors a peer may still open
 STARTUP_KILL_S = (0.0, 0.6)  # when, after its launch, a daemon is killed in its start-up
 RESTORE_TIMEOUT_S = 120.0
@@ -278,6 +279,24 @@ def _ranges_sent(cluster: Cluster, peer: BenchDaemon) -> Counter[str]:
         return Counter()
 
 
+def _way_in_use(cluster: Cluster, peer: BenchDaemon, fault: Fault) -> Counter[str]:
+    """Wait (FLOOD_WAIT_S at most) for a's next range to the peer; count which way it went; return the ranges sent.
+
+    a sends by gRPC for a while after a data connection failed (after a peer fault, say): a flood
+    then meets the data listener alone, not the replicas' path.
+    """
+    before = _ranges_sent(cluster, peer)
+    deadline = time.monotonic() + FLOOD_WAIT_S
+    while time.monotonic() < deadline:
+        now = _ranges_sent(cluster, peer)
+        if now != before:
+            way = "data channel" if now["data_channel"] > before["data_channel"] else "grpc stream"
+            fault.found[f"replicas by {way} before the flood"] += 1
+            return now
+        time.sleep(POLL_S)
+    return before
+
+
 def _ranges_during(before: Counter[str], after: Counter[str], what: str) -> Counter[str]:
     return Counter({f"ranges by {way.replace('_', ' ')} {what}": after[way] - before[way] for way in after})
 
@@ -295,7 +314,7 @@ def _data_flood(rng: random.Random, cluster: Cluster) -> Fault | None:
     fault = Fault("data-flood", awaits="peer")
     host = target.listen.rsplit(":", 1)[0]
     connections: list[socket.socket] = []
-    ranges = _ranges_sent(cluster, target)
+    ranges = _way_in_use(cluster, target, fault)
     started = time.monotonic()
     try:
         for _ in range(FLOOD_CONNECTIONS):
