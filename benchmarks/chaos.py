@@ -1,15 +1,19 @@
-"""A seeded fault campaign against two real daemons, an S3 endpoint behind a fault proxy and a training rank.
+"""A seeded fault campaign against three real daemons, an S3 endpoint behind a fault proxy and a training rank.
 
     .venv/bin/python benchmarks/chaos.py --faults 30 --seed 1
 
 The system (chaos_cluster.py): node a, which the rank saves to, with its NVMe root on
-a small tmpfs; node b, a's peer, keeping a replica of every step; moto's S3 server,
+a small tmpfs; nodes b and c, a's peers, one of them keeping a replica of every step
+(the other standing in for it once it fails for [peer] failover_s); moto's S3 server,
 which a reaches through a proxy that can fail; the rank, saving a state known from its
 step and printing the tiers each step reached. Between faults the rank runs a random
 while; then one fault of those in chaos_faults.py: kill -9 of the daemon, the rank,
 both, the daemon again in its start-up recovery, the peer, a restore; a peer that stops
 answering; a full disk; a store that answers 5xx, resets or stalls; a bit flipped or a
-file cut short in a slot, an NVMe copy, a replica or an object.
+file cut short in a slot, an NVMe copy, a replica or an object; a peer down for long
+(--peer-down-s: every step saved meanwhile must have a replica on a live node within
+failover_s + 10 s); a flood of idle connections on a peer's data port; a peer out of
+file descriptors.
 
 After each fault it waits until a new step reaches the tier the fault hit (the time to
 serve again), pauses the rank and checks, then lets it go on:
@@ -41,7 +45,7 @@ from pathlib import Path
 import ckpt
 import torch
 from chaos_cluster import JOB, RETENTION, TIERS, Cluster
-from chaos_faults import KINDS, inject
+from chaos_faults import KINDS, PEER_DOWN_S, inject
 from chaos_rank import state_for
 from ckpt.format import COMMIT_NAME, data_name, meta_name
 from ckpt.wire.v1 import ckptd_pb2 as pb
@@ -52,6 +56,7 @@ FINAL_NEWEST = 50  # at the end: the newest steps, every step that must load, an
 FINAL_SAMPLE = 300
 RECOVER_TIMEOUT_S = 120.0  # a store's retries back off up to 30 s
 BAD = ("lost", "wrong bytes", "partial visible", "not serving again")
+FAILOVER_BAD = ("not replicated within the bound", "not fully replicated after the return")  # peer-down's own
 
 
 def must_load(cluster: Cluster, damaged: dict[int, set[str]]) -> set[int]:
@@ -115,9 +120,9 @@ def _partial(cluster: Cluster) -> set[tuple[int, str]]:
 
 
 def _whole_steps(cluster: Cluster, tier: str) -> set[int]:
-    """Return the steps node a's NVMe or b's replica store holds whole now."""
-    where = cluster.nvme_dir(0).parent if tier == "nvme" else cluster.replica_dir(0).parent
-    names = [p.name for p in where.iterdir()] if where.is_dir() else []
+    """Return the steps node a's NVMe, or b's and c's replica stores, hold whole now."""
+    places = [cluster.nvme_dir(0).parent] if tier == "nvme" else [d.parent for d in cluster.replica_dirs(0)]
+    names = {p.name for where in places if where.is_dir() for p in where.iterdir()}
     return {int(n) for n in names if n.isdigit() and _is_whole(cluster, int(n), tier)}
 
 
@@ -129,19 +134,21 @@ def _is_whole(cluster: Cluster, step: int, tier: str) -> bool:
     """
     if tier == "nvme":
         return (cluster.nvme_dir(step) / COMMIT_NAME).exists()
-    if tier == "peer":
-        return all((cluster.replica_dir(step) / name).exists() for name in (data_name(0), meta_name(0)))
+    if tier == "peer":  # on b or on c: the placed peer, or its stand-in
+        names = (data_name(0), meta_name(0))
+        return any(all((where / name).exists() for name in names) for where in cluster.replica_dirs(step))
     if tier == "object":
         return any(k.endswith("/" + COMMIT_NAME) for k in cluster.object_keys(step))
     return True  # memory: a slot holds one rank's shard, and is listed only once its copy committed
 
 
-def campaign(faults: int, seed: int, cluster: Cluster) -> dict[str, Counter[str]]:
+def campaign(faults: int, seed: int, cluster: Cluster, peer_down_s: float = PEER_DOWN_S) -> dict[str, Counter[str]]:
     """Run the campaign; return, per kind of fault, its counts (times in the keys ending in _s)."""
     rng = random.Random(seed)
     table: dict[str, Counter[str]] = defaultdict(Counter)
     ready: dict[str, list[float]] = defaultdict(list)
     recovered: dict[str, list[float]] = defaultdict(list)
+    measured: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))  # kind -> key -> times
     damaged: dict[int, set[str]] = {}
     cluster.start()
     injected = attempts = 0
@@ -151,7 +158,7 @@ def campaign(faults: int, seed: int, cluster: Cluster) -> dict[str, Counter[str]
         kind = KINDS[(attempts - 1) % len(KINDS)] if attempts <= len(KINDS) else rng.choice(KINDS)
         failed_saves = cluster.rank.failed_saves
         restorable = sorted(s for s in cluster.rank.steps("object") if "object" not in damaged.get(s, set()))
-        fault = inject(kind, rng, cluster, restorable)
+        fault = inject(kind, rng, cluster, restorable, peer_down_s)
         if fault is None:
             table[kind]["not possible yet"] += 1
             continue
@@ -162,6 +169,8 @@ def campaign(faults: int, seed: int, cluster: Cluster) -> dict[str, Counter[str]
             damaged.setdefault(step, set()).update(tiers)
         if fault.serve_again_s is not None:
             ready[kind].append(fault.serve_again_s)
+        for key, seconds in fault.times.items():
+            measured[kind][key].append(seconds)
         when = cluster.rank.wait_report(fault.awaits, fault.ended_at, RECOVER_TIMEOUT_S)
         if when is None:
             table[kind]["not serving again"] += 1
@@ -185,6 +194,9 @@ def campaign(faults: int, seed: int, cluster: Cluster) -> dict[str, Counter[str]
         if recovered[kind]:
             table[kind]["next_durable_s_median"] = round(statistics.median(recovered[kind]), 3)
             table[kind]["next_durable_s_max"] = round(max(recovered[kind]), 3)
+        for key, times in measured[kind].items():  # the fault's own: e.g. fully_replicated_s, after a peer-down
+            table[kind][key.removesuffix("_s") + "_s_median"] = round(statistics.median(times), 3)
+            table[kind][key.removesuffix("_s") + "_s_max"] = round(max(times), 3)
     return table
 
 
@@ -214,10 +226,17 @@ def print_table(table: dict[str, Counter[str]]) -> None:
 
 
 def main() -> int:
-    """Run a campaign, print its table, write JSON; exit 1 if anything was lost, wrong, partial or stuck."""
+    """Run a campaign, print its table, write JSON; exit 1 if anything was lost, wrong, partial or stuck,
+    or a peer-down found a step without a replica on a live node in time, or replicas never back in place."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--faults", type=int, default=30, help="how many faults to inject (default 30)")
     p.add_argument("--seed", type=int, default=1, help="the campaign's seed (default 1)")
+    p.add_argument(
+        "--peer-down-s",
+        type=float,
+        default=PEER_DOWN_S,
+        help=f"how long a peer-down fault keeps its peer down (default {PEER_DOWN_S:.0f})",
+    )
     p.add_argument("--json", type=Path, help="where to write the table as JSON")
     p.add_argument("--logs", type=Path, help="a directory to keep the logs of the daemons, the rank and moto in")
     args = p.parse_args()
@@ -227,12 +246,12 @@ def main() -> int:
     started = time.monotonic()
     cluster = Cluster(work, staging)
     try:
-        table = campaign(args.faults, args.seed, cluster)
+        table = campaign(args.faults, args.seed, cluster, args.peer_down_s)
     finally:
         cluster.stop()
         if args.logs:
             args.logs.mkdir(parents=True, exist_ok=True)
-            logs = {"a.log": cluster.a.log_path, "b.log": cluster.b.log_path, "rank.log": work / "rank.log"}
+            logs = {f"{n.name}.log": n.log_path for n in (cluster.a, *cluster.peers)} | {"rank.log": work / "rank.log"}
             for name, log in {**logs, "moto.log": work / "moto.log"}.items():
                 if log.exists():
                     shutil.copy(log, args.logs / name)
@@ -243,9 +262,10 @@ def main() -> int:
     print(f"seed {args.seed}, {args.faults} faults, {time.monotonic() - started:.0f} s; node a's root on {disk}")
     if args.json:
         not_here = [] if cluster.disk.mounted else ["disk-full"]
-        result = {"seed": args.seed, "faults": args.faults, "kinds": KINDS, "kinds_not_possible_here": not_here}
+        result = {"seed": args.seed, "faults": args.faults, "peer_down_s": args.peer_down_s, "kinds": KINDS}
+        result["kinds_not_possible_here"] = not_here
         args.json.write_text(json.dumps({**result, "table": table}, indent=1))
-    return 1 if any(counts.get(c, 0) for counts in table.values() for c in BAD) else 0
+    return 1 if any(counts.get(c, 0) for counts in table.values() for c in (*BAD, *FAILOVER_BAD)) else 0
 
 
 if __name__ == "__main__":

@@ -1,11 +1,13 @@
-"""The system a fault campaign runs against: two nodes, an object store behind a fault proxy, one training rank.
+"""The system a fault campaign runs against: three nodes, an object store behind a fault proxy, one training rank.
 
 chaos.py builds a Cluster in its work directory, start()s it, injects faults through
 its parts (chaos_faults.py) and stop()s it on the way out, also when it fails:
 
     a       `ckptd serve` the rank saves to; its NVMe root on a small tmpfs (SmallDisk)
-            so that the disk can be filled; replicas to b; every EVERY-th step to the store
-    b       `ckptd serve`, a's peer: it keeps a's replicas under its root's .peer
+            so that the disk can be filled; replicas to b or c; every EVERY-th step to the store
+    b, c    `ckptd serve`, a's peers: `[peer] replicas = 1` places a's replica of each step on one
+            of them (rendezvous hashing: placed_peer()); the other stands in for it once it has
+            failed for FAILOVER_S ([peer] failover_s). Each keeps its replicas under its root's .peer
     store   moto's S3 server, reached by a through a FaultProxy only
     rank    chaos_rank.py: saves a state known from its step, prints the tiers each step reached
 
@@ -27,12 +29,15 @@ from daemon import BenchDaemon, free_port
 from fault_proxy import FaultProxy
 from s3_server import S3_KEY, S3Server
 
+from ckptd.cluster.placement import reseat, seated_placement
+
 JOB = "chaos"
 EVERY = 4  # [object] every: a step in four goes to the store
 RETENTION = {"nvme": 4, "peer": 6, "object": 0}
 DISK_BYTES = 512 << 20
 BALLAST_BLOCK = 1 << 20
 TIERS = ("nvme", "peer", "object")
+FAILOVER_S = 2.0  # [peer] failover_s of every node: short, so that a campaign sees stand-ins come and go
 
 
 class SmallDisk:
@@ -141,15 +146,18 @@ class Cluster:
         self.s3: S3Server | None = None
         self.proxy: FaultProxy | None = None
         self.bucket = ""
-        a_listen, b_listen = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
+        a_listen, b_listen, c_listen = (f"127.0.0.1:{free_port()}" for _ in range(3))
         retention = "[retention]\n" + "".join(f"{tier} = {keep}\n" for tier, keep in RETENTION.items())
         self.a = BenchDaemon("a", work / "a", staging / "a", a_listen, root_parent=self.disk.path)
-        self.b = BenchDaemon("b", work / "b", staging / "b", b_listen, toml=_peer_toml(a_listen) + retention)
-        self._a_toml = _peer_toml(b_listen) + retention
+        self.b = BenchDaemon("b", work / "b", staging / "b", b_listen, toml=_peer_toml(a_listen, c_listen) + retention)
+        self.c = BenchDaemon("c", work / "c", staging / "c", c_listen, toml=_peer_toml(a_listen, b_listen) + retention)
+        self.peers = (self.b, self.c)
+        self._a_toml = _peer_toml(b_listen, c_listen) + retention
         self.rank = Rank(str(self.a.socket_path), work / "rank.log")
+        self.peer_downs = 0  # peer-down faults so far (chaos_faults: the first takes the placed peer down)
 
     def start(self) -> None:
-        """Start the store, the proxy, both nodes and the rank."""
+        """Start the store, the proxy, the three nodes and the rank."""
         self.s3 = S3Server(self.work / "moto.log")
         self.bucket = self.s3.new_bucket("chaos")
         self.proxy = FaultProxy(int(self.s3.endpoint.rsplit(":", 1)[1]))
@@ -159,11 +167,11 @@ class Cluster:
             + f"[object]\nurl = {json.dumps(f's3://{self.bucket}/ckpt')}\nevery = {EVERY}\n"
             + f"storage_options = {_inline_table(options)}\n"
         )
-        for node in (self.a, self.b):
+        for node in (self.a, *self.peers):
             node.work.mkdir(parents=True, exist_ok=True)
             node.staging.mkdir(parents=True, exist_ok=True)
-        self.b.start()
-        self.a.start()
+        for node in (*self.peers, self.a):
+            node.start()
         self.rank.start()
 
     def restart(self, node: BenchDaemon) -> float:
@@ -176,7 +184,7 @@ class Cluster:
     def stop(self) -> None:
         """Kill everything this cluster started and unmount its disk; safe to call on a half-started one."""
         self.rank.kill()
-        for node in (self.a, self.b):
+        for node in (self.a, *self.peers):
             if node.proc is not None and node.proc.poll() is None:
                 os.kill(node.proc.pid, signal.SIGCONT)  # a stalled node must die too
             node.kill()
@@ -191,8 +199,19 @@ class Cluster:
     def nvme_dir(self, step: int) -> Path:
         return self.a.root / JOB / str(step)
 
+    def replica_dirs(self, step: int) -> list[Path]:
+        """Return where b and c would keep a step's replica (one of them does; both may, for a while)."""
+        return [node.root / ".peer" / JOB / str(step) for node in self.peers]
+
     def replica_dir(self, step: int) -> Path:
-        return self.b.root / ".peer" / JOB / str(step)
+        """Return the replica of a step that is there, on b or c (b's place if neither holds it)."""
+        there = [d for d in self.replica_dirs(step) if d.is_dir()]
+        return (there or self.replica_dirs(step))[0]
+
+    def placed_peer(self) -> BenchDaemon:
+        """Return the peer a places the rank's replicas on (what its Replication computes from the addresses)."""
+        placed = seated_placement(JOB, 0, reseat({}, [p.listen for p in self.peers]), 1)
+        return next(p for p in self.peers if p.listen in placed)
 
     def object_keys(self, step: int) -> list[str]:
         """Return the keys of the objects the store holds for a step."""
@@ -201,9 +220,10 @@ class Cluster:
         return [o["Key"] for o in listed.get("Contents", [])]
 
 
-def _peer_toml(peer: str) -> str:
+def _peer_toml(*peers: str) -> str:
     # Plaintext on loopback, said explicitly: the campaign is about faults, not about who may connect.
-    return f"[peer]\naddresses = [{json.dumps(peer)}]\nreplicas = 1\ninsecure = true\n"
+    addresses = ", ".join(json.dumps(p) for p in peers)
+    return f"[peer]\naddresses = [{addresses}]\nreplicas = 1\ninsecure = true\nfailover_s = {FAILOVER_S}\n"
 
 
 def _inline_table(value: dict[str, object]) -> str:

@@ -3,15 +3,19 @@
 Each returns a Fault: the copies it damaged (step -> tiers), the tier on which a new
 step must be reported before the system counts as serving again, and what it measured
 on the way (how long a killed node took to answer, what a killed daemon was doing,
-what a killed restore left). None when there was nothing to damage yet.
+what a killed restore left, how soon the steps saved while a peer was down had their
+replica on a live node). None when there was nothing to damage yet.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
+import resource
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -21,10 +25,10 @@ from pathlib import Path
 
 import ckpt
 import torch
-from chaos_cluster import JOB, Cluster
+from chaos_cluster import FAILOVER_S, JOB, Cluster
 from chaos_rank import state_for
 from ckpt.format import COMMIT_NAME, data_name, meta_name
-from daemon import daemon_env
+from daemon import BenchDaemon, daemon_env
 
 KINDS = (
     "daemon",
@@ -44,8 +48,18 @@ KINDS = (
     "flip-slot",
     "flip-replica",
     "flip-object",
+    "peer-down",
+    "data-flood",
+    "fd-exhaustion",
 )
 OUTAGE_S = (0.5, 3.0)  # how long a store, a peer or a disk stays broken
+PEER_DOWN_S = 60.0  # how long a peer-down keeps its peer down (chaos.py --peer-down-s)
+REPLICATED_WITHIN_S = FAILOVER_S + 10.0  # a step saved while a peer is down has its replica on a live node by then
+FULLY_REPLICATED_TIMEOUT_S = 120.0  # after a peer-down's peer returns: every shard on its placed peer by then
+POLL_S = 0.1
+FLOOD_CONNECTIONS = 64
+FLOOD_WAIT_S = 5.0  # data-flood: for a's next range to the peer, to say which way replicas go before it
+FD_HEADROOM = 2  # fd-exhaustion: the descriptors a peer may still open
 STARTUP_KILL_S = (0.0, 0.6)  # when, after its launch, a daemon is killed in its start-up
 RESTORE_TIMEOUT_S = 120.0
 
@@ -60,9 +74,12 @@ class Fault:
     ended_at: float = field(default_factory=time.monotonic)
     serve_again_s: float | None = None  # measured by the fault itself (a restart, a restore)
     found: Counter[str] = field(default_factory=Counter)  # counts the fault checked itself
+    times: dict[str, float] = field(default_factory=dict)  # seconds it measured: the table gives max and median
 
 
-def inject(kind: str, rng: random.Random, cluster: Cluster, must_load: list[int]) -> Fault | None:
+def inject(
+    kind: str, rng: random.Random, cluster: Cluster, must_load: list[int], peer_down_s: float = PEER_DOWN_S
+) -> Fault | None:
     """Inject one fault of kind; return what it did, or None if it found nothing to damage."""
     if kind in ("daemon", "rank", "both", "startup"):
         return _kill(kind, rng, cluster)
@@ -75,6 +92,12 @@ def inject(kind: str, rng: random.Random, cluster: Cluster, must_load: list[int]
         time.sleep(rng.uniform(*OUTAGE_S))  # the outage's length is the fault
         os.kill(cluster.b.proc.pid, signal.SIGCONT)
         return Fault(kind, awaits="peer")
+    if kind == "peer-down":
+        return _peer_down(rng, cluster, peer_down_s)
+    if kind == "data-flood":
+        return _data_flood(rng, cluster)
+    if kind == "fd-exhaustion":
+        return _fd_exhaustion(rng, cluster)
     if kind == "disk-full":
         if not cluster.disk.mounted:
             return None
@@ -130,6 +153,214 @@ def _kill(kind: str, rng: random.Random, cluster: Cluster) -> Fault:
         fault.serve_again_s = cluster.restart(cluster.a)
     if kind in ("rank", "both"):
         cluster.rank.start()
+    return fault
+
+
+class _ReplicaWatch:
+    """Follow the steps that reached a's NVMe while a peer was down, until each has a replica on a live node.
+
+    A step's verdict: `replicated on live nodes` within REPLICATED_WITHIN_S of its report (the
+    replica's data and shard record on a node that is up: the placed peer, or its stand-in),
+    `replicated late`, `retired before replicated` (a's [retention] dropped it first: newer
+    steps took its place, so no replica of it is due), or `not replicated within the bound`.
+    """
+
+    def __init__(self, cluster: Cluster, since: float) -> None:
+        self.cluster = cluster
+        self.since = since
+        self.until: float | None = None  # the peer's return: steps reported later are not followed
+        self.reported: dict[int, float] = {}  # step -> when it reached NVMe
+        self.verdicts: dict[int, str] = {}
+        self.latencies: list[float] = []
+
+    def poll(self, live: list[BenchDaemon]) -> None:
+        now = time.monotonic()
+        for step, at in self.cluster.rank.steps("nvme").items():
+            if at >= self.since and (self.until is None or at < self.until):
+                self.reported.setdefault(step, at)
+        for step, at in self.reported.items():
+            if step in self.verdicts:
+                continue
+            if any(_holds_replica(node, step) for node in live):
+                in_time = now - at <= REPLICATED_WITHIN_S
+                self.verdicts[step] = "replicated on live nodes" if in_time else "replicated late"
+                self.latencies.append(now - at)
+            elif not (self.cluster.nvme_dir(step) / COMMIT_NAME).exists():
+                self.verdicts[step] = "retired before replicated"
+            elif now - at > REPLICATED_WITHIN_S:
+                self.verdicts[step] = "not replicated within the bound"
+                print(f"peer-down: step {step} has no replica on a live node {now - at:.1f} s after it", flush=True)
+
+    @property
+    def undecided(self) -> bool:
+        return len(self.verdicts) < len(self.reported)
+
+
+def _holds_replica(node: BenchDaemon, step: int) -> bool:
+    where = node.root / ".peer" / JOB / str(step)
+    return (
+        node.proc is not None
+        and node.proc.poll() is None
+        and all((where / name).exists() for name in (data_name(0), meta_name(0)))
+    )
+
+
+def _under_replicated(cluster: Cluster) -> dict[str, float] | None:
+    """Return node a's tiers.peer.under_replicated (shards, oldest_s, on_stand_in), or None if it did not answer."""
+    try:
+        return cluster.a.status()["tiers"]["peer"]["under_replicated"]
+    except Exception:  # a node that does not answer says nothing
+        return None
+
+
+def _peer_down(rng: random.Random, cluster: Cluster, outage_s: float) -> Fault:
+    """Kill b or c (the rng chooses; the campaign's first peer-down, the placed peer: failover, for sure) and keep
+    it down for outage_s while the rank saves; start it again.
+
+    Checks that every step saved meanwhile has a replica on a live node within
+    REPLICATED_WITHIN_S (failover: a stand-in keeps the copies of a placed peer that fails),
+    and measures, after the return, the time until every shard is on its placed peer again
+    (a's under_replicated: no shard short, none on a stand-in: their copies retired).
+    """
+    victim = rng.choice(cluster.peers)
+    if not cluster.peer_downs:
+        victim = cluster.placed_peer()
+    cluster.peer_downs += 1
+    live = [p for p in cluster.peers if p is not victim]
+    fault = Fault("peer-down", awaits="peer")
+    fault.found["placed peer down" if victim is cluster.placed_peer() else "other peer down"] += 1
+    victim.kill()
+    down_at = time.monotonic()
+    watch = _ReplicaWatch(cluster, down_at)
+    next_status = down_at
+    oldest_s = 0.0
+    while time.monotonic() < down_at + outage_s:
+        watch.poll(live)
+        if time.monotonic() >= next_status:
+            short = _under_replicated(cluster)
+            if short is not None:
+                oldest_s = max(oldest_s, short["oldest_s"])
+                if short["shards"] == 0 and short["on_stand_in"] > 0 and "replicated_by_stand_in_s" not in fault.times:
+                    fault.times["replicated_by_stand_in_s"] = round(time.monotonic() - down_at, 3)
+            next_status = time.monotonic() + 0.5
+        time.sleep(POLL_S)
+    fault.times["under_replicated_oldest_s"] = oldest_s
+    watch.until = time.monotonic()
+    fault.serve_again_s = cluster.restart(victim)
+    back_at = time.monotonic()
+    while watch.undecided:  # steps whose bound runs past the return: every node is live now
+        watch.poll(list(cluster.peers))
+        time.sleep(POLL_S)
+    fault.found.update(Counter(watch.verdicts.values()))
+    if watch.latencies:
+        fault.times["replica_on_live_node_s"] = round(max(watch.latencies), 3)
+    while time.monotonic() < back_at + FULLY_REPLICATED_TIMEOUT_S:
+        short = _under_replicated(cluster)
+        if short is not None and short["shards"] == 0 and short["on_stand_in"] == 0:
+            fault.times["fully_replicated_s"] = round(time.monotonic() - back_at, 3)
+            break
+        time.sleep(0.25)
+    else:
+        fault.found["not fully replicated after the return"] += 1
+        print(f"peer-down: a still short of replicas {FULLY_REPLICATED_TIMEOUT_S} s after the return", flush=True)
+    fault.ended_at = time.monotonic()
+    return fault
+
+
+def _peer_reports(cluster: Cluster, since: float) -> int:
+    return sum(1 for at in cluster.rank.steps("peer").values() if at >= since)
+
+
+def _ranges_sent(cluster: Cluster, peer: BenchDaemon) -> Counter[str]:
+    """Return the ranges a has sent the peer so far, by way (data_channel, grpc_stream), from a's status."""
+    try:
+        return Counter(cluster.a.status()["tiers"]["peer"]["peers"][peer.listen]["ranges_sent"])
+    except Exception:  # a node that does not answer says nothing
+        return Counter()
+
+
+def _way_in_use(cluster: Cluster, peer: BenchDaemon, fault: Fault) -> Counter[str]:
+    """Wait (FLOOD_WAIT_S at most) for a's next range to the peer; count which way it went; return the ranges sent.
+
+    a sends by gRPC for a while after a data connection failed (after a peer fault, say): a flood
+    then meets the data listener alone, not the replicas' path.
+    """
+    before = _ranges_sent(cluster, peer)
+    deadline = time.monotonic() + FLOOD_WAIT_S
+    while time.monotonic() < deadline:
+        now = _ranges_sent(cluster, peer)
+        if now != before:
+            way = "data channel" if now["data_channel"] > before["data_channel"] else "grpc stream"
+            fault.found[f"replicas by {way} before the flood"] += 1
+            return now
+        time.sleep(POLL_S)
+    return before
+
+
+def _ranges_during(before: Counter[str], after: Counter[str], what: str) -> Counter[str]:
+    return Counter({f"ranges by {way.replace('_', ' ')} {what}": after[way] - before[way] for way in after})
+
+
+def _data_flood(rng: random.Random, cluster: Cluster) -> Fault | None:
+    """Open FLOOD_CONNECTIONS connections to the placed peer's data port, half silent, half trickling a byte now
+    and then; hold them for a while as the rank saves, then close them. None if the peer has no data channel."""
+    target = cluster.placed_peer()
+    try:
+        port = target.status()["tiers"]["peer"]["data_port"]
+    except Exception:
+        return None
+    if not port:
+        return None
+    fault = Fault("data-flood", awaits="peer")
+    host = target.listen.rsplit(":", 1)[0]
+    connections: list[socket.socket] = []
+    ranges = _way_in_use(cluster, target, fault)
+    started = time.monotonic()
+    try:
+        for _ in range(FLOOD_CONNECTIONS):
+            try:
+                connections.append(socket.create_connection((host, port), timeout=2.0))
+            except OSError:
+                fault.found["flood connections refused"] += 1
+        fault.found["flood connections"] += len(connections)
+        end = time.monotonic() + rng.uniform(*OUTAGE_S)
+        while time.monotonic() < end:
+            for conn in connections[::2]:  # the other half says nothing at all
+                with contextlib.suppress(OSError):  # the listener closed it: its answer to junk
+                    conn.send(b"\0")
+            time.sleep(min(0.5, max(0.0, end - time.monotonic())))
+    finally:
+        for conn in connections:
+            conn.close()
+    fault.found["steps on the peer during the flood"] += _peer_reports(cluster, started)
+    fault.found += _ranges_during(ranges, _ranges_sent(cluster, target), "during the flood")
+    fault.ended_at = time.monotonic()
+    return fault
+
+
+def _fd_exhaustion(rng: random.Random, cluster: Cluster) -> Fault:
+    """Lower the placed peer's RLIMIT_NOFILE to FD_HEADROOM above the descriptors it has open, for a while as the
+    rank saves; then restore it. The peer must live through it (else: counted as not serving again, restarted)."""
+    target = cluster.placed_peer()
+    assert target.proc is not None
+    pid = target.proc.pid
+    fault = Fault("fd-exhaustion", awaits="peer")
+    old = resource.prlimit(pid, resource.RLIMIT_NOFILE)
+    ranges = _ranges_sent(cluster, target)
+    started = time.monotonic()
+    try:
+        resource.prlimit(pid, resource.RLIMIT_NOFILE, (len(os.listdir(f"/proc/{pid}/fd")) + FD_HEADROOM, old[1]))
+        time.sleep(rng.uniform(*OUTAGE_S))
+        fault.found += _ranges_during(ranges, _ranges_sent(cluster, target), "while short of fds")
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # it died of it: counted below
+            resource.prlimit(pid, resource.RLIMIT_NOFILE, old)
+    fault.found["steps on the peer while short of fds"] += _peer_reports(cluster, started)
+    if target.proc.poll() is not None:
+        fault.found["not serving again"] += 1
+        print(f"fd-exhaustion: {target.name} exited with {target.proc.returncode}:\n{target.log()}", flush=True)
+        cluster.restart(target)
+    fault.ended_at = time.monotonic()
     return fault
 
 
