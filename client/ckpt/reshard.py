@@ -4,7 +4,8 @@ Checkpointer.load and load_local call load_into on the loading thread, in this o
 1. the home rank's layout (this rank's own number in the saved step, or rank 0 when
    the step had fewer ranks) gives the saved structure, its plain tensors and values;
 2. plan(): `into` is walked beside it; every tensor and DTensor of `into` is matched
-   by key with a saved one, and shapes and dtypes are checked, before any byte moves;
+   by key with a saved one, and shapes are checked and dtypes cast where copy_ casts
+   (check_cast), before any byte moves;
 3. each target's local box (DTensor.__create_chunk_list__) is intersected with the
    saved chunks of the step index; each overlap becomes a row range of one saved
    chunk, a byte range of one rank's data;
@@ -17,9 +18,12 @@ Every rank plans alone, from the index: no collective.
 from __future__ import annotations
 
 import base64
+import functools
 import io
 import json
+import logging
 import pickle
+import warnings
 from bisect import bisect_left
 from collections import defaultdict
 from collections.abc import Callable
@@ -35,6 +39,8 @@ from ckpt.flatten import unflatten
 from ckpt.range_read import StepReader
 from ckpt.sharding import is_dtensor, local_box
 from ckpt.step_index import SavedChunk, SavedTensor, StepIndex
+
+log = logging.getLogger("ckpt")
 
 
 @dataclass(frozen=True)
@@ -56,7 +62,7 @@ class _Copy:
     """Copy one overlap: rows [row_lo, row_hi) of a saved chunk, sliced, into a region of a target."""
 
     chunk: SavedChunk
-    dtype: torch.dtype
+    dtype: torch.dtype  # the saved one: the bytes are read as it, and copy_ casts them to the target's
     row_lo: int
     row_hi: int
     source_slices: tuple[slice, ...]  # in the rows read, every dimension
@@ -72,7 +78,10 @@ class _Copy:
         lo, hi = self.byte_range()
         rows = torch.from_numpy(run[lo - run_start : hi - run_start]).view(self.dtype)
         shape = (self.row_hi - self.row_lo, *self.chunk.lengths[1:]) if self.chunk.lengths else ()
-        self.target.copy_(rows.view(shape)[self.source_slices])
+        source = rows.view(shape)[self.source_slices]
+        if source.is_complex() and not self.target.is_complex():
+            source = source.real  # what copy_ keeps, without its warning (check_cast logged the key)
+        self.target.copy_(source)
 
 
 def load_into(into: Any, reader: StepReader, index: StepIndex | None, rank: int) -> Any:
@@ -239,11 +248,8 @@ class _Planner:
         raise InvalidArgument(f"{key!r} is a tensor in `into` but a {type(saved).__name__} in the step")
 
     def _fill(self, target: Any, saved: SavedTensor, key: str) -> None:
-        dtype_name = str(target.dtype).removeprefix("torch.")
         if tuple(target.shape) != saved.shape:
             raise InvalidArgument(f"{key!r}: the step holds shape {list(saved.shape)}, `into` {list(target.shape)}")
-        if dtype_name != saved.dtype:
-            raise InvalidArgument(f"{key!r}: the step holds dtype {saved.dtype}, `into` {dtype_name}")
         if is_dtensor(target):
             local, offsets = local_box(target, key)
         else:
@@ -251,8 +257,43 @@ class _Planner:
         self.copies += plan_copies(saved, local.detach(), offsets)
 
 
+def check_cast(key: str, saved_dtype: str, target_dtype: torch.dtype) -> torch.dtype:
+    """Return the saved dtype; raise InvalidArgument naming key and both dtypes where copy_ cannot cast them.
+
+    A load casts as torch.distributed.checkpoint does, by copy_ into the target: fp32 into
+    bf16 rounds, int64 into int32 wraps, complex into real keeps the real part (logged
+    here). What copy_ refuses (the bits dtypes, packed fp4) is refused before any byte moves.
+    """
+    source = torch_dtype(saved_dtype)
+    if source != target_dtype:
+        if not _castable(source, target_dtype):
+            target_name = str(target_dtype).removeprefix("torch.")
+            raise InvalidArgument(
+                f"{key!r}: the step holds dtype {saved_dtype}, `into` {target_name}, and torch cannot cast "
+                "one to the other; load it into a tensor of the saved dtype"
+            )
+        if source.is_complex and not target_dtype.is_complex:
+            log.warning("ckpt: %r: loading complex %s into real %s keeps only the real part", key, source, target_dtype)
+    return source
+
+
+@functools.cache
+def _castable(source: torch.dtype, target: torch.dtype) -> bool:
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # complex into real: copy_ warns, and casts
+            torch.zeros(1, dtype=target).copy_(torch.zeros(1, dtype=source))
+    except (RuntimeError, TypeError, NotImplementedError):
+        return False
+    return True
+
+
 def plan_copies(saved: SavedTensor, local: torch.Tensor, offsets: tuple[int, ...]) -> list[_Copy]:
-    """Return the copies that fill local, the box of saved's global tensor at offsets, from its saved chunks."""
+    """Return the copies that fill local, the box of saved's global tensor at offsets, from its saved chunks.
+
+    The saved bytes are read as the saved dtype and cast to local's (check_cast).
+    """
+    source_dtype = check_cast(saved.key, saved.dtype, local.dtype)
     if local.numel() == 0:
         return []
     copies = []
@@ -263,13 +304,13 @@ def plan_copies(saved: SavedTensor, local: torch.Tensor, offsets: tuple[int, ...
         if any(h <= low for low, h in zip(lo, hi, strict=True)):
             continue
         if not box:  # a 0-d tensor: the whole chunk
-            copies.append(_Copy(chunk, local.dtype, 0, 0, (), local))
+            copies.append(_Copy(chunk, source_dtype, 0, 0, (), local))
             continue
         across = zip(lo[1:], hi[1:], chunk.offsets[1:], strict=True)
         source = (slice(0, hi[0] - lo[0]), *(slice(a - o, b - o) for a, b, o in across))
         region = local[tuple(slice(a - t, b - t) for a, b, (t, _) in zip(lo, hi, box, strict=True))]
         row_lo, row_hi = lo[0] - chunk.offsets[0], hi[0] - chunk.offsets[0]
-        copies.append(_Copy(chunk, local.dtype, row_lo, row_hi, source, region))
+        copies.append(_Copy(chunk, source_dtype, row_lo, row_hi, source, region))
     return copies
 
 
