@@ -7,7 +7,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -34,11 +34,12 @@ from ckpt.format import (
     validate_tier,
 )
 from ckpt.history import line_from_text
+from ckpt.key_filter import KeyFilter, LoadReport
 from ckpt.launcher import rank_and_world_size
 from ckpt.local_read import checked_index, load_first_good
 from ckpt.placement import Placement
 from ckpt.range_read import StepReader
-from ckpt.reshard import load_into
+from ckpt.reshard import load_into, report_left
 from ckpt.shard_io import ShardSource
 from ckpt.staging import SlotMappings, copy_into, slot_view, writer_lock
 from ckpt.step_index import StepIndex
@@ -192,6 +193,7 @@ class Checkpointer:
         # last load or save, and the step loaded or saved last. None: neither yet; a save continues the job's head.
         self._line: str | None = None
         self._last_step: int | None = None
+        self.last_load: LoadReport | None = None  # what the last load(into=...) left as it was
         self._closed = False
 
     def __enter__(self) -> Checkpointer:
@@ -387,7 +389,16 @@ class Checkpointer:
         reply = self._daemon.call("List", pb.ListRequest(job=self.job, newest=True))
         return max((int(s.step) for s in reply.steps if s.job == self.job), default=None)
 
-    def load(self, step: int | None = None, map_location: Any = "cpu", tier: str = "auto", into: Any = None) -> Any:
+    def load(
+        self,
+        step: int | None = None,
+        map_location: Any = "cpu",
+        tier: str = "auto",
+        into: Any = None,
+        strict: bool = True,
+        keys: str | Iterable[str] | None = None,
+        exclude: str | Iterable[str] | None = None,
+    ) -> Any:
         """Return this rank's state at step (default: the latest complete step), bit for bit as saved.
 
         tier picks one tier instead of the fastest verified copy ("auto"). The bytes
@@ -409,13 +420,22 @@ class Checkpointer:
         sharding, world size and mesh on either side, replace its other values, and
         return it (ckpt.reshard); map_location does not apply: each tensor stays where
         into holds it. A step that holds DTensors, or one saved by another world size, needs into.
+        A tensor of into with another dtype gets the saved values cast to it, as dcp.load casts.
+
+        Only with into: keys and exclude pick the keys loaded, glob patterns on dotted keys
+        (ckpt.key_filter; exclude="optimizer" leaves the optimizer's state as it is); strict=False
+        loads the keys both into and the step hold and leaves the rest, where strict=True raises
+        InvalidArgument naming the first. self.last_load (a LoadReport) says what was left.
         """
         if step is not None:
             validate_step(step)
         if tier != "auto":
             validate_tier(tier)
+        selection = KeyFilter.of(keys, exclude)
         if into is not None:
-            return self._load_into(into, step, tier)
+            return self._load_into(into, step, tier, strict, selection)
+        if not strict or not selection.takes_all:
+            raise InvalidArgument("strict=False, keys= and exclude= apply to load(into=state): pass the state to fill")
         place = Placement.of(map_location)  # before the daemon is asked: a device missing here fails at once
         locate = pb.LocateRequest(job=self.job, step=-1 if step is None else step, rank=self.rank, tier=tier)
         reply = self._daemon.call("Locate", locate)
@@ -468,11 +488,13 @@ class Checkpointer:
             )
         self._line, self._last_step = next_line, step
 
-    def _load_into(self, into: Any, step: int | None, tier: str) -> Any:
+    def _load_into(self, into: Any, step: int | None, tier: str, strict: bool, keys: KeyFilter) -> Any:
         """Fill into from a step: the ranks this node holds read from their files, the rest through the daemon."""
         reader, index, reply = self._open_step(step, tier)
         self._loading(reply.step, reply.next_line)
-        return load_into(into, reader, index, self.rank)
+        loaded, self.last_load = load_into(into, reader, index, self.rank, strict, keys)
+        report_left(self.last_load, self.job)
+        return loaded
 
     def open_step(self, step: int | None = None, tier: str = "auto") -> tuple[StepReader, StepIndex | None]:
         """Return a reader of every rank's bytes of a complete step (default: the latest), and the step's index.

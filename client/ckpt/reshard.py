@@ -36,6 +36,8 @@ import torch
 
 from ckpt.errors import CorruptCheckpoint, InvalidArgument
 from ckpt.flatten import unflatten
+from ckpt.format import keyed_leaves
+from ckpt.key_filter import ALL_KEYS, KeyFilter, LoadReport
 from ckpt.range_read import StepReader
 from ckpt.sharding import is_dtensor, local_box
 from ckpt.step_index import SavedChunk, SavedTensor, StepIndex
@@ -84,8 +86,20 @@ class _Copy:
         self.target.copy_(source)
 
 
-def load_into(into: Any, reader: StepReader, index: StepIndex | None, rank: int) -> Any:
-    """Fill into from what reader reads (see the module docstring) and return it; rank is this rank's."""
+def load_into(
+    into: Any,
+    reader: StepReader,
+    index: StepIndex | None,
+    rank: int,
+    strict: bool = True,
+    keys: KeyFilter = ALL_KEYS,
+) -> tuple[Any, LoadReport]:
+    """Fill into from what reader reads (see the module docstring); return it and what was left as it was.
+
+    rank is this rank's. Only the keys that keys takes are loaded (ckpt.key_filter); the
+    others of into stay as they are. strict=False loads what both hold and reports the
+    keys only one holds, where strict raises InvalidArgument naming the first.
+    """
     home = rank if rank < len(reader.digests) else 0
     meta = reader.meta(home)
     try:
@@ -93,7 +107,7 @@ def load_into(into: Any, reader: StepReader, index: StepIndex | None, rank: int)
         saved = load_skeleton(layout)
     except (KeyError, TypeError, ValueError, pickle.UnpicklingError) as e:
         raise CorruptCheckpoint(f"rank {home} layout of {meta.job} step {meta.step}: {e!r}") from None
-    planner = _Planner(layout["tensors"], index, home)
+    planner = _Planner(layout["tensors"], index, home, strict, keys)
     result = [into]
     planner.walk(into, saved, "", partial(_assign, result, 0))
     _execute(reader, planner.copies)
@@ -104,7 +118,18 @@ def load_into(into: Any, reader: StepReader, index: StepIndex | None, rank: int)
             assign(_at(values, path))
     for rebuild in planner.rebuilds:
         rebuild()
-    return result[0]
+    return result[0], LoadReport(reader.step, tuple(planner.missing), tuple(planner.unexpected))
+
+
+def report_left(report: LoadReport, job: str) -> None:
+    """Log what a strict=False load left: keys of into it did not fill (a warning), tensors it did not read."""
+    for what, found, level in (
+        ("keys of `into` the step lacks, left as they were", report.missing_keys, logging.WARNING),
+        ("tensors of the step `into` has no place for, not read", report.unexpected_keys, logging.INFO),
+    ):
+        if found:
+            shown = ", ".join(found[:5]) + (f" and {len(found) - 5} more" if len(found) > 5 else "")
+            log.log(level, "ckpt: %s step %d: %d %s: %s", job, report.step, len(found), what, shown)
 
 
 def _execute(reader: StepReader, copies: list[_Copy]) -> None:
@@ -192,17 +217,28 @@ def _describe(path: str) -> str:
 class _Planner:
     """Walk `into` beside the saved structure; collect the copies and replacements, or raise before any read."""
 
-    def __init__(self, entries: list[dict[str, Any]], index: StepIndex | None, home: int) -> None:
+    def __init__(
+        self, entries: list[dict[str, Any]], index: StepIndex | None, home: int, strict: bool, keys: KeyFilter
+    ) -> None:
         self.entries = entries
         self.index = index
         self.home = home
+        self.strict = strict
+        self.keys = keys
+        self.missing: list[str] = []  # strict=False: keys of into the step lacks, left as they were
+        self.unexpected: list[str] = []  # strict=False: tensors of the step into has no place for, not read
         self.copies: list[_Copy] = []
         self.replaced: list[tuple[Callable[[Any], None], tuple[Any, ...]]] = []
         self.rebuilds: list[Callable[[], None]] = []  # tuples, innermost first
         self._path: list[Any] = []
 
     def walk(self, into: Any, saved: Any, key: str, assign: Callable[[Any], None]) -> None:
-        """Fill into in place at key, or plan its replacement by the saved value through assign."""
+        """Fill into in place at key, or plan its replacement by the saved value through assign.
+
+        A key the filter does not take is left as into holds it, whatever the step holds there.
+        """
+        if not self.keys.takes_all and key and not _taken_leaves(into, key, self.keys):
+            return
         if isinstance(into, torch.Tensor):
             self._fill(into, self._saved_tensor(saved, key), key)
         elif isinstance(into, dict):
@@ -210,12 +246,19 @@ class _Planner:
                 raise InvalidArgument(f"{_describe(key)} is a dict in `into` but a {type(saved).__name__} in the step")
             for k in list(into):
                 if k not in saved:
-                    raise InvalidArgument(f"{_join(key, k)!r} is missing from the step")
+                    self._missing(into[k], _join(key, k))
+                    continue
                 self._at_child(k, into[k], saved[k], _join(key, k), partial(_assign, into, k))
             for k in saved:
                 if k not in into:
+                    taken = _taken_leaves(saved[k], _join(key, k), self.keys)
+                    if not taken:
+                        continue
                     if _holds_tensors(saved[k]):
-                        raise InvalidArgument(f"{_join(key, k)!r} is in the step but missing from `into`")
+                        if self.strict:
+                            raise InvalidArgument(f"{_join(key, k)!r} is in the step but missing from `into`")
+                        self.unexpected += [leaf for leaf, value in taken if _holds_tensors(value)]
+                        continue
                     self.replaced.append((partial(_assign, into, k), (*self._path, k)))
         elif isinstance(into, list | tuple) and isinstance(saved, list | tuple) and len(into) == len(saved):
             items = into if isinstance(into, list) else list(into)
@@ -227,6 +270,13 @@ class _Planner:
             raise InvalidArgument(f"{_describe(key)} holds DTensors in the step: `into` must hold tensors there")
         else:
             self.replaced.append((assign, tuple(self._path)))
+
+    def _missing(self, into: Any, key: str) -> None:
+        """Raise for a key of into the step lacks, or with strict=False report its leaves the filter takes."""
+        taken = _taken_leaves(into, key, self.keys)
+        if taken and self.strict:
+            raise InvalidArgument(f"{key!r} is missing from the step")
+        self.missing += [leaf for leaf, _ in taken]
 
     def _at_child(self, k: Any, into: Any, saved: Any, key: str, assign: Callable[[Any], None]) -> None:
         self._path.append(k)
@@ -357,6 +407,17 @@ def _holds_dtensors(value: Any) -> bool:
         isinstance(value, dict | list | tuple)
         and any(_holds_dtensors(v) for v in (value.values() if isinstance(value, dict) else value))
     )
+
+
+def _taken_leaves(value: Any, key: str, keys: KeyFilter) -> list[tuple[str, Any]]:
+    """Return the leaves under value (itself, if it is one), each (its key, it), that keys takes."""
+    if isinstance(value, dict | list | tuple):
+        leaves = keyed_leaves(value, lambda v: not isinstance(v, dict | list | tuple))
+        # An empty container counts as a leaf: a strict load names it when the other side lacks it.
+        found = [(_join(key, path) if path else key, leaf) for leaf, path in leaves] or [(key, value)]
+    else:
+        found = [(key, value)]
+    return [(k, v) for k, v in found if keys.takes(k)]
 
 
 def _holds_tensors(value: Any) -> bool:
