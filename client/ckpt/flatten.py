@@ -22,6 +22,7 @@ import torch
 from ckpt.errors import InvalidArgument
 from ckpt.format import TENSOR_ALIGN_BYTES, round_up
 from ckpt.sharding import check_plain_tensor, describe, is_sharded_value, owned_chunks, tensor_keys
+from ckpt.stateful import expand_stateful
 
 PICKLE_PROTOCOL = 5
 
@@ -76,7 +77,11 @@ def _entry(obj: torch.Tensor | np.ndarray) -> dict[str, Any]:
 
 
 def flatten(state: Any) -> Flattened:
-    """Flatten state; raise InvalidArgument if it holds something that cannot be checkpointed."""
+    """Flatten state; raise InvalidArgument if it holds something that cannot be checkpointed.
+
+    Stateful objects (ckpt.stateful) are flattened as their state_dict(), never pickled whole.
+    """
+    state = expand_stateful(state)
     arrays: list[torch.Tensor | np.ndarray] = []
     entries: list[dict[str, Any]] = []
     index_of: dict[int, int] = {}

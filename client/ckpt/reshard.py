@@ -11,7 +11,9 @@ Checkpointer.load and load_local call load_into on the loading thread, in this o
    chunk, a byte range of one rank's data;
 4. StepReader reads those ranges, rank by rank, checked chunk by chunk, and each
    overlap is copied into its target as its run arrives (on the reading threads);
-5. values that are not tensors are replaced by the saved ones.
+5. values that are not tensors are replaced by the saved ones;
+6. each Stateful object of `into` (ckpt.stateful), whose state_dict() was walked in its
+   place in 2, gets the filled dict through its load_state_dict(), innermost first.
 Every rank plans alone, from the index: no collective.
 """
 
@@ -40,6 +42,7 @@ from ckpt.format import keyed_leaves
 from ckpt.key_filter import ALL_KEYS, KeyFilter, LoadReport
 from ckpt.range_read import StepReader
 from ckpt.sharding import is_dtensor, local_box
+from ckpt.stateful import is_stateful
 from ckpt.step_index import SavedChunk, SavedTensor, StepIndex
 
 log = logging.getLogger("ckpt")
@@ -227,6 +230,7 @@ class _Planner:
         self.keys = keys
         self.missing: list[str] = []  # strict=False: keys of into the step lacks, left as they were
         self.unexpected: list[str] = []  # strict=False: tensors of the step into has no place for, not read
+        self._in_stateful = 0  # how many Stateful objects the walk is inside
         self.copies: list[_Copy] = []
         self.replaced: list[tuple[Callable[[Any], None], tuple[Any, ...]]] = []
         self.rebuilds: list[Callable[[], None]] = []  # tuples, innermost first
@@ -237,6 +241,9 @@ class _Planner:
 
         A key the filter does not take is left as into holds it, whatever the step holds there.
         """
+        if is_stateful(into) and not isinstance(into, torch.Tensor) and isinstance(saved, dict):
+            self._fill_stateful(into, saved, key)
+            return
         if not self.keys.takes_all and key and not _taken_leaves(into, key, self.keys):
             return
         if isinstance(into, torch.Tensor):
@@ -254,7 +261,10 @@ class _Planner:
                     taken = _taken_leaves(saved[k], _join(key, k), self.keys)
                     if not taken:
                         continue
-                    if _holds_tensors(saved[k]):
+                    # A Stateful's state_dict() may lack what its load_state_dict() takes (a fresh
+                    # optimizer's state): plain tensors are read for it, as values are.
+                    lenient = self._in_stateful and not _holds_dtensors(saved[k])
+                    if _holds_tensors(saved[k]) and not lenient:
                         if self.strict:
                             raise InvalidArgument(f"{_join(key, k)!r} is in the step but missing from `into`")
                         self.unexpected += [leaf for leaf, value in taken if _holds_tensors(value)]
@@ -270,6 +280,18 @@ class _Planner:
             raise InvalidArgument(f"{_describe(key)} holds DTensors in the step: `into` must hold tensors there")
         else:
             self.replaced.append((assign, tuple(self._path)))
+
+    def _fill_stateful(self, into: Any, saved: dict[Any, Any], key: str) -> None:
+        """Plan to fill into.state_dict() as any state, then hand it to into.load_state_dict() (ckpt.stateful)."""
+        template = [into.state_dict()]
+        if not self.keys.takes_all and key and not _taken_leaves(template[0], key, self.keys):
+            return
+        self._in_stateful += 1
+        try:
+            self.walk(template[0], saved, key, partial(_assign, template, 0))
+        finally:
+            self._in_stateful -= 1
+        self.rebuilds.append(lambda: into.load_state_dict(template[0]))  # after what it holds was rebuilt
 
     def _missing(self, into: Any, key: str) -> None:
         """Raise for a key of into the step lacks, or with strict=False report its leaves the filter takes."""
