@@ -162,11 +162,14 @@ class Checkpointer:
         self.run_id = str(options.pop("run_id", None) or _default_run_id())
         spill_bytes = options.pop("spill_bytes", None)
         keep, keep_every = options.pop("keep", None), options.pop("keep_every", None)
+        replicated = options.pop("replicated", None)
         if options:
             raise InvalidArgument(
-                f"unknown Checkpointer options {sorted(options)}; known: copy_threads, keep, keep_every, run_id, "
-                "spill_bytes"
+                f"unknown Checkpointer options {sorted(options)}; known: copy_threads, keep, keep_every, replicated, "
+                "run_id, spill_bytes"
             )
+        # Keys whose plain tensors every rank holds alike (DDP): written once per step, by rank 0.
+        self._replicated = None if replicated is None else KeyFilter.of(replicated, None)
         if len(self.run_id) > 256:
             raise InvalidArgument("run_id is longer than 256 characters")
         if isinstance(copy_threads, bool) or not isinstance(copy_threads, int) or not 1 <= copy_threads <= 64:
@@ -227,7 +230,7 @@ class Checkpointer:
         """
         if self._closed:
             raise CheckpointError("this Checkpointer is closed")
-        flat = flatten(state)
+        flat = flatten(state, self._replicated, self.rank)
         size_bytes = layout_offset(flat.data_size_bytes) + len(json.dumps(flat.layout()).encode()) + PREPARE_SLACK_BYTES
         gpu = _gpu_of(flat.arrays)
         request = pb.ReserveRequest(shard=self._shard(0), size_bytes=size_bytes, prepare=True)
@@ -280,7 +283,7 @@ class Checkpointer:
                     self._preparing.exception()  # waits; a failed preparation only leaves its work to this save
             self._preparing = None
         step = self._next_step(step)
-        flat = flatten(state)
+        flat = flatten(state, self._replicated, self.rank)
         on_device = frozenset(i for i, a in enumerate(flat.arrays) if isinstance(a, torch.Tensor) and a.is_cuda)
         ready = _cuda().ready_events(flat.arrays) if on_device else None  # first: the caller's streams, this thread
         gpu = next(iter(ready)) if ready else None  # the first GPU of the state: slots are pinned there

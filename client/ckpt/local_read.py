@@ -127,7 +127,8 @@ def _load_shard(source: ShardSource, rank: int, place: Placement) -> Any:
     if is_sharded(meta):
         raise InvalidArgument(
             f"{meta.job} step {meta.step} holds DTensors: load it with load(into=state), a state with the "
-            "DTensors to fill (a device mesh cannot be guessed)"
+            "DTensors to fill (a device mesh cannot be guessed), or the tensors that Checkpointer(replicated=) "
+            "wrote once for every rank"
         )
     buffer = fresh_buffer(round_up(meta.data_size_bytes, DIRECT_IO_ALIGN_BYTES))
     read_shard_into(source, meta, memoryview(buffer))  # type: ignore[arg-type]  # ndarray is a buffer
