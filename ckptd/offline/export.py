@@ -6,9 +6,10 @@ command; cmd_export runs on the main thread, in this order:
 2. finds the step's directory: a local tier's own (the NVMe root, this node's replica
    store) when the step is complete there with every rank's shard; otherwise it restores
    the step with ckptd.offline.restore into a temporary directory beside --to;
-3. reads the whole state with ckpt.reshard.load_full (rank 0's structure, every sharded
-   tensor whole, every chunk checked), keeps the keys --include/--exclude take and lifts
-   --strip-prefix's entries to the top (select_keys), and writes it into another temporary
+3. picks the keys --include/--exclude take from rank 0's saved structure (select_keys),
+   reads their tensors with ckpt.reshard.load_full (every sharded tensor whole, every
+   chunk checked; nothing else is read), lifts --strip-prefix's entries to the top, and
+   writes the state into another temporary
    directory beside --to, which is then renamed to --to (with the process's umask, as any
    file it writes);
 4. removes the temporary directories, also on failure.
@@ -124,7 +125,7 @@ def cmd_export(args: argparse.Namespace, config: Config) -> int:
     work = Path(tempfile.mkdtemp(prefix=f".{to.name}.export-", dir=to.parent))
     try:
         step_dir = _local_step_dir(tiers, job, step) or _restore(tiers, job, step, work / "restore")
-        state = select_keys(_read_state(step_dir), keys, prefix, f"{job} step {step}")
+        state = _read_state(step_dir, keys, prefix)
         out = work / "out"
         if args.format == "dcp":
             _write_dcp(state, out)
@@ -182,10 +183,13 @@ def _restore(tiers: list[Tier], job: str, step: int, target: Path) -> Path:
     return restore(tiers, job, step, target, progress=_progress)
 
 
-def _read_state(step_dir: Path) -> Any:
-    """Return rank 0's state of the step in step_dir with every sharded tensor whole, every chunk checked."""
+def _read_state(step_dir: Path, keys: KeyFilter, prefix: tuple[str, ...]) -> Any:
+    """Return rank 0's state of the step in step_dir with every sharded tensor whole, every chunk checked.
+
+    Only the tensors of the keys that keys takes are read (select_keys on the saved structure first).
+    """
     from ckpt.range_read import StepReader
-    from ckpt.reshard import load_full
+    from ckpt.reshard import load_full, load_skeleton
     from ckpt.shard_io import read_commit, read_index, read_meta, step_dir_source
     from ckpt.step_index import StepIndex, index_bytes
 
@@ -200,7 +204,11 @@ def _read_state(step_dir: Path) -> Any:
         record.job, record.step, record.shard_meta_xxh3_128, {r: [source] for r in range(record.world_size)}
     )
     started = time.monotonic()
-    state = load_full(reader, index)
+    what = f"{record.job} step {record.step}"
+    wanted = None
+    if not keys.takes_all:
+        wanted = select_keys(load_skeleton(json.loads(reader.meta(0).layout_json)), keys, (), what)
+    state = select_keys(load_full(reader, index, wanted), keys, prefix, what)
     tensors = _tensors(state)
     size = sum(t.nbytes for t in tensors.values())
     _progress(

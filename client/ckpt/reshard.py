@@ -173,8 +173,11 @@ def load_skeleton(layout: dict[str, Any]) -> Any:
     return Unpickler(io.BytesIO(base64.b64decode(layout["skeleton_pickle_b64"]))).load()
 
 
-def refs_in(value: Any) -> set[int]:
-    """Return the entries of the plain tensors and arrays that a saved value holds, wherever they sit in it."""
+def refs_in(value: Any, sharded: set[str] | None = None) -> set[int]:
+    """Return the entries of the plain tensors and arrays that a saved value holds, wherever they sit in it.
+
+    With sharded, the keys of the sharded tensors it holds are added to that set.
+    """
     found: set[int] = set()
 
     class Finder(pickle.Pickler):
@@ -182,6 +185,8 @@ def refs_in(value: Any) -> set[int]:
             if isinstance(obj, TensorRef | DTensorRef):
                 if isinstance(obj, TensorRef):
                     found.add(obj.entry)
+                elif sharded is not None:
+                    sharded.add(obj.key)
                 return 0
             return None
 
@@ -391,17 +396,27 @@ def fill_boxes(reader: StepReader, fills: list[tuple[SavedTensor, torch.Tensor, 
     _execute(reader, [copy for saved, local, offsets in fills for copy in plan_copies(saved, local, offsets)])
 
 
-def load_full(reader: StepReader, index: StepIndex | None) -> Any:
-    """Return rank 0's saved state with every sharded tensor whole (for export: it all lives in memory)."""
+def load_full(reader: StepReader, index: StepIndex | None, wanted: Any = None) -> Any:
+    """Return rank 0's saved state with every sharded tensor whole (for export: it all lives in memory).
+
+    wanted, a part of rank 0's skeleton (load_skeleton), names the tensors to read; the
+    others are left zeros (plain) or None (sharded), for the caller to drop. None: all.
+    """
     layout = json.loads(reader.meta(0).layout_json)
+    sharded: set[str] = set()
+    if wanted is None:
+        plain = {i for i, e in enumerate(layout["tensors"]) if e["kind"] != "chunk"}
+        sharded = set(index.tensors) if index else set()
+    else:
+        plain = refs_in(wanted, sharded)
     fills = []
     full: dict[str, torch.Tensor] = {}
     for key, saved in (index.tensors if index else {}).items():
-        full[key] = torch.empty(saved.shape, dtype=torch_dtype(saved.dtype))
-        fills.append((saved, full[key], (0,) * len(saved.shape)))
+        if key in sharded:
+            full[key] = torch.empty(saved.shape, dtype=torch_dtype(saved.dtype))
+            fills.append((saved, full[key], (0,) * len(saved.shape)))
     fill_boxes(reader, fills)
-    plain = {i for i, e in enumerate(layout["tensors"]) if e["kind"] != "chunk"}
-    return realize(reader, 0, layout, plain, dtensor_ref=full.__getitem__)
+    return realize(reader, 0, layout, plain, dtensor_ref=full.get)
 
 
 def torch_dtype(name: str) -> torch.dtype:
