@@ -211,6 +211,7 @@ class CkptdCheckpointIO(CheckpointIO):
         self._files = TorchCheckpointIO()  # dicts that are not Trainer checkpoints, paths that hold no pointer
         self._checkpointer: Checkpointer | None = None  # opened by the first save after each teardown
         self._torch_files: TorchFileWriter | None = None  # likewise
+        self._at_exit: list[weakref.finalize] = []  # closes both if teardown never comes; dropped by teardown
         self._in_flight: list[SaveHandle] = []  # saves not known to have reached teardown_tier (pruned at each save)
         self._last: tuple[Pointer, Fingerprint | None] | None = None  # the last save, and its tensors
         self._ignored_storage_options = False  # said once
@@ -275,7 +276,7 @@ class CkptdCheckpointIO(CheckpointIO):
         if self._checkpointer is None:
             assert self.job is not None
             self._checkpointer = Checkpointer(job=self.job, rank=0, world_size=1, address=self.address)
-            weakref.finalize(self, self._checkpointer.close)
+            self._at_exit.append(weakref.finalize(self, self._checkpointer.close))
         return self._checkpointer
 
     def _file_writer(self) -> TorchFileWriter:
@@ -283,7 +284,8 @@ class CkptdCheckpointIO(CheckpointIO):
         if self._torch_files is None:
             assert self.job is not None
             self._torch_files = TorchFileWriter(self.job, self.address)
-            weakref.finalize(self, _close_quietly, self._torch_files)  # before the Checkpointer's: made after it
+            # At exit finalizers run newest first: the files are finished before the Checkpointer closes.
+            self._at_exit.append(weakref.finalize(self, _close_quietly, self._torch_files))
         return self._torch_files
 
     def _raise_failures(self) -> None:
@@ -361,6 +363,9 @@ class CkptdCheckpointIO(CheckpointIO):
     def teardown(self) -> None:
         """Wait until every save has reached teardown_tier ("nvme": and its torch files), close, raise a failure."""
         in_flight, self._in_flight = self._in_flight, []
+        for closer in self._at_exit:
+            closer.detach()  # closed here instead
+        self._at_exit = []
         failure: CheckpointError | None = None
         for handle in in_flight:
             try:
