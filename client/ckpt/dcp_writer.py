@@ -24,6 +24,7 @@ import dataclasses
 import multiprocessing
 import os
 import threading
+import time
 import weakref
 from collections import defaultdict
 from multiprocessing.connection import Connection
@@ -43,11 +44,13 @@ from ckpt.errors import CheckpointError, InvalidArgument
 from ckpt.format import validate_step
 from ckpt.sharding import LocalChunks, OwnedChunk
 
-# How long synchronize_staging waits for dcp.async_save's upload thread to set the save up (it does at once).
-SET_UP_TIMEOUT_S = 120.0
-# How long synchronize_staging waits for DCP's background process to copy a staged save (its first save also
-# starts that process and its process group).
+# How long synchronize_staging waits for dcp.async_save's upload thread to set the save up: the thread executor
+# does at once; the process executor's first save starts DCP's process and its process group first.
+SET_UP_TIMEOUT_S = 600.0
+# How long synchronize_staging waits for DCP's background process to copy a staged save once it was sent.
 COPY_TIMEOUT_S = 600.0
+# How often that wait looks whether DCP's upload thread, which sent it, has ended (the save failed before the copy).
+COPY_POLL_S = 0.5
 # The tier a save must reach before DCP counts it as written.
 DURABLE_TIER = "nvme"
 
@@ -83,6 +86,7 @@ class _Staged:
         self.lock = threading.Lock()  # one copy, whoever gets there first
         self.handle: SaveHandle | None = None
         self.copied_elsewhere: Connection | None = None  # sent to DCP's background process: it copies, and says so
+        self.sender: threading.Thread | None = None  # DCP's upload thread, which sent it and waits for the save
 
     def copy(self, checkpointer: Checkpointer) -> SaveHandle:
         """Copy the state at the chosen step, unless that is done already; return the save's handle."""
@@ -99,11 +103,20 @@ class _Staged:
         """Wait until DCP's background process has copied the state into shared memory; return the step it saved."""
         channel = self.copied_elsewhere
         assert channel is not None
+        deadline = time.monotonic() + timeout_s
         try:
-            if not channel.poll(timeout_s):
-                raise CheckpointError(
-                    f"dcp.async_save's background process did not copy the state into ckptd in {timeout_s:.0f} s"
-                )
+            # A save that fails before this rank's write_data (another rank's plan, say) never reaches the
+            # Writer over there: DCP's upload thread then ends with the failure, and nothing more will come.
+            while not channel.poll(COPY_POLL_S):
+                if self.sender is not None and not self.sender.is_alive() and not channel.poll(0):
+                    raise CheckpointError(
+                        "dcp.async_save's save failed in its background process before this rank's copy: "
+                        "its future says why"
+                    )
+                if time.monotonic() >= deadline:
+                    raise CheckpointError(
+                        f"dcp.async_save's background process did not copy the state into ckptd in {timeout_s:.0f} s"
+                    )
             outcome, detail = channel.recv()
         except (EOFError, OSError) as e:
             raise CheckpointError(f"dcp.async_save's background process went away before copying: {e}") from None
@@ -220,6 +233,7 @@ class Writer(StorageWriter, AsyncStager):
         if staged is not None:
             receiver, sender = multiprocessing.Pipe(duplex=False)
             staged.copied_elsewhere = receiver
+            staged.sender = threading.current_thread()
             staged.set_up.set()
             state["copied"] = sender  # DCP's pickler sends connections to the process it started
         return state

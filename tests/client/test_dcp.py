@@ -5,6 +5,7 @@ from __future__ import annotations
 import pickle
 import subprocess
 import sys
+import threading
 from multiprocessing.reduction import ForkingPickler
 
 import ckpt
@@ -93,6 +94,17 @@ def test_a_save_staged_for_dcps_process_holds_the_training_thread_until_that_pro
         with pytest.raises(ckpt.CheckpointError, match=r"could not copy the state: InvalidArgument: .*'x' is not"):
             w.synchronize_staging()  # the training thread hears why at once
         w.synchronize_staging()  # nothing staged any more
+
+
+def test_a_save_that_fails_in_dcps_process_before_this_ranks_copy_frees_the_training_thread():
+    with writer() as w:
+        w.stage({"w": torch.ones(2)})
+        sent: list[bytes] = []
+        upload = threading.Thread(target=lambda: sent.append(ForkingPickler.dumps(w)))  # DCP's upload thread
+        upload.start()
+        upload.join()  # it ended: the save failed over there (another rank's plan) and never reached write_data
+        with pickle.loads(sent[0]), pytest.raises(ckpt.CheckpointError, match="before this rank's copy"):
+            w.synchronize_staging()
 
 
 def test_the_reader_takes_a_job_or_a_path(tmp_path):
