@@ -9,9 +9,9 @@ ModelCheckpoint keeps the 2 best checkpoints by train_loss and last.ckpt in --di
 each is a pointer naming a ckptd job and step when the save returns (the bytes are in
 ckptd: `ckptd ls --job lightning-demo`), and a torch.save file once the step is durable
 (`torch.load` or `TinyRegressor.load_from_checkpoint` opens it; it still names the step).
-Every run asks for ckpt_path="last": the first finds
-none and starts afresh, the second resumes from the first's last step. The daemon is
---address, else CKPTD_ADDRESS, else the default socket.
+Every run asks for ckpt_path="last": the first finds none and starts afresh, the second
+resumes from the first's last step. The daemon is --address, else CKPTD_ADDRESS, else
+the default socket.
 """
 
 from __future__ import annotations
