@@ -142,8 +142,8 @@ def test_async_save_with_the_process_executor_copies_in_dcps_process_and_snapsho
     run_torchrun(1, PROCESS_WORKER, str(short_tmp), env={"CKPTD_ADDRESS": daemon.address, "CKPT_JOB": "process"})
     saved = torch.load(short_tmp / "saved.pt")
     listed = daemon.cli("ls", "--job", "process", "--json")
-    assert [item["step"] for item in json.loads(listed.stdout)] == [5, 6]  # checkpoint_id, then one past it
-    for step, name in ((5, "first"), (6, "second")):
+    assert [item["step"] for item in json.loads(listed.stdout)] == [5, 6, 7]  # checkpoint_id, one past it, id
+    for step, name in ((5, "first"), (6, "second"), (7, "third")):
         into = {"w": torch.zeros(1 << 16), "b": torch.zeros(3, 3), "note": ""}
         no_dist_load(into, ckpt.dcp.Reader(job="process", step=step, address=daemon.address))
         assert into["note"] == name
