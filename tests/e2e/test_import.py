@@ -90,6 +90,8 @@ def test_what_cannot_be_imported_is_named(daemon, tmp_path):
         assert (run.returncode, said in run.stderr) == (code, True), run.stderr
     torch.save({"w": torch.ones(1)}, tmp_path / "w.pt")
     assert daemon.cli("import", "--job", "bad", "--step", "5", "--torch", str(tmp_path / "w.pt")).returncode == 0
+    again = daemon.cli("import", "--job", "bad", "--step", "5", "--torch", str(tmp_path / "w.pt"))
+    assert again.returncode == 1 and "step 5 is already complete; a complete step is never rewritten" in again.stderr
     older = daemon.cli("import", "--job", "bad", "--step", "4", "--torch", str(tmp_path / "w.pt"))
     assert older.returncode == 2 and "step 5" in older.stderr  # older than the job's head, which it names
     assert sorted(steps(daemon, "bad")) == [5]
