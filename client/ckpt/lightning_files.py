@@ -23,6 +23,7 @@ import logging
 import os
 import pickle
 import threading
+import time
 import zipfile
 from typing import IO, Any
 
@@ -40,6 +41,8 @@ POINTER_KEY = "ckptd"
 # How long the writer waits for a step to become durable: a flush takes seconds to minutes; beyond this,
 # something is stuck, and the path keeps its pointer.
 DURABLE_WAIT_S = 600.0
+# How often a wait for a step looks whether its file is still wanted.
+WANTED_CHECK_S = 1.0
 # A torch file's pickle larger than this is not read for a pointer (its tensors are elsewhere in the archive).
 MAX_PICKLE_BYTES = 64 << 20
 
@@ -97,7 +100,7 @@ class TorchFileWriter:
         fs = get_filesystem(path)
         partial = f"{path}.torch.partial"
         try:
-            checkpoint = self._durable(step)
+            checkpoint = self._durable(step, path, token)
             if checkpoint is None or not self._still_wanted(path, token):
                 return
             with fs.open(partial, "wb") as f:
@@ -120,17 +123,30 @@ class TorchFileWriter:
         with self._lock:
             return self._wanted.get(path) is token
 
-    def _durable(self, step: int) -> dict[str, Any] | None:
-        """Wait until step is durable on NVMe and return its checkpoint dict; None if it never will be."""
+    def _durable(self, step: int, path: str, token: object) -> dict[str, Any] | None:
+        """Wait until step is durable on NVMe and return its checkpoint dict, or None if the file is not to be.
+
+        None: the step never will be durable, or the path's write was dropped meanwhile (looked at
+        every WANTED_CHECK_S, so that a teardown that waits for no file does not wait for this).
+        """
         if self._reader is None:
             self._reader = _StepReader(job=self._job, rank=0, world_size=1, address=self._address)
-        try:
-            SaveHandle(self._reader, step, skipped=False, blocked_s=0.0, reason="").wait("nvme", DURABLE_WAIT_S)
-        except SaveSkipped as e:  # a newer snapshot passed it over: the path names a step NVMe never had
-            log.info("ckpt: step %d of %s was passed over on NVMe: no torch file for it: %s", step, self._job, e)
-            return None
-        except TimeoutError as e:
-            raise CheckpointError(str(e)) from None
+        handle = SaveHandle(self._reader, step, skipped=False, blocked_s=0.0, reason="")
+        deadline = time.monotonic() + DURABLE_WAIT_S
+        while True:
+            try:
+                handle.wait("nvme", WANTED_CHECK_S)
+                break
+            except SaveSkipped as e:  # a newer snapshot passed it over: the path names a step NVMe never had
+                log.info("ckpt: step %d of %s was passed over on NVMe: no torch file for it: %s", step, self._job, e)
+                return None
+            except TimeoutError:
+                if not self._still_wanted(path, token):
+                    return None
+                if time.monotonic() >= deadline:
+                    raise CheckpointError(
+                        f"step {step} of {self._job} did not reach nvme in {DURABLE_WAIT_S:.0f} s"
+                    ) from None
         checkpoint: dict[str, Any] = self._reader.load(step, "cpu")
         return checkpoint
 
