@@ -1,4 +1,4 @@
-"""The ckptd command: serve, status, ls, inspect, restore, verify, gc, pin, unpin, rm, export.
+"""The ckptd command: serve, status, ls, inspect, restore, verify, gc, pin, unpin, rm, export, import.
 
 Exit codes: 0 success, 1 failure (not found, verification failed, daemon
 error), 2 usage or config error. Output to a pipe whose reader left goes to /dev/null:
@@ -30,7 +30,7 @@ from ckpt.wire.v1 import ckptd_pb2 as pb
 
 from ckptd import __version__
 from ckptd.config import Config, ConfigError, load_config
-from ckptd.offline import export
+from ckptd.offline import export, ingest
 from ckptd.operations.status_table import human_age, human_size, status_lines
 
 EXAMPLES = """\
@@ -46,6 +46,7 @@ examples:
   ckptd pin --job llama-7b --step 1200
   ckptd rm --job llama-7b --step 1100
   ckptd export --job llama-7b --format dcp --to /mnt/export/llama-7b-dcp
+  ckptd import --job llama-7b --step 1200 --dcp /mnt/ckpt/llama-7b/step-1200
 """
 
 
@@ -216,6 +217,7 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--dry-run", action="store_true", help="show what would be removed, remove nothing")
     s.add_argument("--json", action="store_true", help="print one JSON list of removals")
     export.add_parser(command, common)
+    ingest.add_parser(command, common, daemon)
     return p
 
 
@@ -535,4 +537,5 @@ COMMANDS = {
     "unpin": cmd_pin,
     "rm": cmd_rm,
     "export": export.cmd_export,
+    "import": ingest.cmd_import,
 }

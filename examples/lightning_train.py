@@ -5,11 +5,13 @@
     python examples/lightning_train.py --job lightning-demo --dirpath /tmp/lightning-demo --max-epochs 4
     torchrun --standalone --nproc-per-node 2 examples/lightning_train.py --devices 2 ...   # DDP on gloo
 
-ModelCheckpoint keeps the 2 best checkpoints by train_loss and last.ckpt in --dirpath,
-each a pointer file naming a ckptd job and step (`cat` one); the bytes are in ckptd
-(`ckptd ls --job lightning-demo`). Every run asks for ckpt_path="last": the first finds
-none and starts afresh, the second resumes from the first's last step. The daemon is
---address, else CKPTD_ADDRESS, else the default socket.
+ModelCheckpoint keeps the 2 best checkpoints by train_loss and last.ckpt in --dirpath:
+each is a pointer naming a ckptd job and step when the save returns (the bytes are in
+ckptd: `ckptd ls --job lightning-demo`), and a torch.save file once the step is durable
+(`torch.load` or `TinyRegressor.load_from_checkpoint` opens it; it still names the step).
+Every run asks for ckpt_path="last": the first finds none and starts afresh, the second
+resumes from the first's last step. The daemon is --address, else CKPTD_ADDRESS, else
+the default socket.
 """
 
 from __future__ import annotations

@@ -6,9 +6,12 @@ command; cmd_export runs on the main thread, in this order:
 2. finds the step's directory: a local tier's own (the NVMe root, this node's replica
    store) when the step is complete there with every rank's shard; otherwise it restores
    the step with ckptd.offline.restore into a temporary directory beside --to;
-3. reads the whole state with ckpt.reshard.load_full (rank 0's structure, every sharded
-   tensor whole, every chunk checked) and writes it into another temporary directory
-   beside --to, which is then renamed to --to;
+3. picks the keys --include/--exclude take from rank 0's saved structure (select_keys),
+   reads their tensors with ckpt.reshard.load_full (every sharded tensor whole, every
+   chunk checked; nothing else is read), lifts --strip-prefix's entries to the top, and
+   writes the state into another temporary
+   directory beside --to, which is then renamed to --to (with the process's umask, as any
+   file it writes);
 4. removes the temporary directories, also on failure.
 The daemon never needs torch: this module imports it only inside cmd_export.
 """
@@ -27,7 +30,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ckpt.errors import CheckpointError, InvalidArgument
-from ckpt.format import validate_job, validate_step
+from ckpt.format import keyed_leaves, validate_job, validate_step
+from ckpt.key_filter import KeyFilter
 
 from ckptd.config import Config
 
@@ -50,8 +54,15 @@ into a temporary directory beside DIR. Needs torch (the daemon does not).
   --format safetensors  DIR/model.safetensors: every tensor of the state (dot-joined keys,
                         e.g. model.up.weight); other values are left out. Needs safetensors.
 
+Keys are paths joined with dots, as DCP names them (model.layers.0.weight). --include and
+--exclude (each repeatable) take glob patterns on them; `*` crosses dots, and a pattern that
+matches a key takes everything under it (--exclude optim leaves out the optimizer's state); a
+list or tuple is kept or left out whole. --strip-prefix model. writes the entries under the key
+model at the top (model.up.weight as up.weight); other keys stay as they are.
+
 The whole state is held in memory once. DIR must be absent or empty; it appears whole or not
-at all (written beside it, then renamed). Progress goes to stderr, DIR to stdout."""
+at all (written beside it, then renamed), its files made with the process's umask. Progress goes
+to stderr, DIR to stdout."""
 
 
 def add_parser(command: Any, common: argparse.ArgumentParser) -> None:
@@ -64,7 +75,8 @@ def add_parser(command: Any, common: argparse.ArgumentParser) -> None:
         epilog="examples:\n"
         "  ckptd export --job llama-7b --format dcp --to /mnt/export/llama-7b-dcp\n"
         "  ckptd export --job llama-7b --step 1200 --format safetensors --to /mnt/export/llama-7b-1200\n"
-        "  ckptd export --job llama-7b --from s3://ckpts/prod --format dcp --to /mnt/export/dcp",
+        "  ckptd export --job llama-7b --from s3://ckpts/prod --format dcp --to /mnt/export/dcp\n"
+        "  ckptd export --job llama-7b --include 'model' --strip-prefix model. --format safetensors --to DIR",
     )
     s.add_argument("--job", required=True, help="the job to export")
     s.add_argument("--step", default="latest", help="a step number, or latest (default)")
@@ -77,6 +89,11 @@ def add_parser(command: Any, common: argparse.ArgumentParser) -> None:
         "object-store URL",
     )
     s.add_argument("--to", required=True, metavar="DIR", type=Path, help="an absent or empty directory")
+    s.add_argument(
+        "--include", action="append", metavar="PATTERN", help="export only the keys it matches (and those under them)"
+    )
+    s.add_argument("--exclude", action="append", metavar="PATTERN", help="leave out the keys it matches (and under)")
+    s.add_argument("--strip-prefix", metavar="PREFIX", help="write the entries under the key PREFIX at the top")
     s.add_argument("--json", action="store_true", help='print {"job", "step", "format", "dir"} when done')
 
 
@@ -88,6 +105,8 @@ def cmd_export(args: argparse.Namespace, config: Config) -> int:
     step = None if args.step == "latest" else _parse_step(args.step)
     to = args.to.absolute()
     _check_target(to)
+    keys = KeyFilter.of(args.include, args.exclude)
+    prefix = _prefix_path(args.strip_prefix)
     try:
         import torch  # noqa: F401 - only to say clearly that it is missing
     except ImportError:
@@ -106,7 +125,7 @@ def cmd_export(args: argparse.Namespace, config: Config) -> int:
     work = Path(tempfile.mkdtemp(prefix=f".{to.name}.export-", dir=to.parent))
     try:
         step_dir = _local_step_dir(tiers, job, step) or _restore(tiers, job, step, work / "restore")
-        state = _read_state(step_dir)
+        state = _read_state(step_dir, keys, prefix)
         out = work / "out"
         if args.format == "dcp":
             _write_dcp(state, out)
@@ -164,10 +183,13 @@ def _restore(tiers: list[Tier], job: str, step: int, target: Path) -> Path:
     return restore(tiers, job, step, target, progress=_progress)
 
 
-def _read_state(step_dir: Path) -> Any:
-    """Return rank 0's state of the step in step_dir with every sharded tensor whole, every chunk checked."""
+def _read_state(step_dir: Path, keys: KeyFilter, prefix: tuple[str, ...]) -> Any:
+    """Return rank 0's state of the step in step_dir with every sharded tensor whole, every chunk checked.
+
+    Only the tensors of the keys that keys takes are read (select_keys on the saved structure first).
+    """
     from ckpt.range_read import StepReader
-    from ckpt.reshard import load_full
+    from ckpt.reshard import load_full, load_skeleton
     from ckpt.shard_io import read_commit, read_index, read_meta, step_dir_source
     from ckpt.step_index import StepIndex, index_bytes
 
@@ -182,7 +204,11 @@ def _read_state(step_dir: Path) -> Any:
         record.job, record.step, record.shard_meta_xxh3_128, {r: [source] for r in range(record.world_size)}
     )
     started = time.monotonic()
-    state = load_full(reader, index)
+    what = f"{record.job} step {record.step}"
+    wanted = None
+    if not keys.takes_all:
+        wanted = select_keys(load_skeleton(json.loads(reader.meta(0).layout_json)), keys, (), what)
+    state = select_keys(load_full(reader, index, wanted), keys, prefix, what)
     tensors = _tensors(state)
     size = sum(t.nbytes for t in tensors.values())
     _progress(
@@ -190,6 +216,64 @@ def _read_state(step_dir: Path) -> Any:
         f"in {time.monotonic() - started:.1f} s"
     )
     return state
+
+
+def _prefix_path(prefix: str | None) -> tuple[str, ...]:
+    """Return the keys that --strip-prefix walks down (none without it); raise InvalidArgument for a bad one."""
+    if prefix is None:
+        return ()
+    path = tuple(prefix.removesuffix(".").split("."))
+    if not all(path):
+        raise InvalidArgument(f"--strip-prefix {prefix!r}: give a dotted key, such as model. or model.encoder.")
+    return path
+
+
+def select_keys(state: Any, keys: KeyFilter, prefix: tuple[str, ...], what: str) -> Any:
+    """Return state with only the keys that keys takes, and the entries under prefix lifted to the top."""
+    if keys.takes_all and not prefix:
+        return state
+    if not isinstance(state, dict):
+        kind = type(state).__name__
+        raise InvalidArgument(f"{what} holds a {kind}: --include, --exclude and --strip-prefix need a dict")
+    picked = _picked(state, "", keys)
+    if picked is _NOTHING or not picked:
+        raise InvalidArgument(f"--include/--exclude leave no key of {what}")
+    if not prefix:
+        return picked
+    parents = [picked]
+    for k in prefix:
+        parent = parents[-1]
+        found = next((key for key in parent if str(key) == k), _NOTHING) if isinstance(parent, dict) else _NOTHING
+        if found is _NOTHING or not isinstance(parent[found], dict):
+            raise InvalidArgument(f"--strip-prefix {'.'.join(prefix)}.: no dict of {what} (as picked) has that key")
+        parents.append(parent[found])
+    lifted = parents.pop()
+    for parent, k in zip(reversed(parents), reversed(prefix), strict=True):  # drop the path, and what it empties
+        key = next(key for key in parent if str(key) == k)
+        if parent[key] is lifted or not parent[key]:
+            del parent[key]
+    for k, v in lifted.items():
+        if k in picked:
+            raise InvalidArgument(f"--strip-prefix: {k!r} is both a key of {what} and one under the prefix")
+        picked[k] = v
+    return picked
+
+
+_NOTHING: Any = object()
+
+
+def _picked(value: Any, key: str, keys: KeyFilter) -> Any:
+    """Return value with the dict entries keys takes nothing of left out, or _NOTHING if it takes nothing of it."""
+    if isinstance(value, dict) and value:
+        kept = {}
+        for k, v in value.items():
+            sub = _picked(v, f"{key}.{k}" if key else str(k), keys)
+            if sub is not _NOTHING:
+                kept[k] = sub
+        return kept or _NOTHING
+    leaves = [path for _, path in keyed_leaves(value, lambda v: not isinstance(v, dict | list | tuple))]
+    full = [f"{key}.{p}" if key and p else key or p for p in leaves] or [key]
+    return value if any(keys.takes(k) for k in full) else _NOTHING
 
 
 def _write_dcp(state: Any, out: Path) -> None:

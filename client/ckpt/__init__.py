@@ -12,6 +12,7 @@ ckpt.launcher) on first use.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from ckpt._version import __version__
@@ -25,6 +26,7 @@ from ckpt.errors import (
     SaveFailed,
     SaveSkipped,
 )
+from ckpt.key_filter import LoadReport
 from ckpt.torch_version import require_torch
 
 __all__ = [
@@ -33,6 +35,7 @@ __all__ = [
     "CorruptCheckpoint",
     "DaemonUnavailable",
     "InvalidArgument",
+    "LoadReport",
     "NotFound",
     "ReservationLost",
     "SaveFailed",
@@ -87,9 +90,17 @@ def save_async(state: Any, step: int | None = None, lazy: bool = False) -> SaveH
     return _checkpointer().save_async(state, step, lazy)
 
 
-def load(step: int | None = None, map_location: Any = "cpu", tier: str = "auto", into: Any = None) -> Any:
+def load(
+    step: int | None = None,
+    map_location: Any = "cpu",
+    tier: str = "auto",
+    into: Any = None,
+    strict: bool = True,
+    keys: str | Iterable[str] | None = None,
+    exclude: str | Iterable[str] | None = None,
+) -> Any:
     """Load with the default Checkpointer; see Checkpointer.load."""
-    return _checkpointer().load(step, map_location, tier, into)
+    return _checkpointer().load(step, map_location, tier, into, strict, keys, exclude)
 
 
 def latest_step() -> int | None:

@@ -7,7 +7,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -34,11 +34,12 @@ from ckpt.format import (
     validate_tier,
 )
 from ckpt.history import line_from_text
+from ckpt.key_filter import KeyFilter, LoadReport
 from ckpt.launcher import rank_and_world_size
 from ckpt.local_read import checked_index, load_first_good
 from ckpt.placement import Placement
 from ckpt.range_read import StepReader
-from ckpt.reshard import load_into
+from ckpt.reshard import load_into, report_left
 from ckpt.shard_io import ShardSource
 from ckpt.staging import SlotMappings, copy_into, slot_view, writer_lock
 from ckpt.step_index import StepIndex
@@ -161,11 +162,14 @@ class Checkpointer:
         self.run_id = str(options.pop("run_id", None) or _default_run_id())
         spill_bytes = options.pop("spill_bytes", None)
         keep, keep_every = options.pop("keep", None), options.pop("keep_every", None)
+        replicated = options.pop("replicated", None)
         if options:
             raise InvalidArgument(
-                f"unknown Checkpointer options {sorted(options)}; known: copy_threads, keep, keep_every, run_id, "
-                "spill_bytes"
+                f"unknown Checkpointer options {sorted(options)}; known: copy_threads, keep, keep_every, replicated, "
+                "run_id, spill_bytes"
             )
+        # Keys whose plain tensors every rank holds alike (DDP): written once per step, by rank 0.
+        self._replicated = None if replicated is None else KeyFilter.of(replicated, None)
         if len(self.run_id) > 256:
             raise InvalidArgument("run_id is longer than 256 characters")
         if isinstance(copy_threads, bool) or not isinstance(copy_threads, int) or not 1 <= copy_threads <= 64:
@@ -193,6 +197,7 @@ class Checkpointer:
         self._line: str | None = None
         self._last_step: int | None = None
         self._rolled_back_to: int | None = None  # a step older than the head was loaded: the next save forks
+        self.last_load: LoadReport | None = None  # what the last load(into=...) left as it was
         self._closed = False
 
     def __enter__(self) -> Checkpointer:
@@ -226,7 +231,7 @@ class Checkpointer:
         """
         if self._closed:
             raise CheckpointError("this Checkpointer is closed")
-        flat = flatten(state)
+        flat = flatten(state, self._replicated, self.rank)
         size_bytes = layout_offset(flat.data_size_bytes) + len(json.dumps(flat.layout()).encode()) + PREPARE_SLACK_BYTES
         gpu = _gpu_of(flat.arrays)
         request = pb.ReserveRequest(shard=self._shard(0), size_bytes=size_bytes, prepare=True)
@@ -279,7 +284,7 @@ class Checkpointer:
                     self._preparing.exception()  # waits; a failed preparation only leaves its work to this save
             self._preparing = None
         step = self._next_step(step)
-        flat = flatten(state)
+        flat = flatten(state, self._replicated, self.rank)
         on_device = frozenset(i for i, a in enumerate(flat.arrays) if isinstance(a, torch.Tensor) and a.is_cuda)
         ready = _cuda().ready_events(flat.arrays) if on_device else None  # first: the caller's streams, this thread
         gpu = next(iter(ready)) if ready else None  # the first GPU of the state: slots are pinned there
@@ -395,7 +400,16 @@ class Checkpointer:
         reply = self._daemon.call("List", pb.ListRequest(job=self.job, newest=True))
         return max((int(s.step) for s in reply.steps if s.job == self.job), default=None)
 
-    def load(self, step: int | None = None, map_location: Any = "cpu", tier: str = "auto", into: Any = None) -> Any:
+    def load(
+        self,
+        step: int | None = None,
+        map_location: Any = "cpu",
+        tier: str = "auto",
+        into: Any = None,
+        strict: bool = True,
+        keys: str | Iterable[str] | None = None,
+        exclude: str | Iterable[str] | None = None,
+    ) -> Any:
         """Return this rank's state at step (default: the latest complete step), bit for bit as saved.
 
         tier picks one tier instead of the fastest verified copy ("auto"). The bytes
@@ -417,13 +431,22 @@ class Checkpointer:
         sharding, world size and mesh on either side, replace its other values, and
         return it (ckpt.reshard); map_location does not apply: each tensor stays where
         into holds it. A step that holds DTensors, or one saved by another world size, needs into.
+        A tensor of into with another dtype gets the saved values cast to it, as dcp.load casts.
+
+        Only with into: keys and exclude pick the keys loaded, glob patterns on dotted keys
+        (ckpt.key_filter; exclude="optimizer" leaves the optimizer's state as it is); strict=False
+        loads the keys both into and the step hold and leaves the rest, where strict=True raises
+        InvalidArgument naming the first. self.last_load (a LoadReport) says what was left.
         """
         if step is not None:
             validate_step(step)
         if tier != "auto":
             validate_tier(tier)
+        selection = KeyFilter.of(keys, exclude)
         if into is not None:
-            return self._load_into(into, step, tier)
+            return self._load_into(into, step, tier, strict, selection)
+        if not strict or not selection.takes_all:
+            raise InvalidArgument("strict=False, keys= and exclude= apply to load(into=state): pass the state to fill")
         place = Placement.of(map_location)  # before the daemon is asked: a device missing here fails at once
         locate = pb.LocateRequest(job=self.job, step=-1 if step is None else step, rank=self.rank, tier=tier)
         reply = self._daemon.call("Locate", locate)
@@ -471,11 +494,13 @@ class Checkpointer:
         self._rolled_back_to = step if line and line[-1][0] == step else None  # said at the next save
         self._line, self._last_step = next_line, step
 
-    def _load_into(self, into: Any, step: int | None, tier: str) -> Any:
+    def _load_into(self, into: Any, step: int | None, tier: str, strict: bool, keys: KeyFilter) -> Any:
         """Fill into from a step: the ranks this node holds read from their files, the rest through the daemon."""
         reader, index, reply = self._open_step(step, tier)
         self._loading(reply.step, reply.next_line)
-        return load_into(into, reader, index, self.rank)
+        loaded, self.last_load = load_into(into, reader, index, self.rank, strict, keys)
+        report_left(self.last_load, self.job)
+        return loaded
 
     def open_step(self, step: int | None = None, tier: str = "auto") -> tuple[StepReader, StepIndex | None]:
         """Return a reader of every rank's bytes of a complete step (default: the latest), and the step's index.

@@ -10,15 +10,24 @@ or a string of digits; it reaches reset()), else the Writer's step (for its firs
 only), else one past the latest step of the job, as save_async(step=None) picks it.
 A save is done for DCP when every rank's shard is durable on NVMe: write_data waits
 for that, so dcp.save returns, and async_save's future resolves, once it is.
+
+dcp.async_save's process executor (AsyncCheckpointerType.PROCESS) sends the Writer
+and the state to DCP's background process, which calls the Writer there: the copy
+into ckptd's shared memory is made in that process, and the training thread waits in
+synchronize_staging until it is (CopyReport), so the caller may change the state once
+async_save returns, as with the thread executor.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import multiprocessing
 import os
 import threading
+import time
 import weakref
 from collections import defaultdict
+from multiprocessing.connection import Connection
 from typing import Any
 
 import torch
@@ -35,8 +44,13 @@ from ckpt.errors import CheckpointError, InvalidArgument
 from ckpt.format import validate_step
 from ckpt.sharding import LocalChunks, OwnedChunk
 
-# How long synchronize_staging waits for dcp.async_save's upload thread to set the save up (it does at once).
-SET_UP_TIMEOUT_S = 120.0
+# How long synchronize_staging waits for dcp.async_save's upload thread to set the save up: the thread executor
+# does at once; the process executor's first save starts DCP's process and its process group first.
+SET_UP_TIMEOUT_S = 600.0
+# How long synchronize_staging waits for DCP's background process to copy a staged save once it was sent.
+COPY_TIMEOUT_S = 600.0
+# How often that wait looks whether DCP's upload thread, which sent it, has ended (the save failed before the copy).
+COPY_POLL_S = 0.5
 # The tier a save must reach before DCP counts it as written.
 DURABLE_TIER = "nvme"
 
@@ -71,6 +85,8 @@ class _Staged:
         self.failure: BaseException | None = None  # why the save could not be set up
         self.lock = threading.Lock()  # one copy, whoever gets there first
         self.handle: SaveHandle | None = None
+        self.copied_elsewhere: Connection | None = None  # sent to DCP's background process: it copies, and says so
+        self.sender: threading.Thread | None = None  # DCP's upload thread, which sent it and waits for the save
 
     def copy(self, checkpointer: Checkpointer) -> SaveHandle:
         """Copy the state at the chosen step, unless that is done already; return the save's handle."""
@@ -82,6 +98,58 @@ class _Staged:
                 self.handle = checkpointer.save_async(self.state, self.step)
                 self.state = None  # the copy is made: the live state is not kept past it
             return self.handle
+
+    def await_copy(self, timeout_s: float) -> int:
+        """Wait until DCP's background process has copied the state into shared memory; return the step it saved."""
+        channel = self.copied_elsewhere
+        assert channel is not None
+        deadline = time.monotonic() + timeout_s
+        try:
+            # A save that fails before this rank's write_data (another rank's plan, say) never reaches the
+            # Writer over there: DCP's upload thread then ends with the failure, and nothing more will come.
+            while not channel.poll(COPY_POLL_S):
+                if self.sender is not None and not self.sender.is_alive() and not channel.poll(0):
+                    raise CheckpointError(
+                        "dcp.async_save's save failed in its background process before this rank's copy: "
+                        "its future says why"
+                    )
+                if time.monotonic() >= deadline:
+                    raise CheckpointError(
+                        f"dcp.async_save's background process did not copy the state into ckptd in {timeout_s:.0f} s"
+                    )
+            outcome, detail = channel.recv()
+        except (EOFError, OSError) as e:
+            raise CheckpointError(f"dcp.async_save's background process went away before copying: {e}") from None
+        finally:
+            channel.close()
+            self.state = None
+        if outcome != "copied":
+            raise CheckpointError(f"dcp.async_save's background process could not copy the state: {detail}")
+        return int(detail)
+
+
+class CopyReport:
+    """The background process's end of a staged save's hand-off: one message, ("copied", step) or ("failed", why).
+
+    The training thread is held in synchronize_staging while DCP's background process
+    reads the state (DCP sends it as shared memory over the caller's own tensors), so
+    the copy is a snapshot; this message lets it go.
+    """
+
+    def __init__(self, channel: Connection) -> None:
+        self._channel: Connection | None = channel
+
+    def send(self, outcome: str, detail: object) -> None:
+        """Send the one message (later calls do nothing) and close the channel."""
+        channel, self._channel = self._channel, None
+        if channel is None:
+            return
+        try:
+            channel.send((outcome, detail))
+        except OSError:
+            pass  # the training process is gone or gave up waiting: nobody is left to tell
+        finally:
+            channel.close()
 
 
 class Writer(StorageWriter, AsyncStager):
@@ -100,8 +168,14 @@ class Writer(StorageWriter, AsyncStager):
     reaches reset() there), so stage() keeps the state, and synchronize_staging() waits
     for the step and copies the state into shared memory: DTensors as the local shards
     this rank writes, other tensors and values as they are (save_async). write_data
-    then copies nothing; it waits for that save. Use the thread executor (the default):
-    the Writer cannot be sent to another process. One save at a time per Writer.
+    then copies nothing; it waits for that save. One save at a time per Writer.
+
+    With the process executor (AsyncCheckpointerType.PROCESS), DCP pickles the Writer
+    on its upload thread after stage(), and calls the methods above on the unpickled
+    copy in its background process: there write_data copies the chunks (shared with
+    the training process by DCP) into ckptd's shared memory, and tells the training
+    thread, held in synchronize_staging, that it may go on (CopyReport). The daemon
+    makes the step durable, as always; async_save's future resolves once it is on NVMe.
     """
 
     def __init__(
@@ -115,6 +189,7 @@ class Writer(StorageWriter, AsyncStager):
         super().__init__()
         rank, world_size = process_rank(rank, world_size)
         self._step = None if step is None else validate_step(step)
+        self._address = address
         self._checkpointer = Checkpointer(job=job, rank=rank, world_size=world_size, address=address)
         # A Writer made inline for one save is never closed: release its connection when it goes, or at exit at
         # the latest (a gRPC channel left open at interpreter exit can abort the process).
@@ -126,6 +201,7 @@ class Writer(StorageWriter, AsyncStager):
         self._pending: _Staged | None = None
         self._staged: _Staged | None = None  # the save in progress, when staged
         self._save_step: int | None = None  # this rank's step of the save in progress, when known here
+        self._report: CopyReport | None = None  # in DCP's background process: whom to tell the copy is made
 
     def __repr__(self) -> str:
         c = self._checkpointer
@@ -137,13 +213,36 @@ class Writer(StorageWriter, AsyncStager):
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def __getstate__(self) -> Any:
-        error = InvalidArgument(
-            "ckpt.dcp.Writer stages into shared memory in this process: use dcp.async_save with the thread "
-            "executor (async_checkpointer_type=THREAD, the default)"
-        )
-        self._fail_staging(error)
-        raise error
+    def __getstate__(self) -> dict[str, Any]:
+        """Return what DCP's background process needs to save as this Writer (the process executor pickles it).
+
+        A save staged here and not set up in this process is the one DCP is sending: it
+        gets a channel, so that the copy made over there releases synchronize_staging.
+        """
+        c = self._checkpointer
+        state: dict[str, Any] = {
+            "job": c.job,
+            "rank": c.rank,
+            "world_size": c.world_size,
+            "address": self._address,
+            "step": self._step,
+            "last_step": self._last_step,
+            "copied": None,
+        }
+        staged, self._pending = self._pending, None
+        if staged is not None:
+            receiver, sender = multiprocessing.Pipe(duplex=False)
+            staged.copied_elsewhere = receiver
+            staged.sender = threading.current_thread()
+            staged.set_up.set()
+            state["copied"] = sender  # DCP's pickler sends connections to the process it started
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """Become the Writer DCP's background process calls, with a connection of its own to the daemon."""
+        Writer.__init__(self, state["job"], state["rank"], state["world_size"], state["address"], state["step"])
+        self._last_step = state["last_step"]
+        self._report = CopyReport(state["copied"]) if state["copied"] is not None else None
 
     def _fail_staging(self, error: BaseException) -> None:
         """Wake a synchronize_staging waiting for a save that will not be set up, with the reason."""
@@ -151,6 +250,8 @@ class Writer(StorageWriter, AsyncStager):
         if staged is not None:
             staged.failure = error
             staged.set_up.set()
+        if self._report is not None:
+            self._report.send("failed", f"{type(error).__name__}: {error}")
 
     # -- the stager: dcp.async_save, training thread --------------------------------------
 
@@ -168,6 +269,9 @@ class Writer(StorageWriter, AsyncStager):
             if self._pending is staged:
                 self._pending = None  # never set up: the next save must not take this state for its own
             staged.failure = CheckpointError(f"dcp.async_save did not set its save up in {SET_UP_TIMEOUT_S:.0f} s")
+        if staged.copied_elsewhere is not None:
+            self._last_step = staged.await_copy(COPY_TIMEOUT_S)  # the next pickled Writer counts on from it
+            return
         staged.copy(self._checkpointer)
 
     def close(self) -> None:
@@ -221,11 +325,17 @@ class Writer(StorageWriter, AsyncStager):
         """Give every rank the same step (coordinator): the one the ranks were given, else one past the latest."""
         steps = {p.storage_data for p in plans if p.storage_data is not None}
         if len(steps) > 1:
-            raise InvalidArgument(
+            error = InvalidArgument(
                 f"the ranks would save this checkpoint as different steps {sorted(steps)}: "
                 "give the step to every rank (checkpoint_id or ckpt.dcp.Writer(step=...))"
             )
-        step = steps.pop() if steps else self._next_step()
+            self._fail_staging(error)
+            raise error
+        try:
+            step = steps.pop() if steps else self._next_step()
+        except BaseException as e:
+            self._fail_staging(e)
+            raise
         return [dataclasses.replace(p, storage_data=step) for p in plans]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
@@ -237,7 +347,13 @@ class Writer(StorageWriter, AsyncStager):
                 raise CheckpointError(f"this rank staged step {staged.step}, and the coordinator planned step {step}")
             handle = staged.copy(self._checkpointer)
         else:
-            handle = self._checkpointer.save_async(_state_of(plan, planner), step)
+            try:
+                handle = self._checkpointer.save_async(_state_of(plan, planner), step)
+            except BaseException as e:
+                self._fail_staging(e)
+                raise
+            if self._report is not None:
+                self._report.send("copied", step)  # the training process may change its state again
         self._last_step = step
         handle.wait(DURABLE_TIER)
         future: Future[list[WriteResult]] = Future()

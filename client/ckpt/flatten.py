@@ -21,7 +21,16 @@ import torch
 
 from ckpt.errors import InvalidArgument
 from ckpt.format import TENSOR_ALIGN_BYTES, round_up
-from ckpt.sharding import check_plain_tensor, describe, is_sharded_value, owned_chunks, tensor_keys
+from ckpt.key_filter import KeyFilter
+from ckpt.sharding import (
+    check_plain_tensor,
+    describe,
+    is_sharded_value,
+    owned_chunks,
+    replicated_chunks,
+    tensor_keys,
+)
+from ckpt.stateful import expand_stateful
 
 PICKLE_PROTOCOL = 5
 
@@ -75,8 +84,14 @@ def _entry(obj: torch.Tensor | np.ndarray) -> dict[str, Any]:
     return entry
 
 
-def flatten(state: Any) -> Flattened:
-    """Flatten state; raise InvalidArgument if it holds something that cannot be checkpointed."""
+def flatten(state: Any, replicated: KeyFilter | None = None, rank: int = 0) -> Flattened:
+    """Flatten state; raise InvalidArgument if it holds something that cannot be checkpointed.
+
+    Stateful objects (ckpt.stateful) are flattened as their state_dict(), never pickled whole.
+    A plain tensor whose key replicated takes is the same on every rank: it is stored as a
+    sharded tensor whose one chunk rank 0 writes (ckpt.sharding.replicated_chunks).
+    """
+    state = expand_stateful(state)
     arrays: list[torch.Tensor | np.ndarray] = []
     entries: list[dict[str, Any]] = []
     index_of: dict[int, int] = {}
@@ -92,14 +107,13 @@ def flatten(state: Any) -> Flattened:
         arrays.append(array)
         entries.append(entry)
 
-    def add_dtensor(dt: Any) -> str:
-        key = keys.get(id(dt))
+    def add_dtensor(dt: Any, key: str | None, ident: int) -> str:
         if key is None:
             raise InvalidArgument(
                 "a DTensor inside an object that is not a dict, list or tuple has no key to reshard it by; "
                 "keep DTensors in dicts, lists and tuples"
             )
-        if sharded_ids.setdefault(key, id(dt)) != id(dt):
+        if sharded_ids.setdefault(key, ident) != ident:
             raise InvalidArgument(f"two sharded tensors of the state have the key {key!r}: rename one of them")
         if key not in dtensors:
             dtensors[key] = describe(dt)
@@ -111,7 +125,12 @@ def flatten(state: Any) -> Flattened:
     class Pickler(pickle.Pickler):
         def persistent_id(self, obj: Any) -> Any:
             if is_sharded_value(obj):
-                return ("ckpt-dtensor", add_dtensor(obj))
+                return ("ckpt-dtensor", add_dtensor(obj, keys.get(id(obj)), id(obj)))
+            if replicated is not None and isinstance(obj, torch.Tensor) and replicated.takes(keys.get(id(obj), "")):
+                key = keys.get(id(obj))
+                if key is not None:
+                    check_plain_tensor(obj, key)
+                    return ("ckpt-dtensor", add_dtensor(replicated_chunks(obj, rank), key, id(obj)))
             is_array = isinstance(obj, np.ndarray) and not obj.dtype.hasobject
             if not (isinstance(obj, torch.Tensor) or is_array):
                 return None
@@ -176,7 +195,10 @@ def unflatten(
         if tag == "ckpt-dtensor" and dtensor_ref is not None:
             return dtensor_ref(i)
         if tag == "ckpt-dtensor":
-            raise InvalidArgument(f"the step holds DTensor {i!r}: load it with load(into=state)")
+            raise InvalidArgument(
+                f"the step holds {i!r} sharded or written once for every rank (a DTensor, or a key of "
+                "Checkpointer(replicated=)): load it with load(into=state)"
+            )
         if tag != "ckpt" or not 0 <= i < len(entries):
             raise pickle.UnpicklingError(f"unknown reference {pid!r}")
         if built[i] is None:

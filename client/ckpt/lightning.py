@@ -7,10 +7,15 @@ and moves the bytes into ckptd. save_checkpoint stages the checkpoint dict with
 Checkpointer.save_async and, once it is committed in ckptd's shared memory (when
 save_async returns: from then on ckptd holds the step), writes a pointer of a few
 bytes at the path Lightning asked for (Pointer: JSON naming the job and step).
-load_checkpoint reads the pointer and loads that step from the fastest tier holding
-a good copy (waiting, if need be, the moment the daemon takes to checksum a fresh
-copy). remove_checkpoint removes the pointer; the step's bytes are ckptd's
-retention's to keep or drop.
+Once the step is durable on NVMe, a background thread replaces the pointer with a
+torch.save file of the checkpoint that carries the pointer under the key "ckptd"
+(ckpt.lightning_files), so that torch.load, pl_load, LightningModule.load_from_checkpoint
+and a Trainer without this plugin open the path; torch_files=False keeps the pointers.
+load_checkpoint reads the pointer (from either file) and loads that step from the
+fastest tier holding a good copy (waiting, if need be, the moment the daemon takes to
+checksum a fresh copy), or, if ckptd holds the step no more, the torch file itself.
+remove_checkpoint removes the file; the step's bytes are ckptd's retention's to keep
+or drop.
 
 The ckptd step of a checkpoint is Lightning's global_step, unless this plugin saved that
 step already with other tensors (then it is one past the step it saved last: ckptd never
@@ -35,7 +40,13 @@ world_size 1), however many ranks train, and every rank loads that shard.
 FSDPStrategy and ModelParallelStrategy do not go through here for sharded state: they
 write torch.distributed.checkpoint directories themselves. FSDPStrategy's full state
 dicts do reach save_checkpoint (rank 0), but its load_checkpoint reads the path with
-torch itself, so it cannot resume from a pointer.
+torch itself, so it resumes from the torch file once it is written, never from a pointer.
+
+A plugin given no job (no job= and no CKPT_JOB) loads: the pointer names the job, and the
+plugin takes it for its later saves. storage_options are accepted and ignored (logged once).
+Lightning's AsyncCheckpointIO may wrap the plugin (it gains nothing: a save returns after one
+copy already), but does not call its teardown: the plugin's threads are daemon threads, and its
+files are written and its connection closed when the plugin goes or the interpreter exits.
 
 A dict without global_step is not a Trainer checkpoint (Lightning's ddp_spawn hands
 the final weights to the main process in a temporary file this way): it is written
@@ -55,6 +66,7 @@ import contextlib  # noqa: E402 (torch checked first)
 import json  # noqa: E402
 import logging  # noqa: E402
 import os  # noqa: E402
+import weakref  # noqa: E402
 from dataclasses import asdict, dataclass  # noqa: E402
 from typing import Any  # noqa: E402
 
@@ -72,6 +84,7 @@ from ckpt.checkpointer import Checkpointer, SaveHandle  # noqa: E402
 from ckpt.errors import CheckpointError, InvalidArgument, NotFound, SaveFailed  # noqa: E402
 from ckpt.flatten import flatten  # noqa: E402
 from ckpt.format import validate_job, validate_step  # noqa: E402
+from ckpt.lightning_files import POINTER_KEY, TorchFileWriter, pointer_text  # noqa: E402
 from ckpt.transport import resolve_address  # noqa: E402
 
 log = logging.getLogger(__name__)
@@ -129,17 +142,27 @@ class Pointer:
 
 
 def read_pointer(path: str) -> Pointer | None:
-    """Return the pointer at path, None if path holds another file (a torch checkpoint), FileNotFoundError if none."""
+    """Return the pointer at path, in a pointer file or in a torch file this plugin wrote; None for another file.
+
+    A missing path raises FileNotFoundError with TorchCheckpointIO's message.
+    """
+    return _read_path(path)[0]
+
+
+def _read_path(path: str) -> tuple[Pointer | None, bool]:
+    """Return the pointer at path (or None) and whether path holds a file torch.load reads."""
     fs = get_filesystem(path)
     if not fs.exists(path):
-        raise FileNotFoundError(f"no checkpoint at {path}: neither a ckptd pointer nor any other file is there")
+        raise FileNotFoundError(f"Checkpoint file not found: {path}")  # as TorchCheckpointIO says it
     with fs.open(path, "rb") as f:
         head = f.read(MAX_POINTER_BYTES + 1)
-    if not head.lstrip().startswith(b"{"):
-        return None
+        if not head.lstrip().startswith(b"{"):
+            f.seek(0)
+            text = pointer_text(f)
+            return (Pointer.from_json(text, path) if text is not None else None), True
     if len(head) > MAX_POINTER_BYTES:
         raise InvalidArgument(f"{path} is not a ckptd pointer: it is larger than {MAX_POINTER_BYTES} bytes")
-    return Pointer.from_json(head, path)
+    return Pointer.from_json(head, path), False
 
 
 def write_pointer(path: str, pointer: Pointer) -> None:
@@ -156,43 +179,62 @@ def write_pointer(path: str, pointer: Pointer) -> None:
 class CkptdCheckpointIO(CheckpointIO):
     """Save Lightning checkpoints into ckptd with pointers to them at Lightning's paths, and load them back.
 
-    job names the ckptd job (default: env CKPT_JOB); address the daemon (default: env
+    job names the ckptd job (default: env CKPT_JOB; without either, the plugin only loads,
+    and takes the job of the first pointer it loads); address the daemon (default: env
     CKPTD_ADDRESS, else the default socket). save_checkpoint returns once the checkpoint
     is copied into ckptd's shared memory and its pointer written; the daemon makes it
-    durable. A save that failed in the background (a full disk, say) is raised by the
-    next save_checkpoint, or by teardown, which first waits until every save has reached
-    teardown_tier ("nvme", the default; "memory" waits for nothing more), so that the
-    process may exit. One thread at a time calls the methods (Lightning's training
-    thread); the module's docstring says in which order.
+    durable, and then, with torch_files (the default), a background thread replaces the
+    pointer with a torch.save file of the step that still names it (ckpt.lightning_files).
+    A save that failed in the background (a full disk, say) is raised by the next
+    save_checkpoint, or by teardown, which first waits until every save has reached
+    teardown_tier ("nvme", the default, and the torch files written; "memory" waits for
+    nothing more, and drops the torch files not written yet), so that the process may
+    exit. One thread at a time calls the methods (Lightning's training thread); the
+    module's docstring says in which order.
     """
 
-    def __init__(self, job: str | None = None, address: str | None = None, teardown_tier: str = "nvme") -> None:
+    def __init__(
+        self,
+        job: str | None = None,
+        address: str | None = None,
+        teardown_tier: str = "nvme",
+        torch_files: bool = True,
+    ) -> None:
         super().__init__()
         job = job if job is not None else os.environ.get("CKPT_JOB", "")
-        if not job:
-            raise InvalidArgument("CkptdCheckpointIO needs a ckptd job name: pass job=... or set CKPT_JOB")
         if teardown_tier not in TEARDOWN_TIERS:
             raise InvalidArgument(f"teardown_tier must be one of {', '.join(TEARDOWN_TIERS)}, not {teardown_tier!r}")
-        self.job = validate_job(job)
+        self.job: str | None = validate_job(job) if job else None
         self.address = address
         self.teardown_tier = teardown_tier
+        self.torch_files = bool(torch_files)
         self._files = TorchCheckpointIO()  # dicts that are not Trainer checkpoints, paths that hold no pointer
         self._checkpointer: Checkpointer | None = None  # opened by the first save after each teardown
+        self._torch_files: TorchFileWriter | None = None  # likewise
+        self._at_exit: list[weakref.finalize] = []  # closes both if teardown never comes; dropped by teardown
         self._in_flight: list[SaveHandle] = []  # saves not known to have reached teardown_tier (pruned at each save)
         self._last: tuple[Pointer, Fingerprint | None] | None = None  # the last save, and its tensors
+        self._ignored_storage_options = False  # said once
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any | None = None) -> None:
-        """Stage checkpoint into ckptd and write a pointer to it at path; return without waiting for durability."""
-        if storage_options is not None:
-            raise TypeError(
-                f"{type(self).__name__}.save_checkpoint takes no storage_options (got {storage_options!r}): "
-                "where the bytes go is the ckptd daemon's configuration"
+        """Stage checkpoint into ckptd and write a pointer to it at path; return without waiting for durability.
+
+        storage_options (Trainer.save_checkpoint's) is accepted and ignored: where the bytes go, and how, is
+        the ckptd daemon's configuration; anything in it is logged once as ignored.
+        """
+        if storage_options and not self._ignored_storage_options:
+            self._ignored_storage_options = True
+            log.warning(
+                "ckpt: storage_options %r ignored: where ckptd keeps checkpoints is the daemon's configuration",
+                storage_options,
             )
         global_step = checkpoint.get("global_step")
         if global_step is None:
             log.info("ckpt: %s holds no global_step, so not a Trainer checkpoint: writing it with torch.save", path)
             self._files.save_checkpoint(checkpoint, path)
             return
+        if self.job is None:
+            raise InvalidArgument(f"{type(self).__name__} needs a ckptd job name to save: pass job=... or set CKPT_JOB")
         _refuse_other_ranks()
         self._raise_failures()
         tensors = fingerprint(checkpoint)
@@ -202,6 +244,8 @@ class CkptdCheckpointIO(CheckpointIO):
         else:
             pointer = self._save(checkpoint, validate_step(global_step), str(path), tensors)
         if pointer is not None:
+            if self.torch_files:
+                self._file_writer().write_after(str(path), pointer.to_json(), pointer.step)
             write_pointer(str(path), pointer)
 
     def _save(
@@ -210,14 +254,15 @@ class CkptdCheckpointIO(CheckpointIO):
         """Stage one checkpoint as a new step of the job; return its pointer, or None if ckptd skipped it."""
         last = self._last[0].step if self._last is not None else -1
         step = max(global_step, last + 1)  # the same global step saved again with other tensors: a step of its own
-        handle = self._opened().save_async(checkpoint, step=step)
+        c = self._opened()
+        handle = c.save_async(checkpoint, step=step)
         if handle.skipped:  # staging policy "skip" found no room (ckpt logged why)
             log.warning(
                 "ckpt: global step %d was not saved, so %s is not written: %s", global_step, path, handle.reason
             )
             return None
         self._in_flight.append(handle)
-        pointer = Pointer(self.job, step, global_step, resolve_address(self.address))
+        pointer = Pointer(c.job, step, global_step, resolve_address(self.address))
         self._last = (pointer, tensors)
         return pointer
 
@@ -225,10 +270,23 @@ class CkptdCheckpointIO(CheckpointIO):
         """Return the plugin's Checkpointer, opened by the first save or load after each teardown.
 
         Saves and loads share it: a resumed run's saves continue the line of the step it loaded.
+        It is closed by teardown, or when the plugin goes or the interpreter exits, for Lightning
+        does not call teardown of a plugin wrapped in its AsyncCheckpointIO.
         """
         if self._checkpointer is None:
+            assert self.job is not None
             self._checkpointer = Checkpointer(job=self.job, rank=0, world_size=1, address=self.address)
+            self._at_exit.append(weakref.finalize(self, self._checkpointer.close))
         return self._checkpointer
+
+    def _file_writer(self) -> TorchFileWriter:
+        """Return the writer of torch files, started by the first save after each teardown."""
+        if self._torch_files is None:
+            assert self.job is not None
+            self._torch_files = TorchFileWriter(self.job, self.address)
+            # At exit finalizers run newest first: the files are finished before the Checkpointer closes.
+            self._at_exit.append(weakref.finalize(self, _close_quietly, self._torch_files))
+        return self._torch_files
 
     def _raise_failures(self) -> None:
         """Forget the saves that reached teardown_tier; raise SaveFailed for one that failed."""
@@ -244,54 +302,95 @@ class CkptdCheckpointIO(CheckpointIO):
     def load_checkpoint(
         self, path: _PATH, map_location: Any | None = None, weights_only: bool | None = None
     ) -> dict[str, Any]:
-        """Return the checkpoint the pointer at path names (tensors on map_location, default CPU), bit for bit."""
-        pointer = read_pointer(str(path))
-        if pointer is None:
-            return self._files.load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+        """Return the checkpoint the pointer at path names (tensors on map_location, default CPU), bit for bit.
+
+        The pointer may be in a pointer file or in the torch file that replaced it. A torch file is read
+        itself when weights_only is true, or when ckptd no longer holds its step; any other file at path
+        is read as TorchCheckpointIO reads it.
+        """
+        pointer, torch_file = _read_path(str(path))
+        if pointer is None or (torch_file and weights_only):
+            checkpoint = self._files.load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+            checkpoint.pop(POINTER_KEY, None)
+            return checkpoint
         if weights_only:
             raise InvalidArgument(
                 f"{path}: the values of a ckptd checkpoint that are not tensors are pickled and load as with "
                 "torch.load(weights_only=False); load it with weights_only=None or False, and only if you trust it"
             )
+        if self.job is None:
+            self.job = pointer.job  # a plugin given no job resumes the pointer's, and its saves continue it
         # The plugin's own job is loaded through its Checkpointer: the saves after it continue from that step.
         own = pointer.job == self.job
         c = self._opened() if own else Checkpointer(job=pointer.job, rank=0, world_size=1, address=self.address)
         with contextlib.nullcontext(c) if own else c:
             try:
-                checkpoint: dict[str, Any] = c.load(pointer.step, map_location or "cpu")
-            except NotFound as e:
-                # A step is served from memory once the daemon has checksummed it, a moment after the
-                # save returned: if ckptd still holds the copy, wait for its flush (SaveFailed if it failed).
-                copy = SaveHandle(c, pointer.step, skipped=False, blocked_s=0.0, reason="")
-                if not copy.done("memory"):
-                    raise NotFound(
-                        f"{path} names step {pointer.step} (global step {pointer.global_step}) of ckptd job "
-                        f"{pointer.job}, saved through {pointer.address}, and no tier holds it any more: {e}"
-                    ) from e
-                copy.wait("nvme", timeout=FLUSH_WAIT_S)
-                checkpoint = c.load(pointer.step, map_location or "cpu")
+                checkpoint = self._load_step(c, pointer, str(path), map_location)
+            except NotFound:
+                if not torch_file:
+                    raise
+                log.warning("ckpt: ckptd holds step %d of %s no more: reading %s", pointer.step, pointer.job, path)
+                checkpoint = self._files.load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+                checkpoint.pop(POINTER_KEY, None)
         if own:
             self._last = None  # the saves after a load follow its step, not the plugin's earlier saves
         return checkpoint
 
+    @staticmethod
+    def _load_step(c: Checkpointer, pointer: Pointer, path: str, map_location: Any) -> dict[str, Any]:
+        """Load the pointer's step through c, waiting for a fresh copy's flush if need be."""
+        try:
+            checkpoint: dict[str, Any] = c.load(pointer.step, map_location or "cpu")
+        except NotFound as e:
+            # A step is served from memory once the daemon has checksummed it, a moment after the
+            # save returned: if ckptd still holds the copy, wait for its flush (SaveFailed if it failed).
+            copy = SaveHandle(c, pointer.step, skipped=False, blocked_s=0.0, reason="")
+            if not copy.done("memory"):
+                raise NotFound(
+                    f"{path} names step {pointer.step} (global step {pointer.global_step}) of ckptd job "
+                    f"{pointer.job}, saved through {pointer.address}, and no tier holds it any more: {e}"
+                ) from e
+            copy.wait("nvme", timeout=FLUSH_WAIT_S)
+            checkpoint = c.load(pointer.step, map_location or "cpu")
+        return checkpoint
+
     def remove_checkpoint(self, path: _PATH) -> None:
         """Remove the pointer (or file) at path; the step it names stays in ckptd until its retention drops it."""
+        if self._torch_files is not None:
+            self._torch_files.forget(str(path))
         self._files.remove_checkpoint(path)
 
     def teardown(self) -> None:
-        """Wait until every save has reached teardown_tier, close the connection, and raise the first failure."""
+        """Wait until every save has reached teardown_tier ("nvme": and its torch files), close, raise a failure."""
         in_flight, self._in_flight = self._in_flight, []
+        for closer in self._at_exit:
+            closer.detach()  # closed here instead
+        self._at_exit = []
         failure: CheckpointError | None = None
         for handle in in_flight:
             try:
                 handle.wait(self.teardown_tier)
             except CheckpointError as e:
                 failure = failure or e
+        if self._torch_files is not None:
+            try:
+                self._torch_files.close(wait=self.teardown_tier == "nvme")
+            except CheckpointError as e:
+                failure = failure or e
+            self._torch_files = None
         if self._checkpointer is not None:
             self._checkpointer.close()  # a later save opens another: the plugin stays picklable between runs
             self._checkpointer = None
         if failure is not None:
             raise failure
+
+
+def _close_quietly(files: TorchFileWriter) -> None:
+    """Finish a plugin's torch files when nobody called its teardown (it went, or the interpreter exits)."""
+    try:
+        files.close(wait=True)
+    except CheckpointError as e:
+        log.warning("ckpt: %s", e)
 
 
 def fingerprint(checkpoint: dict[str, Any]) -> Fingerprint | None:

@@ -10,32 +10,49 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 from ckpt.errors import CheckpointError, CorruptCheckpoint, InvalidArgument, NotFound
 from ckpt.flatten import unflatten
 from ckpt.format import COMMIT_NAME, DIRECT_IO_ALIGN_BYTES, INDEX_NAME, JOB_RE, CommitRecord, round_up
+from ckpt.key_filter import KeyFilter
 from ckpt.placement import Placement, Refused
 from ckpt.range_read import StepReader, fresh_buffer
-from ckpt.reshard import load_into
+from ckpt.reshard import load_into, report_left
 from ckpt.shard_io import ShardSource, read_commit, read_index, read_meta, read_shard_into, step_dir_source
 from ckpt.step_index import StepIndex, index_bytes, is_sharded
 
 log = logging.getLogger("ckpt")
 
 
-def load_local(path: str | os.PathLike[str], rank: int = 0, map_location: Any = "cpu", into: Any = None) -> Any:
+def load_local(
+    path: str | os.PathLike[str],
+    rank: int = 0,
+    map_location: Any = "cpu",
+    into: Any = None,
+    strict: bool = True,
+    keys: str | Iterable[str] | None = None,
+    exclude: str | Iterable[str] | None = None,
+) -> Any:
     """Read one rank's state from a local directory, with no daemon.
 
     path is a step directory (it holds COMMIT.json), a job directory (its newest step
     with a commit record is read), or a directory holding one job's directories, as
     `ckptd restore --to DIR` and an NVMe root of one job are. With into, fill it in
     place as Checkpointer.load does (rank is the loading rank). map_location takes what
-    Checkpointer.load takes (ckpt.placement), and applies only without into.
+    Checkpointer.load takes (ckpt.placement), and applies only without into; strict, keys
+    and exclude only with it, as Checkpointer.load takes them (what is left is logged).
     """
+    selection = KeyFilter.of(keys, exclude)
     if into is not None:
-        return load_into(into, *open_step_dir(find_step_dir(Path(path))), rank)
+        reader, index = open_step_dir(find_step_dir(Path(path)))
+        loaded, report = load_into(into, reader, index, rank, strict, selection)
+        report_left(report, reader.job)
+        return loaded
+    if not strict or not selection.takes_all:
+        raise InvalidArgument("strict=False, keys= and exclude= apply to load_local(into=...): pass the state to fill")
     place = Placement.of(map_location)  # first: a map_location this machine cannot honour costs no read
     return load_first_good([step_dir_source(find_step_dir(Path(path)), "local")], rank, place)
 
@@ -110,7 +127,8 @@ def _load_shard(source: ShardSource, rank: int, place: Placement) -> Any:
     if is_sharded(meta):
         raise InvalidArgument(
             f"{meta.job} step {meta.step} holds DTensors: load it with load(into=state), a state with the "
-            "DTensors to fill (a device mesh cannot be guessed)"
+            "DTensors to fill (a device mesh cannot be guessed), or the tensors that Checkpointer(replicated=) "
+            "wrote once for every rank"
         )
     buffer = fresh_buffer(round_up(meta.data_size_bytes, DIRECT_IO_ALIGN_BYTES))
     read_shard_into(source, meta, memoryview(buffer))  # type: ignore[arg-type]  # ndarray is a buffer

@@ -55,6 +55,7 @@ class LocalChunks:
     shape: tuple[int, ...]
     dtype: torch.dtype
     chunks: tuple[OwnedChunk, ...]
+    placements: tuple[str, ...] = ()  # what the layout records, for a reader of it (replicated_chunks: Replicate)
 
 
 def is_sharded_value(obj: Any) -> bool:
@@ -87,7 +88,8 @@ def describe(dt: Any) -> dict[str, Any]:
     """Return what the layout records of a DTensor besides its chunks: global shape, dtype, placements, mesh."""
     if isinstance(dt, LocalChunks):
         dtype = str(dt.dtype).removeprefix("torch.")
-        return {"shape": list(dt.shape), "dtype": dtype, "placements": [], "mesh_shape": [], "requires_grad": False}
+        shape, placements = list(dt.shape), list(dt.placements)
+        return {"shape": shape, "dtype": dtype, "placements": placements, "mesh_shape": [], "requires_grad": False}
     return {
         "shape": list(dt.shape),
         "dtype": str(dt.dtype).removeprefix("torch."),
@@ -118,6 +120,17 @@ def owned_chunks(dt: Any, key: str) -> list[OwnedChunk]:
     if local.numel() == 0:
         return []
     return [OwnedChunk(local, tuple(int(n) for n in chunks[0].offsets))]
+
+
+def replicated_chunks(tensor: torch.Tensor, rank: int) -> LocalChunks:
+    """Return a plain tensor every rank holds alike (Checkpointer(replicated=)) as the chunks this rank writes.
+
+    The owner rule of a Replicate placement over the whole job, a 1-D mesh of every rank:
+    the rank at coordinate 0 writes the tensor, whole; the others write nothing of it.
+    """
+    data = tensor.detach()
+    owned = (OwnedChunk(data, (0,) * data.dim()),) if rank == 0 else ()
+    return LocalChunks(tuple(data.shape), data.dtype, owned, ("Replicate()",))
 
 
 def check_placements(dt: Any, what: str) -> None:

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ckpt.background import BackgroundThread
 from ckpt.errors import InvalidArgument
 from ckpt.flatten import Flattened
 
@@ -36,7 +37,7 @@ class SlotMappings:
         self._maps: dict[str, tuple[tuple[int, int, int], torch.Tensor]] = {}
         self._locks: dict[str, threading.Lock] = {}
         self._locks_lock = threading.Lock()
-        self._background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-prefault")
+        self._background = BackgroundThread("ckpt-prefault")
 
     def prefault(self, path: str, size_bytes: int, pin_on: int | None = None) -> Future[None]:
         """Map a slot (and with pin_on, a GPU's index, register it with CUDA) in the background, ahead of its save."""
@@ -102,7 +103,7 @@ class SlotMappings:
 
     def close(self) -> None:
         """Drop every mapping (each is unmapped once no tensor uses it)."""
-        self._background.shutdown(wait=True)
+        self._background.close()
         for _, tensor in self._maps.values():
             _forget(tensor)
         self._maps.clear()

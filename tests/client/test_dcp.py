@@ -5,6 +5,8 @@ from __future__ import annotations
 import pickle
 import subprocess
 import sys
+import threading
+from multiprocessing.reduction import ForkingPickler
 
 import ckpt
 import ckpt.dcp
@@ -74,9 +76,35 @@ def test_a_staged_save_that_cannot_be_set_up_fails_at_once_with_the_reason():
         w.synchronize_staging()  # nothing staged any more
 
 
-def test_the_writer_refuses_to_travel_to_another_process():
-    with writer() as w, pytest.raises(ckpt.InvalidArgument, match="thread executor"):
-        pickle.dumps(w)
+def test_the_writer_travels_to_dcps_process_with_its_settings():
+    with writer(step=4) as w:
+        far = pickle.loads(pickle.dumps(w))  # what DCP's process executor does with it, nothing staged
+        with far:
+            assert repr(far) == repr(w)
+            far.set_up_storage_writer(True)
+            assert far.prepare_local_plan(SavePlan([])).storage_data == 4
+
+
+def test_a_save_staged_for_dcps_process_holds_the_training_thread_until_that_process_says():
+    with writer() as w:
+        w.stage({"w": torch.ones(2)})
+        far = pickle.loads(ForkingPickler.dumps(w))  # DCP's pickler carries the channel
+        with far, pytest.raises(ckpt.InvalidArgument, match="'x' is not a step"):
+            far.reset("x")  # in DCP's process: the save cannot be set up
+        with pytest.raises(ckpt.CheckpointError, match=r"could not copy the state: InvalidArgument: .*'x' is not"):
+            w.synchronize_staging()  # the training thread hears why at once
+        w.synchronize_staging()  # nothing staged any more
+
+
+def test_a_save_that_fails_in_dcps_process_before_this_ranks_copy_frees_the_training_thread():
+    with writer() as w:
+        w.stage({"w": torch.ones(2)})
+        sent: list[bytes] = []
+        upload = threading.Thread(target=lambda: sent.append(ForkingPickler.dumps(w)))  # DCP's upload thread
+        upload.start()
+        upload.join()  # it ended: the save failed over there (another rank's plan) and never reached write_data
+        with pickle.loads(sent[0]), pytest.raises(ckpt.CheckpointError, match="before this rank's copy"):
+            w.synchronize_staging()
 
 
 def test_the_reader_takes_a_job_or_a_path(tmp_path):

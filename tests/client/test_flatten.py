@@ -10,6 +10,7 @@ import torch
 from ckpt.errors import InvalidArgument
 from ckpt.flatten import flatten, unflatten
 from ckpt.format import TENSOR_ALIGN_BYTES
+from ckpt.key_filter import KeyFilter
 from ckpt.staging import copy_into
 from states import assert_same, every_kind_state
 
@@ -93,3 +94,14 @@ def test_a_loaded_state_frees_its_buffer_when_dropped_not_when_the_collector_run
         assert not gone.alive, "the loaded state's bytes outlived the state"
     finally:
         gc.enable()
+
+
+def test_replicated_keys_become_one_chunk_that_only_rank_0_writes():
+    weight = torch.ones(3, 2)
+    state = {"model": {"w": weight, "again": weight}, "rng": torch.zeros(4)}
+    owner = flatten(state, KeyFilter.of("model", None), rank=0)
+    other = flatten(state, KeyFilter.of("model", None), rank=1)
+    assert owner.dtensors["model.w"]["placements"] == ["Replicate()"] and "model.again" not in owner.dtensors
+    assert [e["kind"] for e in owner.entries] == ["chunk", "torch"]  # the tensor once, under its first key
+    assert [e["kind"] for e in other.entries] == ["torch"] and "model.w" in other.dtensors  # listed, not written
+    assert other.data_size_bytes < owner.data_size_bytes

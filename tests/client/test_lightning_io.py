@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 from ckpt.lightning import MAX_POINTER_BYTES, CkptdCheckpointIO, Pointer, fingerprint, read_pointer, write_pointer
+from lightning.fabric.plugins import TorchCheckpointIO
 from states import assert_same
 
 POINTER = Pointer(job="run-7", step=120, global_step=120, address="unix:/run/ckptd/ckptd.sock")
@@ -40,9 +41,13 @@ def test_a_pointer_is_one_small_json_object_written_whole(tmp_path):
     assert [p.name for p in path.parent.iterdir()] == ["last.ckpt"]  # no .partial left
 
 
-def test_a_path_with_nothing_there_is_named(tmp_path):
-    with pytest.raises(FileNotFoundError, match=f"no checkpoint at {tmp_path}/missing.ckpt"):
-        CkptdCheckpointIO(job="j").load_checkpoint(tmp_path / "missing.ckpt")
+def test_a_path_with_nothing_there_is_named_as_lightning_names_it(tmp_path):
+    missing = tmp_path / "missing.ckpt"
+    with pytest.raises(FileNotFoundError) as lightnings:
+        TorchCheckpointIO().load_checkpoint(missing)
+    with pytest.raises(FileNotFoundError) as ours:
+        CkptdCheckpointIO(job="j").load_checkpoint(missing)
+    assert str(ours.value) == str(lightnings.value) == f"Checkpoint file not found: {missing}"
 
 
 @pytest.mark.parametrize(
@@ -69,10 +74,12 @@ def test_a_file_that_is_not_a_good_pointer_is_named(tmp_path, content, error):
         CkptdCheckpointIO(job="j").load_checkpoint(path)
 
 
-def test_a_job_name_is_required_from_the_argument_or_ckpt_job(monkeypatch):
+def test_a_job_name_is_taken_from_the_argument_or_ckpt_job_and_needed_to_save(monkeypatch, tmp_path):
     monkeypatch.delenv("CKPT_JOB", raising=False)
-    with pytest.raises(ckpt.InvalidArgument, match=r"pass job=\.\.\. or set CKPT_JOB"):
-        CkptdCheckpointIO()
+    assert CkptdCheckpointIO().job is None  # it may load: a pointer names its job
+    with pytest.raises(ckpt.InvalidArgument, match=r"needs a ckptd job name to save: pass job=\.\.\. or set CKPT_JOB"):
+        CkptdCheckpointIO().save_checkpoint({"global_step": 1}, tmp_path / "x.ckpt")
+    assert not (tmp_path / "x.ckpt").exists()
     monkeypatch.setenv("CKPT_JOB", "from-env")
     assert CkptdCheckpointIO().job == "from-env"
     assert CkptdCheckpointIO(job="given").job == "given"
@@ -86,10 +93,14 @@ def test_teardown_waits_for_memory_or_nvme_only():
     CkptdCheckpointIO(job="j", teardown_tier="memory").teardown()  # nothing saved: nothing to wait for
 
 
-def test_storage_options_are_refused(tmp_path):
-    with pytest.raises(TypeError, match="takes no storage_options"):
-        CkptdCheckpointIO(job="j").save_checkpoint({"global_step": 1}, tmp_path / "x.ckpt", storage_options={"a": 1})
-    assert not (tmp_path / "x.ckpt").exists()
+def test_storage_options_are_accepted_and_ignored_with_a_word(tmp_path, caplog):
+    io = CkptdCheckpointIO(job="j")
+    io.save_checkpoint({"w": torch.ones(2)}, tmp_path / "x.ckpt", storage_options={"a": 1})  # not a Trainer's
+    io.save_checkpoint({"w": torch.ones(2)}, tmp_path / "y.ckpt", storage_options={"a": 1})
+    assert torch.equal(torch.load(tmp_path / "x.ckpt")["w"], torch.ones(2))
+    assert [r.getMessage() for r in caplog.records if "storage_options" in r.getMessage()] == [
+        "ckpt: storage_options {'a': 1} ignored: where ckptd keeps checkpoints is the daemon's configuration"
+    ]  # once
 
 
 def test_weights_only_loads_of_a_pointer_are_refused(tmp_path):
@@ -145,3 +156,18 @@ def test_pointers_go_wherever_fsspec_reaches_as_a_remote_dirpath_does():
         assert not fs.exists(url)
     finally:
         fs.rm(url.rsplit("/", 2)[0], recursive=True)
+
+
+def test_a_torch_file_carries_its_pointer_and_is_read_without_its_tensors(tmp_path):
+    from collections import OrderedDict
+
+    from ckpt.lightning_files import POINTER_KEY
+
+    checkpoint = {"global_step": 120, "state_dict": OrderedDict(w=torch.arange(4.0)), "hyper_parameters": {"lr": 0.1}}
+    torch.save({**checkpoint, POINTER_KEY: POINTER.to_json().decode()}, tmp_path / "last.ckpt")
+    torch.save(checkpoint, tmp_path / "plain.ckpt")
+    assert read_pointer(str(tmp_path / "last.ckpt")) == POINTER
+    assert read_pointer(str(tmp_path / "plain.ckpt")) is None  # a torch checkpoint of another kind
+    # weights_only reads the file itself (no ckptd needed), without the pointer's key
+    loaded = CkptdCheckpointIO(job="j").load_checkpoint(tmp_path / "last.ckpt", weights_only=True)
+    assert sorted(loaded) == sorted(checkpoint) and torch.equal(loaded["state_dict"]["w"], torch.arange(4.0))

@@ -18,6 +18,7 @@ from torchrun import torchrun as run_torchrun
 pytestmark = pytest.mark.e2e
 
 WORKER = Path(__file__).resolve().parent / "dcp_worker.py"
+PROCESS_WORKER = Path(__file__).resolve().parent / "dcp_process_worker.py"
 JOB = "dcp"
 KEEP_EVERY_STEP = "[retention]\nnvme = 0\n"  # the tests read old steps
 
@@ -134,3 +135,16 @@ def test_a_step_dcp_cannot_load_is_named(daemon):
     with warnings.catch_warnings(), pytest.raises(ckpt.InvalidArgument, match="checkpoint_id 'nine' is not a step"):
         warnings.simplefilter("ignore")
         dcp.save({"a": torch.ones(1)}, checkpoint_id="nine", storage_writer=writer, no_dist=True)
+
+
+@pytest.mark.timeout(300)
+def test_async_save_with_the_process_executor_copies_in_dcps_process_and_snapshots(daemon, short_tmp):
+    run_torchrun(1, PROCESS_WORKER, str(short_tmp), env={"CKPTD_ADDRESS": daemon.address, "CKPT_JOB": "process"})
+    saved = torch.load(short_tmp / "saved.pt")
+    listed = daemon.cli("ls", "--job", "process", "--json")
+    assert [item["step"] for item in json.loads(listed.stdout)] == [5, 6, 7]  # checkpoint_id, one past it, id
+    for step, name in ((5, "first"), (6, "second"), (7, "third")):
+        into = {"w": torch.zeros(1 << 16), "b": torch.zeros(3, 3), "note": ""}
+        no_dist_load(into, ckpt.dcp.Reader(job="process", step=step, address=daemon.address))
+        assert into["note"] == name
+        assert_same_tensors({k: saved[name][k] for k in "wb"}, {k: into[k] for k in "wb"})

@@ -154,3 +154,35 @@ def test_without_torch_or_safetensors_export_says_what_to_install(make_daemon, s
         return
     assert out.returncode == 0, out.stderr
     assert torch.equal(load_file(str(to / "model.safetensors"))["w"], torch.arange(6.0))
+
+
+def test_include_exclude_and_strip_prefix_pick_the_keys_and_files_follow_the_umask(make_daemon, short_tmp):
+    node = make_daemon().start()
+    state = {
+        "model": {"up": {"weight": torch.ones(2, 3), "bias": torch.ones(2)}, "down": {"weight": torch.zeros(3, 2)}},
+        "optim": {"state": {"0": {"exp_avg": torch.ones(6)}}},
+        "step": 9,
+    }
+    with ckpt.Checkpointer(job="pick", rank=0, world_size=1, address=node.address) as c:
+        c.save_async(state, step=1).wait(timeout=60)
+    to = short_tmp / "weights"
+    before = os.umask(0o027)  # the command inherits it
+    try:
+        out = node.cli(
+            "export", "--job", "pick", "--format", "dcp", "--to", str(to),
+            "--include", "model", "--exclude", "*.bias", "--strip-prefix", "model.",
+        )  # fmt: skip
+    finally:
+        os.umask(before)
+    assert out.returncode == 0, out.stderr
+    assert "read 2 tensors" in out.stderr  # the optimizer's and the biases' bytes are not read
+    keys = dcp.FileSystemReader(str(to)).read_metadata().state_dict_metadata
+    assert sorted(keys) == ["down.weight", "up.weight"]
+    got = dcp_load_flat(to, {"up.weight": torch.zeros(2, 3), "down.weight": torch.zeros(3, 2)})
+    assert torch.equal(got["up.weight"], torch.ones(2, 3))
+    assert oct(to.stat().st_mode & 0o777) == oct(0o750)
+    assert {oct(p.stat().st_mode & 0o777) for p in to.iterdir()} == {oct(0o640)}
+
+    out = node.cli("export", "--job", "pick", "--format", "dcp", "--to", str(short_tmp / "none"), "--include", "x*")
+    assert out.returncode == 2 and "--include/--exclude leave no key of pick step 1" in out.stderr
+    assert not (short_tmp / "none").exists() and not [p for p in short_tmp.iterdir() if ".export-" in p.name]

@@ -2,21 +2,30 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import ckpt
+import lightning as L
 import pytest
 import torch
 from ckpt.lightning import CkptdCheckpointIO, Pointer, read_pointer, write_pointer
+from ckpt.lightning_files import POINTER_KEY
 from ckpt.transport import DaemonClient
 from ckpt.wire.v1 import ckptd_pb2 as pb
 from conftest import eventually
+from lightning.fabric.utilities.cloud_io import _load as pl_load
+from lightning.pytorch.plugins.io import AsyncCheckpointIO
 from states import assert_same
 from torchrun import torchrun
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+from lightning_train import TinyRegressor, data, make_trainer
 
 pytestmark = pytest.mark.e2e
 
@@ -210,3 +219,104 @@ def test_teardown_raises_a_save_that_failed_in_the_background(make_daemon, short
     with pytest.raises(ckpt.SaveFailed, match="No space left on device"):
         io.teardown()
     io.teardown()  # raised once
+
+
+class _StartedAt(L.Callback):
+    """Remember the global step a fit started from (after a resume restored it)."""
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.global_step = trainer.global_step
+
+
+@pytest.mark.timeout(240)
+def test_the_files_at_lightnings_paths_are_torch_checkpoints_once_durable(make_daemon, short_tmp, caplog):
+    daemon = make_daemon(RETAIN_ALL).start()
+    dirpath = short_tmp / "checkpoints"
+    first = run_worker(daemon, short_tmp / "first", dirpath, max_epochs=3)  # its teardown waited for the files
+    files = pointers(dirpath)  # each file still names its ckptd step
+    assert sorted(files) and not list(dirpath.glob("*.partial"))
+    for name, pointer in files.items():
+        opened = torch.load(dirpath / name)  # torch's own default (weights_only=True)
+        at_save = saved(first, pointer.global_step)
+        assert opened["global_step"] == pointer.global_step
+        assert_same(opened["state_dict"], at_save["state_dict"], f"{name} state_dict")
+        assert_same(opened["optimizer_states"], at_save["optimizer_states"], f"{name} optimizer_states")
+        assert json.loads(opened[POINTER_KEY]) == json.loads(pointer.to_json())
+    last = dirpath / "last.ckpt"
+    assert_same(pl_load(last)["state_dict"], saved(first, 24)["state_dict"], "pl_load")
+    model = TinyRegressor.load_from_checkpoint(last)
+    assert_same(model.state_dict(), saved(first, 24)["state_dict"], "load_from_checkpoint")
+
+    # Lightning's own CheckpointIO resumes from the file: no ckptd in this Trainer at all.
+    started = _StartedAt()
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_epochs=4,
+        logger=False,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        callbacks=[started],
+        default_root_dir=short_tmp,
+    )
+    trainer.fit(TinyRegressor(), data(), ckpt_path=str(last))
+    assert started.global_step == 24 and trainer.global_step == 32
+
+    # The plugin reads the step from ckptd; where ckptd holds it no more (a node that lost it), from the file.
+    elsewhere = make_daemon(name="elsewhere").start()
+    restored = CkptdCheckpointIO(job=JOB, address=elsewhere.address).load_checkpoint(last)
+    assert f"ckptd holds step 24 of {JOB} no more: reading {last}" in caplog.text
+    assert POINTER_KEY not in restored and restored["global_step"] == 24
+    assert_same(restored["state_dict"], saved(first, 24)["state_dict"], "the file, read by the plugin")
+
+
+def test_a_plugin_given_no_job_loads_a_pointer_and_saves_on_in_its_job(daemon, short_tmp, monkeypatch):
+    monkeypatch.delenv("CKPT_JOB", raising=False)
+    path = short_tmp / "last.ckpt"
+    io = CkptdCheckpointIO(job=JOB, address=daemon.address, torch_files=False)
+    io.save_checkpoint({"global_step": 3, "w": torch.arange(3.0)}, path, storage_options={"ignored": True})
+    io.teardown()
+    assert read_pointer(str(path)) is not None and path.read_bytes().startswith(b"{")  # torch_files=False
+
+    resumed = CkptdCheckpointIO(address=daemon.address)
+    assert_same(resumed.load_checkpoint(path), {"global_step": 3, "w": torch.arange(3.0)})
+    assert resumed.job == JOB
+    resumed.save_checkpoint({"global_step": 4, "w": torch.ones(3)}, path)
+    resumed.teardown()
+    assert sorted(ls(daemon)) == [3, 4]
+
+
+def _ckpt_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("ckpt-")]
+
+
+class _Fails(TinyRegressor):
+    def training_step(self, batch, batch_idx):
+        if self.global_step == 2:
+            raise RuntimeError("training failed")
+        return super().training_step(batch, batch_idx)
+
+
+@pytest.mark.parametrize("how", ["called directly", "in AsyncCheckpointIO"])
+def test_no_ckpt_thread_outlives_a_plugin_whose_teardown_is_never_called(daemon, short_tmp, how):
+    io = CkptdCheckpointIO(job=JOB, address=daemon.address)
+    if how == "called directly":
+        io.save_checkpoint({"global_step": 1, "w": torch.ones(64)}, short_tmp / "a.ckpt")
+    else:
+        wrapper = AsyncCheckpointIO(io)
+        wrapper.save_checkpoint({"global_step": 1, "w": torch.ones(64)}, short_tmp / "a.ckpt")
+        wrapper.teardown()  # Lightning's: it waits for its own thread, and does not call the plugin's teardown
+        del wrapper
+    assert _ckpt_threads() and all(t.daemon for t in _ckpt_threads())  # none keeps the process alive
+    del io
+    gc.collect()  # the plugin is gone: its files are written and its Checkpointer closed
+    assert _ckpt_threads() == []
+    assert torch.equal(torch.load(short_tmp / "a.ckpt")["w"], torch.ones(64))
+
+
+def test_no_ckpt_thread_outlives_a_fit_that_raises(daemon, short_tmp):
+    trainer = make_trainer(JOB, str(short_tmp), max_epochs=1, address=daemon.address, every_n_steps=1)
+    with pytest.raises(RuntimeError, match="training failed"):
+        trainer.fit(_Fails(), data())
+    assert _ckpt_threads() == []  # Lightning's teardown after the failure closed the plugin
+    assert torch.load(short_tmp / "last.ckpt")["global_step"] == 2  # the files of the saves before it are written
