@@ -28,7 +28,8 @@ sys.path.insert(0, str(HERE))
 collect_ignore = ["tests_pytorch/loops/test_loops.py"]  # copied for one name test_restore.py imports; not run
 # test_strict_model_load_* set TORCH_HOME themselves and upstream's environment check calls that a leak
 # unless it was set before: set it to the directory torch uses when it is unset, which changes nothing.
-os.environ.setdefault("TORCH_HOME", torch.hub._get_torch_home())
+if (HERE / "tests_pytorch").is_dir():
+    os.environ.setdefault("TORCH_HOME", torch.hub._get_torch_home())
 
 COUNTS_TORCH_SAVE = (
     "counts torch.save calls: the ckptd plugin calls it from a thread once a step is durable, and not for a "
