@@ -208,7 +208,10 @@ class Locator:
         """Return the step's commit record from this node's tiers, or None."""
         for t in self.tiers:
             if step in t.complete_steps(job):
-                return t.commit_record(job, step)
+                try:
+                    return t.commit_record(job, step)
+                except NotFound:  # dropped since (memory's retention, on another thread): the next tier may hold it
+                    continue
         return None
 
     @staticmethod
@@ -228,7 +231,10 @@ class Locator:
                         continue
                 except CheckpointError:
                     continue
-            sources.append(t.shard_source(job, step, rank))
+            try:
+                sources.append(t.shard_source(job, step, rank))
+            except NotFound:  # dropped since has_shard (memory's retention, on another thread): not a source
+                continue
         return sources
 
     def lease_for_reading(self, job: str, step: int) -> None:
