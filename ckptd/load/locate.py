@@ -43,6 +43,8 @@ from ckptd.tiers.object.tier import ObjectTier
 log = logging.getLogger(__name__)
 
 OBJECT_QUERY_TIMEOUT_S = 5.0
+# A store asked for a step no other tier has (or has good) is the load's last resort: waiting longer beats failing.
+OBJECT_LAST_RESORT_S = 30.0
 LOAD_LEASE_S = 600.0  # how long retention keeps off a step a load was pointed at
 STEPS_NAMED = 10  # a load of a step that is not complete names at most this many of the job's complete steps
 
@@ -101,8 +103,8 @@ class Locator:
                 for r in listed or []:
                     lines.setdefault(r.step, r.line)
                 known = KnownSteps(lines, {r.step for r in listed or []}, listed is None)
-            else:
-                answer = await self.object_step(job, step)
+            else:  # no copy on this node or its peers, or a bad one here: the store is the last resort
+                answer = await self.object_step(job, step, OBJECT_LAST_RESORT_S)
                 known = KnownSteps(lines, set(answer or []), answer is None)
         return known
 
@@ -157,7 +159,7 @@ class Locator:
                 if not from_object:
                     raise
                 log.warning("%s; trying the object store", e)
-                answer = await self.object_step(job, step)
+                answer = await self.object_step(job, step, OBJECT_LAST_RESORT_S)
                 if answer is None or step not in answer:
                     raise  # the peers' error says more than "not found": the step does exist
                 object_steps = set(answer)
@@ -255,12 +257,14 @@ class Locator:
         """Run fn(*args) on an object-store thread."""
         return await asyncio.get_running_loop().run_in_executor(self.object_threads, fn, *args)
 
-    async def ask_object_store(self, fn: Callable[..., list[Any] | None], *args: Any) -> list[Any] | None:
-        """Return fn(*args) from an object-store thread, or None if the store does not answer in time."""
+    async def ask_object_store(
+        self, fn: Callable[..., list[Any] | None], *args: Any, timeout_s: float = OBJECT_QUERY_TIMEOUT_S
+    ) -> list[Any] | None:
+        """Return fn(*args) from an object-store thread, or None if the store does not answer within timeout_s."""
         try:
-            answer = await asyncio.wait_for(self.on_object_threads(fn, *args), OBJECT_QUERY_TIMEOUT_S)
+            answer = await asyncio.wait_for(self.on_object_threads(fn, *args), timeout_s)
         except TimeoutError:
-            log.warning("the object store did not answer within %.0f s: going on without it", OBJECT_QUERY_TIMEOUT_S)
+            log.warning("the object store did not answer within %.0f s: going on without it", timeout_s)
             return None
         return None if answer is None else list(answer)
 
@@ -279,10 +283,11 @@ class Locator:
 
         return await self.ask_object_store(steps)
 
-    async def object_step(self, job: str, step: int) -> list[int] | None:
+    async def object_step(self, job: str, step: int, timeout_s: float = OBJECT_QUERY_TIMEOUT_S) -> list[int] | None:
         """Return [step] if that step is complete in the store, else [], or None if it is off or did not say in time.
 
         One read of the step's commit record: a job's whole history in the store is never listed for it.
+        timeout_s: longer where the store is the last place the step may be (OBJECT_LAST_RESORT_S).
         """
         tier = self.object_tier
         if tier is None:
@@ -295,7 +300,7 @@ class Locator:
                 log.warning("%s", e)
                 return None
 
-        return await self.ask_object_store(held)
+        return await self.ask_object_store(held, timeout_s=timeout_s)
 
     async def _fetch_from_object(self, job: str, step: int, rank: int, again: bool, replace: bool = False) -> None:
         """Copy a rank's shard of a step complete in the object store onto this node's NVMe, verified.
