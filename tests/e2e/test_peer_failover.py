@@ -8,6 +8,8 @@ import ckpt
 import pytest
 import torch
 from ckpt.format import data_name
+from ckpt.transport import DaemonClient
+from ckpt.wire.v1 import ckptd_pb2 as pb
 from conftest import eventually
 from states import assert_same
 
@@ -72,3 +74,29 @@ def test_a_load_after_losing_the_saving_node_reads_the_stand_ins_copy(make_clust
     a.kill()  # two of three nodes lost: the stand-in's copy is the step's last
     with ckpt.Checkpointer(job=job, address=b.address) as reader:
         assert_same(reader.load(step=3), _state(3))
+
+
+def test_a_listing_asks_the_peers_again_after_a_copy_there_is_removed(make_cluster):
+    """A listing shows what the peers hold now, not an inventory cached from before a copy was removed there.
+
+    Raw RPCs, not the CLI: the removal must come within the moment a node keeps a peer's inventory.
+    """
+    a, b = make_cluster(2)
+    for node in (a, b):
+        node.start()
+    with ckpt.Checkpointer(job="listed", address=a.address) as saver:
+        saver.save_async(_state(1), step=1).wait("peer", timeout=60)
+    lister, remover = DaemonClient(a.address), DaemonClient(b.address)
+    try:
+
+        def peer_listed() -> bool:
+            steps = lister.call("List", pb.ListRequest(job="listed")).steps
+            return any(s.step == 1 and "peer" in s.tiers for s in steps)
+
+        assert peer_listed()  # a asked b's inventory just now
+        remover.call("RemoveStep", pb.RemoveStepRequest(job="listed", step=1, force=True))  # the head: force
+        assert not (b.root / ".peer" / "listed" / "1").exists()
+        assert not peer_listed(), "a listing showed a copy the peer no longer holds"
+    finally:
+        lister.close()
+        remover.close()
