@@ -232,6 +232,20 @@ def daemon(make_daemon) -> Daemon:
     return make_daemon().start()
 
 
+@pytest.fixture(scope="module")
+def mesh(tmp_path_factory) -> Iterator:
+    """A one-rank gloo process group (a file store: no port) and a 1-D device mesh over it, for a test module."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    store = dist.FileStore(str(tmp_path_factory.mktemp("pg") / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        yield init_device_mesh("cpu", (1,))
+    finally:
+        dist.destroy_process_group()
+
+
 def eventually(condition, timeout_s: float = 60.0, what: str = "the condition") -> None:
     """Wait for a condition that background work makes true (catch-up rounds, retries), up to timeout_s."""
     deadline = time.monotonic() + timeout_s

@@ -4,31 +4,17 @@ from __future__ import annotations
 
 import logging
 import warnings
-from collections.abc import Iterator
 
 import ckpt
 import ckpt.dcp
 import pytest
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from ckpt import InvalidArgument
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 pytestmark = pytest.mark.e2e
-
-
-@pytest.fixture(scope="module")
-def mesh(tmp_path_factory) -> Iterator:
-    """A one-rank gloo process group (a file store: no port) and a 1-D mesh over it."""
-    store = dist.FileStore(str(tmp_path_factory.mktemp("pg") / "store"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    try:
-        yield init_device_mesh("cpu", (1,))
-    finally:
-        dist.destroy_process_group()
 
 
 def saved_state() -> dict[str, torch.Tensor]:

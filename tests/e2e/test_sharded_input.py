@@ -2,33 +2,19 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass
 from types import SimpleNamespace
 
 import ckpt
 import pytest
 import torch
-import torch.distributed as dist
 from ckpt import InvalidArgument
 from ckpt.sharding import LocalChunks, OwnedChunk, check_placements
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
 from torch.testing._internal.two_tensor import TwoTensor
 
 pytestmark = pytest.mark.e2e
-
-
-@pytest.fixture(scope="module")
-def mesh(tmp_path_factory) -> Iterator:
-    """A one-rank gloo process group (a file store: no port) and a 1-D mesh over it."""
-    store = dist.FileStore(str(tmp_path_factory.mktemp("pg") / "store"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    try:
-        yield init_device_mesh("cpu", (1,))
-    finally:
-        dist.destroy_process_group()
 
 
 def sharded(mesh, value: torch.Tensor, placement=None) -> DTensor:
