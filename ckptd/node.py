@@ -69,7 +69,8 @@ class Executors:
     replicate: ThreadPoolExecutor  # one per shard being sent to a peer (blocks on the peer)
     replicate_streams: ThreadPoolExecutor  # the byte ranges of those shards, several per shard
     locate: ThreadPoolExecutor  # loads' lookups on this node's tiers
-    object: ThreadPoolExecutor  # object-store queries, fetches and retention there (uploads have their own)
+    object: ThreadPoolExecutor  # object-store queries of one step, fetches and retention there (uploads have their own)
+    object_listings: ThreadPoolExecutor  # a job's whole history in the store (ls, latest): long, never in the way
     upload: ThreadPoolExecutor  # uploads to the object store, and the reads of their NVMe copies
     cleanup: ThreadPoolExecutor  # retention's removals, at the lowest CPU priority
 
@@ -92,6 +93,7 @@ class Executors:
             ),
             locate=ThreadPoolExecutor(4, thread_name_prefix="locate"),
             object=ThreadPoolExecutor(4, thread_name_prefix="object"),
+            object_listings=ThreadPoolExecutor(2, thread_name_prefix="object-listing"),
             upload=ThreadPoolExecutor(UPLOAD_THREADS + 1, thread_name_prefix="upload"),
             cleanup=ThreadPoolExecutor(1, thread_name_prefix="cleanup", initializer=lowest_priority),
         )
@@ -158,7 +160,8 @@ class Node:
         self.progress = ShardProgress(self.pool, self.nvme, replication, uploader, config.node.name)
         flusher = Flusher(self.pool, self.nvme, x.flush)
         self.locator = Locator(
-            config, tiers, self.nvme, replica_store, cluster, object_tier, self.verification_failed, x.locate, x.object
+            *(config, tiers, self.nvme, replica_store, cluster, object_tier, self.verification_failed),
+            *(x.locate, x.object, x.object_listings),
         )
         holders: list[BusySteps] = [flusher, self.progress, self.locator, cluster, self.receiver, self.peering]
         if uploader is not None:

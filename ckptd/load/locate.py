@@ -63,8 +63,12 @@ class Locator:
         verification_failed: Callable[[str], None],
         threads: ThreadPoolExecutor,
         object_threads: ThreadPoolExecutor,
+        listing_threads: ThreadPoolExecutor,
     ) -> None:
-        """threads: lookups on this node's tiers; object_threads: object-store queries and fetches."""
+        """threads: lookups on this node's tiers; object_threads: object-store queries of one step, and fetches;
+        listing_threads: listings of a job's steps in the store, which take long with a long history (and go
+        on after a caller stopped waiting): on threads of their own, a load's one question is never behind them.
+        """
         self.config = config
         self.tiers = tiers
         self.nvme = nvme
@@ -74,6 +78,7 @@ class Locator:
         self.verification_failed = verification_failed
         self.threads = threads
         self.object_threads = object_threads
+        self.listing_threads = listing_threads
         self._fetch_locks: KeyedLocks[tuple[str, int, int]] = KeyedLocks()  # one fetch of a shard at a time
         self._fetching_from_object: KeyCounts[tuple[str, int]] = KeyCounts()  # ranks of a step may be fetched at once
         self._being_read: dict[tuple[str, int], float] = {}  # steps a client was pointed at, until when
@@ -99,7 +104,7 @@ class Locator:
         known = KnownSteps(lines, set(), False)
         if from_object and (refetch or step is None or step not in lines):
             if step is None:
-                listed = await self.ask_object_store(_complete_in_store, self.object_tier, job)
+                listed = await self.ask_object_store(_complete_in_store, self.object_tier, job, listing=True)
                 for r in listed or []:
                     lines.setdefault(r.step, r.line)
                 known = KnownSteps(lines, {r.step for r in listed or []}, listed is None)
@@ -258,11 +263,19 @@ class Locator:
         return await asyncio.get_running_loop().run_in_executor(self.object_threads, fn, *args)
 
     async def ask_object_store(
-        self, fn: Callable[..., list[Any] | None], *args: Any, timeout_s: float = OBJECT_QUERY_TIMEOUT_S
+        self,
+        fn: Callable[..., list[Any] | None],
+        *args: Any,
+        timeout_s: float = OBJECT_QUERY_TIMEOUT_S,
+        listing: bool = False,
     ) -> list[Any] | None:
-        """Return fn(*args) from an object-store thread, or None if the store does not answer within timeout_s."""
+        """Return fn(*args) from an object-store thread, or None if the store does not answer within timeout_s.
+
+        listing: fn lists a job's steps (on the listing threads).
+        """
+        threads = self.listing_threads if listing else self.object_threads
         try:
-            answer = await asyncio.wait_for(self.on_object_threads(fn, *args), timeout_s)
+            answer = await asyncio.wait_for(asyncio.get_running_loop().run_in_executor(threads, fn, *args), timeout_s)
         except TimeoutError:
             log.warning("the object store did not answer within %.0f s: going on without it", timeout_s)
             return None
@@ -281,7 +294,7 @@ class Locator:
                 log.warning("%s", e)
                 return None
 
-        return await self.ask_object_store(steps)
+        return await self.ask_object_store(steps, listing=True)
 
     async def object_step(self, job: str, step: int, timeout_s: float = OBJECT_QUERY_TIMEOUT_S) -> list[int] | None:
         """Return [step] if that step is complete in the store, else [], or None if it is off or did not say in time.
@@ -341,7 +354,8 @@ class Locator:
         if newest:  # this node's sealed steps count too, whether or not the view has heard of them
             steps = merge_steps(steps, [i for i in local if set(i.tiers) - {"memory"}])
         if self.object_tier is not None:
-            steps = merge_steps(steps, await self.ask_object_store(_listed_or_nothing, self.object_tier, job) or [])
+            in_store = await self.ask_object_store(_listed_or_nothing, self.object_tier, job, listing=True)
+            steps = merge_steps(steps, in_store or [])
         if newest:
             head = head_of(steps)
             return [head] if head is not None else []

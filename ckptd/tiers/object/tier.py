@@ -66,6 +66,7 @@ class ObjectTier(Tier):
         self._records: dict[tuple[str, int], tuple[CommitRecord, str] | str] = {}
         self._uncommitted: OrderedDict[tuple[str, int], None] = OrderedDict()  # steps found not complete here
         self._lock = threading.Lock()
+        self._listing: dict[str, threading.Lock] = {}  # job -> held while its commit records are listed and read
 
     # -- listing ------------------------------------------------------------------
 
@@ -119,7 +120,16 @@ class ObjectTier(Tier):
     def _commit_states(self, job: str) -> dict[int, CommitRecord | str]:
         """Return {step: its commit record, or "damaged"} for each step with a COMMIT.json, oldest first.
 
-        One listing of the step names; then each record is read once (in parallel) and kept while listed."""
+        One listing of the step names; then each record is read once (in parallel) and kept while listed.
+        One listing of a job at a time: another waits for it, then reads only what it left unread (after
+        a restart, with a long history in the store, several callers would otherwise read every record).
+        """
+        with self._lock:
+            listing = self._listing.setdefault(job, threading.Lock())
+        with listing:
+            return self._read_commit_states(job)
+
+    def _read_commit_states(self, job: str) -> dict[int, CommitRecord | str]:
         steps = self._steps(job)
         with self._lock:  # other threads drop entries meanwhile (a listing, a removal)
             known = {s: self._records.get((job, s)) for s in steps}

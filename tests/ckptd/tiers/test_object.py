@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import mmap
 import os
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -405,6 +408,34 @@ def test_a_commit_poll_lists_each_prefix_once_and_reads_only_the_records_not_fou
         _upload(tier, meta, shards.path(meta), "none")
     assert poll() and sorted(reads) == [meta_name(4), meta_name(5)]
     assert tier.shards._matched == {}, "what a commit remembered outlives it"
+
+
+def test_listings_of_a_job_at_once_read_each_commit_record_once(tier, shards, monkeypatch):
+    """After a restart (nothing cached) several callers list a long history at once: one reads, the others wait."""
+    for step in range(1, 7):
+        meta = shards.write("job", step, 0, 1, os.urandom(50))
+        _upload(tier, meta, shards.path(meta), "none")
+        assert tier.try_commit(_record([meta]))
+    restarted = ObjectTier(tier.store)
+    reads: list[tuple[str, ...]] = []
+    read = restarted.store.read
+
+    def slow_read(*names: str, **kw):
+        if names[-1] == COMMIT_NAME:
+            reads.append(names)
+            time.sleep(0.05)  # a store far away: the listings overlap
+        return read(*names, **kw)
+
+    monkeypatch.setattr(restarted.store, "read", slow_read)
+    start = threading.Barrier(4)
+
+    def listing(_: int) -> list[int]:
+        start.wait()
+        return restarted.complete_steps("job")
+
+    with ThreadPoolExecutor(4) as pool:
+        assert list(pool.map(listing, range(4))) == [[1, 2, 3, 4, 5, 6]] * 4
+    assert sorted(reads) == sorted(set(reads)) and len(reads) == 6, f"records read more than once: {reads}"
 
 
 def test_removing_a_committed_and_a_never_committed_step_leaves_nothing_in_the_store(tier, shards, request):

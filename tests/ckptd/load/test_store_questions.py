@@ -1,0 +1,35 @@
+"""A load's one question to the object store is never queued behind listings of a long history there."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
+
+from ckptd.load.locate import Locator
+
+
+def test_a_steps_question_is_answered_while_listings_that_timed_out_still_run() -> None:
+    released = threading.Event()
+
+    def long_listing() -> list[int]:  # a cold listing of thousands of steps, going on after its caller gave up
+        released.wait()
+        return []
+
+    store = SimpleNamespace(is_complete=lambda job, step: step == 7)
+    pools = [ThreadPoolExecutor(4), ThreadPoolExecutor(4), ThreadPoolExecutor(2)]
+    locator = Locator(SimpleNamespace(), [], None, None, None, store, lambda tier: None, *pools)  # type: ignore[arg-type]
+
+    async def ask() -> tuple[list, list[int] | None]:
+        given_up = [await locator.ask_object_store(long_listing, timeout_s=0.05, listing=True) for _ in range(6)]
+        return given_up, await locator.object_step("j", 7, timeout_s=5.0)
+
+    try:
+        given_up, answer = asyncio.run(ask())
+    finally:
+        released.set()
+        for pool in pools:
+            pool.shutdown()
+    assert given_up == [None] * 6  # each listing's caller went on without it
+    assert answer == [7], "the step's question waited behind the listings"
