@@ -79,6 +79,8 @@ class Peering:
         # NVMe's complete steps by job, as the last reconciliation listed them (on a thread), for what replicas
         # still owed keep off retention (judged on the event loop); a round old at most, it only keeps more.
         self._nvme_complete: dict[str, list[int]] = {}
+        # The same, with the steps the cluster view knows committed: the newest of these are what the peers keep.
+        self._cluster_complete: dict[str, list[int]] = {}
         self._announced: OrderedDict[tuple[str, int], None] = OrderedDict()  # see note_complete
 
     async def _run(self, fn: Callable[..., Any], *args: Any) -> Any:
@@ -233,6 +235,7 @@ class Peering:
                         self.view.seeded([record])  # a peer's record: the view answers latest_step from it
         if self.replication is not None:
             self._nvme_complete = await self._run(lambda: {j: self.nvme.complete_steps(j) for j in self.nvme.jobs()})
+            self._cluster_complete = {j: self._complete_in_cluster(j, s) for j, s in self._nvme_complete.items()}
             await self._run(self._track_local_shards, local)
             reachable = self.peer_tier.reachable() if asked is None else self.peer_tier.reachable() & asked
             on_disk = await self._run(self._steps_on_disk, self.replication.tracked())
@@ -267,10 +270,20 @@ class Peering:
 
         return {(k.job, k.step) for k in self.replication.pending() if self._kept(k) and within(k)}
 
+    def _complete_in_cluster(self, job: str, on_nvme: list[int]) -> list[int]:
+        """Return a job's complete steps on NVMe here and known committed to the cluster view, oldest first."""
+        known = {r.step for r in self.view.committed(job)} if self.view is not None else set()
+        return sorted(known.union(on_nvme))
+
     def _kept(self, key: ShardKey) -> bool:
-        """Say whether the peers keep a shard's step under the job's peer keep (else it is not sent again)."""
+        """Say whether the peers keep a shard's step under the job's peer keep (else it is not sent again).
+
+        The peers keep the job's newest steps, counted among the steps complete in the cluster, not
+        on this NVMe alone: an older step a load fetched back onto NVMe is not sent again, for the
+        peer's retention would drop it at once, and this node send it again, round after round.
+        """
         keep = self._keep_of(key.job, "peer")
-        complete = self._nvme_complete.get(key.job)
+        complete = self._cluster_complete.get(key.job)
         if complete is None:  # not listed yet: kept until the next reconciliation says
             return True
         return keep == 0 or key.step in complete[-keep:] or key.step > max(complete, default=-1)

@@ -100,3 +100,36 @@ def test_a_listing_asks_the_peers_again_after_a_copy_there_is_removed(make_clust
     finally:
         lister.close()
         remover.close()
+
+
+def test_an_old_step_fetched_back_for_a_load_is_not_sent_to_the_peers_again(make_cluster, s3_server):
+    """The peers keep the job's newest steps: an older one a load fetched onto NVMe is not replicated again.
+
+    Else the peer's retention drops it at once, and this node sends it again, every round (seen in the
+    fault campaign: "no longer holds the replica ... sending it again" every 2 s).
+    """
+    store = s3_server.toml(f"s3://{s3_server.new_bucket()}/ckpts")
+    a, b = make_cluster(2, extra_toml="[retention]\nnvme = 2\npeer = 3\n" + store)
+    for node in (a, b):
+        node.start()
+    with ckpt.Checkpointer(job="old", address=a.address) as saver:
+        for step in range(1, 7):
+            h = saver.save_async(_state(step), step=step)
+            h.wait("peer", timeout=60)
+            h.wait("object", timeout=60)
+    on_nvme = a.root / "old"
+    eventually(lambda: sorted(int(p.name) for p in on_nvme.iterdir()) == [5, 6], what="NVMe keeps the newest 2")
+    eventually(lambda: not _replica_held(b, "old", 1), what="the peer keeps the newest 3")
+    logged = len(a.log())
+    with ckpt.Checkpointer(job="old", address=a.address) as reader:
+        assert_same(reader.load(step=1), _state(1))  # from the store, onto a's NVMe
+    assert (on_nvme / "1").is_dir()
+
+    def asked() -> int:
+        return json.loads(b.cli("status", "--json").stdout)["tiers"]["peer"]["inventories_answered"]
+
+    rounds = asked() + 3
+    eventually(lambda: asked() >= rounds, what="a few rounds of a's replication")
+    since_load = a.log()[logged:]
+    assert "fetched rank 0 shard of old step 1 from s3://" in since_load
+    assert "shard of old step 1 to peer" not in since_load, "an old step fetched back was replicated again"
