@@ -38,6 +38,7 @@ import signal
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from collections import Counter, defaultdict
 from pathlib import Path
@@ -142,8 +143,15 @@ def _is_whole(cluster: Cluster, step: int, tier: str) -> bool:
     return True  # memory: a slot holds one rank's shard, and is listed only once its copy committed
 
 
-def campaign(faults: int, seed: int, cluster: Cluster, peer_down_s: float = PEER_DOWN_S) -> dict[str, Counter[str]]:
-    """Run the campaign; return, per kind of fault, its counts (times in the keys ending in _s)."""
+def campaign(
+    faults: int, seed: int, cluster: Cluster, peer_down_s: float = PEER_DOWN_S, stop: threading.Event | None = None
+) -> dict[str, Counter[str]]:
+    """Run the campaign; return, per kind of fault, its counts (times in the keys ending in _s).
+
+    Once `stop` is set (main's SIGTERM handler) no further fault is injected: the campaign goes
+    straight to its final check, so that a stopped campaign still has a table."""
+    stop = stop or threading.Event()
+    started = time.monotonic()
     rng = random.Random(seed)
     table: dict[str, Counter[str]] = defaultdict(Counter)
     ready: dict[str, list[float]] = defaultdict(list)
@@ -152,7 +160,7 @@ def campaign(faults: int, seed: int, cluster: Cluster, peer_down_s: float = PEER
     damaged: dict[int, set[str]] = {}
     cluster.start()
     injected = attempts = 0
-    while injected < faults and attempts < 3 * faults:  # a damage with nothing to damage yet is tried again
+    while injected < faults and attempts < 3 * faults and not stop.is_set():  # a fault not possible yet: again
         attempts += 1
         time.sleep(rng.uniform(0.05, 0.5))  # a random moment of the rank's saves: the point of a campaign
         kind = KINDS[(attempts - 1) % len(KINDS)] if attempts <= len(KINDS) else rng.choice(KINDS)
@@ -184,6 +192,7 @@ def campaign(faults: int, seed: int, cluster: Cluster, peer_down_s: float = PEER
             table[kind] += check(cluster, _sample(rng, cluster, set(fault.damaged), NEWEST, SAMPLE), must, kind)
         finally:
             cluster.rank.resume()
+        print(f"[{time.monotonic() - started:.0f} s] fault {injected}/{faults} ({kind}) checked", flush=True)
     cluster.rank.kill()
     must = must_load(cluster, damaged)
     final = sorted(must | set(_sample(rng, cluster, set(), FINAL_NEWEST, FINAL_SAMPLE)))
@@ -240,13 +249,15 @@ def main() -> int:
     p.add_argument("--json", type=Path, help="where to write the table as JSON")
     p.add_argument("--logs", type=Path, help="a directory to keep the logs of the daemons, the rank and moto in")
     args = p.parse_args()
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # so that a stopped campaign still cleans up
+    stop = threading.Event()
+    _stop_gracefully_on(signal.SIGTERM, stop)
+    _stop_gracefully_on(signal.SIGINT, stop)
     work = Path(tempfile.mkdtemp(prefix="ckptd-chaos-"))
     staging = Path(tempfile.mkdtemp(prefix="ckptd-chaos-", dir="/dev/shm"))
     started = time.monotonic()
     cluster = Cluster(work, staging)
     try:
-        table = campaign(args.faults, args.seed, cluster, args.peer_down_s)
+        table = campaign(args.faults, args.seed, cluster, args.peer_down_s, stop)
     finally:
         cluster.stop()
         if args.logs:
@@ -258,14 +269,34 @@ def main() -> int:
         shutil.rmtree(staging, ignore_errors=True)
         shutil.rmtree(work, ignore_errors=True)
     print_table(table)
+    injected = sum(counts["injected"] for counts in table.values())
+    if injected < args.faults:
+        print(f"stopped early: {injected} of {args.faults} faults injected", flush=True)
     disk = "a tmpfs of its own" if cluster.disk.mounted else "a plain directory (no disk-full faults: mount refused)"
     print(f"seed {args.seed}, {args.faults} faults, {time.monotonic() - started:.0f} s; node a's root on {disk}")
     if args.json:
         not_here = [] if cluster.disk.mounted else ["disk-full"]
-        result = {"seed": args.seed, "faults": args.faults, "peer_down_s": args.peer_down_s, "kinds": KINDS}
+        result = {"seed": args.seed, "faults": args.faults, "injected": injected, "peer_down_s": args.peer_down_s}
+        result["kinds"] = KINDS
         result["kinds_not_possible_here"] = not_here
         args.json.write_text(json.dumps({**result, "table": table}, indent=1))
     return 1 if any(counts.get(c, 0) for counts in table.values() for c in (*BAD, *FAILOVER_BAD)) else 0
+
+
+def _stop_gracefully_on(signum: signal.Signals, stop: threading.Event) -> None:
+    """Make the first `signum` end the campaign after the fault under way, with its final check and table;
+    a second one stops at once (cleaning up, without a table)."""
+
+    def handler(*_: object) -> None:
+        if stop.is_set():
+            sys.exit(1)
+        stop.set()
+        print(
+            f"{signum.name}: stopping after this fault, then the final check and the table; again to stop now",
+            flush=True,
+        )
+
+    signal.signal(signum, handler)
 
 
 if __name__ == "__main__":
