@@ -24,7 +24,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from ckpt.errors import CheckpointError, CorruptCheckpoint, NotFound
 from ckpt.format import CommitRecord, ShardMeta, digest, validate_tier
@@ -41,6 +41,7 @@ from ckptd.tiers.nvme import LocalDirTier
 from ckptd.tiers.object.tier import ObjectTier
 
 log = logging.getLogger(__name__)
+Answer = TypeVar("Answer")
 
 OBJECT_QUERY_TIMEOUT_S = 5.0
 # A store asked for a step no other tier has (or has good) is the load's last resort: waiting longer beats failing.
@@ -95,19 +96,19 @@ class Locator:
         """
         tiers = self.tiers_for(tier)
         from_peers = tier in ("", "auto", "peer") and self.cluster.peer_tier is not None
-        from_object = tier in ("", "auto", "object") and self.object_tier is not None
+        store = self.object_tier if tier in ("", "auto", "object") else None
         records: dict[int, CommitRecord] = await self.on_locate_threads(_complete_records, tiers, job)
         lines = {s: r.line for s, r in records.items()}
         if from_peers and (step is None or step not in lines):
             for r in await self.cluster.complete_records(job, newest=step is None):
                 lines.setdefault(r.step, r.line)
         known = KnownSteps(lines, set(), False)
-        if from_object and (refetch or step is None or step not in lines):
+        if store is not None and (refetch or step is None or step not in lines):
             if step is None:
-                listed = await self.ask_object_store(_complete_in_store, self.object_tier, job, listing=True)
-                for r in listed or []:
-                    lines.setdefault(r.step, r.line)
-                known = KnownSteps(lines, {r.step for r in listed or []}, listed is None)
+                listed = await self.ask_object_store(store.complete_records, job, listing=True)
+                for in_store, record in (listed or {}).items():
+                    lines.setdefault(in_store, record.line)
+                known = KnownSteps(lines, set(listed or {}), listed is None)
             else:  # no copy on this node or its peers, or a bad one here: the store is the last resort
                 answer = await self.object_step(job, step, OBJECT_LAST_RESORT_S)
                 known = KnownSteps(lines, set(answer or []), answer is None)
@@ -264,12 +265,13 @@ class Locator:
 
     async def ask_object_store(
         self,
-        fn: Callable[..., list[Any] | None],
+        fn: Callable[..., Answer],
         *args: Any,
         timeout_s: float = OBJECT_QUERY_TIMEOUT_S,
         listing: bool = False,
-    ) -> list[Any] | None:
-        """Return fn(*args) from an object-store thread, or None if the store does not answer within timeout_s.
+    ) -> Answer | None:
+        """Return fn(*args) from an object-store thread, or None if the store fails (logged) or does not answer
+        within timeout_s: a store that is down must not hide the other tiers.
 
         listing: fn lists a job's steps (on the listing threads).
         """
@@ -279,22 +281,16 @@ class Locator:
         except TimeoutError:
             log.warning("the object store did not answer within %.0f s: going on without it", timeout_s)
             return None
-        return None if answer is None else list(answer)
+        except CheckpointError as e:
+            log.warning("%s", e)
+            return None
+        return answer
 
     async def object_steps(self, job: str) -> list[int] | None:
         """Return the job's steps complete in the store, or None if it is off or did not say in time."""
-        tier = self.object_tier
-        if tier is None:
+        if self.object_tier is None:
             return None
-
-        def steps() -> list[int] | None:
-            try:
-                return tier.complete_steps(job)
-            except CheckpointError as e:
-                log.warning("%s", e)
-                return None
-
-        return await self.ask_object_store(steps, listing=True)
+        return await self.ask_object_store(self.object_tier.complete_steps, job, listing=True)
 
     async def object_step(self, job: str, step: int, timeout_s: float = OBJECT_QUERY_TIMEOUT_S) -> list[int] | None:
         """Return [step] if that step is complete in the store, else [], or None if it is off or did not say in time.
@@ -305,15 +301,7 @@ class Locator:
         tier = self.object_tier
         if tier is None:
             return None
-
-        def held() -> list[int] | None:
-            try:
-                return [step] if tier.is_complete(job, step) else []
-            except CheckpointError as e:
-                log.warning("%s", e)
-                return None
-
-        return await self.ask_object_store(held, timeout_s=timeout_s)
+        return await self.ask_object_store(lambda: [step] if tier.is_complete(job, step) else [], timeout_s=timeout_s)
 
     async def _fetch_from_object(self, job: str, step: int, rank: int, again: bool, replace: bool = False) -> None:
         """Copy a rank's shard of a step complete in the object store onto this node's NVMe, verified.
@@ -354,7 +342,7 @@ class Locator:
         if newest:  # this node's sealed steps count too, whether or not the view has heard of them
             steps = merge_steps(steps, [i for i in local if set(i.tiers) - {"memory"}])
         if self.object_tier is not None:
-            in_store = await self.ask_object_store(_listed_or_nothing, self.object_tier, job, listing=True)
+            in_store = await self.ask_object_store(list_steps, [self.object_tier], job, listing=True)
             steps = merge_steps(steps, in_store or [])
         if newest:
             head = head_of(steps)
@@ -406,19 +394,3 @@ def _complete_records(tiers: list[Tier], job: str) -> dict[int, CommitRecord]:
         for step, record in t.complete_records(job).items():
             records.setdefault(step, record)
     return records
-
-
-def _complete_in_store(tier: ObjectTier, job: str) -> list[CommitRecord] | None:
-    try:
-        return list(tier.complete_records(job).values())
-    except CheckpointError as e:
-        log.warning("%s", e)
-        return None
-
-
-def _listed_or_nothing(tier: Tier, job: str) -> list[StepInfo]:
-    try:
-        return list_steps([tier], job)
-    except CheckpointError as e:  # a store that is down must not hide the other tiers
-        log.warning("%s", e)
-        return []

@@ -1,4 +1,5 @@
-"""A load's one question to the object store is never queued behind listings of a long history there."""
+"""The load path's questions to the object store: never queued behind listings of a long history there, and a
+store that fails is an answer of none, not an error that hides the other tiers."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import asyncio
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
+
+from ckpt.errors import CheckpointError
 
 from ckptd.load.locate import Locator
 
@@ -33,3 +36,23 @@ def test_a_steps_question_is_answered_while_listings_that_timed_out_still_run() 
             pool.shutdown()
     assert given_up == [None] * 6  # each listing's caller went on without it
     assert answer == [7], "the step's question waited behind the listings"
+
+
+def test_a_store_that_fails_answers_none_with_a_warning_and_hides_no_other_tier(caplog) -> None:
+    def down(*_: object) -> bool:
+        raise CheckpointError("s3://bucket: connection refused")
+
+    store = SimpleNamespace(is_complete=down, complete_steps=down)
+    pools = [ThreadPoolExecutor(1) for _ in range(3)]
+    locator = Locator(SimpleNamespace(), [], None, None, None, store, lambda tier: None, *pools)  # type: ignore[arg-type]
+
+    async def ask() -> tuple[list[int] | None, list[int] | None]:
+        return await locator.object_step("j", 7), await locator.object_steps("j")
+
+    try:
+        answers = asyncio.run(ask())
+    finally:
+        for pool in pools:
+            pool.shutdown()
+    assert answers == (None, None)
+    assert [r.getMessage() for r in caplog.records].count("s3://bucket: connection refused") == 2
