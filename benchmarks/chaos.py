@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import shutil
 import signal
@@ -270,8 +271,10 @@ def main() -> int:
         shutil.rmtree(work, ignore_errors=True)
     print_table(table)
     injected = sum(counts["injected"] for counts in table.values())
-    if injected < args.faults:
+    if stop.is_set():
         print(f"stopped early: {injected} of {args.faults} faults injected", flush=True)
+    elif injected < args.faults:
+        print(f"{injected} of {args.faults} faults injected: the others were not possible in {3 * args.faults} tries")
     disk = "a tmpfs of its own" if cluster.disk.mounted else "a plain directory (no disk-full faults: mount refused)"
     print(f"seed {args.seed}, {args.faults} faults, {time.monotonic() - started:.0f} s; node a's root on {disk}")
     if args.json:
@@ -291,10 +294,8 @@ def _stop_gracefully_on(signum: signal.Signals, stop: threading.Event) -> None:
         if stop.is_set():
             sys.exit(1)
         stop.set()
-        print(
-            f"{signum.name}: stopping after this fault, then the final check and the table; again to stop now",
-            flush=True,
-        )
+        said = f"{signum.name}: stopping after this fault, then the final check and the table; again to stop now\n"
+        os.write(sys.stdout.fileno(), said.encode())  # not print: the main thread may be inside a print
 
     signal.signal(signum, handler)
 

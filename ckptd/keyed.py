@@ -3,13 +3,16 @@
 The flusher serialises a rank's flushes, fetches and uploads serialise per shard, and
 several roles count the steps they are working on (retention keeps off them). Each
 used a dict of locks or counts that grew with every key ever seen; these two do the
-same and drop a key once its last user is gone. Event loop only.
+same and drop a key once its last user is gone. Event loop only, but for
+ThreadKeyedLocks: the object tier lists a job's steps in the store on worker threads,
+one listing of a job at a time.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 from collections.abc import AsyncIterator, Hashable, Iterator
 from typing import Generic, TypeVar
 
@@ -36,6 +39,34 @@ class KeyedLocks(Generic[K]):
                 del self._locks[key]
             else:
                 self._locks[key] = (lock, users - 1)
+
+    def __len__(self) -> int:
+        return len(self._locks)
+
+
+class ThreadKeyedLocks(Generic[K]):
+    """One threading.Lock per key, kept only while a thread holds or waits for it; any thread."""
+
+    def __init__(self) -> None:
+        self._guard = threading.Lock()
+        self._locks: dict[K, tuple[threading.Lock, int]] = {}  # key -> (lock, threads holding or waiting)
+
+    @contextlib.contextmanager
+    def hold(self, key: K) -> Iterator[None]:
+        """Hold key's lock for the body (blocking behind another thread holding the same key)."""
+        with self._guard:
+            lock, users = self._locks.get(key, (threading.Lock(), 0))
+            self._locks[key] = (lock, users + 1)
+        try:
+            with lock:
+                yield
+        finally:
+            with self._guard:
+                lock, users = self._locks[key]
+                if users == 1:
+                    del self._locks[key]
+                else:
+                    self._locks[key] = (lock, users - 1)
 
     def __len__(self) -> int:
         return len(self._locks)

@@ -31,6 +31,18 @@ def _our_shared_memory() -> set[str]:
 
 
 @pytest.fixture(scope="session", autouse=True)
+def temporary_root_removed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Remove this run's temporary root (pytest's basetemp) at its end, failed tests' directories too.
+
+    Only this run's: pytest's own "none" policy leaves the run's directory unlocked, and the
+    first run to end would remove the directories of another run still going.
+    """
+    root = tmp_path_factory.getbasetemp()
+    yield
+    shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture(scope="session", autouse=True)
 def shared_memory_left_as_found() -> Iterator[None]:
     """Fail the run if it leaves a staging directory of ours in /dev/shm: that is RAM, and nobody else frees it."""
     before = _our_shared_memory()

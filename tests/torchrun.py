@@ -20,7 +20,8 @@ def torchrun(ranks: int, script: Path, *args: str, env: dict[str, str], timeout_
     """
     base = {k: v for k, v in os.environ.items() if k not in ("CKPTD_ADDRESS", "CKPTD_ADDRESSES")}
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks)]
-    with tempfile.TemporaryDirectory(prefix="ckptd-torchrun-") as scratch:
+    # ignore_cleanup_errors: ranks a timeout left behind may still write there; the timeout is the error to see
+    with tempfile.TemporaryDirectory(prefix="ckptd-torchrun-", ignore_cleanup_errors=True) as scratch:
         run = subprocess.run(
             [*command, str(script), *args],
             env={**base, "OMP_NUM_THREADS": "1", "TMPDIR": scratch, **env},

@@ -10,8 +10,9 @@
 
 Called on the event loop by the Locate, List and GetShard RPCs. Whatever reads the
 disk or the store runs on worker threads: this node's tiers on the locate threads,
-the store on the object threads, bounded in time (a hung store never holds up a
-load). A shard that no tier of this node holds is fetched onto NVMe first, verified;
+the store's questions about one step and its fetches on the object threads, listings
+of a job's steps there on the listing threads, bounded in time (a hung store never
+holds up a load). A shard that no tier of this node holds is fetched onto NVMe first, verified;
 refetch (the client found this node's copies bad) does so over them.
 """
 
@@ -92,7 +93,9 @@ class Locator:
         """Return the job's complete steps a load of step (None: the head) finds on tier: this node's, then beyond.
 
         The peers are asked when this node lacks the step (for the head, the cluster view
-        alone answers), the object store when neither has it (for the head, it is listed).
+        alone answers), the object store when neither has it (for the head, it is listed),
+        and for a refetch with no peers to fetch from (with peers, locate asks the store once
+        they fail: a hung store does not hold up a good copy on a peer).
         """
         tiers = self.tiers_for(tier)
         from_peers = tier in ("", "auto", "peer") and self.cluster.peer_tier is not None
@@ -103,7 +106,7 @@ class Locator:
             for r in await self.cluster.complete_records(job, newest=step is None):
                 lines.setdefault(r.step, r.line)
         known = KnownSteps(lines, set(), False)
-        if store is not None and (refetch or step is None or step not in lines):
+        if store is not None and (step is None or step not in lines or (refetch and not from_peers)):
             if step is None:
                 listed = await self.ask_object_store(store.complete_records, job, listing=True)
                 for in_store, record in (listed or {}).items():

@@ -27,6 +27,7 @@ from ckpt.shard_io import ShardSource
 from ckpt.step_index import StepIndex, index_bytes
 
 from ckptd.errors import AlreadyHeld, CommitConflict
+from ckptd.keyed import ThreadKeyedLocks
 from ckptd.storage.commit_protocol import ObjectStepCommit
 from ckptd.storage.object_store import ObjectStore
 from ckptd.tiers.base import Tier
@@ -66,7 +67,7 @@ class ObjectTier(Tier):
         self._records: dict[tuple[str, int], tuple[CommitRecord, str] | str] = {}
         self._uncommitted: OrderedDict[tuple[str, int], None] = OrderedDict()  # steps found not complete here
         self._lock = threading.Lock()
-        self._listing: dict[str, threading.Lock] = {}  # job -> held while its commit records are listed and read
+        self._listing: ThreadKeyedLocks[str] = ThreadKeyedLocks()  # by job: held while its commit records are read
 
     # -- listing ------------------------------------------------------------------
 
@@ -124,9 +125,7 @@ class ObjectTier(Tier):
         One listing of a job at a time: another waits for it, then reads only what it left unread (after
         a restart, with a long history in the store, several callers would otherwise read every record).
         """
-        with self._lock:
-            listing = self._listing.setdefault(job, threading.Lock())
-        with listing:
+        with self._listing.hold(job):
             return self._read_commit_states(job)
 
     def _read_commit_states(self, job: str) -> dict[int, CommitRecord | str]:

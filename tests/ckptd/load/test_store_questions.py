@@ -38,7 +38,7 @@ def test_a_steps_question_is_answered_while_listings_that_timed_out_still_run() 
     assert answer == [7], "the step's question waited behind the listings"
 
 
-def test_a_store_that_fails_answers_none_with_a_warning_and_hides_no_other_tier(caplog) -> None:
+def test_a_store_that_fails_answers_none_and_a_warning(caplog) -> None:
     def down(*_: object) -> bool:
         raise CheckpointError("s3://bucket: connection refused")
 
@@ -56,3 +56,29 @@ def test_a_store_that_fails_answers_none_with_a_warning_and_hides_no_other_tier(
             pool.shutdown()
     assert answers == (None, None)
     assert [r.getMessage() for r in caplog.records].count("s3://bucket: connection refused") == 2
+
+
+def test_a_refetch_with_peers_to_fetch_from_does_not_wait_on_the_store_first() -> None:
+    asked: list[int] = []
+
+    def is_complete(job: str, step: int) -> bool:
+        asked.append(step)
+        return True
+
+    here = SimpleNamespace(complete_records=lambda job: {5: SimpleNamespace(line=())})  # a bad copy of step 5
+    store = SimpleNamespace(is_complete=is_complete)
+    pools = [ThreadPoolExecutor(1) for _ in range(3)]
+
+    def known(peers: object) -> set[int]:
+        cluster = SimpleNamespace(peer_tier=peers)
+        locator = Locator(SimpleNamespace(), [here], None, None, cluster, store, lambda tier: None, *pools)  # type: ignore[arg-type]
+        return asyncio.run(locator.known_steps("j", 5, refetch=True)).object_steps
+
+    try:
+        with_peers, without_peers = known(object()), known(None)
+    finally:
+        for pool in pools:
+            pool.shutdown()
+    assert with_peers == set()  # locate fetches from a peer, and asks the store only if that fails
+    assert without_peers == {5}
+    assert asked == [5], "the refetch asked the store before the peers"

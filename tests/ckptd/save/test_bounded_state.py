@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from ckptd.keyed import KeyCounts, KeyedLocks
+from ckptd.keyed import KeyCounts, KeyedLocks, ThreadKeyedLocks
 from ckptd.save import progress, save_path
 from ckptd.save.flush import Flusher
 from ckptd.save.progress import ShardProgress
@@ -96,3 +97,30 @@ def test_key_counts_forget_a_key_once_its_last_user_is_done():
             assert counts.keys() == {("j", 1)}
         assert counts.keys() == {("j", 1)}  # the other fetch of the step is still under way
     assert counts.keys() == set()
+
+
+def test_thread_keyed_locks_hold_one_thread_per_key_and_keep_nothing_once_unused():
+    locks: ThreadKeyedLocks[str] = ThreadKeyedLocks()
+    first_in, release = threading.Event(), threading.Event()
+    order: list[str] = []
+
+    def listing(name: str, key: str) -> None:
+        with locks.hold(key):
+            order.append(f"{name} in")
+            if name == "a":
+                first_in.set()
+                release.wait()
+            order.append(f"{name} out")
+
+    a = threading.Thread(target=listing, args=("a", "job"))
+    a.start()
+    first_in.wait()
+    b = threading.Thread(target=listing, args=("b", "job"))  # waits for a
+    b.start()
+    listing("c", "other job")  # another key: not held up by a
+    assert order == ["a in", "c in", "c out"]
+    release.set()
+    a.join()
+    b.join()
+    assert order[3:] == ["a out", "b in", "b out"]
+    assert len(locks) == 0
