@@ -13,32 +13,28 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
-from collections.abc import AsyncIterator, Hashable, Iterator
+from collections.abc import AsyncIterator, Callable, Hashable, Iterator
 from typing import Generic, TypeVar
 
 K = TypeVar("K", bound=Hashable)
+L = TypeVar("L")
 
 
 class KeyedLocks(Generic[K]):
     """One asyncio.Lock per key, held in first-come order, kept only while a task holds or waits for it."""
 
     def __init__(self) -> None:
-        self._locks: dict[K, tuple[asyncio.Lock, int]] = {}  # key -> (lock, tasks holding or waiting)
+        self._locks: _LocksInUse[K, asyncio.Lock] = _LocksInUse(asyncio.Lock)
 
     @contextlib.asynccontextmanager
     async def hold(self, key: K) -> AsyncIterator[None]:
         """Hold key's lock for the body (waiting behind earlier holders of the same key)."""
-        lock, users = self._locks.get(key, (asyncio.Lock(), 0))
-        self._locks[key] = (lock, users + 1)
+        lock = self._locks.join(key)
         try:
             async with lock:
                 yield
         finally:
-            lock, users = self._locks[key]
-            if users == 1:
-                del self._locks[key]
-            else:
-                self._locks[key] = (lock, users - 1)
+            self._locks.leave(key)
 
     def __len__(self) -> int:
         return len(self._locks)
@@ -48,25 +44,43 @@ class ThreadKeyedLocks(Generic[K]):
     """One threading.Lock per key, kept only while a thread holds or waits for it; any thread."""
 
     def __init__(self) -> None:
-        self._guard = threading.Lock()
-        self._locks: dict[K, tuple[threading.Lock, int]] = {}  # key -> (lock, threads holding or waiting)
+        self._guard = threading.Lock()  # over the table; a key's own lock is held outside it
+        self._locks: _LocksInUse[K, threading.Lock] = _LocksInUse(threading.Lock)
 
     @contextlib.contextmanager
     def hold(self, key: K) -> Iterator[None]:
         """Hold key's lock for the body (blocking behind another thread holding the same key)."""
         with self._guard:
-            lock, users = self._locks.get(key, (threading.Lock(), 0))
-            self._locks[key] = (lock, users + 1)
+            lock = self._locks.join(key)
         try:
             with lock:
                 yield
         finally:
             with self._guard:
-                lock, users = self._locks[key]
-                if users == 1:
-                    del self._locks[key]
-                else:
-                    self._locks[key] = (lock, users - 1)
+                self._locks.leave(key)
+
+    def __len__(self) -> int:
+        return len(self._locks)
+
+
+class _LocksInUse(Generic[K, L]):
+    """key -> (its lock, users holding or waiting for it): a key comes with its first user, goes with its last."""
+
+    def __init__(self, new_lock: Callable[[], L]) -> None:
+        self._new_lock = new_lock
+        self._locks: dict[K, tuple[L, int]] = {}
+
+    def join(self, key: K) -> L:
+        lock, users = self._locks.get(key) or (self._new_lock(), 0)
+        self._locks[key] = (lock, users + 1)
+        return lock
+
+    def leave(self, key: K) -> None:
+        lock, users = self._locks[key]
+        if users == 1:
+            del self._locks[key]
+        else:
+            self._locks[key] = (lock, users - 1)
 
     def __len__(self) -> int:
         return len(self._locks)
