@@ -3,17 +3,21 @@
 Driven from the event loop: SavePath calls send() (through Peering.replicate) once a shard is hashed,
 Peering calls update() when peers join or leave (ckptd.cluster.peer_membership) and,
 every few seconds, confirm() and retry_due() with what the peers hold, which also
-resumes the replication a restarted daemon left undone. Bytes move on worker
+resumes the replication a restarted daemon left undone. A timer (_fail_over) gives
+stand-ins to the shards of a peer that has failed for failover_s. Bytes move on worker
 threads, never holding a staging slot or a flush: a slow or dead peer delays only
 its own copies (two at a time). A peer that fails is retried with exponential
 back-off and jitter.
 
 Failover: a peer placed to keep a shard's replica that has failed for `[peer] failover_s`
 has a stand-in, the next node in the shard's placement order that is not failing: the
-replica goes there too, and counts in its place. The placed peer is still retried; once it
-holds the replica, the stand-in's copy is retired (RetireReplica). So every shard has its
-`replicas` copies on live nodes within about failover_s, and the placement stays
-rendezvous-stable: a node's return moves back only what it held.
+replica goes there too, and counts in its place. Every shard placed on it gets its stand-in
+failover_s after the peer's first failure, also those waiting out its back-off (not at the
+next round of retry_due, which may come late: a round asks peers that do not answer). The
+placed peer is still retried; once it holds the replica, the stand-in's copy is retired
+(RetireReplica). So every shard has its `replicas` copies on live nodes within about
+failover_s, and the placement stays rendezvous-stable: a node's return moves back only what
+it held.
 """
 
 from __future__ import annotations
@@ -114,6 +118,7 @@ class Replication:
         self._senders = senders
         self._streams = streams
         self._tasks: set[asyncio.Task[None]] = set()
+        self._fail_overs: dict[str, asyncio.TimerHandle] = {}  # failing peer -> the timer of its failover
         self.counters = {"replicas_sent": 0, "replica_bytes_sent": 0, "replica_failures": 0}
         self.last_transfer: dict[str, float] = {}
 
@@ -291,6 +296,24 @@ class Replication:
                     *(target, failing_s, healthy[0], shard.key),
                 )
 
+    def _fail_over_later(self, target: str, since: float) -> None:
+        """Call _fail_over(target, since) once the peer has failed for failover_s since its first failure."""
+        delay = max(0.0, since + self.failover_s - time.monotonic())
+        self._fail_overs[target] = asyncio.get_running_loop().call_later(delay, self._fail_over, target, since)
+
+    def _fail_over(self, target: str, since: float) -> None:
+        """Give every shard placed on a peer still failing since `since` its stand-in, and send it there (a timer)."""
+        self._fail_overs.pop(target, None)
+        peer = self._peers.get(target)
+        if peer is None or peer.failing_since != since:
+            return  # it left, or it answered since
+        if time.monotonic() - since < self.failover_s:  # the loop's clock ran a little ahead
+            self._fail_over_later(target, since)
+            return
+        for shard in sorted(self._shards.values(), key=lambda s: -s.key.step):  # newest first
+            if target in shard.targets and not shard.covered(target):
+                self._kick(shard, None)
+
     def _retire(self, shard: _Shard, stand_in: str) -> None:
         """Drop a stand-in's copy of a shard, now that the placed peer holds it (a task; a failure is logged)."""
 
@@ -334,6 +357,7 @@ class Replication:
             peer.failures += 1
             if peer.failing_since is None:
                 peer.failing_since = started
+                self._fail_over_later(target, started)
             shard.failures += 1
             peer.last_error = shard.error = message
             backoff = min(BACKOFF_MAX_S, BACKOFF_MIN_S * 2 ** (peer.failures - 1))
@@ -373,6 +397,9 @@ class Replication:
         raise LocalCopyGone(f"no readable local copy of {shard.key} is left: " + "; ".join(errors))
 
     async def drain(self) -> None:
-        """Wait for the transfers under way (their threads are the composition root's to stop)."""
+        """Cancel the failover timers; wait for the transfers under way (their threads are the composition root's)."""
+        for timer in self._fail_overs.values():
+            timer.cancel()
+        self._fail_overs.clear()
         if self._tasks:
             await asyncio.gather(*list(self._tasks), return_exceptions=True)

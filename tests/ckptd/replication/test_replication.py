@@ -6,7 +6,9 @@ import asyncio
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
+from ckpt.errors import CheckpointError
 from ckpt.format import CHUNK_SIZE_BYTES, ShardMeta, digest
 
 from ckptd.cluster.placement import Holding
@@ -101,3 +103,39 @@ def test_a_replica_in_place_is_kept_where_placement_would_now_choose_another_pee
     assert all(replication.state(k)[0] for k in keys), "nothing is sent again"
     assert set(_pending(replication).values()) == {0}
     asyncio.run(replication.drain())
+
+
+class SendingLink(Link):
+    """A peer that takes every replica, or (down) refuses each at once, as a dead peer's link does."""
+
+    def __init__(self, address: str, down: bool = False) -> None:
+        super().__init__(address)
+        self.down = down
+        self.held: list[ShardKey] = []
+
+    def put_shard(self, meta: ShardMeta, path: object, streams: object, record: object = None) -> None:
+        if self.down:
+            raise CheckpointError(f"peer {self.address}: not reachable within 3 s")
+        self.held.append(ShardKey(meta.job, meta.step, meta.rank, meta.world_size))
+
+
+def test_a_shard_waiting_out_a_dead_peers_back_off_gets_its_stand_in_after_failover_s_without_a_round():
+    # As in the fault campaign: a shard sent to its placed peer as that peer died waits out the back-off; no new
+    # save comes and the round that calls retry_due is late. It must still be on a live node within the bound.
+    dead, alive = SendingLink("10.0.0.1:7070", down=True), SendingLink("10.0.0.2:7070")
+    replication = Replication([dead, alive], 1, lambda key, done: None, THREADS, THREADS, failover_s=0.3)
+    keys = [ShardKey("j", 1, rank, WORLD_SIZE) for rank in range(WORLD_SIZE)]
+    key = next(k for k in keys if replication.targets(k.job, k.rank) == [dead.address])
+
+    async def body() -> float:
+        started = time.monotonic()
+        replication.send(key, _meta(key), [Path("/nonexistent/rank.data")])  # the fake links read no file
+        while key not in alive.held and time.monotonic() - started < 5.0:
+            await asyncio.sleep(0.02)
+        await replication.drain()
+        return time.monotonic() - started
+
+    took = asyncio.run(body())
+    assert alive.held == [key], "the stand-in was never sent the shard"
+    assert replication.state(key)[0] and took < 5.0
+    assert replication.peers_status()[alive.address]["stood_in_for"] == 1
