@@ -37,6 +37,7 @@ from ckptd.tiers.peer import PeerTier
 log = logging.getLogger(__name__)
 
 PROBE_STEP = 2**62 - 1  # a step no job has: asking a peer about it only tells whether the peer answers
+SLOW_ROUND_S = 10.0  # a round of reconcile that takes longer is logged with where its time went
 PROBE_TIMEOUT_S = 2.0  # beyond gRPC's reconnect back-off (peer_link.grpc_options: at most 1 s)
 ANNOUNCED_STEPS = 4096  # the steps "complete across the cluster" was logged for, remembered to log it once
 
@@ -203,6 +204,7 @@ class Peering:
         peer_tier = self.peer_tier
         remote: list[StepHoldings] = await self._run(lambda: peer_tier.ask(only=asked))
         local: list[StepHoldings] = await self._run(self.local_holdings, "", None)
+        took = {"asking the peers and listing this node": time.monotonic() - asked_at}
         records = {(s.job, s.step): s.record for s in remote if s.record is not None and full}
         remote_shards: dict[tuple[str, int], list[Holding]] = defaultdict(list)
         for s in remote if full else []:
@@ -213,7 +215,9 @@ class Peering:
             if s.record is not None:
                 records.setdefault((s.job, s.step), s.record)  # sealed in one tier here: seal the other too
         unsealed = {(s.job, s.step) for s in local if s.record is None}
+        waited_at = time.monotonic()
         async with seal_lock:  # the pipeline's: one seal at a time, and never while a shard of the step flushes
+            took["waiting for the seal lock"] = time.monotonic() - waited_at
             for job, step in sorted(unsealed):
                 if flushing(job, step):
                     continue
@@ -233,6 +237,7 @@ class Peering:
                         self.view.announce(record)
                     elif self.view is not None:
                         self.view.seeded([record])  # a peer's record: the view answers latest_step from it
+            took["sealing"] = time.monotonic() - waited_at - took["waiting for the seal lock"]
         if self.replication is not None:
             self._nvme_complete = await self._run(lambda: {j: self.nvme.complete_steps(j) for j in self.nvme.jobs()})
             self._cluster_complete = {j: self._complete_in_cluster(j, s) for j, s in self._nvme_complete.items()}
@@ -243,6 +248,12 @@ class Peering:
             self.replication.forget(lambda k: on_disk.get((k.job, k.step), (True, None))[0] and self._kept(k))
             self.replication.confirm([h for s in remote for h in s.shards], reachable, asked_at)
             self.replication.retry_due(lambda k: on_disk.get((k.job, k.step), (True, None))[1])
+        if time.monotonic() - asked_at > SLOW_ROUND_S:
+            took["the replicas"] = time.monotonic() - asked_at - sum(took.values())
+            log.warning(
+                "a round of catching up with the peers took %.1f s (%s)",
+                *(time.monotonic() - asked_at, ", ".join(f"{what} {s:.1f} s" for what, s in took.items())),
+            )
 
     def _steps_on_disk(self, keys: list[ShardKey]) -> dict[tuple[str, int], tuple[bool, CommitRecord | None]]:
         """Return, for the steps of keys, whether each has a directory on NVMe and its commit record (a thread)."""
