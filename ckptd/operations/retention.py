@@ -11,7 +11,7 @@ import contextlib
 import logging
 import os
 import threading
-from collections.abc import Callable, Collection, Iterable, Mapping
+from collections.abc import AsyncIterator, Callable, Collection, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -101,8 +101,11 @@ class RetentionRunner:
 
     Called on the event loop: after a step is sealed (NVMe and the replica store),
     after a step is committed in the store (object), from reconciliation, and from
-    `ckptd gc`. One pass at a time. Listing and removing run on the cleanup thread
-    (lowest CPU priority) or, for the store, on the object threads.
+    `ckptd gc`. One pass at a time on this node's tiers, and one on the store: a pass on
+    the store (a listing of a long history there, after a restart) never holds up NVMe's,
+    nor reconciliation, which runs one after each round. `ckptd rm`, `gc --all` and pins
+    hold off both. Listing and removing run on the cleanup thread (lowest CPU priority)
+    or, for the store, on the object threads.
     """
 
     def __init__(
@@ -127,7 +130,9 @@ class RetentionRunner:
         self.holders = holders
         self.uploader = uploader  # its steps not yet committed in the store stay there too
         self._object_threads = object_threads
-        self._lock = asyncio.Lock()  # one pass at a time: two would race to remove the same step
+        # One pass at a time on each: two would race to remove the same step.
+        self._local_lock = asyncio.Lock()
+        self._object_lock = asyncio.Lock()
         self.cleanup_thread = cleanup_thread
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -151,14 +156,21 @@ class RetentionRunner:
         incomplete steps older than the newest complete one, and unfinished multipart
         uploads. Passes of their own accord never do: another node may be uploading them.
         """
-        async with self._lock:
+        async with self._local_lock:
             removals = await self._collect_local(dry_run, job, keep_newest, tiers)
-            if "object" in tiers and self.object_tier is not None:
+        if "object" in tiers and self.object_tier is not None:
+            async with self._object_lock:
                 busy = self.busy_steps() | (self.uploader.unsettled_steps() if self.uploader else set())
                 removals += await self._on_object_threads(
                     self._collect_object, dry_run, job, keep_newest, busy, unfinished_uploads
                 )
-            return removals
+        return removals
+
+    @contextlib.asynccontextmanager
+    async def _every_pass_held_off(self) -> AsyncIterator[None]:
+        """Hold both locks, local first (collect takes one at a time: no deadlock)."""
+        async with self._local_lock, self._object_lock:
+            yield
 
     async def collect_quietly(self, job: str, tiers: tuple[str, ...], keep_newest: bool = True) -> None:
         """Run a pass of its own accord; a failure is logged (the next pass tries again)."""
@@ -246,7 +258,7 @@ class RetentionRunner:
         reason = "the job is removed (gc --all)"
         loop = asyncio.get_running_loop()
         removals: list[Removal] = []
-        async with self._lock:
+        async with self._every_pass_held_off():
             for tier in [t for t in self.durable_tiers if t.name in tiers]:
                 for step in await loop.run_in_executor(self.cleanup_thread, tier.all_steps, job):
                     removals.append(Removal(tier.name, job, step, reason))
@@ -271,7 +283,7 @@ class RetentionRunner:
         busy one); NotFound names the job's steps here when no tier has it. The pin of a
         removed step goes too. One pass at a time: under the lock of every pass.
         """
-        async with self._lock:
+        async with self._every_pass_held_off():
             held = await self._holding(job)
             steps = {s for on_tier, _ in held.values() for s in on_tier}
             if step not in steps:
@@ -319,7 +331,7 @@ class RetentionRunner:
         Under the lock of every pass: a pass under way ends before the pin counts, and none
         removes the step after this returns.
         """
-        async with self._lock:
+        async with self._every_pass_held_off():
             if pinned:
                 held = await self._holding(job, in_store=False)  # this node's disks first: the store may be away
                 complete = {s for _, lines in held.values() for s in lines}

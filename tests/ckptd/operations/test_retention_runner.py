@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import mmap
+import threading
 from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
 
 import pytest
 from ckpt.errors import NotFound
@@ -92,3 +94,39 @@ def test_rm_refuses_the_head_a_busy_step_and_a_pinned_one_and_names_the_steps_fo
     ]
     asyncio.run(runner.remove_step("j", 1, force=True, dry_run=False))
     assert steps_on(nvme) == [2, 4, 5] and runner.job_retention.pinned("j") == frozenset()
+
+
+def test_a_pass_on_nvme_is_not_held_up_by_a_pass_on_the_store_still_listing(tmp_path):
+    # After a restart a pass on the store lists a long history there; NVMe's passes (after each flush, and
+    # reconciliation's after each round) must go on meanwhile, or NVMe fills and failover waits.
+    listing, released = threading.Event(), threading.Event()
+
+    def complete_lines(job: str) -> dict:
+        listing.set()
+        released.wait()
+        return {}
+
+    store = SimpleNamespace(complete_lines=complete_lines, all_steps=lambda job, scan=False: [], damaged_steps=list)
+    config = Config(node=NodeConfig(root=str(tmp_path / "nvme")), retention=RetentionConfig(nvme=2))
+    nvme = LocalDirTier(config.root)
+    for step in (1, 2, 3):
+        seal_step(nvme, step)
+
+    async def body() -> list[int]:
+        store_pass = asyncio.ensure_future(runner.collect(False, "j", tiers=("object",), unfinished_uploads=False))
+        while not listing.is_set():
+            await asyncio.sleep(0.01)
+        removals = await asyncio.wait_for(runner.collect(False, "j", tiers=("nvme",)), 10)
+        released.set()
+        await store_pass
+        return [r.step for r in removals]
+
+    with ThreadPoolExecutor(2) as threads, ThreadPoolExecutor(1) as object_threads:
+        peering = Peering(config, None, nvme, LocalDirTier(config.replica_root, name="peer"), None, None, "i", threads)
+        jobs = JobRetention(config, threads)
+        runner = RetentionRunner(config, [nvme], store, peering, [], object_threads, threads, jobs)  # type: ignore[arg-type]
+        try:
+            removed = asyncio.run(body())
+        finally:
+            released.set()
+    assert removed == [1] and steps_on(nvme) == [2, 3]
