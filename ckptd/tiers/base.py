@@ -173,7 +173,9 @@ class DurableTier(Tier):
         ShardWrite is ordered. Where meta carries no checksums, on_hashed gets the full
         record as soon as every chunk is hashed, before the writes are durable (replication
         starts from it). Any failure abandons the copy; an OSError, or bytes that do not
-        match meta, is a ShardWriteError naming the shard and the tier.
+        match meta, is a ShardWriteError naming the shard and the tier. Once written, every block
+        is checked once more against the record: a block that changed in memory between its hashing and its
+        write (the write reads it again) fails the copy rather than leaving one that fails its own checksums.
         """
         what = shard_on_tier(meta, self.name)
         size, chunk = meta.data_size_bytes, meta.chunk_size_bytes
@@ -202,6 +204,10 @@ class DurableTier(Tier):
                 on_hashed(record)
             for w in writes:
                 w.result()
+            # The bytes written must be the ones hashed or checked: a block changed in memory in between (a RAM
+            # fault in a staging slot, read again by the write) fails the copy, never sealed with checksums it fails.
+            for offset, length in chunk_ranges(size, block_bytes):
+                check_chunks(record, data[offset : offset + length], offset, what)
             return shard.seal(record)
         except BaseException as e:
             wait(writes)  # never abandon the copy, nor give data back to the caller, under a write still running

@@ -170,3 +170,28 @@ def test_a_failed_removal_is_counted_retried_and_never_blocks_the_step_number(ti
     assert len(left) == 2  # the disk they still take is visible, not silently leaked
     assert sorted(tier.retry_removals()) == sorted(str(p) for p in left)
     assert list((tier.root / "j").iterdir()) == []
+
+
+def test_a_block_changed_in_memory_between_its_hashing_and_its_write_fails_the_copy(tmp_path, monkeypatch):
+    # A RAM fault in a staging slot while it flushes (the fault campaign's flip-slot): the write reads the
+    # block again after it was hashed. The copy must fail, not be sealed with checksums its bytes fail.
+    tier = LocalDirTier(tmp_path / "root", write_threads=None)
+    payload = os.urandom(2 * CHUNK_SIZE_BYTES)
+    data = _buffer(payload)
+    opened = tier.open_shard
+
+    def open_shard(meta, transfer=""):
+        shard = opened(meta, transfer)
+        write = shard.write
+
+        def flipped_then_written(byte_range, block, digests):
+            data[7] ^= 0x01  # after chunk_digests read it, before the write does
+            write(byte_range, block, digests)
+
+        shard.write = flipped_then_written
+        return shard
+
+    monkeypatch.setattr(tier, "open_shard", open_shard)
+    with pytest.raises(ShardWriteError, match="checksum mismatch"):
+        tier.write_shard(_meta(rank=0, world_size=1, size=len(payload)), data)
+    assert not tier.has_shard("j", 1, 0) and tier.all_steps("j") == []
