@@ -87,9 +87,24 @@ class SaveHandle:
 
     @property
     def spilled_bytes(self) -> int:
-        """Return the GPU memory a lazy save spilled into so that an optimizer step need not wait for PCIe."""
+        """Return the bytes a lazy save copied device to device into the spill arena, then to the host."""
         device = self._staged.device if self._staged is not None else None
         return int(getattr(device, "spilled_bytes", 0))
+
+    @property
+    def direct_bytes(self) -> int:
+        """Return the bytes a lazy save copied straight from the GPU tensors to the host (the head, and the rest)."""
+        device = self._staged.device if self._staged is not None else None
+        return int(getattr(device, "direct_bytes", 0))
+
+    @property
+    def gpu_wait_s(self) -> float | None:
+        """Return the GPU time optimizer steps waited for this lazy save (spills included), from CUDA events.
+
+        Known once the copy is done (after wait("memory")); None before, and for a save with no CUDA copy.
+        """
+        device = self._staged.device if self._staged is not None else None
+        return getattr(device, "gpu_wait_s", None)
 
     def done(self, tier: str = "nvme") -> bool:
         """Return whether this rank's shard has reached tier."""
@@ -190,6 +205,8 @@ class Checkpointer:
         )
         self._lazy_thread = ThreadPoolExecutor(1, "ckpt-lazy", initializer=lambda: lazy_copies.run_beside(self._daemon))
         self._lazy_copy: lazy_copies.LazyCopy | None = None  # the last lazy save's copy, maybe still running
+        self._link: Any = None  # cuda_staging.Link: what lazy saves learned of the GPU, once one had CUDA state
+        self._arena: Any = None  # cuda_staging.SpillArena of lazy saves, made by prepare() or the first lazy save
         self._policy: str | None = None  # the daemon's [staging] policy, once asked
         self._preparing: Future[None] | None = None  # prepare()'s work in the background, until a save waited for it
         # The job's history (ckpt.history): the line this rank's saves continue, as the daemon named it at its
@@ -235,6 +252,7 @@ class Checkpointer:
         size_bytes = layout_offset(flat.data_size_bytes) + len(json.dumps(flat.layout()).encode()) + PREPARE_SLACK_BYTES
         gpu = _gpu_of(flat.arrays)
         request = pb.ReserveRequest(shard=self._shard(0), size_bytes=size_bytes, prepare=True)
+        probe = self._prepare_lazy(flat.arrays) if gpu is not None else None
 
         def work() -> None:
             reply = self._daemon.call("Reserve", request, timeout_s=None)
@@ -244,9 +262,45 @@ class Checkpointer:
             ):
                 if path:
                     self._slots.map_ahead(path, size, gpu)  # already on the background thread
+            if probe is not None:
+                self._link.measure_rate(probe)  # the first estimate of the link, for the first lazy save's head
 
         self._preparing = self._slots.in_background(work)
         return self._preparing
+
+    def _prepare_lazy(self, arrays: list[Any]) -> torch.Tensor | None:
+        """Ready the lazy path for CUDA arrays: the optimizer scan and hook, the spill arena (training thread).
+
+        Return the largest CUDA array an optimizer owns, which prepare()'s background thread times a
+        copy of (the link's first rate), or None where no optimizer owns one.
+        """
+        owned = lazy_copies.owners(arrays)  # the scan of the heap for optimizers, and the hook, once
+        cuda = [arrays[i] for i in owned if isinstance(arrays[i], torch.Tensor) and arrays[i].is_cuda]
+        if not cuda:
+            return None
+        self._spill_arena(cuda)
+        return max(cuda, key=lambda t: t.numel() * t.element_size())
+
+    def _spill_arena(self, owned_cuda: list[Any]) -> bool:
+        """Make the Link and the SpillArena for these lazily saved CUDA arrays, unless made; return whether now.
+
+        The first arena holds ARENA_SHARE of their bytes per device (bounded by spill_bytes and by free
+        memory); once saves have taught the tail, each copy's lazy thread fits it to that.
+        """
+        cuda = _cuda()
+        if self._link is None:
+            self._link = cuda.Link()
+        if self._arena is not None:
+            return False
+        self._arena = cuda.SpillArena(self._spill_bytes)
+        if self._spill_bytes != 0:
+            per_device: dict[int, int] = {}
+            for t in owned_cuda:
+                device = cuda.CUDA.device_of(t)
+                per_device[device] = per_device.get(device, 0) + t.numel() * t.element_size()
+            for device, nbytes in per_device.items():
+                self._arena.ensure(device, int(nbytes * cuda.ARENA_SHARE))
+        return True
 
     def save_async(self, state: Any, step: int | None = None, lazy: bool = False) -> SaveHandle:
         """Snapshot state into shared memory and return; the caller may change it at once.
@@ -263,8 +317,13 @@ class Checkpointer:
 
         The handle's blocked_s is the time the save waited before its copy could start
         (the previous lazy copy, staging room, a new slot allocated, mapped or pinned,
-        prepare() still at work), and reason says for what.
+        prepare() still at work), and reason says for what, and what a lazy save could not
+        do lazily. A save while the calling thread's stream captures a CUDA graph is refused.
         """
+        return self._save_async(state, step, lazy, None)
+
+    def _save_async(self, state: Any, step: int | None, lazy: bool, ready: dict[int, Any] | None) -> SaveHandle:
+        """Save as save_async; ready: the save's CUDA events, recorded by the caller on its own thread (ckpt.dcp)."""
         if self._closed:
             raise CheckpointError("this Checkpointer is closed")
         waits = _Waits()
@@ -286,9 +345,33 @@ class Checkpointer:
         step = self._next_step(step)
         flat = flatten(state, self._replicated, self.rank)
         on_device = frozenset(i for i, a in enumerate(flat.arrays) if isinstance(a, torch.Tensor) and a.is_cuda)
-        ready = _cuda().ready_events(flat.arrays) if on_device else None  # first: the caller's streams, this thread
+        if on_device and ready is None:
+            if _cuda().capturing(flat.arrays):
+                raise CheckpointError(
+                    "save_async was called while this thread's CUDA stream is capturing a graph: a save's copies "
+                    "cannot be part of a graph. Save outside torch.cuda.graph() / before capture"
+                )
+            ready = _cuda().ready_events(flat.arrays)  # first: the caller's streams, on this thread
         gpu = next(iter(ready)) if ready else None  # the first GPU of the state: slots are pinned there
         owned = lazy_copies.owners(flat.arrays) if lazy else {}
+        notes = []
+        if lazy:
+            captured = lazy_copies.stepped_in_graphs(owned)
+            for i in captured:
+                del owned[i]
+            if captured:
+                notes.append(_said_once(
+                    f"lazy=True, but {len(captured)} arrays belong to an optimizer whose step was captured into a "
+                    "CUDA graph (a replay runs no pre-hook): those were copied at the call"
+                ))  # fmt: skip
+            if not owned:
+                notes.append(_said_once(
+                    "lazy=True, but no known optimizer owns a tensor of this state (optimizers are found by a scan at "
+                    "the first lazy save or prepare(), and by their steps): saved eagerly"
+                ))  # fmt: skip
+            if owned and on_device and self._arena is None:  # every lazy save with CUDA arrays has a DeviceCopy
+                with waits.timed("allocating the spill arena of lazy saves (Checkpointer.prepare() does it ahead)"):
+                    self._spill_arena([flat.arrays[i] for i in sorted(on_device & owned.keys())])
         layout = json.dumps(flat.layout()).encode()
         # The layout travels in the slot, after the data: megabytes for a large model never cross the socket.
         size_bytes = layout_offset(flat.data_size_bytes) + len(layout)
@@ -299,7 +382,7 @@ class Checkpointer:
         reserved = self._daemon.call("Reserve", request, timeout_s=None)
         if reserved.skipped:
             log.warning("ckpt: save of %s step %d skipped: %s", self.job, step, reserved.reason)
-            return SaveHandle(self, step, True, 0.0, reserved.reason)
+            return SaveHandle(self, step, True, 0.0, _reason(reserved.reason, *notes))
         if reserved.reason:  # staging room it waited for, or a slot it had to allocate ("new slot", "grew a slot")
             waits.add(time.monotonic() - asked, reserved.reason)
         held = contextlib.ExitStack()
@@ -340,13 +423,19 @@ class Checkpointer:
                 lock = held.pop_all()  # the lazy thread lets go of the slot once it committed
                 try:
                     if ready is not None:  # every CUDA array, owned or not: none is copied on this thread
-                        staged.device = _cuda().DeviceCopy(
+                        staged.device = device_copy = _cuda().DeviceCopy(
                             slot,
                             [(i, slot_view(flat, slot, i), flat.arrays[i]) for i in sorted(on_device)],
                             ready,
-                            self._spill_bytes,
+                            self._link,
+                            self._arena,
                             now=on_device - owned.keys(),
                         )
+                        if device_copy.held_bytes:
+                            notes.append(
+                                f"{device_copy.held_bytes} bytes no optimizer owns did not fit the spill arena: "
+                                "copied to the host first, the caller's stream waiting for them on the GPU"
+                            )
 
                     def copy(indices: list[int]) -> None:  # on the lazy thread alone: on the daemon's cores, if pinned
                         copy_into(flat, slot, self._copy_pool, 1, only=indices)
@@ -366,7 +455,7 @@ class Checkpointer:
             )
             self._rolled_back_to = None
         self._line, self._last_step = reserved.line, step
-        return SaveHandle(self, step, False, waits.blocked_s, waits.reason, staged)
+        return SaveHandle(self, step, False, waits.blocked_s, _reason(waits.reason, *notes), staged)
 
     def _next_step(self, step: int | None) -> int:
         """Return the step to save: step itself, checked, or one past the step loaded or saved last, else the latest."""
@@ -560,6 +649,22 @@ class _Waits:
         self.blocked_s += seconds
         if seconds >= self._longest_s:
             self.reason, self._longest_s = reason, seconds
+
+
+def _reason(*parts: str) -> str:
+    """Join what a save's handle says: the longest wait's reason, then what it could not do as asked."""
+    return "; ".join(p for p in parts if p)
+
+
+_said: set[str] = set()
+
+
+def _said_once(note: str) -> str:
+    """Log a note of a save's handle once per process (a note that holds for one save holds for every save)."""
+    if note not in _said:
+        _said.add(note)
+        log.warning("ckpt: %s", note)
+    return note
 
 
 def _cuda() -> Any:

@@ -1,4 +1,4 @@
-"""Copy CUDA tensors into a staging slot: pinned slots, copies ordered by events, overlap and spill.
+"""Copy CUDA tensors into a staging slot: pinned slots, copies ordered by events, the lazy schedule.
 
 The one module of ckpt that touches CUDA; imported only when a state holds CUDA tensors,
 so CPU-only machines never load it. Who calls what, in which order, on which thread:
@@ -12,27 +12,53 @@ so CPU-only machines never load it. Who calls what, in which order, on which thr
    need by Checkpointer.prepare and the spare slot's prefault, on a background thread).
 3. Eager: copy_from_device() copies on a side stream per device and synchronizes before it
    returns, so save_async returns with the snapshot whole.
-4. Lazy: a DeviceCopy is made on the training thread; its run() goes on the lazy thread and
-   issues the device-to-host copies in chunks on the side stream, a bounded number of bytes
-   in flight, so they run beside the forward and backward pass. When an optimizer is about
-   to step, the optimizer step pre-hook (ckpt.lazy, training thread) calls before_step():
-   chunks already issued are awaited by the stepping stream *on the GPU* (wait_event, no
-   CPU block); chunks not issued yet are copied device to device into a spill buffer on the
-   stepping stream (bounded by spill_bytes) and go to the host from there after the step,
-   or, past the bound, are issued at once and awaited on the GPU as well.
+4. Lazy: the schedule of DeviceCopy, for a trainer whose GPU runs the forward and backward
+   pass long after the CPU launched it.
+   - At the save (DeviceCopy(), training thread) the *head* of the state is issued on the side
+     stream at once, unpaced: as many bytes as the link moves in the GPU time from the save to
+     the optimizer's step, which Link learns from the events of earlier saves (prepare() gives
+     the first rate). Arrays no optimizer owns are copied device to device into the spill arena
+     on the caller's stream (the forward pass may change them); what does not fit goes over PCIe
+     first and the caller's stream waits for it on the GPU.
+   - At the optimizer step pre-hook (before_step(), training thread) the *tail* the head does not
+     cover is copied device to device into the spill arena on the stepping stream (milliseconds at
+     device bandwidth), the stepping stream waits on the GPU for the head, and the spill drains to
+     the host on the side stream after the head, beside the next forward and backward pass.
+   - run(), on the lazy thread, waits for the head to land; if no step came by then it issues the
+     tail itself (IN_FLIGHT_BYTES ahead at most, so a step that comes meanwhile waits for little);
+     then it waits for every copy, and teaches Link what this save's events measured.
+   Nothing of a lazy save blocks the training thread on the GPU.
+
+Every call this module makes on the device goes through a Gpu (TorchCuda here, on torch.cuda):
+benchmarks/gpu_timeline.py answers the same calls with a timeline model of one device, so that
+the schedule itself, unchanged, can be run and checked without a GPU.
 """
 
 from __future__ import annotations
 
+import ctypes
+import logging
+import statistics
 import threading
+from collections import deque
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
-CHUNK_BYTES = 32 << 20  # one device-to-host copy of a lazy save; a contiguous tensor is split into these
-IN_FLIGHT_BYTES = 128 << 20  # issued and not yet landed: what a stepping optimizer may have to wait for on the GPU
-SPILL_SHARE_OF_FREE = 0.5  # default spill bound: this share of the device memory free at the first step
+from ckpt.errors import CheckpointError
+
+log = logging.getLogger("ckpt")
+
+CHUNK_BYTES = 32 << 20  # one device-to-host copy of a lazy save's tail; a contiguous tensor is split into these
+IN_FLIGHT_BYTES = 128 << 20  # the tail run() issues itself, ahead of what landed: what a late step may wait for
+HEAD_MARGIN = 0.9  # the head is this share of what the link moves before the step: a late head stalls the step
+ARENA_SHARE = 0.6  # the first spill arena, before any save taught the tail: this share of the lazy CUDA bytes
+ARENA_SLACK = 1.1  # the arena follows the predicted tail with this much room to spare
+ARENA_FREE_SHARE = 0.5  # an arena takes at most this share of the device memory free (cache included)
+SAMPLES = 5  # Link keeps the median of this many of the latest measurements
+RATE_PROBE_BYTES = 128 << 20  # prepare()'s timed device-to-host copy, the first estimate of the link's rate
+MIN_TIMED_BYTES = 16 << 20  # copies smaller than this teach Link no rate: their fixed costs dominate
 
 CUDA_HOST_REGISTER_PORTABLE = 1  # pinned for every device's context, not only the calling thread's current one
 
@@ -43,16 +69,108 @@ _streams: dict[int, torch.cuda.Stream] = {}
 _streams_lock = threading.Lock()
 
 
-def ready_events(arrays: list[Any]) -> dict[int, torch.cuda.Event]:
+class GraphCaptured(CheckpointError):
+    """An optimizer step of a running lazy save is being captured into a CUDA graph."""
+
+
+class Gpu(Protocol):
+    """The device calls of the schedule: TorchCuda on a GPU, benchmarks/gpu_timeline.Timeline in its model.
+
+    Streams answer wait_event(event); events answer record(stream), query(), synchronize() and
+    elapsed_time(other) in milliseconds, as torch.cuda's do. Any thread may call.
+    """
+
+    def holds(self, array: Any) -> bool: ...
+
+    def device_of(self, tensor: torch.Tensor) -> int: ...
+
+    def current_stream(self, device: int) -> Any: ...
+
+    def side_stream(self, device: int) -> Any: ...
+
+    def event(self) -> Any: ...
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: Any) -> None: ...
+
+    def empty(self, nbytes: int, device: int) -> torch.Tensor: ...
+
+    def host_empty(self, nbytes: int) -> torch.Tensor: ...
+
+    def free_bytes(self, device: int) -> int: ...
+
+    def capturing(self, device: int) -> bool: ...
+
+    def set_device(self, device: int) -> None: ...
+
+
+class TorchCuda:
+    """The Gpu of a real process: torch.cuda's streams, events and copies."""
+
+    def holds(self, array: Any) -> bool:
+        return isinstance(array, torch.Tensor) and array.is_cuda
+
+    def device_of(self, tensor: torch.Tensor) -> int:
+        return tensor.device.index if tensor.device.index is not None else torch.cuda.current_device()
+
+    def current_stream(self, device: int) -> torch.cuda.Stream:
+        return torch.cuda.current_stream(device)
+
+    def side_stream(self, device: int) -> torch.cuda.Stream:
+        with _streams_lock:
+            stream = _streams.get(device)
+            if stream is None:
+                # From the high-priority pool: a trainer's torch.cuda.Stream() comes from the other one,
+                # so the copies do not queue behind its kernels on a shared stream.
+                stream = _streams[device] = torch.cuda.Stream(device=device, priority=-1)
+            return stream
+
+    def event(self) -> torch.cuda.Event:
+        # Timed, so that Link learns from it; blocking, so that run() sleeps rather than spins on the daemon's CPUs.
+        return torch.cuda.Event(enable_timing=True, blocking=True)
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: torch.cuda.Stream) -> None:
+        # The sources stay referenced by their pieces until run() saw every copy land: never freed and reused meanwhile.
+        with torch.cuda.stream(stream):
+            dst.copy_(src, non_blocking=True)
+
+    def empty(self, nbytes: int, device: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, device=f"cuda:{device}")
+
+    def host_empty(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+    def free_bytes(self, device: int) -> int:
+        free, _ = torch.cuda.mem_get_info(device)
+        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return int(free + cached)  # the caching allocator's free blocks are free to us too
+
+    def capturing(self, device: int) -> bool:
+        with torch.cuda.device(device):
+            return bool(torch.cuda.is_current_stream_capturing())
+
+    def set_device(self, device: int) -> None:
+        torch.cuda.set_device(device)
+
+
+CUDA = TorchCuda()
+
+
+def ready_events(arrays: list[Any], gpu: Gpu = CUDA) -> dict[int, Any]:
     """Record an event on the calling thread's current stream of every CUDA device the arrays are on."""
     events = {}
     for array in arrays:
-        if isinstance(array, torch.Tensor) and array.is_cuda:
-            device = _index(array)
+        if gpu.holds(array):
+            device = gpu.device_of(array)
             if device not in events:
-                events[device] = torch.cuda.Event()
-                events[device].record(torch.cuda.current_stream(device))
+                events[device] = gpu.event()
+                events[device].record(gpu.current_stream(device))
     return events
+
+
+def capturing(arrays: list[Any]) -> bool:
+    """Say whether the calling thread's stream of a device the arrays are on is capturing a CUDA graph."""
+    devices = {CUDA.device_of(a) for a in arrays if isinstance(a, torch.Tensor) and a.is_cuda}
+    return any(CUDA.capturing(device) for device in devices)
 
 
 def pin(slot: torch.Tensor, device: int) -> None:
@@ -61,27 +179,33 @@ def pin(slot: torch.Tensor, device: int) -> None:
     device: the GPU the state is on, made current for the call, so that a thread that never
     touched CUDA creates no context on GPU 0. Where registration is refused (some sandboxes),
     copies still work, unpinned and slower, and it is not tried again for that mapping.
+    A slot pinned already returns at once, without the lock another slot's registration holds.
     """
+    if pinned(slot):
+        return
     ptr, size = slot.data_ptr(), slot.numel()
     with _pin_lock:
-        if _registered.get(ptr) == size or (ptr, size) in _refused:
+        if pinned(slot):
             return
         _unregister(ptr)  # a slot mapped again at the same address, maybe with another size
-        cudart = torch.cuda.cudart()
         with torch.cuda.device(device):
-            if int(cudart.cudaHostRegister(ptr, size, CUDA_HOST_REGISTER_PORTABLE)) == 0:
+            status = int(torch.cuda.cudart().cudaHostRegister(ptr, size, CUDA_HOST_REGISTER_PORTABLE))
+            if status == 0:
                 _registered[ptr] = size
             else:
                 _refused.add((ptr, size))
-                clear = getattr(cudart, "cudaGetLastError", None)
-                if clear is not None:
-                    clear()  # else the runtime's sticky last error fails this thread's next kernel launch
+                log.warning(
+                    "ckpt: cudaHostRegister of a %d-byte staging slot was refused (CUDA error %d): its copies go "
+                    "unpinned, slower, and a lazy save's copies cannot overlap training",
+                    *(size, status),
+                )
+                clear_cuda_error("cudaHostRegister")
 
 
 def pinned(slot: torch.Tensor) -> bool:
     """Say whether pin() has nothing left to do for a slot (then a save does not wait for it)."""
-    key = (slot.data_ptr(), slot.numel())
-    return _registered.get(key[0]) == key[1] or key in _refused
+    ptr, size = slot.data_ptr(), slot.numel()
+    return _registered.get(ptr) == size or (ptr, size) in _refused
 
 
 def unregister(slot: torch.Tensor) -> None:
@@ -93,41 +217,172 @@ def unregister(slot: torch.Tensor) -> None:
 
 def _unregister(ptr: int) -> None:
     if _registered.pop(ptr, None) is not None:
-        torch.cuda.cudart().cudaHostUnregister(ptr)
+        status = int(torch.cuda.cudart().cudaHostUnregister(ptr))
+        if status != 0:
+            log.warning("ckpt: cudaHostUnregister of a staging slot failed (CUDA error %d)", status)
+            clear_cuda_error("cudaHostUnregister")
 
 
-def _index(tensor: torch.Tensor) -> int:
-    return tensor.device.index if tensor.device.index is not None else torch.cuda.current_device()
+def clear_cuda_error(after: str) -> int | None:
+    """Reset the CUDA runtime's last error of this thread after a refused call; return the error it held.
+
+    A refused cudaHostRegister leaves its error as the thread's last error, and torch checks it after
+    its next kernel launch: that launch would raise. torch binds no cudaGetLastError, so it is called
+    in the libcudart this process already loaded (the one torch's calls went to). None: none found.
+    """
+    runtime = _loaded_cudart()
+    if runtime is None:
+        log.warning("ckpt: no libcudart loaded in this process: the error %s left could not be cleared", after)
+        return None
+    return int(runtime.cudaGetLastError())
 
 
-def _side_stream(device: int) -> torch.cuda.Stream:
-    with _streams_lock:
-        stream = _streams.get(device)
-        if stream is None:
-            # From the high-priority pool: a trainer's torch.cuda.Stream() comes from the other one,
-            # so the copies do not queue behind its kernels on a shared stream.
-            stream = _streams[device] = torch.cuda.Stream(device=device, priority=-1)
-        return stream
+def _loaded_cudart() -> ctypes.CDLL | None:
+    """Return the CUDA runtime library mapped into this process (from /proc/self/maps), or None."""
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if "libcudart" in line}
+    except OSError:
+        return None
+    for path in sorted(paths):
+        try:
+            return ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+        except OSError:
+            continue
+    return None
 
 
-def copy_from_device(
-    pairs: list[tuple[torch.Tensor, torch.Tensor]], slot: torch.Tensor, ready: dict[int, torch.cuda.Event]
-) -> None:
+def copy_from_device(pairs: list[tuple[torch.Tensor, torch.Tensor]], slot: torch.Tensor, ready: dict[int, Any]) -> None:
     """Copy each (host destination, CUDA source) pair after the save's ready events; return once all landed."""
     pin(slot, next(iter(ready)))
     by_device: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
     for dst, src in pairs:
-        by_device.setdefault(_index(src), []).append((dst, src))
+        by_device.setdefault(CUDA.device_of(src), []).append((dst, src))
     streams = []
     for device, group in by_device.items():
-        stream = _side_stream(device)
+        stream = CUDA.side_stream(device)
         stream.wait_event(ready[device])  # every write the caller queued before saving, on its stream
-        with torch.cuda.stream(stream):
-            for dst, src in group:
-                dst.copy_(src.detach(), non_blocking=True)
+        for dst, src in group:
+            CUDA.copy(dst, src.detach(), stream)
         streams.append(stream)
     for stream in streams:
         stream.synchronize()
+
+
+class Link:
+    """What a job's lazy saves taught about its GPU: the device-to-host rate, the GPU time from a save to its step.
+
+    One per Checkpointer. Calls: prepare() measures a first rate (measure_rate, its background
+    thread); each DeviceCopy reads head_bytes() at the save (training thread) and, once its copy
+    landed, learn()s from its events (lazy thread); the arena reads tail_bytes() then. A lock keeps
+    the samples whole between the threads.
+    """
+
+    def __init__(self) -> None:
+        self._rates_bps: deque[float] = deque(maxlen=SAMPLES)
+        self._windows_s: deque[float] = deque(maxlen=SAMPLES)
+        self._lock = threading.Lock()
+
+    def learn(self, rate_bps: float | None = None, window_s: float | None = None) -> None:
+        """Add a measured device-to-host rate and/or GPU time from a save's ready event to its optimizer step."""
+        with self._lock:
+            if rate_bps is not None and rate_bps > 0:
+                self._rates_bps.append(rate_bps)
+            if window_s is not None and window_s >= 0:
+                self._windows_s.append(window_s)
+
+    def estimate(self) -> tuple[float | None, float | None]:
+        """Return (rate in bytes a second, window in seconds), each the median of the latest samples, or None."""
+        with self._lock:
+            rate = statistics.median(self._rates_bps) if self._rates_bps else None
+            window = statistics.median(self._windows_s) if self._windows_s else None
+        return rate, window
+
+    def head_bytes(self, total: int, room: int) -> int:
+        """Return the bytes of total to issue at the save: what lands by the step, and what the arena cannot take."""
+        rate, window = self.estimate()
+        landed_by_step = int(rate * window * HEAD_MARGIN) if rate is not None and window is not None else 0
+        return min(total, max(landed_by_step, total - room))
+
+    def tail_bytes(self, total: int) -> int | None:
+        """Return the predicted tail of a save of total bytes (what is spilled), or None before anything is known."""
+        rate, window = self.estimate()
+        if rate is None or window is None:
+            return None
+        return max(0, total - int(rate * window * HEAD_MARGIN))
+
+    def measure_rate(self, source: torch.Tensor, gpu: Gpu = CUDA) -> None:
+        """Time a device-to-host copy of up to RATE_PROBE_BYTES of source into pinned memory (prepare's thread)."""
+        nbytes = min(RATE_PROBE_BYTES, source.numel() * source.element_size())
+        if nbytes < MIN_TIMED_BYTES:
+            return
+        device = gpu.device_of(source)
+        gpu.set_device(device)
+        src = source.detach().reshape(-1).view(torch.uint8)[:nbytes] if source.is_contiguous() else None
+        if src is None:
+            return
+        dst = gpu.host_empty(nbytes)
+        stream = gpu.side_stream(device)
+        stream.wait_event(ready_events([source], gpu)[device])
+        best_s = None
+        for _ in range(2):  # the first also warms the link up
+            start, end = gpu.event(), gpu.event()
+            start.record(stream)
+            gpu.copy(dst, src, stream)
+            end.record(stream)
+            end.synchronize()
+            seconds = start.elapsed_time(end) / 1e3
+            best_s = seconds if best_s is None else min(best_s, seconds)
+        if best_s:
+            self.learn(rate_bps=nbytes / best_s)
+
+
+class SpillArena:
+    """GPU memory set aside for the spills of lazy saves, one buffer per device; one save uses it at a time.
+
+    Calls: Checkpointer.prepare() sizes it (ensure(), training thread) so that no save allocates; a
+    lazy save that finds none makes it (and says so); each DeviceCopy takes its regions from offset
+    0 (the next lazy save starts only once the previous copy landed, so regions are never shared);
+    after a copy landed, its lazy thread fits the arena to the predicted tail (fit()), between saves.
+    limit: Checkpointer(spill_bytes=...), a bound per device; None: ARENA_FREE_SHARE of free memory.
+    """
+
+    def __init__(self, limit: int | None, gpu: Gpu = CUDA) -> None:
+        self.limit = limit
+        self.gpu = gpu
+        self.buffers: dict[int, torch.Tensor] = {}
+        self._lock = threading.Lock()
+
+    def capacity(self, device: int) -> int:
+        """Return the bytes of the device's buffer (0: none)."""
+        buffer = self.buffers.get(device)
+        return 0 if buffer is None else buffer.numel()
+
+    def ensure(self, device: int, nbytes: int) -> bool:
+        """Make the device's buffer nbytes large (within the bounds) unless it is; return whether it grew."""
+        wanted = _aligned(nbytes if self.limit is None else min(nbytes, self.limit))
+        with self._lock:
+            have = self.capacity(device)
+            if wanted == have or wanted <= 0:
+                return False
+            self.buffers.pop(device, None)  # its memory first: a larger buffer may need it
+            bound = int((self.gpu.free_bytes(device) + have) * ARENA_FREE_SHARE)
+            size = min(wanted, _aligned(bound) if self.limit is None else wanted)
+            try:
+                self.buffers[device] = self.gpu.empty(size, device)
+            except torch.cuda.OutOfMemoryError:
+                log.warning(
+                    "ckpt: no GPU memory for a %d-byte spill arena on cuda:%d: lazy saves spill less", size, device
+                )
+                return False
+            return size > have
+
+    def fit(self, device: int, tail_bytes: int) -> None:
+        """Resize the buffer to the predicted tail and ARENA_SLACK when too small or twice too large (lazy thread)."""
+        want = int(tail_bytes * ARENA_SLACK)
+        have = self.capacity(device)
+        if want > have or want < have // 2:
+            self.ensure(device, want)
 
 
 @dataclass
@@ -139,168 +394,259 @@ class _Piece:
     dst: torch.Tensor  # in the pinned slot
     src: torch.Tensor
     nbytes: int
-    landed: torch.cuda.Event | None = None  # set once issued on the side stream (from the source or the spill)
+    landed: Any = None  # an event, set once issued from the source: recorded after it on the side stream
     issued: int = 0  # when, in the order of issue: the side stream of a device runs its copies in that order
-    spill: torch.Tensor | None = None  # set once spilled: the device copy the host copy is made from
-    spilled: torch.cuda.Event | None = None  # recorded on the stepping stream after the spill copy
+    spill: torch.Tensor | None = None  # set once spilled: its region of the arena, which the host copy is made from
 
 
 class DeviceCopy:
-    """The CUDA arrays of one lazy save, copied to the host beside training, spilled on the GPU when due.
+    """The CUDA arrays of one lazy save: the head issued at the save, the tail spilled at the step, drained after.
 
-    Made on the training thread by save_async; run() on the lazy thread; before_step() on the
-    training thread, from the optimizer step pre-hook, any number of times meanwhile. A lock
-    keeps each piece issued once, from the source or from its spill.
+    Made on the training thread by save_async (which issues the head); run() on the lazy thread;
+    before_step() on the training thread, from the optimizer step pre-hook, any number of times
+    meanwhile. A lock keeps each piece issued once, from the source or from its spill.
     """
 
     def __init__(
         self,
         slot: torch.Tensor,
         items: list[tuple[int, torch.Tensor, torch.Tensor]],
-        ready: dict[int, torch.cuda.Event],
-        spill_bytes: int | None,
+        ready: dict[int, Any],
+        link: Link,
+        arena: SpillArena,
         now: frozenset[int] = frozenset(),
+        gpu: Gpu = CUDA,
     ) -> None:
-        """Cut the items into pieces, and snapshot those of the arrays in now at once (training thread).
+        """Cut the items into pieces, spill the arrays in now, issue the head (training thread).
 
-        items: (array index, host destination in the slot, CUDA source); spill_bytes: the bound of
-        spills at steps (None: a share of the free memory). now: arrays no optimizer owns (buffers),
-        which the forward pass may change: copied device to device on the caller's stream now, to
-        the host later, so that save_async need not wait for the GPU to reach the save.
+        items: (array index, host destination in the slot, CUDA source). now: arrays no optimizer
+        owns, which the forward pass may change: copied device to device into the arena on the
+        caller's stream now (past the arena, over PCIe with the caller's stream waiting on the GPU).
         """
+        self.gpu = gpu
         self.slot = slot
         self.device = next(iter(ready))  # the lazy thread's current device: no context made on GPU 0 for it
         self.ready = ready
-        self.spill_limit = spill_bytes
-        self.spilled_bytes = 0
+        self.link = link
+        self.arena = arena
+        self._now = now
         self.pieces: list[_Piece] = []
         for index, dst, src in items:
-            self.pieces += _split(index, dst, src.detach())
+            self.pieces += _split(index, dst, src.detach(), gpu.device_of(src))
         self._by_index: dict[int, list[_Piece]] = {}
         for piece in self.pieces:
             self._by_index.setdefault(piece.index, []).append(piece)
+        self.spilled_bytes = 0  # copied into the arena (at the save or at a step), then to the host
+        self.direct_bytes = 0  # copied from the source to the host
+        self.held_bytes = 0  # of the arrays no optimizer owns: over PCIe before the caller's stream went on
+        self.gpu_wait_s: float | None = None  # once run() finished: the GPU time stepping streams waited for this save
         self._lock = threading.Lock()
         self._issued = 0
+        self._taken: dict[int, int] = {}  # arena bytes this save took, per device
         self._finished = False  # set by run() once every piece is on the host: a later step waits for nothing
-        if now:
-            with self._lock:
-                left = self._spill([p for i in sorted(now) for p in self._by_index.get(i, ())], bounded=False)
-                for piece in left:  # no GPU memory for them: copied to the host now, as an eager save does
-                    self._issue(piece, _side_stream(piece.device))
-                    assert piece.landed is not None
-                    piece.landed.synchronize()
+        self._head: dict[int, tuple[Any, Any, int]] = {}  # device -> (started, landed events, bytes) of the head
+        self._drains: list[tuple[Any, Any, int]] = []  # (started, landed events, bytes) of each spill's drain
+        self._steps: list[tuple[Any, Any]] = []  # (before, after) events of each step's waits, on its stream
+        self._step_began: dict[int, Any] = {}  # device -> the first step's before event: the end of the window
+        self._held_bytes_in_arena: dict[int, int] = {}  # per device: the arena taken by arrays no optimizer owns
+        with self._lock:
+            held = [p for i in sorted(now) for p in self._by_index.get(i, ())]
+            left, spilled = self._spill(held, {p.device: gpu.current_stream(p.device) for p in held})
+            for piece in left:  # no room in the arena: over PCIe, and the caller's stream waits for it on the GPU
+                self._issue(piece)
+                self.held_bytes += piece.nbytes
+            for device, last in _latest(left).items():
+                gpu.current_stream(device).wait_event(last.landed)
+            self._held_bytes_in_arena = dict(self._taken)
+            self._issue_head([p for p in self.pieces if p.landed is None and p.spill is None])
+            self._drain([p for p in held if p.spill is not None], spilled)  # after the head: it is on the clock
+
+    def _issue_head(self, pieces: list[_Piece]) -> None:
+        """Issue the head of each device's pieces at once, in state order, with one event after it (lock held)."""
+        by_device: dict[int, list[_Piece]] = {}
+        for piece in pieces:
+            by_device.setdefault(piece.device, []).append(piece)
+        for device, group in by_device.items():
+            total = sum(p.nbytes for p in group)
+            room = self.arena.capacity(device) - self._taken.get(device, 0)
+            head_bytes = self.link.head_bytes(total, room)
+            if head_bytes <= 0:
+                continue
+            stream = self.gpu.side_stream(device)
+            stream.wait_event(self.ready[device])
+            started, landed = self.gpu.event(), self.gpu.event()
+            started.record(stream)
+            issued = 0
+            for piece in group:
+                if issued >= head_bytes:
+                    break
+                self.gpu.copy(piece.dst, piece.src, stream)
+                piece.landed = landed
+                self._issued += 1
+                piece.issued = self._issued
+                issued += piece.nbytes
+            landed.record(stream)
+            self.direct_bytes += issued
+            self._head[device] = (started, landed, issued)
 
     def run(self) -> None:
-        """Issue every piece on the side streams, IN_FLIGHT_BYTES at most ahead; return when all landed."""
-        torch.cuda.set_device(self.device)
-        pin(self.slot, self.device)
-        streams = {device: _side_stream(device) for device in self.ready}
+        """Wait for the head, issue what no step spilled, wait for every copy, learn (lazy thread)."""
+        self.gpu.set_device(self.device)
+        for _, landed, _ in self._head.values():
+            landed.synchronize()  # the step's time: a step that comes before this spills the tail
         in_flight: list[_Piece] = []
         in_flight_bytes = 0
         for piece in self.pieces:
             with self._lock:
                 if piece.landed is not None or piece.spill is not None:
-                    continue  # issued by a step's hook, or spilled by it: its host copy comes below
-                self._issue(piece, streams[piece.device])
+                    continue  # in the head, issued by a step's hook, or spilled by it
+                self._issue(piece)
+                self.direct_bytes += piece.nbytes
             in_flight.append(piece)
             in_flight_bytes += piece.nbytes
             while in_flight_bytes > IN_FLIGHT_BYTES and len(in_flight) > 1:
                 landed = in_flight.pop(0)
-                assert landed.landed is not None
                 landed.landed.synchronize()  # pace: what is not issued can still be spilled at the next step
                 in_flight_bytes -= landed.nbytes
-        with self._lock:  # every piece is issued or spilled now: no hook spills any more
-            spilled = [p for p in self.pieces if p.spill is not None]
-        for piece in spilled:
-            assert piece.spill is not None and piece.spilled is not None
-            stream = streams[piece.device]
-            stream.wait_event(piece.spilled)
-            with torch.cuda.stream(stream):
-                piece.dst.copy_(piece.spill, non_blocking=True)
-            piece.spill.record_stream(stream)
-        for stream in streams.values():
-            stream.synchronize()
+        with self._lock:  # every piece is issued or spilled, its drain issued: no hook adds copies any more
+            ends = {}
+            for device in {p.device for p in self.pieces}:
+                ends[device] = self.gpu.event()
+                ends[device].record(self.gpu.side_stream(device))
+        for end in ends.values():
+            end.synchronize()
         with self._lock:
             self._finished = True
-            for piece in spilled:
-                piece.spill = None  # back to the allocator (record_stream keeps it until the copy is done)
+        self._learn()
+
+    def _learn(self) -> None:
+        """Measure this save from its events (all landed): the GPU wait, the link's rate, the window; fit the arena."""
+        self.gpu_wait_s = sum(before.elapsed_time(after) for before, after in self._steps) / 1e3
+        timed = [(s, e, n) for s, e, n in [*self._head.values(), *self._drains] if n >= MIN_TIMED_BYTES]
+        for started, landed, nbytes in timed:
+            seconds = started.elapsed_time(landed) / 1e3
+            if seconds > 0:
+                self.link.learn(rate_bps=nbytes / seconds)
+        for device, began in self._step_began.items():
+            self.link.learn(window_s=self.ready[device].elapsed_time(began) / 1e3)
+        for device in {p.device for p in self.pieces}:
+            owned = sum(p.nbytes for p in self.pieces if p.device == device) - self._held_total(device)
+            tail = self.link.tail_bytes(owned)
+            if tail is not None:
+                self.arena.fit(device, tail + self._held_bytes_in_arena.get(device, 0))
+
+    def _held_total(self, device: int) -> int:
+        return sum(p.nbytes for i in self._now for p in self._by_index.get(i, ()) if p.device == device)
 
     def before_step(self, indices: list[int]) -> None:
-        """Order the stepping stream after the copies of these arrays, on the GPU (training thread, the pre-hook)."""
+        """Order the stepping stream after the copies of these arrays, on the GPU (training thread, the pre-hook).
+
+        Pieces not issued yet are spilled into the arena on the stepping stream and drained after the
+        head; the stepping stream waits for the last piece issued from a source. A stream capturing a
+        CUDA graph is refused (GraphCaptured): a replay would run the step without this hook.
+        """
         with self._lock:
             if self._finished:
                 return  # every byte is on the host: the step may change the sources at once
             pieces = [p for i in indices for p in self._by_index.get(i, ())]
-            waits: dict[int, _Piece] = {}
-            not_issued = [p for p in pieces if p.landed is None and p.spill is None]
-            if not_issued:
-                self._spill(not_issued)
+            by_device: dict[int, list[_Piece]] = {}
             for piece in pieces:
-                if piece.spill is not None:
-                    continue  # the step overwrites the source; the spill holds the snapshot's bytes
-                if piece.landed is None:
-                    self._issue(piece, _side_stream(piece.device))  # over the spill bound: copied now, awaited below
-                latest = waits.get(piece.device)
-                if latest is None or piece.issued > latest.issued:  # a device's pieces land in the order issued:
-                    waits[piece.device] = piece  # waiting for the last one issued waits for them all
-            for device, piece in waits.items():
-                assert piece.landed is not None
-                torch.cuda.current_stream(device).wait_event(piece.landed)
+                by_device.setdefault(piece.device, []).append(piece)
+            for device, group in by_device.items():
+                if self.gpu.capturing(device):
+                    raise GraphCaptured(
+                        "an optimizer step is being captured into a CUDA graph while a lazy save's copy of its "
+                        "tensors is running: a replay of the graph would step without waiting for it. Wait for "
+                        "the save (h.wait('memory')) before capturing, or save with lazy=False"
+                    )
+                stepping = self.gpu.current_stream(device)
+                before = self.gpu.event()
+                before.record(stepping)
+                self._step_began.setdefault(device, before)
+                not_issued = [p for p in group if p.landed is None and p.spill is None]
+                left, spilled = self._spill(not_issued, {device: stepping})
+                for piece in left:  # past the arena: copied now and awaited below
+                    self._issue(piece)
+                    self.direct_bytes += piece.nbytes
+                self._drain([p for p in not_issued if p.spill is not None], spilled)
+                last = _latest([p for p in group if p.landed is not None]).get(device)
+                if last is not None:  # a device's copies land in the order issued: the last one issued covers all
+                    stepping.wait_event(last.landed)
+                after = self.gpu.event()
+                after.record(stepping)
+                self._steps.append((before, after))
 
-    def _issue(self, piece: _Piece, stream: torch.cuda.Stream) -> None:
+    def _issue(self, piece: _Piece) -> None:
+        """Copy a piece from its source to the host on its side stream, with its own event (lock held)."""
+        stream = self.gpu.side_stream(piece.device)
         stream.wait_event(self.ready[piece.device])  # first on this stream maybe: the hook can come before run()
-        with torch.cuda.stream(stream):
-            piece.dst.copy_(piece.src, non_blocking=True)
-            piece.landed = torch.cuda.Event(blocking=True)  # run() waits on it: sleep, not spin, on the daemon's CPUs
-            piece.landed.record(stream)
+        self.gpu.copy(piece.dst, piece.src, stream)
+        piece.landed = self.gpu.event()
+        piece.landed.record(stream)
         self._issued += 1
         piece.issued = self._issued
 
-    def _spill(self, pieces: list[_Piece], bounded: bool = True) -> list[_Piece]:
-        """Copy pieces device to device on the current stream, within the bound; return the rest (lock held)."""
-        if self.spill_limit is None and bounded:
-            free_bytes, _ = torch.cuda.mem_get_info(pieces[0].device)
-            self.spill_limit = int(free_bytes * SPILL_SHARE_OF_FREE)
-        by_device: dict[int, list[_Piece]] = {}
+    def _spill(self, pieces: list[_Piece], streams: dict[int, Any]) -> tuple[list[_Piece], dict[int, Any]]:
+        """Copy pieces device to device into the arena on their device's stream, as room allows (lock held).
+
+        Return the pieces that did not fit, and per device an event recorded after the spill copies.
+        """
         left = []
-        room = (self.spill_limit or 0) - self.spilled_bytes
+        used: dict[int, Any] = {}
         for piece in pieces:
-            if not bounded or _aligned(piece.nbytes) <= room:
-                by_device.setdefault(piece.device, []).append(piece)
-                room -= _aligned(piece.nbytes)
-            else:
+            buffer = self.arena.buffers.get(piece.device)
+            at = self._taken.get(piece.device, 0)
+            if buffer is None or at + _aligned(piece.nbytes) > buffer.numel():
                 left.append(piece)
+                continue
+            stream = used.get(piece.device)
+            if stream is None:
+                stream = used[piece.device] = streams[piece.device]
+                stream.wait_event(self.ready[piece.device])  # the stepping stream may not be the one that saved
+            # Each piece at a 256-byte boundary: any dtype views it, copies stay aligned.
+            piece.spill = buffer[at : at + piece.nbytes].view(piece.src.dtype).view(piece.src.shape)
+            self.gpu.copy(piece.spill, piece.src, stream)
+            self._taken[piece.device] = at + _aligned(piece.nbytes)
+            self.spilled_bytes += piece.nbytes
+        spilled = {}
+        for device, stream in used.items():
+            spilled[device] = self.gpu.event()
+            spilled[device].record(stream)
+        return left, spilled
+
+    def _drain(self, pieces: list[_Piece], spilled: dict[int, Any]) -> None:
+        """Copy spilled pieces to the host on the side stream, once their spill is done (lock held)."""
+        by_device: dict[int, list[_Piece]] = {}
+        for piece in pieces:
+            by_device.setdefault(piece.device, []).append(piece)
         for device, group in by_device.items():
-            stepping = torch.cuda.current_stream(device)
-            stepping.wait_event(self.ready[device])  # the stepping stream may not be the one that saved
-            offsets = [0]
-            for piece in group:  # each piece at a 256-byte boundary: any dtype views it, copies stay aligned
-                offsets.append(offsets[-1] + _aligned(piece.nbytes))
-            with torch.cuda.device(device), torch.cuda.stream(stepping):
-                try:
-                    buffer = torch.empty(offsets[-1], dtype=torch.uint8, device=f"cuda:{device}")
-                except torch.cuda.OutOfMemoryError:  # no room after all: spill no more, the step waits instead
-                    self.spill_limit = self.spilled_bytes
-                    left += group
-                    continue
-                for piece, at in zip(group, offsets, strict=False):
-                    piece.spill = buffer[at : at + piece.nbytes].view(piece.src.dtype).view(piece.src.shape)
-                    piece.spill.copy_(piece.src)
-                done = torch.cuda.Event()
-                done.record(stepping)
+            stream = self.gpu.side_stream(device)
+            stream.wait_event(spilled[device])
+            started, landed = self.gpu.event(), self.gpu.event()
+            started.record(stream)
             for piece in group:
-                piece.spilled = done
-            self.spilled_bytes += offsets[-1]
-        return left
+                assert piece.spill is not None
+                self.gpu.copy(piece.dst, piece.spill, stream)
+            landed.record(stream)
+            self._drains.append((started, landed, sum(p.nbytes for p in group)))
+
+
+def _latest(pieces: list[_Piece]) -> dict[int, _Piece]:
+    """Return the piece issued last on each device: waiting for it waits for every earlier one there."""
+    latest: dict[int, _Piece] = {}
+    for piece in pieces:
+        if piece.landed is not None and (piece.device not in latest or piece.issued > latest[piece.device].issued):
+            latest[piece.device] = piece
+    return latest
 
 
 def _aligned(nbytes: int) -> int:
     return (nbytes + 255) // 256 * 256
 
 
-def _split(index: int, dst: torch.Tensor, src: torch.Tensor) -> list[_Piece]:
+def _split(index: int, dst: torch.Tensor, src: torch.Tensor, device: int) -> list[_Piece]:
     """Cut a contiguous tensor into CHUNK_BYTES pieces (a strided one stays whole: copy_ gathers it)."""
-    device, nbytes = _index(src), src.numel() * src.element_size()
+    nbytes = src.numel() * src.element_size()
     if not src.is_contiguous() or nbytes <= CHUNK_BYTES or src.element_size() == 0:
         return [_Piece(index, device, dst, src, nbytes)]
     flat_src, flat_dst = src.view(-1), dst.view(-1)

@@ -38,6 +38,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
+from torch.utils._pytree import tree_leaves
 
 from ckpt.checkpointer import Checkpointer, SaveHandle
 from ckpt.errors import CheckpointError, InvalidArgument
@@ -75,11 +76,23 @@ def process_rank(rank: int | None, world_size: int | None) -> tuple[int | None, 
     return rank, world_size
 
 
+def _ready_events(state: Any) -> dict[int, Any] | None:
+    """Record the save's events on the calling thread's current streams of the GPUs state is on (None: on none)."""
+    leaves = [t for t in tree_leaves(state) if isinstance(t, torch.Tensor) and t.is_cuda]
+    if not leaves:
+        return None
+    from ckpt import cuda_staging  # only a process with CUDA state loads it
+
+    return cuda_staging.ready_events(leaves)
+
+
 class _Staged:
     """A state that dcp.async_save handed to stage(), and the save that copies it (once) into shared memory."""
 
     def __init__(self, state: Any) -> None:
+        """Keep state, and record its CUDA events now: on the thread that called DCP, whose streams wrote it."""
         self.state = state
+        self.ready = _ready_events(state)  # the copy may run on DCP's upload thread, whose streams order nothing
         self.step: int | None = None  # chosen when the upload thread sets the save up
         self.set_up = threading.Event()
         self.failure: BaseException | None = None  # why the save could not be set up
@@ -95,7 +108,7 @@ class _Staged:
                 raise self.failure
             if self.handle is None:
                 assert self.step is not None
-                self.handle = checkpointer.save_async(self.state, self.step)
+                self.handle = checkpointer._save_async(self.state, self.step, False, self.ready)
                 self.state = None  # the copy is made: the live state is not kept past it
             return self.handle
 

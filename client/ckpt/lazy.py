@@ -5,15 +5,16 @@ arrays of the flattened state whose bytes overlap a known optimizer's parameters
 states, copies every other array into the slot at once, and hands a LazyCopy of the owned
 ones to its lazy thread. That thread runs LazyCopy.run(): the owned host arrays, group by
 group (a group: the arrays the same optimizers own), then the owned CUDA arrays
-(ckpt.cuda_staging.DeviceCopy: device-to-host copies in chunks on a side stream, ordered
-after the events save_async recorded on the caller's streams), then the commit.
+(ckpt.cuda_staging.DeviceCopy: the head of them issued at the save, the rest spilled at the
+step or issued once the head landed, all ordered after the events save_async recorded on
+the caller's streams), then the commit.
 
 Before any optimizer steps, torch calls _before_step (a global optimizer step pre-hook,
 installed once per process by the first lazy save) on the training thread. In every
 LazyCopy still running, for the groups the stepping optimizer owns, it waits on the CPU
 for their host arrays, and orders the stepping stream after the copies of their CUDA
-arrays on the GPU (DeviceCopy.before_step: a wait_event, or a spill into GPU memory of
-what is not copied yet), so a step never changes a tensor before its bytes are saved and
+arrays on the GPU (DeviceCopy.before_step: a wait_event for the head, a spill into the
+GPU's spill arena of what is not copied yet), so a step never changes a tensor before its bytes are saved and
 the Python thread does not block for the GPU's copies. SaveHandle.wait() and the rank's
 next save wait for the whole copy. The hook never waits for the commit, only for copies,
 which need nothing from the training thread.
@@ -21,9 +22,12 @@ which need nothing from the training thread.
 The lazy thread starts with run_beside(): it moves onto the CPUs the daemon runs on ([node] cpus),
 so the background copy takes the daemon's cores and leaves the trainer's alone.
 
-Optimizers are known from a scan of the heap at the first lazy save, and from every step
-any optimizer takes afterwards (the same hook records it). An optimizer not known yet
-owns nothing: its tensors are copied at once, which is always safe.
+Optimizers are known from a scan of the heap at the first lazy save (or Checkpointer.prepare),
+and from every step any optimizer takes afterwards (the same hook records it). An optimizer
+not known yet owns nothing: its tensors are copied at once, which is always safe. An optimizer
+the hook sees stepping while a CUDA graph is captured is remembered: a replay of the graph runs
+no hook, so in later lazy saves its tensors are copied at the call (stepped_in_graphs), and a
+capture while a lazy copy of its tensors runs is refused (ckpt.cuda_staging.GraphCaptured).
 """
 
 from __future__ import annotations
@@ -50,6 +54,7 @@ from ckpt.wire.v1 import ckptd_pb2 as pb
 log = logging.getLogger("ckpt")
 
 _known: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+_captured: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()  # stepped while a CUDA graph was captured
 _running: set[LazyCopy] = set()
 _lock = threading.Lock()
 _hook: Any = None
@@ -93,8 +98,24 @@ def install_hook() -> None:
             _hook = register_optimizer_step_pre_hook(_before_step)
 
 
+def stepped_in_graphs(owned: dict[int, frozenset[int]]) -> list[int]:
+    """Return the arrays of owned that an optimizer owns whose step was captured into a CUDA graph.
+
+    A graph's replay runs no pre-hook: a lazy copy of these could not hold their step back.
+    """
+    captured = {id(o) for o in list(_captured)}
+    return [i for i, ids in owned.items() if ids & captured]
+
+
+def _capturing() -> bool:
+    """Say whether this thread's current CUDA stream is capturing a graph (never true where CUDA is not in use)."""
+    return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
+
+
 def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     _known.add(optimizer)
+    if _capturing():
+        _captured.add(optimizer)  # its replays will step without this hook: its later lazy saves copy at the call
     with _lock:
         running = list(_running)
     for copy in running:
