@@ -407,13 +407,14 @@ class Prediction:
     saves: int
     step_none_s: float
     overhead: float  # (window - none's window) / none's window
-    optimizer_wait_s: float  # per save: the GPU time the stepping stream waited for the save (its own events)
-    spilled_bytes: float  # per save, steady (after the first)
+    optimizer_wait_s: float  # per steady save: the GPU time stepping streams waited for it (its own events)
+    first_wait_s: float  # the same for the first save of a prepared job
+    spilled_bytes: float  # per steady save (after the first)
     spilled_share: float
-    host_copy_s: float  # per save, steady: from the GPU reaching the save to its last byte on the host
+    host_copy_s: float  # per steady save: from the GPU reaching the save to its last byte on the host
     blocked_s: float  # per save: the training thread waited for the previous copy (policy block)
     schedule_waits_s: float  # per save: the training thread blocked on the GPU inside save_async or the hook
-    gpu_wait_by_stream_s: float = 0.0  # per save: the compute stream held by wait_event, as the model saw it
+    held_by_wait_event_s: float = 0.0  # per save: the compute stream held by wait_event, as the model saw it
     note: str = "MODEL PREDICTION, not a measurement"
     saves_detail: list[dict[str, float]] = field(default_factory=list)
 
@@ -425,12 +426,25 @@ class ModelTrainer:
     ready events on the training thread, a DeviceCopy (which issues the head), its run() on a
     background thread, before_step() before each optimizer step while a copy runs, and under
     [staging] policy block a save that finds the previous copy running waits for it.
+
+    Each step: the forward and backward pass (f.kernels kernels, launched over f.launch_s; with real
+    tensors the first one adds 1 to the arrays in buffers, which no optimizer owns), the pre-hook,
+    the optimizer's kernel (with real tensors it adds 1 to every other array). So a save after k
+    steps holds k in every element: check_saved() says whether it does.
     """
 
-    def __init__(self, figures: Figures, spill_bytes: int | None = None, schedule: Any = None) -> None:
+    def __init__(
+        self,
+        figures: Figures,
+        spill_bytes: int | None = None,
+        timeline: Timeline | None = None,
+        tensors: list[torch.Tensor] | None = None,
+        buffers: frozenset[int] = frozenset(),
+    ) -> None:
         self.figures = figures
-        self.timeline = Timeline(figures.d2h_bytes_per_s, figures.d2d_bytes_per_s)
-        self.tensors = gpt_tensors(self.timeline, figures.state_bytes)
+        self.timeline = timeline or Timeline(figures.d2h_bytes_per_s, figures.d2d_bytes_per_s)
+        self.tensors = tensors if tensors is not None else gpt_tensors(self.timeline, figures.state_bytes)
+        self.buffers = buffers
         self.state_bytes = sum(t.numel() * t.element_size() for t in self.tensors)
         self.slot = self.timeline.host_empty(self.state_bytes)
         self.items = []
@@ -439,11 +453,14 @@ class ModelTrainer:
             n = t.numel() * t.element_size()
             self.items.append((i, self.slot[at : at + n].view(t.dtype).view(t.shape), t))
             at += n
-        self.schedule = schedule or _NewSchedule(self, spill_bytes)
+        self.schedule: Any = _NewSchedule(self, spill_bytes)
         self.copies: list[Any] = []
         self.jobs: list[Job] = []
+        self.saved_after: list[int] = []  # per save: the steps taken before it
+        self.steps_taken = 0
         self.blocked_s = 0.0  # the training thread waited for the previous copy (policy block)
         self.schedule_waits: list[tuple[float, float]] = []  # the training thread blocked inside save or the hook
+        self.on_copied: Callable[[int], None] | None = None  # called with a save's index once its copy landed
 
     def run(self, every: int, steps: int, save: bool = True) -> float:
         """Train steps steps, saving at the top of every every-th; return the window (from start to idle)."""
@@ -452,29 +469,67 @@ class ModelTrainer:
         ends: list[ModelEvent] = []
         for k in range(steps):
             if save and k % every == 0:
-                if self.jobs and self.jobs[-1].done_s is None:
-                    began = tl.cpu_s()
-                    tl.join(self.jobs[-1])  # [staging] policy block: one host copy at a time
-                    self.blocked_s += tl.cpu_s() - began
-                copy = self._watched(self.schedule.save)
-                self.copies.append(copy)
-                self.jobs.append(tl.spawn(copy.run))
-            for _ in range(f.kernels):
-                tl.cpu(f.launch_s / f.kernels)
-                tl.kernel(f.forward_backward_s / f.kernels)
-            if self.copies and self.jobs[-1].done_s is None:
-                self._watched(self._pre_hook)  # the optimizer step pre-hook
-            tl.cpu(0.0005)
-            tl.kernel(f.step_s - f.forward_backward_s)
-            ends.append(ModelEvent(tl, recorded_on=tl.compute))
+                self.save()
+            ends.append(self.step())
             if f.ahead_steps and k >= f.ahead_steps:
                 ends[k - f.ahead_steps].synchronize()
-        if self.jobs:
-            tl.join(self.jobs[-1])
+        self.copied()
         return tl.finish() - start_s
 
+    def step(self) -> ModelEvent:
+        """Launch one step: the forward and backward pass, the pre-hook, the optimizer; return its end's event."""
+        f, tl = self.figures, self.timeline
+        for n in range(f.kernels):
+            tl.cpu(f.launch_s / f.kernels)
+            tl.kernel(f.forward_backward_s / f.kernels, self._forward if n == 0 else None)
+        if self.copies and self.jobs[-1].done_s is None:
+            self._watched(self._pre_hook)  # the optimizer step pre-hook
+        tl.cpu(0.0005)
+        tl.kernel(f.step_s - f.forward_backward_s, self._step)
+        self.steps_taken += 1
+        return ModelEvent(tl, recorded_on=tl.compute)
+
+    def save(self) -> None:
+        """Save lazily, after the previous save's copy (policy block): the DeviceCopy, its run() in the background."""
+        tl = self.timeline
+        if self.jobs and self.jobs[-1].done_s is None:
+            began = tl.cpu_s()
+            tl.join(self.jobs[-1])
+            self.blocked_s += tl.cpu_s() - began
+        self.copied()
+        copy = self._watched(self.schedule.save)
+        self.copies.append(copy)
+        self.saved_after.append(self.steps_taken)
+        self.jobs.append(tl.spawn(copy.run))
+
+    def copied(self) -> None:
+        """Wait for the last save's copy (training thread) and hand it to on_copied once."""
+        if not self.jobs:
+            return
+        self.timeline.join(self.jobs[-1])
+        if self.on_copied is not None and len(self.copies) > getattr(self, "_reported", 0):
+            self._reported = len(self.copies)
+            self.timeline.finish()  # every effect of the copy applied
+            self.on_copied(len(self.copies) - 1)
+
+    def check_saved(self) -> list[str]:
+        """Return what the slot holds wrongly for the last save (real tensors): each array must hold its step."""
+        expected = self.saved_after[-1]
+        return [f"array {i}: {dst.unique().tolist()}, not {expected}" for i, dst, _ in self.items
+                if not bool((dst == expected).all())]  # fmt: skip
+
+    def _forward(self) -> None:
+        for i in self.buffers:
+            self.tensors[i].add_(1)
+
+    def _step(self) -> None:
+        for i, t in enumerate(self.tensors):
+            if i not in self.buffers:
+                t.add_(1)
+
     def _pre_hook(self) -> None:
-        self.copies[-1].before_step([i for i, _, _ in self.items])
+        owned = [i for i, _, _ in self.items if i not in self.buffers]
+        self.copies[-1].before_step(owned)
 
     def _watched(self, call: Callable[[], Any]) -> Any:
         """Make a call of the schedule on the training thread, keeping any wait of it for the GPU."""
@@ -492,20 +547,32 @@ class _NewSchedule:
         tl = trainer.timeline
         self.link = cuda_staging.Link()
         self.arena = cuda_staging.SpillArena(spill_bytes, gpu=tl)
-        # prepare(): a timed copy for the first rate, an arena of ARENA_SHARE of the state.
-        self.link.measure_rate(trainer.tensors[0], gpu=tl)
-        self.arena.ensure(0, int(trainer.state_bytes * cuda_staging.ARENA_SHARE))
+        # prepare(): a timed copy for the first rate, an arena of ARENA_SHARE of what optimizers own.
+        owned = [t for i, t in enumerate(trainer.tensors) if i not in trainer.buffers]
+        self.link.measure_rate(max(owned, key=lambda t: t.numel() * t.element_size()), gpu=tl)
+        if spill_bytes != 0:
+            self.arena.ensure(0, int(sum(t.numel() * t.element_size() for t in owned) * cuda_staging.ARENA_SHARE))
 
     def save(self) -> cuda_staging.DeviceCopy:
         tl, trainer = self.trainer.timeline, self.trainer
         ready = cuda_staging.ready_events(trainer.tensors, gpu=tl)
-        return cuda_staging.DeviceCopy(trainer.slot, trainer.items, ready, self.link, self.arena, gpu=tl)
+        return cuda_staging.DeviceCopy(
+            trainer.slot, trainer.items, ready, self.link, self.arena, now=trainer.buffers, gpu=tl
+        )
 
 
-def predict(figures: Figures, every: int, steps: int | None = None, spill_bytes: int | None = None,
-            schedule: Callable[[ModelTrainer], Any] | None = None) -> Prediction:  # fmt: skip
-    """Model a window of saves every every steps against one without; return the prediction."""
-    steps = steps or max(20, 2 * every, 4 * every if every <= 10 else 2 * every)
+def predict(
+    figures: Figures,
+    every: int,
+    steps: int | None = None,
+    spill_bytes: int | None = None,
+    schedule: Callable[[ModelTrainer], Any] | None = None,
+) -> Prediction:
+    """Model a window of saves every every steps against one without; return the prediction.
+
+    schedule: a factory of another schedule to model (an object whose save() returns a DeviceCopy-like copy).
+    """
+    steps = steps or max(20, 4 * every if every <= 10 else 2 * every)
     none = ModelTrainer(figures)
     none.run(every, 3, save=False)
     none_s = none.run(every, steps, save=False)
@@ -514,7 +581,6 @@ def predict(figures: Figures, every: int, steps: int | None = None, spill_bytes:
         trainer.schedule = schedule(trainer)
     trainer.run(every, 3, save=False)  # warm, as the benchmark does
     window_s = trainer.run(every, steps)
-    tl = trainer.timeline
     detail = []
     for copy, job in zip(trainer.copies, trainer.jobs, strict=True):
         ready = next(iter(copy.ready.values()))
@@ -533,13 +599,14 @@ def predict(figures: Figures, every: int, steps: int | None = None, spill_bytes:
         saves=saves,
         step_none_s=none_s / steps,
         overhead=window_s / none_s - 1,
-        optimizer_wait_s=statistics.mean(d["gpu_wait_s"] for d in detail),
+        optimizer_wait_s=statistics.mean(d["gpu_wait_s"] for d in steady),
+        first_wait_s=detail[0]["gpu_wait_s"],
         spilled_bytes=statistics.mean(d["spilled_bytes"] for d in steady),
         spilled_share=statistics.mean(d["spilled_bytes"] for d in steady) / trainer.state_bytes,
         host_copy_s=statistics.mean(d["host_copy_s"] for d in steady),
         blocked_s=trainer.blocked_s / saves,
         schedule_waits_s=sum(s for _, s in trainer.schedule_waits) / saves,
-        gpu_wait_by_stream_s=tl.compute.waited_s / saves,
+        held_by_wait_event_s=trainer.timeline.compute.waited_s / saves,
         saves_detail=detail,
     )
 
@@ -553,7 +620,7 @@ def main() -> int:
     args = p.parse_args()
     rows = []
     print("MODEL PREDICTIONS (benchmarks/gpu_timeline.py), not measurements: a GPU run is what counts")
-    header = (f"{'figures':<28} {'every':>5} {'overhead':>9} {'opt wait/save':>14} {'spill/save':>11} "
+    header = (f"{'figures':<28} {'every':>5} {'overhead':>9} {'opt wait/save':>14} {'first':>9} {'spill/save':>11} "
               f"{'spill %':>8} {'host copy':>10} {'blocked/save':>13}")  # fmt: skip
     print(header)
     for figures in (H100, GEN4):
@@ -561,6 +628,7 @@ def main() -> int:
             r = predict(figures, every, spill_bytes=args.spill_bytes)
             rows.append(asdict(r))
             print(f"{r.figures:<28} {r.every:>5} {r.overhead:>8.1%} {r.optimizer_wait_s * 1e3:>11.1f} ms "
+                  f"{r.first_wait_s * 1e3:>6.1f} ms "
                   f"{r.spilled_bytes / 1e9:>8.2f} GB {r.spilled_share:>7.0%} {r.host_copy_s * 1e3:>7.0f} ms "
                   f"{r.blocked_s * 1e3:>10.1f} ms", flush=True)  # fmt: skip
     if args.json is not None:
