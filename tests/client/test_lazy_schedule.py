@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -54,6 +55,29 @@ def _trainer(figures=SMALL, spill_bytes=None, buffers=frozenset(), tensors=16, k
     trainer.wrong = []
     trainer.on_copied = lambda index: trainer.wrong.extend(trainer.check_saved())
     return trainer
+
+
+# --- without the model ---
+
+
+def test_pin_returns_at_once_for_a_pinned_slot_while_another_slot_registers(monkeypatch):
+    slot = torch.zeros(4096, dtype=torch.uint8)
+    monkeypatch.setitem(cuda_staging._registered, slot.data_ptr(), slot.numel())  # as pin() leaves a pinned slot
+    with cuda_staging._pin_lock:  # held by a registration of gigabytes, on the prefault thread
+        done = threading.Event()
+        threading.Thread(target=lambda: (cuda_staging.pin(slot, 0), done.set()), daemon=True).start()
+        assert done.wait(10)
+
+
+def test_the_link_issues_what_lands_by_the_step_and_what_the_arena_cannot_take():
+    link = cuda_staging.Link()
+    assert link.head_bytes(1000, room=600) == 400  # nothing known: spill what the arena takes
+    assert link.tail_bytes(1000) is None
+    link.learn(rate_bps=10_000, window_s=0.05)
+    assert link.head_bytes(1000, room=600) == int(10_000 * 0.05 * cuda_staging.HEAD_MARGIN)
+    assert link.head_bytes(1000, room=100) == 900
+    assert link.head_bytes(100, room=1000) == 100
+    assert link.tail_bytes(1000) == 1000 - int(10_000 * 0.05 * cuda_staging.HEAD_MARGIN)
 
 
 # --- the model itself ---

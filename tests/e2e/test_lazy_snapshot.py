@@ -13,7 +13,7 @@ import threading
 import ckpt
 import pytest
 import torch
-from ckpt import checkpointer
+from ckpt import checkpointer, lazy
 from states import assert_same
 
 pytestmark = pytest.mark.e2e
@@ -115,6 +115,25 @@ def test_without_an_optimizer_or_with_lazy_off_the_save_is_whole_when_it_returns
         h2.wait("nvme", timeout=WAIT_S)
         assert_same({"w": torch.arange(10.0), "b": torch.ones(3)}, c.load(1))
         assert_same(expected, c.load(2))
+        assert "no known optimizer owns a tensor of this state" in h.reason and "saved eagerly" in h.reason
+        assert "optimizer" not in h2.reason
+
+
+def test_a_lazy_save_copies_at_the_call_what_an_optimizer_stepped_in_a_cuda_graph_owns(daemon, monkeypatch):
+    gate = Gate(monkeypatch)  # never opened: nothing may wait for it
+    model, optimizer, _ = _training()
+    monkeypatch.setattr(lazy, "_capturing", lambda: True)  # as if this step were being captured into a graph
+    optimizer.step()  # the pre-hook sees it: a replay of the graph would step without it
+    monkeypatch.setattr(lazy, "_capturing", lambda: False)
+    with ckpt.Checkpointer(job="graphed", address=daemon.address) as c:
+        state = _state(model, optimizer)
+        expected = copy.deepcopy(state)
+        h = c.save_async(state, step=1, lazy=True)
+        assert not gate.reached.is_set()  # nothing was left for the background
+        assert "captured into a CUDA graph" in h.reason
+        optimizer.step()
+        h.wait("nvme", timeout=WAIT_S)
+        assert_same(expected, c.load(1))
 
 
 def test_lazy_saves_one_after_another_each_hold_their_own_step(make_daemon):
