@@ -36,7 +36,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from ckpt import cuda_staging
@@ -125,6 +125,16 @@ class ModelEvent:
         return (end.time_s - self.time_s) * 1e3
 
 
+class Copy(NamedTuple):
+    """One copy the model ran: its kind, when, its bytes, and whether the training thread issued it."""
+
+    kind: str  # "d2h" or "d2d"
+    start_s: float
+    end_s: float
+    nbytes: int
+    by_training_thread: bool
+
+
 @dataclass
 class _Sleeper:
     time_s: float
@@ -166,7 +176,7 @@ class Timeline:
         self.compute = ModelStream(self, "compute")
         self.side = ModelStream(self, "side")
         self.capture = False  # the compute stream is capturing a CUDA graph
-        self.copies: list[tuple[str, float, float, int]] = []  # (d2h or d2d, start, end, bytes), in order of issue
+        self.copies: list[Copy] = []  # in the order of issue
         self._host: dict[int, torch.Tensor] = {}  # kept: a storage freed could pass its address to device memory
         self._cv = threading.Condition()
         self._running = 0
@@ -191,14 +201,20 @@ class Timeline:
     def event(self) -> ModelEvent:
         return ModelEvent(self)
 
+    def copy_all(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], stream: ModelStream) -> None:
+        for dst, src in pairs:
+            self.copy(dst, src, stream)
+
     def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: ModelStream) -> None:
+        """Copy src into dst on stream: device to host where dst is host memory, else device to device."""
         self.call()
         nbytes = src.numel() * src.element_size()
         to_host = self._storage(dst) in self._host
         rate = self.d2h_bytes_per_s if to_host else self.d2d_bytes_per_s
         engine = "d2h" if to_host else "compute"
         start, end = self._run(stream, engine, COPY_LATENCY_S + nbytes / rate)
-        self.copies.append(("d2h" if to_host else "d2d", start, end, nbytes))
+        training = threading.get_ident() == self.training_thread
+        self.copies.append(Copy("d2h" if to_host else "d2d", start, end, nbytes, training))
         if not self.meta:
             self._effect(end, lambda: dst.copy_(src))
 
@@ -440,8 +456,10 @@ class ModelTrainer:
         timeline: Timeline | None = None,
         tensors: list[torch.Tensor] | None = None,
         buffers: frozenset[int] = frozenset(),
+        host_async: bool = True,
     ) -> None:
         self.figures = figures
+        self.host_async = host_async  # False: as with a slot CUDA would not register
         self.timeline = timeline or Timeline(figures.d2h_bytes_per_s, figures.d2d_bytes_per_s)
         self.tensors = tensors if tensors is not None else gpt_tensors(self.timeline, figures.state_bytes)
         self.buffers = buffers
@@ -557,7 +575,7 @@ class _NewSchedule:
         tl, trainer = self.trainer.timeline, self.trainer
         ready = cuda_staging.ready_events(trainer.tensors, gpu=tl)
         return cuda_staging.DeviceCopy(
-            trainer.slot, trainer.items, ready, self.link, self.arena, now=trainer.buffers, gpu=tl
+            trainer.slot, trainer.items, ready, self.link, self.arena, trainer.buffers, tl, trainer.host_async
         )
 
 

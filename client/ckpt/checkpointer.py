@@ -430,6 +430,7 @@ class Checkpointer:
                             self._link,
                             self._arena,
                             now=on_device - owned.keys(),
+                            host_async=_cuda().page_locked(slot),
                         )
                         if device_copy.held_bytes:
                             notes.append(

@@ -90,7 +90,7 @@ class Gpu(Protocol):
 
     def event(self) -> Any: ...
 
-    def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: Any) -> None: ...
+    def copy_all(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], stream: Any) -> None: ...
 
     def empty(self, nbytes: int, device: int) -> torch.Tensor: ...
 
@@ -128,10 +128,11 @@ class TorchCuda:
         # Timed, so that Link learns from it; blocking, so that run() sleeps rather than spins on the daemon's CPUs.
         return torch.cuda.Event(enable_timing=True, blocking=True)
 
-    def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: torch.cuda.Stream) -> None:
+    def copy_all(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], stream: torch.cuda.Stream) -> None:
         # The sources stay referenced by their pieces until run() saw every copy land: never freed and reused meanwhile.
-        with torch.cuda.stream(stream):
-            dst.copy_(src, non_blocking=True)
+        with torch.cuda.stream(stream):  # once for all: entering it costs microseconds of the training thread
+            for dst, src in pairs:
+                dst.copy_(src, non_blocking=True)
 
     def empty(self, nbytes: int, device: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8, device=f"cuda:{device}")
@@ -208,6 +209,11 @@ def pinned(slot: torch.Tensor) -> bool:
     return _registered.get(ptr) == size or (ptr, size) in _refused
 
 
+def page_locked(slot: torch.Tensor) -> bool:
+    """Say whether a slot is registered with CUDA: a copy into it does not block the thread that issues it."""
+    return _registered.get(slot.data_ptr()) == slot.numel()
+
+
 def unregister(slot: torch.Tensor) -> None:
     """Unpin a slot's memory before its mapping goes away."""
     with _pin_lock:
@@ -262,8 +268,7 @@ def copy_from_device(pairs: list[tuple[torch.Tensor, torch.Tensor]], slot: torch
     for device, group in by_device.items():
         stream = CUDA.side_stream(device)
         stream.wait_event(ready[device])  # every write the caller queued before saving, on its stream
-        for dst, src in group:
-            CUDA.copy(dst, src.detach(), stream)
+        CUDA.copy_all([(dst, src.detach()) for dst, src in group], stream)
         streams.append(stream)
     for stream in streams:
         stream.synchronize()
@@ -328,7 +333,7 @@ class Link:
         for _ in range(2):  # the first also warms the link up
             start, end = gpu.event(), gpu.event()
             start.record(stream)
-            gpu.copy(dst, src, stream)
+            gpu.copy_all([(dst, src)], stream)
             end.record(stream)
             end.synchronize()
             seconds = start.elapsed_time(end) / 1e3
@@ -365,8 +370,8 @@ class SpillArena:
             have = self.capacity(device)
             if wanted == have or wanted <= 0:
                 return False
-            self.buffers.pop(device, None)  # its memory first: a larger buffer may need it
             bound = int((self.gpu.free_bytes(device) + have) * ARENA_FREE_SHARE)
+            self.buffers.pop(device, None)  # its memory first: a larger buffer may need it
             size = min(wanted, _aligned(bound) if self.limit is None else wanted)
             try:
                 self.buffers[device] = self.gpu.empty(size, device)
@@ -416,14 +421,19 @@ class DeviceCopy:
         arena: SpillArena,
         now: frozenset[int] = frozenset(),
         gpu: Gpu = CUDA,
+        host_async: bool = True,
     ) -> None:
         """Cut the items into pieces, spill the arrays in now, issue the head (training thread).
 
         items: (array index, host destination in the slot, CUDA source). now: arrays no optimizer
         owns, which the forward pass may change: copied device to device into the arena on the
         caller's stream now (past the arena, over PCIe with the caller's stream waiting on the GPU).
+        host_async: whether the slot is page-locked. Where it is not (cudaHostRegister refused), a
+        copy to it blocks the thread that issues it, so the head and the drains are issued by run().
         """
         self.gpu = gpu
+        self._host_async = host_async
+        self._undrained: list[tuple[list[_Piece], dict[int, Any]]] = []  # drains run() issues (not host_async)
         self.slot = slot
         self.device = next(iter(ready))  # the lazy thread's current device: no context made on GPU 0 for it
         self.ready = ready
@@ -458,7 +468,8 @@ class DeviceCopy:
             for device, last in _latest(left).items():
                 gpu.current_stream(device).wait_event(last.landed)
             self._held_bytes_in_arena = dict(self._taken)
-            self._issue_head([p for p in self.pieces if p.landed is None and p.spill is None])
+            if host_async:
+                self._issue_head([p for p in self.pieces if p.landed is None and p.spill is None])
             self._drain([p for p in held if p.spill is not None], spilled)  # after the head: it is on the clock
 
     def _issue_head(self, pieces: list[_Piece]) -> None:
@@ -477,21 +488,29 @@ class DeviceCopy:
             started, landed = self.gpu.event(), self.gpu.event()
             started.record(stream)
             issued = 0
+            head = []
             for piece in group:
                 if issued >= head_bytes:
                     break
-                self.gpu.copy(piece.dst, piece.src, stream)
+                head.append((piece.dst, piece.src))
                 piece.landed = landed
                 self._issued += 1
                 piece.issued = self._issued
                 issued += piece.nbytes
+            self.gpu.copy_all(head, stream)
             landed.record(stream)
             self.direct_bytes += issued
             self._head[device] = (started, landed, issued)
 
     def run(self) -> None:
-        """Wait for the head, issue what no step spilled, wait for every copy, learn (lazy thread)."""
+        """Wait for the head, issue what no step spilled, wait for every copy, learn (lazy thread).
+
+        Then it lets go of the sources and the arena's regions: a handle kept for long holds neither.
+        """
         self.gpu.set_device(self.device)
+        if not self._host_async:
+            with self._lock:
+                self._issue_head([p for p in self.pieces if p.landed is None and p.spill is None])
         for _, landed, _ in self._head.values():
             landed.synchronize()  # the step's time: a step that comes before this spills the tail
         in_flight: list[_Piece] = []
@@ -508,7 +527,10 @@ class DeviceCopy:
                 landed = in_flight.pop(0)
                 landed.landed.synchronize()  # pace: what is not issued can still be spilled at the next step
                 in_flight_bytes -= landed.nbytes
-        with self._lock:  # every piece is issued or spilled, its drain issued: no hook adds copies any more
+        with self._lock:  # every piece is issued or spilled: no hook adds copies any more
+            for pieces, spilled in self._undrained:
+                self._issue_drain(pieces, spilled)
+            self._undrained.clear()
             ends = {}
             for device in {p.device for p in self.pieces}:
                 ends[device] = self.gpu.event()
@@ -518,9 +540,17 @@ class DeviceCopy:
         with self._lock:
             self._finished = True
         self._learn()
+        with self._lock:
+            self.pieces, self._by_index = [], {}
 
     def _learn(self) -> None:
-        """Measure this save from its events (all landed): the GPU wait, the link's rate, the window; fit the arena."""
+        """Measure this save from its events (all landed): the GPU wait, the link's rate, the window; fit the arena.
+
+        A step's events are complete once the GPU passed its wait, which may come after the copy landed
+        (a small state, a GPU behind): that is waited for here, on the lazy thread, before the commit.
+        """
+        for _, after in self._steps:
+            after.synchronize()
         self.gpu_wait_s = sum(before.elapsed_time(after) for before, after in self._steps) / 1e3
         timed = [(s, e, n) for s, e, n in [*self._head.values(), *self._drains] if n >= MIN_TIMED_BYTES]
         for started, landed, nbytes in timed:
@@ -559,11 +589,14 @@ class DeviceCopy:
                         "tensors is running: a replay of the graph would step without waiting for it. Wait for "
                         "the save (h.wait('memory')) before capturing, or save with lazy=False"
                     )
+                not_issued = [p for p in group if p.landed is None and p.spill is None]
+                last = _latest([p for p in group if p.landed is not None]).get(device)
+                if not not_issued and (last is None or last.landed.query()):
+                    continue  # every source copied already (a later step while the spill drains): nothing to wait for
                 stepping = self.gpu.current_stream(device)
                 before = self.gpu.event()
                 before.record(stepping)
                 self._step_began.setdefault(device, before)
-                not_issued = [p for p in group if p.landed is None and p.spill is None]
                 left, spilled = self._spill(not_issued, {device: stepping})
                 for piece in left:  # past the arena: copied now and awaited below
                     self._issue(piece)
@@ -580,7 +613,7 @@ class DeviceCopy:
         """Copy a piece from its source to the host on its side stream, with its own event (lock held)."""
         stream = self.gpu.side_stream(piece.device)
         stream.wait_event(self.ready[piece.device])  # first on this stream maybe: the hook can come before run()
-        self.gpu.copy(piece.dst, piece.src, stream)
+        self.gpu.copy_all([(piece.dst, piece.src)], stream)
         piece.landed = self.gpu.event()
         piece.landed.record(stream)
         self._issued += 1
@@ -593,6 +626,7 @@ class DeviceCopy:
         """
         left = []
         used: dict[int, Any] = {}
+        pairs: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         for piece in pieces:
             buffer = self.arena.buffers.get(piece.device)
             at = self._taken.get(piece.device, 0)
@@ -605,17 +639,24 @@ class DeviceCopy:
                 stream.wait_event(self.ready[piece.device])  # the stepping stream may not be the one that saved
             # Each piece at a 256-byte boundary: any dtype views it, copies stay aligned.
             piece.spill = buffer[at : at + piece.nbytes].view(piece.src.dtype).view(piece.src.shape)
-            self.gpu.copy(piece.spill, piece.src, stream)
+            pairs.setdefault(piece.device, []).append((piece.spill, piece.src))
             self._taken[piece.device] = at + _aligned(piece.nbytes)
             self.spilled_bytes += piece.nbytes
         spilled = {}
         for device, stream in used.items():
+            self.gpu.copy_all(pairs[device], stream)
             spilled[device] = self.gpu.event()
             spilled[device].record(stream)
         return left, spilled
 
     def _drain(self, pieces: list[_Piece], spilled: dict[int, Any]) -> None:
-        """Copy spilled pieces to the host on the side stream, once their spill is done (lock held)."""
+        """Copy spilled pieces to the host on the side stream once their spill is done, now or in run() (lock held)."""
+        if self._host_async:
+            self._issue_drain(pieces, spilled)
+        elif pieces:
+            self._undrained.append((pieces, spilled))
+
+    def _issue_drain(self, pieces: list[_Piece], spilled: dict[int, Any]) -> None:
         by_device: dict[int, list[_Piece]] = {}
         for piece in pieces:
             by_device.setdefault(piece.device, []).append(piece)
@@ -624,9 +665,7 @@ class DeviceCopy:
             stream.wait_event(spilled[device])
             started, landed = self.gpu.event(), self.gpu.event()
             started.record(stream)
-            for piece in group:
-                assert piece.spill is not None
-                self.gpu.copy(piece.dst, piece.spill, stream)
+            self.gpu.copy_all([(p.dst, p.spill) for p in group if p.spill is not None], stream)
             landed.record(stream)
             self._drains.append((started, landed, sum(p.nbytes for p in group)))
 

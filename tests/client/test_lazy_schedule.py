@@ -48,10 +48,10 @@ def small_pieces(monkeypatch):
     monkeypatch.setattr(cuda_staging, "RATE_PROBE_BYTES", 128 * KIB)
 
 
-def _trainer(figures=SMALL, spill_bytes=None, buffers=frozenset(), tensors=16, kib=64) -> ModelTrainer:
+def _trainer(figures=SMALL, spill_bytes=None, buffers=frozenset(), tensors=16, kib=64, host_async=True):
     timeline = Timeline(figures.d2h_bytes_per_s, figures.d2d_bytes_per_s, free_bytes=64 << 20, meta=False)
     state = [timeline.tensor(kib * KIB // 4) for _ in range(tensors)]
-    trainer = ModelTrainer(figures, spill_bytes, timeline=timeline, tensors=state, buffers=buffers)
+    trainer = ModelTrainer(figures, spill_bytes, timeline, state, buffers, host_async)
     trainer.wrong = []
     trainer.on_copied = lambda index: trainer.wrong.extend(trainer.check_saved())
     return trainer
@@ -97,7 +97,7 @@ def test_the_model_runs_a_copy_on_the_side_stream_beside_a_kernel_and_wait_event
     assert after.time_s == pytest.approx(0.010, abs=1e-4)  # the kernel ran beside the copy
     tl.side.wait_event(after)
     tl.copy(slot.view(torch.float32), src, tl.side)
-    assert tl.copies[-1][1] == pytest.approx(0.010, abs=1e-4)  # held until the compute stream got there
+    assert tl.copies[-1].start_s == pytest.approx(0.010, abs=1e-4)  # held until the compute stream got there
 
 
 def test_the_model_applies_effects_in_time_order_so_an_overtaken_copy_saves_the_later_bytes():
@@ -130,9 +130,10 @@ def test_the_head_is_issued_at_the_save_and_only_the_tail_is_spilled_at_the_step
     trainer.save()
     copy = trainer.copies[-1]
     head = copy.direct_bytes
-    issued = [c for c in trainer.timeline.copies if c[0] == "d2h"]
+    issued = [c for c in trainer.timeline.copies if c.kind == "d2h"]
     assert head > 0 and copy.spilled_bytes == 0  # before any step: the head is on its way, nothing spilled
-    assert sum(n for *_, n in issued[-len([p for p in copy.pieces if p.landed is not None]) :]) == head
+    assert sum(c.nbytes for c in issued[-len([p for p in copy.pieces if p.landed is not None]) :]) == head
+    assert all(c.by_training_thread and c.start_s <= copy.ready[0].time_s + 1e-4 for c in issued[:1])
     trainer.step()  # its hook spills what the head does not cover
     trainer.copied()
     assert copy.spilled_bytes == trainer.state_bytes - head
@@ -194,6 +195,16 @@ def test_arrays_no_optimizer_owns_are_saved_as_they_were_before_the_next_forward
     trainer.run(every=2, steps=8)
     held = [c.held_bytes for c in trainer.copies]
     assert held == ([0] * 4 if arena_kib is None else [2 * 64 * KIB] * 4)  # past the arena: over PCIe, waited for
+    assert trainer.schedule_waits == [] and trainer.wrong == []
+
+
+def test_with_a_slot_cuda_would_not_pin_the_head_and_the_drains_are_issued_by_the_lazy_thread():
+    trainer = _trainer(host_async=False, buffers=frozenset({3}))
+    prepared = len(trainer.timeline.copies)  # prepare()'s timed copy: on its own thread in a Checkpointer
+    trainer.run(every=3, steps=9)
+    saves = trainer.timeline.copies[prepared:]
+    assert not any(c.by_training_thread for c in saves if c.kind == "d2h")
+    assert all(c.direct_bytes > 0 and c.spilled_bytes > 0 for c in trainer.copies)
     assert trainer.schedule_waits == [] and trainer.wrong == []
 
 
