@@ -236,7 +236,7 @@ class Checkpointer:
     def _shard(self, step: int) -> pb.ShardId:
         return pb.ShardId(job=self.job, step=step, rank=self.rank, world_size=self.world_size)
 
-    def prepare(self, state: Any) -> Future[None]:
+    def prepare(self, state: Any, lazy: bool = True) -> Future[None]:
         """Make this rank's staging slots ready for saves of state, in the background; return its future at once.
 
         Call it once the model and optimizer exist, before the first save (on the training thread).
@@ -245,6 +245,11 @@ class Checkpointer:
         then costs what any save costs. A save that comes before this is done waits for it and says
         so in its handle's blocked_s and reason. Sizes are taken from state now; a later state that
         is larger gets larger slots at its save. The future's result() raises what went wrong.
+
+        With lazy (the default) and CUDA tensors an optimizer owns, it also readies save_async(lazy=True):
+        the scan for optimizers and the step hook (here), the spill arena (GPU memory set aside for the
+        job, here) and a timed device-to-host copy (the link's first rate, in the background). A job
+        that never saves lazily passes lazy=False and keeps that GPU memory.
         """
         if self._closed:
             raise CheckpointError("this Checkpointer is closed")
@@ -252,7 +257,7 @@ class Checkpointer:
         size_bytes = layout_offset(flat.data_size_bytes) + len(json.dumps(flat.layout()).encode()) + PREPARE_SLACK_BYTES
         gpu = _gpu_of(flat.arrays)
         request = pb.ReserveRequest(shard=self._shard(0), size_bytes=size_bytes, prepare=True)
-        probe = self._prepare_lazy(flat.arrays) if gpu is not None else None
+        probe = self._prepare_lazy(flat.arrays) if gpu is not None and lazy else None
 
         def work() -> None:
             reply = self._daemon.call("Reserve", request, timeout_s=None)
