@@ -351,7 +351,7 @@ class Checkpointer:
         flat = flatten(state, self._replicated, self.rank)
         on_device = frozenset(i for i, a in enumerate(flat.arrays) if isinstance(a, torch.Tensor) and a.is_cuda)
         if on_device and ready is None:
-            if _cuda().capturing(flat.arrays):
+            if _cuda().CUDA.capturing(_gpu_of(flat.arrays)):
                 raise CheckpointError(
                     "save_async was called while this thread's CUDA stream is capturing a graph: a save's copies "
                     "cannot be part of a graph. Save outside torch.cuda.graph() / before capture"

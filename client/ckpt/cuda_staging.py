@@ -168,12 +168,6 @@ def ready_events(arrays: list[Any], gpu: Gpu = CUDA) -> dict[int, Any]:
     return events
 
 
-def capturing(arrays: list[Any]) -> bool:
-    """Say whether the calling thread's stream of a device the arrays are on is capturing a CUDA graph."""
-    devices = {CUDA.device_of(a) for a in arrays if isinstance(a, torch.Tensor) and a.is_cuda}
-    return any(CUDA.capturing(device) for device in devices)
-
-
 def pin(slot: torch.Tensor, device: int) -> None:
     """Register a slot's memory with CUDA (page-locked), once per mapping; any thread.
 
