@@ -384,7 +384,7 @@ class Figures:
     forward_backward_s: float = 0.0704  # of which the forward and backward pass
     launch_s: float = 0.010  # the CPU time to launch the forward and backward pass
     kernels: int = 24  # the forward and backward pass is launched as this many kernels
-    ahead_steps: int = 1  # the CPU waits for the end of the step this many steps back (a loss.item())
+    ahead_steps: int = 1  # the CPU waits for the end of the step this many steps back (a loss.item()); 0: never
     state_bytes: int = 7_600_000_000  # parameters and AdamW moments, fp32
 
 

@@ -540,12 +540,16 @@ class DeviceCopy:
     def _learn(self) -> None:
         """Measure this save from its events (all landed): the GPU wait, the link's rate, the window; fit the arena.
 
-        A step's events are complete once the GPU passed its wait, which may come after the copy landed
-        (a small state, a GPU behind): that is waited for here, on the lazy thread, before the commit.
+        The first step's events are complete once the GPU passed its wait, which may come after the
+        copy landed (a small state): that is waited for here, on the lazy thread, before the commit.
+        Later steps (a CPU that runs ahead launches several while the copy runs) whose events the GPU
+        has not reached yet are not waited for: all they wait for has landed, so they wait for nothing.
         """
-        for _, after in self._steps:
+        for began in self._step_began.values():
+            _, after = next(step for step in self._steps if step[0] is began)
             after.synchronize()
-        self.gpu_wait_s = sum(before.elapsed_time(after) for before, after in self._steps) / 1e3
+        reached = [(before, after) for before, after in self._steps if after.query()]
+        self.gpu_wait_s = sum(before.elapsed_time(after) for before, after in reached) / 1e3
         timed = [(s, e, n) for s, e, n in [*self._head.values(), *self._drains] if n >= MIN_TIMED_BYTES]
         for started, landed, nbytes in timed:
             seconds = started.elapsed_time(landed) / 1e3

@@ -9,6 +9,7 @@ the issue measured (a model's prediction: tests/client/test_cuda_staging.py chec
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import sys
 import threading
@@ -236,3 +237,11 @@ def test_at_h100_figures_a_lazy_save_costs_within_the_targets(every, overhead_at
     assert r.first_wait_s <= 1.2 * r.optimizer_wait_s
     assert r.spilled_share <= 0.6
     assert r.schedule_waits_s == 0
+
+
+def test_a_cpu_that_runs_steps_ahead_does_not_hold_the_copy_back_until_the_gpu_reaches_those_steps(monkeypatch):
+    monkeypatch.undo()
+    r = gpu_timeline.predict(dataclasses.replace(H100, ahead_steps=3), every=10)
+    d2h_s = H100.state_bytes / H100.d2h_bytes_per_s
+    assert r.host_copy_s < 1.2 * d2h_s  # from the GPU reaching the save to the copy done: the link's time
+    assert r.overhead <= 0.01
