@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
-# What needs a GPU, in one go (about 7 minutes on an H100; a lent machine's call may run 10): the gpu-marked tests, bench_local.py with the
-# state on the GPU, and bench_gpu_training.py (a GPT-style training loop, ckptd against dcp.async_save).
-# Results go to $RESULTS (default benchmarks/results): local-cuda.json, gpu-training.json, gpu-check.log.
+# What needs a GPU, in one go, under 8 minutes on an H100 (a lent machine's call may run 10): the gpu-marked
+# tests, bench_local.py with the state on the GPU, the timeline model's predictions, and bench_gpu_training.py
+# (a GPT-style training loop: ckptd eager and lazy against dcp.async_save, beside the model's predictions).
+# Each part runs under `timeout` with its own share, so one that hangs cannot eat the others' time:
+#   version 15 s, gpu tests 110 s, bench_local 75 s, gpu_timeline 20 s, bench_gpu_training 260 s (480 s in all).
+# Results go to $RESULTS (default benchmarks/results): gpu-check.log, local-cuda.json, gpu-timeline.json,
+# gpu-training.json (written after each round too, so a part cut short still leaves what it measured).
 #
 # It runs as a lent GPU machine is: no package registry, no venv, no install of the project. The tree is
 # put on PYTHONPATH and the interpreter is $PYTHON, else .venv/bin/python where there is one, else python3.
@@ -30,18 +34,23 @@ fi
 export PYTHONPATH="$PWD:$PWD/client:$PWD/benchmarks${site:+:$site}${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
 # Each part runs whatever the one before did (a GPU machine is lent for minutes: one failing test must not cost
-# the benchmarks); the script exits with the first failure's status. On a lent machine, RESULTS=$OUT brings the
-# log and the JSON back even when the call runs out of time.
+# the benchmarks); the script exits with the first failure's status (124: a part ran out of its time). On a lent
+# machine, RESULTS=$OUT brings the log and the JSON back even when the call runs out of time.
 rc=0
 run() {
-  local status=0
-  "$@" 2>&1 | tee -a "$RESULTS/gpu-check.log" || status=$?
+  local seconds=$1 status=0 began=$SECONDS
+  shift
+  echo "== $* (at most ${seconds} s)" | tee -a "$RESULTS/gpu-check.log"
+  # SIGTERM first (the benchmarks stop their daemon and remove their files), SIGKILL 15 s later.
+  timeout -k 15 "$seconds" "$@" 2>&1 | tee -a "$RESULTS/gpu-check.log" || status=$?
+  echo "== exit $status after $((SECONDS - began)) s" | tee -a "$RESULTS/gpu-check.log"
   if [ "$rc" -eq 0 ]; then rc=$status; fi
 }
 : > "$RESULTS/gpu-check.log"
-run "$PYTHON" -c 'import torch; print("torch", torch.__version__, "CUDA:", torch.cuda.is_available() and torch.cuda.get_device_name())'
-run "$PYTHON" -m pytest -q -m gpu -rs -p no:cacheprovider tests/client/test_cuda_staging.py tests/client/test_placement.py
-run "$PYTHON" benchmarks/bench_local.py --device cuda --size-gib "${GPU_BENCH_GIB:-2}" --repeats 2 \
+run 15 "$PYTHON" -c 'import torch; print("torch", torch.__version__, "CUDA:", torch.cuda.is_available() and torch.cuda.get_device_name())'
+run 110 "$PYTHON" -m pytest -q -m gpu -rs -p no:cacheprovider tests/client/test_cuda_staging.py tests/client/test_placement.py
+run 75 "$PYTHON" benchmarks/bench_local.py --device cuda --size-gib "${GPU_BENCH_GIB:-2}" --repeats 2 \
   --json "$RESULTS/local-cuda.json"
-run "$PYTHON" benchmarks/bench_gpu_training.py --json "$RESULTS/gpu-training.json"
+run 20 "$PYTHON" benchmarks/gpu_timeline.py --json "$RESULTS/gpu-timeline.json"
+run 260 "$PYTHON" benchmarks/bench_gpu_training.py --budget-s 220 --json "$RESULTS/gpu-training.json"
 exit "$rc"
