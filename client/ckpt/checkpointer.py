@@ -229,6 +229,7 @@ class Checkpointer:
             return
         self._closed = True
         self._lazy_thread.shutdown(wait=True)  # a lazy save's copy and commit finish first
+        self._arena = None  # its GPU memory back to torch's allocator now, not when a cycle is collected
         self._slots.close()
         self._copy_pool.shutdown(wait=True)
         self._daemon.close()
@@ -246,10 +247,10 @@ class Checkpointer:
         so in its handle's blocked_s and reason. Sizes are taken from state now; a later state that
         is larger gets larger slots at its save. The future's result() raises what went wrong.
 
-        With lazy (the default) and CUDA tensors an optimizer owns, it also readies save_async(lazy=True):
-        the scan for optimizers and the step hook (here), the spill arena (GPU memory set aside for the
-        job, here) and a timed device-to-host copy (the link's first rate, in the background). A job
-        that never saves lazily passes lazy=False and keeps that GPU memory.
+        With lazy (the default) it also readies save_async(lazy=True): the scan for optimizers (also those
+        made since an earlier scan) and the step hook, here; and where an optimizer owns CUDA tensors, the
+        spill arena (GPU memory set aside for the job, here) and a timed device-to-host copy (the link's
+        first rate, in the background). A job that never saves lazily passes lazy=False and keeps both.
         """
         if self._closed:
             raise CheckpointError("this Checkpointer is closed")
@@ -257,7 +258,7 @@ class Checkpointer:
         size_bytes = layout_offset(flat.data_size_bytes) + len(json.dumps(flat.layout()).encode()) + PREPARE_SLACK_BYTES
         gpu = _gpu_of(flat.arrays)
         request = pb.ReserveRequest(shard=self._shard(0), size_bytes=size_bytes, prepare=True)
-        probe = self._prepare_lazy(flat.arrays) if gpu is not None and lazy else None
+        probe = self._prepare_lazy(flat.arrays) if lazy else None
 
         def work() -> None:
             reply = self._daemon.call("Reserve", request, timeout_s=None)
@@ -274,12 +275,12 @@ class Checkpointer:
         return self._preparing
 
     def _prepare_lazy(self, arrays: list[Any]) -> torch.Tensor | None:
-        """Ready the lazy path for CUDA arrays: the optimizer scan and hook, the spill arena (training thread).
+        """Ready the lazy path: the optimizer scan and the hook, and for CUDA arrays the spill arena (training thread).
 
         Return the largest CUDA array an optimizer owns, which prepare()'s background thread times a
         copy of (the link's first rate), or None where no optimizer owns one.
         """
-        owned = lazy_copies.owners(arrays)  # the scan of the heap for optimizers, and the hook, once
+        owned = lazy_copies.owners(arrays, rescan=True)  # the scan of the heap for optimizers, and the hook
         cuda = [arrays[i] for i in owned if isinstance(arrays[i], torch.Tensor) and arrays[i].is_cuda]
         if not cuda:
             return None

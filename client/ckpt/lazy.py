@@ -60,10 +60,14 @@ _lock = threading.Lock()
 _hook: Any = None
 
 
-def owners(arrays: list[Any]) -> dict[int, frozenset[int]]:
-    """Return {index of an array: ids of the known optimizers whose tensors overlap its bytes} (training thread)."""
+def owners(arrays: list[Any], rescan: bool = False) -> dict[int, frozenset[int]]:
+    """Return {index of an array: ids of the known optimizers whose tensors overlap its bytes} (training thread).
+
+    The heap is scanned for optimizers at the first call, and again with rescan (Checkpointer.prepare:
+    an optimizer made since, which has not stepped yet, would own nothing).
+    """
     install_hook()
-    if not _known:
+    if rescan or not _known:
         # type(o), not isinstance: some module objects answer __class__ with a deprecation warning.
         _known.update(o for o in gc.get_objects() if issubclass(type(o), torch.optim.Optimizer))
     spans = sorted(

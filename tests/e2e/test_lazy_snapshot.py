@@ -185,3 +185,21 @@ def test_a_saves_copy_threads_may_use_the_daemons_cpus_beside_the_trainers(make_
                 assert os.sched_getaffinity(t.native_id) == {trainer, daemon_cpu}
     finally:
         os.sched_setaffinity(0, before)
+
+
+def test_prepare_finds_an_optimizer_made_since_the_first_scan_so_the_first_lazy_save_is_lazy(daemon, monkeypatch):
+    lazy.owners([])  # this process scanned its heap already (an earlier job)
+    model = torch.nn.Linear(16, 4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)  # made since, never stepped: no hook has seen it
+    gate = Gate(monkeypatch)
+    with ckpt.Checkpointer(job="rescanned", address=daemon.address) as c:
+        state = {"model": model.state_dict()}
+        expected = copy.deepcopy(state)
+        c.prepare(state).result(timeout=WAIT_S)
+        h = c.save_async(state, step=1, lazy=True)
+        assert gate.reached.wait(WAIT_S)  # the parameters were left to the background: their optimizer is known
+        assert "no known optimizer" not in h.reason
+        gate.open.set()
+        h.wait("nvme", timeout=WAIT_S)
+        assert_same(expected, c.load(1))
+    del optimizer
