@@ -164,14 +164,16 @@ class SlotPool:
         return Reserved(slot, blocked_s, waited_for or reason, replaced)
 
     async def prepare(self, job: str, rank: int, size_bytes: int) -> list[Slot]:
-        """Allocate the rank's slots for saves of size_bytes ahead of its first save; return its free slots.
+        """Allocate the rank's slots for saves of size_bytes ahead of its first save; return the slots to map.
 
         Called on the event loop (the Reserve RPC with prepare set). Up to SLOTS_PER_RANK
         slots, within the budget (sizes rounded up as reserve() does), each left free: no
         reservation is taken and no slot marked writing, so the rank's first save takes one
         of them. Idempotent: slots already large enough are left alone. It evicts only what
         a reserve would (free or settled slots of others, never a snapshot being flushed).
-        The free slots come back largest first, the one the next save gets first.
+        The free slots come back largest first, the one the next save gets first, then the slot of the
+        rank's newest snapshot where it fits (a restarted trainer's second save takes it): the client
+        maps and pins it, which writes nothing.
         """
         need = self._need(job, rank, size_bytes)
         async with self._changed:
@@ -188,7 +190,11 @@ class SlotPool:
                 planned.append(slot)
             self.last_saved[job] = time.monotonic()  # idle release counts from here if no save follows
         await asyncio.gather(*(self._allocate_free(slot, need) for slot in planned))
-        return self._reusable(job, rank)
+        slots = self._reusable(job, rank)
+        newest = self.newest(job, rank)
+        if newest is not None and newest.size_bytes >= need and newest not in slots:
+            slots.append(newest)
+        return slots
 
     def _need(self, job: str, rank: int, size_bytes: int) -> int:
         """Return the slot size a shard of size_bytes needs, or refuse one that can never fit."""

@@ -238,6 +238,20 @@ def test_prepare_allocates_the_rank_slots_ahead_once_and_the_first_save_takes_on
     asyncio.run(run())
 
 
+def test_prepare_of_a_restarted_rank_also_names_the_slot_of_its_newest_snapshot_after_the_free_one(tmp_path):
+    pool = SlotPool(tmp_path / "staging", 0, "block")
+    pool.recover()
+
+    async def run():
+        slot = (await pool.reserve("p", 0, 2 * MIB)).slot
+        pool.commit(Snapshot(ShardKey("p", 1, 0, 1), str(slot.path), slot.reservation, MIB, "{}"))
+        named = await pool.prepare("p", 0, 2 * MIB)  # the trainer restarted: its memory tier holds step 1
+        assert [s.state for s in named] == ["free", slot.state] and named[-1] is slot
+        assert pool.newest("p", 0) is slot and slot.shard == ShardKey("p", 1, 0, 1)  # untouched
+
+    asyncio.run(run())
+
+
 def test_prepare_keeps_within_the_budget_and_never_evicts_a_snapshot_being_flushed(tmp_path):
     pool = SlotPool(tmp_path / "staging", 3 * MIB, "skip")
     pool.recover()
