@@ -158,6 +158,10 @@ class BenchDaemon:
                 self.kill()
         if self.proc.returncode != 0:
             print(f"warning: ckptd {self.name} exited with {self.proc.returncode}:\n{self.log()}", file=sys.stderr)
+        return self.logged()
+
+    def logged(self) -> list[str]:
+        """Return the warnings and errors the daemon logged so far."""
         lines = self.log_path.read_text(errors="replace").splitlines() if self.log_path.exists() else []
         return [f"{self.name}: {line}" for line in lines if " WARNING " in line or " ERROR " in line]
 

@@ -236,6 +236,9 @@ class Timeline:
     def set_device(self, device: int) -> None:
         pass
 
+    def leave_captures_alone(self) -> None:
+        pass
+
     # --- the trainer's side ---
 
     def host(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -456,10 +459,8 @@ class ModelTrainer:
         timeline: Timeline | None = None,
         tensors: list[torch.Tensor] | None = None,
         buffers: frozenset[int] = frozenset(),
-        host_async: bool = True,
     ) -> None:
         self.figures = figures
-        self.host_async = host_async  # False: as with a slot CUDA would not register
         self.timeline = timeline or Timeline(figures.d2h_bytes_per_s, figures.d2d_bytes_per_s)
         self.tensors = tensors if tensors is not None else gpt_tensors(self.timeline, figures.state_bytes)
         self.buffers = buffers
@@ -574,9 +575,7 @@ class _NewSchedule:
     def save(self) -> cuda_staging.DeviceCopy:
         tl, trainer = self.trainer.timeline, self.trainer
         ready = cuda_staging.ready_events(trainer.tensors, gpu=tl)
-        return cuda_staging.DeviceCopy(
-            trainer.slot, trainer.items, ready, self.link, self.arena, trainer.buffers, tl, trainer.host_async
-        )
+        return cuda_staging.DeviceCopy(trainer.slot, trainer.items, ready, self.link, self.arena, trainer.buffers, tl)
 
 
 def predict(

@@ -48,9 +48,9 @@ run() {
 }
 : > "$RESULTS/gpu-check.log"
 run 15 "$PYTHON" -c 'import torch; print("torch", torch.__version__, "CUDA:", torch.cuda.is_available() and torch.cuda.get_device_name())'
-run 110 "$PYTHON" -m pytest -q -m gpu -rs -p no:cacheprovider tests/client/test_cuda_staging.py tests/client/test_placement.py
+run 110 "$PYTHON" -m pytest -q -m gpu -rs --durations=15 -p no:cacheprovider tests/client/test_cuda_staging.py tests/client/test_placement.py
 run 75 "$PYTHON" benchmarks/bench_local.py --device cuda --size-gib "${GPU_BENCH_GIB:-2}" --repeats 2 \
   --json "$RESULTS/local-cuda.json"
 run 20 "$PYTHON" benchmarks/gpu_timeline.py --json "$RESULTS/gpu-timeline.json"
-run 260 "$PYTHON" benchmarks/bench_gpu_training.py --budget-s 220 --json "$RESULTS/gpu-training.json"
+run 260 "$PYTHON" benchmarks/bench_gpu_training.py --budget-s 180 --json "$RESULTS/gpu-training.json"
 exit "$rc"

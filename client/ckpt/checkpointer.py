@@ -406,6 +406,14 @@ class Checkpointer:
                 self._slots.prefault(reserved.spare_slot_path, reserved.spare_slot_size_bytes, gpu)
             if waits.blocked_s > 0.1:
                 log.info("ckpt: save of %s step %d waited %.2f s: %s", self.job, step, waits.blocked_s, waits.reason)
+            if owned and on_device and not _cuda().page_locked(slot):
+                # A copy into pageable memory blocks the thread that issues it: no CUDA array can be left to a step.
+                owned = {i: ids for i, ids in owned.items() if i not in on_device}
+                on_device = frozenset()
+                notes.append(_said_once(
+                    "CUDA refused to page-lock the staging slot (cudaHostRegister): a lazy save copies CUDA tensors "
+                    "at the call"
+                ))  # fmt: skip
             # A lazy save copies the host arrays no optimizer owns now; CUDA ones go to its DeviceCopy (below).
             eager = set(range(len(flat.arrays))) - owned.keys() - on_device if owned else None  # None: all
             copy_into(flat, slot, self._copy_pool, self._copy_threads, only=eager, ready=ready)
@@ -428,7 +436,7 @@ class Checkpointer:
                 staged = self._lazy_copy = lazy_copies.LazyCopy(owned, on_device & owned.keys())
                 lock = held.pop_all()  # the lazy thread lets go of the slot once it committed
                 try:
-                    if ready is not None:  # every CUDA array, owned or not: none is copied on this thread
+                    if on_device:  # every CUDA array, owned or not: none is copied on this thread
                         staged.device = device_copy = _cuda().DeviceCopy(
                             slot,
                             [(i, slot_view(flat, slot, i), flat.arrays[i]) for i in sorted(on_device)],
@@ -436,7 +444,6 @@ class Checkpointer:
                             self._link,
                             self._arena,
                             now=on_device - owned.keys(),
-                            host_async=_cuda().page_locked(slot),
                         )
                         if device_copy.held_bytes:
                             notes.append(

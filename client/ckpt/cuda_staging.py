@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import statistics
 import threading
 from collections import deque
@@ -102,6 +103,8 @@ class Gpu(Protocol):
 
     def set_device(self, device: int) -> None: ...
 
+    def leave_captures_alone(self) -> None: ...
+
 
 class TorchCuda:
     """The Gpu of a real process: torch.cuda's streams, events and copies."""
@@ -152,6 +155,9 @@ class TorchCuda:
     def set_device(self, device: int) -> None:
         torch.cuda.set_device(device)
 
+    def leave_captures_alone(self) -> None:
+        leave_captures_alone()
+
 
 CUDA = TorchCuda()
 
@@ -182,8 +188,8 @@ def pin(slot: torch.Tensor, device: int) -> None:
     with _pin_lock:
         if pinned(slot):
             return
-        _unregister(ptr)  # a slot mapped again at the same address, maybe with another size
         with torch.cuda.device(device):
+            _unregister(ptr)  # a slot mapped again at the same address, maybe with another size
             status = int(torch.cuda.cudart().cudaHostRegister(ptr, size, CUDA_HOST_REGISTER_PORTABLE))
             if status == 0:
                 _registered[ptr] = size
@@ -223,6 +229,24 @@ def _unregister(ptr: int) -> None:
             clear_cuda_error("cudaHostUnregister")
 
 
+CUDA_STREAM_CAPTURE_MODE_THREAD_LOCAL = 1
+
+
+def leave_captures_alone() -> None:
+    """Let this thread's CUDA calls pass while another thread captures a graph (background threads only).
+
+    torch.cuda.graph captures in global mode: then a synchronize, query or allocation on any other
+    thread in global mode fails and spoils the capture (torch.compile's "reduce-overhead" captures
+    the forward pass, maybe while a lazy copy runs). In thread-local mode this thread's calls are
+    its own business, as torch's NCCL watchdog does for its event queries. Called on the lazy and
+    the prefault threads; lasts for the thread.
+    """
+    runtime = _loaded_cudart()
+    if runtime is not None:
+        mode = ctypes.c_int(CUDA_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+        runtime.cudaThreadExchangeStreamCaptureMode(ctypes.byref(mode))
+
+
 def clear_cuda_error(after: str) -> int | None:
     """Reset the CUDA runtime's last error of this thread after a refused call; return the error it held.
 
@@ -237,8 +261,13 @@ def clear_cuda_error(after: str) -> int | None:
     return int(runtime.cudaGetLastError())
 
 
+_cudart: list[ctypes.CDLL] = []  # found once: torch loaded it at CUDA's first use, and it stays
+
+
 def _loaded_cudart() -> ctypes.CDLL | None:
     """Return the CUDA runtime library mapped into this process (from /proc/self/maps), or None."""
+    if _cudart:
+        return _cudart[0]
     try:
         with open("/proc/self/maps") as maps:
             paths = {line.split()[-1] for line in maps if "libcudart" in line}
@@ -246,9 +275,10 @@ def _loaded_cudart() -> ctypes.CDLL | None:
         return None
     for path in sorted(paths):
         try:
-            return ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+            _cudart.append(ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_LAZY))  # the copy torch loaded
         except OSError:
             continue
+        return _cudart[0]
     return None
 
 
@@ -262,7 +292,7 @@ def copy_from_device(pairs: list[tuple[torch.Tensor, torch.Tensor]], slot: torch
     for device, group in by_device.items():
         stream = CUDA.side_stream(device)
         stream.wait_event(ready[device])  # every write the caller queued before saving, on its stream
-        CUDA.copy_all([(dst, src.detach()) for dst, src in group], stream)
+        CUDA.copy_all([(dst, src.detach().resolve_conj().resolve_neg()) for dst, src in group], stream)
         streams.append(stream)
     for stream in streams:
         stream.synchronize()
@@ -317,6 +347,7 @@ class Link:
             return
         device = gpu.device_of(source)
         gpu.set_device(device)
+        gpu.leave_captures_alone()
         src = source.detach().reshape(-1).view(torch.uint8)[:nbytes] if source.is_contiguous() else None
         if src is None:
             return
@@ -365,16 +396,15 @@ class SpillArena:
             if wanted == have or wanted <= 0:
                 return False
             bound = int((self.gpu.free_bytes(device) + have) * ARENA_FREE_SHARE)
-            self.buffers.pop(device, None)  # its memory first: a larger buffer may need it
+            self.buffers.pop(device, None)  # its memory first (no save holds a view of it): a larger one may need it
             size = min(wanted, _aligned(bound) if self.limit is None else wanted)
-            try:
-                self.buffers[device] = self.gpu.empty(size, device)
-            except torch.cuda.OutOfMemoryError:
-                log.warning(
-                    "ckpt: no GPU memory for a %d-byte spill arena on cuda:%d: lazy saves spill less", size, device
-                )
-                return False
-            return size > have
+            for attempt in (size, have):  # on no memory for the new size, the old size again rather than none
+                try:
+                    self.buffers[device] = self.gpu.empty(attempt, device)
+                    return attempt > have
+                except torch.cuda.OutOfMemoryError:
+                    log.warning("ckpt: no GPU memory for a %d-byte spill arena on cuda:%d", attempt, device)
+            return False
 
     def fit(self, device: int, tail_bytes: int) -> None:
         """Resize the buffer to the predicted tail and ARENA_SLACK when too small or twice too large (lazy thread)."""
@@ -415,19 +445,15 @@ class DeviceCopy:
         arena: SpillArena,
         now: frozenset[int] = frozenset(),
         gpu: Gpu = CUDA,
-        host_async: bool = True,
     ) -> None:
         """Cut the items into pieces, spill the arrays in now, issue the head (training thread).
 
         items: (array index, host destination in the slot, CUDA source). now: arrays no optimizer
         owns, which the forward pass may change: copied device to device into the arena on the
         caller's stream now (past the arena, over PCIe with the caller's stream waiting on the GPU).
-        host_async: whether the slot is page-locked. Where it is not (cudaHostRegister refused), a
-        copy to it blocks the thread that issues it, so the head and the drains are issued by run().
+        The slot must be page-locked (pin()): a copy into pageable memory blocks the thread that issues it.
         """
         self.gpu = gpu
-        self._host_async = host_async
-        self._undrained: list[tuple[list[_Piece], dict[int, Any]]] = []  # drains run() issues (not host_async)
         self.slot = slot
         self.device = next(iter(ready))  # the lazy thread's current device: no context made on GPU 0 for it
         self.ready = ready
@@ -436,7 +462,8 @@ class DeviceCopy:
         self._now = now
         self.pieces: list[_Piece] = []
         for index, dst, src in items:
-            self.pieces += _split(index, dst, src.detach(), gpu.device_of(src))
+            # A conjugate or negative view is resolved on the CPU after an async copy, before it landed: not here.
+            self.pieces += _split(index, dst, src.detach().resolve_conj().resolve_neg(), gpu.device_of(src))
         self._by_index: dict[int, list[_Piece]] = {}
         for piece in self.pieces:
             self._by_index.setdefault(piece.index, []).append(piece)
@@ -462,8 +489,7 @@ class DeviceCopy:
             for device, last in _latest(left).items():
                 gpu.current_stream(device).wait_event(last.landed)
             self._held_bytes_in_arena = dict(self._taken)
-            if host_async:
-                self._issue_head([p for p in self.pieces if p.landed is None and p.spill is None])
+            self._issue_head([p for p in self.pieces if p.landed is None and p.spill is None])
             self._drain([p for p in held if p.spill is not None], spilled)  # after the head: it is on the clock
 
     def _issue_head(self, pieces: list[_Piece]) -> None:
@@ -502,9 +528,7 @@ class DeviceCopy:
         Then it lets go of the sources and the arena's regions: a handle kept for long holds neither.
         """
         self.gpu.set_device(self.device)
-        if not self._host_async:
-            with self._lock:
-                self._issue_head([p for p in self.pieces if p.landed is None and p.spill is None])
+        self.gpu.leave_captures_alone()
         for _, landed, _ in self._head.values():
             landed.synchronize()  # the step's time: a step that comes before this spills the tail
         in_flight: list[_Piece] = []
@@ -521,10 +545,7 @@ class DeviceCopy:
                 landed = in_flight.pop(0)
                 landed.landed.synchronize()  # pace: what is not issued can still be spilled at the next step
                 in_flight_bytes -= landed.nbytes
-        with self._lock:  # every piece is issued or spilled: no hook adds copies any more
-            for pieces, spilled in self._undrained:
-                self._issue_drain(pieces, spilled)
-            self._undrained.clear()
+        with self._lock:  # every piece is issued or spilled, its drain issued: no hook adds copies any more
             ends = {}
             for device in {p.device for p in self.pieces}:
                 ends[device] = self.gpu.event()
@@ -533,11 +554,20 @@ class DeviceCopy:
             end.synchronize()
         with self._lock:
             self._finished = True
-        self._learn()
-        with self._lock:
-            self.pieces, self._by_index = [], {}
+            totals = self._owned_bytes()
+            self.pieces, self._by_index = [], {}  # the sources, and views of the arena a resize would keep alive
+        self._learn(totals)
+        self.arena, self.slot = None, None  # type: ignore[assignment]  # a kept handle holds neither
 
-    def _learn(self) -> None:
+    def _owned_bytes(self) -> dict[int, int]:
+        """Return per device the bytes of the arrays an optimizer owns (not those in now)."""
+        totals: dict[int, int] = {}
+        for piece in self.pieces:
+            if piece.index not in self._now:
+                totals[piece.device] = totals.get(piece.device, 0) + piece.nbytes
+        return totals
+
+    def _learn(self, owned_bytes: dict[int, int]) -> None:
         """Measure this save from its events (all landed): the GPU wait, the link's rate, the window; fit the arena.
 
         The first step's events are complete once the GPU passed its wait, which may come after the
@@ -557,14 +587,10 @@ class DeviceCopy:
                 self.link.learn(rate_bps=nbytes / seconds)
         for device, began in self._step_began.items():
             self.link.learn(window_s=self.ready[device].elapsed_time(began) / 1e3)
-        for device in {p.device for p in self.pieces}:
-            owned = sum(p.nbytes for p in self.pieces if p.device == device) - self._held_total(device)
+        for device, owned in owned_bytes.items():
             tail = self.link.tail_bytes(owned)
             if tail is not None:
                 self.arena.fit(device, tail + self._held_bytes_in_arena.get(device, 0))
-
-    def _held_total(self, device: int) -> int:
-        return sum(p.nbytes for i in self._now for p in self._by_index.get(i, ()) if p.device == device)
 
     def before_step(self, indices: list[int]) -> None:
         """Order the stepping stream after the copies of these arrays, on the GPU (training thread, the pre-hook).
@@ -648,13 +674,7 @@ class DeviceCopy:
         return left, spilled
 
     def _drain(self, pieces: list[_Piece], spilled: dict[int, Any]) -> None:
-        """Copy spilled pieces to the host on the side stream once their spill is done, now or in run() (lock held)."""
-        if self._host_async:
-            self._issue_drain(pieces, spilled)
-        elif pieces:
-            self._undrained.append((pieces, spilled))
-
-    def _issue_drain(self, pieces: list[_Piece], spilled: dict[int, Any]) -> None:
+        """Copy spilled pieces to the host on the side stream, once their spill is done (lock held)."""
         by_device: dict[int, list[_Piece]] = {}
         for piece in pieces:
             by_device.setdefault(piece.device, []).append(piece)

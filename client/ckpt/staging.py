@@ -58,6 +58,7 @@ class SlotMappings:
             if pin_on is not None:
                 from ckpt import cuda_staging
 
+                cuda_staging.leave_captures_alone()  # the prefault thread: a trainer's graph capture goes on
                 cuda_staging.pin(slot, pin_on)
 
     def _lock_for(self, path: str) -> threading.Lock:

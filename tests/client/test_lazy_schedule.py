@@ -49,10 +49,10 @@ def small_pieces(monkeypatch):
     monkeypatch.setattr(cuda_staging, "RATE_PROBE_BYTES", 128 * KIB)
 
 
-def _trainer(figures=SMALL, spill_bytes=None, buffers=frozenset(), tensors=16, kib=64, host_async=True):
+def _trainer(figures=SMALL, spill_bytes=None, buffers=frozenset(), tensors=16, kib=64):
     timeline = Timeline(figures.d2h_bytes_per_s, figures.d2d_bytes_per_s, free_bytes=64 << 20, meta=False)
     state = [timeline.tensor(kib * KIB // 4) for _ in range(tensors)]
-    trainer = ModelTrainer(figures, spill_bytes, timeline, state, buffers, host_async)
+    trainer = ModelTrainer(figures, spill_bytes, timeline, state, buffers)
     trainer.wrong = []
     trainer.on_copied = lambda index: trainer.wrong.extend(trainer.check_saved())
     return trainer
@@ -196,16 +196,6 @@ def test_arrays_no_optimizer_owns_are_saved_as_they_were_before_the_next_forward
     trainer.run(every=2, steps=8)
     held = [c.held_bytes for c in trainer.copies]
     assert held == ([0] * 4 if arena_kib is None else [2 * 64 * KIB] * 4)  # past the arena: over PCIe, waited for
-    assert trainer.schedule_waits == [] and trainer.wrong == []
-
-
-def test_with_a_slot_cuda_would_not_pin_the_head_and_the_drains_are_issued_by_the_lazy_thread():
-    trainer = _trainer(host_async=False, buffers=frozenset({3}))
-    prepared = len(trainer.timeline.copies)  # prepare()'s timed copy: on its own thread in a Checkpointer
-    trainer.run(every=3, steps=9)
-    saves = trainer.timeline.copies[prepared:]
-    assert not any(c.by_training_thread for c in saves if c.kind == "d2h")
-    assert all(c.direct_bytes > 0 and c.spilled_bytes > 0 for c in trainer.copies)
     assert trainer.schedule_waits == [] and trainer.wrong == []
 
 
