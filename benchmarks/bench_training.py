@@ -51,6 +51,7 @@ RANK_SCRIPT = Path(__file__).resolve().parent / "training_rank.py"
 OURS = ("ckptd", "ckptd-lazy")
 PEERS = ("dcp-thread", "dcp-process", "torch-save")
 OVERHEAD_TARGET = "<= 1.02"  # window / none's window: at most 2 % more
+LAZY_STALL_TARGET = "<= 0.1"  # a lazy save's stall / an eager one's: the lazy save's fixed cost
 RUN_TIMEOUT_S = 1800.0
 STEP_BASE = 1_000_000  # ckptd's steps of run i start at i * STEP_BASE: every run saves new steps
 
@@ -165,6 +166,7 @@ def build_rows(found: dict, runs: list[dict], layouts: list[Layout], variants: l
     """Turn the figures into rows: each variant's window against none's, ckptd's against the best peer's."""
     rows = []
     saved_bytes = {r["variant"]: r["state_bytes"] * r["saves"] for r in runs}
+    state_bytes = runs[0]["state_bytes"]
     for layout in layouts:
         figures = {v: found[layout.name, v] for v in variants}
         median = {v: statistics.median(f["ratio"]) for v, f in figures.items()}
@@ -176,6 +178,11 @@ def build_rows(found: dict, runs: list[dict], layouts: list[Layout], variants: l
                 rows.append(held(what, window_s, saved_bytes[v], "none", median[v], OVERHEAD_TARGET))
             else:
                 rows.append(Row(what, window_s, saved_bytes[v], "none", median[v]))
+        if "ckptd" in variants and "ckptd-lazy" in variants:  # each repeat's medians, the same repeat's eager one
+            lazy, eager = figures["ckptd-lazy"]["stall_s"], figures["ckptd"]["stall_s"]
+            ratio = statistics.median(a / b for a, b in zip(lazy, eager, strict=True))
+            what = f"{layout.name}: ckptd-lazy stall"
+            rows.append(held(what, statistics.median(lazy), state_bytes, "ckptd stall", ratio, LAZY_STALL_TARGET))
         peers = [p for p in PEERS if p in variants]
         if not peers:
             continue

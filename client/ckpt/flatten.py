@@ -12,6 +12,7 @@ from __future__ import annotations
 import base64
 import io
 import pickle
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -26,6 +27,7 @@ from ckpt.sharding import (
     check_plain_tensor,
     describe,
     is_sharded_value,
+    is_wrapper_tensor,
     owned_chunks,
     replicated_chunks,
     tensor_keys,
@@ -33,6 +35,8 @@ from ckpt.sharding import (
 from ckpt.stateful import expand_stateful
 
 PICKLE_PROTOCOL = 5
+# Exact types that are never an array or a sharded value: flatten's pickler lets them through at once.
+_PLAIN_TYPES = frozenset({type(None), bool, int, float, complex, str, bytes, dict, list, tuple, OrderedDict})
 
 
 @dataclass(frozen=True)
@@ -62,7 +66,7 @@ def _entry(obj: torch.Tensor | np.ndarray) -> dict[str, Any]:
             raise InvalidArgument(f"cannot checkpoint a {obj.layout} tensor; convert it to dense first")
         if obj.is_quantized:
             raise InvalidArgument("cannot checkpoint a quantized tensor")
-        if obj.device.type not in ("cpu", "cuda"):
+        if not (obj.is_cpu or obj.is_cuda):
             raise InvalidArgument(f"cannot checkpoint a tensor on device {obj.device}")
         entry = {
             "kind": "torch",
@@ -72,7 +76,7 @@ def _entry(obj: torch.Tensor | np.ndarray) -> dict[str, Any]:
             "requires_grad": bool(obj.requires_grad),
             "parameter": isinstance(obj, torch.nn.Parameter),
         }
-        if obj.device.type != "cpu":  # the location a load's map_location sees (absent: "cpu")
+        if not obj.is_cpu:  # the location a load's map_location sees (absent: "cpu")
             entry["device"] = str(obj.device)
     else:
         entry = {
@@ -97,8 +101,14 @@ def flatten(state: Any, replicated: KeyFilter | None = None, rank: int = 0) -> F
     index_of: dict[int, int] = {}
     dtensors: dict[str, dict[str, Any]] = {}
     sharded_ids: dict[str, int] = {}
-    keys = tensor_keys(state)
+    keys: dict[int, str] | None = None  # tensor_keys(state), walked at the first need: most states have none
     offset = 0
+
+    def key_of(obj: Any) -> str | None:
+        nonlocal keys
+        if keys is None:
+            keys = tensor_keys(state)
+        return keys.get(id(obj))
 
     def add(array: torch.Tensor | np.ndarray, entry: dict[str, Any]) -> None:
         nonlocal offset
@@ -124,10 +134,12 @@ def flatten(state: Any, replicated: KeyFilter | None = None, rank: int = 0) -> F
 
     class Pickler(pickle.Pickler):
         def persistent_id(self, obj: Any) -> Any:
+            if type(obj) in _PLAIN_TYPES:  # most of what a state pickles; no array, DTensor or chunk list
+                return None
             if is_sharded_value(obj):
-                return ("ckpt-dtensor", add_dtensor(obj, keys.get(id(obj)), id(obj)))
-            if replicated is not None and isinstance(obj, torch.Tensor) and replicated.takes(keys.get(id(obj), "")):
-                key = keys.get(id(obj))
+                return ("ckpt-dtensor", add_dtensor(obj, key_of(obj), id(obj)))
+            if replicated is not None and isinstance(obj, torch.Tensor) and replicated.takes(key_of(obj) or ""):
+                key = key_of(obj)
                 if key is not None:
                     check_plain_tensor(obj, key)
                     return ("ckpt-dtensor", add_dtensor(replicated_chunks(obj, rank), key, id(obj)))
@@ -135,8 +147,8 @@ def flatten(state: Any, replicated: KeyFilter | None = None, rank: int = 0) -> F
             if not (isinstance(obj, torch.Tensor) or is_array):
                 return None
             if id(obj) not in index_of:
-                if isinstance(obj, torch.Tensor):
-                    check_plain_tensor(obj, keys.get(id(obj), ""))
+                if isinstance(obj, torch.Tensor) and is_wrapper_tensor(obj):
+                    check_plain_tensor(obj, key_of(obj) or "")  # raises, naming the tensor
                 index_of[id(obj)] = len(arrays)
                 add(obj, _entry(obj))
             return ("ckpt", index_of[id(obj)])

@@ -12,6 +12,7 @@ strided placements that must not be re-derived at load time).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,6 +23,7 @@ from ckpt.errors import InvalidArgument
 from ckpt.format import keyed_leaves
 
 
+@functools.cache  # asked for every tensor of every save: the import statement alone costs more than the check
 def dtensor_type() -> type | None:
     """Return the DTensor class, or None where this torch has no distributed support."""
     if not torch.distributed.is_available():
@@ -75,9 +77,14 @@ def tensor_keys(state: Any) -> dict[int, str]:
     return keys
 
 
+def is_wrapper_tensor(obj: torch.Tensor) -> bool:
+    """Say whether obj is a tensor subclass that wraps others, a DTensor aside: its bytes are not its own."""
+    return is_traceable_wrapper_subclass(obj) and not is_dtensor(obj)
+
+
 def check_plain_tensor(obj: torch.Tensor, key: str) -> None:
     """Raise InvalidArgument naming key for a tensor subclass that wraps others (it cannot be copied as bytes)."""
-    if is_traceable_wrapper_subclass(obj) and not is_dtensor(obj):
+    if is_wrapper_tensor(obj):
         raise InvalidArgument(
             f"cannot checkpoint {key or 'a tensor'}: a {type(obj).__name__} is a wrapper tensor subclass; "
             "save its plain tensors or a DTensor instead"

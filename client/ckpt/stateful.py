@@ -15,6 +15,11 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+import torch
+
+# Exact types that are never Stateful: most of a state's values, a tensor's attribute lookup being slow.
+_LEAF_TYPES = frozenset({torch.Tensor, torch.nn.Parameter, type(None), bool, int, float, str, bytes})
+
 
 def is_stateful(obj: Any) -> bool:
     """Say whether obj is an instance with state_dict() and load_state_dict() (a class is not)."""
@@ -35,6 +40,8 @@ def expand_stateful(state: Any) -> Any:
 
 
 def _expand(value: Any, walking: set[int]) -> Any:
+    if type(value) in _LEAF_TYPES:
+        return value
     if is_stateful(value):
         return _expand(value.state_dict(), walking)
     if not isinstance(value, dict | list | tuple) or id(value) in walking:

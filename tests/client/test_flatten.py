@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from ckpt.format import TENSOR_ALIGN_BYTES
 from ckpt.key_filter import KeyFilter
 from ckpt.staging import copy_into
 from states import assert_same, every_kind_state
+from torch.testing._internal.two_tensor import TwoTensor
 
 
 def _round_trip(state):
@@ -62,6 +64,14 @@ def test_large_state_copies_in_parallel_correctly():
 def test_unsupported_objects_are_a_clear_error(bad, message):
     with pytest.raises(InvalidArgument, match=message):
         flatten(bad)
+
+
+def test_a_wrapper_tensor_is_refused_by_its_key_or_as_a_tensor_where_it_has_none():
+    two = TwoTensor(torch.ones(2), torch.ones(2))
+    with pytest.raises(InvalidArgument, match=r"cannot checkpoint model\.x: a TwoTensor is a wrapper"):
+        flatten({"n": 1, "model": {"w": torch.ones(2), "x": two}})
+    with pytest.raises(InvalidArgument, match="cannot checkpoint a tensor: a TwoTensor is a wrapper"):
+        flatten({"holder": SimpleNamespace(x=two)})  # inside an object: no key
 
 
 def test_loaded_tensors_have_storages_of_their_own():

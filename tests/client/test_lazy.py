@@ -23,6 +23,23 @@ def test_parameters_states_and_their_views_are_owned_by_the_optimizers_that_hold
     assert 4 not in found and 6 not in found  # a tensor of no optimizer, and no bytes at all
 
 
+def test_an_array_is_owned_where_any_of_its_bytes_meets_an_optimizers_whether_contiguous_or_strided(monkeypatch):
+    buffer = torch.zeros(4, 8)  # an optimizer over views of one buffer, as a flat-parameter wrapper holds them
+    middle = torch.nn.Parameter(buffer.view(-1)[12:20])  # from the middle of row 1 into row 2
+    optimizer = torch.optim.SGD([middle], lr=0.1)
+    monkeypatch.setattr(lazy, "_known", weakref.WeakSet([optimizer]))
+    arrays = [
+        buffer.view(-1)[:12],  # contiguous, ends where the parameter begins
+        buffer.view(-1)[19:],  # contiguous, shares the parameter's last element
+        buffer.t(),  # strided, spans the whole buffer
+        buffer[:, :2],  # strided: columns 0 and 1 of every row, elements 16 and 17 of the parameter among them
+        buffer[0, ::2],  # strided within row 0, before the parameter
+        buffer.view(-1)[20:],  # contiguous, right after it
+    ]
+    assert not arrays[2].is_contiguous() and not arrays[3].is_contiguous() and not arrays[4].is_contiguous()
+    assert sorted(lazy.owners(arrays)) == [1, 2, 3]
+
+
 def test_an_optimizer_not_known_yet_owns_nothing_until_its_first_step(monkeypatch):
     dummy = torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1)
     monkeypatch.setattr(lazy, "_known", weakref.WeakSet([dummy]))  # some optimizer known: no scan of the heap
