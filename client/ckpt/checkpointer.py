@@ -287,8 +287,8 @@ class Checkpointer:
         self._spill_arena(cuda)
         return max(cuda, key=lambda t: t.numel() * t.element_size())
 
-    def _spill_arena(self, owned_cuda: list[Any]) -> bool:
-        """Make the Link and the SpillArena for these lazily saved CUDA arrays, unless made; return whether now.
+    def _spill_arena(self, owned_cuda: list[Any]) -> None:
+        """Make the Link and the SpillArena for these lazily saved CUDA arrays, unless made.
 
         The first arena holds ARENA_SHARE of their bytes per device (bounded by spill_bytes and by free
         memory); once saves have taught the tail, each copy's lazy thread fits it to that.
@@ -297,7 +297,7 @@ class Checkpointer:
         if self._link is None:
             self._link = cuda.Link()
         if self._arena is not None:
-            return False
+            return
         self._arena = cuda.SpillArena(self._spill_bytes)
         if self._spill_bytes != 0:
             per_device: dict[int, int] = {}
@@ -306,7 +306,6 @@ class Checkpointer:
                 per_device[device] = per_device.get(device, 0) + t.numel() * t.element_size()
             for device, nbytes in per_device.items():
                 self._arena.ensure(device, int(nbytes * cuda.ARENA_SHARE))
-        return True
 
     def save_async(self, state: Any, step: int | None = None, lazy: bool = False) -> SaveHandle:
         """Snapshot state into shared memory and return; the caller may change it at once.

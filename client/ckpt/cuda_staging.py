@@ -388,23 +388,22 @@ class SpillArena:
         buffer = self.buffers.get(device)
         return 0 if buffer is None else buffer.numel()
 
-    def ensure(self, device: int, nbytes: int) -> bool:
-        """Make the device's buffer nbytes large (within the bounds) unless it is; return whether it grew."""
+    def ensure(self, device: int, nbytes: int) -> None:
+        """Make the device's buffer nbytes large (within the bounds), unless it is."""
         wanted = _aligned(nbytes if self.limit is None else min(nbytes, self.limit))
         with self._lock:
             have = self.capacity(device)
             if wanted == have or wanted <= 0:
-                return False
+                return
             bound = int((self.gpu.free_bytes(device) + have) * ARENA_FREE_SHARE)
             self.buffers.pop(device, None)  # its memory first (no save holds a view of it): a larger one may need it
             size = min(wanted, _aligned(bound) if self.limit is None else wanted)
             for attempt in (size, have):  # on no memory for the new size, the old size again rather than none
                 try:
                     self.buffers[device] = self.gpu.empty(attempt, device)
-                    return attempt > have
+                    return
                 except torch.cuda.OutOfMemoryError:
                     log.warning("ckpt: no GPU memory for a %d-byte spill arena on cuda:%d", attempt, device)
-            return False
 
     def fit(self, device: int, tail_bytes: int) -> None:
         """Resize the buffer to the predicted tail and ARENA_SLACK when too small or twice too large (lazy thread)."""
