@@ -26,7 +26,7 @@ from ckptd.rpc.cluster_server import add_cluster_servicer
 from ckptd.rpc.data_listener import DataListener
 from ckptd.rpc.grpc_log import CoreLog
 from ckptd.rpc.guard import RequestGuard
-from ckptd.rpc.peer_link import grpc_options, server_credentials
+from ckptd.rpc.peer_link import server_credentials, server_options
 from ckptd.rpc.peer_server import PeerServicer, add_peer_servicer
 from ckptd.rpc.server import CkptdServicer
 
@@ -155,7 +155,7 @@ async def _listen_for_data(config: Config, node: Node) -> DataListener | None:
 async def _serve_peers(
     config: Config, node: Node, guard: RequestGuard, data_listener: DataListener | None
 ) -> grpc.aio.Server:
-    server = grpc.aio.server(options=grpc_options(), maximum_concurrent_rpcs=MAX_PEER_RPCS)
+    server = grpc.aio.server(options=server_options(), maximum_concurrent_rpcs=MAX_PEER_RPCS)
     peer_servicer = PeerServicer(node.pipeline, node.receiver, config, node.executors.serve, data_listener, guard)
     add_peer_servicer(peer_servicer, server, guard)
     view = node.view

@@ -22,7 +22,7 @@ from ckptd.cluster.placement import Holding, StepHoldings
 from ckptd.config import PeerConfig
 from ckptd.rpc.cluster_link import records_from_pb
 from ckptd.rpc.guard import RequestGuard
-from ckptd.rpc.peer_link import PeerError, grpc_options, holdings_from_pb, holdings_to_pb, server_credentials
+from ckptd.rpc.peer_link import PeerError, holdings_from_pb, holdings_to_pb, server_credentials, server_options
 from ckptd.rpc.server import answer
 
 
@@ -112,7 +112,7 @@ def add_cluster_servicer(
 
 async def serve_cluster(handler: ClusterHandler, listen: str, peer: PeerConfig) -> tuple[grpc.aio.Server, int]:
     """Serve only the cluster view on listen ("host:0": any free port); return (the server, its port)."""
-    server = grpc.aio.server(options=grpc_options())
+    server = grpc.aio.server(options=server_options())
     cluster_pb2_grpc.add_CkptdClusterServicer_to_server(ClusterServicer(handler), server)
     credentials = server_credentials(peer)
     port = server.add_insecure_port(listen) if credentials is None else server.add_secure_port(listen, credentials)

@@ -107,6 +107,22 @@ def grpc_options() -> list[tuple[str, Any]]:
     ]
 
 
+SERVER_HANDSHAKE_TIMEOUT_MS = 5000  # a connection that has not finished TLS by then is closed (gRPC's default: 120 s)
+
+
+def server_options() -> list[tuple[str, Any]]:
+    """Return the options of a server on the peer port: exclusive, and quick to drop who never authenticates.
+
+    gRPC binds with SO_REUSEPORT by default: a second daemon on a used address would share it, each
+    taking a random half of the connections. Off, the second one fails to bind and exits 2.
+    """
+    return [
+        *grpc_options(),
+        ("grpc.so_reuseport", 0),
+        ("grpc.server_handshake_timeout_ms", SERVER_HANDSHAKE_TIMEOUT_MS),
+    ]
+
+
 def _read(path: str) -> bytes:
     return Path(path).read_bytes()
 
