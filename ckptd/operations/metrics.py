@@ -37,7 +37,8 @@ UPLOAD_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.
 SAVE_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 TIERS = ("memory", "nvme", "peer", "object")
 MAX_REQUEST_BYTES = 8192
-MAX_CLIENTS = 8  # scrapes served at once; more wait their turn
+MAX_CLIENTS = 8  # scrapes served at once; more wait their turn, CLIENT_TIMEOUT_S at most
+MAX_CONNECTIONS = 32  # open at once, waiting or served: more are closed at accept (each holds a descriptor)
 CLIENT_TIMEOUT_S = 5.0
 PAGE_TTL_S = 1.0  # a page is rendered at most once a second, however many scrape it
 # The text format generate_latest writes for names like ours; prometheus_client 0.20 calls it
@@ -241,9 +242,25 @@ async def serve(listen: str, page: Callable[[], Awaitable[str]]) -> asyncio.Serv
             rendered[:] = [(now, (await page()).encode())]
         return rendered[0][1]
 
+    open_connections = [0]
+
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        async with clients:
+        # Anyone who reaches the port may connect: no connection is held past its deadline or past the cap.
+        if open_connections[0] >= MAX_CONNECTIONS:
+            writer.close()
+            return
+        open_connections[0] += 1
+        try:
+            await asyncio.wait_for(clients.acquire(), timeout=CLIENT_TIMEOUT_S)
+        except TimeoutError:
+            open_connections[0] -= 1
+            writer.close()
+            return
+        try:
             await answer(reader, writer)
+        finally:
+            clients.release()
+            open_connections[0] -= 1
 
     async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:

@@ -196,3 +196,31 @@ def test_a_metrics_port_in_use_stops_start_up_naming_the_key(make_daemon):
         )
     assert out.returncode == 2
     assert "metrics.listen" in out.stderr
+
+
+def test_idle_connections_to_the_metrics_port_hold_no_descriptors_a_save_needs(make_daemon):
+    address = f"127.0.0.1:{free_port()}"
+    node = make_daemon(f'[metrics]\nlisten = "{address}"\n')
+    node.wrapper = ["prlimit", "--nofile=256:256"]  # a daemon of few descriptors, as the review ran it
+    node.start()
+    host, port = address.rsplit(":", 1)
+    idle = []
+    try:
+        for _ in range(300):  # anyone who reaches the port: connected, never sending a request
+            idle.append(socket.create_connection((host, int(port)), timeout=5))
+        held = 0
+        for sock in idle:
+            sock.settimeout(0.05)
+            try:
+                held += sock.recv(1) != b""
+            except TimeoutError:
+                held += 1
+            except ConnectionResetError:
+                pass
+        assert held <= metrics.MAX_CONNECTIONS  # the rest closed at accept
+        with ckpt.Checkpointer(job="busy-metrics", address=node.address) as c:
+            c.save_async({"w": torch.arange(1000.0)}, step=1).wait("nvme", timeout=30)
+            assert torch.equal(c.load(1)["w"], torch.arange(1000.0))
+    finally:
+        for sock in idle:
+            sock.close()
