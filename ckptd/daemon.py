@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import os
 import signal
@@ -92,6 +93,8 @@ async def _serve_holding_root(config: Config) -> None:
             "[peer] insecure = true: peers speak plaintext, unauthenticated; anyone who reaches %s can act as a peer",
             config.node.listen or "this node's peer port",
         )
+    for warning in exposure_warnings(config):
+        log.warning("%s", warning)
     data_listener = await _listen_for_data(config, node) if config.node.listen else None
     node.serving(data_listener.port if data_listener is not None else 0, guard.counters)
     peer_server = await _serve_peers(config, node, guard, data_listener) if config.node.listen else None
@@ -183,6 +186,30 @@ async def _serve_metrics(config: Config, pipeline: Pipeline) -> asyncio.Server:
         raise ListenFailed(f"cannot serve metrics on {config.metrics.listen} (metrics.listen): {e}") from None
     log.info("serving Prometheus metrics on http://%s/metrics", config.metrics.listen)
     return server
+
+
+def exposure_warnings(config: Config) -> list[str]:
+    """Return what the config exposes beyond this machine without authentication (said at start, like insecure)."""
+    warnings = []
+    metrics_host = config.metrics.listen.rpartition(":")[0].strip("[]")
+    if config.metrics.listen and not _loopback(metrics_host):
+        warnings.append(
+            f"[metrics] listen = {config.metrics.listen}: plain HTTP without authentication beyond this machine; "
+            "anyone who reaches it reads job names and counters (bind to 127.0.0.1 or a private address)"
+        )
+    if config.cluster.backend == "etcd" and not config.cluster.ca:
+        warnings.append(
+            "[cluster] etcd without TLS (no cluster.cert, key, ca): anyone who reaches etcd, or the network between, "
+            "can read and write the cluster view"
+        )
+    return warnings
+
+
+def _loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 async def _watchdog(stop: asyncio.Event) -> None:

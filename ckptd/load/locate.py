@@ -36,6 +36,7 @@ from ckptd.config import Config
 from ckptd.keyed import KeyCounts, KeyedLocks
 from ckptd.load.cluster_steps import ClusterSteps
 from ckptd.load.fetch import fetch_shard
+from ckptd.storage.object_store import shown_url
 from ckptd.tiers.base import Tier
 from ckptd.tiers.catalog import StepInfo, head_of, list_steps, merge_steps, with_superseded
 from ckptd.tiers.nvme import LocalDirTier
@@ -138,7 +139,7 @@ class Locator:
             what = f"job {job} has no complete step" if step is None else f"{job} step {step} is not complete"
             if store_silent:
                 raise CheckpointError(
-                    f"{what} on this node or its peers, and the object store ({self.config.object.url}) "
+                    f"{what} on this node or its peers, and the object store ({shown_url(self.config.object.url)}) "
                     "did not answer: it may hold it; try again"
                 )
             raise await self.not_complete(job, step, tier, steps, from_object)
@@ -196,7 +197,7 @@ class Locator:
         if from_object:
             listed = await self.object_steps(job)
             if listed is None:
-                unlisted = f" (the object store, {self.config.object.url}, did not list its own in time)"
+                unlisted = f" (the object store, {shown_url(self.config.object.url)}, did not list its own in time)"
             steps = steps | set(listed or [])
         if not steps:
             return NotFound(

@@ -207,7 +207,7 @@ class Uploader:
                         self.verification_failures += 1
                         meta, error, gone = None, f"{e}; not uploaded", True
                     except (CheckpointError, OSError) as e:
-                        meta, error, gone = None, f"upload of {key} to {self.tier.store.url} failed: {e}", False
+                        meta, error, gone = None, f"upload of {key} to {self.tier.store.shown} failed: {e}", False
                     except Exception as e:  # the loop must outlive any one bad attempt
                         log.exception("upload of %s failed unexpectedly", key)
                         meta, error, gone = None, f"upload of {key} failed unexpectedly: {e!r}", False
@@ -282,7 +282,7 @@ class Uploader:
                 try:
                     verdict = await loop.run_in_executor(self.io, self._check_commit, job, step, writer, record, since)
                 except (CheckpointError, OSError) as e:
-                    self._failed(f"committing {job} step {step} on {self.tier.store.url} failed: {e}")
+                    self._failed(f"committing {job} step {step} on {self.tier.store.shown} failed: {e}")
                     verdict = "waiting"
                 if verdict != "waiting":
                     break
@@ -345,7 +345,7 @@ class Uploader:
         failing = {str(k): s.error for k, s in self._states.items() if s.failures and not (s.uploaded or s.gave_up)}
         return {
             "enabled": True,
-            "url": self.tier.store.url,
+            "url": self.tier.store.shown,
             "every": self.config.object.every,
             "compression": self.config.object.compression,
             "pending_uploads": self.pending(),

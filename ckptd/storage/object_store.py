@@ -54,6 +54,16 @@ def _store_errors(method: F) -> F:
     return guarded  # type: ignore[return-value]
 
 
+def shown_url(url: str) -> str:
+    """Return url as status, logs and errors show it: without a user or password written into it (s3://k:s@b/p)."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return url
+    authority, slash, path = rest.partition("/")
+    host = authority.rpartition("@")[2]
+    return f"{scheme}://{'***@' if '@' in authority else ''}{host}{slash}{path}"
+
+
 class ObjectStore:
     """Read and write objects under one URL through fsspec (any backend)."""
 
@@ -62,6 +72,7 @@ class ObjectStore:
 
     def __init__(self, url: str, storage_options: dict[str, Any]) -> None:
         self.url = url.rstrip("/")
+        self.shown = shown_url(self.url)  # for messages and status: never the credentials a URL may carry
         # No listings cache: other nodes write to the same prefix, and a cached listing
         # would hide their objects (s3fs even answers reads of an object from it).
         fs, root = fsspec.url_to_fs(self.url, **{"use_listings_cache": False, **storage_options})
@@ -73,8 +84,8 @@ class ObjectStore:
         return "/".join([self.root, *names])
 
     def describe(self, *names: str) -> str:
-        """Return the URL of names under the store, for messages."""
-        return "/".join([self.url, *names])
+        """Return the URL of names under the store, for messages (without credentials)."""
+        return "/".join([self.shown, *names])
 
     @_store_errors
     def names(self, *directory: str) -> dict[str, int]:
