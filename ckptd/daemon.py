@@ -12,7 +12,7 @@ from pathlib import Path
 
 import grpc
 from ckpt.errors import InvalidArgument
-from ckpt.transport import MAX_MESSAGE_BYTES
+from ckpt.transport import MAX_MESSAGE_BYTES, socket_dir_problem
 from ckpt.wire.v1 import ckptd_pb2_grpc
 
 from ckptd import sd_notify
@@ -42,7 +42,7 @@ class AlreadyServing(Exception):
 
 
 class ListenFailed(Exception):
-    """The peer or metrics endpoint could not be bound."""
+    """The socket, the peer or the metrics endpoint could not be taken."""
 
 
 async def serve(config: Config) -> None:
@@ -234,6 +234,12 @@ def _pin(cpus: set[int]) -> None:
 
 def _claim_socket(path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o750)
+    problem = socket_dir_problem(path.parent, {os.geteuid()})
+    if problem is not None:  # made by another user first (its name is known in advance): never adopted
+        raise ListenFailed(
+            f"refusing the socket directory {path.parent} (node.socket): {problem}; another local user may have "
+            "made it to take the socket. Remove it, or configure node.socket in a directory of this daemon's user"
+        )
     if not path.exists():
         return
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:

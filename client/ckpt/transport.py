@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import os
+import socket
+import stat
+import struct
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +34,57 @@ def default_socket_path() -> Path:
     return Path(tempfile.gettempdir()) / f"ckptd-{os.getuid()}" / "ckptd.sock"
 
 
+def socket_dir_problem(directory: Path, owners: Collection[int]) -> str | None:
+    """Say what makes a socket's directory one another user could have prepared, or None where it is sound.
+
+    Sound: absent, or a real directory (not a link) owned by one of owners that no other user may
+    write in. A directory another user made first (/tmp/ckptd-UID is a name anyone can take) lets
+    them serve a fake daemon, or move the real socket aside.
+    """
+    try:
+        st = os.lstat(directory)
+    except FileNotFoundError:
+        return None
+    if stat.S_ISLNK(st.st_mode):
+        return f"{directory} is a symbolic link"
+    if not stat.S_ISDIR(st.st_mode):
+        return f"{directory} is not a directory"
+    if st.st_uid not in owners:
+        return f"{directory} belongs to uid {st.st_uid}, not to uid {' or '.join(map(str, sorted(owners)))}"
+    if st.st_mode & stat.S_IWOTH:
+        return f"every user may write in {directory} (mode {stat.S_IMODE(st.st_mode):o})"
+    return None
+
+
+def socket_owner(path: Path) -> int | None:
+    """Return the uid of the process serving a unix socket (SO_PEERCRED), or None where none answers."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        try:
+            probe.connect(str(path))
+        except OSError:
+            return None
+        _pid, uid, _gid = struct.unpack("3i", probe.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+        return int(uid)
+
+
+def check_default_socket(path: Path) -> None:
+    """Refuse a default socket another user could have prepared: its directory and its daemon must be ours or root's.
+
+    Only the default path needs it: its name is known in advance. An address given explicitly
+    (address=, CKPTD_ADDRESS, a config's node.socket) is the user's own choice.
+    """
+    trusted = {os.getuid(), 0}
+    problem = socket_dir_problem(path.parent, trusted)
+    if problem is None and (uid := socket_owner(path)) is not None and uid not in trusted:
+        problem = f"the daemon on {path} runs as uid {uid}"
+    if problem is not None:
+        raise DaemonUnavailable(
+            f"refusing the default ckptd socket {path}: {problem}. Another local user may have prepared it to serve "
+            "a fake daemon; nothing was sent to it. Remove it and restart your ckptd, or give the address of yours "
+            "(CKPTD_ADDRESS, Checkpointer(address=...))"
+        )
+
+
 def resolve_address(address: str | None) -> str:
     """Turn an address (a socket path, unix:PATH or host:port) into a gRPC target."""
     address = address or os.environ.get("CKPTD_ADDRESS") or str(default_socket_path())
@@ -45,6 +99,8 @@ class DaemonClient:
     """Call the daemon's RPCs, turning transport failures into ckpt errors."""
 
     def __init__(self, address: str | None = None) -> None:
+        if not (address or os.environ.get("CKPTD_ADDRESS")):
+            check_default_socket(default_socket_path())
         self.target = resolve_address(address)
         self._channel = grpc.insecure_channel(
             self.target,
