@@ -93,9 +93,6 @@ class ModelStream:
             self.waited_s += max(0.0, event.time_s - start)
             self.tail_s = max(self.tail_s, event.time_s)
 
-    def synchronize(self) -> None:
-        ModelEvent(self.timeline, recorded_on=self).synchronize()
-
     def __repr__(self) -> str:
         return f"ModelStream({self.name})"
 
@@ -480,6 +477,7 @@ class ModelTrainer:
         self.blocked_s = 0.0  # the training thread waited for the previous copy (policy block)
         self.schedule_waits: list[tuple[float, float]] = []  # the training thread blocked inside save or the hook
         self.on_copied: Callable[[int], None] | None = None  # called with a save's index once its copy landed
+        self._reported = 0  # saves handed to on_copied
 
     def run(self, every: int, steps: int, save: bool = True) -> float:
         """Train steps steps, saving at the top of every every-th; return the window (from start to idle)."""
@@ -526,7 +524,7 @@ class ModelTrainer:
         if not self.jobs:
             return
         self.timeline.join(self.jobs[-1])
-        if self.on_copied is not None and len(self.copies) > getattr(self, "_reported", 0):
+        if self.on_copied is not None and len(self.copies) > self._reported:
             self._reported = len(self.copies)
             self.timeline.finish()  # every effect of the copy applied
             self.on_copied(len(self.copies) - 1)
@@ -575,7 +573,7 @@ class _NewSchedule:
     def save(self) -> cuda_staging.DeviceCopy:
         tl, trainer = self.trainer.timeline, self.trainer
         ready = cuda_staging.ready_events(trainer.tensors, gpu=tl)
-        return cuda_staging.DeviceCopy(trainer.slot, trainer.items, ready, self.link, self.arena, trainer.buffers, tl)
+        return cuda_staging.DeviceCopy(trainer.items, ready, self.link, self.arena, trainer.buffers, tl)
 
 
 def predict(

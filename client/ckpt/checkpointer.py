@@ -88,14 +88,12 @@ class SaveHandle:
     @property
     def spilled_bytes(self) -> int:
         """Return the bytes a lazy save copied device to device into the spill arena, then to the host."""
-        device = self._staged.device if self._staged is not None else None
-        return int(getattr(device, "spilled_bytes", 0))
+        return int(getattr(self._device_copy(), "spilled_bytes", 0))
 
     @property
     def direct_bytes(self) -> int:
         """Return the bytes a lazy save copied straight from the GPU tensors to the host (the head, and the rest)."""
-        device = self._staged.device if self._staged is not None else None
-        return int(getattr(device, "direct_bytes", 0))
+        return int(getattr(self._device_copy(), "direct_bytes", 0))
 
     @property
     def gpu_wait_s(self) -> float | None:
@@ -103,8 +101,11 @@ class SaveHandle:
 
         Known once the copy is done (after wait("memory")); None before, and for a save with no CUDA copy.
         """
-        device = self._staged.device if self._staged is not None else None
-        return getattr(device, "gpu_wait_s", None)
+        return getattr(self._device_copy(), "gpu_wait_s", None)
+
+    def _device_copy(self) -> Any:
+        """Return the lazy save's ckpt.cuda_staging.DeviceCopy, or None (no lazy CUDA copy)."""
+        return self._staged.device if self._staged is not None else None
 
     def done(self, tier: str = "nvme") -> bool:
         """Return whether this rank's shard has reached tier."""
@@ -350,13 +351,15 @@ class Checkpointer:
         step = self._next_step(step)
         flat = flatten(state, self._replicated, self.rank)
         on_device = frozenset(i for i, a in enumerate(flat.arrays) if isinstance(a, torch.Tensor) and a.is_cuda)
-        if on_device and ready is None:
+        if on_device:
             if _cuda().CUDA.capturing(_gpu_of(flat.arrays)):
                 raise CheckpointError(
                     "save_async was called while this thread's CUDA stream is capturing a graph: a save's copies "
                     "cannot be part of a graph. Save outside torch.cuda.graph() / before capture"
                 )
-            ready = _cuda().ready_events(flat.arrays)  # first: the caller's streams, on this thread
+            # First: the caller's streams, on this thread; events the caller recorded on its own thread win, and
+            # a device its events miss (a tensor its walk did not reach) gets this thread's.
+            ready = {**_cuda().ready_events(flat.arrays), **(ready or {})}
         gpu = next(iter(ready)) if ready else None  # the first GPU of the state: slots are pinned there
         owned = lazy_copies.owners(flat.arrays) if lazy else {}
         notes = []
@@ -366,8 +369,8 @@ class Checkpointer:
                 del owned[i]
             if captured:
                 notes.append(_said_once(
-                    f"lazy=True, but {len(captured)} arrays belong to an optimizer whose step was captured into a "
-                    "CUDA graph (a replay runs no pre-hook): those were copied at the call"
+                    "lazy=True, but arrays of this state belong to an optimizer whose step was captured into a CUDA "
+                    "graph (a replay runs no pre-hook): those were copied at the call"
                 ))  # fmt: skip
             if not owned:
                 notes.append(_said_once(
@@ -437,7 +440,6 @@ class Checkpointer:
                 try:
                     if on_device:  # every CUDA array, owned or not: none is copied on this thread
                         staged.device = device_copy = _cuda().DeviceCopy(
-                            slot,
                             [(i, slot_view(flat, slot, i), flat.arrays[i]) for i in sorted(on_device)],
                             ready,
                             self._link,

@@ -343,14 +343,12 @@ class Link:
     def measure_rate(self, source: torch.Tensor, gpu: Gpu = CUDA) -> None:
         """Time a device-to-host copy of up to RATE_PROBE_BYTES of source into pinned memory (prepare's thread)."""
         nbytes = min(RATE_PROBE_BYTES, source.numel() * source.element_size())
-        if nbytes < MIN_TIMED_BYTES:
+        if nbytes < MIN_TIMED_BYTES or not source.is_contiguous():
             return
         device = gpu.device_of(source)
         gpu.set_device(device)
         gpu.leave_captures_alone()
-        src = source.detach().reshape(-1).view(torch.uint8)[:nbytes] if source.is_contiguous() else None
-        if src is None:
-            return
+        src = source.detach().reshape(-1).view(torch.uint8)[:nbytes]
         dst = gpu.host_empty(nbytes)
         stream = gpu.side_stream(device)
         stream.wait_event(ready_events([source], gpu)[device])
@@ -437,7 +435,6 @@ class DeviceCopy:
 
     def __init__(
         self,
-        slot: torch.Tensor,
         items: list[tuple[int, torch.Tensor, torch.Tensor]],
         ready: dict[int, Any],
         link: Link,
@@ -453,7 +450,6 @@ class DeviceCopy:
         The slot must be page-locked (pin()): a copy into pageable memory blocks the thread that issues it.
         """
         self.gpu = gpu
-        self.slot = slot
         self.device = next(iter(ready))  # the lazy thread's current device: no context made on GPU 0 for it
         self.ready = ready
         self.link = link
@@ -493,10 +489,7 @@ class DeviceCopy:
 
     def _issue_head(self, pieces: list[_Piece]) -> None:
         """Issue the head of each device's pieces at once, in state order, with one event after it (lock held)."""
-        by_device: dict[int, list[_Piece]] = {}
-        for piece in pieces:
-            by_device.setdefault(piece.device, []).append(piece)
-        for device, group in by_device.items():
+        for device, group in _by_device(pieces).items():
             total = sum(p.nbytes for p in group)
             room = self.arena.capacity(device) - self._taken.get(device, 0)
             head_bytes = self.link.head_bytes(total, room)
@@ -556,7 +549,7 @@ class DeviceCopy:
             totals = self._owned_bytes()
             self.pieces, self._by_index = [], {}  # the sources, and views of the arena a resize would keep alive
         self._learn(totals)
-        self.arena, self.slot = None, None  # type: ignore[assignment]  # a kept handle holds neither
+        self.arena = None  # type: ignore[assignment]  # a kept handle holds no GPU memory
 
     def _owned_bytes(self) -> dict[int, int]:
         """Return per device the bytes of the arrays an optimizer owns (not those in now)."""
@@ -601,11 +594,7 @@ class DeviceCopy:
         with self._lock:
             if self._finished:
                 return  # every byte is on the host: the step may change the sources at once
-            pieces = [p for i in indices for p in self._by_index.get(i, ())]
-            by_device: dict[int, list[_Piece]] = {}
-            for piece in pieces:
-                by_device.setdefault(piece.device, []).append(piece)
-            for device, group in by_device.items():
+            for device, group in _by_device([p for i in indices for p in self._by_index.get(i, ())]).items():
                 if self.gpu.capturing(device):
                     raise GraphCaptured(
                         "an optimizer step is being captured into a CUDA graph while a lazy save's copy of its "
@@ -674,10 +663,7 @@ class DeviceCopy:
 
     def _drain(self, pieces: list[_Piece], spilled: dict[int, Any]) -> None:
         """Copy spilled pieces to the host on the side stream, once their spill is done (lock held)."""
-        by_device: dict[int, list[_Piece]] = {}
-        for piece in pieces:
-            by_device.setdefault(piece.device, []).append(piece)
-        for device, group in by_device.items():
+        for device, group in _by_device(pieces).items():
             stream = self.gpu.side_stream(device)
             stream.wait_event(spilled[device])
             started, landed = self.gpu.event(), self.gpu.event()
@@ -685,6 +671,14 @@ class DeviceCopy:
             self.gpu.copy_all([(p.dst, p.spill) for p in group if p.spill is not None], stream)
             landed.record(stream)
             self._drains.append((started, landed, sum(p.nbytes for p in group)))
+
+
+def _by_device(pieces: list[_Piece]) -> dict[int, list[_Piece]]:
+    """Group pieces by their device, each group in the order given."""
+    groups: dict[int, list[_Piece]] = {}
+    for piece in pieces:
+        groups.setdefault(piece.device, []).append(piece)
+    return groups
 
 
 def _latest(pieces: list[_Piece]) -> dict[int, _Piece]:
