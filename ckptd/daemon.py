@@ -191,8 +191,7 @@ async def _serve_metrics(config: Config, pipeline: Pipeline) -> asyncio.Server:
 def exposure_warnings(config: Config) -> list[str]:
     """Return what the config exposes beyond this machine without authentication (said at start, like insecure)."""
     warnings = []
-    metrics_host = config.metrics.listen.rpartition(":")[0].strip("[]")
-    if config.metrics.listen and not _loopback(metrics_host):
+    if config.metrics.listen and not _loopback(host_of(config.metrics.listen)):
         warnings.append(
             f"[metrics] listen = {config.metrics.listen}: plain HTTP without authentication beyond this machine; "
             "anyone who reaches it reads job names and counters (bind to 127.0.0.1 or a private address)"
