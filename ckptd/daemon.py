@@ -8,7 +8,9 @@ import logging
 import os
 import signal
 import socket
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import grpc
 from ckpt.errors import InvalidArgument
@@ -27,6 +29,7 @@ from ckptd.rpc.cluster_server import add_cluster_servicer
 from ckptd.rpc.data_listener import DataListener
 from ckptd.rpc.grpc_log import CoreLog
 from ckptd.rpc.guard import RequestGuard
+from ckptd.rpc.log_pace import LogPace
 from ckptd.rpc.peer_link import server_credentials, server_options
 from ckptd.rpc.peer_server import PeerServicer, add_peer_servicer
 from ckptd.rpc.server import CkptdServicer
@@ -34,6 +37,7 @@ from ckptd.rpc.server import CkptdServicer
 log = logging.getLogger(__name__)
 
 STOP_GRACE_S = 5.0
+ACCEPT_OUT_OF_RESOURCES = "socket.accept() out of system resource"  # asyncio's message (selector_events)
 MAX_PEER_RPCS = 64  # calls from peers served at once; more are refused (RESOURCE_EXHAUSTED) and retried
 
 
@@ -55,6 +59,7 @@ async def serve(config: Config) -> None:
     """
     core_log = CoreLog()  # gRPC's C core writes to stderr: its failed TLS handshakes come into our log, readable
     core_log.start()
+    asyncio.get_running_loop().set_exception_handler(_paced_accept_failures(LogPace()))
     try:
         _claim_socket(config.socket_path)
         # Before anything touches the root: another daemon's start-up cleanup and retention would undo ours.
@@ -209,6 +214,24 @@ def _loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return host == "localhost"
+
+
+def _paced_accept_failures(pace: LogPace) -> Callable[[asyncio.AbstractEventLoop, dict[str, Any]], None]:
+    """Return an event loop exception handler that says a failed accept (EMFILE...) once a minute.
+
+    asyncio retries a listening socket (metrics) a second after accept fails for want of descriptors,
+    and logs every failure; anything else goes to asyncio's own handler as before.
+    """
+
+    def handle(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        error = context.get("exception")
+        if context.get("message") == ACCEPT_OUT_OF_RESOURCES and isinstance(error, OSError):
+            if pace.due(error.errno):
+                log.error("cannot accept connections: %s (said once a minute while it lasts)", error)
+            return
+        loop.default_exception_handler(context)
+
+    return handle
 
 
 async def _watchdog(stop: asyncio.Event) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import math
+import resource
 import threading
 import time
 import uuid
@@ -108,6 +109,7 @@ def grpc_options() -> list[tuple[str, Any]]:
 
 
 SERVER_HANDSHAKE_TIMEOUT_MS = 5000  # a connection that has not finished TLS by then is closed (gRPC's default: 120 s)
+CONNECTIONS_SHARE_OF_DESCRIPTORS = 0.5  # of the process's descriptor limit, at most, held by a peer-port server
 
 
 def server_options() -> list[tuple[str, Any]]:
@@ -115,12 +117,24 @@ def server_options() -> list[tuple[str, Any]]:
 
     gRPC binds with SO_REUSEPORT by default: a second daemon on a used address would share it, each
     taking a random half of the connections. Off, the second one fails to bind and exits 2.
+    Connections past max_incoming_connections() are closed at accept, so that whoever reaches the
+    port cannot take the descriptors that saves, slots and shards need (gRPC has no limit per source:
+    docs/OPERATIONS.md, Security).
     """
     return [
         *grpc_options(),
         ("grpc.so_reuseport", 0),
         ("grpc.server_handshake_timeout_ms", SERVER_HANDSHAKE_TIMEOUT_MS),
+        ("grpc.max_allowed_incoming_connections", max_incoming_connections()),
     ]
+
+
+def max_incoming_connections() -> int:
+    """Return how many connections a peer-port server holds at once: half the process's descriptor limit."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        soft = 1 << 20
+    return max(16, int(soft * CONNECTIONS_SHARE_OF_DESCRIPTORS))
 
 
 def _read(path: str) -> bytes:

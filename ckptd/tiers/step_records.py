@@ -21,6 +21,7 @@ from ckpt.format import COMMIT_NAME, CommitRecord, ShardMeta, digest, meta_name
 from ckpt.history import line_text
 
 from ckptd.cluster.placement import Holding
+from ckptd.rpc.log_pace import LogPace
 
 log = logging.getLogger(__name__)
 
@@ -118,12 +119,16 @@ class StepRecords:
             self._holdings.pop(path, None)
 
 
+_listing_failures = LogPace()  # keyed by (directory, errno): out of descriptors, every peering round fails alike
+
+
 def entry_names(directory: Path) -> list[str]:
-    """List a directory's entries; an unreadable or missing one is logged and counts as empty."""
+    """List a directory's entries; an unreadable or missing one is logged (a minute apart) and counts as empty."""
     try:
         return os.listdir(directory)
     except (FileNotFoundError, NotADirectoryError):
         return []
     except OSError as e:
-        log.warning("cannot list %s: %s", directory, e)
+        if _listing_failures.due((directory, e.errno)):
+            log.warning("cannot list %s: %s", directory, e)
         return []

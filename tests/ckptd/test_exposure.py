@@ -1,14 +1,20 @@
-"""What a daemon shows and says about its exposure: URLs without credentials, warnings for open endpoints."""
+"""What a daemon shows and says about its exposure: URLs without credentials, warnings for open endpoints,
+and failures that repeat (out of descriptors) said once a minute."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import errno
+import logging
 
 import pytest
 
 from ckptd.config import Config
-from ckptd.daemon import exposure_warnings
+from ckptd.daemon import ACCEPT_OUT_OF_RESOURCES, _paced_accept_failures, exposure_warnings
+from ckptd.rpc.log_pace import LogPace
 from ckptd.storage.object_store import shown_url
+from ckptd.tiers.step_records import entry_names
 
 
 @pytest.mark.parametrize(
@@ -37,3 +43,29 @@ def test_metrics_beyond_loopback_and_etcd_without_tls_are_warned_at_start():
     assert ["etcd without TLS" in w for w in exposure_warnings(etcd)] == [True]
     tls = dataclasses.replace(etcd, cluster=dataclasses.replace(etcd.cluster, cert="c", key="k", ca="a"))
     assert exposure_warnings(tls) == []
+
+
+def test_accept_failing_for_want_of_descriptors_is_said_once_a_minute_not_at_every_retry(caplog):
+    loop = asyncio.new_event_loop()
+    try:
+        handle = _paced_accept_failures(LogPace())
+        out_of_descriptors = {"message": ACCEPT_OUT_OF_RESOURCES, "exception": OSError(errno.EMFILE, "Too many")}
+        with caplog.at_level(logging.ERROR):
+            for _ in range(100):  # asyncio retries a second apart, for as long as it lasts
+                handle(loop, out_of_descriptors)
+            handle(loop, {"message": "something else went wrong"})
+            handle(loop, {"message": "something else went wrong"})
+    finally:
+        loop.close()
+    lines = [r.getMessage() for r in caplog.records]
+    assert len([line for line in lines if "cannot accept connections" in line]) == 1
+    assert len([line for line in lines if "something else went wrong" in line]) == 2  # not paced
+
+
+def test_a_directory_that_cannot_be_listed_is_said_once_a_minute_not_at_every_peering_round(tmp_path, caplog):
+    loop_link = tmp_path / "loop"
+    loop_link.symlink_to(loop_link)  # ELOOP at every listing, as EMFILE is while descriptors run out
+    with caplog.at_level(logging.WARNING):
+        for _ in range(50):
+            assert entry_names(loop_link) == []
+    assert len([r for r in caplog.records if "cannot list" in r.getMessage()]) == 1
