@@ -36,7 +36,8 @@ class NodeConfig:
 
 @dataclass(frozen=True)
 class StagingConfig:
-    budget_bytes: int = 0
+    budget_bytes: int = 0  # 0: sized on demand, up to DEFAULT_BUDGET_SHARE of the staging filesystem
+    job_budget_bytes: int = 0  # one job's slots at most; 0 = any share of the budget
     policy: str = "block"
     dir: str = ""
     idle_ttl_s: int = 86400  # a job's slots go this long after its last save, once durable; 0 = never
@@ -310,6 +311,7 @@ def _check_values(c: Config) -> None:
     count = os.cpu_count() or 1
     require(max(cpus, default=0) < count, "node.cpus", f"{c.node.cpus!r}: this machine has CPUs 0 to {count - 1}")
     require(c.staging.budget_bytes >= 0, "staging.budget_bytes", "must be 0 (on demand) or positive")
+    require(c.staging.job_budget_bytes >= 0, "staging.job_budget_bytes", "must be 0 (no cap) or positive")
     require(c.staging.idle_ttl_s >= 0, "staging.idle_ttl_s", "must be 0 (never) or a number of seconds")
     require(c.staging.policy in ("block", "skip"), "staging.policy", f"must be block or skip, not {c.staging.policy!r}")
     require(c.nvme.flush_every >= 0, "nvme.flush_every", "must be 0 (the newest snapshot wins) or a number of steps")

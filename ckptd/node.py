@@ -39,7 +39,7 @@ from ckptd.rpc.peer_link import STREAMS_PER_SHARD
 from ckptd.save.flush import Flusher
 from ckptd.save.progress import ShardProgress
 from ckptd.save.save_path import LOCAL_TIERS, SavePath
-from ckptd.save.staging import ShardKey, SlotPool
+from ckptd.save.staging import ShardKey, SlotPool, default_budget_bytes
 from ckptd.save.uploading import UPLOAD_THREADS, Uploader
 from ckptd.storage.object_store import open_store
 from ckptd.tiers.base import DurableTier, Tier
@@ -117,7 +117,11 @@ class Node:
         instance = uuid.uuid4().hex  # this daemon's run: peer calls that carry it have come back to it
         # -- the tiers, fastest first (loads try them in this order)
         self.pool = SlotPool(
-            config.staging_dir, config.staging.budget_bytes, config.staging.policy, config.nvme.flush_every
+            config.staging_dir,
+            config.staging.budget_bytes or default_budget_bytes(config.staging_dir),
+            config.staging.policy,
+            config.nvme.flush_every,
+            config.staging.job_budget_bytes,
         )
         memory = MemoryTier(self.pool.copies)
         self.nvme = LocalDirTier(config.root, write_threads=x.nvme_writes)

@@ -155,7 +155,8 @@ class StatusReport:
             "cluster": self.view.status() if self.view is not None else {"backend": "none"},
             "staging": {
                 "policy": self.config.staging.policy,
-                "budget_bytes": self.config.staging.budget_bytes,
+                "budget_bytes": self.pool.budget_bytes,
+                "job_budget_bytes": self.pool.job_budget_bytes,
                 "in_use_bytes": self.pool.in_use_bytes(),
                 "bytes_by_job": _bytes_by_job(slots),
                 "slots": len(slots),

@@ -95,6 +95,8 @@ def status_lines(doc: Mapping[str, Any]) -> list[str]:
     """Return `ckptd status`'s lines: where the daemon runs, each tier, the counters, the newest steps, errors."""
     st, tiers = doc["staging"], doc["tiers"]
     budget = f"of a {human_size(st['budget_bytes'])} budget" if st["budget_bytes"] else "(sized on demand)"
+    if st.get("job_budget_bytes"):
+        budget += f" ({human_size(st['job_budget_bytes'])} a job)"
     lines = [
         f"ckptd {doc['version']} on {doc['node']}, up {doc['uptime_s']:.0f} s, socket {doc['socket']}",
         f"nvme root   {tiers['nvme']['root']}",

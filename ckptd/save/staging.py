@@ -48,6 +48,7 @@ log = logging.getLogger(__name__)
 
 SLOTS_PER_RANK = 2
 SLOT_GRANULE_BYTES = 1 << 20
+DEFAULT_BUDGET_SHARE = 0.75  # of the staging filesystem (/dev/shm: RAM), with [staging] budget_bytes = 0
 
 
 @dataclass(frozen=True)
@@ -78,9 +79,12 @@ class Snapshot:
 class SlotPool:
     """Allocate, reuse and bound the staging slots of one node."""
 
-    def __init__(self, directory: Path, budget_bytes: int, policy: str, flush_every: int = 0) -> None:
+    def __init__(
+        self, directory: Path, budget_bytes: int, policy: str, flush_every: int = 0, job_budget_bytes: int = 0
+    ) -> None:
         self.directory = directory
-        self.budget_bytes = budget_bytes
+        self.budget_bytes = budget_bytes  # 0: none (tests of the pool alone); Node gives default_budget_bytes()
+        self.job_budget_bytes = job_budget_bytes  # 0: none beyond budget_bytes
         self.policy = policy
         self.flush_every = flush_every  # [nvme] flush_every: a slot holding a step it keeps is never claimed
         self._slots: dict[tuple[str, int], list[Slot]] = {}
@@ -203,10 +207,9 @@ class SlotPool:
                 f"{job} rank {rank}: size_bytes {size_bytes} is out of range (0 to {MAX_SHARD_BYTES})"
             )
         need = round_up(max(size_bytes, 1), SLOT_GRANULE_BYTES)
-        if self.budget_bytes and need > self.budget_bytes:
-            raise InvalidArgument(
-                f"a shard of {size_bytes} bytes cannot fit in staging.budget_bytes = {self.budget_bytes}"
-            )
+        for key, budget in ("budget_bytes", self.budget_bytes), ("job_budget_bytes", self.job_budget_bytes):
+            if budget and need > budget:
+                raise InvalidArgument(f"a shard of {size_bytes} bytes cannot fit in staging.{key} = {budget}")
         fs = os.statvfs(self.directory)  # sized on demand, still no more than the filesystem holds
         if need > (capacity := fs.f_blocks * fs.f_frsize):
             raise InvalidArgument(f"a shard of {size_bytes} bytes cannot fit in {self.directory} ({capacity} bytes)")
@@ -438,6 +441,9 @@ class SlotPool:
             if self._room_for(job, rank, need - slot.size_bytes):
                 return self._claim(slot), need, "grew a slot", replaced
         if spare or last_resort or unflushed or len(group) < SLOTS_PER_RANK:
+            if self._over_job_budget(job, need):
+                why = f"{job}'s share, staging.job_budget_bytes ({self.job_budget_bytes}), is taken by its snapshots"
+                return None, 0, why + " still being flushed", None
             return (
                 None,
                 0,
@@ -470,12 +476,23 @@ class SlotPool:
         return slot
 
     def _room_for(self, job: str, rank: int, extra_bytes: int, evict: bool = True) -> bool:
+        if self._over_job_budget(job, extra_bytes):
+            return False  # evicting other jobs' slots would not help
         if not self.budget_bytes:
             return True
         over = self.in_use_bytes() + extra_bytes - self.budget_bytes
         if over > 0 and evict:
             self._evict_others(job, rank, over)
         return self.in_use_bytes() + extra_bytes <= self.budget_bytes
+
+    def _over_job_budget(self, job: str, extra_bytes: int) -> bool:
+        """Return whether extra_bytes more for the job's slots would pass staging.job_budget_bytes."""
+        if not self.job_budget_bytes:
+            return False
+        held = sum(
+            max(s.size_bytes, s.allocating_bytes) for (j, _), group in self._slots.items() if j == job for s in group
+        )
+        return held + extra_bytes > self.job_budget_bytes
 
     def _evict_others(self, job: str, rank: int, want_bytes: int) -> None:
         for (other_job, other_rank), group in self._slots.items():
@@ -510,6 +527,20 @@ class SlotPool:
                 slot.path.unlink(missing_ok=True)
             raise CheckpointError(f"cannot allocate {size_bytes} bytes of staging memory in {slot.path}: {e}") from e
         slot.size_bytes = size_bytes
+
+
+def default_budget_bytes(directory: Path) -> int:
+    """Return the staging budget of [staging] budget_bytes = 0: a share of the filesystem the directory is on.
+
+    Node calls it at start, before the directory exists: the nearest directory above that does is measured.
+    Bounded by default, so that no job (nor a member of the daemon's group) fills /dev/shm, which is RAM.
+    """
+    existing = directory
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    fs = os.statvfs(existing)
+    share = int(fs.f_blocks * fs.f_frsize * DEFAULT_BUDGET_SHARE)
+    return max(SLOT_GRANULE_BYTES, share - share % SLOT_GRANULE_BYTES)  # whole granules, as slots are sized
 
 
 def _text(layout: bytes, what: str) -> str:

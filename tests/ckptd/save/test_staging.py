@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import shutil
 import subprocess
 import sys
@@ -13,7 +14,7 @@ import pytest
 from ckpt.errors import InvalidArgument, ReservationLost
 from ckpt.format import CHUNK_SIZE_BYTES, ShardMeta
 
-from ckptd.save.staging import ShardKey, SlotPool, Snapshot
+from ckptd.save.staging import DEFAULT_BUDGET_SHARE, ShardKey, SlotPool, Snapshot, default_budget_bytes
 
 MIB = 1 << 20
 
@@ -99,6 +100,28 @@ def test_skip_policy_answers_at_once_when_no_room_is_left(tmp_path):
             await pool.reserve("j", 0, 3 * MIB)
 
     asyncio.run(run())
+
+
+def test_a_job_takes_no_more_than_its_share_and_other_jobs_save_on(tmp_path):
+    pool = SlotPool(tmp_path / "staging", 0, "skip", job_budget_bytes=3 * MIB)  # no budget: the job's share binds
+    pool.recover()
+
+    async def run():
+        assert (await pool.reserve("greedy", 0, 2 * MIB)).slot is not None
+        skipped = await pool.reserve("greedy", 1, 2 * MIB)  # its rank 0 holds 2 of its 3 MiB
+        assert skipped.slot is None and "greedy's share, staging.job_budget_bytes (3145728)" in skipped.reason
+        assert (await pool.reserve("other", 0, 2 * MIB)).slot is not None  # another job is not held up
+        with pytest.raises(InvalidArgument, match=r"cannot fit in staging\.job_budget_bytes = 3145728"):
+            await pool.reserve("greedy", 0, 4 * MIB)
+
+    asyncio.run(run())
+
+
+def test_the_default_budget_is_a_share_of_the_staging_filesystem_measured_before_the_directory_exists(tmp_path):
+    fs = os.statvfs(tmp_path)
+    budget = default_budget_bytes(tmp_path / "not" / "made" / "yet")
+    assert budget % MIB == 0
+    assert fs.f_blocks * fs.f_frsize * DEFAULT_BUDGET_SHARE - MIB < budget <= fs.f_blocks * fs.f_frsize * 0.75
 
 
 def test_with_no_budget_a_shard_larger_than_the_filesystem_is_refused_before_any_allocation(tmp_path):
