@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -16,6 +17,16 @@ class Holder:
 
     def __init__(self, tensor: torch.Tensor) -> None:
         self.tensor = tensor
+
+
+class Planted:
+    """A value whose unpickling writes marker, as any code a planted pickle names would run."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return exec, (f"open({str(self.marker)!r}, 'w').write('ran')",)
 
 
 def every_kind_state(seed: int = 0) -> dict[str, Any]:

@@ -8,7 +8,8 @@ command; cmd_export runs on the main thread, in this order:
    the step with ckptd.offline.restore into a temporary directory beside --to;
 3. picks the keys --include/--exclude take from rank 0's saved structure (select_keys),
    reads their tensors with ckpt.reshard.load_full (every sharded tensor whole, every
-   chunk checked; nothing else is read), lifts --strip-prefix's entries to the top, and
+   chunk checked; nothing else is read; the values unpickled with torch.load(weights_only=True)'s
+   allow-list unless --trusted), lifts --strip-prefix's entries to the top, and
    writes the state into another temporary
    directory beside --to, which is then renamed to --to (with the process's umask, as any
    file it writes);
@@ -29,7 +30,7 @@ import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ckpt.errors import CheckpointError, InvalidArgument
+from ckpt.errors import CheckpointError, InvalidArgument, UnsafeCheckpoint
 from ckpt.format import keyed_leaves, validate_job, validate_step
 from ckpt.key_filter import KeyFilter
 
@@ -59,6 +60,11 @@ Keys are paths joined with dots, as DCP names them (model.layers.0.weight). --in
 matches a key takes everything under it (--exclude optim leaves out the optimizer's state); a
 list or tuple is kept or left out whole. --strip-prefix model. writes the entries under the key
 model at the top (model.up.weight as up.weight); other keys stay as they are.
+
+The values that are not tensors are unpickled as torch.load(weights_only=True) unpickles
+them: a step holding any other class or function (argparse.Namespace, a class of the
+training code) is refused, naming it, and nothing of it runs. --trusted unpickles them in
+full, which runs whatever code the step's pickle names: only for checkpoints you trust.
 
 The whole state is held in memory once. DIR must be absent or empty; it appears whole or not
 at all (written beside it, then renamed), its files made with the process's umask. Progress goes
@@ -94,6 +100,11 @@ def add_parser(command: Any, common: argparse.ArgumentParser) -> None:
     )
     s.add_argument("--exclude", action="append", metavar="PATTERN", help="leave out the keys it matches (and under)")
     s.add_argument("--strip-prefix", metavar="PREFIX", help="write the entries under the key PREFIX at the top")
+    s.add_argument(
+        "--trusted",
+        action="store_true",
+        help="unpickle the step's values in full (runs what its pickle names), not with weights_only's allow-list",
+    )
     s.add_argument("--json", action="store_true", help='print {"job", "step", "format", "dir"} when done')
 
 
@@ -125,7 +136,7 @@ def cmd_export(args: argparse.Namespace, config: Config) -> int:
     work = Path(tempfile.mkdtemp(prefix=f".{to.name}.export-", dir=to.parent))
     try:
         step_dir = _local_step_dir(tiers, job, step) or _restore(tiers, job, step, work / "restore")
-        state = _read_state(step_dir, keys, prefix)
+        state = _read_state(step_dir, keys, prefix, weights_only=not args.trusted)
         out = work / "out"
         if args.format == "dcp":
             _write_dcp(state, out)
@@ -183,10 +194,12 @@ def _restore(tiers: list[Tier], job: str, step: int, target: Path) -> Path:
     return restore(tiers, job, step, target, progress=_progress)
 
 
-def _read_state(step_dir: Path, keys: KeyFilter, prefix: tuple[str, ...]) -> Any:
+def _read_state(step_dir: Path, keys: KeyFilter, prefix: tuple[str, ...], weights_only: bool) -> Any:
     """Return rank 0's state of the step in step_dir with every sharded tensor whole, every chunk checked.
 
     Only the tensors of the keys that keys takes are read (select_keys on the saved structure first).
+    weights_only unpickles the values with torch.load(weights_only=True)'s allow-list; a value it
+    refuses is a CheckpointError (exit 1) naming it and --trusted.
     """
     from ckpt.range_read import StepReader
     from ckpt.reshard import load_full, load_skeleton
@@ -206,9 +219,16 @@ def _read_state(step_dir: Path, keys: KeyFilter, prefix: tuple[str, ...]) -> Any
     started = time.monotonic()
     what = f"{record.job} step {record.step}"
     wanted = None
-    if not keys.takes_all:
-        wanted = select_keys(load_skeleton(json.loads(reader.meta(0).layout_json)), keys, (), what)
-    state = select_keys(load_full(reader, index, wanted), keys, prefix, what)
+    try:
+        if not keys.takes_all:
+            skeleton = load_skeleton(json.loads(reader.meta(0).layout_json), weights_only, f"rank 0 shard of {what}")
+            wanted = select_keys(skeleton, keys, (), what)
+        state = select_keys(load_full(reader, index, weights_only, wanted), keys, prefix, what)
+    except UnsafeCheckpoint as e:
+        raise CheckpointError(
+            f"{e.what} holds {e.global_name}, which export does not unpickle without --trusted (only what "
+            "torch.load(weights_only=True) allows): if you trust this checkpoint, pass --trusted"
+        ) from None
     tensors = _tensors(state)
     size = sum(t.nbytes for t in tensors.values())
     _progress(

@@ -5,7 +5,9 @@ command; cmd_import runs on the main thread, in this order:
 1. checks that torch can be imported and that exactly one source is given;
 2. reads the whole state into memory: a torch.save file with torch.load (on the CPU;
    weights_only unless --trusted), or a torch.distributed.checkpoint directory with
-   DCP's own reader (every tensor whole, in the nested structure it was saved with);
+   DCP's own reader (every tensor whole, in the nested structure it was saved with;
+   only with --trusted: DCP unpickles its .metadata in full, and the CLI unpickles
+   nothing it was not told to trust);
 3. saves it as the step with ckpt.Checkpointer.save_async through the local daemon,
    as the one rank of a world of one, and waits until it is durable on NVMe; the
    daemon replicates and uploads it as any step.
@@ -40,7 +42,9 @@ NVMe, peers and the object store as configured, and ckpt's load(), load(into=...
                  read with torch.load(weights_only=True) on the CPU; --trusted reads
                  it with weights_only=False (arbitrary pickles: only files you trust)
   --dcp DIR      a torch.distributed.checkpoint directory (FileSystemWriter's), read
-                 whole with DCP's own reader, keys nested as they were saved
+                 whole with DCP's own reader, keys nested as they were saved; needs
+                 --trusted, because DCP unpickles the directory's .metadata in full
+                 (arbitrary pickles: only directories you trust)
 
 The whole state is held in memory once. The step must be newer than the job's newest
 (its head); a complete step is never rewritten. Needs torch (the daemon does not)."""
@@ -54,7 +58,7 @@ def add_parser(command: Any, common: argparse.ArgumentParser, daemon: argparse.A
         help="make a torch.save file or a DCP checkpoint a step of a job (needs torch and the daemon)",
         description=DESCRIPTION,
         epilog="examples:\n"
-        "  ckptd import --job llama-7b --step 1200 --dcp /mnt/ckpt/llama-7b/step-1200\n"
+        "  ckptd import --job llama-7b --step 1200 --dcp /mnt/ckpt/llama-7b/step-1200 --trusted\n"
         "  ckptd import --job run-7 --step 4000 --torch ckpts/last.ckpt --trusted",
     )
     s.add_argument("--job", required=True, help="the job the step belongs to")
@@ -62,13 +66,22 @@ def add_parser(command: Any, common: argparse.ArgumentParser, daemon: argparse.A
     source = s.add_mutually_exclusive_group(required=True)
     source.add_argument("--torch", type=Path, metavar="FILE", help="a torch.save file")
     source.add_argument("--dcp", type=Path, metavar="DIR", help="a torch.distributed.checkpoint directory")
-    s.add_argument("--trusted", action="store_true", help="--torch: load with weights_only=False")
+    s.add_argument(
+        "--trusted",
+        action="store_true",
+        help="unpickle the source in full: --torch with weights_only=False; --dcp needs it (DCP's .metadata)",
+    )
     s.add_argument("--json", action="store_true", help='print {"job", "step", "size_bytes", "seconds"} when done')
 
 
 def cmd_import(args: argparse.Namespace, config: Config) -> int:
     """Run `ckptd import` (see the module docstring); return the exit code, raise CheckpointError on failure."""
     job, step = validate_job(args.job), validate_step(args.step)
+    if args.dcp is not None and not args.trusted:
+        raise InvalidArgument(
+            f"import --dcp {args.dcp}: DCP's reader unpickles the directory's .metadata in full, which runs "
+            "whatever code that pickle names; pass --trusted if you trust the directory"
+        )
     try:
         import torch  # noqa: F401 - only to say clearly that it is missing
     except ImportError:

@@ -25,6 +25,7 @@ from ckpt.errors import (
     ReservationLost,
     SaveFailed,
     SaveSkipped,
+    UnsafeCheckpoint,
 )
 from ckpt.key_filter import LoadReport
 from ckpt.torch_version import require_torch
@@ -41,6 +42,7 @@ __all__ = [
     "SaveFailed",
     "SaveHandle",
     "SaveSkipped",
+    "UnsafeCheckpoint",
     "__version__",
     "init",
     "latest_step",
@@ -98,9 +100,10 @@ def load(
     strict: bool = True,
     keys: str | Iterable[str] | None = None,
     exclude: str | Iterable[str] | None = None,
+    weights_only: bool = False,
 ) -> Any:
     """Load with the default Checkpointer; see Checkpointer.load."""
-    return _checkpointer().load(step, map_location, tier, into, strict, keys, exclude)
+    return _checkpointer().load(step, map_location, tier, into, strict, keys, exclude, weights_only)
 
 
 def latest_step() -> int | None:

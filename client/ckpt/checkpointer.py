@@ -513,6 +513,7 @@ class Checkpointer:
         strict: bool = True,
         keys: str | Iterable[str] | None = None,
         exclude: str | Iterable[str] | None = None,
+        weights_only: bool = False,
     ) -> Any:
         """Return this rank's state at step (default: the latest complete step), bit for bit as saved.
 
@@ -541,6 +542,12 @@ class Checkpointer:
         (ckpt.key_filter; exclude="optimizer" leaves the optimizer's state as it is); strict=False
         loads the keys both into and the step hold and leaves the rest, where strict=True raises
         InvalidArgument naming the first. self.last_load (a LoadReport) says what was left.
+
+        weights_only=True unpickles the values that are not tensors as torch.load(weights_only=True)
+        does: only the classes and functions torch allows (containers, scalars, torch.Size, dtypes,
+        devices...) and those of torch.serialization.add_safe_globals; any other raises
+        UnsafeCheckpoint naming it, before anything of the pickle runs (ckpt.skeleton_unpickler).
+        weights_only=False (the default) unpickles them in full: only for checkpoints you trust.
         """
         if step is not None:
             validate_step(step)
@@ -548,7 +555,7 @@ class Checkpointer:
             validate_tier(tier)
         selection = KeyFilter.of(keys, exclude)
         if into is not None:
-            return self._load_into(into, step, tier, strict, selection)
+            return self._load_into(into, step, tier, strict, selection, weights_only)
         if not strict or not selection.takes_all:
             raise InvalidArgument("strict=False, keys= and exclude= apply to load(into=state): pass the state to fill")
         place = Placement.of(map_location)  # before the daemon is asked: a device missing here fails at once
@@ -565,13 +572,13 @@ class Checkpointer:
         self._loading(reply.step, reply.next_line)
         try:
             try:
-                return load_first_good(sources, self.rank, place)
+                return load_first_good(sources, self.rank, place, weights_only=weights_only)
             except NotFound as e:  # the copy it was pointed at went meanwhile (an operator, a race): ask again, once
                 log.warning("ckpt: %s; asking the daemon where the shard is now", e)
                 locate.step = reply.step
                 again = self._daemon.call("Locate", locate)
                 sources = [ShardSource(s.tier, s.kind, s.path, self.job, again.step) for s in again.sources]
-                return load_first_good(sources, self.rank, place)
+                return load_first_good(sources, self.rank, place, weights_only=weights_only)
         except CorruptCheckpoint as e:
             if tier not in ("auto", "peer", "object"):
                 raise
@@ -584,7 +591,7 @@ class Checkpointer:
             except CheckpointError as other:
                 raise CorruptCheckpoint(f"{e}; and no good copy elsewhere: {other}") from other
             sources = [ShardSource(s.tier, s.kind, s.path, self.job, again.step) for s in again.sources]
-            return load_first_good(sources, self.rank, place)
+            return load_first_good(sources, self.rank, place, weights_only=weights_only)
 
     def _loading(self, step: int, next_line: str) -> None:
         """Continue this rank's saves after the step being loaded, on the line the daemon named.
@@ -598,11 +605,13 @@ class Checkpointer:
         self._rolled_back_to = step if line and line[-1][0] == step else None  # said at the next save
         self._line, self._last_step = next_line, step
 
-    def _load_into(self, into: Any, step: int | None, tier: str, strict: bool, keys: KeyFilter) -> Any:
+    def _load_into(
+        self, into: Any, step: int | None, tier: str, strict: bool, keys: KeyFilter, weights_only: bool
+    ) -> Any:
         """Fill into from a step: the ranks this node holds read from their files, the rest through the daemon."""
         reader, index, reply = self._open_step(step, tier)
         self._loading(reply.step, reply.next_line)
-        loaded, self.last_load = load_into(into, reader, index, self.rank, strict, keys)
+        loaded, self.last_load = load_into(into, reader, index, self.rank, strict, keys, weights_only)
         report_left(self.last_load, self.job)
         return loaded
 

@@ -55,6 +55,7 @@ class _Catalog:
     tensors: dict[str, SavedTensor]
     value_paths: FLATTEN_MAPPING  # each value's path in the skeleton, as DCP's flattening names it
     metadata: Metadata
+    weights_only: bool  # how the skeleton was unpickled, and so how its values are
 
 
 class Reader(StorageReader):
@@ -66,6 +67,12 @@ class Reader(StorageReader):
     set_up_storage_reader; the two plan steps, which change nothing; read_data, which
     fills the planner's tensors (each from the byte ranges of the one saved chunk a
     read item names) and hands the values over as torch.save bytes.
+
+    weights_only=True unpickles the step's values that are not tensors as
+    Checkpointer.load(weights_only=True) does (torch.load(weights_only=True)'s allow-list).
+    What DCP's planner then does with the torch.save bytes of those values is DCP's: its
+    default planner reads them with torch.load(weights_only=False), but they hold only what
+    this Reader built, so nothing the allow-list refused.
     """
 
     def __init__(
@@ -76,6 +83,7 @@ class Reader(StorageReader):
         rank: int | None = None,
         world_size: int | None = None,
         address: str | None = None,
+        weights_only: bool = False,
     ) -> None:
         super().__init__()
         if job is not None and path is not None:
@@ -87,6 +95,7 @@ class Reader(StorageReader):
             rank, world_size = process_rank(rank, world_size)
             self._checkpointer = Checkpointer(job=job, rank=rank, world_size=world_size, address=address)
             weakref.finalize(self, self._checkpointer.close)  # as ckpt.dcp.Writer's: at exit at the latest
+        self._weights_only = weights_only
         self._catalog: _Catalog | None = None
 
     def __repr__(self) -> str:
@@ -135,7 +144,7 @@ class Reader(StorageReader):
                 if not self._path.is_dir():
                     raise NotFound(f"{self._path} is not a directory")
                 reader, index = open_step_dir(self._path)
-            self._catalog = _catalog_of(reader, index)
+            self._catalog = _catalog_of(reader, index, self._weights_only)
         return self._catalog.metadata
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
@@ -187,7 +196,7 @@ def _is_step_dir(checkpoint_id: object) -> bool:
     return isinstance(checkpoint_id, str | os.PathLike) and (Path(checkpoint_id) / COMMIT_NAME).is_file()
 
 
-def _catalog_of(reader: StepReader, index: StepIndex | None) -> _Catalog:
+def _catalog_of(reader: StepReader, index: StepIndex | None, weights_only: bool) -> _Catalog:
     """Walk rank 0's saved structure as DCP flattens a state dict and describe each key as DCP's metadata does.
 
     Tensors stand in as meta tensors, so DCP's own flattening decides which lists it
@@ -197,7 +206,7 @@ def _catalog_of(reader: StepReader, index: StepIndex | None) -> _Catalog:
     what = f"{meta.job} step {meta.step}"
     try:
         layout = json.loads(meta.layout_json)
-        skeleton = load_skeleton(layout)
+        skeleton = load_skeleton(layout, weights_only, f"rank 0 shard of {what}")
     except (KeyError, TypeError, ValueError, pickle.UnpicklingError) as e:
         raise CorruptCheckpoint(f"rank 0 layout of {what}: {e!r}") from None
     if not isinstance(skeleton, Mapping):
@@ -230,7 +239,7 @@ def _catalog_of(reader: StepReader, index: StepIndex | None) -> _Catalog:
     described: dict[str, Any] = {key: _tensor_metadata(saved) for key, saved in tensors.items()}
     described.update((key, BytesStorageMetadata()) for key in value_paths)
     metadata = Metadata(described, planner_data=paths, storage_meta=StorageMeta(checkpoint_id=str(meta.step)))
-    return _Catalog(reader, layout, skeleton, tensors, value_paths, metadata)
+    return _Catalog(reader, layout, skeleton, tensors, value_paths, metadata, weights_only)
 
 
 def _tensor_metadata(saved: SavedTensor) -> TensorStorageMetadata:
@@ -260,7 +269,7 @@ def _values_of(catalog: _Catalog, keys: list[str]) -> dict[str, Any]:
     needed = set().union(*(refs_in(value) for value in found.values()))
     if not needed:
         return found
-    state = realize(catalog.reader, 0, catalog.layout, needed)
+    state = realize(catalog.reader, 0, catalog.layout, needed, catalog.weights_only)
     return {key: _at(state, _path_of(catalog, key)) for key in keys}
 
 

@@ -31,3 +31,20 @@ class SaveSkipped(CheckpointError):
 
 class ReservationLost(CheckpointError):
     """The staging slot reserved for a save was taken back (the daemon restarted, or the rank saved again)."""
+
+
+class UnsafeCheckpoint(CheckpointError):
+    """A step holds a value that a restricted load (weights_only=True) does not unpickle: global_name names it."""
+
+    def __init__(self, what: str, global_name: str) -> None:
+        super().__init__(what, global_name)  # as its args, so the error pickles and compares as any other
+        self.what = what
+        self.global_name = global_name
+
+    def __str__(self) -> str:
+        return (
+            f"{self.what} holds {self.global_name}, which a load with weights_only=True does not unpickle "
+            "(torch.load(weights_only=True)'s allow-list): if you trust this checkpoint, load it with "
+            "weights_only=False, or allow that one global with "
+            f"torch.serialization.add_safe_globals([{self.global_name}])"
+        )

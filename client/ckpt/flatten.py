@@ -32,6 +32,7 @@ from ckpt.sharding import (
     replicated_chunks,
     tensor_keys,
 )
+from ckpt.skeleton_unpickler import SkeletonUnpickler
 from ckpt.stateful import expand_stateful
 
 PICKLE_PROTOCOL = 5
@@ -170,6 +171,8 @@ def unflatten(
     data: np.ndarray,
     place: Callable[[torch.Tensor, str], torch.Tensor] | None = None,
     dtensor_ref: Any = None,
+    weights_only: bool = False,
+    what: str = "the step",
 ) -> Any:
     """Rebuild a state from its layout and a uint8 array of its shard bytes, without copying them.
 
@@ -178,7 +181,9 @@ def unflatten(
     while all of them share data's memory. With place (ckpt.placement), every
     tensor, wherever it sits in the state, becomes place(tensor, the location its
     entry was saved from). A DTensor of the step becomes dtensor_ref(key); with no
-    dtensor_ref, it is an InvalidArgument.
+    dtensor_ref, it is an InvalidArgument. weights_only unpickles the skeleton with
+    torch.load(weights_only=True)'s allow-list (ckpt.skeleton_unpickler; what names the
+    shard in its UnsafeCheckpoint).
     """
     entries = layout["tensors"]
     built: list[Any] = [None] * len(entries)
@@ -218,23 +223,7 @@ def unflatten(
         return built[i]
 
     skeleton = base64.b64decode(layout["skeleton_pickle_b64"])
-    return _SkeletonUnpickler(skeleton, resolve).load()
-
-
-class _SkeletonUnpickler(pickle.Unpickler):
-    """Unpickle a state's skeleton, handing its persistent ids (tensors, DTensors) to resolve.
-
-    A class of the module's, not of unflatten's: a class is a reference cycle, and one
-    defined in unflatten would hold the shard's whole buffer (through resolve's closure)
-    until the garbage collector runs, rather than until the state is dropped.
-    """
-
-    def __init__(self, skeleton: bytes, resolve: Callable[[Any], Any]) -> None:
-        super().__init__(io.BytesIO(skeleton))
-        self._resolve = resolve
-
-    def persistent_load(self, pid: Any) -> Any:
-        return self._resolve(pid)
+    return SkeletonUnpickler(skeleton, resolve, weights_only, what).load()
 
 
 def _descr(d: Any) -> Any:

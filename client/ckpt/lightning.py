@@ -306,18 +306,14 @@ class CkptdCheckpointIO(CheckpointIO):
 
         The pointer may be in a pointer file or in the torch file that replaced it. A torch file is read
         itself when weights_only is true, or when ckptd no longer holds its step; any other file at path
-        is read as TorchCheckpointIO reads it.
+        is read as TorchCheckpointIO reads it. A step read from ckptd is loaded with weights_only as
+        Checkpointer.load takes it (None: False, as Lightning's own default means).
         """
         pointer, torch_file = _read_path(str(path))
         if pointer is None or (torch_file and weights_only):
             checkpoint = self._files.load_checkpoint(path, map_location=map_location, weights_only=weights_only)
             checkpoint.pop(POINTER_KEY, None)
             return checkpoint
-        if weights_only:
-            raise InvalidArgument(
-                f"{path}: the values of a ckptd checkpoint that are not tensors are pickled and load as with "
-                "torch.load(weights_only=False); load it with weights_only=None or False, and only if you trust it"
-            )
         if self.job is None:
             self.job = pointer.job  # a plugin given no job resumes the pointer's, and its saves continue it
         # The plugin's own job is loaded through its Checkpointer: the saves after it continue from that step.
@@ -325,7 +321,7 @@ class CkptdCheckpointIO(CheckpointIO):
         c = self._opened() if own else Checkpointer(job=pointer.job, rank=0, world_size=1, address=self.address)
         with contextlib.nullcontext(c) if own else c:
             try:
-                checkpoint = self._load_step(c, pointer, str(path), map_location)
+                checkpoint = self._load_step(c, pointer, str(path), map_location, bool(weights_only))
             except NotFound:
                 if not torch_file:
                     raise
@@ -337,10 +333,12 @@ class CkptdCheckpointIO(CheckpointIO):
         return checkpoint
 
     @staticmethod
-    def _load_step(c: Checkpointer, pointer: Pointer, path: str, map_location: Any) -> dict[str, Any]:
+    def _load_step(
+        c: Checkpointer, pointer: Pointer, path: str, map_location: Any, weights_only: bool
+    ) -> dict[str, Any]:
         """Load the pointer's step through c, waiting for a fresh copy's flush if need be."""
         try:
-            checkpoint: dict[str, Any] = c.load(pointer.step, map_location or "cpu")
+            checkpoint: dict[str, Any] = c.load(pointer.step, map_location or "cpu", weights_only=weights_only)
         except NotFound as e:
             # A step is served from memory once the daemon has checksummed it, a moment after the
             # save returned: if ckptd still holds the copy, wait for its flush (SaveFailed if it failed).
@@ -351,7 +349,7 @@ class CkptdCheckpointIO(CheckpointIO):
                     f"{pointer.job}, saved through {pointer.address}, and no tier holds it any more: {e}"
                 ) from e
             copy.wait("nvme", timeout=FLUSH_WAIT_S)
-            checkpoint = c.load(pointer.step, map_location or "cpu")
+            checkpoint = c.load(pointer.step, map_location or "cpu", weights_only=weights_only)
         return checkpoint
 
     def remove_checkpoint(self, path: _PATH) -> None:

@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from ckpt.errors import CheckpointError, CorruptCheckpoint, InvalidArgument, NotFound
+from ckpt.errors import CheckpointError, CorruptCheckpoint, InvalidArgument, NotFound, UnsafeCheckpoint
 from ckpt.flatten import unflatten
 from ckpt.format import COMMIT_NAME, DIRECT_IO_ALIGN_BYTES, INDEX_NAME, JOB_RE, CommitRecord, round_up
 from ckpt.key_filter import KeyFilter
@@ -35,6 +35,7 @@ def load_local(
     strict: bool = True,
     keys: str | Iterable[str] | None = None,
     exclude: str | Iterable[str] | None = None,
+    weights_only: bool = False,
 ) -> Any:
     """Read one rank's state from a local directory, with no daemon.
 
@@ -44,17 +45,19 @@ def load_local(
     place as Checkpointer.load does (rank is the loading rank). map_location takes what
     Checkpointer.load takes (ckpt.placement), and applies only without into; strict, keys
     and exclude only with it, as Checkpointer.load takes them (what is left is logged).
+    weights_only=True unpickles the values that are not tensors as torch.load(weights_only=True)
+    does, as Checkpointer.load(weights_only=True) does.
     """
     selection = KeyFilter.of(keys, exclude)
     if into is not None:
         reader, index = open_step_dir(find_step_dir(Path(path)))
-        loaded, report = load_into(into, reader, index, rank, strict, selection)
+        loaded, report = load_into(into, reader, index, rank, strict, selection, weights_only)
         report_left(report, reader.job)
         return loaded
     if not strict or not selection.takes_all:
         raise InvalidArgument("strict=False, keys= and exclude= apply to load_local(into=...): pass the state to fill")
     place = Placement.of(map_location)  # first: a map_location this machine cannot honour costs no read
-    return load_first_good([step_dir_source(find_step_dir(Path(path)), "local")], rank, place)
+    return load_first_good([step_dir_source(find_step_dir(Path(path)), "local")], rank, place, weights_only)
 
 
 def find_step_dir(path: Path) -> Path:
@@ -96,17 +99,18 @@ def checked_index(data: bytes, record: CommitRecord, what: str) -> StepIndex | N
     return index
 
 
-def load_first_good(sources: list[ShardSource], rank: int, map_location: Any) -> Any:
+def load_first_good(sources: list[ShardSource], rank: int, map_location: Any, weights_only: bool) -> Any:
     """Load from the first source that holds a good copy; say what was wrong with each one that did not.
 
-    map_location: any form Placement.of takes, or a Placement.
+    map_location: any form Placement.of takes, or a Placement. A value weights_only refuses
+    (UnsafeCheckpoint) is raised at once: every good copy holds the same skeleton.
     """
     place = Placement.of(map_location)  # before any read: a map_location this machine cannot honour is refused
     errors: list[Exception] = []
     for source in sources:
         try:
-            return _load_shard(source, rank, place)
-        except InvalidArgument:
+            return _load_shard(source, rank, place, weights_only)
+        except (InvalidArgument, UnsafeCheckpoint):
             raise  # the step itself does not fit this load: another tier's copy would not either
         except (CheckpointError, OSError) as e:
             if source is not sources[-1]:
@@ -122,7 +126,7 @@ def load_first_good(sources: list[ShardSource], rank: int, map_location: Any) ->
     raise CheckpointError("no tier could be read: " + summary)
 
 
-def _load_shard(source: ShardSource, rank: int, place: Placement) -> Any:
+def _load_shard(source: ShardSource, rank: int, place: Placement, weights_only: bool) -> Any:
     meta = read_meta(source, rank)
     if is_sharded(meta):
         raise InvalidArgument(
@@ -133,7 +137,8 @@ def _load_shard(source: ShardSource, rank: int, place: Placement) -> Any:
     buffer = fresh_buffer(round_up(meta.data_size_bytes, DIRECT_IO_ALIGN_BYTES))
     read_shard_into(source, meta, memoryview(buffer))  # type: ignore[arg-type]  # ndarray is a buffer
     try:
-        return unflatten(json.loads(meta.layout_json), buffer[: meta.data_size_bytes], place)
+        what = f"rank {rank} shard of {meta.job} step {meta.step}"
+        return unflatten(json.loads(meta.layout_json), buffer[: meta.data_size_bytes], place, None, weights_only, what)
     except Refused:
         raise  # map_location cannot be applied here: no copy anywhere would do better
     except (KeyError, TypeError, ValueError) as e:

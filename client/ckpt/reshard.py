@@ -42,6 +42,7 @@ from ckpt.format import keyed_leaves
 from ckpt.key_filter import ALL_KEYS, KeyFilter, LoadReport
 from ckpt.range_read import StepReader
 from ckpt.sharding import is_dtensor, local_box
+from ckpt.skeleton_unpickler import SkeletonUnpickler
 from ckpt.stateful import is_stateful
 from ckpt.step_index import SavedChunk, SavedTensor, StepIndex
 
@@ -96,18 +97,20 @@ def load_into(
     rank: int,
     strict: bool = True,
     keys: KeyFilter = ALL_KEYS,
+    weights_only: bool = False,
 ) -> tuple[Any, LoadReport]:
     """Fill into from what reader reads (see the module docstring); return it and what was left as it was.
 
     rank is this rank's. Only the keys that keys takes are loaded (ckpt.key_filter); the
     others of into stay as they are. strict=False loads what both hold and reports the
-    keys only one holds, where strict raises InvalidArgument naming the first.
+    keys only one holds, where strict raises InvalidArgument naming the first. weights_only
+    unpickles the saved values with torch.load(weights_only=True)'s allow-list.
     """
     home = rank if rank < len(reader.digests) else 0
     meta = reader.meta(home)
     try:
         layout = json.loads(meta.layout_json)
-        saved = load_skeleton(layout)
+        saved = load_skeleton(layout, weights_only, f"rank {home} shard of {meta.job} step {meta.step}")
     except (KeyError, TypeError, ValueError, pickle.UnpicklingError) as e:
         raise CorruptCheckpoint(f"rank {home} layout of {meta.job} step {meta.step}: {e!r}") from None
     planner = _Planner(layout["tensors"], index, home, strict, keys)
@@ -116,7 +119,7 @@ def load_into(
     _execute(reader, planner.copies)
     if planner.replaced:
         needed = set().union(*(refs_in(_at(saved, path)) for _, path in planner.replaced))
-        values = realize(reader, home, layout, needed)
+        values = realize(reader, home, layout, needed, weights_only)
         for assign, path in planner.replaced:
             assign(_at(values, path))
     for rebuild in planner.rebuilds:
@@ -158,19 +161,23 @@ def _read_and_copy(reader: StepReader, rank: int, copies: list[_Copy]) -> None:
     reader.read(rank, [span for span, _ in spans], consume)
 
 
-def load_skeleton(layout: dict[str, Any]) -> Any:
-    """Unpickle a rank's saved structure with TensorRef and DTensorRef in place of its tensors (nothing read)."""
+def load_skeleton(layout: dict[str, Any], weights_only: bool, what: str) -> Any:
+    """Unpickle a rank's saved structure with TensorRef and DTensorRef in place of its tensors (nothing read).
 
-    class Unpickler(pickle.Unpickler):
-        def persistent_load(self, pid: Any) -> Any:
-            tag, i = pid
-            if tag == "ckpt-dtensor":
-                return DTensorRef(str(i))
-            if tag != "ckpt" or not 0 <= i < len(layout["tensors"]):
-                raise pickle.UnpicklingError(f"unknown reference {pid!r}")
-            return TensorRef(i)
+    weights_only restricts the unpickling to torch.load(weights_only=True)'s allow-list
+    (ckpt.skeleton_unpickler); what names the shard in the UnsafeCheckpoint that refuses a value.
+    """
 
-    return Unpickler(io.BytesIO(base64.b64decode(layout["skeleton_pickle_b64"]))).load()
+    def reference(pid: Any) -> Any:
+        tag, i = pid
+        if tag == "ckpt-dtensor":
+            return DTensorRef(str(i))
+        if tag != "ckpt" or not 0 <= i < len(layout["tensors"]):
+            raise pickle.UnpicklingError(f"unknown reference {pid!r}")
+        return TensorRef(i)
+
+    skeleton = base64.b64decode(layout["skeleton_pickle_b64"])
+    return SkeletonUnpickler(skeleton, reference, weights_only, what).load()
 
 
 def refs_in(value: Any, sharded: set[str] | None = None) -> set[int]:
@@ -194,11 +201,18 @@ def refs_in(value: Any, sharded: set[str] | None = None) -> set[int]:
     return found
 
 
-def realize(reader: StepReader, home: int, layout: dict[str, Any], needed: set[int], dtensor_ref: Any = None) -> Any:
+def realize(
+    reader: StepReader,
+    home: int,
+    layout: dict[str, Any],
+    needed: set[int],
+    weights_only: bool,
+    dtensor_ref: Any = None,
+) -> Any:
     """Rebuild the home rank's state with the needed plain tensors read and checked (the rest stay zeros).
 
     DTensors become dtensor_ref(key), references by default: the planner has made sure
-    none sits where a value is replaced.
+    none sits where a value is replaced. weights_only as for load_skeleton.
     """
     entries = [layout["tensors"][i] for i in sorted(needed)]
     size = max((e["offset"] + e["nbytes"] for e in layout["tensors"] if e["kind"] != "chunk"), default=0)
@@ -209,7 +223,8 @@ def realize(reader: StepReader, home: int, layout: dict[str, Any], needed: set[i
         data[run_start:end] = run[: end - run_start]
 
     reader.read(home, [(e["offset"], e["offset"] + e["nbytes"]) for e in entries], consume)
-    return unflatten(layout, data, None, dtensor_ref=dtensor_ref or DTensorRef)
+    what = f"rank {home} shard of {reader.job} step {reader.step}"
+    return unflatten(layout, data, None, dtensor_ref or DTensorRef, weights_only, what)
 
 
 def _at(value: Any, path: tuple[Any, ...]) -> Any:
@@ -396,11 +411,12 @@ def fill_boxes(reader: StepReader, fills: list[tuple[SavedTensor, torch.Tensor, 
     _execute(reader, [copy for saved, local, offsets in fills for copy in plan_copies(saved, local, offsets)])
 
 
-def load_full(reader: StepReader, index: StepIndex | None, wanted: Any = None) -> Any:
+def load_full(reader: StepReader, index: StepIndex | None, weights_only: bool, wanted: Any = None) -> Any:
     """Return rank 0's saved state with every sharded tensor whole (for export: it all lives in memory).
 
     wanted, a part of rank 0's skeleton (load_skeleton), names the tensors to read; the
     others are left zeros (plain) or None (sharded), for the caller to drop. None: all.
+    weights_only as for load_skeleton.
     """
     layout = json.loads(reader.meta(0).layout_json)
     sharded: set[str] = set()
@@ -416,7 +432,7 @@ def load_full(reader: StepReader, index: StepIndex | None, wanted: Any = None) -
             full[key] = torch.empty(saved.shape, dtype=torch_dtype(saved.dtype))
             fills.append((saved, full[key], (0,) * len(saved.shape)))
     fill_boxes(reader, fills)
-    return realize(reader, 0, layout, plain, dtensor_ref=full.get)
+    return realize(reader, 0, layout, plain, weights_only, dtensor_ref=full.get)
 
 
 def torch_dtype(name: str) -> torch.dtype:

@@ -103,12 +103,6 @@ def test_storage_options_are_accepted_and_ignored_with_a_word(tmp_path, caplog):
     ]  # once
 
 
-def test_weights_only_loads_of_a_pointer_are_refused(tmp_path):
-    write_pointer(str(tmp_path / "x.ckpt"), POINTER)
-    with pytest.raises(ckpt.InvalidArgument, match="weights_only=None or False"):
-        CkptdCheckpointIO(job="j").load_checkpoint(tmp_path / "x.ckpt", weights_only=True)
-
-
 def test_a_dict_without_global_step_goes_through_torch_save_as_ddp_spawns_weights_do(tmp_path):
     io = CkptdCheckpointIO(job="j", address=str(tmp_path / "no-daemon.sock"))  # never asked
     weights = {"layer.weight": torch.randn(3, 4), "layer.bias": torch.zeros(3)}

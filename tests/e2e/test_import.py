@@ -65,7 +65,7 @@ def test_a_dcp_directory_becomes_a_step_every_reader_reads(daemon, tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "assuming the intent is to save in a single process"
         dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp_path / "dcp"), no_dist=True)
-    done = daemon.cli("import", "--job", "from-dcp", "--step", "12", "--dcp", str(tmp_path / "dcp"))
+    done = daemon.cli("import", "--job", "from-dcp", "--step", "12", "--dcp", str(tmp_path / "dcp"), "--trusted")
     assert done.returncode == 0, done.stderr
     assert "imported from-dcp step 12" in done.stdout
     with ckpt.Checkpointer(job="from-dcp", address=daemon.address) as c:
@@ -82,7 +82,7 @@ def test_what_cannot_be_imported_is_named(daemon, tmp_path):
     cases = [
         (["--torch", str(tmp_path / "missing.pt")], 2, "no such file"),
         (["--torch", str(tmp_path / "x.npy")], 1, "is not a torch.save file"),
-        (["--dcp", str(tmp_path)], 2, "no .metadata in it"),
+        (["--dcp", str(tmp_path), "--trusted"], 2, "no .metadata in it"),
         (["--torch", "a", "--dcp", "b"], 2, "not allowed with argument"),
     ]
     for args, code, said in cases:

@@ -21,7 +21,7 @@ from ckpt.wire.v1 import ckptd_pb2 as pb
 from conftest import eventually
 from lightning.fabric.utilities.cloud_io import _load as pl_load
 from lightning.pytorch.plugins.io import AsyncCheckpointIO
-from states import assert_same
+from states import Planted, assert_same
 from torchrun import torchrun
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
@@ -284,6 +284,25 @@ def test_a_plugin_given_no_job_loads_a_pointer_and_saves_on_in_its_job(daemon, s
     resumed.save_checkpoint({"global_step": 4, "w": torch.ones(3)}, path)
     resumed.teardown()
     assert sorted(ls(daemon)) == [3, 4]
+
+
+def test_a_weights_only_load_of_a_pointer_reads_its_step_with_the_allow_list(daemon, short_tmp):
+    marker = short_tmp / "ran"
+    io = CkptdCheckpointIO(job=JOB, address=daemon.address, torch_files=False)
+    clean = {"global_step": 3, "state_dict": {"w": torch.arange(3.0)}, "hyper_parameters": {"lr": 0.1}}
+    io.save_checkpoint(clean, short_tmp / "clean.ckpt")
+    planted = {"global_step": 4, "state_dict": {"w": torch.ones(3)}, "x": Planted(marker)}
+    io.save_checkpoint(planted, short_tmp / "x.ckpt")
+    io.teardown()
+
+    resumed = CkptdCheckpointIO(job=JOB, address=daemon.address)
+    assert_same(resumed.load_checkpoint(short_tmp / "clean.ckpt", weights_only=True), clean)
+    with pytest.raises(ckpt.UnsafeCheckpoint, match=r"holds builtins\.exec"):
+        resumed.load_checkpoint(short_tmp / "x.ckpt", weights_only=True)
+    assert not marker.exists()
+    resumed.load_checkpoint(short_tmp / "x.ckpt")  # weights_only None: in full, as Lightning's None meant before
+    assert marker.exists()
+    resumed.teardown()
 
 
 def _ckpt_threads() -> list[threading.Thread]:

@@ -654,11 +654,11 @@ def test_a_load_whose_copy_vanished_under_it_asks_the_daemon_again(daemon, monke
         c.save_async({"w": torch.arange(10)}, step=1).wait("nvme", timeout=60)
         real, calls = checkpointer.load_first_good, []
 
-        def vanished_once(sources, rank, map_location):
+        def vanished_once(sources, rank, map_location, **kwargs):
             calls.append([s.tier for s in sources])
             if len(calls) == 1:  # as if retention (or an operator) removed the copy between Locate and the read
                 raise ckpt.NotFound(f"{sources[0].path}: data file missing")
-            return real(sources, rank, map_location)
+            return real(sources, rank, map_location, **kwargs)
 
         monkeypatch.setattr(checkpointer, "load_first_good", vanished_once)
         assert torch.equal(c.load(1)["w"], torch.arange(10))
