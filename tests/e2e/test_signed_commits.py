@@ -167,3 +167,19 @@ def test_a_key_file_others_may_read_or_too_short_is_a_config_error(make_daemon, 
     node = make_daemon(security(path))
     out = node.cli("ls")
     assert out.returncode == 2 and "security.key_file" in out.stderr and why in out.stderr, out.stderr
+
+
+@pytest.mark.parametrize("cluster_backend", ["peers", "etcd"])
+def test_a_signed_cluster_seals_replicates_and_restores_a_lost_node(make_cluster, short_tmp, cluster_backend):
+    key = key_file(short_tmp / "cluster.key", KEY)
+    a, b = make_cluster(2, extra_toml=security(key))
+    a.start(), b.start()
+    with ckpt.Checkpointer(job=JOB, address=a.address) as c:
+        h = c.save_async(rank_state(2), step=2)
+        h.wait("nvme", timeout=60), h.wait("peer", timeout=60)
+    record = CommitRecord.from_bytes((a.root / JOB / "2" / COMMIT_NAME).read_bytes(), "t", CommitKeys((KEY,)))
+    assert record.hmac_sha256
+    a.lose()
+    a.start()
+    with ckpt.Checkpointer(job=JOB, address=a.address) as c:
+        assert_same(c.load(2), rank_state(2))  # from b's replica, its record checked on the way
