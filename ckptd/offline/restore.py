@@ -48,8 +48,8 @@ def readable_tiers(config: Config, source: str = "auto") -> list[Tier]:
         LocalDirTier(config.replica_root, name="peer", commit_keys=config.commit_keys),
     ]
     if config.peers:
-        links = [PeerLink(a, config.peer, tls_name=config.peer_names.get(a, ""), commit_keys=config.commit_keys)
-                 for a in config.peers]  # fmt: skip
+        names, keys = config.peer_names, config.commit_keys
+        links = [PeerLink(a, config.peer, tls_name=names.get(a, ""), commit_keys=keys) for a in config.peers]
         tiers.append(PeerTier(links))
     if config.object.url:
         store = open_store(config.object.url, config.object.storage_options)

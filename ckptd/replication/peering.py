@@ -228,12 +228,8 @@ class Peering:
                 record = records.get((job, step)) or (self.view.commit_record(job, step) if self.view else None)
                 sealed_here = record is None
                 try:
-                    record = record or seal_record(
-                        job,
-                        step,
-                        [*mine[(job, step)], *remote_shards[(job, step)]],
-                        commit_keys=self.config.commit_keys,
-                    )
+                    held = [*mine[(job, step)], *remote_shards[(job, step)]]
+                    record = record or seal_record(job, step, held, commit_keys=self.config.commit_keys)
                 except MixedLines as e:
                     log.debug("%s", e)  # the flush that wrote its last shard reported it to the rank waiting on it
                     continue
