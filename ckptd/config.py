@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import fsspec
+from ckpt.commit_keys import CommitKeys
 from ckpt.errors import InvalidArgument
 from ckpt.format import validate_job
 from ckpt.transport import default_socket_path
@@ -105,6 +106,12 @@ class MetricsConfig:
 
 
 @dataclass(frozen=True)
+class SecurityConfig:
+    key_file: str = ""  # the cluster key that signs and checks commit records (ckpt.commit_keys); "" = signing off
+    previous_key_files: tuple[str, ...] = ()  # keys that only check: records signed before a key rotation
+
+
+@dataclass(frozen=True)
 class Config:
     """Hold every setting, resolved: paths are absolute and defaults filled in."""
 
@@ -116,6 +123,7 @@ class Config:
     object: ObjectConfig = ObjectConfig()
     retention: RetentionConfig = RetentionConfig()
     metrics: MetricsConfig = MetricsConfig()
+    security: SecurityConfig = SecurityConfig()
 
     @property
     def root(self) -> Path:
@@ -160,6 +168,11 @@ class Config:
         return dialled_names(self.peer.addresses, self._resolved)
 
     @functools.cached_property
+    def commit_keys(self) -> CommitKeys:
+        """Return the keys of [security], read once (the files were checked when the config was loaded)."""
+        return CommitKeys.from_files(self.security.key_file, self.security.previous_key_files)
+
+    @functools.cached_property
     def _resolved(self) -> dict[str, list[str]]:
         return {a: endpoints_or_none(a) for a in (*self.peer.addresses, self.node.listen) if a}
 
@@ -173,6 +186,7 @@ _SECTION_TYPES = {
     "object": ObjectConfig,
     "retention": RetentionConfig,
     "metrics": MetricsConfig,
+    "security": SecurityConfig,
 }
 
 
@@ -353,6 +367,10 @@ def _check_values(c: Config) -> None:
         "peer.insecure = true for plaintext (then anyone who reaches node.listen can act as a peer)",
     )
     _check_cluster(c, require)
+    try:
+        c.commit_keys  # noqa: B018 - read now: a bad key file is a config error at start, not at the first commit
+    except ValueError as e:
+        require(False, "security.key_file", str(e))
     if c.object.url:
         require("://" in c.object.url, "object.url", f"{c.object.url!r} is not a URL (s3://bucket/prefix, file:///dir)")
         protocol = c.object.url.split("://", 1)[0]
@@ -402,4 +420,8 @@ def _resolve(c: Config) -> Config:
     peer = dataclasses.replace(c.peer, cert=absolute(c.peer.cert), key=absolute(c.peer.key), ca=absolute(c.peer.ca))
     k = c.cluster
     cluster = dataclasses.replace(k, cert=absolute(k.cert), key=absolute(k.key), ca=absolute(k.ca))
-    return dataclasses.replace(c, node=node, staging=staging, peer=peer, cluster=cluster)
+    s = c.security
+    security = dataclasses.replace(
+        s, key_file=absolute(s.key_file), previous_key_files=tuple(absolute(p) for p in s.previous_key_files)
+    )
+    return dataclasses.replace(c, node=node, staging=staging, peer=peer, cluster=cluster, security=security)

@@ -100,6 +100,9 @@ async def _serve_holding_root(config: Config) -> None:
         )
     for warning in exposure_warnings(config):
         log.warning("%s", warning)
+    if config.commit_keys.signing:
+        ids = config.commit_keys.key_ids
+        log.info("commit records signed with key %s, checked with keys %s ([security])", ids[0], ", ".join(ids))
     data_listener = await _listen_for_data(config, node) if config.node.listen else None
     node.serving(data_listener.port if data_listener is not None else 0, guard.counters)
     peer_server = await _serve_peers(config, node, guard, data_listener) if config.node.listen else None
@@ -205,6 +208,11 @@ def exposure_warnings(config: Config) -> list[str]:
         warnings.append(
             "[cluster] etcd without TLS (no cluster.cert, key, ca): anyone who reaches etcd, or the network between, "
             "can read and write the cluster view"
+        )
+    if not config.commit_keys.signing and (config.peer.addresses or config.object.url):
+        warnings.append(
+            "[security] no key_file: commit records are neither signed nor checked; whoever can write a peer's "
+            "replicas or the object store can plant a step that loads as complete (see OPERATIONS, Security)"
         )
     return warnings
 

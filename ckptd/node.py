@@ -124,14 +124,15 @@ class Node:
             config.staging.job_budget_bytes,
         )
         memory = MemoryTier(self.pool.copies)
-        self.nvme = LocalDirTier(config.root, write_threads=x.nvme_writes)
-        replica_store = LocalDirTier(config.replica_root, "peer", x.replica_writes)  # replicas other nodes sent
+        self.nvme = LocalDirTier(config.root, write_threads=x.nvme_writes, commit_keys=config.commit_keys)
+        # the replicas other nodes sent
+        replica_store = LocalDirTier(config.replica_root, "peer", x.replica_writes, config.commit_keys)
         tiers: list[Tier] = [memory, self.nvme, replica_store]
         self.durable_tiers: list[DurableTier] = [self.nvme, replica_store]
         object_tier = None
         if config.object.url:
             store = open_store(config.object.url, config.object.storage_options)
-            object_tier = ObjectTier(store, compression=config.object.compression)
+            object_tier = ObjectTier(store, config.object.compression, config.commit_keys)
 
         # SavePath orders the others, so it is built last; the replicas and uploads report to it through these.
         def replication_changed(key: ShardKey, replicated: bool) -> None:

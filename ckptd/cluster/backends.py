@@ -18,6 +18,6 @@ def open_view(config: Config) -> ClusterView | None:
     if not config.peer.addresses:
         return None
     membership = ResolvedPeers(config)
-    links = ClusterLinks(config.peer, tls_name=membership.tls_name)
+    links = ClusterLinks(config.peer, tls_name=membership.tls_name, commit_keys=config.commit_keys)
     node = config.node.listen or config.node.name
     return PeersView(node, membership, links, kept, config.cluster.anti_entropy_s, serves=bool(config.node.listen))

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections import Counter, OrderedDict
 from collections.abc import Collection, Sequence
 
+from ckpt.commit_keys import CommitKeys
 from ckpt.format import CommitRecord
 
 from ckptd.cluster.placement import Holding, seal_record
@@ -34,13 +35,13 @@ class _StepReports:
         self.by_node[node] = held
         self.per_rank.update(h.rank for h in held)
 
-    def seal(self, job: str, step: int, alive: Collection[str] | None) -> CommitRecord | None:
+    def seal(self, job: str, step: int, alive: Collection[str] | None, commit_keys: CommitKeys) -> CommitRecord | None:
         world = next((h.world_size for held in self.by_node.values() for h in held), 0)
         if not world or len(self.per_rank) < world:
             return None  # a rank is held nowhere: no need to weigh the reports
         live = [h for n, held in self.by_node.items() if alive is None or n in alive for h in held]
         try:
-            return seal_record(job, step, live)
+            return seal_record(job, step, live, commit_keys=commit_keys)
         except MixedLines:
             return None  # never complete: the nodes that wrote its shards told the ranks waiting on them
 
@@ -52,7 +53,9 @@ class Collector:
     Memory is bounded: the newest STEPS_KEPT steps of each job.
     """
 
-    def __init__(self, steps_kept: int = STEPS_KEPT) -> None:
+    def __init__(self, commit_keys: CommitKeys, steps_kept: int = STEPS_KEPT) -> None:
+        """commit_keys: what the records of the steps it seals are signed with (Config.commit_keys)."""
+        self.commit_keys = commit_keys
         self.steps_kept = steps_kept
         self._jobs: dict[str, OrderedDict[int, _StepReports]] = {}
 
@@ -81,13 +84,13 @@ class Collector:
             while len(steps) > self.steps_kept:
                 steps.popitem(last=False)
         steps[step].put(node, tuple(h for h in shards if (h.job, h.step, h.node) == (job, step, node)))
-        return steps[step].seal(job, step, alive) if seal else None
+        return steps[step].seal(job, step, alive, self.commit_keys) if seal else None
 
     def seal_again(self, job: str, alive: Collection[str]) -> list[CommitRecord]:
         """Return the records of the job's steps that the reports complete among the nodes alive now."""
         found = []
         for step, reports in self._jobs.get(job, {}).items():
-            record = reports.seal(job, step, alive)
+            record = reports.seal(job, step, alive, self.commit_keys)
             if record is not None:
                 found.append(record)
         return found

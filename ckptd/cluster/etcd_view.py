@@ -71,7 +71,8 @@ class EtcdView(ClusterView):
         self.lease_ttl_s = k.lease_ttl_s
         node = config.node.listen
         super().__init__(node, EtcdMembership(self.client, self.prefix, node), kept_records)
-        self.collector = Collector()
+        self.commit_keys = config.commit_keys
+        self.collector = Collector(self.commit_keys)
         self._pending: dict[tuple[str, int], tuple[Holding, ...]] = {}  # reports not yet in etcd
         self._announcing: dict[tuple[str, int], CommitRecord] = {}  # commits sealed here, not yet in etcd
         self._delivered: OrderedDict[tuple[str, int], tuple[Holding, ...]] = OrderedDict()  # last put, by step
@@ -127,7 +128,7 @@ class EtcdView(ClusterView):
 
     async def _take_commit(self, raw: bytes) -> None:
         try:
-            record = CommitRecord.from_bytes(raw, "a commit record in etcd")
+            record = CommitRecord.from_bytes(raw, "a commit record in etcd", self.commit_keys)
         except CorruptCheckpoint as e:
             log.warning("cluster view: %s", e)
             return

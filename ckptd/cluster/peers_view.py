@@ -77,7 +77,9 @@ class PeersView(ClusterView):
         self.counters = links.counters  # sent and received, by kind: one table for status and benchmarks
         self.anti_entropy_s = anti_entropy_s
         self.fanout = fanout
-        self.collector = Collector()
+        # what the records this node seals are signed with, and those peers send checked with
+        self.commit_keys = links.commit_keys
+        self.collector = Collector(self.commit_keys)
         self._pending: dict[tuple[str, int], tuple[Holding, ...]] = {}  # reports not yet answered by a commit
         # (job, step) -> (the coordinator that took the report, when it first did, when it is due again, times sent)
         self._sent: dict[tuple[str, int], tuple[str, float, float, int]] = {}

@@ -12,6 +12,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import xxhash
+from ckpt.commit_keys import UNSIGNED, CommitKeys
 from ckpt.format import CommitRecord
 from ckpt.history import line_from_text
 
@@ -53,6 +54,7 @@ def seal_record(
     run_id: str | None = None,
     world_size: int | None = None,
     tiers: tuple[str, ...] = ("nvme", "peer"),
+    commit_keys: CommitKeys = UNSIGNED,
 ) -> CommitRecord | None:
     """Return the commit record of a step whose every rank is durable on some node, else None.
 
@@ -85,7 +87,9 @@ def seal_record(
     ranks = [next(iter(by_rank[r])) for r in range(size)]
     line = line_from_text(lines.pop(), f"{job} step {step}'s shard records")
     saved_at = max(h.saved_at for h in nvme)
-    return CommitRecord(job, step, size, tuple(d for d, _ in ranks), sum(n for _, n in ranks), line, saved_at)
+    return commit_keys.sign(
+        CommitRecord(job, step, size, tuple(d for d, _ in ranks), sum(n for _, n in ranks), line, saved_at)
+    )
 
 
 def holders(record: CommitRecord, shards: Iterable[Holding], rank: int, tier: str = "") -> list[Holding]:

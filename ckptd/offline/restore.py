@@ -39,18 +39,21 @@ def readable_tiers(config: Config, source: str = "auto") -> list[Tier]:
     (s3://bucket/prefix, file:///dir, ...) reads that object store, with [object] storage_options.
     """
     if "://" in source:
-        return [ObjectTier(open_store(source, config.object.storage_options))]
+        return [ObjectTier(open_store(source, config.object.storage_options), commit_keys=config.commit_keys)]
     if source not in ("", "auto"):
         validate_tier(source)
     tiers: list[Tier] = [
         MemoryTier.from_directory(config.staging_dir),
-        LocalDirTier(config.root),
-        LocalDirTier(config.replica_root, name="peer"),
+        LocalDirTier(config.root, commit_keys=config.commit_keys),
+        LocalDirTier(config.replica_root, name="peer", commit_keys=config.commit_keys),
     ]
     if config.peers:
-        tiers.append(PeerTier([PeerLink(a, config.peer, tls_name=config.peer_names.get(a, "")) for a in config.peers]))
+        names, keys = config.peer_names, config.commit_keys
+        links = [PeerLink(a, config.peer, tls_name=names.get(a, ""), commit_keys=keys) for a in config.peers]
+        tiers.append(PeerTier(links))
     if config.object.url:
-        tiers.append(ObjectTier(open_store(config.object.url, config.object.storage_options)))
+        store = open_store(config.object.url, config.object.storage_options)
+        tiers.append(ObjectTier(store, commit_keys=config.commit_keys))
     if source in ("", "auto"):
         return tiers
     chosen = [t for t in tiers if t.name == source]

@@ -93,7 +93,11 @@ class Peering:
         known = {link.address for link in self.peer_tier.links}
         new = sorted(added - known)  # a change offered again after a failure: its links may be there
         names = {a: self.membership.tls_name(a) for a in new} if self.membership is not None else {}
-        links = await self._run(lambda: [PeerLink(a, self.config.peer, self.instance, names.get(a, "")) for a in new])
+        links = await self._run(
+            lambda: [
+                PeerLink(a, self.config.peer, self.instance, names.get(a, ""), self.config.commit_keys) for a in new
+            ]
+        )
         self.peer_tier.update(links, removed)
         if self.replication is not None:
             self.replication.update(links, removed)
@@ -132,7 +136,7 @@ class Peering:
         arrives after the commit is reported too: the view's holders() names it.
         """
         shards = await self._local_shards(job, step)
-        record = seal_record(job, step, shards, run_id)
+        record = seal_record(job, step, shards, run_id, commit_keys=self.config.commit_keys)
         sealed_here = record is not None
         if record is None and self.view is not None:
             record = self.view.commit_record(job, step)
@@ -224,7 +228,8 @@ class Peering:
                 record = records.get((job, step)) or (self.view.commit_record(job, step) if self.view else None)
                 sealed_here = record is None
                 try:
-                    record = record or seal_record(job, step, [*mine[(job, step)], *remote_shards[(job, step)]])
+                    held = [*mine[(job, step)], *remote_shards[(job, step)]]
+                    record = record or seal_record(job, step, held, commit_keys=self.config.commit_keys)
                 except MixedLines as e:
                     log.debug("%s", e)  # the flush that wrote its last shard reported it to the rank waiting on it
                     continue

@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import grpc
+from ckpt.commit_keys import UNSIGNED, CommitKeys
 from ckpt.errors import CheckpointError, CorruptCheckpoint
 from ckpt.format import CommitRecord
 from ckpt.wire.v1 import cluster_pb2 as pb
@@ -44,10 +45,10 @@ class PeerSlow(PeerError):
     """The call ran out of time (or was cancelled): the peer may have done it, and may be slow rather than down."""
 
 
-def records_from_pb(address: str, raw: Sequence[bytes]) -> list[CommitRecord]:
-    """Parse commit records a node sent; raise PeerError naming it when one does not check."""
+def records_from_pb(address: str, raw: Sequence[bytes], commit_keys: CommitKeys) -> list[CommitRecord]:
+    """Parse commit records a node sent; raise PeerError naming it when one does not check (or is not signed)."""
     try:
-        return [CommitRecord.from_bytes(r, f"commit record from {address}") for r in raw]
+        return [CommitRecord.from_bytes(r, f"commit record from {address}", commit_keys) for r in raw]
     except CorruptCheckpoint as e:
         raise PeerError(f"peer {address} sent a bad commit record: {e}") from None
 
@@ -55,9 +56,17 @@ def records_from_pb(address: str, raw: Sequence[bytes]) -> list[CommitRecord]:
 class ClusterLinks:
     """One lazily opened grpc.aio channel per peer address, at most MAX_CHANNELS at once."""
 
-    def __init__(self, peer: PeerConfig, instance: str = "", tls_name: Callable[[str], str] = lambda a: "") -> None:
-        """tls_name(address): the name the peer's certificate must carry where it is not the address's host."""
+    def __init__(
+        self,
+        peer: PeerConfig,
+        instance: str = "",
+        tls_name: Callable[[str], str] = lambda a: "",
+        commit_keys: CommitKeys = UNSIGNED,
+    ) -> None:
+        """tls_name(address): the name the peer's certificate must carry where it is not the address's host.
+        commit_keys (Config.commit_keys): the commit records peers send must be signed by one of them."""
         self._peer = peer
+        self.commit_keys = commit_keys
         self._credentials = channel_credentials(peer)
         self._metadata = ((INSTANCE_HEADER, instance),) if instance else ()
         self._tls_name = tls_name
@@ -104,7 +113,7 @@ class ClusterLinks:
     async def report(self, address: str, node: str, steps: list[StepHoldings]) -> list[CommitRecord]:
         """Report this node's holdings of some steps to a coordinator; return the records it knows of them."""
         reply = await self._call("report", address, "Report", pb.ReportRequest(node=node, steps=holdings_to_pb(steps)))
-        return records_from_pb(address, reply.commit_json)
+        return records_from_pb(address, reply.commit_json, self.commit_keys)
 
     async def announce(self, address: str, commit_json: bytes, relay: list[str]) -> None:
         """Tell a node a step is committed (its record, serialized once), and have it pass the news on to relay."""
@@ -114,7 +123,7 @@ class ClusterLinks:
         """Compare commit digests ({job: (digest, steps kept)}) with a node; return the records this node lacks."""
         jobs = [pb.JobDigest(job=j, digest=d, steps=steps) for j, (d, steps) in digests.items()]
         reply = await self._call("digest", address, "Digest", pb.DigestRequest(jobs=jobs))
-        return records_from_pb(address, reply.commit_json)
+        return records_from_pb(address, reply.commit_json, self.commit_keys)
 
     async def holders(self, address: str, job: str, step: int, rank: int) -> list[Holding]:
         """Ask a job's coordinator which nodes hold a rank's shard of a step."""
@@ -122,7 +131,7 @@ class ClusterLinks:
         found: list[Holding] = []
         for s in reply.holders:
             try:
-                found += [h for held in holdings_from_pb(s.node, [s.held]) for h in held.shards]
+                found += [h for held in holdings_from_pb(s.node, [s.held], self.commit_keys) for h in held.shards]
             except CheckpointError as e:
                 raise PeerError(f"peer {address} sent bad holdings: {e}") from None
         return found

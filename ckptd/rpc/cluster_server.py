@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import grpc
+from ckpt.commit_keys import CommitKeys
 from ckpt.errors import InvalidArgument
 from ckpt.format import CommitRecord, validate_job, validate_step
 from ckpt.wire.v1 import cluster_pb2 as pb
@@ -30,6 +31,7 @@ class ClusterHandler(Protocol):
     """What serves the calls: PeersView."""
 
     counters: Counter[str]
+    commit_keys: CommitKeys  # the records peers send must be signed by one of them
 
     async def on_report(self, node: str, steps: list[StepHoldings]) -> list[CommitRecord]: ...
     async def on_announce(self, record: CommitRecord, relay: list[str], raw: bytes) -> None: ...
@@ -37,9 +39,9 @@ class ClusterHandler(Protocol):
     async def on_holders(self, job: str, step: int, rank: int) -> list[Holding]: ...
 
 
-def _records(raw: Sequence[bytes]) -> list[CommitRecord]:
+def _records(raw: Sequence[bytes], commit_keys: CommitKeys) -> list[CommitRecord]:
     try:
-        return records_from_pb("a peer", raw)
+        return records_from_pb("a peer", raw, commit_keys)
     except PeerError as e:
         raise InvalidArgument(str(e)) from None
 
@@ -61,7 +63,7 @@ class ClusterServicer(cluster_pb2_grpc.CkptdClusterServicer):
             self._received("report", request, context)
             if not request.node:
                 raise InvalidArgument("Report names no node")
-            steps = await asyncio.to_thread(holdings_from_pb, request.node, request.steps)
+            steps = await asyncio.to_thread(holdings_from_pb, request.node, request.steps, self.handler.commit_keys)
             records = await self.handler.on_report(request.node, steps)
             return pb.ReportReply(commit_json=[r.to_bytes() for r in records])
 
@@ -70,7 +72,7 @@ class ClusterServicer(cluster_pb2_grpc.CkptdClusterServicer):
     async def Announce(self, request: pb.AnnounceRequest, context: Any) -> pb.AnnounceReply:
         async def work() -> pb.AnnounceReply:
             self._received("announce", request, context)
-            (record,) = await asyncio.to_thread(_records, [request.commit_json])
+            (record,) = await asyncio.to_thread(_records, [request.commit_json], self.handler.commit_keys)
             await self.handler.on_announce(record, list(request.relay), request.commit_json)
             return pb.AnnounceReply()
 

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+from ckpt.commit_keys import UNSIGNED, CommitKeys
 from ckpt.errors import CheckpointError, CorruptCheckpoint, NotFound
 from ckpt.format import CommitRecord, ShardMeta, digest, validate_job, validate_step
 from ckpt.wire.v1 import peer_pb2 as pb
@@ -184,12 +185,16 @@ def holdings_to_pb(steps: list[StepHoldings]) -> list[pb.StepHoldings]:
     ]
 
 
-def holdings_from_pb(node: str, steps: Any) -> list[StepHoldings]:
-    """Turn Inventory messages from a peer into holdings, validating every name in them."""
+def holdings_from_pb(node: str, steps: Any, commit_keys: CommitKeys) -> list[StepHoldings]:
+    """Turn Inventory messages from a peer into holdings, validating every name (and commit record) in them."""
     found = []
     for s in steps:
         job, step = validate_job(s.job), validate_step(s.step)
-        record = CommitRecord.from_bytes(s.commit_json, f"{job} step {step} from {node}") if s.commit_json else None
+        record = (
+            CommitRecord.from_bytes(s.commit_json, f"{job} step {step} from {node}", commit_keys)
+            if s.commit_json
+            else None
+        )
         if record is not None and (record.job, record.step) != (job, step):
             raise CorruptCheckpoint(f"{node} sent the commit record of {record.job} step {record.step} for step {step}")
         shards = tuple(
@@ -216,13 +221,18 @@ def holdings_from_pb(node: str, steps: Any) -> list[StepHoldings]:
 class PeerLink:
     """One peer daemon, reached over one gRPC channel (TLS when configured)."""
 
-    def __init__(self, address: str, peer: PeerConfig, instance: str = "", tls_name: str = "") -> None:
+    def __init__(
+        self, address: str, peer: PeerConfig, instance: str = "", tls_name: str = "", commit_keys: CommitKeys = UNSIGNED
+    ) -> None:
         """instance names this daemon's run: a peer that finds its own in a call refuses it (IsSelf).
+
+        commit_keys (Config.commit_keys): the commit records the peer's inventory names must be signed by one of them.
 
         tls_name: the name the peer's certificate must carry, where it is not the address's host
         (an "ip:port" found by resolving a name in [peer] addresses: the name, as dialled before).
         """
         self.address = address
+        self.commit_keys = commit_keys
         self._peer = peer
         self._tls_name = tls_name or host_of(address)
         self._metadata = ((INSTANCE_HEADER, instance),) if instance else ()
@@ -317,7 +327,9 @@ class PeerLink:
             ),
         )
         try:
-            return holdings_from_pb(self.address, reply.steps)  # nodes are known by address in the cluster view
+            return holdings_from_pb(
+                self.address, reply.steps, self.commit_keys
+            )  # nodes are known by address in the cluster view
         except CheckpointError as e:
             raise PeerError(f"peer {self.address} sent a bad inventory: {e}") from None
 

@@ -9,6 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, cast
 
 import grpc
+from ckpt.commit_keys import CommitKeys
 from ckpt.errors import CorruptCheckpoint, InvalidArgument
 from ckpt.format import CommitRecord, ShardMeta, validate_job, validate_step
 from ckpt.wire.v1 import peer_pb2 as pb
@@ -32,9 +33,9 @@ def _shard_meta(data: bytes) -> ShardMeta:
         raise InvalidArgument(str(e)) from None
 
 
-def _commit_record(data: bytes) -> CommitRecord:
+def _commit_record(data: bytes, commit_keys: CommitKeys) -> CommitRecord:
     try:
-        return CommitRecord.from_bytes(data, "commit record from a peer")
+        return CommitRecord.from_bytes(data, "commit record from a peer", commit_keys)
     except CorruptCheckpoint as e:
         raise InvalidArgument(str(e)) from None
 
@@ -148,7 +149,11 @@ class PeerServicer(peer_pb2_grpc.CkptdPeerServicer):
         async def work() -> pb.SealShardReply:
             self.admit(context)
             meta = await self._shard_meta(request.transfer, request.meta_json)
-            record = await asyncio.to_thread(_commit_record, request.commit_json) if request.commit_json else None
+            record = (
+                await asyncio.to_thread(_commit_record, request.commit_json, self.config.commit_keys)
+                if request.commit_json
+                else None
+            )
             await self.receiver.seal(meta, request.transfer, record)
             await self.pipeline.replica_arrived(meta)
             return pb.SealShardReply()
@@ -206,7 +211,9 @@ class PeerServicer(peer_pb2_grpc.CkptdPeerServicer):
     async def CommitStep(self, request: pb.CommitStepRequest, context: Any) -> pb.CommitStepReply:
         async def work() -> pb.CommitStepReply:
             self.admit(context)
-            await self.pipeline.adopt_commit(await asyncio.to_thread(_commit_record, request.commit_json))
+            await self.pipeline.adopt_commit(
+                await asyncio.to_thread(_commit_record, request.commit_json, self.config.commit_keys)
+            )
             return pb.CommitStepReply()
 
         return await answer(context, work)

@@ -26,6 +26,7 @@ from concurrent.futures import Executor
 from pathlib import Path
 
 from ckpt.chunks import check_chunks, chunk_digests
+from ckpt.commit_keys import UNSIGNED, CommitKeys
 from ckpt.errors import CheckpointError, CorruptCheckpoint, InvalidArgument, NotFound
 from ckpt.format import (
     COMMIT_NAME,
@@ -58,13 +59,17 @@ DELETING_PREFIX = ".deleting-"
 class LocalDirTier(DurableTier):
     """Store steps under a root directory with the atomic commit protocol."""
 
-    def __init__(self, root: Path, name: str = "nvme", write_threads: Executor | None = None) -> None:
+    def __init__(
+        self, root: Path, name: str = "nvme", write_threads: Executor | None = None, commit_keys: CommitKeys = UNSIGNED
+    ) -> None:
         """write_threads: where write_shard's blocks are written, several at once (Executors.nvme_writes or
-        replica_writes; a restore's own); None writes them on the calling thread (readers, tests)."""
+        replica_writes; a restore's own); None writes them on the calling thread (readers, tests).
+        commit_keys (Config.commit_keys): sign the records this tier seals, check those it reads."""
         self.root = root
         self.name = name
         self._io = write_threads
-        self._records = StepRecords(name)
+        self.commit_keys = commit_keys
+        self._records = StepRecords(name, commit_keys)
         self._step_locks: dict[tuple[str, int], threading.Lock] = {}
         self._step_locks_lock = threading.Lock()
         self.removal_failures = 0  # step directories that could not be deleted (see retry_removals)
@@ -260,7 +265,7 @@ class LocalDirTier(DurableTier):
                 return state
             self._drop_other_runs(job, step, run_id)
         held = self.holdings(job, step)
-        record = seal_record(job, step, held, run_id or None, world_size)
+        record = seal_record(job, step, held, run_id or None, world_size, commit_keys=self.commit_keys)
         if record is None:
             odd = next((h for h in held if h.world_size != world_size), None)
             if odd is not None:

@@ -16,6 +16,7 @@ import logging
 import os
 from pathlib import Path
 
+from ckpt.commit_keys import CommitKeys
 from ckpt.errors import CheckpointError
 from ckpt.format import COMMIT_NAME, CommitRecord, ShardMeta, digest, meta_name
 from ckpt.history import line_text
@@ -31,8 +32,10 @@ Identity = tuple[int, int, int]  # (inode, size, mtime in ns): a file replaced o
 class StepRecords:
     """Keep the parsed commit and shard records of the step directories of one tier."""
 
-    def __init__(self, tier: str) -> None:
+    def __init__(self, tier: str, commit_keys: CommitKeys) -> None:
+        """commit_keys: a commit record without a valid signature by one of them is damaged (Config.commit_keys)."""
         self.tier = tier
+        self.commit_keys = commit_keys
         self._commits: dict[Path, tuple[Identity, CommitRecord | str]] = {}
         self._holdings: dict[Path, tuple[Identity, Holding | None]] = {}
 
@@ -48,7 +51,7 @@ class StepRecords:
         if cached is not None and cached[0] == identity:
             return cached[1]
         try:
-            state: CommitRecord | str = CommitRecord.from_bytes(path.read_bytes(), str(path))
+            state: CommitRecord | str = CommitRecord.from_bytes(path.read_bytes(), str(path), self.commit_keys)
         except (CheckpointError, OSError) as e:
             log.error("%s step %d on tier %s has a damaged commit record: %s", job, step, self.tier, e)
             state = "damaged"

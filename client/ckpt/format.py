@@ -13,11 +13,12 @@ import re
 import reprlib
 import weakref
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import xxhash
 
+from ckpt.commit_keys import UNSIGNED, CommitKeys
 from ckpt.errors import CorruptCheckpoint, InvalidArgument
 from ckpt.history import Line, line_from_json, line_to_json
 
@@ -315,6 +316,28 @@ class CommitRecord:
     size_bytes: int
     line: Line = ()  # its ranks' line (ckpt.history)
     committed_at: str = ""  # its ranks' latest saved_at (UTC, ISO 8601): the same on every node that seals it
+    # The signature (ckpt.commit_keys): two nodes that seal one step with different keys (a rotation under
+    # way) seal the same record, so it takes no part in comparing records.
+    key_id: str = field(default="", compare=False)  # which key signed it: 8 hex digits of the key's SHA-256
+    hmac_sha256: str = field(default="", compare=False)  # HMAC-SHA256 of signed_body() under that key; "" unsigned
+
+    def signed_body(self) -> bytes:
+        """Return what the signature is of: the record's fields as canonical JSON, the same on every tier.
+
+        The version and an object store's object_keys are left out (they differ by tier, and a
+        shard found elsewhere still has to match the digests signed here); key_id is in.
+        """
+        body = self._fields() | {"format": "ckpt-commit", "key_id": self.key_id}
+        return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+
+    def _fields(self) -> dict[str, Any]:
+        return {
+            "job": self.job,
+            "step": self.step,
+            "world_size": self.world_size,
+            "shard_meta_xxh3_128": list(self.shard_meta_xxh3_128),
+            "size_bytes": self.size_bytes,
+        } | _history_fields(self.line, "committed_at", self.committed_at)
 
     def to_bytes(self, object_keys: str = "") -> bytes:
         """Serialise as a sealed record; with object_keys, as an object store's record of version 3.
@@ -323,28 +346,26 @@ class CommitRecord:
         no field: the same step has the same record on every tier, and only the object tier
         knows where its store keeps the shards.
         """
-        record = {
-            "format": "ckpt-commit",
-            "version": FORMAT_VERSION,
-            "job": self.job,
-            "step": self.step,
-            "world_size": self.world_size,
-            "shard_meta_xxh3_128": list(self.shard_meta_xxh3_128),
-            "size_bytes": self.size_bytes,
-        } | _history_fields(self.line, "committed_at", self.committed_at)
+        record = {"format": "ckpt-commit", "version": FORMAT_VERSION} | self._fields()
+        if self.hmac_sha256:
+            record |= {"key_id": self.key_id, "hmac_sha256": self.hmac_sha256}
         if object_keys:
             record |= {"version": OBJECT_KEYS_VERSION, "object_keys": object_keys}
         return seal(record)
 
     @classmethod
-    def from_bytes(cls, data: bytes, what: str) -> CommitRecord:
-        """Parse a sealed commit record of a step directory, raising CorruptCheckpoint if it does not check."""
-        return cls._parse(data, what, READABLE_VERSIONS)[0]
+    def from_bytes(cls, data: bytes, what: str, commit_keys: CommitKeys = UNSIGNED) -> CommitRecord:
+        """Parse a sealed commit record of a step directory, raising CorruptCheckpoint if it does not check.
+
+        With commit_keys that sign, a record without a valid signature by one of them does not check.
+        """
+        return commit_keys.check(cls._parse(data, what, READABLE_VERSIONS)[0], what)
 
     @classmethod
-    def from_object_bytes(cls, data: bytes, what: str) -> tuple[CommitRecord, str]:
+    def from_object_bytes(cls, data: bytes, what: str, commit_keys: CommitKeys = UNSIGNED) -> tuple[CommitRecord, str]:
         """Parse a sealed commit record of an object store: (the record, its object_keys; "" for version 1 or 2)."""
         record, r = cls._parse(data, what, (*READABLE_VERSIONS, OBJECT_KEYS_VERSION))
+        commit_keys.check(record, what)
         if r["version"] != OBJECT_KEYS_VERSION:
             return record, ""
         keys = r.get("object_keys")
@@ -369,9 +390,13 @@ class CommitRecord:
                 size_bytes=r["size_bytes"],
                 line=line_from_json(r.get("line", []), what),
                 committed_at=str(r.get("committed_at", "")),
+                key_id=r.get("key_id", ""),
+                hmac_sha256=r.get("hmac_sha256", ""),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise CorruptCheckpoint(f"{what}: malformed commit record ({e})") from None
+        if not isinstance(rec.key_id, str) or not isinstance(rec.hmac_sha256, str):
+            raise CorruptCheckpoint(f"{what}: the signature fields are not text")
         # Checked before anything is named or sized from it: a record may come from the network.
         if not isinstance(r["shard_meta_xxh3_128"], list) or not all(
             isinstance(d, str) for d in rec.shard_meta_xxh3_128

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ckpt.chunks import find_bad_chunk
+from ckpt.commit_keys import CommitKeys
 from ckpt.errors import CorruptCheckpoint, NotFound
 from ckpt.format import (
     COMMIT_NAME,
@@ -54,13 +55,17 @@ class ShardSource:
 
 
 def read_commit(step_dir: Path) -> CommitRecord:
-    """Read a step directory's commit record; raise NotFound if the step is not complete."""
+    """Read a step directory's commit record; raise NotFound if the step is not complete.
+
+    With env CKPTD_KEY_FILE set, the record must be signed with that key (ckpt.commit_keys):
+    how load_local and ckpt.dcp.Reader(path=) check a directory with no daemon to ask.
+    """
     path = step_dir / COMMIT_NAME
     try:
         data = path.read_bytes()
     except FileNotFoundError:
         raise NotFound(f"{step_dir} holds no complete step (no {COMMIT_NAME})") from None
-    return CommitRecord.from_bytes(data, str(path))
+    return CommitRecord.from_bytes(data, str(path), CommitKeys.from_env())
 
 
 def read_index(step_dir: Path, record: CommitRecord) -> bytes | None:

@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
+from ckpt.commit_keys import UNSIGNED, CommitKeys
 from ckpt.errors import CheckpointError, CorruptCheckpoint, NotFound
 from ckpt.format import COMMIT_NAME, INDEX_NAME, JOB_RE, CommitRecord, ShardMeta, data_name, digest, meta_name
 from ckpt.history import generation
@@ -56,9 +57,13 @@ class ObjectTier(Tier):
 
     name = "object"
 
-    def __init__(self, store: ObjectStore, compression: str = "none") -> None:
-        """compression: how shards written here are stored, "none" or "zstd" ([object] compression)."""
+    def __init__(self, store: ObjectStore, compression: str = "none", commit_keys: CommitKeys = UNSIGNED) -> None:
+        """compression: how shards written here are stored, "none" or "zstd" ([object] compression).
+
+        commit_keys (Config.commit_keys): a commit record in the store not signed by one of them is damaged.
+        """
         self.store = store
+        self.commit_keys = commit_keys
         self.compression = compression
         self.shards = StepShards(store)
         self.keys = HASHED_KEYS if store.spreads_keys else FLAT_KEYS  # where this tier puts shard objects
@@ -165,7 +170,7 @@ class ObjectTier(Tier):
         except OSError as e:
             raise CheckpointError(f"object store {where}: {e}") from e
         try:
-            record, keys = CommitRecord.from_object_bytes(raw, where)
+            record, keys = CommitRecord.from_object_bytes(raw, where, self.commit_keys)
             if (record.job, record.step) != (job, step):
                 raise CorruptCheckpoint(f"{where} describes {record.job} step {record.step}")
             if keys not in KNOWN_KEYS:
