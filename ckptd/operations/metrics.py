@@ -162,7 +162,9 @@ def families(status: dict[str, Any]) -> Iterator[Metric]:
     )
     yield GaugeMetricFamily("ckptd_staging_bytes", "Shared memory held by staging slots", value=staging["in_use_bytes"])
     yield GaugeMetricFamily(
-        "ckptd_staging_budget_bytes", "Cap on staging memory (0: on demand)", value=staging["budget_bytes"]
+        "ckptd_staging_budget_bytes",
+        "Cap on staging memory ([staging] budget_bytes, by default 3/4 of its filesystem)",
+        value=staging["budget_bytes"],
     )
     yield from _newest_steps(status["newest_complete"])
     yield _by_tier(
