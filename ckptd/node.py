@@ -42,6 +42,7 @@ from ckptd.save.save_path import LOCAL_TIERS, SavePath
 from ckptd.save.staging import ShardKey, SlotPool
 from ckptd.save.uploading import UPLOAD_THREADS, Uploader
 from ckptd.storage.object_store import open_store
+from ckptd.storage.owned_dir import DIR_MODE, claim_dir
 from ckptd.tiers.base import DurableTier, Tier
 from ckptd.tiers.memory import MemoryTier
 from ckptd.tiers.nvme import LocalDirTier
@@ -117,7 +118,11 @@ class Node:
         instance = uuid.uuid4().hex  # this daemon's run: peer calls that carry it have come back to it
         # -- the tiers, fastest first (loads try them in this order)
         self.pool = SlotPool(
-            config.staging_dir, config.staging.budget_bytes, config.staging.policy, config.nvme.flush_every
+            config.staging_dir,
+            config.staging.budget_bytes,
+            config.staging.policy,
+            config.nvme.flush_every,
+            config.staging_access,
         )
         memory = MemoryTier(self.pool.copies)
         self.nvme = LocalDirTier(config.root, write_threads=x.nvme_writes)
@@ -224,8 +229,8 @@ class Node:
 
     def _prepare_disk(self) -> None:
         self.config.root.mkdir(parents=True, exist_ok=True)
-        self.config.replica_root.mkdir(exist_ok=True)
-        self.root_id = root_identity.claim(self.config.root, self.config.staging_dir)
+        claim_dir(self.config.replica_root, DIR_MODE, "the replica store", "node.root", group_may_write=True)
+        self.root_id = root_identity.claim(self.config.root, self.config.staging_dir, self.config.staging_access)
         self.job_retention.load()  # before any retention pass: pins and the clients' settings of the last run
         for tier in self.durable_tiers:
             for path in tier.remove_leftovers():
