@@ -59,6 +59,7 @@ def hold(root: Path, socket_path: Path) -> RootLock:
     except OSError as e:
         raise InvalidArgument(f"config key node.root: cannot write the NVMe root {root}: {e.strerror or e}") from None
     try:
+        os.fchmod(fd, FILE_MODE)  # open's mode passed through the umask
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         holder = _holder(fd)
