@@ -15,6 +15,7 @@ remove_slots() and stops (daemon.serve).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import shutil
 import uuid
@@ -54,7 +55,8 @@ def claim(root: Path, staging: Path, access: StagingAccess = OWNER_ONLY) -> str:
         tied = None  # a new staging directory, or one from before identities: its slots are this root's
     except (OSError, UnicodeDecodeError) as e:  # a link, or not ours: whatever its slots are, not this root's
         log.warning("ignoring the staging directory's identity marker %s: %s", marker, e)
-        marker.unlink()
+        with contextlib.suppress(OSError):  # the name only: unlink follows no link
+            marker.unlink()
         tied = ""
     if tied == ident:
         return ident

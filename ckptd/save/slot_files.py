@@ -148,7 +148,7 @@ MARKER_NAME = re.compile(r"(rank-\d{5}\.slot-\d+)\.(meta\.json|pending\.json|lay
 
 
 def _remove_if_stray(path: Path) -> None:
-    """Remove a marker left without its slot, or half written (a crash in write_replace): it holds nothing."""
+    """Remove a marker left without its slot, or half written (a crash in replace_file): it holds nothing."""
     m = MARKER_NAME.fullmatch(path.name)
     if m and (m[3] or not path.with_name(m[1]).exists()):
         path.unlink(missing_ok=True)
