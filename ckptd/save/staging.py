@@ -527,7 +527,8 @@ class SlotPool:
     def _open_slot(self, slot: Slot) -> int:
         """Open a slot's file to size it: this daemon's own (never through a link), made anew for a new slot."""
         if slot.size_bytes:
-            return open_owned(slot.path, os.O_RDWR)
+            with contextlib.suppress(FileNotFoundError):  # removed under the daemon: made anew below
+                return open_owned(slot.path, os.O_RDWR)
         access = self.access
         claim_dir(slot.path.parent, access.dir_mode, "a job's staging directory", "staging.dir", gid=access.gid)
         slot.path.unlink(missing_ok=True)  # a file left by a slot evicted or given back: never written through
