@@ -333,6 +333,7 @@ def _client(args: argparse.Namespace, config: Config) -> DaemonClient:
 def cmd_serve(args: argparse.Namespace, config: Config) -> int:
     from ckptd.daemon import AlreadyServing, ListenFailed, RootGone, serve
     from ckptd.operations.root_lock import RootInUse
+    from ckptd.storage.owned_dir import UnsafePath
 
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(
@@ -345,7 +346,7 @@ def cmd_serve(args: argparse.Namespace, config: Config) -> int:
     except (AlreadyServing, RootGone) as e:
         print(f"ckptd: {e}", file=sys.stderr)
         return 1
-    except (ListenFailed, RootInUse) as e:
+    except (ListenFailed, RootInUse, UnsafePath) as e:
         print(f"ckptd: {e}", file=sys.stderr)
         return 2
     return 0

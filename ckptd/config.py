@@ -20,6 +20,7 @@ from ckpt.format import validate_job
 from ckpt.transport import default_socket_path
 
 from ckptd.addresses import dialled_names, endpoints_or_none, host_of, is_host_port, peer_endpoints
+from ckptd.storage.owned_dir import StagingAccess
 
 
 class ConfigError(Exception):
@@ -42,6 +43,7 @@ class StagingConfig:
     policy: str = "block"
     dir: str = ""
     idle_ttl_s: int = 86400  # a job's slots go this long after its last save, once durable; 0 = never
+    group: str = ""  # name or gid of the group whose members may save through this daemon; empty: its user alone
 
 
 @dataclass(frozen=True)
@@ -146,6 +148,11 @@ class Config:
     def cpu_set(self) -> set[int]:
         """Return the CPUs of [node] cpus (empty: any). The value was checked at load."""
         return parse_cpus(self.node.cpus)
+
+    @property
+    def staging_access(self) -> StagingAccess:
+        """Return who besides the daemon's user uses the staging directory ([staging] group)."""
+        return StagingAccess.of_group(self.staging.group)
 
     @property
     def replica_root(self) -> Path:

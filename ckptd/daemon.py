@@ -14,7 +14,7 @@ from typing import Any
 
 import grpc
 from ckpt.errors import InvalidArgument
-from ckpt.transport import MAX_MESSAGE_BYTES, socket_dir_problem
+from ckpt.transport import MAX_MESSAGE_BYTES
 from ckpt.wire.v1 import ckptd_pb2_grpc
 
 from ckptd import sd_notify
@@ -33,6 +33,7 @@ from ckptd.rpc.log_pace import LogPace
 from ckptd.rpc.peer_link import server_credentials, server_options
 from ckptd.rpc.peer_server import PeerServicer, add_peer_servicer
 from ckptd.rpc.server import CkptdServicer
+from ckptd.storage.owned_dir import DIR_MODE, claim_dir
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +55,8 @@ async def serve(config: Config) -> None:
 
     Raises RootGone, after giving the staging memory back and stopping the same way, when
     the NVMe root is removed or replaced under the daemon: its view of the steps is void;
-    RootInUse when another daemon holds the NVMe root (root_lock), and InvalidArgument naming
+    RootInUse when another daemon holds the NVMe root (root_lock), UnsafePath when the socket's, the root's or the
+    staging directory could have been prepared by another user (owned_dir), and InvalidArgument naming
     node.root when it cannot be written.
     """
     core_log = CoreLog()  # gRPC's C core writes to stderr: its failed TLS handshakes come into our log, readable
@@ -263,13 +265,8 @@ def _pin(cpus: set[int]) -> None:
 
 
 def _claim_socket(path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True, mode=0o750)
-    problem = socket_dir_problem(path.parent, {os.geteuid()})
-    if problem is not None:  # made by another user first (its name is known in advance): never adopted
-        raise ListenFailed(
-            f"refusing the socket directory {path.parent} (node.socket): {problem}; another local user may have "
-            "made it to take the socket. Remove it, or configure node.socket in a directory of this daemon's user"
-        )
+    # Made by another user first (/tmp/ckptd-UID is known in advance), it would let them take the socket.
+    claim_dir(path.parent, DIR_MODE, "the socket directory", "node.socket", group_may_write=True)
     if not path.exists():
         return
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:

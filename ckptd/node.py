@@ -42,6 +42,7 @@ from ckptd.save.save_path import LOCAL_TIERS, SavePath
 from ckptd.save.staging import ShardKey, SlotPool, default_budget_bytes
 from ckptd.save.uploading import UPLOAD_THREADS, Uploader
 from ckptd.storage.object_store import open_store
+from ckptd.storage.owned_dir import DIR_MODE, claim_dir
 from ckptd.tiers.base import DurableTier, Tier
 from ckptd.tiers.memory import MemoryTier
 from ckptd.tiers.nvme import LocalDirTier
@@ -121,7 +122,8 @@ class Node:
             config.staging.budget_bytes or default_budget_bytes(config.staging_dir),
             config.staging.policy,
             config.nvme.flush_every,
-            config.staging.job_budget_bytes,
+            job_budget_bytes=config.staging.job_budget_bytes,
+            access=config.staging_access,
         )
         memory = MemoryTier(self.pool.copies)
         self.nvme = LocalDirTier(config.root, write_threads=x.nvme_writes, commit_keys=config.commit_keys)
@@ -229,8 +231,8 @@ class Node:
 
     def _prepare_disk(self) -> None:
         self.config.root.mkdir(parents=True, exist_ok=True)
-        self.config.replica_root.mkdir(exist_ok=True)
-        self.root_id = root_identity.claim(self.config.root, self.config.staging_dir)
+        claim_dir(self.config.replica_root, DIR_MODE, "the replica store", "node.root", group_may_write=True)
+        self.root_id = root_identity.claim(self.config.root, self.config.staging_dir, self.config.staging_access)
         self.job_retention.load()  # before any retention pass: pins and the clients' settings of the last run
         for tier in self.durable_tiers:
             for path in tier.remove_leftovers():

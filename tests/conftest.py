@@ -157,7 +157,9 @@ def small_disk(short_tmp: Path) -> Iterator[Path]:
     """Yield a directory on an 8 MiB tmpfs of its own (a disk a test can fill); skip where mounting needs root."""
     small = short_tmp / "small"
     small.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(small)], capture_output=True).returncode:
+    if subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=8m,mode=0755", "tmpfs", str(small)], capture_output=True
+    ).returncode:
         pytest.skip("cannot mount a small filesystem here (needs root)")
     try:
         yield small
@@ -178,7 +180,9 @@ def read_only_dir(short_tmp: Path) -> Iterator[Path]:
         finally:
             path.chmod(0o755)
         return
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(path)], capture_output=True).returncode:
+    if subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "ro,size=1m,mode=0755", "tmpfs", str(path)], capture_output=True
+    ).returncode:
         pytest.skip("root cannot mount a read-only filesystem here, and nothing else stops root writing")
     try:
         yield path

@@ -34,7 +34,7 @@ from ckpt.errors import CheckpointError, InvalidArgument
 from ckpt.format import JOB_RE, seal, unseal, validate_job
 
 from ckptd.config import Config
-from ckptd.storage.durable_write import fsync_dir, make_dirs, write_file
+from ckptd.storage.durable_write import fsync_dir, make_dirs, replace_file
 
 log = logging.getLogger(__name__)
 
@@ -219,11 +219,7 @@ class JobRetention:
             if self._written.get(job, 0) > version:
                 return  # a newer version is there already
             make_dirs(self.directory)
-            path = self._path(job)
-            temporary = path.with_name(path.name + ".tmp")
-            write_file(temporary, [data])
-            os.replace(temporary, path)
-            fsync_dir(self.directory)
+            replace_file(self._path(job), data)
             self._written[job] = version
 
     def _remove(self, job: str) -> None:

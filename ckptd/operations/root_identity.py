@@ -2,7 +2,9 @@
 
 The root carries a random identity in ROOT_ID_NAME, written at its first start; the
 staging directory keeps a copy. Node (the composition root) calls claim() at start-up, on a worker thread,
-before the slots are recovered: slots found beside another root's identity were taken for
+before the slots are recovered. claim() makes the staging directory, or takes over one only
+another user could not have prepared (owned_dir.claim_dir: the daemon exits 2 on any other).
+Slots found beside another root's identity were taken for
 a root that was deleted, wiped or replaced, and are removed, never flushed into this one.
 Their steps belong to another history: a job started again on a fresh root would resume
 from them. While the daemon runs, daemon.serve awaits watch() (Node.watch_root), which returns once the
@@ -13,13 +15,14 @@ remove_slots() and stops (daemon.serve).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-import os
 import shutil
 import uuid
 from pathlib import Path
 
-from ckptd.storage.durable_write import fsync_dir, write_file
+from ckptd.storage.durable_write import replace_file
+from ckptd.storage.owned_dir import OWNER_ONLY, StagingAccess, claim_dir, read_owned
 
 log = logging.getLogger(__name__)
 
@@ -35,19 +38,26 @@ def identity(root: Path) -> str | None:
         return None
 
 
-def claim(root: Path, staging: Path) -> str:
-    """Give root an identity if it has none, tie staging to it (removing another root's slots); return it."""
+def claim(root: Path, staging: Path, access: StagingAccess = OWNER_ONLY) -> str:
+    """Give root an identity if it has none, tie staging to it (removing another root's slots); return it.
+
+    Raises UnsafePath when staging could have been prepared by another user: it is not used, whatever it holds.
+    """
     ident = identity(root)
     if ident is None:
         ident = uuid.uuid4().hex
-        _write(root / ROOT_ID_NAME, ident)
-        fsync_dir(root)
-    staging.mkdir(parents=True, exist_ok=True, mode=0o750)
+        replace_file(root / ROOT_ID_NAME, ident.encode())
+    claim_dir(staging, access.dir_mode, "the staging directory", "staging.dir", gid=access.gid)
     marker = staging / ROOT_ID_NAME
     try:
-        tied = marker.read_text().strip()
+        tied: str | None = read_owned(marker).decode().strip()
     except FileNotFoundError:
         tied = None  # a new staging directory, or one from before identities: its slots are this root's
+    except (OSError, UnicodeDecodeError) as e:  # a link, or not ours: whatever its slots are, not this root's
+        log.warning("ignoring the staging directory's identity marker %s: %s", marker, e)
+        with contextlib.suppress(OSError):  # the name only: unlink follows no link
+            marker.unlink()
+        tied = ""
     if tied == ident:
         return ident
     if tied is not None:
@@ -58,17 +68,17 @@ def claim(root: Path, staging: Path) -> str:
                 "(deleted, wiped or replaced), and are not flushed into this one",
                 count, size, staging, root,
             )  # fmt: skip
-    _write(marker, ident)
+    replace_file(marker, ident.encode(), access.MARKER_MODE)
     return ident
 
 
 def remove_slots(staging: Path) -> tuple[int, int]:
     """Remove every job's slots from a staging directory; return (files, bytes) removed."""
     count = size = 0
-    for job_dir in [p for p in staging.iterdir() if p.is_dir()] if staging.is_dir() else []:
+    for job_dir in [p for p in staging.iterdir() if p.is_dir() and not p.is_symlink()] if staging.is_dir() else []:
         for path in job_dir.iterdir():
             count += 1
-            size += path.stat().st_size
+            size += path.lstat().st_size
         shutil.rmtree(job_dir, ignore_errors=True)
     return count, size
 
@@ -82,9 +92,3 @@ async def watch(root: Path, ident: str) -> None:
                 return
         except OSError as e:  # unreadable for now (EIO, EACCES): not the same as gone
             log.warning("cannot read the identity of the NVMe root %s: %s", root, e)
-
-
-def _write(path: Path, text: str) -> None:
-    temporary = path.with_name(path.name + ".tmp")
-    write_file(temporary, [text.encode()])
-    os.replace(temporary, path)

@@ -17,6 +17,8 @@ from pathlib import Path
 
 from ckpt.errors import InvalidArgument
 
+from ckptd.storage.owned_dir import DIR_MODE, FILE_MODE, UnsafePath, claim_dir
+
 LOCK_NAME = ".ckptd-lock"
 HOLDER_MAX_BYTES = 4096
 
@@ -43,16 +45,21 @@ def hold(root: Path, socket_path: Path) -> RootLock:
     """Create root if missing and lock it for this process; name this process and its socket in the lock file.
 
     Blocks on the disk: call it from a worker thread. Raises InvalidArgument naming node.root
-    when the root cannot be written (read-only, not a directory, no permission), RootInUse
-    naming the holder's pid and socket when another daemon holds it.
+    when the root cannot be written (read-only, not a directory, no permission), UnsafePath when
+    it is not this user's (owned_dir; a link to a directory is followed: the operator's choice),
+    RootInUse naming the holder's pid and socket when another daemon holds it.
     """
     path = root / LOCK_NAME
     try:
-        root.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        # The group may write: roots made under the unit's former UMask=0007 are 0770.
+        claim_dir(root.resolve(), DIR_MODE, "the NVMe root", "node.root", group_may_write=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, FILE_MODE)
+    except UnsafePath:
+        raise
     except OSError as e:
         raise InvalidArgument(f"config key node.root: cannot write the NVMe root {root}: {e.strerror or e}") from None
     try:
+        os.fchmod(fd, FILE_MODE)  # open's mode passed through the umask
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         holder = _holder(fd)

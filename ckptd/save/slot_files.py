@@ -6,17 +6,24 @@
     <dir>/<job>/rank-00000.slot-0.meta.json     written once checksummed: the shard's metadata
 
 SlotPool (in staging) calls these: scan_slots from recover (on a flush thread, at
-start-up), locked_by_a_writer on the event loop thread when a rank reserves a slot,
-write_replace from commit and record_hashed (on a flush thread). MemoryTier.from_directory
-calls scan_slots on the thread of the offline tool that reads the slots.
+start-up), locked_by_a_writer on the event loop thread when a rank reserves a slot.
+MemoryTier.from_directory calls scan_slots on the thread of the offline tool that reads the slots.
+The markers are written whole with durable_write.replace_file.
+
+Only the files of the staging directory's owner count: a job directory, slot or marker that is
+a link, not a regular file, or another user's (planted, in a directory shared with a group) is
+logged, its name removed (never followed), and nothing in it read or flushed.
 """
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import logging
 import os
 import re
+import stat
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,6 +31,9 @@ from typing import Any
 from ckpt.errors import CheckpointError, CorruptCheckpoint
 from ckpt.format import ShardMeta, digest, unseal, validate_job, validate_rank, validate_step
 from ckpt.history import Line, line_from_json
+from ckpt.owned_paths import user_name
+
+from ckptd.storage.owned_dir import read_owned
 
 log = logging.getLogger(__name__)
 
@@ -87,19 +97,23 @@ def slot_path(directory: Path, job: str, rank: int, index: int) -> Path:
 
 
 def scan_slots(directory: Path) -> list[Slot]:
-    """Read the slots under a staging directory with what each holds; damaged markers count as empty."""
+    """Read the slots under a staging directory with what each holds; damaged markers count as empty.
+
+    Only its owner's regular files count (see the module's docstring): others are refused.
+    """
     found: list[Slot] = []
     if not directory.is_dir():
         return found
-    for job_dir in sorted(directory.iterdir()):
-        for path in sorted(job_dir.iterdir()) if job_dir.is_dir() else []:
+    owner = os.stat(directory).st_uid
+    for job_dir in _owned(sorted(directory.iterdir()), owner, stat.S_ISDIR):
+        for path in _owned(sorted(job_dir.iterdir()), owner, stat.S_ISREG):
             m = SLOT_NAME.fullmatch(path.name)
             if not m:
                 _remove_if_stray(path)
                 continue
             slot = Slot(path, job_dir.name, int(m[1]), int(m[2]), path.stat().st_size)
             try:
-                _load_markers(slot)
+                _load_markers(slot, owner)
             except (CheckpointError, OSError, KeyError, TypeError, ValueError) as e:
                 log.warning("ignoring damaged staging record of %s: %s", path, e)
                 slot.shard, slot.meta, slot.layout_json = None, None, ""
@@ -107,24 +121,48 @@ def scan_slots(directory: Path) -> list[Slot]:
     return found
 
 
+def _owned(paths: list[Path], owner: int, kind: Callable[[int], bool]) -> list[Path]:
+    """Return the paths that are owner's and of kind (lstat: a link is none); refuse links and others' files.
+
+    The owner's own files of another kind (the root identity beside the job directories) are left alone.
+    """
+    kept = []
+    for path in paths:
+        st = os.lstat(path)
+        if not stat.S_ISLNK(st.st_mode) and st.st_uid == owner:
+            if kind(st.st_mode):
+                kept.append(path)
+            continue
+        what = "link" if stat.S_ISLNK(st.st_mode) else "directory" if stat.S_ISDIR(st.st_mode) else "file"
+        log.warning(
+            "refusing %s in the staging directory: a %s of %s, mode %o (planted by another user?); never read, "
+            "never flushed",
+            path, what, user_name(st.st_uid), stat.S_IMODE(st.st_mode),
+        )  # fmt: skip
+        with contextlib.suppress(OSError):  # unlink and rmdir take the name: neither follows a link
+            path.rmdir() if stat.S_ISDIR(st.st_mode) else path.unlink()
+    return kept
+
+
 MARKER_NAME = re.compile(r"(rank-\d{5}\.slot-\d+)\.(meta\.json|pending\.json|layout)(\.tmp)?")
 
 
 def _remove_if_stray(path: Path) -> None:
-    """Remove a marker left without its slot, or half written (a crash in write_replace): it holds nothing."""
+    """Remove a marker left without its slot, or half written (a crash in replace_file): it holds nothing."""
     m = MARKER_NAME.fullmatch(path.name)
     if m and (m[3] or not path.with_name(m[1]).exists()):
         path.unlink(missing_ok=True)
         log.info("removed stray staging file %s", path)
 
 
-def _load_markers(slot: Slot) -> None:
-    """Fill a slot from its markers: the shard record if checksummed, else the commit marker."""
-    record = unseal(slot.pending_path.read_bytes(), str(slot.pending_path)) if slot.pending_path.exists() else None
+def _load_markers(slot: Slot, owner: int) -> None:
+    """Fill a slot from its markers (owner's regular files): the shard record if checksummed, else the commit marker."""
+    pending = _marker(slot.pending_path, owner)
+    record = unseal(pending, str(slot.pending_path)) if pending is not None else None
     if record is not None:
         slot.committed_seq = int(record.get("committed_ns", 0))
-    if slot.meta_path.exists():
-        meta = ShardMeta.from_bytes(slot.meta_path.read_bytes(), str(slot.meta_path))
+    if (meta_bytes := _marker(slot.meta_path, owner)) is not None:
+        meta = ShardMeta.from_bytes(meta_bytes, str(slot.meta_path))
         slot.meta = meta
         slot.shard = ShardKey(meta.job, meta.step, meta.rank, meta.world_size)
         slot.data_size_bytes, slot.layout_json, slot.run_id = (
@@ -137,7 +175,7 @@ def _load_markers(slot: Slot) -> None:
         s = record["shard"]
         validate_rank(s["rank"], s["world_size"])
         slot.shard = ShardKey(validate_job(s["job"]), validate_step(s["step"]), s["rank"], s["world_size"])
-        slot.data_size_bytes, slot.layout_json = int(record["data_size_bytes"]), _layout(slot, record)
+        slot.data_size_bytes, slot.layout_json = int(record["data_size_bytes"]), _layout(slot, record, owner)
         slot.run_id = str(record.get("run_id", ""))
         slot.line = line_from_json(record.get("line", []), str(slot.pending_path))
         slot.saved_at = str(record.get("saved_at", ""))
@@ -147,27 +185,28 @@ def _load_markers(slot: Slot) -> None:
         raise ValueError("record is larger than the slot")
 
 
-def _layout(slot: Slot, record: dict[str, Any]) -> str:
+def _marker(path: Path, owner: int) -> bytes | None:
+    """Return a marker's bytes, None if there is none; raise UnsafePath for one that is not owner's own file."""
+    try:
+        return read_owned(path, owner)
+    except FileNotFoundError:
+        return None
+
+
+def _layout(slot: Slot, record: dict[str, Any], owner: int) -> str:
     """Return the layout a commit marker names: in its own file, checked (or, from older daemons, inside it)."""
     if "layout_json" in record:
         return str(record["layout_json"])
-    layout = slot.layout_path.read_bytes()
+    layout = read_owned(slot.layout_path, owner)
     if digest(layout) != record["layout_xxh3_128"]:
         raise CorruptCheckpoint(f"{slot.layout_path}: does not match its commit marker")
     return layout.decode()
 
 
-def write_replace(path: Path, data: bytes) -> None:
-    """Replace a marker whole: written beside it, then renamed over it."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
-
-
 def locked_by_a_writer(path: Path) -> bool:
     """Say whether a live process holds the slot's writer lock (flock works across PID namespaces)."""
     try:
-        fd = os.open(path, os.O_RDONLY)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except FileNotFoundError:
         return False
     try:

@@ -41,8 +41,9 @@ from ckptd.save.slot_files import (
     locked_by_a_writer,
     scan_slots,
     slot_path,
-    write_replace,
 )
+from ckptd.storage.durable_write import replace_file
+from ckptd.storage.owned_dir import OWNER_ONLY, StagingAccess, claim_dir, create_new, open_owned
 
 log = logging.getLogger(__name__)
 
@@ -80,9 +81,17 @@ class SlotPool:
     """Allocate, reuse and bound the staging slots of one node."""
 
     def __init__(
-        self, directory: Path, budget_bytes: int, policy: str, flush_every: int = 0, job_budget_bytes: int = 0
+        self,
+        directory: Path,
+        budget_bytes: int,
+        policy: str,
+        flush_every: int = 0,
+        *,
+        job_budget_bytes: int = 0,
+        access: StagingAccess = OWNER_ONLY,
     ) -> None:
         self.directory = directory
+        self.access = access  # [staging] group: the modes of job directories and slots
         self.budget_bytes = budget_bytes  # 0: none (tests of the pool alone); Node gives default_budget_bytes()
         self.job_budget_bytes = job_budget_bytes  # 0: none beyond budget_bytes
         self.policy = policy
@@ -301,7 +310,7 @@ class SlotPool:
                 layout = layout.encode()
             layout_json = _text(layout, str(snapshot.key))
             # The layout (megabytes for a large model) goes beside the marker as it came: never escaped into JSON.
-            write_replace(slot.layout_path, layout)
+            replace_file(slot.layout_path, layout, StagingAccess.MARKER_MODE)
             record = {
                 "shard": snapshot.key.__dict__,
                 "data_size_bytes": snapshot.data_size_bytes,
@@ -311,7 +320,7 @@ class SlotPool:
                 "saved_at": snapshot.saved_at,
                 "committed_ns": slot.committed_seq,
             }
-            write_replace(slot.pending_path, seal(record))
+            replace_file(slot.pending_path, seal(record), StagingAccess.MARKER_MODE)
         except BaseException:
             for path in (slot.pending_path, slot.layout_path):  # nothing half-written names the slot
                 path.unlink(missing_ok=True)
@@ -331,7 +340,7 @@ class SlotPool:
 
     def record_hashed(self, slot: Slot, meta: ShardMeta) -> None:
         """Record a slot's checksums: from now on the memory tier serves it. Any thread."""
-        write_replace(slot.meta_path, meta.to_bytes())
+        replace_file(slot.meta_path, meta.to_bytes(), StagingAccess.MARKER_MODE)
         slot.meta = meta
 
     def start_flush(self, slot: Slot) -> None:
@@ -380,8 +389,13 @@ class SlotPool:
     # -- recovery ------------------------------------------------------------------
 
     def recover(self) -> list[Slot]:
-        """Load the slots found on disk; return those holding a snapshot not yet settled."""
-        self.directory.mkdir(parents=True, exist_ok=True, mode=0o750)
+        """Load the slots found on disk; return those holding a snapshot not yet settled.
+
+        Raises UnsafePath where the directory could have been prepared by another user (the daemon's
+        start-up checked it already, in root_identity.claim).
+        """
+        access = self.access
+        claim_dir(self.directory, access.dir_mode, "the staging directory", "staging.dir", gid=access.gid)
         held = []
         for slot in scan_slots(self.directory):
             self._slots.setdefault((slot.job, slot.rank), []).append(slot)
@@ -514,8 +528,7 @@ class SlotPool:
         if size_bytes == slot.size_bytes and slot.path.exists():
             return
         try:
-            slot.path.parent.mkdir(parents=True, exist_ok=True, mode=0o750)
-            fd = os.open(slot.path, os.O_RDWR | os.O_CREAT, 0o660)  # the training ranks map it
+            fd = self._open_slot(slot)
             try:
                 os.ftruncate(fd, size_bytes)
                 os.posix_fallocate(fd, 0, size_bytes)
@@ -527,6 +540,16 @@ class SlotPool:
                 slot.path.unlink(missing_ok=True)
             raise CheckpointError(f"cannot allocate {size_bytes} bytes of staging memory in {slot.path}: {e}") from e
         slot.size_bytes = size_bytes
+
+    def _open_slot(self, slot: Slot) -> int:
+        """Open a slot's file to size it: this daemon's own (never through a link), made anew for a new slot."""
+        if slot.size_bytes:
+            with contextlib.suppress(FileNotFoundError):  # removed under the daemon: made anew below
+                return open_owned(slot.path, os.O_RDWR)
+        access = self.access
+        claim_dir(slot.path.parent, access.dir_mode, "a job's staging directory", "staging.dir", gid=access.gid)
+        slot.path.unlink(missing_ok=True)  # a file left by a slot evicted or given back: never written through
+        return create_new(slot.path, access.slot_mode, os.O_RDWR, access.gid)  # the training ranks map it
 
 
 def default_budget_bytes(directory: Path) -> int:

@@ -45,6 +45,7 @@ from ckpt.step_index import SHARDED_RECORD_MARK, index_bytes
 
 from ckptd.storage.durable_write import fsync_dir, make_dirs, write_file
 from ckptd.storage.object_store import ObjectParts, ObjectStore
+from ckptd.storage.owned_dir import FILE_MODE, create_new
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +80,7 @@ class StepDirCommit:
     def create_temporary(self, name: str, transfer: str = "") -> Path:
         """Create an empty temporary file for name (see temporary()): from here on the directory is not empty."""
         path = self.temporary(name, transfer)
-        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+        os.close(create_new(path, FILE_MODE))
         return path
 
     def install_shard(

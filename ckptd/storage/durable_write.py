@@ -5,6 +5,11 @@ The one place the daemon writes bytes it promises to keep. The commit protocol
 restore and the file:// object store call it. Calls block: make them from worker
 threads. A RangeWriter may be written from several threads at once, each its own
 byte range.
+
+Modes are explicit, whatever the umask: directories owned_dir.DIR_MODE (0750), files
+owned_dir.FILE_MODE (0640) unless a caller names another. No file is opened through a
+symbolic link (O_NOFOLLOW), and new files are made with O_EXCL: a link planted at a
+temporary name makes the write fail, it is never followed.
 """
 
 from __future__ import annotations
@@ -15,6 +20,8 @@ import os
 import threading
 from collections.abc import Iterable
 from pathlib import Path
+
+from ckptd.storage.owned_dir import DIR_MODE, FILE_MODE, create_new
 
 DIRECT_IO_ALIGN_BYTES = 4096
 
@@ -41,7 +48,13 @@ class RangeWriter:
         several ranges at once), and a full disk is known before any byte is written.
         """
         self.path = path
-        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | (os.O_TRUNC if truncate else 0), 0o644)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | (os.O_TRUNC if truncate else 0)
+        self._fd = os.open(path, flags, FILE_MODE)
+        try:
+            os.fchmod(self._fd, FILE_MODE)  # open's mode passed through the umask
+        except OSError:
+            os.close(self._fd)
+            raise
         if size_bytes:
             try:
                 os.posix_fallocate(self._fd, 0, size_bytes)
@@ -51,7 +64,7 @@ class RangeWriter:
                     raise
         self._direct_fd: int | None = None
         try:
-            self._direct_fd = os.open(path, os.O_WRONLY | os.O_DIRECT)
+            self._direct_fd = os.open(path, os.O_WRONLY | os.O_DIRECT | os.O_NOFOLLOW | os.O_CLOEXEC)
         except OSError as e:
             if e.errno != errno.EINVAL:  # EINVAL: this filesystem does no direct I/O
                 os.close(self._fd)
@@ -96,9 +109,9 @@ class RangeWriter:
             self._fd, self._direct_fd = -1, None
 
 
-def write_file(path: Path, parts: Iterable[bytes | memoryview]) -> None:
-    """Write a new file (truncating one there) from parts and fsync it: the caller renames it into place."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+def write_file(path: Path, parts: Iterable[bytes | memoryview], mode: int = FILE_MODE) -> None:
+    """Write a new file (none may have its name) from parts and fsync it: the caller renames it into place."""
+    fd = create_new(path, mode)
     try:
         for part in parts:
             view = memoryview(part)
@@ -110,6 +123,19 @@ def write_file(path: Path, parts: Iterable[bytes | memoryview]) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def replace_file(path: Path, data: bytes, mode: int = FILE_MODE) -> None:
+    """Replace a file whole: written and fsynced as path.tmp, renamed over path, the directory fsynced.
+
+    What has the temporary name (left by a crash, or a link planted there) is removed first,
+    never followed. One writer per path: callers that share one hold a lock around it.
+    """
+    temporary = path.with_name(path.name + ".tmp")
+    temporary.unlink(missing_ok=True)
+    write_file(temporary, [data], mode)
+    os.replace(temporary, path)
+    fsync_dir(path.parent)
 
 
 def fsync_dir(path: Path | str) -> None:
@@ -125,12 +151,15 @@ def fsync_dir(path: Path | str) -> None:
 
 
 def make_dirs(path: Path) -> None:
-    """Create path and its missing parents, each made durable in its parent."""
+    """Create path and its missing parents (mode DIR_MODE), each made durable in its parent."""
     missing = []
     while not path.is_dir():
         missing.append(path)
         path = path.parent
     for directory in reversed(missing):
-        with contextlib.suppress(FileExistsError):
-            directory.mkdir()
+        try:
+            os.mkdir(directory, DIR_MODE)
+            os.chmod(directory, DIR_MODE)  # mkdir's mode passed through the umask
+        except FileExistsError:
+            pass  # made by another writer meanwhile
         fsync_dir(directory.parent)

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import os
 import socket
-import stat
 import struct
 import tempfile
-from collections.abc import Collection, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +20,7 @@ from ckpt.errors import (
     NotFound,
     ReservationLost,
 )
+from ckpt.owned_paths import dir_problem
 from ckpt.wire.v1 import ckptd_pb2_grpc
 
 MAX_MESSAGE_BYTES = 256 << 20
@@ -32,28 +32,6 @@ def default_socket_path() -> Path:
     if runtime:
         return Path(runtime) / "ckptd" / "ckptd.sock"
     return Path(tempfile.gettempdir()) / f"ckptd-{os.getuid()}" / "ckptd.sock"
-
-
-def socket_dir_problem(directory: Path, owners: Collection[int]) -> str | None:
-    """Say what makes a socket's directory one another user could have prepared, or None where it is sound.
-
-    Sound: absent, or a real directory (not a link) owned by one of owners that no other user may
-    write in. A directory another user made first (/tmp/ckptd-UID is a name anyone can take) lets
-    them serve a fake daemon, or move the real socket aside.
-    """
-    try:
-        st = os.lstat(directory)
-    except FileNotFoundError:
-        return None
-    if stat.S_ISLNK(st.st_mode):
-        return f"{directory} is a symbolic link"
-    if not stat.S_ISDIR(st.st_mode):
-        return f"{directory} is not a directory"
-    if st.st_uid not in owners:
-        return f"{directory} belongs to uid {st.st_uid}, not to uid {' or '.join(map(str, sorted(owners)))}"
-    if st.st_mode & stat.S_IWOTH:
-        return f"every user may write in {directory} (mode {stat.S_IMODE(st.st_mode):o})"
-    return None
 
 
 def socket_owner(path: Path) -> int | None:
@@ -74,7 +52,7 @@ def check_default_socket(path: Path) -> None:
     (address=, CKPTD_ADDRESS, a config's node.socket) is the user's own choice.
     """
     trusted = {os.getuid(), 0}
-    problem = socket_dir_problem(path.parent, trusted)
+    problem = dir_problem(path.parent, trusted)
     if problem is None and (uid := socket_owner(path)) is not None and uid not in trusted:
         problem = f"the daemon on {path} runs as uid {uid}"
     if problem is not None:

@@ -17,7 +17,7 @@ import threading
 from pathlib import Path
 
 import pytest
-from ckpt.transport import socket_dir_problem
+from ckpt.owned_paths import dir_problem
 from conftest import CKPTD
 
 pytestmark = [
@@ -98,16 +98,16 @@ def test_the_daemon_refuses_a_socket_directory_another_user_made_and_exits_2(mak
 def test_a_sound_socket_directory_is_a_private_real_directory_of_the_owner(short_tmp):
     own = short_tmp / "own"
     own.mkdir(mode=0o750)
-    assert socket_dir_problem(own, {os.geteuid()}) is None
-    assert socket_dir_problem(short_tmp / "absent", {os.geteuid()}) is None
+    assert dir_problem(own, {os.geteuid()}) is None
+    assert dir_problem(short_tmp / "absent", {os.geteuid()}) is None
     link = short_tmp / "link"
     link.symlink_to(own)
-    assert "symbolic link" in (socket_dir_problem(link, {os.geteuid()}) or "")
+    assert "symbolic link" in (dir_problem(link, {os.geteuid()}) or "")
     own.chmod(0o777)
-    assert "every user may write" in (socket_dir_problem(own, {os.geteuid()}) or "")
+    assert "every user may write" in (dir_problem(own, {os.geteuid()}) or "")
     own.chmod(0o750)
     os.chown(own, ATTACKER, ATTACKER)
-    assert f"belongs to uid {ATTACKER}" in (socket_dir_problem(own, {os.geteuid()}) or "")
+    assert f"belongs to uid {ATTACKER}" in (dir_problem(own, {os.geteuid()}) or "")
 
 
 def test_the_client_and_daemon_take_their_own_default_socket_directory(make_daemon, shared_tmp):
