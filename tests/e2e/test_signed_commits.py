@@ -182,6 +182,8 @@ def test_a_signed_cluster_seals_replicates_and_restores_a_lost_node(make_cluster
         h.wait("nvme", timeout=60), h.wait("peer", timeout=60)
     record = CommitRecord.from_bytes((a.root / JOB / "2" / COMMIT_NAME).read_bytes(), "t", CommitKeys((KEY,)))
     assert record.hmac_sha256
+    for shard in (a.root / JOB / "2" / meta_name(0), b.root / ".peer" / JOB / "2" / meta_name(0)):  # a's, b's replica
+        assert CommitKeys((KEY,)).check(ShardMeta.from_bytes(shard.read_bytes(), str(shard)), "t").hmac_sha256
     a.lose()
     a.start()
     with ckpt.Checkpointer(job=JOB, address=a.address) as c:
