@@ -37,10 +37,13 @@ from ckpt.format import DIRECT_IO_ALIGN_BYTES, CommitRecord, ShardMeta, round_up
 
 from ckptd.byte_range import ByteRange
 from ckptd.errors import AlreadyHeld, ReceiverBusy
+from ckptd.rpc.log_pace import LogPace
 from ckptd.tiers.base import ShardWrite
 from ckptd.tiers.nvme import LocalDirTier
 
 log = logging.getLogger(__name__)
+
+_refusals = LogPace()  # keyed by (job, step): a sender retries a refused replica, rank by rank
 T = TypeVar("T")
 
 BLOCK_BYTES = 8 << 20
@@ -310,7 +313,7 @@ class ReplicaReceiver:
         if len(self._transfers) + len(self._opening) >= MAX_TRANSFERS:  # bounds the memory and descriptors peers take
             raise ReceiverBusy(f"{self._what(meta)}: {len(self._transfers)} replicas are being received already")
         opened = self._opening[transfer] = asyncio.get_running_loop().create_future()
-        work = self._threads.submit(self.tier.open_shard, meta, transfer[:16])
+        work = self._threads.submit(self._open_signed, meta, transfer[:16])
         try:
             shard = await wait_finished(work)
             t = self._transfers[transfer] = _Transfer(meta, shard)
@@ -322,6 +325,21 @@ class ReplicaReceiver:
         finally:
             del self._opening[transfer]
             opened.set_result(None)
+
+    def _open_signed(self, meta: ShardMeta, transfer: str) -> ShardWrite:
+        """Open the replica's ShardWrite once its shard record checks with the keys (a worker thread).
+
+        A record not signed by one of them (a peer certificate without the key, making up
+        a step) is refused as a bad chunk is, CorruptCheckpoint (DATA_LOSS), before anything
+        is written; logged once a minute per step.
+        """
+        try:
+            self.tier.commit_keys.check(meta, self._what(meta))
+        except CorruptCheckpoint as e:
+            if _refusals.due((meta.job, meta.step)):
+                log.error("refused a replica: %s", e)
+            raise
+        return self.tier.open_shard(meta, transfer)
 
     def _write(self, t: _Transfer, buffer: mmap.mmap, byte_range: ByteRange) -> None:
         with memoryview(buffer) as view:

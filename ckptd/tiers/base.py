@@ -14,6 +14,7 @@ from concurrent.futures import Executor, Future, wait
 
 from ckpt import shard_io
 from ckpt.chunks import check_chunks, chunk_digests
+from ckpt.commit_keys import CommitKeys
 from ckpt.errors import CorruptCheckpoint, NotFound
 from ckpt.format import CommitRecord, ShardMeta, chunk_ranges
 from ckpt.history import Line
@@ -150,6 +151,8 @@ class DurableTier(Tier):
        retry_removals() before each pass, for removals that failed earlier.
     """
 
+    commit_keys: CommitKeys  # set by the subclass: signs the shard records write_shard makes, checks those it counts
+
     @abstractmethod
     def open_shard(self, meta: ShardMeta, transfer: str = "") -> ShardWrite:
         """Begin receiving one copy of a shard (see ShardWrite); transfer names it, for the temporary files."""
@@ -171,8 +174,8 @@ class DurableTier(Tier):
         hashed (once: write() takes those digests), then the block goes to write_threads
         (several at once), or is written there and then for a tier without them or whose
         ShardWrite is ordered. Where meta carries no checksums, on_hashed gets the full
-        record as soon as every chunk is hashed, before the writes are durable (replication
-        starts from it). Any failure abandons the copy; an OSError, or bytes that do not
+        record, signed with commit_keys, as soon as every chunk is hashed, before the writes
+        are durable (replication starts from it). Any failure abandons the copy; an OSError, or bytes that do not
         match meta, is a ShardWriteError naming the shard and the tier. Once written, every block
         is checked once more against the record: a block that changed in memory between its hashing and its
         write (the write reads it again) fails the copy rather than leaving one that fails its own checksums.
@@ -199,7 +202,12 @@ class DurableTier(Tier):
                     shard.write(ByteRange(offset, length), block, block_digests)
                 else:
                     writes.append(threads.submit(shard.write, ByteRange(offset, length), block, block_digests))
-            record = dataclasses.replace(meta, chunk_xxh3_128=tuple(digests)) if not meta.chunk_xxh3_128 else meta
+            # A record made here is this node's (the flush of a snapshot it took over): signed here, once.
+            record = (
+                self.commit_keys.sign(dataclasses.replace(meta, chunk_xxh3_128=tuple(digests)))
+                if not meta.chunk_xxh3_128
+                else meta
+            )
             if not meta.chunk_xxh3_128 and on_hashed is not None:
                 on_hashed(record)
             for w in writes:

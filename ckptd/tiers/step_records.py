@@ -17,7 +17,7 @@ import os
 from pathlib import Path
 
 from ckpt.commit_keys import CommitKeys
-from ckpt.errors import CheckpointError
+from ckpt.errors import CheckpointError, CorruptCheckpoint
 from ckpt.format import COMMIT_NAME, CommitRecord, ShardMeta, digest, meta_name
 from ckpt.history import line_text
 
@@ -33,7 +33,8 @@ class StepRecords:
     """Keep the parsed commit and shard records of the step directories of one tier."""
 
     def __init__(self, tier: str, commit_keys: CommitKeys) -> None:
-        """commit_keys: a commit record without a valid signature by one of them is damaged (Config.commit_keys)."""
+        """commit_keys (Config.commit_keys): a commit record without a valid signature by one of them is damaged,
+        a shard record without one is no holding."""
         self.tier = tier
         self.commit_keys = commit_keys
         self._commits: dict[Path, tuple[Identity, CommitRecord | str]] = {}
@@ -59,7 +60,11 @@ class StepRecords:
         return state
 
     def holdings(self, step_dir: Path, job: str, step: int, node: str = "") -> list[Holding]:
-        """Return the readable shard records of a step, as held by node (a damaged one is logged and left out)."""
+        """Return the readable shard records of a step, as held by node (a damaged one is logged and left out).
+
+        With commit_keys that sign, a shard record not signed by one of them is left out too: a
+        step is sealed (and its commit record signed) only from holdings, never from such a record.
+        """
         found = []
         for name in sorted(entry_names(step_dir)):
             if not (name.startswith("rank-") and name.endswith(".meta.json")):
@@ -113,6 +118,12 @@ class StepRecords:
         if (meta.job, meta.step, meta_name(meta.rank)) != (job, step, name):
             log.error("ignoring shard record %s: it describes %s", path, meta_name(meta.rank))
             return None
+        try:
+            self.commit_keys.check(meta, str(path))
+        except CorruptCheckpoint as e:
+            if _unsigned_steps.due(path.parent):
+                log.error("%s step %d on tier %s is not sealed from its shard records: %s", job, step, self.tier, e)
+            return None
         return self._holding(meta, raw)
 
     def forget(self, step_dir: Path) -> None:
@@ -122,6 +133,7 @@ class StepRecords:
             self._holdings.pop(path, None)
 
 
+_unsigned_steps = LogPace()  # keyed by step directory: each of its ranks' records is refused alike
 _listing_failures = LogPace()  # keyed by (directory, errno): out of descriptors, every peering round fails alike
 
 

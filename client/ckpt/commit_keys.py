@@ -1,12 +1,16 @@
-"""Sign and check commit records with the cluster's key (HMAC-SHA256), or neither when no key is configured.
+"""Sign and check commit and shard records with the cluster's key (HMAC-SHA256), or neither when no key is configured.
 
 A commit record names each shard record's xxh3-128, and a shard record each chunk's:
 whoever can write a tier could recompute them all. The HMAC of the record's body, under
 a key only the cluster's daemons (and readers given the key file) hold, is what they
-cannot recompute. The daemon signs every record it seals (ckptd.cluster.placement.seal_record)
-and checks every record it parses (CommitRecord.from_bytes); ckpt.load_local and
-ckpt.dcp.Reader(path=) check with the key in CKPTD_KEY_FILE when it is set. See
-docs/DESIGN.md "Signed commits" and docs/OPERATIONS.md for keys and their rotation.
+cannot recompute. The daemon signs every commit record it seals (ckptd.cluster.placement.seal_record)
+and checks every one it parses (CommitRecord.from_bytes); ckpt.load_local and
+ckpt.dcp.Reader(path=) check with the key in CKPTD_KEY_FILE when it is set. A shard record
+is signed where the daemon that took the rank's snapshot over hashes it (Tier.write_shard),
+and checked where one is taken without a signed commit record over it: a replica received
+(ckptd.replication.receiving) and a shard record counted towards sealing a step
+(ckptd.tiers.step_records). See docs/DESIGN.md "Signed commits" and docs/OPERATIONS.md
+for keys and their rotation.
 """
 
 from __future__ import annotations
@@ -19,12 +23,9 @@ import os
 import stat
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any, ClassVar, Protocol, TypeVar
 
 from ckpt.errors import CorruptCheckpoint
-
-if TYPE_CHECKING:
-    from ckpt.format import CommitRecord
 
 KEY_BYTES_MIN = 32
 KEY_FILE_ENV = "CKPTD_KEY_FILE"
@@ -61,9 +62,27 @@ def read_key(path: str | Path) -> bytes:
     return key
 
 
+class Signed(Protocol):
+    """A record that carries a signature (ckpt.format's CommitRecord and ShardMeta): frozen dataclasses."""
+
+    __dataclass_fields__: ClassVar[dict[str, Any]]  # what dataclasses.replace needs
+    RECORD_NAME: ClassVar[str]  # "commit record", "shard record": what an error names
+
+    @property
+    def key_id(self) -> str: ...
+
+    @property
+    def hmac_sha256(self) -> str: ...
+
+    def signed_body(self) -> bytes: ...
+
+
+R = TypeVar("R", bound=Signed)
+
+
 @dataclass(frozen=True)
 class CommitKeys:
-    """The keys that sign commit records (the first) and check them (all); none: signing off.
+    """The keys that sign commit and shard records (the first) and check them (all); none: signing off.
 
     Built once where a daemon or a command starts (ckptd.config.Config.commit_keys) or a
     reader opens a directory (from_env), then only read, from any thread.
@@ -98,27 +117,28 @@ class CommitKeys:
         """Return the ids of the keys, the signing key's first (said at start; never the keys)."""
         return tuple(key_id(k) for k in self.keys)
 
-    def sign(self, record: CommitRecord) -> CommitRecord:
+    def sign(self, record: R) -> R:
         """Return record signed with the signing key (unchanged with signing off)."""
         if not self.keys:
             return record
         unsigned = dataclasses.replace(record, key_id=key_id(self.keys[0]), hmac_sha256="")
         return dataclasses.replace(unsigned, hmac_sha256=_mac(self.keys[0], unsigned.signed_body()))
 
-    def check(self, record: CommitRecord, what: str) -> CommitRecord:
+    def check(self, record: R, what: str) -> R:
         """Return record if it carries a valid signature by one of the keys; raise CorruptCheckpoint otherwise.
 
         With signing off every record passes, signed or not: the signature is then not read.
         """
         if not self.keys:
             return record
+        name = record.RECORD_NAME
         if not record.hmac_sha256:
-            raise CorruptCheckpoint(f"{what}: the commit record is not signed (signing is on: [security] key_file)")
+            raise CorruptCheckpoint(f"{what}: the {name} is not signed (signing is on: [security] key_file)")
         key = next((k for k in self.keys if key_id(k) == record.key_id), None)
         if key is None:
-            raise CorruptCheckpoint(f"{what}: the commit record is signed with an unknown key {record.key_id[:16]!r}")
+            raise CorruptCheckpoint(f"{what}: the {name} is signed with an unknown key {record.key_id[:16]!r}")
         if not hmac.compare_digest(_mac(key, record.signed_body()), record.hmac_sha256):
-            raise CorruptCheckpoint(f"{what}: the commit record's signature does not match (key {record.key_id!r})")
+            raise CorruptCheckpoint(f"{what}: the {name}'s signature does not match (key {record.key_id!r})")
         return record
 
 

@@ -14,7 +14,7 @@ import reprlib
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import xxhash
 
@@ -234,6 +234,29 @@ class ShardMeta:
     run_id: str = ""  # which run of the job wrote it: a step is sealed from one run's shards only
     line: Line = ()  # the job's line the step belongs to (ckpt.history): every rank's shard names the same
     saved_at: str = ""  # when the daemon took the rank's snapshot (UTC, ISO 8601): a commit is its ranks' latest
+    # The signature (ckpt.commit_keys) by the daemon that took the snapshot over: a peer without the key
+    # cannot make up a shard that a node seals. Compared by neither: the same shard, signed or not.
+    key_id: str = field(default="", compare=False)  # which key signed it: 8 hex digits of the key's SHA-256
+    hmac_sha256: str = field(default="", compare=False)  # HMAC-SHA256 of signed_body() under that key; "" unsigned
+
+    RECORD_NAME: ClassVar[str] = "shard record"  # how CommitKeys.check names it
+
+    def signed_body(self) -> bytes:
+        """Return what the signature is of: the record's fields as canonical JSON, key_id in, the version out."""
+        return b"".join(_canonical_pieces(self._fields() | {"format": "ckpt-shard", "key_id": self.key_id}))
+
+    def _fields(self) -> dict[str, Any]:
+        return {
+            "job": self.job,
+            "step": self.step,
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "data_size_bytes": self.data_size_bytes,
+            "chunk_size_bytes": self.chunk_size_bytes,
+            "chunk_xxh3_128": list(self.chunk_xxh3_128),
+            "layout_json": self.layout_json,
+            "run_id": self.run_id,
+        } | _history_fields(self.line, "saved_at", self.saved_at)
 
     def to_bytes(self) -> bytes:
         """Serialise as a sealed record, written as it is hashed.
@@ -255,23 +278,10 @@ class ShardMeta:
             weakref.finalize(self, _SEALED.pop, id(self), None)  # runs before the id can be reused
 
     def _seal(self) -> bytes:
-        return seal(
-            {
-                "format": "ckpt-shard",
-                "version": FORMAT_VERSION,
-                "job": self.job,
-                "step": self.step,
-                "rank": self.rank,
-                "world_size": self.world_size,
-                "data_size_bytes": self.data_size_bytes,
-                "chunk_size_bytes": self.chunk_size_bytes,
-                "chunk_xxh3_128": list(self.chunk_xxh3_128),
-                "layout_json": self.layout_json,
-                "run_id": self.run_id,
-            }
-            | _history_fields(self.line, "saved_at", self.saved_at),
-            compact=True,
-        )
+        record = {"format": "ckpt-shard", "version": FORMAT_VERSION} | self._fields()
+        if self.hmac_sha256:
+            record |= {"key_id": self.key_id, "hmac_sha256": self.hmac_sha256}
+        return seal(record, compact=True)
 
     @classmethod
     def from_bytes(cls, data: bytes, what: str) -> ShardMeta:
@@ -292,10 +302,14 @@ class ShardMeta:
                 run_id=str(r.get("run_id", "")),
                 line=line_from_json(r.get("line", []), what),
                 saved_at=str(r.get("saved_at", "")),
+                key_id=r.get("key_id", ""),
+                hmac_sha256=r.get("hmac_sha256", ""),
             )
             validate_rank(meta.rank, meta.world_size)
         except (KeyError, TypeError, ValueError) as e:
             raise CorruptCheckpoint(f"{what}: malformed shard record ({e})") from None
+        if not isinstance(meta.key_id, str) or not isinstance(meta.hmac_sha256, str):
+            raise CorruptCheckpoint(f"{what}: the signature fields are not text")
         # Bounded before anything is sized from them: a record may come from the network.
         if not 0 < meta.chunk_size_bytes <= MAX_CHUNK_SIZE_BYTES or not 0 <= meta.data_size_bytes <= MAX_SHARD_BYTES:
             raise CorruptCheckpoint(f"{what}: sizes out of range")
@@ -320,6 +334,8 @@ class CommitRecord:
     # way) seal the same record, so it takes no part in comparing records.
     key_id: str = field(default="", compare=False)  # which key signed it: 8 hex digits of the key's SHA-256
     hmac_sha256: str = field(default="", compare=False)  # HMAC-SHA256 of signed_body() under that key; "" unsigned
+
+    RECORD_NAME: ClassVar[str] = "commit record"  # how CommitKeys.check names it
 
     def signed_body(self) -> bytes:
         """Return what the signature is of: the record's fields as canonical JSON, the same on every tier.

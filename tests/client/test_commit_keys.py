@@ -1,4 +1,4 @@
-"""Commit record signatures (ckpt.commit_keys): what they cover, what they leave to the tier, and key files."""
+"""Commit and shard record signatures (ckpt.commit_keys): what they cover, what they leave to the tier, key files."""
 
 from __future__ import annotations
 
@@ -8,10 +8,11 @@ import json
 import pytest
 from ckpt.commit_keys import UNSIGNED, CommitKeys, key_id, read_key
 from ckpt.errors import CorruptCheckpoint
-from ckpt.format import CommitRecord, seal
+from ckpt.format import CommitRecord, ShardMeta, seal, unseal
 
 KEY, OLD = bytes(range(32)), bytes(range(1, 33))
 RECORD = CommitRecord("train", 7, 2, ("a" * 32, "b" * 32), 100, ((0, 7),), "2026-01-01T00:00:00Z")
+SHARD = ShardMeta("train", 7, 1, 2, 100, 64, ("a" * 32, "b" * 32), '{"tensors": []}', "run", ((0, 7),), "2026-01-01")
 
 
 def test_a_signed_record_round_trips_on_every_tier_and_compares_equal_to_itself_unsigned():
@@ -40,6 +41,26 @@ def test_a_record_without_a_valid_signature_is_refused_with_a_key_and_read_witho
     rotated = CommitKeys((KEY, OLD))
     assert CommitRecord.from_bytes(CommitKeys((OLD,)).sign(RECORD).to_bytes(), "t", rotated) == RECORD
     assert rotated.sign(RECORD).key_id == key_id(KEY)  # the first key signs
+
+
+def test_a_shard_record_is_signed_and_checked_as_a_commit_record_is():
+    keys, rotated = CommitKeys((KEY,)), CommitKeys((OLD, KEY))
+    signed = keys.sign(SHARD)
+    assert signed.key_id == key_id(KEY) and signed == SHARD
+    read = ShardMeta.from_bytes(signed.to_bytes(), "t")
+    assert keys.check(read, "t") is read and rotated.check(read, "t") is read  # a previous key checks too
+    assert read.to_bytes() == signed.to_bytes()  # the bytes a commit record's digest is of
+    with pytest.raises(CorruptCheckpoint, match="the shard record is not signed"):
+        keys.check(ShardMeta.from_bytes(SHARD.to_bytes(), "t"), "t")
+    with pytest.raises(CorruptCheckpoint, match=f"shard record is signed with an unknown key '{key_id(OLD)}'"):
+        keys.check(ShardMeta.from_bytes(CommitKeys((OLD,)).sign(SHARD).to_bytes(), "t"), "t")
+    # A chunk digest or the layout changed and the xxh3 seal recomputed, as a peer without the key would.
+    for field, value in (("chunk_xxh3_128", ["a" * 32, "c" * 32]), ("layout_json", '{"tensors": [1]}')):
+        body = unseal(signed.to_bytes(), "t") | {field: value}
+        forged = ShardMeta.from_bytes(seal(body, compact=True), "t")
+        with pytest.raises(CorruptCheckpoint, match="shard record's signature does not match"):
+            keys.check(forged, "t")
+        assert UNSIGNED.check(forged, "t") is forged  # signing off: nothing checked
 
 
 def test_key_files_hex_or_raw_private_and_long_enough(tmp_path):

@@ -10,19 +10,22 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import ckpt
 import pytest
 import torch
+from certs import CertificateAuthority
 from ckpt.chunks import chunk_digests
 from ckpt.commit_keys import KEY_FILE_ENV, CommitKeys
 from ckpt.errors import CorruptCheckpoint, NotFound
 from ckpt.format import COMMIT_NAME, CommitRecord, ShardMeta, data_name, digest, meta_name
+from conftest import eventually
 from states import assert_same
 
 from ckptd.config import PeerConfig
-from ckptd.rpc.peer_link import PeerError, PeerLink
+from ckptd.rpc.peer_link import PeerError, PeerLink, ReplicaRejected
 
 pytestmark = pytest.mark.e2e
 
@@ -179,7 +182,55 @@ def test_a_signed_cluster_seals_replicates_and_restores_a_lost_node(make_cluster
         h.wait("nvme", timeout=60), h.wait("peer", timeout=60)
     record = CommitRecord.from_bytes((a.root / JOB / "2" / COMMIT_NAME).read_bytes(), "t", CommitKeys((KEY,)))
     assert record.hmac_sha256
+    for shard in (a.root / JOB / "2" / meta_name(0), b.root / ".peer" / JOB / "2" / meta_name(0)):  # a's, b's replica
+        assert CommitKeys((KEY,)).check(ShardMeta.from_bytes(shard.read_bytes(), str(shard)), "t").hmac_sha256
     a.lose()
     a.start()
     with ckpt.Checkpointer(job=JOB, address=a.address) as c:
         assert_same(c.load(2), rank_state(2))  # from b's replica, its record checked on the way
+
+
+def test_replicas_of_a_made_up_step_from_a_peer_certificate_without_the_key_are_refused(
+    make_cluster, make_daemon, short_tmp
+):
+    """A holder of a certificate from the cluster's CA, but not of the key, sends every rank of a step: not sealed."""
+    ca = CertificateAuthority(short_tmp / "ca")
+    key = key_file(short_tmp / "cluster.key", KEY)
+    a, b = make_cluster(2, extra_toml=security(key), tls=[(*ca.issue(n), ca.ca_path) for n in ("a", "b")])
+    a.start(), b.start()
+    # The forger's material: a step of two ranks saved by its own daemon (no key), every xxh3 consistent.
+    forger = make_daemon().start()
+    for rank in (0, 1):
+        with ckpt.Checkpointer(job=JOB, rank=rank, world_size=2, address=forger.address) as c:
+            c.save_async(rank_state(7), step=7).wait("nvme", timeout=60)
+    made_up = forger.root / JOB / "7"
+    cert, cert_key = ca.issue("mallory")  # names 127.0.0.1, a listed host: admitted as any peer
+    link = PeerLink(a.listen, PeerConfig(cert=str(cert), key=str(cert_key), ca=str(ca.ca_path)), "mallory")
+
+    def send(signer: bytes | None) -> None:
+        for rank in (0, 1):
+            meta = ShardMeta.from_bytes((made_up / meta_name(rank)).read_bytes(), "forger's")
+            if signer is not None:
+                meta = CommitKeys((signer,)).sign(meta)
+            link.put_shard(meta, made_up / data_name(rank), streams)
+
+    streams = ThreadPoolExecutor(4)
+    try:
+        with pytest.raises(ReplicaRejected, match="the shard record is not signed"):
+            send(None)
+        with pytest.raises(ReplicaRejected, match="shard record is signed with an unknown key"):
+            send(OTHER_KEY)
+        # Nothing received: no replica of the step in a's replica store, nothing sealed, listed or loaded.
+        assert not (a.root / ".peer" / JOB / "7").exists() or not any((a.root / ".peer" / JOB / "7").iterdir())
+        for node in (a, b):
+            out = node.cli("ls", "--job", JOB, "--json")
+            assert out.returncode == 0 and json.loads(out.stdout) == [], out.stdout + out.stderr
+            with ckpt.Checkpointer(job=JOB, address=node.address) as c, pytest.raises(NotFound):
+                c.load(7)
+        assert a.log().count("refused a replica") == 1, a.log()  # once a minute per step
+        # The same replicas signed with the cluster's key (what the forger lacks) are received and sealed.
+        send(KEY)
+        eventually(lambda: json.loads(a.cli("ls", "--job", JOB, "--json").stdout) != [], what="the signed step")
+    finally:
+        link.close()
+        streams.shutdown()
