@@ -22,12 +22,16 @@ SHARED_MEMORY = Path("/dev/shm")
 OUR_SHARED_MEMORY_PREFIXES = ("ckptd-", "ckpt-")  # staging directories of daemons, tests and benchmarks
 S3_KEY = "ckptd-test"  # moto takes any credentials
 CKPTD = [sys.executable, "-m", "ckptd"]
+DAEMON_STAGING_PREFIX = "ckptd-test-"
+daemon_staging_made: set[str] = set()  # this run's: another run on the machine makes names of this prefix too
 
 
 def _our_shared_memory() -> set[str]:
+    """Name the staging directories in /dev/shm this run may have made (another run's test daemons are not ours)."""
     if not SHARED_MEMORY.is_dir():
         return set()
-    return {p.name for p in SHARED_MEMORY.iterdir() if p.name.startswith(OUR_SHARED_MEMORY_PREFIXES)}
+    names = {p.name for p in SHARED_MEMORY.iterdir() if p.name.startswith(OUR_SHARED_MEMORY_PREFIXES)}
+    return {n for n in names if not n.startswith(DAEMON_STAGING_PREFIX) or n in daemon_staging_made}
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -58,7 +62,8 @@ class Daemon:
         self.base = base
         self.root = root or base / "nvme"
         self.socket = base / "d.sock"
-        self.staging_dir = Path("/dev/shm") / f"ckptd-test-{uuid.uuid4().hex[:12]}"
+        self.staging_dir = SHARED_MEMORY / f"{DAEMON_STAGING_PREFIX}{uuid.uuid4().hex[:12]}"
+        daemon_staging_made.add(self.staging_dir.name)
         self.config_path = base / "ckptd.toml"
         # Every step flushed ([nvme] flush_every = 1), as the tests written before saves could outrun the
         # disk expect; the tests of passing over set CKPTD_NVME__FLUSH_EVERY (env overrides the file).

@@ -166,7 +166,7 @@ def test_no_spare_slot_beyond_the_budget(tmp_path):
 @pytest.fixture
 def shm_dir():
     """Yield a directory in shared memory, where allocating really takes time (as in production)."""
-    path = Path("/dev/shm") / f"ckptd-test-{uuid.uuid4().hex[:12]}"
+    path = Path("/dev/shm") / f"ckpt-test-{uuid.uuid4().hex[:12]}"
     yield path
     shutil.rmtree(path, ignore_errors=True)
 
