@@ -51,6 +51,8 @@ class BenchDaemon:
     toml: str = ""  # more of the config, other sections than [node] and [staging]
     root_parent: Path | None = None  # where the root goes instead of work (another "disk")
     cpus: set[int] = field(default_factory=set)  # the CPUs it may run on; empty: any
+    program: tuple[str, ...] = ("-m", "ckptd")  # what the interpreter runs, then `serve --config ...`
+    env: dict[str, str] = field(default_factory=dict)  # more of its environment
     proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -80,10 +82,10 @@ class BenchDaemon:
         cpus = self.cpus
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "ckptd", "serve", "--config", str(config)],
+                [sys.executable, *self.program, "serve", "--config", str(config)],
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                env={**daemon_env(), "NOTIFY_SOCKET": str(notify_path)},
+                env={**daemon_env(), **self.env, "NOTIFY_SOCKET": str(notify_path)},
                 cwd=self.work,  # `python -m` puts the working directory first: a checkout there would win
                 preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None,
             )
