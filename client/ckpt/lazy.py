@@ -1,6 +1,6 @@
 """The lazy snapshot of save_async(lazy=True): what an optimizer owns is copied while training goes on.
 
-Checkpointer.save_async(lazy=True), on the training thread, calls owners() to find the
+The save path (ckpt.save_path, for save_async(lazy=True)), on the training thread, calls owners() to find the
 arrays of the flattened state whose bytes overlap a known optimizer's parameters or
 states, copies every other array into the slot at once, and hands a LazyCopy of the owned
 ones to its lazy thread. That thread runs LazyCopy.run(): the owned host arrays, group by
