@@ -227,8 +227,8 @@ class Checkpointer:
         recorded on the thread that called DCP. None: as save_async (this thread's streams).
         """
         self._check_open()
-        o = self._saves.save(state, step, lazy, ready)
-        return SaveHandle(self, o.step, o.skipped, o.blocked_s, o.reason, o.staged)
+        saved = self._saves.save(state, step, lazy, ready)
+        return SaveHandle(self, saved.step, saved.skipped, saved.blocked_s, saved.reason, saved.staged)
 
     def latest_step(self) -> int | None:
         """Return the newest step of this job complete on any tier, or None."""
