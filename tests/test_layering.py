@@ -133,3 +133,39 @@ def test_the_edges_call_the_pipeline_and_never_reach_past_it(path):
         and ast.unparse(n.value) != "node.executors"  # the root's thread pools, handed to an edge it builds
     ]
     assert not past, past
+
+
+# On the client, one module speaks to the daemon: ckpt.transport's DaemonClient takes and returns plain
+# values; the save path, the load path and the adapters never build a protobuf message or call an RPC by name.
+CLIENT_WIRE_ALLOWED = {"transport.py"}
+
+
+@pytest.mark.parametrize("path", _modules(REPO / "client" / "ckpt"), ids=lambda p: p.name)
+def test_on_the_client_only_the_daemon_client_speaks_protobuf(path):
+    if str(path.relative_to(REPO / "client" / "ckpt")) in CLIENT_WIRE_ALLOWED:
+        return
+    assert not any(n.startswith(("ckpt.wire", "grpc")) for n in _imports(path)), path
+
+
+# Private attributes read on another object than self, each with its reason: what a client role needs
+# of another it gets at construction or through a method (no `handle._c._daemon`, `c._save_async`).
+CLIENT_PRIVATE_READS = {
+    "format.py": "a ShardMeta classmethod seals the record it has just built",
+    "lightning.py": "torch's Tensor._version, the in-place counter it has no public name for",
+    "skeleton_unpickler.py": "torch.load(weights_only=True)'s allow-list, which torch offers no public name for",
+}
+
+
+@pytest.mark.parametrize("path", _modules(REPO / "client" / "ckpt"), ids=lambda p: p.name)
+def test_no_client_module_reads_another_objects_private_attributes(path):
+    if str(path.relative_to(REPO / "client" / "ckpt")) in CLIENT_PRIVATE_READS:
+        return
+    reached = [
+        f"{n.lineno}: {ast.unparse(n)}"
+        for n in ast.walk(ast.parse(path.read_text()))
+        if isinstance(n, ast.Attribute)
+        and n.attr.startswith("_")
+        and not n.attr.startswith("__")
+        and ast.unparse(n.value) not in ("self", "cls")
+    ]
+    assert not reached, reached

@@ -1,57 +1,32 @@
-"""Checkpointer and SaveHandle: the training rank's side of ckpt."""
+"""Checkpointer and SaveHandle: the training rank's public face of ckpt.
+
+Checkpointer composes the roles: the daemon client (ckpt.transport), the save path
+(ckpt.save_path) and the load path (ckpt.load_path); it checks the caller's arguments
+and hands each call to the role that does it. SaveHandle follows one save down the tiers.
+"""
 
 from __future__ import annotations
 
-import contextlib
-import json
-import logging
 import os
 import time
-from collections.abc import Iterable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Iterable
+from concurrent.futures import Future
 from typing import Any
 
-import numpy as np
-import torch
-
 from ckpt import lazy as lazy_copies
-from ckpt.errors import (
-    CheckpointError,
-    CorruptCheckpoint,
-    InvalidArgument,
-    NotFound,
-    ReservationLost,
-    SaveFailed,
-    SaveSkipped,
-)
-from ckpt.flatten import flatten
-from ckpt.format import (
-    CommitRecord,
-    layout_offset,
-    validate_job,
-    validate_rank,
-    validate_step,
-    validate_tier,
-)
-from ckpt.history import line_from_text
+from ckpt.errors import CheckpointError, InvalidArgument, ReservationLost, SaveFailed, SaveSkipped
+from ckpt.format import validate_job, validate_rank, validate_step, validate_tier
 from ckpt.key_filter import KeyFilter, LoadReport
 from ckpt.launcher import rank_and_world_size
-from ckpt.local_read import checked_index, load_first_good
+from ckpt.load_path import LoadPath
 from ckpt.placement import Placement
 from ckpt.range_read import StepReader
-from ckpt.reshard import load_into, report_left
-from ckpt.shard_io import ShardSource
-from ckpt.staging import SlotMappings, copy_into, slot_view, writer_lock
+from ckpt.save_path import SavePath
 from ckpt.step_index import StepIndex
-from ckpt.transport import DaemonClient
-from ckpt.wire.v1 import ckptd_pb2 as pb
-
-log = logging.getLogger("ckpt")
+from ckpt.transport import DaemonClient, JobRetention, ShardId
 
 # How long a blocked wait may sit in one RPC before asking again (keeps RPCs short-lived).
 WAIT_SLICE_S = 30.0
-# prepare() sizes the slots a little above the state it is given: a layout that grows by a few bytes still fits.
-PREPARE_SLACK_BYTES = 1 << 20
 
 
 class SaveHandle:
@@ -59,7 +34,9 @@ class SaveHandle:
 
     done(tier) asks whether the shard has reached a tier; wait(tier) blocks until
     it has, raising SaveFailed if it cannot, TimeoutError after timeout seconds,
-    or SaveSkipped if the save was skipped for lack of staging room.
+    or SaveSkipped if the save was skipped for lack of staging room. Built by
+    Checkpointer.save_async (or by anyone with the Checkpointer and a step it saved),
+    it takes the checkpointer's daemon client and shard name at construction.
     """
 
     def __init__(
@@ -71,7 +48,8 @@ class SaveHandle:
         reason: str,
         staged: lazy_copies.LazyCopy | None = None,
     ) -> None:
-        self._c = checkpointer
+        self._daemon = checkpointer.daemon
+        self._shard = ShardId(checkpointer.job, step, checkpointer.rank, checkpointer.world_size)
         self.step = step
         self.skipped = skipped
         self.blocked_s = blocked_s
@@ -80,10 +58,7 @@ class SaveHandle:
 
     def __repr__(self) -> str:
         state = "skipped" if self.skipped else "staged"
-        return f"SaveHandle(job={self._c.job!r}, step={self.step}, rank={self._c.rank}, {state})"
-
-    def _shard(self) -> pb.ShardId:
-        return pb.ShardId(job=self._c.job, step=self.step, rank=self._c.rank, world_size=self._c.world_size)
+        return f"SaveHandle(job={self._shard.job!r}, step={self.step}, rank={self._shard.rank}, {state})"
 
     @property
     def spilled_bytes(self) -> int:
@@ -112,30 +87,23 @@ class SaveHandle:
         validate_tier(tier)
         if self.skipped or not self._staged_within(0):
             return False
-        reply = self._c._daemon.call("WaitShard", pb.WaitShardRequest(shard=self._shard(), tier=tier, timeout_s=0))
-        _raise_for(reply)
-        return bool(reply.done)
+        return self._daemon.shard_reached(self._shard, tier, wait_s=0)
 
     def wait(self, tier: str = "nvme", timeout: float | None = None) -> None:
         """Block until this rank's shard has reached tier."""
         validate_tier(tier)
+        job = self._shard.job
         if self.skipped:
-            raise SaveSkipped(f"step {self.step} of job {self._c.job} was skipped: {self.reason}")
+            raise SaveSkipped(f"step {self.step} of job {job} was skipped: {self.reason}")
         deadline = None if timeout is None else time.monotonic() + timeout
         if not self._staged_within(timeout):
-            raise TimeoutError(f"step {self.step} of job {self._c.job} was not copied in {timeout} s")
+            raise TimeoutError(f"step {self.step} of job {job} was not copied in {timeout} s")
         while True:
             slice_s = WAIT_SLICE_S if deadline is None else max(0.0, min(WAIT_SLICE_S, deadline - time.monotonic()))
-            reply = self._c._daemon.call(
-                "WaitShard",
-                pb.WaitShardRequest(shard=self._shard(), tier=tier, timeout_s=slice_s),
-                timeout_s=slice_s + 30,
-            )
-            _raise_for(reply)
-            if reply.done:
+            if self._daemon.shard_reached(self._shard, tier, wait_s=slice_s, timeout_s=slice_s + 30):
                 return
             if deadline is not None and time.monotonic() >= deadline:
-                raise TimeoutError(f"step {self.step} of job {self._c.job} did not reach {tier} in {timeout} s")
+                raise TimeoutError(f"step {self.step} of job {job} did not reach {tier} in {timeout} s")
 
     def _staged_within(self, timeout: float | None) -> bool:
         """Return whether a lazy save's copy and commit finished within timeout (raise SaveFailed if they failed)."""
@@ -146,14 +114,7 @@ class SaveHandle:
         except ReservationLost:
             raise
         except Exception as e:
-            raise SaveFailed(f"step {self.step} of job {self._c.job}: the background copy failed: {e}") from e
-
-
-def _raise_for(reply: pb.WaitShardReply) -> None:
-    if reply.passed_over:  # saves outran the disk: a newer snapshot replaced this one before its flush
-        raise SaveSkipped(reply.error)
-    if reply.error:
-        raise SaveFailed(reply.error)
+            raise SaveFailed(f"step {self.step} of job {self._shard.job}: the background copy failed: {e}") from e
 
 
 class Checkpointer:
@@ -162,6 +123,9 @@ class Checkpointer:
     save_async() returns once the state is copied into shared memory; the daemon
     makes it durable afterwards. load() reads the fastest tier holding a verified
     copy. One Checkpointer per rank; its methods are not meant for concurrent use.
+    Its roles: daemon (the one connection to the local daemon, which SaveHandle and
+    ckpt.dcp share), the save path and the load path; the load path tells the save
+    path which step the next save continues after.
     """
 
     def __init__(
@@ -185,7 +149,7 @@ class Checkpointer:
                 "run_id, spill_bytes"
             )
         # Keys whose plain tensors every rank holds alike (DDP): written once per step, by rank 0.
-        self._replicated = None if replicated is None else KeyFilter.of(replicated, None)
+        keys = None if replicated is None else KeyFilter.of(replicated, None)
         if len(self.run_id) > 256:
             raise InvalidArgument("run_id is longer than 256 characters")
         if isinstance(copy_threads, bool) or not isinstance(copy_threads, int) or not 1 <= copy_threads <= 64:
@@ -196,25 +160,11 @@ class Checkpointer:
             raise InvalidArgument(
                 f"spill_bytes must be None (a share of free GPU memory) or an integer >= 0, not {spill_bytes!r}"
             )
-        self._spill_bytes: int | None = spill_bytes
-        self._retention = _job_retention(keep, keep_every)  # sent on every Reserve; None: the daemon's config
-        self._daemon = DaemonClient(address)
-        self._slots = SlotMappings()
-        self._copy_threads = copy_threads
-        self._copy_pool = ThreadPoolExecutor(
-            copy_threads, "ckpt-copy", initializer=lambda: lazy_copies.run_beside(self._daemon, widen=True)
-        )
-        self._lazy_thread = ThreadPoolExecutor(1, "ckpt-lazy", initializer=lambda: lazy_copies.run_beside(self._daemon))
-        self._lazy_copy: lazy_copies.LazyCopy | None = None  # the last lazy save's copy, maybe still running
-        self._link: Any = None  # cuda_staging.Link: what lazy saves learned of the GPU, once one had CUDA state
-        self._arena: Any = None  # cuda_staging.SpillArena of lazy saves, made by prepare() or the first lazy save
-        self._policy: str | None = None  # the daemon's [staging] policy, once asked
-        self._preparing: Future[None] | None = None  # prepare()'s work in the background, until a save waited for it
-        # The job's history (ckpt.history): the line this rank's saves continue, as the daemon named it at its
-        # last load or save, and the step loaded or saved last. None: neither yet; a save continues the job's head.
-        self._line: str | None = None
-        self._last_step: int | None = None
-        self._rolled_back_to: int | None = None  # a step older than the head was loaded: the next save forks
+        retention = _job_retention(keep, keep_every)
+        self.daemon = DaemonClient(address)
+        shard = ShardId(self.job, 0, self.rank, self.world_size)
+        self._saves = SavePath(self.daemon, shard, self.run_id, keys, retention, copy_threads, spill_bytes)
+        self._loads = LoadPath(self.daemon, shard, located=self._saves.continue_after)
         self.last_load: LoadReport | None = None  # what the last load(into=...) left as it was
         self._closed = False
 
@@ -229,14 +179,8 @@ class Checkpointer:
         if self._closed:
             return
         self._closed = True
-        self._lazy_thread.shutdown(wait=True)  # a lazy save's copy and commit finish first
-        self._arena = None  # its GPU memory back to torch's allocator now, not when a cycle is collected
-        self._slots.close()
-        self._copy_pool.shutdown(wait=True)
-        self._daemon.close()
-
-    def _shard(self, step: int) -> pb.ShardId:
-        return pb.ShardId(job=self.job, step=step, rank=self.rank, world_size=self.world_size)
+        self._saves.close()  # a lazy save's copy and commit finish first
+        self.daemon.close()
 
     def prepare(self, state: Any, lazy: bool = True) -> Future[None]:
         """Make this rank's staging slots ready for saves of state, in the background; return its future at once.
@@ -253,60 +197,8 @@ class Checkpointer:
         spill arena (GPU memory set aside for the job, here) and a timed device-to-host copy (the link's
         first rate, in the background). A job that never saves lazily passes lazy=False and keeps both.
         """
-        if self._closed:
-            raise CheckpointError("this Checkpointer is closed")
-        flat = flatten(state, self._replicated, self.rank)
-        size_bytes = layout_offset(flat.data_size_bytes) + len(json.dumps(flat.layout()).encode()) + PREPARE_SLACK_BYTES
-        gpu = _gpu_of(flat.arrays)
-        request = pb.ReserveRequest(shard=self._shard(0), size_bytes=size_bytes, prepare=True)
-        probe = self._prepare_lazy(flat.arrays) if lazy else None
-
-        def work() -> None:
-            reply = self._daemon.call("Reserve", request, timeout_s=None)
-            for path, size in (
-                (reply.slot_path, reply.slot_size_bytes),
-                (reply.spare_slot_path, reply.spare_slot_size_bytes),
-            ):
-                if path:
-                    self._slots.map_ahead(path, size, gpu)  # already on the background thread
-            if probe is not None:
-                self._link.measure_rate(probe)  # the first estimate of the link, for the first lazy save's head
-
-        self._preparing = self._slots.in_background(work)
-        return self._preparing
-
-    def _prepare_lazy(self, arrays: list[Any]) -> torch.Tensor | None:
-        """Ready the lazy path: the optimizer scan and the hook, and for CUDA arrays the spill arena (training thread).
-
-        Return the largest CUDA array an optimizer owns, which prepare()'s background thread times a
-        copy of (the link's first rate), or None where no optimizer owns one.
-        """
-        owned = lazy_copies.owners(arrays, rescan=True)  # the scan of the heap for optimizers, and the hook
-        cuda = [arrays[i] for i in owned if isinstance(arrays[i], torch.Tensor) and arrays[i].is_cuda]
-        if not cuda:
-            return None
-        self._spill_arena(cuda)
-        return max(cuda, key=lambda t: t.numel() * t.element_size())
-
-    def _spill_arena(self, owned_cuda: list[Any]) -> None:
-        """Make the Link and the SpillArena for these lazily saved CUDA arrays, unless made.
-
-        The first arena holds ARENA_SHARE of their bytes per device (bounded by spill_bytes and by free
-        memory); once saves have taught the tail, each copy's lazy thread fits it to that.
-        """
-        cuda = _cuda()
-        if self._link is None:
-            self._link = cuda.Link()
-        if self._arena is not None:
-            return
-        self._arena = cuda.SpillArena(self._spill_bytes)
-        if self._spill_bytes != 0:
-            per_device: dict[int, int] = {}
-            for t in owned_cuda:
-                device = cuda.CUDA.device_of(t)
-                per_device[device] = per_device.get(device, 0) + t.numel() * t.element_size()
-            for device, nbytes in per_device.items():
-                self._arena.ensure(device, int(nbytes * cuda.ARENA_SHARE))
+        self._check_open()
+        return self._saves.prepare(state, lazy)
 
     def save_async(self, state: Any, step: int | None = None, lazy: bool = False) -> SaveHandle:
         """Snapshot state into shared memory and return; the caller may change it at once.
@@ -326,183 +218,23 @@ class Checkpointer:
         prepare() still at work), and reason says for what, and what a lazy save could not
         do lazily. A save while the calling thread's stream captures a CUDA graph is refused.
         """
-        return self._save_async(state, step, lazy, None)
+        return self.save_after_events(state, step, lazy, None)
 
-    def _save_async(self, state: Any, step: int | None, lazy: bool, ready: dict[int, Any] | None) -> SaveHandle:
-        """Save as save_async; ready: the save's CUDA events, recorded by the caller on its own thread (ckpt.dcp)."""
-        if self._closed:
-            raise CheckpointError("this Checkpointer is closed")
-        waits = _Waits()
-        if self._lazy_copy is not None and not self._lazy_copy.done.is_set():
-            # Saves outrun the host copy itself. One copy into a slot at a time: wait for it, as
-            # under [staging] policy "block", or skip this save under "skip".
-            if self._staging_policy() == "skip":
-                step = self._next_step(step)
-                reason = "the previous lazy save's copy is still running (staging.policy = skip)"
-                log.warning("ckpt: save of %s step %d skipped: %s", self.job, step, reason)
-                return SaveHandle(self, step, True, 0.0, reason)
-            with waits.timed("the previous lazy save's copy"):
-                self._lazy_copy.done.wait()  # its own handle reports how it went
-        if self._preparing is not None:
-            if not self._preparing.done():
-                with waits.timed("Checkpointer.prepare() mapping and pinning the slots"):
-                    self._preparing.exception()  # waits; a failed preparation only leaves its work to this save
-            self._preparing = None
-        step = self._next_step(step)
-        flat = flatten(state, self._replicated, self.rank)
-        on_device = frozenset(i for i, a in enumerate(flat.arrays) if isinstance(a, torch.Tensor) and a.is_cuda)
-        if on_device:
-            if _cuda().CUDA.capturing(_gpu_of(flat.arrays)):
-                raise CheckpointError(
-                    "save_async was called while this thread's CUDA stream is capturing a graph: a save's copies "
-                    "cannot be part of a graph. Save outside torch.cuda.graph() / before capture"
-                )
-            # First: the caller's streams, on this thread; events the caller recorded on its own thread win, and
-            # a device its events miss (a tensor its walk did not reach) gets this thread's.
-            ready = {**_cuda().ready_events(flat.arrays), **(ready or {})}
-        gpu = next(iter(ready)) if ready else None  # the first GPU of the state: slots are pinned there
-        owned = lazy_copies.owners(flat.arrays) if lazy else {}
-        notes = []
-        if lazy:
-            captured = lazy_copies.stepped_in_graphs(owned)
-            for i in captured:
-                del owned[i]
-            if captured:
-                notes.append(_said_once(
-                    "lazy=True, but arrays of this state belong to an optimizer whose step was captured into a CUDA "
-                    "graph (a replay runs no pre-hook): those were copied at the call"
-                ))  # fmt: skip
-            if not owned:
-                notes.append(_said_once(
-                    "lazy=True, but no known optimizer owns a tensor of this state (optimizers are found by a scan at "
-                    "the first lazy save or prepare(), and by their steps): saved eagerly"
-                ))  # fmt: skip
-            if owned and on_device and self._arena is None:  # every lazy save with CUDA arrays has a DeviceCopy
-                with waits.timed("allocating the spill arena of lazy saves (Checkpointer.prepare() does it ahead)"):
-                    self._spill_arena([flat.arrays[i] for i in sorted(on_device & owned.keys())])
-        layout = json.dumps(flat.layout()).encode()
-        # The layout travels in the slot, after the data: megabytes for a large model never cross the socket.
-        size_bytes = layout_offset(flat.data_size_bytes) + len(layout)
-        asked = time.monotonic()
-        request = pb.ReserveRequest(shard=self._shard(step), size_bytes=size_bytes, retention=self._retention)
-        if self._line is not None and self._last_step is not None:
-            request.has_line, request.line, request.after = True, self._line, self._last_step
-        reserved = self._daemon.call("Reserve", request, timeout_s=None)
-        if reserved.skipped:
-            log.warning("ckpt: save of %s step %d skipped: %s", self.job, step, reserved.reason)
-            return SaveHandle(self, step, True, 0.0, _reason(reserved.reason, *notes))
-        if reserved.reason:  # staging room it waited for, or a slot it had to allocate ("new slot", "grew a slot")
-            waits.add(time.monotonic() - asked, reserved.reason)
-        held = contextlib.ExitStack()
-        with held:
-            held.enter_context(writer_lock(reserved.slot_path, f"job {self.job} rank {self.rank}"))
-            if self._slots.mapped(reserved.slot_path, reserved.slot_size_bytes):
-                slot = self._slots.get(reserved.slot_path, reserved.slot_size_bytes)
-            else:
-                with waits.timed("mapping and faulting in a new slot (Checkpointer.prepare() does it ahead)"):
-                    slot = self._slots.get(reserved.slot_path, reserved.slot_size_bytes)
-            if gpu is not None and not _cuda().pinned(slot):  # maybe being pinned in the background: wait for it
-                with waits.timed("registering a new slot with CUDA (Checkpointer.prepare() does it ahead)"):
-                    _cuda().pin(slot, gpu)
-            if reserved.spare_slot_path:
-                self._slots.prefault(reserved.spare_slot_path, reserved.spare_slot_size_bytes, gpu)
-            if waits.blocked_s > 0.1:
-                log.info("ckpt: save of %s step %d waited %.2f s: %s", self.job, step, waits.blocked_s, waits.reason)
-            if owned and on_device and not _cuda().page_locked(slot):
-                # A copy into pageable memory blocks the thread that issues it: no CUDA array can be left to a step.
-                owned = {i: ids for i, ids in owned.items() if i not in on_device}
-                on_device = frozenset()
-                notes.append(_said_once(
-                    "CUDA refused to page-lock the staging slot (cudaHostRegister): a lazy save copies CUDA tensors "
-                    "at the call"
-                ))  # fmt: skip
-            # A lazy save copies the host arrays no optimizer owns now; CUDA ones go to its DeviceCopy (below).
-            eager = set(range(len(flat.arrays))) - owned.keys() - on_device if owned else None  # None: all
-            copy_into(flat, slot, self._copy_pool, self._copy_threads, only=eager, ready=ready)
-            in_slot = reserved.layout_in_slot  # a daemon of an older version takes it in the message
-            if in_slot:
-                at = layout_offset(flat.data_size_bytes)
-                slot[at : at + len(layout)].numpy()[:] = np.frombuffer(layout, dtype=np.uint8)
-            request = pb.CommitRequest(
-                shard=self._shard(step),
-                slot_path=reserved.slot_path,
-                data_size_bytes=flat.data_size_bytes,
-                layout_size_bytes=len(layout) if in_slot else 0,
-                layout_json=b"" if in_slot else layout,
-                reservation=reserved.reservation,
-                run_id=self.run_id,
-                line=reserved.line,
-            )
-            staged = None
-            if owned:
-                staged = self._lazy_copy = lazy_copies.LazyCopy(owned, on_device & owned.keys())
-                lock = held.pop_all()  # the lazy thread lets go of the slot once it committed
-                try:
-                    if on_device:  # every CUDA array, owned or not: none is copied on this thread
-                        staged.device = device_copy = _cuda().DeviceCopy(
-                            [(i, slot_view(flat, slot, i), flat.arrays[i]) for i in sorted(on_device)],
-                            ready,
-                            self._link,
-                            self._arena,
-                            now=on_device - owned.keys(),
-                        )
-                        if device_copy.held_bytes:
-                            notes.append(
-                                f"{device_copy.held_bytes} bytes no optimizer owns did not fit the spill arena: "
-                                "copied to the host first, the caller's stream waiting for them on the GPU"
-                            )
+    def save_after_events(self, state: Any, step: int | None, lazy: bool, ready: dict[int, Any] | None) -> SaveHandle:
+        """Save as save_async, its copies ordered after ready: {GPU index: CUDA event} recorded on another thread.
 
-                    def copy(indices: list[int]) -> None:  # on the lazy thread alone: on the daemon's cores, if pinned
-                        copy_into(flat, slot, self._copy_pool, 1, only=indices)
-
-                    self._lazy_thread.submit(staged.run, copy, lambda: self._commit(request), lock.close)
-                except BaseException as e:  # never started: no optimizer may wait for it
-                    staged.abandon(e)
-                    lock.close()
-                    raise
-            else:
-                self._commit(request)
-        if self._rolled_back_to is not None:
-            log.warning(
-                "ckpt: %s step %d starts a new line of the job from step %d, loaded before it (a rollback): the "
-                "old line's steps after %d are superseded (docs/DESIGN.md, \"A job's history\")",
-                *(self.job, step, self._rolled_back_to, self._rolled_back_to),
-            )
-            self._rolled_back_to = None
-        self._line, self._last_step = reserved.line, step
-        return SaveHandle(self, step, False, waits.blocked_s, _reason(waits.reason, *notes), staged)
-
-    def _next_step(self, step: int | None) -> int:
-        """Return the step to save: step itself, checked, or one past the step loaded or saved last, else the latest."""
-        if step is None:
-            latest = self._last_step if self._last_step is not None else self.latest_step()
-            step = 0 if latest is None else latest + 1
-        return validate_step(step)
-
-    def _staging_policy(self) -> str:
-        """Return the daemon's [staging] policy, asked once (only saves that outrun their host copy need it)."""
-        if self._policy is None:
-            try:
-                self._policy = str(
-                    json.loads(self._daemon.call("Status", pb.StatusRequest()).json)["staging"]["policy"]
-                )
-            except (KeyError, TypeError, ValueError):
-                self._policy = "block"  # a daemon that does not say: wait, which loses nothing
-        return self._policy
-
-    def _commit(self, request: pb.CommitRequest) -> None:
-        try:
-            self._daemon.call("Commit", request)
-        except ReservationLost as e:
-            raise ReservationLost(f"{e}: the daemon restarted during this save; call save_async again") from None
+        For ckpt.dcp's stager, whose copy may run on DCP's upload thread while the events were
+        recorded on the thread that called DCP. None: as save_async (this thread's streams).
+        """
+        self._check_open()
+        saved = self._saves.save(state, step, lazy, ready)
+        return SaveHandle(self, saved.step, saved.skipped, saved.blocked_s, saved.reason, saved.staged)
 
     def latest_step(self) -> int | None:
         """Return the newest step of this job complete on any tier, or None."""
         # Asked of the step listing, not of this rank's shard: a job restarted with more
         # ranks than the step has must learn it too, and nothing is fetched to answer.
-        # newest: the daemon answers from the cluster view (an older daemon lists every step).
-        reply = self._daemon.call("List", pb.ListRequest(job=self.job, newest=True))
-        return max((int(s.step) for s in reply.steps if s.job == self.job), default=None)
+        return self.daemon.newest_step(self.job)
 
     def load(
         self,
@@ -555,158 +287,27 @@ class Checkpointer:
             validate_tier(tier)
         selection = KeyFilter.of(keys, exclude)
         if into is not None:
-            return self._load_into(into, step, tier, strict, selection, weights_only)
+            loaded, self.last_load = self._loads.load_into(into, step, tier, strict, selection, weights_only)
+            return loaded
         if not strict or not selection.takes_all:
             raise InvalidArgument("strict=False, keys= and exclude= apply to load(into=state): pass the state to fill")
         place = Placement.of(map_location)  # before the daemon is asked: a device missing here fails at once
-        locate = pb.LocateRequest(job=self.job, step=-1 if step is None else step, rank=self.rank, tier=tier)
-        reply = self._daemon.call("Locate", locate)
-        if reply.world_size != self.world_size:
-            raise InvalidArgument(
-                f"{self.job} step {reply.step} was saved by {reply.world_size} ranks, and this Checkpointer has "
-                f"world_size {self.world_size}: rank {self.rank}'s shard of it belongs to another sharding. "
-                f"To reshard it onto {self.world_size} ranks, load it with load(step={reply.step}, into=state), "
-                "where state holds this rank's tensors (DTensors for the sharded ones) to fill in place"
-            )
-        sources = [ShardSource(s.tier, s.kind, s.path, self.job, reply.step) for s in reply.sources]
-        self._loading(reply.step, reply.next_line)
-        try:
-            try:
-                return load_first_good(sources, self.rank, place, weights_only=weights_only)
-            except NotFound as e:  # the copy it was pointed at went meanwhile (an operator, a race): ask again, once
-                log.warning("ckpt: %s; asking the daemon where the shard is now", e)
-                locate.step = reply.step
-                again = self._daemon.call("Locate", locate)
-                sources = [ShardSource(s.tier, s.kind, s.path, self.job, again.step) for s in again.sources]
-                return load_first_good(sources, self.rank, place, weights_only=weights_only)
-        except CorruptCheckpoint as e:
-            if tier not in ("auto", "peer", "object"):
-                raise
-            # Every copy on this node is bad: the daemon fetches a good one from the peers
-            # or the object store, over them, and the load reads that.
-            log.warning("ckpt: %s; asking the daemon for a good copy from another node or the object store", e)
-            request = pb.LocateRequest(job=self.job, step=reply.step, rank=self.rank, tier=tier, refetch=True)
-            try:
-                again = self._daemon.call("Locate", request)
-            except CheckpointError as other:
-                raise CorruptCheckpoint(f"{e}; and no good copy elsewhere: {other}") from other
-            sources = [ShardSource(s.tier, s.kind, s.path, self.job, again.step) for s in again.sources]
-            return load_first_good(sources, self.rank, place, weights_only=weights_only)
-
-    def _loading(self, step: int, next_line: str) -> None:
-        """Continue this rank's saves after the step being loaded, on the line the daemon named.
-
-        Loading a step older than the job's head and saving after it is a rollback: the next
-        save starts a new line of the job's history from that step (docs/DESIGN.md). Every
-        rank of the job loads the same step before its next save; the daemon refuses a step
-        whose ranks' lines differ.
-        """
-        line = line_from_text(next_line, f"the line of {self.job} step {step}")
-        self._rolled_back_to = step if line and line[-1][0] == step else None  # said at the next save
-        self._line, self._last_step = next_line, step
-
-    def _load_into(
-        self, into: Any, step: int | None, tier: str, strict: bool, keys: KeyFilter, weights_only: bool
-    ) -> Any:
-        """Fill into from a step: the ranks this node holds read from their files, the rest through the daemon."""
-        reader, index, reply = self._open_step(step, tier)
-        self._loading(reply.step, reply.next_line)
-        loaded, self.last_load = load_into(into, reader, index, self.rank, strict, keys, weights_only)
-        report_left(self.last_load, self.job)
-        return loaded
+        return self._loads.load(step, place, tier, weights_only)
 
     def open_step(self, step: int | None = None, tier: str = "auto") -> tuple[StepReader, StepIndex | None]:
         """Return a reader of every rank's bytes of a complete step (default: the latest), and the step's index.
 
-        Called on the loading thread by load(into=...) and ckpt.dcp's Reader. The ranks
-        this node holds are read from their files, the rest through the daemon.
+        Called on the loading thread by ckpt.dcp's Reader. The ranks this node holds are
+        read from their files, the rest through the daemon.
         """
-        reader, index, _ = self._open_step(step, tier)
-        return reader, index
+        return self._loads.open_step(step, tier)
 
-    def _open_step(self, step: int | None, tier: str) -> tuple[StepReader, StepIndex | None, pb.LocateStepReply]:
-        request = pb.LocateStepRequest(job=self.job, step=-1 if step is None else step, tier=tier)
-        reply = self._daemon.call("LocateStep", request)
-        record = CommitRecord.from_bytes(reply.commit_json, f"commit record of {self.job} step {reply.step}")
-        local = {
-            rank: [ShardSource(s.tier, s.kind, s.path, self.job, record.step) for s in held.sources]
-            for rank, held in enumerate(reply.ranks)
-        }
-
-        def remote_meta(rank: int) -> bytes:
-            request = pb.ReadShardRequest(job=self.job, step=record.step, rank=rank)
-            first = next(iter(self._daemon.stream("ReadShard", request)), None)
-            if first is None:
-                raise CheckpointError(f"ckptd sent no record of rank {rank} shard of {self.job} step {record.step}")
-            return bytes(first.meta_json)
-
-        def remote_runs(rank: int, runs: list[tuple[int, int]]) -> Iterator[bytes]:
-            ranges = [pb.ByteRange(offset=a, length=b - a) for a, b in runs]
-            replies = self._daemon.stream(
-                "ReadShard", pb.ReadShardRequest(job=self.job, step=record.step, rank=rank, ranges=ranges)
-            )
-            next(replies, None)  # the record, known already
-            return (r.data for r in replies)
-
-        reader = StepReader(self.job, record.step, record.shard_meta_xxh3_128, local, (remote_meta, remote_runs))
-        return reader, checked_index(reply.index_json, record, f"index of {self.job} step {record.step}"), reply
+    def _check_open(self) -> None:
+        if self._closed:
+            raise CheckpointError("this Checkpointer is closed")
 
 
-class _Waits:
-    """What one save_async waited for before its copy could start: the seconds, and the longest wait's reason."""
-
-    def __init__(self) -> None:
-        self.blocked_s = 0.0
-        self.reason = ""
-        self._longest_s = 0.0
-
-    @contextlib.contextmanager
-    def timed(self, reason: str) -> Iterator[None]:
-        started = time.monotonic()
-        try:
-            yield
-        finally:
-            self.add(time.monotonic() - started, reason)
-
-    def add(self, seconds: float, reason: str) -> None:
-        """Count a wait that happened (the callers time only what was not ready: no RPC of a ready save counts)."""
-        self.blocked_s += seconds
-        if seconds >= self._longest_s:
-            self.reason, self._longest_s = reason, seconds
-
-
-def _reason(*parts: str) -> str:
-    """Join what a save's handle says: the longest wait's reason, then what it could not do as asked."""
-    return "; ".join(p for p in parts if p)
-
-
-_said: set[str] = set()
-
-
-def _said_once(note: str) -> str:
-    """Log a note of a save's handle once per process (a note that holds for one save holds for every save)."""
-    if note not in _said:
-        _said.add(note)
-        log.warning("ckpt: %s", note)
-    return note
-
-
-def _cuda() -> Any:
-    """Return ckpt.cuda_staging, imported on first use: only a process that saves CUDA tensors loads it."""
-    from ckpt import cuda_staging
-
-    return cuda_staging
-
-
-def _gpu_of(arrays: list[Any]) -> int | None:
-    """Return the index of the first GPU the arrays are on, or None where none is on a GPU."""
-    for array in arrays:
-        if isinstance(array, torch.Tensor) and array.is_cuda:
-            return array.device.index if array.device.index is not None else torch.cuda.current_device()
-    return None
-
-
-def _job_retention(keep: Any, keep_every: Any) -> pb.JobRetention | None:
+def _job_retention(keep: Any, keep_every: Any) -> JobRetention | None:
     """Return the job's own retention for Reserve (only what was given), None if neither; check both first.
 
     keep: the newest complete steps of the job's line the daemon keeps on NVMe and the replica store
@@ -720,7 +321,7 @@ def _job_retention(keep: Any, keep_every: Any) -> pb.JobRetention | None:
         if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**31:
             raise InvalidArgument(f"{name} must be None (the daemon's config) or an integer >= 0, not {value!r}")
         given[name] = value
-    return pb.JobRetention(**given) if given else None
+    return JobRetention(**given) if given else None
 
 
 def _default_run_id() -> str:

@@ -3,7 +3,7 @@
 The one module of ckpt that touches CUDA; imported only when a state holds CUDA tensors,
 so CPU-only machines never load it. Who calls what, in which order, on which thread:
 
-1. Checkpointer.save_async, on the training thread, calls ready_events(arrays) first: an
+1. The save path (ckpt.save_path, for save_async), on the training thread, calls ready_events(arrays) first: an
    event recorded on the caller's current stream of every device the state touches. The
    current stream is per thread, so it is looked up there and only there; every copy of
    that save, on any thread, waits on these events (and so on every kernel the caller
@@ -301,7 +301,7 @@ def copy_from_device(pairs: list[tuple[torch.Tensor, torch.Tensor]], slot: torch
 class Link:
     """What a job's lazy saves taught about its GPU: the device-to-host rate, the GPU time from a save to its step.
 
-    One per Checkpointer. Calls: prepare() measures a first rate (measure_rate, its background
+    One per save path (ckpt.save_path). Calls: prepare() measures a first rate (measure_rate, its background
     thread); each DeviceCopy reads head_bytes() at the save (training thread) and, once its copy
     landed, learn()s from its events (lazy thread); the arena reads tail_bytes() then. A lock keeps
     the samples whole between the threads.

@@ -108,7 +108,7 @@ class _Staged:
                 raise self.failure
             if self.handle is None:
                 assert self.step is not None
-                self.handle = checkpointer._save_async(self.state, self.step, False, self.ready)
+                self.handle = checkpointer.save_after_events(self.state, self.step, False, self.ready)
                 self.state = None  # the copy is made: the live state is not kept past it
             return self.handle
 

@@ -10,7 +10,7 @@ superseded: never latest, loaded only by number, removed by retention first.
 
 Who calls what: the daemon builds a History from the lines of a job's complete steps
 (its Locator for latest and ls, its SavePath before a reserve, its retention); the
-client only carries the line it was handed (Checkpointer, between a load and its saves).
+client only carries the line it was handed (ckpt.save_path, between a load and its saves).
 Pure functions of the records: the same records give the same answer on every node.
 """
 

@@ -1,6 +1,6 @@
 """The lazy snapshot of save_async(lazy=True): what an optimizer owns is copied while training goes on.
 
-Checkpointer.save_async(lazy=True), on the training thread, calls owners() to find the
+The save path (ckpt.save_path, for save_async(lazy=True)), on the training thread, calls owners() to find the
 arrays of the flattened state whose bytes overlap a known optimizer's parameters or
 states, copies every other array into the slot at once, and hands a LazyCopy of the owned
 ones to its lazy thread. That thread runs LazyCopy.run(): the owned host arrays, group by
@@ -35,7 +35,6 @@ from __future__ import annotations
 import bisect
 import gc
 import itertools
-import json
 import logging
 import os
 import threading
@@ -49,7 +48,6 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ckpt.errors import CheckpointError
 from ckpt.transport import DaemonClient
-from ckpt.wire.v1 import ckptd_pb2 as pb
 
 log = logging.getLogger("ckpt")
 
@@ -155,7 +153,7 @@ def run_beside(daemon: DaemonClient, widen: bool = False) -> None:
     process may not run there (a container's cpuset), or the daemon does not say, the thread stays.
     """
     try:
-        cpus = set(json.loads(daemon.call("Status", pb.StatusRequest()).json)["cpus"])
+        cpus = set(daemon.status()["cpus"])
         if widen:
             cpus |= os.sched_getaffinity(0)
         if cpus != os.sched_getaffinity(0):

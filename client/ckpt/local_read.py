@@ -1,6 +1,6 @@
 """Read shards and steps from files with no daemon: load_local, and the loads of Checkpointer once located.
 
-Checkpointer.load calls load_first_good with the sources the daemon located (on the
+The load path (ckpt.load_path, for Checkpointer.load) calls load_first_good with the sources the daemon located (on the
 loading thread); ckpt.load_local and ckpt.dcp's Reader open a step directory here
 directly. The index of a step is checked against its commit record before use.
 """

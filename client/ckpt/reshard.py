@@ -1,6 +1,6 @@
 """Fill a state in place from a saved step, whatever the sharding on either side: the load(into=...) path.
 
-Checkpointer.load and load_local call load_into on the loading thread, in this order:
+The load path (ckpt.load_path) and load_local call load_into on the loading thread, in this order:
 1. the home rank's layout (this rank's own number in the saved step, or rank 0 when
    the step had fewer ranks) gives the saved structure, its plain tensors and values;
 2. plan(): `into` is walked beside it; every tensor and DTensor of `into` is matched

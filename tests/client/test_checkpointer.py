@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ckpt
 import pytest
+from ckpt.wire.v1 import ckptd_pb2 as pb
 
 
 def test_job_rank_and_world_size_come_from_the_environment(monkeypatch):
@@ -41,12 +42,20 @@ def test_bad_arguments_are_clear_errors(kwargs, message):
         ({"keep": 3, "keep_every": 5}, {"keep": 3, "keep_every": 5}),
     ],
 )
-def test_the_jobs_own_retention_carries_only_what_was_given(kwargs, sent):
+def test_the_jobs_own_retention_carries_only_what_was_given(kwargs, sent, monkeypatch):
+    asked = {}
+
+    def answer(method, request, timeout_s=60.0):  # the daemon, as far as a skipped save goes
+        asked[method] = request
+        return pb.ListReply() if method == "List" else pb.ReserveReply(skipped=True, reason="no room")
+
     with ckpt.Checkpointer(job="x", address="/nonexistent.sock", **kwargs) as c:
-        given = c._retention
-        assert (given is None) == (sent is None)
-        if given is not None:  # proto3 optional: an unset field is not a 0
-            assert {f.name: v for f, v in given.ListFields()} == sent
+        monkeypatch.setattr(c.daemon, "call", answer)
+        assert c.save_async({}).skipped
+    given = asked["Reserve"].retention if asked["Reserve"].HasField("retention") else None
+    assert (given is None) == (sent is None)
+    if given is not None:  # proto3 optional: an unset field is not a 0
+        assert {f.name: v for f, v in given.ListFields()} == sent
 
 
 def test_a_bad_rank_in_the_environment_is_named(monkeypatch):

@@ -330,7 +330,8 @@ def test_the_spill_is_the_predicted_tail_not_the_whole_state(daemon):
         c.prepare(state).result(timeout=WAIT_S)
         with torch.no_grad():
             for step in range(1, 6):  # the first saves teach the link its rate and the time to the step
-                predicted, room = c._link.tail_bytes(total), c._arena.capacity(torch.cuda.current_device())
+                saves = c._saves  # the save path's Link and SpillArena, as the next lazy save finds them
+                predicted, room = saves._link.tail_bytes(total), saves._arena.capacity(torch.cuda.current_device())
                 h = c.save_async(state, step=step, lazy=True)
                 _busy(forward_ms)
                 optimizer.step()  # the CPU is here long before the head lands: the tail is what it was

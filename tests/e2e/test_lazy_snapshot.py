@@ -13,7 +13,7 @@ import threading
 import ckpt
 import pytest
 import torch
-from ckpt import checkpointer, lazy
+from ckpt import lazy, save_path
 from states import assert_same
 
 pytestmark = pytest.mark.e2e
@@ -27,7 +27,7 @@ class Gate:
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.open = threading.Event()
         self.reached = threading.Event()
-        real = checkpointer.copy_into
+        real = save_path.copy_into
 
         def gated(*args, **kwargs):
             if threading.current_thread().name.startswith("ckpt-lazy"):
@@ -35,7 +35,7 @@ class Gate:
                 assert self.open.wait(WAIT_S)
             return real(*args, **kwargs)
 
-        monkeypatch.setattr(checkpointer, "copy_into", gated)
+        monkeypatch.setattr(save_path, "copy_into", gated)
 
 
 def _training():

@@ -648,11 +648,11 @@ def test_map_location_moves_every_tensor_wherever_it_sits(daemon):
 
 
 def test_a_load_whose_copy_vanished_under_it_asks_the_daemon_again(daemon, monkeypatch):
-    from ckpt import checkpointer
+    from ckpt import load_path
 
     with ckpt.Checkpointer(job="vanish", address=daemon.address) as c:
         c.save_async({"w": torch.arange(10)}, step=1).wait("nvme", timeout=60)
-        real, calls = checkpointer.load_first_good, []
+        real, calls = load_path.load_first_good, []
 
         def vanished_once(sources, rank, map_location, **kwargs):
             calls.append([s.tier for s in sources])
@@ -660,6 +660,6 @@ def test_a_load_whose_copy_vanished_under_it_asks_the_daemon_again(daemon, monke
                 raise ckpt.NotFound(f"{sources[0].path}: data file missing")
             return real(sources, rank, map_location, **kwargs)
 
-        monkeypatch.setattr(checkpointer, "load_first_good", vanished_once)
+        monkeypatch.setattr(load_path, "load_first_good", vanished_once)
         assert torch.equal(c.load(1)["w"], torch.arange(10))
         assert len(calls) == 2

@@ -12,7 +12,7 @@ import threading
 import ckpt
 import pytest
 import torch
-from ckpt import checkpointer
+from ckpt import save_path
 
 pytestmark = pytest.mark.e2e
 MIB = 1 << 20
@@ -66,14 +66,14 @@ def test_prepare_refuses_a_closed_checkpointer(daemon):
 def _held_lazy_copy(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
     """Hold the lazy thread's copies until the returned event is set (the saving thread's copies pass)."""
     release = threading.Event()
-    real = checkpointer.copy_into
+    real = save_path.copy_into
 
     def held(*args, **kwargs):
         if threading.current_thread().name.startswith("ckpt-lazy"):
             assert release.wait(WAIT_S)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(checkpointer, "copy_into", held)
+    monkeypatch.setattr(save_path, "copy_into", held)
     return release
 
 
