@@ -124,7 +124,7 @@ def staged(client: DaemonClient, shard: pb.ShardId, data: bytes, layout: bytes) 
     """Reserve a slot and copy data (and the layout, where the daemon takes it there) into it; yield the
     reservation with the slot's writer lock held, for Commit.
 
-    The client's own sequence (ckpt/checkpointer.py): Reserve, flock the slot, map it, copy, Commit.
+    The client's own sequence (ckpt/save_path.py): Reserve, flock the slot, map it, copy, Commit.
     """
     size_bytes = layout_at(len(data)) + len(layout) if LAYOUT_IN_SLOT else len(data)
     reserved = client.call("Reserve", pb.ReserveRequest(shard=shard, size_bytes=size_bytes), timeout_s=None)
