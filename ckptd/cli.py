@@ -437,9 +437,9 @@ def cmd_inspect(args: argparse.Namespace, config: Config) -> int:
     from ckptd.offline.inspect import inspect_step
     from ckptd.offline.restore import readable_tiers, tool_threads
 
-    job, step = validate_job(args.job), validate_step(args.step)
     with tool_threads() as threads:
-        found = inspect_step(readable_tiers(config, args.tier or "auto", threads), job, step)
+        tiers = readable_tiers(config, args.tier or "auto", threads)
+        found = inspect_step(tiers, validate_job(args.job), validate_step(args.step))
     if args.json:
         print(json.dumps(found.to_json()))
         return 0
