@@ -58,7 +58,7 @@ from ckptd.tiers.peer import INVENTORY_THREADS, PeerTier
 log = logging.getLogger(__name__)
 
 RECONCILE_S = 2.0  # how often a node catches up with its peers
-OBJECT_FETCHES = 4  # shards fetched from the object store at once (Executors.object), READ_THREADS GETs each
+OBJECT_THREADS = 4  # shards fetched from the object store at once (Executors.object), READ_THREADS GETs each
 NOT_WAITED_FOR = ("receive", "resolve")  # pools whose threads may block on another machine at drain
 
 
@@ -112,7 +112,7 @@ class Executors:
                 MAX_SENDERS * STREAMS_PER_SHARD, thread_name_prefix="replicate-stream"
             ),
             locate=ThreadPoolExecutor(4, thread_name_prefix="locate"),
-            object=ThreadPoolExecutor(OBJECT_FETCHES, thread_name_prefix="object"),
+            object=ThreadPoolExecutor(OBJECT_THREADS, thread_name_prefix="object"),
             object_listings=ThreadPoolExecutor(2, thread_name_prefix="object-listing"),
             upload=ThreadPoolExecutor(UPLOAD_THREADS + 1, thread_name_prefix="upload"),
             cleanup=ThreadPoolExecutor(1, thread_name_prefix="cleanup", initializer=lowest_priority),
@@ -121,7 +121,7 @@ class Executors:
             status=ThreadPoolExecutor(2, thread_name_prefix="status"),
             resolve=ThreadPoolExecutor(1, thread_name_prefix="resolve"),
             inventories=ThreadPoolExecutor(INVENTORY_THREADS, thread_name_prefix="inventory"),
-            object_reads=ThreadPoolExecutor(OBJECT_FETCHES * READ_THREADS, thread_name_prefix="object-read"),
+            object_reads=ThreadPoolExecutor(OBJECT_THREADS * READ_THREADS, thread_name_prefix="object-read"),
             object_requests=ThreadPoolExecutor(2 * COMMIT_CHECK_THREADS, thread_name_prefix="object-request"),
         )
 
