@@ -40,6 +40,7 @@ from report import (  # benchmarks/report.py: run as scripts, this directory is 
 )
 from s3_server import S3Server
 
+from ckptd.node import Executors
 from ckptd.save.uploading import upload_file
 from ckptd.storage.object_store import UPLOAD_CONCURRENCY, open_store
 from ckptd.tiers.nvme import LocalDirTier
@@ -54,6 +55,7 @@ JOB_HALF_ZEROS = "bench-object-half-zeros"
 STEP = 1
 UPLOAD_TARGET = ">= 0.9"  # the design's
 RESTORE_TARGET = ">= 0.8"  # ours, not the design's
+THREADS = Executors.build()  # the daemon's pools: the object tier's reads and requests run on them, as in ckptd
 
 
 # -- the shards ------------------------------------------------------------------------------
@@ -111,7 +113,9 @@ def bench(server: S3Server, work: Path, size: int, repeats: int) -> tuple[dict[s
     for repeat in range(repeats):
         print(f"repeat {repeat + 1}/{repeats} ...", flush=True)
         bucket = server.new_bucket("data")
-        tier = ObjectTier(open_store(f"s3://{bucket}/ckpts", server.storage_options))
+        tier = ObjectTier(
+            open_store(f"s3://{bucket}/ckpts", server.storage_options), THREADS.object_reads, THREADS.object_requests
+        )
 
         def plain_put(bucket: str = bucket) -> None:
             drop_from_page_cache(path)
@@ -151,7 +155,12 @@ def bench(server: S3Server, work: Path, size: int, repeats: int) -> tuple[dict[s
 
         for key, m, p in (("zstd", meta, path), ("zstd_half_zeros", meta_hz, path_hz)):
             bucket = server.new_bucket("zstd")
-            tier = ObjectTier(open_store(f"s3://{bucket}/ckpts", server.storage_options), compression="zstd")
+            tier = ObjectTier(
+                open_store(f"s3://{bucket}/ckpts", server.storage_options),
+                THREADS.object_reads,
+                THREADS.object_requests,
+                compression="zstd",
+            )
             drop_from_page_cache(p)
             raw[key].append(timed(lambda tier=tier, m=m, p=p: upload_file(tier, m, p)))
             names = tier.store.names(*shard_dir(m.job, STEP, 0, tier.keys))  # under the rank's hash prefix

@@ -25,8 +25,11 @@ from ckptd.cluster.peers_view import PeersView
 from ckptd.cluster.placement import Holding
 from ckptd.cluster.view import ClusterView
 from ckptd.config import load_config
+from ckptd.node import Executors
 from ckptd.rpc.cluster_link import ClusterLinks
 from ckptd.rpc.cluster_server import serve_cluster
+
+THREADS = Executors.build()  # the daemon's pools, shared by this process's nodes (only resolve and records start)
 
 
 class Later:
@@ -67,7 +70,8 @@ class Worker:
             return self.addresses
         for _ in range(n):
             proxy = Later()
-            server, port = await serve_cluster(proxy, "127.0.0.1:0", load_config(env={}).peer)  # type: ignore[arg-type]
+            peer = load_config(env={}).peer
+            server, port = await serve_cluster(proxy, "127.0.0.1:0", peer, THREADS.records)  # type: ignore[arg-type]
             self.proxies.append(proxy)
             self.servers.append(server)
             self.addresses.append(f"127.0.0.1:{port}")
@@ -92,7 +96,8 @@ class Worker:
                 env["CKPTD_PEER__ADDRESSES"] = "[" + ", ".join(f'"{a}"' for a in everyone) + "]"
                 config = load_config(env=env)
                 links = ClusterLinks(config.peer)
-                view = PeersView(address, ResolvedPeers(config), links, 8, config.cluster.anti_entropy_s)
+                membership = ResolvedPeers(config, THREADS.resolve)
+                view = PeersView(address, membership, links, 8, config.cluster.anti_entropy_s, THREADS.records)
                 self.proxies[i].view = view
                 self.proxies[i].counters = view.counters
             view.watch(self._on_commit(view))

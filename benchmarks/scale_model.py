@@ -27,7 +27,7 @@ from typing import Any
 from ckpt.format import CHUNK_SIZE_BYTES
 from report import Row, as_json, table  # benchmarks/report.py: run as a script, this directory is on sys.path
 
-from ckptd.load.locate import OBJECT_THREADS
+from ckptd.node import OBJECT_THREADS
 from ckptd.save.uploading import COMMIT_POLL_MAX_S, COMMIT_WATCH_LIMIT_S, UPLOAD_THREADS
 from ckptd.storage.object_store import UPLOAD_CONCURRENCY
 from ckptd.tiers.object.keys import PREFIX_HEX_DIGITS

@@ -371,11 +371,12 @@ def cmd_ls(args: argparse.Namespace, config: Config) -> int:
     except DaemonUnavailable as e:
         if args.address or os.environ.get("CKPTD_ADDRESS"):
             raise  # asked about a particular daemon: this node's disks are no answer
-        from ckptd.offline.restore import readable_tiers
+        from ckptd.offline.restore import readable_tiers, tool_threads
         from ckptd.tiers.catalog import list_steps
 
         print(f"ckptd: {e}\nckptd: listing what this node's own tiers hold instead", file=sys.stderr)
-        found = list_steps(readable_tiers(config), job)
+        with tool_threads() as threads:
+            found = list_steps(readable_tiers(config, "auto", threads), job)
     steps = [
         {
             "job": s.job,
@@ -417,25 +418,28 @@ def _committed(committed_at: str | None, now: float) -> tuple[str, str]:
 
 
 def cmd_restore(args: argparse.Namespace, config: Config) -> int:
-    from ckptd.offline.restore import latest_step, readable_tiers, restore
+    from ckptd.offline.restore import latest_step, readable_tiers, restore, tool_threads
 
     job = validate_job(args.job)
-    tiers = readable_tiers(config, args.source)
-    step = latest_step(tiers, job) if args.step == "latest" else _parse_step(args.step)
-    try:
-        step_dir = restore(tiers, job, step, args.to, progress=_progress())
-    finally:
-        if sys.stderr.isatty():
-            print(file=sys.stderr)  # end the line redrawn in place
+    with tool_threads() as threads:
+        tiers = readable_tiers(config, args.source, threads)
+        step = latest_step(tiers, job) if args.step == "latest" else _parse_step(args.step)
+        try:
+            step_dir = restore(tiers, job, step, args.to, _progress(), threads.nvme_writes)
+        finally:
+            if sys.stderr.isatty():
+                print(file=sys.stderr)  # end the line redrawn in place
     print(json.dumps({"job": job, "step": step, "dir": str(step_dir)}) if args.json else step_dir)
     return 0
 
 
 def cmd_inspect(args: argparse.Namespace, config: Config) -> int:
     from ckptd.offline.inspect import inspect_step
-    from ckptd.offline.restore import readable_tiers
+    from ckptd.offline.restore import readable_tiers, tool_threads
 
-    found = inspect_step(readable_tiers(config, args.tier or "auto"), validate_job(args.job), validate_step(args.step))
+    with tool_threads() as threads:
+        tiers = readable_tiers(config, args.tier or "auto", threads)
+        found = inspect_step(tiers, validate_job(args.job), validate_step(args.step))
     if args.json:
         print(json.dumps(found.to_json()))
         return 0
@@ -452,23 +456,24 @@ def cmd_inspect(args: argparse.Namespace, config: Config) -> int:
 
 
 def cmd_verify(args: argparse.Namespace, config: Config) -> int:
-    from ckptd.offline.restore import readable_tiers
+    from ckptd.offline.restore import readable_tiers, tool_threads
     from ckptd.offline.verify import verify
 
     job = validate_job(args.job)
     step = None if args.step is None else validate_step(args.step)
     checked = bad = 0
     found = []
-    for check in verify(readable_tiers(config, args.tier or "auto"), job, step, spread=bool(config.peers)):
-        checked += 1
-        bad += not check.ok
-        where = f"{check.tier} {check.job} step {check.step} rank {check.rank}"
-        if args.json:
-            found.append(dataclasses.asdict(check) | {"ok": check.ok})
-        elif check.ok:
-            print(f"ok   {where}")
-        else:
-            print(f"BAD  {where}: {check.error}")
+    with tool_threads() as threads:
+        for check in verify(readable_tiers(config, args.tier or "auto", threads), job, step, spread=bool(config.peers)):
+            checked += 1
+            bad += not check.ok
+            where = f"{check.tier} {check.job} step {check.step} rank {check.rank}"
+            if args.json:
+                found.append(dataclasses.asdict(check) | {"ok": check.ok})
+            elif check.ok:
+                print(f"ok   {where}")
+            else:
+                print(f"BAD  {where}: {check.error}")
     if args.json:
         print(json.dumps(found))
     if checked == 0:

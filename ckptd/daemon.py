@@ -22,7 +22,7 @@ from ckptd.addresses import host_of
 from ckptd.cluster.peers_view import PeersView
 from ckptd.config import Config
 from ckptd.errors import RootGone
-from ckptd.node import Node
+from ckptd.node import Executors, Node
 from ckptd.operations import metrics, root_lock
 from ckptd.pipeline import Pipeline
 from ckptd.rpc.cluster_server import add_cluster_servicer
@@ -61,23 +61,27 @@ async def serve(config: Config) -> None:
     """
     core_log = CoreLog()  # gRPC's C core writes to stderr: its failed TLS handshakes come into our log, readable
     core_log.start()
-    asyncio.get_running_loop().set_exception_handler(_paced_accept_failures(LogPace()))
+    loop = asyncio.get_running_loop()
+    loop.set_exception_handler(_paced_accept_failures(LogPace()))
+    executors = Executors.build()  # every thread pool of the daemon (threads start on first use)
+    loop.set_default_executor(executors.resolve)  # asyncio's own name lookups (a listen address by name)
     try:
         _claim_socket(config.socket_path)
         # Before anything touches the root: another daemon's start-up cleanup and retention would undo ours.
-        lock = await asyncio.to_thread(root_lock.hold, config.root, config.socket_path)
+        lock = await loop.run_in_executor(executors.peer, root_lock.hold, config.root, config.socket_path)
         try:
-            await _serve_holding_root(config)
+            await _serve_holding_root(config, executors)
         finally:
             lock.release()
     finally:
+        executors.shutdown()  # Node.drain did, unless the daemon stopped before or while starting
         core_log.stop()
 
 
-async def _serve_holding_root(config: Config) -> None:
+async def _serve_holding_root(config: Config, executors: Executors) -> None:
     if config.cpu_set:
         _pin(config.cpu_set)  # before the pipeline starts its threads: they inherit it
-    node = Node(config)  # every role and thread pool of the daemon
+    node = Node(config, executors)  # every role of the daemon
     await node.start()
     pipeline = node.pipeline
     server = grpc.aio.server(
@@ -169,11 +173,14 @@ async def _serve_peers(
     config: Config, node: Node, guard: RequestGuard, data_listener: DataListener | None
 ) -> grpc.aio.Server:
     server = grpc.aio.server(options=server_options(), maximum_concurrent_rpcs=MAX_PEER_RPCS)
-    peer_servicer = PeerServicer(node.pipeline, node.receiver, config, node.executors.serve, data_listener, guard)
+    threads = node.executors
+    peer_servicer = PeerServicer(
+        node.pipeline, node.receiver, config, threads.serve, threads.records, data_listener, guard
+    )
     add_peer_servicer(peer_servicer, server, guard)
     view = node.view
     if isinstance(view, PeersView):  # the built-in cluster view's calls, on the same port
-        add_cluster_servicer(view, server, guard, peer_servicer.admit)
+        add_cluster_servicer(view, server, guard, peer_servicer.admit, threads.records)
     credentials = server_credentials(config.peer)
     try:
         if credentials is None:

@@ -1,11 +1,15 @@
 """The composition root: build every executor and every role of one node, start them in order, drain them.
 
-daemon.serve builds one Node, awaits start() before serving any RPC, hands the RPC edges
-node.pipeline (and the data listener node.receiver, the cluster servicer node.view), and
-awaits drain() after the servers stopped. Everything here runs on the event loop. No role
-builds another role or a thread pool of its own, and none reaches into another's attributes:
-each gets here, at construction, what it uses. The threads of the daemon are the Executors
-below (the thread map, with who submits what and what may block, is in docs/INTERNALS.md).
+daemon.serve builds the Executors (its first act: the root's lock is taken on one), then one
+Node on them, awaits start() before serving any RPC, hands the RPC edges node.pipeline (and
+the data listener node.receiver, the cluster servicer node.view, the threads they use from
+node.executors), and awaits drain() after the servers stopped. Everything here runs on the
+event loop. No role builds another role or a thread pool of its own, and none reaches into
+another's attributes: each gets here, at construction, what it uses. The threads of the
+daemon are the Executors below (the thread map, with who submits what and what may block, is
+in docs/INTERNALS.md, and tests/test_layering.py checks it against this record); the offline
+tools (`ckptd restore`, `verify`, `inspect`, `export`, `ls` without a daemon) build the same
+record, and use the few pools their tiers read with (offline.restore.tool_threads).
 """
 
 from __future__ import annotations
@@ -46,17 +50,25 @@ from ckptd.storage.owned_dir import DIR_MODE, claim_dir
 from ckptd.tiers.base import DurableTier, Tier
 from ckptd.tiers.memory import MemoryTier
 from ckptd.tiers.nvme import LocalDirTier
+from ckptd.tiers.object.layout import READ_THREADS
+from ckptd.tiers.object.shards import COMMIT_CHECK_THREADS
 from ckptd.tiers.object.tier import ObjectTier
-from ckptd.tiers.peer import PeerTier
+from ckptd.tiers.peer import INVENTORY_THREADS, PeerTier
 
 log = logging.getLogger(__name__)
 
 RECONCILE_S = 2.0  # how often a node catches up with its peers
+OBJECT_THREADS = 4  # shards fetched from the object store at once (Executors.object), READ_THREADS GETs each
+NOT_WAITED_FOR = ("receive", "resolve")  # pools whose threads may block on another machine at drain
 
 
 @dataclass(frozen=True)
 class Executors:
-    """Every long-lived thread pool of the daemon, by role; Node builds them once and shuts them down last."""
+    """Every thread pool of the daemon, by role; daemon.serve builds them once, Node shuts them down last.
+
+    In the order they are shut down: a pool whose threads wait on another's comes before it (flush
+    before nvme_writes; every caller of the tiers before the tiers' own fan-outs, the last three).
+    """
 
     save: ThreadPoolExecutor  # Reserve's and Commit's disk work: never queued behind a flush
     flush: ThreadPoolExecutor  # hash a slot and feed it to the NVMe writers, one slot per thread
@@ -74,10 +86,17 @@ class Executors:
     object_listings: ThreadPoolExecutor  # a job's whole history in the store (ls, latest): long, never in the way
     upload: ThreadPoolExecutor  # uploads to the object store, and the reads of their NVMe copies
     cleanup: ThreadPoolExecutor  # retention's removals, at the lowest CPU priority
+    slot_memory: ThreadPoolExecutor  # staging slots' shared memory allocated (gigabytes, zeroed by the kernel)
+    records: ThreadPoolExecutor  # commit and shard records from and to peers: parsed, signatures checked, serialized
+    status: ThreadPoolExecutor  # the Status RPC's listings, /metrics pages, the NVMe root's identity checked
+    resolve: ThreadPoolExecutor  # the built-in cluster view's DNS lookups, one at a time: a slow DNS holds up nothing
+    inventories: ThreadPoolExecutor  # PeerTier: every peer's inventory asked at once, INVENTORY_THREADS by each call
+    object_reads: ThreadPoolExecutor  # ObjectTier: a shard's ranged GETs, READ_THREADS by each read
+    object_requests: ThreadPoolExecutor  # ObjectTier: a job's commit records, a step's ranks checked or removed
 
     @classmethod
     def build(cls) -> Executors:
-        """Start every pool (their threads start lazily, on first use)."""
+        """Make every pool (their threads start lazily, on first use: a program starts only those it uses)."""
         return cls(
             save=ThreadPoolExecutor(4, thread_name_prefix="save"),
             flush=ThreadPoolExecutor(2, thread_name_prefix="flush"),
@@ -93,28 +112,37 @@ class Executors:
                 MAX_SENDERS * STREAMS_PER_SHARD, thread_name_prefix="replicate-stream"
             ),
             locate=ThreadPoolExecutor(4, thread_name_prefix="locate"),
-            object=ThreadPoolExecutor(4, thread_name_prefix="object"),
+            object=ThreadPoolExecutor(OBJECT_THREADS, thread_name_prefix="object"),
             object_listings=ThreadPoolExecutor(2, thread_name_prefix="object-listing"),
             upload=ThreadPoolExecutor(UPLOAD_THREADS + 1, thread_name_prefix="upload"),
             cleanup=ThreadPoolExecutor(1, thread_name_prefix="cleanup", initializer=lowest_priority),
+            slot_memory=ThreadPoolExecutor(16, thread_name_prefix="slot-memory"),  # 8 ranks' slot and spare at once
+            records=ThreadPoolExecutor(4, thread_name_prefix="records"),
+            status=ThreadPoolExecutor(2, thread_name_prefix="status"),
+            resolve=ThreadPoolExecutor(1, thread_name_prefix="resolve"),
+            inventories=ThreadPoolExecutor(INVENTORY_THREADS, thread_name_prefix="inventory"),
+            object_reads=ThreadPoolExecutor(OBJECT_THREADS * READ_THREADS, thread_name_prefix="object-read"),
+            object_requests=ThreadPoolExecutor(2 * COMMIT_CHECK_THREADS, thread_name_prefix="object-request"),
         )
 
     def shutdown(self) -> None:
-        """Wait for what runs on every pool, then stop them (after every role drained).
+        """Wait for what runs on every pool, then stop them, in field order (after every role drained).
 
-        Not for a receiving thread: one may still block on a peer that went quiet (the
-        process exits without it; its transfer was dropped already).
+        Not for a receiving thread nor a DNS lookup: one may still block on a peer that went
+        quiet, or on a DNS server (the process exits without it; its transfer was dropped already,
+        its answer is not wanted). Called again, it does nothing more.
         """
         for f in fields(self):
-            getattr(self, f.name).shutdown(wait=f.name != "receive")
+            getattr(self, f.name).shutdown(wait=f.name not in NOT_WAITED_FOR)
 
 
 class Node:
     """Own the roles of one node, from start-up recovery to drain."""
 
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, executors: Executors) -> None:
+        """executors: every thread pool of the daemon (daemon.serve built them to take the root's lock on one)."""
         self.config = config
-        self.executors = x = Executors.build()
+        self.executors = x = executors
         instance = uuid.uuid4().hex  # this daemon's run: peer calls that carry it have come back to it
         # -- the tiers, fastest first (loads try them in this order)
         self.pool = SlotPool(
@@ -124,6 +152,7 @@ class Node:
             config.nvme.flush_every,
             job_budget_bytes=config.staging.job_budget_bytes,
             access=config.staging_access,
+            memory_threads=x.slot_memory,
         )
         memory = MemoryTier(self.pool.copies)
         self.nvme = LocalDirTier(config.root, write_threads=x.nvme_writes, commit_keys=config.commit_keys)
@@ -134,7 +163,9 @@ class Node:
         object_tier = None
         if config.object.url:
             store = open_store(config.object.url, config.object.storage_options)
-            object_tier = ObjectTier(store, config.object.compression, config.commit_keys)
+            object_tier = ObjectTier(
+                store, x.object_reads, x.object_requests, config.object.compression, config.commit_keys
+            )
 
         # SavePath orders the others, so it is built last; the replicas and uploads report to it through these.
         def replication_changed(key: ShardKey, replicated: bool) -> None:
@@ -144,8 +175,8 @@ class Node:
             save_path.upload_changed(key, committed)
 
         # -- the cluster: its view, and the peer tier wherever a view is (peers may come later)
-        self.view = open_view(config)  # [cluster] backend; None: no peers, every step sealed here
-        peer_tier = PeerTier([]) if self.view is not None else None
+        self.view = open_view(config, x.resolve, x.records)  # [cluster] backend; None: no peers, every step sealed here
+        peer_tier = PeerTier([], x.inventories) if self.view is not None else None
         replication = None
         if self.view is not None and config.peer.replicas:
             replication = Replication(
@@ -164,7 +195,7 @@ class Node:
         if object_tier is not None:
             uploader = Uploader(config, self.nvme, object_tier, upload_changed, x.upload)
         # -- the save path, the load path, operations
-        self.progress = ShardProgress(self.pool, self.nvme, replication, uploader, config.node.name)
+        self.progress = ShardProgress(self.pool, self.nvme, replication, uploader, config.node.name, x.save)
         flusher = Flusher(self.pool, self.nvme, x.flush)
         self.locator = Locator(
             *(config, tiers, self.nvme, replica_store, cluster, object_tier, self.verification_failed),
@@ -188,7 +219,7 @@ class Node:
         self.idle_release = IdleRelease(self.pool, self.nvme, config.staging.idle_ttl_s, x.cleanup)
         self.report = StatusReport(
             config, self.pool, memory, self.nvme, flusher, save_path,
-            self.progress, self.peering, self.view, uploader, self.retention, self.job_retention,
+            self.progress, self.peering, self.view, uploader, self.retention, self.job_retention, x.status,
         )  # fmt: skip
         self.pipeline = Pipeline(
             self.pool, save_path, self.progress, self.locator, ShardedReads(self.locator, cluster), self.peering,
@@ -262,14 +293,15 @@ class Node:
 
     async def watch_root(self) -> None:
         """Return once the NVMe root is gone: removed, or replaced by another (daemon.serve awaits it)."""
-        await root_identity.watch(self.config.root, self.root_id)
+        await root_identity.watch(self.config.root, self.root_id, self.executors.status)
 
     async def give_back_staging(self) -> int:
         """Drop every slot and remove the staging directory, whose root is gone; return the bytes freed."""
         for job in {s.job for s in self.pool.slots()}:
             self.pool.drop_job(job)
-        _, size = await asyncio.to_thread(root_identity.remove_slots, self.config.staging_dir)
-        await asyncio.to_thread(shutil.rmtree, self.config.staging_dir, True)
+        loop, slot_files = asyncio.get_running_loop(), self.executors.save
+        _, size = await loop.run_in_executor(slot_files, root_identity.remove_slots, self.config.staging_dir)
+        await loop.run_in_executor(slot_files, shutil.rmtree, self.config.staging_dir, True)
         return size
 
     async def drain(self) -> None:

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
+from dataclasses import fields
 from pathlib import Path
 
 import pytest
@@ -73,15 +75,13 @@ def test_the_daemon_moves_bytes_without_torch():
     assert r.returncode == 0, r.stderr
 
 
-# Thread pools built outside the composition root, each with its reason. Every long-lived pool of
-# the daemon is in node.Executors; these are fan-outs inside one call (gone when it returns, and
-# used by the offline tools too, which have no composition root), or owned by the cluster view.
-POOLS_ELSEWHERE = {
-    "ckptd/tiers/peer.py": "asks every peer's inventory at once, within one call",
-    "ckptd/tiers/object/tier.py": "lists and reads a step's objects at once, within one call",
-    "ckptd/tiers/object/shards.py": "checks a step's shards at once, within one call",
-    "ckptd/cluster/peer_membership.py": "the built-in view's DNS lookups, one thread it owns",
-    "ckptd/offline/restore.py": "the restore target's writers: `ckptd restore` is a program with no daemon",
+# Thread pools built outside the composition root, each with its reason: none. Every pool of the
+# daemon is in node.Executors, the tiers' fan-outs within one call too (ckptd.pool_map), and the
+# offline tools build the same record (offline.restore.tool_threads).
+POOLS_ELSEWHERE: dict[str, str] = {}
+# Threads started outside the composition root, each with its reason.
+THREADS_ELSEWHERE = {
+    "ckptd/rpc/grpc_log.py": "reads what gRPC's C core writes to stderr, from before the pools exist to after them",
 }
 
 
@@ -169,3 +169,51 @@ def test_no_client_module_reads_another_objects_private_attributes(path):
         and ast.unparse(n.value) not in ("self", "cls")
     ]
     assert not reached, reached
+
+
+@pytest.mark.parametrize("path", _daemon_modules(), ids=lambda p: str(p.relative_to(REPO)))
+def test_no_work_goes_to_the_default_executor(path):
+    # asyncio.to_thread and run_in_executor(None, ...) run on Python's default pool: unnamed, sized by
+    # the CPUs, shared by whatever asks. Each piece of work goes to the Executors pool of its role.
+    found = [
+        f"{n.lineno}: {ast.unparse(n)[:80]}"
+        for n in ast.walk(ast.parse(path.read_text()))
+        if isinstance(n, ast.Call)
+        and (
+            ast.unparse(n.func).endswith("to_thread")
+            or (
+                ast.unparse(n.func).endswith("run_in_executor")
+                and n.args
+                and isinstance(n.args[0], ast.Constant)
+                and n.args[0].value is None
+            )
+        )
+    ]
+    assert not found, f"{path.relative_to(REPO)} runs work on the default executor: {found}"
+
+
+@pytest.mark.parametrize("path", _daemon_modules(), ids=lambda p: str(p.relative_to(REPO)))
+def test_only_the_composition_root_starts_threads(path):
+    relative = str(path.relative_to(REPO))
+    if relative in THREADS_ELSEWHERE:
+        return
+    started = [
+        n.lineno
+        for n in ast.walk(ast.parse(path.read_text()))
+        if isinstance(n, ast.Call) and ast.unparse(n.func) in ("threading.Thread", "Thread", "threading.Timer", "Timer")
+    ]
+    assert not started, f"{relative} starts a thread at lines {started}: take a pool from node.Executors"
+
+
+def test_the_thread_map_in_internals_is_the_executors_record():
+    from ckptd.node import Executors
+
+    executors = Executors.build()
+    try:
+        in_code = {f.name: getattr(executors, f.name)._max_workers for f in fields(executors)}
+    finally:
+        executors.shutdown()
+    section = (REPO / "docs" / "INTERNALS.md").read_text().split("### The thread map", 1)[1].split("\n#", 1)[0]
+    in_docs = {name: int(size) for name, size in re.findall(r"^\| `(\w+)` \| (\d+) \|", section, re.MULTILINE)}
+    assert in_docs == in_code, "docs/INTERNALS.md's thread map and node.Executors differ (name: size)"
+    assert f"{len(in_code)} pools" in section, f"the thread map does not say how many pools there are ({len(in_code)})"

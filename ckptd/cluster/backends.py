@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from concurrent.futures import Executor
+
 from ckptd.cluster.etcd_view import EtcdView
 from ckptd.cluster.peer_membership import ResolvedPeers
 from ckptd.cluster.peers_view import PeersView
@@ -10,14 +12,19 @@ from ckptd.config import Config
 from ckptd.rpc.cluster_link import ClusterLinks
 
 
-def open_view(config: Config) -> ClusterView | None:
-    """Return the configured cluster view, or None for a node with no peers (it seals every step alone)."""
+def open_view(config: Config, resolve_threads: Executor, record_threads: Executor) -> ClusterView | None:
+    """Return the configured cluster view, or None for a node with no peers (it seals every step alone).
+
+    resolve_threads: the built-in view's DNS lookups (Executors.resolve); record_threads: its
+    commit records serialized (Executors.records).
+    """
     kept = max(config.retention.nvme, config.retention.peer)
     if config.cluster.backend == "etcd":
         return EtcdView(config, kept)
     if not config.peer.addresses:
         return None
-    membership = ResolvedPeers(config)
+    membership = ResolvedPeers(config, resolve_threads)
     links = ClusterLinks(config.peer, tls_name=membership.tls_name, commit_keys=config.commit_keys)
     node = config.node.listen or config.node.name
-    return PeersView(node, membership, links, kept, config.cluster.anti_entropy_s, serves=bool(config.node.listen))
+    anti_entropy_s, serves = config.cluster.anti_entropy_s, bool(config.node.listen)
+    return PeersView(node, membership, links, kept, anti_entropy_s, record_threads, serves=serves)

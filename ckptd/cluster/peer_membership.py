@@ -15,7 +15,7 @@ import logging
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor
 from typing import Any
 
 from ckptd.addresses import dialled_names, endpoints, peer_endpoints
@@ -93,8 +93,11 @@ class ResolvedPeers(Membership):
     DNS server holds up nothing else.
     """
 
-    def __init__(self, config: Config, lookup: Callable[[str], list[str]] = endpoints) -> None:
-        """lookup(host_port) returns the "ip:port" endpoints of an entry or raises OSError (addresses.endpoints)."""
+    def __init__(self, config: Config, threads: Executor, lookup: Callable[[str], list[str]] = endpoints) -> None:
+        """threads: the resolving thread, one lookup at a time (Executors.resolve).
+
+        lookup(host_port) returns the "ip:port" endpoints of an entry or raises OSError (addresses.endpoints).
+        """
         super().__init__()
         self.addresses = tuple(dict.fromkeys(config.peer.addresses))
         self.listen = config.node.listen
@@ -104,7 +107,7 @@ class ResolvedPeers(Membership):
         self._failing: dict[str, str] = {}  # entry -> why its lookups fail, while they do
         self._names: dict[str, str] = {}  # endpoint -> the name in addresses it was found by (dialled_names)
         self._resolved_unix_s = 0.0
-        self._threads = ThreadPoolExecutor(max_workers=1, thread_name_prefix="resolve")
+        self._threads = threads
 
     def _look_up_all(self) -> dict[str, list[str] | OSError]:
         answers: dict[str, list[str] | OSError] = {}
@@ -163,4 +166,4 @@ class ResolvedPeers(Membership):
         }
 
     def close(self) -> None:
-        self._threads.shutdown(wait=False, cancel_futures=True)
+        """Nothing of its own: the resolving thread is Executors.resolve's, given up with the others."""

@@ -12,7 +12,8 @@ answered by a commit are sent again to whoever is coordinator now (docs/INTERNAL
 "The cluster view", has the message counts).
 
 The transport is ckptd.rpc.cluster_link (calls out) and ckptd.rpc.cluster_server
-(calls in, on_* below). Everything runs on the event loop.
+(calls in, on_* below). Everything runs on the event loop, but a large commit record's
+serialization (on the record threads given at construction, Executors.records).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import math
 import random
 import time
 from collections.abc import Sequence
+from concurrent.futures import Executor
 from typing import Any
 
 from ckpt.errors import CheckpointError
@@ -65,12 +67,17 @@ class PeersView(ClusterView):
         links: ClusterLinks,
         kept_records: int,
         anti_entropy_s: float,
+        record_threads: Executor,
         fanout: int = FANOUT,
         serves: bool = True,
         resend_s: float = RESEND_S,
     ) -> None:
-        """serves: this node answers the cluster calls (it has a peer port); if not, it never coordinates."""
+        """serves: this node answers the cluster calls (it has a peer port); if not, it never coordinates.
+
+        record_threads: where a commit record is serialized for its announcement (Executors.records).
+        """
         super().__init__(node, membership, kept_records)
+        self._record_threads = record_threads
         self.serves = serves
         self.resend_s = resend_s
         self.links = links
@@ -267,7 +274,8 @@ class PeersView(ClusterView):
 
     async def _spread(self, record: CommitRecord, nodes: list[str], raw: bytes = b"") -> None:
         """Announce a commit to nodes through a fan-out tree; take over the part of a node that does not answer."""
-        raw = raw or await asyncio.to_thread(record.to_bytes)  # a record of 8,000 ranks is 280 kB of JSON
+        # a record of 8,000 ranks is 280 kB of JSON
+        raw = raw or await asyncio.get_running_loop().run_in_executor(self._record_threads, record.to_bytes)
 
         async def tell(head: str, relay: list[str]) -> None:
             try:

@@ -27,6 +27,7 @@ import sys
 import tempfile
 import time
 import warnings
+from concurrent.futures import Executor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -110,7 +111,7 @@ def add_parser(command: Any, common: argparse.ArgumentParser) -> None:
 
 def cmd_export(args: argparse.Namespace, config: Config) -> int:
     """Run `ckptd export` (see the module docstring); return the exit code, raise CheckpointError on failure."""
-    from ckptd.offline.restore import latest_step, readable_tiers
+    from ckptd.offline.restore import latest_step, readable_tiers, tool_threads
 
     job = validate_job(args.job)
     step = None if args.step == "latest" else _parse_step(args.step)
@@ -130,21 +131,23 @@ def cmd_export(args: argparse.Namespace, config: Config) -> int:
             print("ckptd export --format safetensors needs safetensors: pip install safetensors", file=sys.stderr)
             return 2
 
-    tiers = readable_tiers(config, args.source)
-    step = latest_step(tiers, job) if step is None else step
-    to.parent.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=f".{to.name}.export-", dir=to.parent))
-    try:
-        step_dir = _local_step_dir(tiers, job, step) or _restore(tiers, job, step, work / "restore")
-        state = _read_state(step_dir, keys, prefix, weights_only=not args.trusted)
-        out = work / "out"
-        if args.format == "dcp":
-            _write_dcp(state, out)
-        else:
-            _write_safetensors(state, out)
-        _install(out, to)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+    with tool_threads() as threads:
+        tiers = readable_tiers(config, args.source, threads)
+        step = latest_step(tiers, job) if step is None else step
+        to.parent.mkdir(parents=True, exist_ok=True)
+        work = Path(tempfile.mkdtemp(prefix=f".{to.name}.export-", dir=to.parent))
+        try:
+            local = _local_step_dir(tiers, job, step)
+            step_dir = local or _restore(tiers, job, step, work / "restore", threads.nvme_writes)
+            state = _read_state(step_dir, keys, prefix, weights_only=not args.trusted)
+            out = work / "out"
+            if args.format == "dcp":
+                _write_dcp(state, out)
+            else:
+                _write_safetensors(state, out)
+            _install(out, to)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
     print(json.dumps({"job": job, "step": step, "format": args.format, "dir": str(to)}) if args.json else to)
     return 0
 
@@ -187,11 +190,11 @@ def _local_step_dir(tiers: list[Tier], job: str, step: int) -> Path | None:
     return None
 
 
-def _restore(tiers: list[Tier], job: str, step: int, target: Path) -> Path:
+def _restore(tiers: list[Tier], job: str, step: int, target: Path, write_threads: Executor) -> Path:
     from ckptd.offline.restore import restore
 
     _progress(f"{job} step {step}: not whole in a local directory; restoring it into {target} first")
-    return restore(tiers, job, step, target, progress=_progress)
+    return restore(tiers, job, step, target, _progress, write_threads)
 
 
 def _read_state(step_dir: Path, keys: KeyFilter, prefix: tuple[str, ...], weights_only: bool) -> Any:

@@ -1,10 +1,16 @@
-"""Copy a step out of a tier into a directory, or check every byte of it, with no daemon."""
+"""Copy a step out of a tier into a directory, or check every byte of it, with no daemon.
+
+The offline commands (`ckptd restore`, `verify`, `inspect`, `export`, and `ls` when no daemon
+answers) hold tool_threads() around their work: the daemon's thread pools (node.Executors), of
+which only those the tiers read and write with start threads.
+"""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterator
+from concurrent.futures import Executor
+from contextlib import contextmanager
 from pathlib import Path
 
 from ckpt.errors import CheckpointError, CorruptCheckpoint, NotFound
@@ -14,6 +20,7 @@ from ckpt.history import History
 from ckptd.config import Config
 from ckptd.errors import ShardWriteError
 from ckptd.load.fetch import aligned_buffer
+from ckptd.node import Executors
 from ckptd.operations.status_table import human_size
 from ckptd.rpc.peer_link import PeerLink
 from ckptd.storage.object_store import open_store
@@ -24,22 +31,42 @@ from ckptd.tiers.object.tier import ObjectTier
 from ckptd.tiers.peer import PeerTier
 
 Progress = Callable[[str], None]
-RESTORE_WRITE_THREADS = 4  # the restore target's writers, as the NVMe tier's in a daemon
 
 
 class DestinationUnwritable(CheckpointError):
     """The restore destination (--to) cannot be written: no tier's copy is at fault, and no other tier helps."""
 
 
-def readable_tiers(config: Config, source: str = "auto") -> list[Tier]:
-    """Return the tiers a command can read without a daemon, fastest first, for --from/--tier.
+@contextmanager
+def tool_threads() -> Iterator[Executors]:
+    """Build the daemon's thread pools for a command with no daemon; shut them down when it is done.
+
+    The daemon's own record, so that a tool reads and writes as the daemon does: its tiers ask on
+    inventories, object_reads and object_requests, a restore writes on nvme_writes; the other
+    pools never start a thread.
+    """
+    threads = Executors.build()
+    try:
+        yield threads
+    finally:
+        threads.shutdown()
+
+
+def readable_tiers(config: Config, source: str, threads: Executors) -> list[Tier]:
+    """Return the tiers a command can read without a daemon, fastest first, for --from/--tier ("auto": all).
 
     "peer" reads this node's replica store and, over the peer protocol, the other
     nodes named in [peer] addresses; "object" reads [object] url, and a URL
     (s3://bucket/prefix, file:///dir, ...) reads that object store, with [object] storage_options.
+    threads: tool_threads(), where the peer and object tiers ask many things at once.
     """
+
+    def object_tier(url: str) -> ObjectTier:
+        store = open_store(url, config.object.storage_options)
+        return ObjectTier(store, threads.object_reads, threads.object_requests, commit_keys=config.commit_keys)
+
     if "://" in source:
-        return [ObjectTier(open_store(source, config.object.storage_options), commit_keys=config.commit_keys)]
+        return [object_tier(source)]
     if source not in ("", "auto"):
         validate_tier(source)
     tiers: list[Tier] = [
@@ -50,10 +77,9 @@ def readable_tiers(config: Config, source: str = "auto") -> list[Tier]:
     if config.peers:
         names, keys = config.peer_names, config.commit_keys
         links = [PeerLink(a, config.peer, tls_name=names.get(a, ""), commit_keys=keys) for a in config.peers]
-        tiers.append(PeerTier(links))
+        tiers.append(PeerTier(links, threads.inventories))
     if config.object.url:
-        store = open_store(config.object.url, config.object.storage_options)
-        tiers.append(ObjectTier(store, commit_keys=config.commit_keys))
+        tiers.append(object_tier(config.object.url))
     if source in ("", "auto"):
         return tiers
     chosen = [t for t in tiers if t.name == source]
@@ -71,10 +97,15 @@ def latest_step(tiers: list[Tier], job: str) -> int:
     return head
 
 
-def restore(tiers: list[Tier], job: str, step: int, target: Path, progress: Progress) -> Path:
-    """Copy every shard of a complete step from the first tier holding a good copy into target/<job>/<step>/."""
-    with ThreadPoolExecutor(RESTORE_WRITE_THREADS, thread_name_prefix="restore-io") as writers:
-        return _restore(tiers, job, step, LocalDirTier(target, name="restore", write_threads=writers), progress)
+def restore(
+    tiers: list[Tier], job: str, step: int, target: Path, progress: Progress, write_threads: Executor | None = None
+) -> Path:
+    """Copy every shard of a complete step from the first tier holding a good copy into target/<job>/<step>/.
+
+    write_threads: the target's writers, as the NVMe tier's in a daemon (tool_threads().nvme_writes;
+    None writes on the calling thread).
+    """
+    return _restore(tiers, job, step, LocalDirTier(target, name="restore", write_threads=write_threads), progress)
 
 
 def _restore(tiers: list[Tier], job: str, step: int, out: LocalDirTier, progress: Progress) -> Path:

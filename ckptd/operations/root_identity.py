@@ -19,6 +19,7 @@ import contextlib
 import logging
 import shutil
 import uuid
+from concurrent.futures import Executor
 from pathlib import Path
 
 from ckptd.storage.durable_write import replace_file
@@ -83,12 +84,12 @@ def remove_slots(staging: Path) -> tuple[int, int]:
     return count, size
 
 
-async def watch(root: Path, ident: str) -> None:
-    """Return once root no longer carries ident (checked every CHECK_S on a worker thread)."""
+async def watch(root: Path, ident: str, threads: Executor) -> None:
+    """Return once root no longer carries ident (checked every CHECK_S on threads: Executors.status)."""
     while True:
         await asyncio.sleep(CHECK_S)  # a period: nothing tells a process that a directory was removed
         try:
-            if await asyncio.to_thread(identity, root) != ident:
+            if await asyncio.get_running_loop().run_in_executor(threads, identity, root) != ident:
                 return
         except OSError as e:  # unreadable for now (EIO, EACCES): not the same as gone
             log.warning("cannot read the identity of the NVMe root %s: %s", root, e)

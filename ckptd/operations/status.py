@@ -1,9 +1,9 @@
 """The status document of `ckptd status --json` and the /metrics page built from it.
 
 Called on the event loop: the Status RPC awaits document(), which lists the jobs on
-each tier on a worker thread, then adds what snapshot() reads from memory and each
-job's retention (JobRetention.describe, from memory); a /metrics
-scrape awaits metrics_page(), which takes snapshot() alone and renders it on a worker
+each tier on a status thread (Executors.status), then adds what snapshot() reads from memory and
+each job's retention (JobRetention.describe, from memory); a /metrics
+scrape awaits metrics_page(), which takes snapshot() alone and renders it on a status
 thread, so a scrape touches no disk and keeps the event loop for a moment only. The
 newest complete step of each job on NVMe is learnt once at start (seed(), on a worker
 thread, before any RPC) and kept up to date by ShardProgress.
@@ -16,6 +16,7 @@ import contextlib
 import os
 import time
 from collections import Counter
+from concurrent.futures import Executor
 from typing import Any
 
 from ckpt.history import History, generation
@@ -56,8 +57,11 @@ class StatusReport:
         uploader: Uploader | None,
         retention: RetentionRunner,
         job_retention: JobRetention,
+        threads: Executor,
     ) -> None:
+        """threads: where the jobs are listed and the /metrics page rendered (Executors.status)."""
         self.config = config
+        self._threads = threads
         self.pool = pool
         self.memory = memory
         self.nvme = nvme
@@ -116,8 +120,10 @@ class StatusReport:
             self.loop_max_stall_s = max(self.loop_max_stall_s, loop.time() - due)
 
     async def document(self) -> dict[str, Any]:
-        """Return the status document: snapshot() and the jobs on each tier (listed on a worker thread)."""
-        memory_jobs, nvme_jobs = await asyncio.to_thread(lambda: (self.memory.jobs(), self.nvme.jobs()))
+        """Return the status document: snapshot() and the jobs on each tier (listed on a status thread)."""
+        memory_jobs, nvme_jobs = await asyncio.get_running_loop().run_in_executor(
+            self._threads, lambda: (self.memory.jobs(), self.nvme.jobs())
+        )
         await self.peering.recheck_unreachable()
         found = self.snapshot()
         found["tiers"]["memory"]["jobs"] = memory_jobs
@@ -126,8 +132,10 @@ class StatusReport:
         return found
 
     async def metrics_page(self) -> str:
-        """Return the /metrics page: what snapshot() says, and the durations observed (rendered on a worker thread)."""
-        return await asyncio.to_thread(metrics.page, self.snapshot(), self.histograms)
+        """Return the /metrics page: what snapshot() says, and the durations observed (rendered on a status thread)."""
+        return await asyncio.get_running_loop().run_in_executor(
+            self._threads, metrics.page, self.snapshot(), self.histograms
+        )
 
     def snapshot(self) -> dict[str, Any]:
         """Return the status document but the job listings: memory only, quick enough for the event loop."""

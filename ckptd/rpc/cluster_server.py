@@ -2,7 +2,8 @@
 
 daemon.py adds it to the peer server beside CkptdPeer (same port, same TLS, same
 admission); tests and benchmarks/bench_cluster.py serve it alone with serve_cluster().
-Runs on the event loop. Messages and bytes received are counted per kind.
+Runs on the event loop, but the records received, parsed and checked on the record threads
+given at construction (Executors.records). Messages and bytes received are counted per kind.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import asyncio
 from collections import Counter
 from collections.abc import Callable, Sequence
+from concurrent.futures import Executor
 from typing import Any, Protocol
 
 import grpc
@@ -49,9 +51,13 @@ def _records(raw: Sequence[bytes], commit_keys: CommitKeys) -> list[CommitRecord
 class ClusterServicer(cluster_pb2_grpc.CkptdClusterServicer):
     """Serve ckpt/wire/v1/cluster.proto; admit(context) refuses callers that are not peers (raises)."""
 
-    def __init__(self, handler: ClusterHandler, admit: Callable[[Any], None] = lambda context: None) -> None:
+    def __init__(
+        self, handler: ClusterHandler, record_threads: Executor, admit: Callable[[Any], None] = lambda context: None
+    ) -> None:
+        """record_threads: where the records peers send are parsed and their signatures checked (Executors.records)."""
         self.handler = handler
         self.admit = admit
+        self._record_threads = record_threads
 
     def _received(self, kind: str, request: Any, context: Any) -> None:
         self.admit(context)
@@ -63,7 +69,9 @@ class ClusterServicer(cluster_pb2_grpc.CkptdClusterServicer):
             self._received("report", request, context)
             if not request.node:
                 raise InvalidArgument("Report names no node")
-            steps = await asyncio.to_thread(holdings_from_pb, request.node, request.steps, self.handler.commit_keys)
+            steps = await asyncio.get_running_loop().run_in_executor(
+                self._record_threads, holdings_from_pb, request.node, request.steps, self.handler.commit_keys
+            )
             records = await self.handler.on_report(request.node, steps)
             return pb.ReportReply(commit_json=[r.to_bytes() for r in records])
 
@@ -72,7 +80,9 @@ class ClusterServicer(cluster_pb2_grpc.CkptdClusterServicer):
     async def Announce(self, request: pb.AnnounceRequest, context: Any) -> pb.AnnounceReply:
         async def work() -> pb.AnnounceReply:
             self._received("announce", request, context)
-            (record,) = await asyncio.to_thread(_records, [request.commit_json], self.handler.commit_keys)
+            (record,) = await asyncio.get_running_loop().run_in_executor(
+                self._record_threads, _records, [request.commit_json], self.handler.commit_keys
+            )
             await self.handler.on_announce(record, list(request.relay), request.commit_json)
             return pb.AnnounceReply()
 
@@ -106,16 +116,23 @@ class ClusterServicer(cluster_pb2_grpc.CkptdClusterServicer):
 
 
 def add_cluster_servicer(
-    handler: ClusterHandler, server: grpc.aio.Server, guard: RequestGuard, admit: Callable[[Any], None]
+    handler: ClusterHandler,
+    server: grpc.aio.Server,
+    guard: RequestGuard,
+    admit: Callable[[Any], None],
+    record_threads: Executor,
 ) -> None:
     """Serve the cluster view's calls on a server that also serves CkptdPeer (the daemon's peer port)."""
-    guard.register(cluster_pb2_grpc.add_CkptdClusterServicer_to_server, ClusterServicer(handler, admit), server)
+    servicer = ClusterServicer(handler, record_threads, admit)
+    guard.register(cluster_pb2_grpc.add_CkptdClusterServicer_to_server, servicer, server)
 
 
-async def serve_cluster(handler: ClusterHandler, listen: str, peer: PeerConfig) -> tuple[grpc.aio.Server, int]:
+async def serve_cluster(
+    handler: ClusterHandler, listen: str, peer: PeerConfig, record_threads: Executor
+) -> tuple[grpc.aio.Server, int]:
     """Serve only the cluster view on listen ("host:0": any free port); return (the server, its port)."""
     server = grpc.aio.server(options=server_options())
-    cluster_pb2_grpc.add_CkptdClusterServicer_to_server(ClusterServicer(handler), server)
+    cluster_pb2_grpc.add_CkptdClusterServicer_to_server(ClusterServicer(handler, record_threads), server)
     credentials = server_credentials(peer)
     port = server.add_insecure_port(listen) if credentials is None else server.add_secure_port(listen, credentials)
     await server.start()

@@ -59,10 +59,12 @@ class PeerServicer(peer_pb2_grpc.CkptdPeerServicer):
         receiver: ReplicaReceiver,
         config: Config,
         serve_threads: ThreadPoolExecutor,
+        record_threads: ThreadPoolExecutor,
         data_listener: DataListener | None = None,
         guard: RequestGuard | None = None,
     ) -> None:
-        """serve_threads: where GetShard reads and serializes pieces (never in the way of seals).
+        """serve_threads: where GetShard reads and serializes pieces (never in the way of seals);
+        record_threads: where the shard and commit records peers send are parsed and checked (Executors.records).
 
         guard: where a caller refused by admit() is logged, once a minute per caller.
         """
@@ -70,13 +72,21 @@ class PeerServicer(peer_pb2_grpc.CkptdPeerServicer):
         self.receiver = receiver
         self.config = config
         self._serve_threads = serve_threads
+        self._record_threads = record_threads
         self.data_listener = data_listener  # None: [peer] data_channel = false, ranges come by PutShard
         self._guard = guard or RequestGuard()
 
     async def _shard_meta(self, transfer: str, raw: bytes) -> ShardMeta:
         """Parse a shard record a peer sent, once per transfer (its layout may be megabytes: on a thread)."""
         known = self.receiver.known_meta(transfer, raw)
-        return known if known is not None else await asyncio.to_thread(_shard_meta, raw)
+        if known is not None:
+            return known
+        return await asyncio.get_running_loop().run_in_executor(self._record_threads, _shard_meta, raw)
+
+    async def _commit_record_of(self, raw: bytes) -> CommitRecord:
+        """Parse and check a commit record a peer sent (a signature, a record of many ranks: on a record thread)."""
+        keys = self.config.commit_keys
+        return await asyncio.get_running_loop().run_in_executor(self._record_threads, _commit_record, raw, keys)
 
     def admit(self, context: Any) -> None:
         """Refuse the node itself, and (with TLS) a caller whose certificate names no configured peer's host."""
@@ -149,11 +159,7 @@ class PeerServicer(peer_pb2_grpc.CkptdPeerServicer):
         async def work() -> pb.SealShardReply:
             self.admit(context)
             meta = await self._shard_meta(request.transfer, request.meta_json)
-            record = (
-                await asyncio.to_thread(_commit_record, request.commit_json, self.config.commit_keys)
-                if request.commit_json
-                else None
-            )
+            record = await self._commit_record_of(request.commit_json) if request.commit_json else None
             await self.receiver.seal(meta, request.transfer, record)
             await self.pipeline.replica_arrived(meta)
             return pb.SealShardReply()
@@ -211,9 +217,7 @@ class PeerServicer(peer_pb2_grpc.CkptdPeerServicer):
     async def CommitStep(self, request: pb.CommitStepRequest, context: Any) -> pb.CommitStepReply:
         async def work() -> pb.CommitStepReply:
             self.admit(context)
-            await self.pipeline.adopt_commit(
-                await asyncio.to_thread(_commit_record, request.commit_json, self.config.commit_keys)
-            )
+            await self.pipeline.adopt_commit(await self._commit_record_of(request.commit_json))
             return pb.CommitStepReply()
 
         return await answer(context, work)

@@ -4,7 +4,7 @@ The flusher, the replication and the uploader report here as shards move (the fl
 also what it passed over: PassedOver); WaitShard reads the verdicts, and `ckptd status`
 and /metrics the newest complete step of each job on each tier (NewestSteps). Everything
 runs on the event loop and touches no disk: what was durable before this daemon started
-is looked up once per wait, on a worker thread.
+is looked up once per wait, on a save thread (Executors.save).
 Every table is bounded (the oldest entries go first).
 """
 
@@ -16,6 +16,7 @@ import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
+from concurrent.futures import Executor
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -112,10 +113,20 @@ class ShardProgress:
     """
 
     def __init__(
-        self, pool: SlotPool, nvme: LocalDirTier, replication: Replication | None, uploader: Uploader | None, node: str
+        self,
+        pool: SlotPool,
+        nvme: LocalDirTier,
+        replication: Replication | None,
+        uploader: Uploader | None,
+        node: str,
+        threads: Executor,
     ) -> None:
-        """replication, uploader: None where the tier is not configured; node: this node's name, for messages."""
+        """replication, uploader: None where the tier is not configured; node: this node's name, for messages.
+
+        threads: where a wait looks on NVMe for a shard made durable before this daemon started (Executors.save).
+        """
         self.pool = pool
+        self._threads = threads
         self.nvme = nvme
         self.replication = replication
         self.uploader = uploader
@@ -237,7 +248,9 @@ class ShardProgress:
         elif tier == "peer":
             verdict = self._replica_verdict(key)
         else:
-            on_disk = tier == "nvme" and await asyncio.to_thread(self.nvme.has_shard, key.job, key.step, key.rank)
+            on_disk = tier == "nvme" and await asyncio.get_running_loop().run_in_executor(
+                self._threads, self.nvme.has_shard, key.job, key.step, key.rank
+            )
 
             def verdict() -> tuple[bool, str] | None:
                 return (True, "") if self._reached_tier(key, tier, on_disk) else None

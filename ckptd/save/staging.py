@@ -13,7 +13,8 @@ bytes go to a flush thread) is never claimed, nor one whose step [nvme] flush_ev
 keeps; only then does a save wait ("block") or get skipped ("skip").
 
 All methods run on the daemon's event loop thread, except record_hashed and write_markers (worker threads:
-the markers carry the layout, megabytes to read and write).
+the markers carry the layout, megabytes to read and write). A slot's shared memory is allocated, and the
+files of evicted slots unlinked, on the memory threads given at construction (Executors.slot_memory).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import dataclasses
 import logging
 import os
 import time
+from concurrent.futures import Executor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -89,8 +91,11 @@ class SlotPool:
         *,
         job_budget_bytes: int = 0,
         access: StagingAccess = OWNER_ONLY,
+        memory_threads: Executor,
     ) -> None:
+        """memory_threads: where slots' memory is allocated, gigabytes at a time (Executors.slot_memory)."""
         self.directory = directory
+        self._memory_threads = memory_threads
         self.access = access  # [staging] group: the modes of job directories and slots
         self.budget_bytes = budget_bytes  # 0: none (tests of the pool alone); Node gives default_budget_bytes()
         self.job_budget_bytes = job_budget_bytes  # 0: none beyond budget_bytes
@@ -158,7 +163,8 @@ class SlotPool:
         # Allocating gigabytes of shared memory takes a while: off the event loop, and
         # without the pool's lock, so other ranks' saves and finished flushes go on.
         spare_done = asyncio.ensure_future(self._allocate_free(spare, size_bytes)) if spare else None
-        allocation = asyncio.ensure_future(asyncio.to_thread(self._hand_out, slot, size_bytes))
+        loop = asyncio.get_running_loop()
+        allocation = asyncio.ensure_future(loop.run_in_executor(self._memory_threads, self._hand_out, slot, size_bytes))
         # Counted against the budget until the thread is done, even if this call is cancelled.
         allocation.add_done_callback(lambda _: setattr(slot, "allocating_bytes", 0))
         try:
@@ -246,7 +252,7 @@ class SlotPool:
     async def _allocate_free(self, slot: Slot, size_bytes: int) -> None:
         """Allocate (or grow) a slot nobody reserved, then leave it free: the spare, or a prepared one."""
         try:
-            await asyncio.to_thread(self._hand_out, slot, size_bytes)
+            await asyncio.get_running_loop().run_in_executor(self._memory_threads, self._hand_out, slot, size_bytes)
         except CheckpointError as e:
             log.warning("no staging slot ahead of need (spare or prepared) for %s rank %d: %s", slot.job, slot.rank, e)
         async with self._changed:

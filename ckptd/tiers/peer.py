@@ -4,7 +4,8 @@ The read side of the peer tier, over PeerLinks: the daemon fetches a rank's shar
 through it when this node lacks it (a wiped disk, a lost node's ranks), and
 `ckptd restore --from peer` reads through it with no daemon. The write side is
 ckptd.replication.sending (sending) and ckptd.replication.receiving (the replica store).
-Calls block: make them from worker threads.
+Calls block: make them from worker threads. An inventory of every peer asks them at once, on the
+pool given at construction (Executors.inventories).
 """
 
 from __future__ import annotations
@@ -13,13 +14,14 @@ import logging
 import threading
 import time
 from collections.abc import Collection
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor
 
 from ckpt.errors import CheckpointError, CorruptCheckpoint, NotFound
 from ckpt.format import CommitRecord, ShardMeta, digest
 from ckpt.shard_io import ShardSource
 
 from ckptd.cluster.placement import Holding, StepHoldings, holders
+from ckptd.pool_map import pool_map
 from ckptd.rpc.peer_link import IsSelf, PeerError, PeerLink
 from ckptd.tiers.base import Tier
 
@@ -27,7 +29,7 @@ log = logging.getLogger(__name__)
 
 VIEW_TTL_S = 1.0
 INVENTORY_TIMEOUT_S = 3.0
-INVENTORY_THREADS = 64  # peers asked at once: a thread each, not one per peer of a thousand
+INVENTORY_THREADS = 64  # peers asked at once by one call: a thread each, not one per peer of a thousand
 RETIRED_LINK_CLOSE_S = 60.0  # a link to a peer that left is closed this long after: calls under way end first
 
 
@@ -40,8 +42,10 @@ class PeerTier(Tier):
 
     name = "peer"
 
-    def __init__(self, links: list[PeerLink]) -> None:
+    def __init__(self, links: list[PeerLink], threads: Executor) -> None:
+        """threads: where every peer is asked at once, INVENTORY_THREADS by each call (Executors.inventories)."""
         self.links = links
+        self._threads = threads
         self._views: dict[str, tuple[float, list[StepHoldings]]] = {}
         self.unreachable: dict[str, str] = {}  # peer address -> why its last inventory failed
         self.answered: set[str] = set()  # the peers that answered an inventory at least once
@@ -61,7 +65,7 @@ class PeerTier(Tier):
     def among(self, addresses: Collection[str]) -> PeerTier:
         """Return this tier over only the peers in addresses (the same links: close this one, never that)."""
         with self._lock:
-            return PeerTier([link for link in self.links if link.address in addresses])
+            return PeerTier([link for link in self.links if link.address in addresses], self._threads)
 
     def close_retired(self) -> None:
         """Close the links retired long enough ago that no call can still be using them."""
@@ -95,9 +99,11 @@ class PeerTier(Tier):
         wait_for_ready: a peer whose connection failed last is given until timeout_s to connect (PeerLink.inventory).
         """
         links = [link for link in self.links if only is None or link.address in only]
-        threads = max(1, min(len(links), INVENTORY_THREADS))
-        with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="inventory") as pool:
-            answers = list(pool.map(lambda link: self._inventory(link, job, step, timeout_s, wait_for_ready), links))
+
+        def ask_one(link: PeerLink) -> list[StepHoldings]:
+            return self._inventory(link, job, step, timeout_s, wait_for_ready)
+
+        answers = pool_map(self._threads, ask_one, links, INVENTORY_THREADS)
         return [s for answer in answers for s in answer]
 
     def _inventory(

@@ -12,7 +12,7 @@ from ckpt.format import ShardMeta, chunk_ranges, digest
 
 from ckptd.byte_range import ByteRange
 from ckptd.config import Config, NodeConfig, StagingConfig
-from ckptd.node import Node
+from ckptd.node import Executors, Node
 
 CHUNK = 1 << 20
 
@@ -34,4 +34,4 @@ def test_a_job_is_not_removed_under_a_replica_being_received(tmp_path):
         assert list(config.replica_root.glob("j/3/*.partial"))
         await node.drain()
 
-    asyncio.run(body(Node(config)))
+    asyncio.run(body(Node(config, Executors.build())))

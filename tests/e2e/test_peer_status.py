@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 
 import ckpt
 import pytest
@@ -24,7 +25,7 @@ def _peer_status(node) -> dict:
 
 def test_a_peer_is_connecting_until_a_first_attempt_fails():
     address = f"127.0.0.1:{free_port()}"  # nobody listens there
-    tier = PeerTier([PeerLink(address, PeerConfig(insecure=True))])
+    tier = PeerTier([PeerLink(address, PeerConfig(insecure=True))], ThreadPoolExecutor(1))  # one peer: no thread
     try:
         assert tier.connecting() == [address] and not tier.unreachable
         assert tier.ask(timeout_s=0.5) == []

@@ -1,10 +1,10 @@
 """Find, check and remove shard objects in a store: listings kept a moment, and work on every rank of a step.
 
 ObjectTier calls these on its callers' threads (the uploader's, retention's object thread, the
-CLI's); a call about many ranks sends its requests COMMIT_CHECK_THREADS at a time from threads of
-its own. listed() keeps a directory's listing LISTING_TTL_S: a rank's own directory tells
-holds(), has_shard() and read_into() which objects it has, of which size. In the hashed layout
-(object_keys) a step's ranks lie in at most min(256, world) directories:
+CLI's); a call about many ranks sends its requests COMMIT_CHECK_THREADS at a time on the pool
+given at construction (Executors.object_requests). listed() keeps a directory's listing
+LISTING_TTL_S: a rank's own directory tells holds(), has_shard() and read_into() which objects it
+has, of which size. In the hashed layout (object_keys) a step's ranks lie in at most min(256, world) directories:
 
 - matching() lists each of them once a call, and reads a rank's shard record once over every call
   for one commit record: a rank found matching is then only seen again in its directory's listing.
@@ -21,12 +21,13 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor
 from typing import TypeVar
 
 from ckpt.errors import CheckpointError
 from ckpt.format import CommitRecord, ShardMeta, data_name, digest, meta_name
 
+from ckptd.pool_map import pool_map
 from ckptd.storage.object_store import ObjectStore
 from ckptd.tiers.object.keys import (
     FLAT_KEYS,
@@ -64,8 +65,10 @@ def holds_data(meta: ShardMeta, names: dict[str, int]) -> bool:
 class StepShards:
     """Check, find and remove the shard objects of all ranks of a step in one store."""
 
-    def __init__(self, store: ObjectStore) -> None:
+    def __init__(self, store: ObjectStore, threads: Executor) -> None:
+        """threads: where a call's requests about many ranks run, COMMIT_CHECK_THREADS at once."""
         self.store = store
+        self._threads = threads
         self._hashed = store.spreads_keys  # a store that keeps the flat layout has nothing under the prefixes
         self._matched: OrderedDict[tuple[str, int, CommitRecord], dict[int, ShardMeta]] = OrderedDict()
         self._scans: dict[str, tuple[float, set[int]]] = {}  # job -> (when, steps under the hash prefixes)
@@ -104,7 +107,7 @@ class StepShards:
         dirs = dirs_of(job, step, range(record.world_size), keys)
         found: dict[int, ShardMeta] = {}
         unread: list[tuple[int, Directory, dict[str, int]]] = []
-        for (directory, ranks), names in zip(dirs.items(), _fan_out(self._names, list(dirs)), strict=True):
+        for (directory, ranks), names in zip(dirs.items(), self._each(self._names, list(dirs)), strict=True):
             for rank in ranks:
                 meta = known.get(rank)
                 if meta is not None and holds_data(meta, names):
@@ -123,7 +126,7 @@ class StepShards:
                 return None
             return meta if holds_data(meta, names) else None
 
-        for (rank, _, _), meta in zip(unread, _fan_out(read, unread), strict=True):
+        for (rank, _, _), meta in zip(unread, self._each(read, unread), strict=True):
             if meta is not None:
                 found[rank] = meta
         with self._lock:
@@ -152,7 +155,7 @@ class StepShards:
         dirs = [hashed_job_dir(prefix, job) for prefix in all_prefixes()]
         found = {
             s
-            for names in _fan_out(self._names, dirs)
+            for names in self._each(self._names, dirs)
             for n, size in names.items()
             if size < 0 and (s := step_number(n)) is not None
         }
@@ -164,7 +167,7 @@ class StepShards:
         """Return the job's steps with a multipart upload left unfinished, flat or under some hash prefix."""
         dirs = [(job,), *(hashed_job_dir(prefix, job) for prefix in all_prefixes() if self._hashed)]
         steps = set()
-        for path in [p for paths in _fan_out(self._uploads, dirs) for p in paths]:
+        for path in [p for paths in self._each(self._uploads, dirs) for p in paths]:
             parts = path.split("/")  # <job>/<step>/<name>, or _shards/<hh>/<job>/<step>/<name>
             if len(parts) in (3, 5) and (step := step_number(parts[-2])) is not None:
                 steps.add(step)
@@ -179,7 +182,7 @@ class StepShards:
         else:
             prefixes = sorted({hash_prefix(job, step, rank) for rank in range(world_size)})
         dirs = [step_dir(job, step), *(hashed_dir(prefix, job, step) for prefix in prefixes)]
-        return sum(_fan_out(lambda d: self.store.abort_uploads(*d), dirs))
+        return sum(self._each(lambda d: self.store.abort_uploads(*d), dirs))
 
     def remove(self, job: str, step: int, world_size: int | None, keys: str = HASHED_KEYS) -> None:
         """Remove a step's objects but its commit record (removed first), then its unfinished uploads.
@@ -197,23 +200,17 @@ class StepShards:
             paths = [(*shard_dir(job, step, r, HASHED_KEYS), n) for r in range(world_size) for n in shard_names(r)]
         else:
             dirs = [hashed_dir(prefix, job, step) for prefix in all_prefixes()]
-            paths = [(*d, n) for d, names in zip(dirs, _fan_out(self._names, dirs), strict=True) for n in names]
+            paths = [(*d, n) for d, names in zip(dirs, self._each(self._names, dirs), strict=True) for n in names]
         self.store.remove_objects(paths)
         self.abort_uploads(job, step, world_size)
         self.forget(job, step)
+
+    def _each(self, fn: Callable[[T], R], items: Iterable[T]) -> list[R]:
+        """Return [fn(item) for item in items], COMMIT_CHECK_THREADS at a time."""
+        return list(pool_map(self._threads, fn, items, COMMIT_CHECK_THREADS))
 
     def _names(self, directory: Directory) -> dict[str, int]:
         return self.store.names(*directory)
 
     def _uploads(self, directory: Directory) -> list[str]:
         return self.store.unfinished_uploads(*directory)
-
-
-def _fan_out(fn: Callable[[T], R], items: Iterable[T]) -> list[R]:
-    """Return [fn(item) for item in items], COMMIT_CHECK_THREADS at a time."""
-    items = list(items)
-    if len(items) <= 1:
-        return [fn(item) for item in items]
-    workers = min(COMMIT_CHECK_THREADS, len(items))
-    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="object-check") as pool:
-        return list(pool.map(fn, items))

@@ -8,7 +8,8 @@ its record says so). A step is listed only through its commit record, written cr
 rank's shard is there and matches it. A shard comes in through open_shard (the uploader's only way
 in), whose ShardWrite is shard_write's; how its bytes become objects is layout's; what is done to
 every rank of a step at once (the commit check, removal, the scan for leftovers) is shards'. Calls
-block: the daemon makes them from its threads, the CLI from its own.
+block: the daemon makes them from its threads, the CLI from its own. What one call asks at once (a
+job's commit records, a shard's ranged GETs, a step's ranks) runs on the pools given at construction.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor
 from contextlib import contextmanager
 
 from ckpt.commit_keys import UNSIGNED, CommitKeys
@@ -29,6 +30,7 @@ from ckpt.step_index import StepIndex, index_bytes
 
 from ckptd.errors import AlreadyHeld, CommitConflict
 from ckptd.keyed import ThreadKeyedLocks
+from ckptd.pool_map import pool_map
 from ckptd.storage.commit_protocol import ObjectStepCommit
 from ckptd.storage.object_store import ObjectStore
 from ckptd.tiers.base import Tier
@@ -57,15 +59,27 @@ class ObjectTier(Tier):
 
     name = "object"
 
-    def __init__(self, store: ObjectStore, compression: str = "none", commit_keys: CommitKeys = UNSIGNED) -> None:
-        """compression: how shards written here are stored, "none" or "zstd" ([object] compression).
+    def __init__(
+        self,
+        store: ObjectStore,
+        read_threads: Executor,
+        request_threads: Executor,
+        compression: str = "none",
+        commit_keys: CommitKeys = UNSIGNED,
+    ) -> None:
+        """read_threads: a shard's ranged GETs, READ_THREADS by each read (Executors.object_reads);
+        request_threads: a job's commit records read, READ_THREADS by each listing, and a step's ranks
+        checked or removed, COMMIT_CHECK_THREADS by each call (Executors.object_requests).
 
+        compression: how shards written here are stored, "none" or "zstd" ([object] compression).
         commit_keys (Config.commit_keys): a commit record in the store not signed by one of them is damaged.
         """
         self.store = store
         self.commit_keys = commit_keys
         self.compression = compression
-        self.shards = StepShards(store)
+        self.shards = StepShards(store, request_threads)
+        self._read_threads = read_threads
+        self._request_threads = request_threads
         self.keys = HASHED_KEYS if store.spreads_keys else FLAT_KEYS  # where this tier puts shard objects
         # (job, step) -> (commit record, its object_keys), or "damaged" (logged once): a record once read is
         # kept while its step is listed (a commit record is written create-only: it never changes in place).
@@ -142,8 +156,8 @@ class ObjectTier(Tier):
             s: entry if isinstance(entry, str) else entry[0] for s, entry in known.items() if entry is not None
         }
         # A commit record, once read, is kept; the others are asked for each time, in parallel.
-        with ThreadPoolExecutor(max_workers=READ_THREADS, thread_name_prefix="object-list") as pool:
-            states.update(zip(unread, pool.map(lambda s: self._commit_state(job, s), unread), strict=True))
+        read = pool_map(self._request_threads, lambda s: self._commit_state(job, s), unread, READ_THREADS)
+        states.update(zip(unread, read, strict=True))
         return {s: state for s, state in sorted(states.items()) if state != "missing"}
 
     def _commit_state(self, job: str, step: int) -> CommitRecord | str:
@@ -272,10 +286,9 @@ class ObjectTier(Tier):
                 raise CheckpointError(f"{what}: reading bytes {start}-{start + stored - 1} of {name}: {e}") from e
             return unpack_range(meta, blob, frames, buffer, compressed=name.endswith(".zst"), base=offset)
 
-        with ThreadPoolExecutor(max_workers=READ_THREADS, thread_name_prefix="object-read") as pool:
-            for bad in pool.map(fetch, pieces):
-                if bad is not None:
-                    raise CorruptCheckpoint(f"{what}: {bad}")
+        for bad in pool_map(self._read_threads, fetch, pieces, READ_THREADS):
+            if bad is not None:
+                raise CorruptCheckpoint(f"{what}: {bad}")
 
     def _frame_sizes(self, meta: ShardMeta, directory: Directory, what: str) -> list[int]:
         try:

@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from ckpt.format import CommitRecord
@@ -27,6 +28,7 @@ from ckptd.rpc.cluster_server import serve_cluster
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
 JOB = "train"
+THREADS = ThreadPoolExecutor(4)  # every built-in view's DNS lookups and records here (Executors.resolve, records)
 
 
 def holding(node: str, step: int, rank: int, world: int = 8, tier: str = "nvme", digest: str = "") -> Holding:
@@ -104,10 +106,11 @@ class Cluster:
         if self.backend == "etcd":
             node = Node(EtcdView(config, kept_records=8))
         else:
-            membership = ResolvedPeers(config)
-            view = PeersView(address, membership, ClusterLinks(config.peer), 8, anti_entropy_s=1, resend_s=0.5)
+            membership = ResolvedPeers(config, THREADS)
+            links = ClusterLinks(config.peer)
+            view = PeersView(address, membership, links, 8, anti_entropy_s=1, record_threads=THREADS, resend_s=0.5)
             node = Node(view)
-            node.server, _ = await serve_cluster(view, address, config.peer)
+            node.server, _ = await serve_cluster(view, address, config.peer, THREADS)
         return node
 
     async def close(self) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -13,6 +14,7 @@ from ckptd.config import load_config
 
 SERVICE = "ckptd-peers.test:7070"
 ME = "10.0.0.1:7070"
+RESOLVE_THREADS = ThreadPoolExecutor(1, thread_name_prefix="resolve")  # Executors.resolve, for every test here
 
 
 class Dns:
@@ -62,7 +64,7 @@ def _watched(membership: ResolvedPeers) -> list[tuple[set[str], set[str]]]:
 
 def test_a_name_stands_for_every_address_it_resolves_to_and_each_lookup_follows_it(caplog):
     dns = Dns({SERVICE: _ips(1, 2, 3, 4), "10.0.0.9:7070": _ips(9), ME: [ME]})
-    membership = ResolvedPeers(_config([SERVICE, "10.0.0.9:7070"]), dns)
+    membership = ResolvedPeers(_config([SERVICE, "10.0.0.9:7070"]), RESOLVE_THREADS, dns)
     changes = _watched(membership)
 
     async def scenario() -> None:
@@ -96,7 +98,7 @@ def test_a_name_stands_for_every_address_it_resolves_to_and_each_lookup_follows_
 
 def test_a_name_that_resolves_to_nothing_at_first_leaves_the_node_alone_until_peers_appear():
     dns = Dns({SERVICE: _temporary_failure(), ME: [ME]})
-    membership = ResolvedPeers(_config([SERVICE]), dns)
+    membership = ResolvedPeers(_config([SERVICE]), RESOLVE_THREADS, dns)
     changes = _watched(membership)
 
     async def scenario() -> None:
@@ -115,7 +117,7 @@ def test_a_name_that_resolves_to_nothing_at_first_leaves_the_node_alone_until_pe
 
 def test_a_change_that_failed_to_apply_is_offered_again():
     dns = Dns({SERVICE: _ips(1, 2), ME: [ME]})
-    membership = ResolvedPeers(_config([SERVICE]), dns)
+    membership = ResolvedPeers(_config([SERVICE]), RESOLVE_THREADS, dns)
     offered: list[frozenset[str]] = []
 
     async def on_change(added: frozenset[str], removed: frozenset[str]) -> None:
@@ -138,7 +140,7 @@ def test_a_change_that_failed_to_apply_is_offered_again():
 
 def test_an_interval_of_0_resolves_once_at_start():
     dns = Dns({SERVICE: _ips(1, 2), ME: [ME]})
-    membership = ResolvedPeers(_config([SERVICE], interval_s=0), dns)
+    membership = ResolvedPeers(_config([SERVICE], interval_s=0), RESOLVE_THREADS, dns)
 
     async def scenario() -> None:
         await membership.refresh()
@@ -153,7 +155,7 @@ def test_an_interval_of_0_resolves_once_at_start():
 def test_a_name_with_both_families_stands_for_the_addresses_of_this_nodes_family_and_literals_for_themselves():
     both = [*_ips(1, 2, 3), "[fd00::1]:7070", "[fd00::2]:7070", "[fd00::3]:7070"]  # three dual-stack nodes
     dns = Dns({SERVICE: both, "[fd00::9]:7070": ["[fd00::9]:7070"], ME: [ME]})
-    membership = ResolvedPeers(_config([SERVICE, "[fd00::9]:7070"]), dns)
+    membership = ResolvedPeers(_config([SERVICE, "[fd00::9]:7070"]), RESOLVE_THREADS, dns)
     asyncio.run(membership.refresh())
     assert membership.peers() == {*_ips(2, 3), "[fd00::9]:7070"}
     membership.close()

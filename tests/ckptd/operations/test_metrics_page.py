@@ -10,7 +10,7 @@ import prometheus_client
 from prometheus_client.parser import text_string_to_metric_families
 
 from ckptd.config import Config, NodeConfig, StagingConfig
-from ckptd.node import Node
+from ckptd.node import Executors, Node
 from ckptd.save.staging import ShardKey
 
 DISK_CALLS = (
@@ -46,7 +46,7 @@ def test_a_scrape_touches_no_disk_where_status_lists_the_jobs(tmp_path, monkeypa
         return page, listed
 
     async def run() -> tuple[str, BaseException | None]:
-        node = Node(config)
+        node = Node(config, Executors.build())
         await node.start()
         return await body(node)
 
@@ -68,7 +68,7 @@ def test_nothing_lands_in_prometheus_clients_global_registry(tmp_path):
     config = Config(node=NodeConfig(root=str(tmp_path / "nvme")), staging=StagingConfig(dir=str(tmp_path / "shm")))
 
     async def run() -> str:
-        node = Node(config)
+        node = Node(config, Executors.build())
         await node.start()
         page = await node.pipeline.metrics_page()
         await node.drain()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 
 from ckptd.operations import root_identity
 from ckptd.operations.root_identity import ROOT_ID_NAME
@@ -56,11 +57,12 @@ def test_watch_returns_once_the_root_is_removed_or_replaced(tmp_path, monkeypatc
     ident = root_identity.claim(root, staging)
 
     async def removed_while_watched() -> bool:
-        watching = asyncio.create_task(root_identity.watch(root, ident))
+        watching = asyncio.create_task(root_identity.watch(root, ident, threads))
         await asyncio.sleep(0.05)  # several checks of a root that is still there
         still = not watching.done()
         (root / ROOT_ID_NAME).write_text("another root's")
         await asyncio.wait_for(watching, timeout=10)
         return still
 
-    assert asyncio.run(removed_while_watched())
+    with ThreadPoolExecutor(1) as threads:  # Executors.status
+        assert asyncio.run(removed_while_watched())

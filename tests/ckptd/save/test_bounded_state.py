@@ -23,12 +23,12 @@ BOUND = 10
 def roles(tmp_path, monkeypatch):
     monkeypatch.setattr(progress, "REMEMBERED_SHARDS", BOUND)
     monkeypatch.setattr(save_path, "REMEMBERED_SHARDS", BOUND)
-    pool = SlotPool(tmp_path / "staging", 0, "block")
     nvme = LocalDirTier(tmp_path / "nvme")
-    shard_progress = ShardProgress(
-        pool, nvme, replication=None, uploader=None, node="n"
-    )  # peers and store play no part here
     with ThreadPoolExecutor(1) as threads:
+        pool = SlotPool(tmp_path / "staging", 0, "block", memory_threads=threads)
+        shard_progress = ShardProgress(
+            pool, nvme, replication=None, uploader=None, node="n", threads=threads
+        )  # peers and store play no part here
         flusher = Flusher(pool, nvme, threads)
         saves = SavePath(
             pool, flusher, nvme, [nvme], peering=None, uploader=None, progress=shard_progress, retention=None,

@@ -10,13 +10,15 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 from ckptd.config import Config, NodeConfig, NvmeConfig, StagingConfig
-from ckptd.node import Node
+from ckptd.node import Executors, Node
 from ckptd.save.passed_over import PassedOver
 from ckptd.save.staging import ShardKey, SlotPool, Snapshot
 
 MIB = 1 << 20
+MEMORY_THREADS = ThreadPoolExecutor(4, thread_name_prefix="slot-memory")  # every SlotPool here allocates on it
 GATE_TIMEOUT_S = 60.0
 
 
@@ -80,7 +82,7 @@ async def _wait(node: Node, job: str, step: int, rank=0, world_size=1, tier="nvm
 
 def _run(config, body):
     async def run():
-        node = Node(config)
+        node = Node(config, Executors.build())
         disk = GatedDisk(node)  # before start(): the flushes a restart resumes are held too
         await node.start()
         try:
@@ -187,7 +189,7 @@ def test_under_block_a_save_waits_for_the_flush_of_a_kept_step_and_says_so(tmp_p
 def test_a_restart_flushes_only_the_newest_pending_snapshot_and_passes_over_the_older(tmp_path):
     config = _config(tmp_path)
     # A daemon that died with steps 5 and 6 of both ranks committed and nothing flushed.
-    pool = SlotPool(config.staging_dir, 0, "block")
+    pool = SlotPool(config.staging_dir, 0, "block", memory_threads=MEMORY_THREADS)
     pool.recover()
 
     async def commit_both():
@@ -220,7 +222,7 @@ def test_a_restart_flushes_only_the_newest_pending_snapshot_and_passes_over_the_
 
 
 def test_prepare_allocates_the_rank_slots_ahead_once_and_the_first_save_takes_one(tmp_path):
-    pool = SlotPool(tmp_path / "staging", 0, "block")
+    pool = SlotPool(tmp_path / "staging", 0, "block", memory_threads=MEMORY_THREADS)
     pool.recover()
 
     async def run():
@@ -239,7 +241,7 @@ def test_prepare_allocates_the_rank_slots_ahead_once_and_the_first_save_takes_on
 
 
 def test_prepare_of_a_restarted_rank_also_names_the_slot_of_its_newest_snapshot_after_the_free_one(tmp_path):
-    pool = SlotPool(tmp_path / "staging", 0, "block")
+    pool = SlotPool(tmp_path / "staging", 0, "block", memory_threads=MEMORY_THREADS)
     pool.recover()
 
     async def run():
@@ -253,7 +255,7 @@ def test_prepare_of_a_restarted_rank_also_names_the_slot_of_its_newest_snapshot_
 
 
 def test_prepare_keeps_within_the_budget_and_never_evicts_a_snapshot_being_flushed(tmp_path):
-    pool = SlotPool(tmp_path / "staging", 3 * MIB, "skip")
+    pool = SlotPool(tmp_path / "staging", 3 * MIB, "skip", memory_threads=MEMORY_THREADS)
     pool.recover()
 
     async def run():

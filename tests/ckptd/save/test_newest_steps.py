@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 
 from ckptd.save import progress
@@ -9,11 +11,14 @@ from ckptd.save.progress import Completion, NewestSteps, ShardProgress
 from ckptd.save.staging import ShardKey, SlotPool
 from ckptd.tiers.nvme import LocalDirTier
 
+MEMORY_THREADS = ThreadPoolExecutor(4, thread_name_prefix="slot-memory")  # every SlotPool here allocates on it
+
 
 @pytest.fixture
 def shard_progress(tmp_path):
     nvme = LocalDirTier(tmp_path / "nvme")
-    yield ShardProgress(SlotPool(tmp_path / "staging", 0, "block"), nvme, replication=None, uploader=None, node="n")
+    pool = SlotPool(tmp_path / "staging", 0, "block", memory_threads=MEMORY_THREADS)
+    yield ShardProgress(pool, nvme, replication=None, uploader=None, node="n", threads=MEMORY_THREADS)
 
 
 def steps(newest: NewestSteps) -> dict[str, dict[str, int]]:

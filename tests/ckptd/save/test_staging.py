@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import sys
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -17,10 +18,11 @@ from ckpt.format import CHUNK_SIZE_BYTES, ShardMeta
 from ckptd.save.staging import DEFAULT_BUDGET_SHARE, ShardKey, SlotPool, Snapshot, default_budget_bytes
 
 MIB = 1 << 20
+MEMORY_THREADS = ThreadPoolExecutor(4, thread_name_prefix="slot-memory")  # every SlotPool here allocates on it
 
 
 def _pool(tmp_path, budget_bytes=0, policy="block"):
-    pool = SlotPool(tmp_path / "staging", budget_bytes, policy)
+    pool = SlotPool(tmp_path / "staging", budget_bytes, policy, memory_threads=MEMORY_THREADS)
     pool.recover()
     return pool
 
@@ -103,7 +105,8 @@ def test_skip_policy_answers_at_once_when_no_room_is_left(tmp_path):
 
 
 def test_a_job_takes_no_more_than_its_share_and_other_jobs_save_on(tmp_path):
-    pool = SlotPool(tmp_path / "staging", 0, "skip", job_budget_bytes=3 * MIB)  # no budget: the job's share binds
+    # no budget: the job's share binds
+    pool = SlotPool(tmp_path / "staging", 0, "skip", job_budget_bytes=3 * MIB, memory_threads=MEMORY_THREADS)
     pool.recover()
 
     async def run():
@@ -172,7 +175,7 @@ def shm_dir():
 
 
 def test_one_rank_allocating_a_large_slot_does_not_hold_up_another(shm_dir):
-    pool = SlotPool(shm_dir, 0, "block")
+    pool = SlotPool(shm_dir, 0, "block", memory_threads=MEMORY_THREADS)
     pool.recover()
     finished: list[str] = []
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import mmap
 import time
 import types
+from concurrent.futures import ThreadPoolExecutor
 
 from ckpt.errors import NotFound
 from ckpt.format import CHUNK_SIZE_BYTES, CommitRecord, ShardMeta, data_name, digest, round_up
@@ -13,6 +14,8 @@ from ckptd.save.uploading import Uploader, upload_file
 from ckptd.storage.object_store import open_store
 from ckptd.tiers.nvme import LocalDirTier
 from ckptd.tiers.object.tier import ObjectTier
+
+THREADS = ThreadPoolExecutor(4)  # Executors.object_reads and object_requests, here
 
 
 def _uploaded(nvme: LocalDirTier, store: ObjectTier, step: int) -> CommitRecord:
@@ -26,7 +29,7 @@ def _uploaded(nvme: LocalDirTier, store: ObjectTier, step: int) -> CommitRecord:
 
 def test_a_step_committed_by_another_node_between_two_looks_is_not_given_up(tmp_path, monkeypatch):
     url = f"file://{tmp_path}/store"
-    here, writer = ObjectTier(open_store(url, {})), ObjectTier(open_store(url, {}))  # two nodes, one store
+    here, writer = (ObjectTier(open_store(url, {}), THREADS, THREADS) for _ in range(2))  # two nodes, one store
     nvme = LocalDirTier(tmp_path / "nvme")
     assert writer.try_commit(_uploaded(nvme, writer, 10))
     step_5 = _uploaded(nvme, writer, 5)

@@ -38,6 +38,8 @@ from ckptd.tiers.nvme import LocalDirTier
 from ckptd.tiers.object.keys import shard_dir
 from ckptd.tiers.object.tier import ObjectTier
 
+THREADS = ThreadPoolExecutor(8)  # the pools Executors gives the tiers here: slot_memory, object_reads, object_requests
+
 
 def _aligned(payload: bytes) -> memoryview:
     m = mmap.mmap(-1, round_up(max(len(payload), 1), 4096))
@@ -67,7 +69,7 @@ class ObjectHarness:
 
     def __init__(self, tmp: Path, url: str, storage_options: dict) -> None:
         self.scratch = LocalDirTier(tmp / "scratch")
-        self.tier = ObjectTier(open_store(url, storage_options))
+        self.tier = ObjectTier(open_store(url, storage_options), THREADS, THREADS)
         self.metas: dict[tuple[str, int], dict[int, ShardMeta]] = {}
 
     def put(self, key: ShardKey, payload: bytes) -> None:
@@ -95,7 +97,7 @@ class ObjectHarness:
 
 class MemoryHarness:
     def __init__(self, tmp: Path) -> None:
-        self.pool = SlotPool(tmp / "staging", budget_bytes=0, policy="block")
+        self.pool = SlotPool(tmp / "staging", budget_bytes=0, policy="block", memory_threads=THREADS)
         self.pool.recover()
         self.tier = MemoryTier(self.pool.slots)
 

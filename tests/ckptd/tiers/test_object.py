@@ -53,13 +53,15 @@ from ckptd.tiers.object.keys import (
 from ckptd.tiers.object.layout import PART_BYTES, frame_index, frames_name, zstd_name
 from ckptd.tiers.object.tier import ObjectTier
 
+THREADS = ThreadPoolExecutor(8, thread_name_prefix="object")  # Executors.object_reads and object_requests, here
+
 
 @pytest.fixture(params=["file", "s3"])
 def tier(request, tmp_path) -> ObjectTier:
     if request.param == "file":
-        return ObjectTier(open_store(f"file://{tmp_path}/store", {}))
+        return ObjectTier(open_store(f"file://{tmp_path}/store", {}), THREADS, THREADS)
     server = request.getfixturevalue("s3_server")
-    return ObjectTier(open_store(f"s3://{server.new_bucket()}/prefix", server.storage_options))
+    return ObjectTier(open_store(f"s3://{server.new_bucket()}/prefix", server.storage_options), THREADS, THREADS)
 
 
 class Shards:
@@ -197,7 +199,7 @@ def test_removing_a_step_unlists_it_first_and_leaves_nothing(tier, shards):
 
 def test_an_upload_abandoned_by_a_crash_is_aborted_by_the_next_upload(s3_server, shards):
     bucket = s3_server.new_bucket()
-    tier = ObjectTier(open_store(f"s3://{bucket}/p", s3_server.storage_options))
+    tier = ObjectTier(open_store(f"s3://{bucket}/p", s3_server.storage_options), THREADS, THREADS)
     meta = shards.write("job", 5, 0, 1, os.urandom(2 * PART_BYTES + 1))
     s3 = s3_server.client()
     key = "/".join(["p", *_dir(tier, "job", 5, 0), data_name(0)])
@@ -276,7 +278,7 @@ def test_a_damaged_commit_record_is_not_complete_and_is_logged_once(tier, shards
     raw[-3] ^= 1
     tier.store.put(bytes(raw), "job", "2", COMMIT_NAME)
     assert not tier.is_complete("job", 2)  # read afresh, not the record this tier had read before
-    fresh = ObjectTier(tier.store)  # another node, or this one after a restart
+    fresh = ObjectTier(tier.store, THREADS, THREADS)  # another node, or this one after a restart
     for _ in range(3):  # every listing, and every question about the one step, reads it again
         assert fresh.complete_steps("job") == [] and fresh.damaged_steps("job") == [2]
         assert not fresh.is_complete("job", 2)
@@ -300,7 +302,7 @@ def test_shard_objects_spread_over_256_hash_prefixes_and_the_step_keeps_its_comm
     }
     assert _stored(tier) == sorted([*shard_keys, f"job/9/{COMMIT_NAME}"])  # nothing of a shard beside the record
     assert len({hash_prefix("job", 9, rank) for rank in range(world)}) > world // 2
-    fresh = ObjectTier(tier.store)  # another node: finds every shard from its name alone
+    fresh = ObjectTier(tier.store, THREADS, THREADS)  # another node: finds every shard from its name alone
     for rank, payload in enumerate(payloads):
         assert _read(fresh, "job", 9, rank) == payload
         assert fresh.has_shard("job", 9, rank) and fresh.holds(metas[rank])
@@ -334,7 +336,7 @@ def test_a_step_of_the_flat_layout_with_an_older_record_still_lists_and_loads(ti
     assert body["version"] == 2 and "object_keys" not in body
     tier.store.put(seal({**body, "version": version}), "old", "3", COMMIT_NAME)
 
-    fresh = ObjectTier(tier.store)
+    fresh = ObjectTier(tier.store, THREADS, THREADS)
     assert fresh.jobs() == ["old"] and fresh.complete_steps("old") == [3]
     assert fresh.commit_record("old", 3) == record
     for rank, payload in enumerate(payloads):
@@ -364,7 +366,7 @@ def test_the_stores_record_names_its_keys_in_a_version_that_readers_of_versions_
         CommitRecord.from_bytes(raw, "COMMIT.json")
     assert CommitRecord.from_object_bytes(raw, "COMMIT.json") == (record, HASHED_KEYS)
     # The tier hands on the step's record as every other tier has it: equal, and sealed alike.
-    held = ObjectTier(tier.store).commit_record("job", 8)
+    held = ObjectTier(tier.store, THREADS, THREADS).commit_record("job", 8)
     assert held == record and held.to_bytes() == record.to_bytes()
     # Restored, the step is in the flat layout with a record of version 2, for the readers of today.
     step_dir = restore([tier], "job", 8, tmp_path / "out", progress=lambda message: None)
@@ -373,7 +375,7 @@ def test_the_stores_record_names_its_keys_in_a_version_that_readers_of_versions_
     assert (step_dir / data_name(0)).read_bytes() == b"a shard"
     # Keys a ckptd does not know (a layout of a newer one) make the step damaged here, never misread.
     tier.store.put(seal({**body, "object_keys": "xxh3-3hex"}), "job", "8", COMMIT_NAME)
-    newer = ObjectTier(tier.store)
+    newer = ObjectTier(tier.store, THREADS, THREADS)
     assert newer.complete_steps("job") == [] and newer.damaged_steps("job") == [8]
 
 
@@ -416,7 +418,7 @@ def test_listings_of_a_job_at_once_read_each_commit_record_once(tier, shards, mo
         meta = shards.write("job", step, 0, 1, os.urandom(50))
         _upload(tier, meta, shards.path(meta), "none")
         assert tier.try_commit(_record([meta]))
-    restarted = ObjectTier(tier.store)
+    restarted = ObjectTier(tier.store, THREADS, THREADS)
     reads: list[tuple[str, ...]] = []
     read = restarted.store.read
 
@@ -496,7 +498,7 @@ def test_uploads_ask_for_the_commit_record_once_per_step_and_never_write_into_a_
     assert asked == [("job", "3", COMMIT_NAME)], "one node's ranks each asked the step's prefix"
     assert tier.try_commit(_record(metas))
     resaved = shards.write("job", 3, 2, 4, b"another save of rank 2")
-    for node in (tier, ObjectTier(tier.store)):  # this node, and one that never asked
+    for node in (tier, ObjectTier(tier.store, THREADS, THREADS)):  # this node, and one that never asked
         with pytest.raises(CommitConflict, match="never rewritten"):
             _upload(node, resaved, shards.path(resaved), "none")
         assert not _upload(node, metas[0], shards.path(metas[0]), "none")  # listed as it is: nothing to do
@@ -504,7 +506,7 @@ def test_uploads_ask_for_the_commit_record_once_per_step_and_never_write_into_a_
 
 
 def test_a_store_in_the_flat_layout_never_looks_under_the_hash_prefixes(tmp_path, shards, monkeypatch):
-    tier = ObjectTier(open_store(f"file://{tmp_path}/store", {}))
+    tier = ObjectTier(open_store(f"file://{tmp_path}/store", {}), THREADS, THREADS)
     meta = shards.write("job", 1, 0, 1, b"flat")
     _upload(tier, meta, shards.path(meta), "none")
     assert tier.try_commit(_record([meta]))
@@ -523,7 +525,7 @@ def test_a_damaged_commit_record_is_read_and_logged_once_while_its_step_is_liste
     _upload(tier, meta, shards.path(meta), "none")
     assert tier.try_commit(_record([meta]))
     tier.store.put(b"not a record", "job", "3", COMMIT_NAME)
-    fresh = ObjectTier(tier.store)
+    fresh = ObjectTier(tier.store, THREADS, THREADS)
     read = fresh.store.read
     reads: list[tuple[str, ...]] = []
     monkeypatch.setattr(fresh.store, "read", lambda *n, **kw: reads.append(n) or read(*n, **kw))
@@ -607,7 +609,7 @@ def test_a_shard_the_commit_record_lists_is_already_held_and_another_one_a_confl
         _write_ranges(shard, payload, PART_BYTES)
         shard.seal()
     assert tier.try_commit(_record(metas))
-    for node in (tier, ObjectTier(tier.store)):  # this node, and one that never uploaded
+    for node in (tier, ObjectTier(tier.store, THREADS, THREADS)):  # this node, and one that never uploaded
         with pytest.raises(AlreadyHeld, match="rank 1 shard of job step 5 on tier object"):
             node.open_shard(metas[1])
         with pytest.raises(CommitConflict, match="never rewritten"):
