@@ -19,13 +19,13 @@ from typing import Any
 
 from ckpt.format import CommitRecord
 
+from ckptd.cluster.cluster_link import ClusterLinks
 from ckptd.cluster.etcd_view import EtcdView
 from ckptd.cluster.peer_membership import ResolvedPeers
 from ckptd.cluster.peers_view import PeersView
 from ckptd.cluster.placement import Holding
 from ckptd.cluster.view import ClusterView
 from ckptd.config import load_config
-from ckptd.rpc.cluster_link import ClusterLinks
 from ckptd.rpc.cluster_server import serve_cluster
 
 

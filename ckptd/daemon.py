@@ -17,20 +17,20 @@ from ckpt.errors import InvalidArgument
 from ckpt.transport import MAX_MESSAGE_BYTES
 from ckpt.wire.v1 import ckptd_pb2_grpc
 
-from ckptd import sd_notify
+from ckptd import metrics, sd_notify
 from ckptd.addresses import host_of
+from ckptd.cluster.peer_link import server_credentials, server_options
 from ckptd.cluster.peers_view import PeersView
 from ckptd.config import Config
 from ckptd.errors import RootGone
+from ckptd.log_pace import LogPace
 from ckptd.node import Node
-from ckptd.operations import metrics, root_lock
+from ckptd.operations import root_lock
 from ckptd.pipeline import Pipeline
 from ckptd.rpc.cluster_server import add_cluster_servicer
 from ckptd.rpc.data_listener import DataListener
 from ckptd.rpc.grpc_log import CoreLog
 from ckptd.rpc.guard import RequestGuard
-from ckptd.rpc.log_pace import LogPace
-from ckptd.rpc.peer_link import server_credentials, server_options
 from ckptd.rpc.peer_server import PeerServicer, add_peer_servicer
 from ckptd.rpc.server import CkptdServicer
 from ckptd.storage.owned_dir import DIR_MODE, claim_dir

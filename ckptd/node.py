@@ -21,6 +21,7 @@ from ckpt.errors import CheckpointError
 from ckpt.format import CommitRecord
 
 from ckptd.cluster.backends import open_view
+from ckptd.cluster.peer_link import STREAMS_PER_SHARD
 from ckptd.config import Config
 from ckptd.load.cluster_steps import ClusterSteps
 from ckptd.load.locate import Locator
@@ -35,12 +36,12 @@ from ckptd.replication.peering import Peering
 from ckptd.replication.receiving import MAX_RANGES_IN_FLIGHT, ReplicaReceiver
 from ckptd.replication.sending import MAX_SENDERS, Replication
 from ckptd.rpc.data_listener import CONNECTION_THREADS
-from ckptd.rpc.peer_link import STREAMS_PER_SHARD
 from ckptd.save.flush import Flusher
 from ckptd.save.progress import ShardProgress
 from ckptd.save.save_path import LOCAL_TIERS, SavePath
-from ckptd.save.staging import ShardKey, SlotPool, default_budget_bytes
+from ckptd.save.staging import SlotPool, default_budget_bytes
 from ckptd.save.uploading import UPLOAD_THREADS, Uploader
+from ckptd.shard_key import ShardKey
 from ckptd.storage.object_store import open_store
 from ckptd.storage.owned_dir import DIR_MODE, claim_dir
 from ckptd.tiers.base import DurableTier, Tier

@@ -35,8 +35,10 @@ from ckptd.replication.peering import Peering
 from ckptd.replication.receiving import ReplicaReceiver
 from ckptd.save.progress import ShardProgress, ShardWait
 from ckptd.save.save_path import SavePath
-from ckptd.save.staging import ShardKey, Slot, SlotPool, Snapshot
+from ckptd.save.staging import SlotPool, Snapshot
+from ckptd.shard_key import ShardKey
 from ckptd.tiers.catalog import StepInfo
+from ckptd.tiers.slot_files import Slot
 
 
 class Pipeline:

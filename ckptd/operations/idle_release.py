@@ -20,9 +20,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 from ckpt.errors import InvalidArgument
 
-from ckptd.save.slot_files import UNFLUSHED
-from ckptd.save.staging import Slot, SlotPool
+from ckptd.save.staging import SlotPool
 from ckptd.tiers.nvme import LocalDirTier
+from ckptd.tiers.slot_files import UNFLUSHED, Slot
 
 log = logging.getLogger(__name__)
 

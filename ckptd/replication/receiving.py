@@ -37,7 +37,7 @@ from ckpt.format import DIRECT_IO_ALIGN_BYTES, CommitRecord, ShardMeta, round_up
 
 from ckptd.byte_range import ByteRange
 from ckptd.errors import AlreadyHeld, ReceiverBusy
-from ckptd.rpc.log_pace import LogPace
+from ckptd.log_pace import LogPace
 from ckptd.tiers.base import ShardWrite
 from ckptd.tiers.nvme import LocalDirTier
 

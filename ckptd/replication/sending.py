@@ -34,10 +34,10 @@ from pathlib import Path
 from ckpt.errors import CheckpointError, CorruptCheckpoint
 from ckpt.format import CommitRecord, ShardMeta, digest
 
+from ckptd.cluster.peer_link import IsSelf, PeerLink
 from ckptd.cluster.placement import Holding, reseat, seated_placement
 from ckptd.errors import LocalCopyGone
-from ckptd.rpc.peer_link import IsSelf, PeerLink
-from ckptd.save.staging import ShardKey
+from ckptd.shard_key import ShardKey
 
 log = logging.getLogger(__name__)
 

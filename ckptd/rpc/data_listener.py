@@ -34,17 +34,17 @@ from typing import TypeVar
 
 from ckpt.errors import CorruptCheckpoint
 
+from ckptd.cluster import tls_refusal
+from ckptd.cluster.data_channel import STALL_TIMEOUT_S, TICKET_BYTES, send_status
 from ckptd.config import PeerConfig
 from ckptd.errors import NotOffered, ReceiverBusy
+from ckptd.log_pace import LogPace
 from ckptd.replication.receiving import (
     MAX_RANGES_IN_FLIGHT,
     RangeReservation,
     ReplicaReceiver,
     wait_finished,
 )
-from ckptd.rpc import tls_refusal
-from ckptd.rpc.data_channel import STALL_TIMEOUT_S, TICKET_BYTES, send_status
-from ckptd.rpc.log_pace import LogPace
 from ckptd.rpc.statuses import status_line
 
 log = logging.getLogger(__name__)

@@ -23,11 +23,12 @@ from ckpt.format import validate_tier
 
 from ckptd.replication.sending import FAILURES_REPORTED, Replication
 from ckptd.save.passed_over import PassedOver
-from ckptd.save.slot_files import UNFLUSHED
-from ckptd.save.staging import ShardKey, SlotPool
+from ckptd.save.staging import SlotPool
 from ckptd.save.uploading import FAILURES_REPORTED as UPLOAD_FAILURES_REPORTED
 from ckptd.save.uploading import Uploader
+from ckptd.shard_key import ShardKey
 from ckptd.tiers.nvme import LocalDirTier
+from ckptd.tiers.slot_files import UNFLUSHED
 
 log = logging.getLogger(__name__)
 

@@ -28,29 +28,49 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import OrderedDict
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, Protocol
 
 from ckpt.errors import CheckpointError, InvalidArgument, NotFound
 from ckpt.format import CommitRecord, ShardMeta
 from ckpt.history import History, Line, generation
 
+from ckptd import metrics
 from ckptd.cluster.view import ClusterView
 from ckptd.errors import MixedLines
-from ckptd.operations import metrics
-from ckptd.operations.retention import RetentionRunner
 from ckptd.replication.peering import Peering
 from ckptd.save.flush import Flusher
 from ckptd.save.progress import REMEMBERED_SHARDS, ShardProgress
-from ckptd.save.staging import ShardKey, Slot, SlotPool, Snapshot
+from ckptd.save.staging import SlotPool, Snapshot
 from ckptd.save.uploading import Uploader
+from ckptd.shard_key import ShardKey
 from ckptd.tiers.base import DurableTier
 from ckptd.tiers.nvme import LocalDirTier
+from ckptd.tiers.slot_files import Slot
 
 log = logging.getLogger(__name__)
 
 LOCAL_TIERS = ("nvme", "peer")  # the tiers retention runs on after a seal here
+
+
+class Retention(Protocol):
+    """What the save asks of retention (operations.retention.RetentionRunner, above it), on the event loop.
+
+    collect after a step is sealed here (awaited, on the local tiers); collect_soon once a step
+    is committed in the object store (from the Uploader's callback).
+    """
+
+    async def collect(
+        self,
+        dry_run: bool,
+        job: str = "",
+        keep_newest: bool = True,
+        tiers: tuple[str, ...] = (),
+        unfinished_uploads: bool = True,
+    ) -> Sequence[object]: ...
+
+    def collect_soon(self, job: str, tiers: tuple[str, ...]) -> None: ...
 
 
 class SavePath:
@@ -65,7 +85,7 @@ class SavePath:
         peering: Peering,
         uploader: Uploader | None,
         progress: ShardProgress,
-        retention: RetentionRunner,
+        retention: Retention,
         view: ClusterView | None,
         save_threads: ThreadPoolExecutor,
         peer_threads: ThreadPoolExecutor,

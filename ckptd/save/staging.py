@@ -32,18 +32,10 @@ from ckpt.format import MAX_SHARD_BYTES, ShardMeta, digest, layout_offset, round
 from ckpt.history import Line, line_to_json
 
 from ckptd.save.rounds import kept
-
-# A slot and its files on disk live in slot_files; ShardKey, Slot and scan_slots stay importable from here.
-from ckptd.save.slot_files import (
-    SLOT_NAME,
-    ShardKey,
-    Slot,
-    locked_by_a_writer,
-    scan_slots,
-    slot_path,
-)
+from ckptd.shard_key import ShardKey
 from ckptd.storage.durable_write import replace_file
 from ckptd.storage.owned_dir import OWNER_ONLY, StagingAccess, claim_dir, create_new, open_owned
+from ckptd.tiers.slot_files import SLOT_NAME, Slot, locked_by_a_writer, scan_slots, slot_path
 
 log = logging.getLogger(__name__)
 

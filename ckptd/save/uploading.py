@@ -33,12 +33,12 @@ from typing import Any
 from ckpt.errors import CheckpointError, CorruptCheckpoint, NotFound
 from ckpt.format import CommitRecord, ShardMeta, chunk_ranges, data_name, meta_name
 
+from ckptd import metrics
 from ckptd.byte_range import ByteRange
 from ckptd.config import Config
 from ckptd.errors import AlreadyHeld, CommitConflict, LocalCopyGone
 from ckptd.keyed import KeyedLocks
-from ckptd.operations import metrics
-from ckptd.save.staging import ShardKey
+from ckptd.shard_key import ShardKey
 from ckptd.tiers.nvme import LocalDirTier
 from ckptd.tiers.object.layout import part_bytes
 from ckptd.tiers.object.tier import ObjectTier

@@ -24,8 +24,8 @@ from ckpt.format import COMMIT_NAME, CommitRecord, ShardMeta, data_name, digest,
 from conftest import eventually
 from states import assert_same
 
+from ckptd.cluster.peer_link import PeerError, PeerLink, ReplicaRejected
 from ckptd.config import PeerConfig
-from ckptd.rpc.peer_link import PeerError, PeerLink, ReplicaRejected
 
 pytestmark = pytest.mark.e2e
 

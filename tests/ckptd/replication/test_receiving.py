@@ -15,9 +15,9 @@ from ckpt.format import CommitRecord, ShardMeta, chunk_ranges, digest
 from ckpt.shard_io import read_meta
 
 from ckptd.byte_range import ByteRange
+from ckptd.cluster.shard_stream import PIECE_BYTES, byte_ranges
 from ckptd.errors import ReceiverBusy, StepAlreadyComplete
 from ckptd.replication.receiving import MAX_RANGES_IN_FLIGHT, ReplicaReceiver
-from ckptd.rpc.shard_stream import PIECE_BYTES, byte_ranges
 from ckptd.tiers.nvme import LocalDirTier
 
 CHUNK = 1 << 20

@@ -23,13 +23,14 @@ from ckpt.format import ShardMeta, chunk_ranges, digest
 from ckpt.wire.v1 import peer_pb2 as pb
 
 from ckptd.byte_range import ByteRange
+from ckptd.cluster import data_channel, shard_stream
+from ckptd.cluster.data_channel import DataChannelError, send_range
+from ckptd.cluster.peer_link import PeerLink, ReplicaRejected, piece_data
 from ckptd.config import PeerConfig
 from ckptd.errors import AlreadyHeld, ReceiverBusy, StepAlreadyComplete
 from ckptd.replication.receiving import ReplicaReceiver
-from ckptd.rpc import data_channel, data_listener, shard_stream
-from ckptd.rpc.data_channel import DataChannelError, send_range
+from ckptd.rpc import data_listener
 from ckptd.rpc.data_listener import MAX_PER_ADDRESS, DataListener
-from ckptd.rpc.peer_link import PeerLink, ReplicaRejected, piece_data
 from ckptd.rpc.statuses import status_line, status_of
 from ckptd.tiers.nvme import LocalDirTier
 

@@ -14,7 +14,8 @@ import threading
 from ckptd.config import Config, NodeConfig, NvmeConfig, StagingConfig
 from ckptd.node import Node
 from ckptd.save.passed_over import PassedOver
-from ckptd.save.staging import ShardKey, SlotPool, Snapshot
+from ckptd.save.staging import SlotPool, Snapshot
+from ckptd.shard_key import ShardKey
 
 MIB = 1 << 20
 GATE_TIMEOUT_S = 60.0

@@ -6,7 +6,8 @@ import pytest
 
 from ckptd.save import progress
 from ckptd.save.progress import Completion, NewestSteps, ShardProgress
-from ckptd.save.staging import ShardKey, SlotPool
+from ckptd.save.staging import SlotPool
+from ckptd.shard_key import ShardKey
 from ckptd.tiers.nvme import LocalDirTier
 
 

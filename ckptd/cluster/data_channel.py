@@ -31,9 +31,9 @@ from pathlib import Path
 from ckpt.format import ShardMeta
 
 from ckptd.byte_range import ByteRange
+from ckptd.cluster import tls_refusal
+from ckptd.cluster.shard_stream import read_pieces
 from ckptd.config import PeerConfig
-from ckptd.rpc import tls_refusal
-from ckptd.rpc.shard_stream import read_pieces
 
 TICKET_BYTES = 16
 STALL_TIMEOUT_S = 30.0  # no byte moved for this long: the connection is given up, on either side

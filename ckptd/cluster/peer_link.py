@@ -28,11 +28,11 @@ from ckpt.wire.v1 import peer_pb2_grpc
 
 from ckptd.addresses import host_of
 from ckptd.byte_range import ByteRange
+from ckptd.cluster import tls_refusal
+from ckptd.cluster.data_channel import DataChannelError, client_context, send_range
 from ckptd.cluster.placement import Holding, StepHoldings
+from ckptd.cluster.shard_stream import byte_ranges, fill_from_pieces, read_pieces
 from ckptd.config import PeerConfig
-from ckptd.rpc import tls_refusal
-from ckptd.rpc.data_channel import DataChannelError, client_context, send_range
-from ckptd.rpc.shard_stream import byte_ranges, fill_from_pieces, read_pieces
 
 MAX_MESSAGE_BYTES = 64 << 20
 INSTANCE_HEADER = "ckptd-instance"

@@ -21,10 +21,8 @@ from ckpt.format import CommitRecord
 from ckpt.wire.v1 import cluster_pb2 as pb
 from ckpt.wire.v1 import cluster_pb2_grpc
 
-from ckptd.cluster.placement import Holding, StepHoldings
-from ckptd.config import PeerConfig
-from ckptd.rpc import tls_refusal
-from ckptd.rpc.peer_link import (
+from ckptd.cluster import tls_refusal
+from ckptd.cluster.peer_link import (
     INSTANCE_HEADER,
     PeerError,
     channel_credentials,
@@ -32,6 +30,8 @@ from ckptd.rpc.peer_link import (
     holdings_from_pb,
     holdings_to_pb,
 )
+from ckptd.cluster.placement import Holding, StepHoldings
+from ckptd.config import PeerConfig
 
 CALL_TIMEOUT_S = 2.0
 MAX_CHANNELS = 64
