@@ -49,7 +49,7 @@ class IdleRelease:
         return [
             job
             for job, held in slots.items()
-            if now - self.pool.last_saved.get(job, now) >= self.idle_ttl_s
+            if now - self.pool.last_saved_at(job, now) >= self.idle_ttl_s
             and not any(s.state in BUSY_STATES for s in held)
         ]
 

@@ -132,8 +132,8 @@ class StatusReport:
         """Return the status document but the job listings: memory only, quick enough for the event loop."""
         slots = self.pool.slots()
         failures = self.verification_failures
-        newest = _newest_complete(self.progress.newest.by_job(), {s.job for s in slots}, time.time())
-        passed_over = self.progress.passed_over.by_job()
+        newest = _newest_complete(self.progress.newest_by_job(), {s.job for s in slots}, time.time())
+        passed_over = self.progress.passed_over_by_job()
         return {
             "version": __version__,
             "node": self.config.node.name,

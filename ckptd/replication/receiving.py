@@ -88,6 +88,7 @@ class ReplicaReceiver:
         """threads: checks and writes of received blocks; receive_threads: one per range being received (at most
         MAX_RANGES_IN_FLIGHT), which fills its buffers from the range's transport."""
         self.tier = tier
+        self._commit_keys = tier.commit_keys  # replicas' shard records are checked against them before a write
         self._threads = threads
         self._transfers: dict[str, _Transfer] = {}
         self._opening: dict[str, asyncio.Future[None]] = {}  # transfers whose ShardWrite a range is opening
@@ -334,7 +335,7 @@ class ReplicaReceiver:
         is written; logged once a minute per step.
         """
         try:
-            self.tier.commit_keys.check(meta, self._what(meta))
+            self._commit_keys.check(meta, self._what(meta))
         except CorruptCheckpoint as e:
             if _refusals.due((meta.job, meta.step)):
                 log.error("refused a replica: %s", e)

@@ -169,7 +169,7 @@ class SavePath:
             log.warning("%s waited %.1f s for staging room: %s", key, reserved.blocked_s, reserved.reason)
         self.flusher.reserved(key)
         if reserved.replaced is not None and reserved.replaced.step != key.step:  # the same step: saved again
-            self.progress.passed_over.passed_over(reserved.replaced, key.step)
+            self.progress.passed_over_by(reserved.replaced, key.step)
             await self.progress.changed()
         return reserved.slot, reserved.blocked_s, reserved.reason
 
@@ -256,7 +256,7 @@ class SavePath:
                     return  # and, before any await, out of _rounds: the next commit starts them again
                 chosen, passed_over = begun
                 for key in passed_over:
-                    self.progress.passed_over.passed_over(key, chosen.step)
+                    self.progress.passed_over_by(key, chosen.step)
                 await self.pool.changed()  # the slots passed over are free: saves waiting for one may go on
                 await self.progress.changed()  # their waiters hear they were passed over
                 await asyncio.gather(*(self._flush(slot) for slot in chosen.flushed))

@@ -102,6 +102,10 @@ class SlotPool:
         groups = list(self._slots.values())  # worker threads list them too (the memory tier) while the loop adds
         return [s for group in groups for s in list(group)]
 
+    def last_saved_at(self, job: str, default: float) -> float:
+        """Return the time.monotonic() of the job's last commit here (or of recovery); default if none."""
+        return self.last_saved.get(job, default)
+
     def copies(self) -> list[Slot]:
         """Return a copy of every slot, for readers on other threads (the memory tier): the loop changes the slots."""
         return [dataclasses.replace(s) for s in self.slots()]
