@@ -22,23 +22,13 @@ from ckpt.wire.v1 import cluster_pb2 as pb
 from ckpt.wire.v1 import cluster_pb2_grpc
 
 from ckptd.cluster import tls_refusal
-from ckptd.cluster.peer_link import (
-    INSTANCE_HEADER,
-    PeerError,
-    channel_credentials,
-    grpc_options,
-    holdings_from_pb,
-    holdings_to_pb,
-)
+from ckptd.cluster.peer_link import INSTANCE_HEADER, channel_credentials, grpc_options, holdings_from_pb, holdings_to_pb
 from ckptd.cluster.placement import Holding, StepHoldings
 from ckptd.config import PeerConfig
+from ckptd.errors import PeerBusy, PeerError
 
 CALL_TIMEOUT_S = 2.0
 MAX_CHANNELS = 64
-
-
-class PeerBusy(PeerError):
-    """The peer refused a call for now (too many under way): call it again soon, it is not down."""
 
 
 class PeerSlow(PeerError):

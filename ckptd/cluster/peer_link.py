@@ -33,6 +33,7 @@ from ckptd.cluster.data_channel import DataChannelError, client_context, send_ra
 from ckptd.cluster.placement import Holding, StepHoldings
 from ckptd.cluster.shard_stream import byte_ranges, fill_from_pieces, read_pieces
 from ckptd.config import PeerConfig
+from ckptd.errors import AlreadyHeld, PeerBusy, PeerError
 
 MAX_MESSAGE_BYTES = 64 << 20
 INSTANCE_HEADER = "ckptd-instance"
@@ -77,16 +78,8 @@ def piece_data(message: bytes) -> memoryview:
     return memoryview(pb.ShardPiece.FromString(message).data)  # any other shape protobuf allows
 
 
-class PeerError(CheckpointError):
-    """A peer could not be reached, or refused a request; the message names the peer."""
-
-
 class IsSelf(PeerError):
     """The address leads back to this very daemon (an alias of its own in the peer list)."""
-
-
-class ReplicaHeld(PeerError):
-    """The peer holds this very replica already."""
 
 
 class ReplicaRejected(PeerError):
@@ -300,7 +293,9 @@ class PeerLink:
         if code == "FAILED_PRECONDITION" and detail.startswith(ITSELF):
             return IsSelf(f"peer {self.address} is this node itself")
         if code == "ALREADY_EXISTS":
-            return ReplicaHeld(f"peer {self.address}: {detail}")
+            return AlreadyHeld(f"peer {self.address}: {detail}")
+        if code == "RESOURCE_EXHAUSTED":
+            return PeerBusy(f"peer {self.address}: {what}: busy, {detail}")
         if code == "DATA_LOSS":
             return ReplicaRejected(f"peer {self.address} rejected {what}: {detail}")
         if code == "NOT_FOUND":
@@ -372,10 +367,10 @@ class PeerLink:
             # shard goes again under a new one, by PutShard now that the channel is off.
             if not tries_left or not any(isinstance(e, DataChannelError) for e in errors):
                 break
-        if errors and all(isinstance(e, ReplicaHeld) for e in errors):
+        if errors and all(isinstance(e, AlreadyHeld) for e in errors):
             return  # sent before (a resume, or a retry after a lost answer): nothing to do
         if errors:
-            raise next(e for e in errors if not isinstance(e, ReplicaHeld))
+            raise next(e for e in errors if not isinstance(e, AlreadyHeld))
         request = pb.SealShardRequest(
             meta_json=meta_json, transfer=transfer, commit_json=record.to_bytes() if record else b""
         )
@@ -466,7 +461,7 @@ class PeerLink:
             self._call(
                 f"replica of {what}", lambda: self._put_shard(pieces(), timeout=timeout_s, metadata=self._metadata)
             )
-        except PeerError:
+        except (PeerError, AlreadyHeld):
             if not local_failure:
                 raise
         if local_failure:

@@ -29,11 +29,12 @@ from typing import Any
 from ckpt.errors import CheckpointError
 from ckpt.format import CommitRecord
 
-from ckptd.cluster.cluster_link import ClusterLinks, PeerBusy, PeerSlow
+from ckptd.cluster.cluster_link import ClusterLinks, PeerSlow
 from ckptd.cluster.collector import Collector
 from ckptd.cluster.peer_membership import Membership
 from ckptd.cluster.placement import Holding, StepHoldings
 from ckptd.cluster.view import ClusterView, coordinator_of, fan_out
+from ckptd.errors import PeerBusy
 
 log = logging.getLogger(__name__)
 

@@ -36,7 +36,7 @@ from ckpt.errors import CorruptCheckpoint, InvalidArgument
 from ckpt.format import DIRECT_IO_ALIGN_BYTES, CommitRecord, ShardMeta, round_up, shown
 
 from ckptd.byte_range import ByteRange
-from ckptd.errors import AlreadyHeld, ReceiverBusy
+from ckptd.errors import AlreadyHeld, PeerBusy
 from ckptd.log_pace import LogPace
 from ckptd.tiers.base import ShardWrite
 from ckptd.tiers.nvme import LocalDirTier
@@ -114,7 +114,7 @@ class ReplicaReceiver:
         """Make every refusal known before a range's bytes come, and hold a place for it (event loop).
 
         Raises InvalidArgument (the range does not fit its shard, or the transfer carries another
-        shard), ReceiverBusy (too many ranges or replicas under way), AlreadyHeld (this very replica
+        shard), PeerBusy (too many ranges or replicas under way), AlreadyHeld (this very replica
         is here) and StepAlreadyComplete (the step is complete here with other shards). The place
         is given back by receive_reserved, or by release when the range never comes.
         """
@@ -158,10 +158,10 @@ class ReplicaReceiver:
             self._give_back(reservation)
 
     def admit_range(self, meta: ShardMeta, transfer: str, byte_range: ByteRange) -> None:
-        """Raise InvalidArgument for a range that does not fit its shard, ReceiverBusy when too many are under way."""
+        """Raise InvalidArgument for a range that does not fit its shard, PeerBusy when too many are under way."""
         self._check(meta, transfer, byte_range)
         if self._ranges_in_flight >= MAX_RANGES_IN_FLIGHT:
-            raise ReceiverBusy(f"{self._what(meta)}: {self._ranges_in_flight} ranges are being received already")
+            raise PeerBusy(f"{self._what(meta)}: {self._ranges_in_flight} ranges are being received already")
 
     async def _receive(
         self,
@@ -312,7 +312,7 @@ class ReplicaReceiver:
                 raise InvalidArgument(f"transfer {transfer} carries two different shards")
             return t
         if len(self._transfers) + len(self._opening) >= MAX_TRANSFERS:  # bounds the memory and descriptors peers take
-            raise ReceiverBusy(f"{self._what(meta)}: {len(self._transfers)} replicas are being received already")
+            raise PeerBusy(f"{self._what(meta)}: {len(self._transfers)} replicas are being received already")
         opened = self._opening[transfer] = asyncio.get_running_loop().create_future()
         work = self._threads.submit(self._open_signed, meta, transfer[:16])
         try:

@@ -12,7 +12,7 @@ from ckpt.errors import CheckpointError, CorruptCheckpoint, InvalidArgument, Not
 from google.protobuf.message import DecodeError
 
 from ckptd.cluster.peer_link import IsSelf
-from ckptd.errors import AlreadyHeld, NotOffered, ReceiverBusy, RemovalRefused, StepAlreadyComplete
+from ckptd.errors import AlreadyHeld, NotOffered, PeerBusy, RemovalRefused, StepAlreadyComplete
 from ckptd.rpc.guard import NotAPeer
 
 # A status travels in a header, which gRPC refuses over 16 KiB (the caller would see RESOURCE_EXHAUSTED, not why).
@@ -25,7 +25,7 @@ STATUSES: tuple[tuple[tuple[type[BaseException], ...], str], ...] = (
     ((NotAPeer, NotOffered), "PERMISSION_DENIED"),
     ((CorruptCheckpoint,), "DATA_LOSS"),
     ((AlreadyHeld,), "ALREADY_EXISTS"),
-    ((ReceiverBusy,), "RESOURCE_EXHAUSTED"),
+    ((PeerBusy,), "RESOURCE_EXHAUSTED"),
     ((CheckpointError, OSError), "INTERNAL"),
 )
 

@@ -19,8 +19,9 @@ from ckpt.errors import CheckpointError, CorruptCheckpoint, NotFound
 from ckpt.format import CommitRecord, ShardMeta, digest
 from ckpt.shard_io import ShardSource
 
-from ckptd.cluster.peer_link import IsSelf, PeerError, PeerLink
+from ckptd.cluster.peer_link import IsSelf, PeerLink
 from ckptd.cluster.placement import Holding, StepHoldings, holders
+from ckptd.errors import PeerError
 from ckptd.tiers.base import Tier
 
 log = logging.getLogger(__name__)
