@@ -11,12 +11,14 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-# The modules of ckptd that may touch protobuf messages: the RPC edges (ours, and etcd's client with its
-# stubs) and the programs that call them.
+# The modules of ckptd that may touch protobuf messages: the RPC edges (our servers; the links out to other
+# nodes, which live with the cluster as etcd's client and its stubs do) and the programs that call them.
 WIRE_ALLOWED = {
     "ckptd/rpc",
     "ckptd/daemon.py",
     "ckptd/cli.py",
+    "ckptd/cluster/peer_link.py",
+    "ckptd/cluster/cluster_link.py",
     "ckptd/cluster/etcd_client.py",
     "ckptd/cluster/etcd_wire",
 }

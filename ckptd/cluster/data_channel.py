@@ -100,7 +100,7 @@ def send_range(
 
 
 def _channel_error(host: str, port: int, error: BaseException) -> DataChannelError:
-    """Return the failure of a data connection; a refused certificate says so (rpc.tls_refusal), not "reset"."""
+    """Return the failure of a data connection; a refused certificate says so (cluster.tls_refusal), not "reset"."""
     refusal = tls_refusal.sender_error(f"{host}:{port}", str(error)) if isinstance(error, ssl.SSLError) else None
     return DataChannelError(refusal or f"data connection to {host}:{port}: {error}")
 

@@ -105,7 +105,7 @@ class ReplicaReceiver:
     ) -> None:
         """Write one checked range of a replica (CorruptCheckpoint: a bad chunk, or more bytes than the range).
 
-        source is the range's bytes: PutShard's pieces, or a data connection (rpc.data_channel)
+        source is the range's bytes: PutShard's pieces, or a data connection (cluster.data_channel)
         that a receiving thread reads straight into the block buffers.
         """
         await self.receive_reserved(await self.reserve_range(meta, transfer, byte_range), source)

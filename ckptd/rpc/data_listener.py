@@ -1,4 +1,4 @@
-"""Take replicas' bytes on data connections beside gRPC, for the ranges offered over gRPC (rpc.data_channel).
+"""Take replicas' bytes on data connections beside gRPC, for the ranges offered over gRPC (cluster.data_channel).
 
 Who calls what: daemon.serve starts a DataListener before the peer server and stops it
 first (event loop); PeerServicer.OpenDataRange reserves the range with the receiver
