@@ -56,9 +56,9 @@ def test_a_busy_receiver_is_counted_busy_and_the_sender_neither_fails_it_nor_sta
 
     try:
         replication = asyncio.run(one_attempt())
-        with pytest.raises(PeerBusy, match="32 replicas are being received already"):
-            with futures.ThreadPoolExecutor(1) as streams:
-                link.put_shard(meta, source, streams)
+        busy = pytest.raises(PeerBusy, match="32 replicas are being received already")
+        with futures.ThreadPoolExecutor(1) as streams, busy:
+            link.put_shard(meta, source, streams)
     finally:
         link.close()
         server.stop(None)
