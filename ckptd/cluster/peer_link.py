@@ -1,9 +1,11 @@
 """Talk to another node's daemon over the peer protocol: send replicas, ask inventories, fetch shards.
 
 Blocking calls, made from worker threads (never from the event loop). Every
-failure is a PeerError naming the peer; a replica the peer rejected for a bad
-chunk is a ReplicaRejected; a TLS handshake refused over a certificate (the peer's,
-or this node's) is a CertificateRefused saying which and why (tls_refusal).
+failure is a PeerError naming the peer; a peer taking as many replicas as it can now
+is PeerBusy (ask again: no failure); a replica the peer rejected for a bad chunk is a
+ReplicaRejected; a TLS handshake refused over a certificate (the peer's, or this node's)
+is a CertificateRefused saying which and why (tls_refusal). A replica the peer holds
+already is AlreadyHeld, as it is on any tier.
 """
 
 from __future__ import annotations
