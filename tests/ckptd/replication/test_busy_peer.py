@@ -35,6 +35,9 @@ def _busy_receiver() -> tuple[grpc.Server, int]:
     return server, port
 
 
+# grpc's channel_ready_future (PeerLink.connect) leaves a thread polling the channel for up to 0.2 s after it is
+# ready; a channel closed within that time makes it raise "Channel closed!" there. The daemon keeps its links open.
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
 def test_a_busy_receiver_is_counted_busy_and_the_sender_neither_fails_it_nor_starts_its_failover_clock(tmp_path):
     server, port = _busy_receiver()
     link = PeerLink(f"127.0.0.1:{port}", PeerConfig(insecure=True, data_channel=False))
@@ -60,11 +63,11 @@ def test_a_busy_receiver_is_counted_busy_and_the_sender_neither_fails_it_nor_sta
         with futures.ThreadPoolExecutor(1) as streams, busy:
             link.put_shard(meta, source, streams)
     finally:
-        link.close()
         server.stop(None)
+        link.close()
 
     assert replication.counters["replicas_busy"] == 1
     assert replication.counters["replica_failures"] == 0
     peer = replication.peers_status()[link.address]
-    assert peer["consecutive_failures"] == 0, peer
+    assert peer["consecutive_failures"] == 0 and "busy" in str(peer["last_error"]), peer
     assert not replication.state(key)[0], "not replicated: it is sent again after a pause"
