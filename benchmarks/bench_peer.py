@@ -44,10 +44,10 @@ from report import (  # benchmarks/report.py: run as scripts, this directory is 
     write_results,
 )
 
+from ckptd.cluster.data_channel import client_context
+from ckptd.cluster.peer_link import STREAMS_PER_SHARD, PeerLink
 from ckptd.config import PeerConfig
-from ckptd.rpc.data_channel import client_context
 from ckptd.rpc.data_listener import server_context
-from ckptd.rpc.peer_link import STREAMS_PER_SHARD, PeerLink
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 DIRECT_IO_ALIGN_BYTES = 4096

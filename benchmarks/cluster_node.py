@@ -19,6 +19,7 @@ from typing import Any
 
 from ckpt.format import CommitRecord
 
+from ckptd.cluster.cluster_link import ClusterLinks
 from ckptd.cluster.etcd_view import EtcdView
 from ckptd.cluster.peer_membership import ResolvedPeers
 from ckptd.cluster.peers_view import PeersView
@@ -26,7 +27,6 @@ from ckptd.cluster.placement import Holding
 from ckptd.cluster.view import ClusterView
 from ckptd.config import load_config
 from ckptd.node import Executors
-from ckptd.rpc.cluster_link import ClusterLinks
 from ckptd.rpc.cluster_server import serve_cluster
 
 THREADS = Executors.build()  # the daemon's pools, shared by this process's nodes (only resolve and records start)

@@ -239,6 +239,9 @@ def main(argv: list[str] | None = None) -> int:
     with _stdout_outliving_its_reader():
         try:
             return COMMANDS[args.command](args, config)
+        except ConfigError as e:  # found only when used: node.cpus the daemon's cpuset does not have
+            print(f"ckptd: config error: {e}", file=sys.stderr)
+            return 2
         except InvalidArgument as e:
             print(f"ckptd: {e}", file=sys.stderr)
             return 2

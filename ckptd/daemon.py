@@ -13,24 +13,23 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-from ckpt.errors import InvalidArgument
 from ckpt.transport import MAX_MESSAGE_BYTES
 from ckpt.wire.v1 import ckptd_pb2_grpc
 
-from ckptd import sd_notify
+from ckptd import metrics, sd_notify
 from ckptd.addresses import host_of
+from ckptd.cluster.peer_link import server_credentials, server_options
 from ckptd.cluster.peers_view import PeersView
-from ckptd.config import Config
+from ckptd.config import Config, ConfigError
 from ckptd.errors import RootGone
+from ckptd.log_pace import LogPace
 from ckptd.node import Executors, Node
-from ckptd.operations import metrics, root_lock
+from ckptd.operations import root_lock
 from ckptd.pipeline import Pipeline
 from ckptd.rpc.cluster_server import add_cluster_servicer
 from ckptd.rpc.data_listener import DataListener
 from ckptd.rpc.grpc_log import CoreLog
 from ckptd.rpc.guard import RequestGuard
-from ckptd.rpc.log_pace import LogPace
-from ckptd.rpc.peer_link import server_credentials, server_options
 from ckptd.rpc.peer_server import PeerServicer, add_peer_servicer
 from ckptd.rpc.server import CkptdServicer
 from ckptd.storage.owned_dir import DIR_MODE, claim_dir
@@ -56,8 +55,8 @@ async def serve(config: Config) -> None:
     Raises RootGone, after giving the staging memory back and stopping the same way, when
     the NVMe root is removed or replaced under the daemon: its view of the steps is void;
     RootInUse when another daemon holds the NVMe root (root_lock), UnsafePath when the socket's, the root's or the
-    staging directory could have been prepared by another user (owned_dir), and InvalidArgument naming
-    node.root when it cannot be written.
+    staging directory could have been prepared by another user (owned_dir), InvalidArgument naming
+    node.root when it cannot be written, and ConfigError when node.cpus names CPUs it may not run on.
     """
     core_log = CoreLog()  # gRPC's C core writes to stderr: its failed TLS handshakes come into our log, readable
     core_log.start()
@@ -267,7 +266,7 @@ def _pin(cpus: set[int]) -> None:
         for task in os.listdir("/proc/self/task"):
             os.sched_setaffinity(int(task), cpus)
     except OSError as e:  # EINVAL: none of them is in this process's cpuset (a container's, a cgroup's)
-        raise InvalidArgument(f"config key node.cpus: cannot run on CPUs {sorted(cpus)} here: {e}") from None
+        raise ConfigError(f"node.cpus: cannot run on CPUs {sorted(cpus)} here: {e}") from None
     log.info("running on CPUs %s ([node] cpus)", ",".join(map(str, sorted(cpus))))
 
 

@@ -26,8 +26,13 @@ class LocalCopyGone(CheckpointError):
     store is at fault, and no attempt to send or upload it can succeed."""
 
 
-class ReceiverBusy(CheckpointError):
-    """Too many replicas are being received at once: the sender backs off and tries again."""
+class PeerError(CheckpointError):
+    """A peer could not be reached, or refused a request; the message names the peer."""
+
+
+class PeerBusy(PeerError):
+    """A node takes as many of its peers' requests of a kind as it can now (replicas being received, data ranges
+    offered, cluster calls): the asker backs off and asks again; the node is not down, and it is no failure."""
 
 
 class AlreadyHeld(CheckpointError):

@@ -25,6 +25,7 @@ from ckpt.errors import CheckpointError
 from ckpt.format import CommitRecord
 
 from ckptd.cluster.backends import open_view
+from ckptd.cluster.peer_link import STREAMS_PER_SHARD
 from ckptd.config import Config
 from ckptd.load.cluster_steps import ClusterSteps
 from ckptd.load.locate import Locator
@@ -39,12 +40,12 @@ from ckptd.replication.peering import Peering
 from ckptd.replication.receiving import MAX_RANGES_IN_FLIGHT, ReplicaReceiver
 from ckptd.replication.sending import MAX_SENDERS, Replication
 from ckptd.rpc.data_listener import CONNECTION_THREADS
-from ckptd.rpc.peer_link import STREAMS_PER_SHARD
 from ckptd.save.flush import Flusher
 from ckptd.save.progress import ShardProgress
 from ckptd.save.save_path import LOCAL_TIERS, SavePath
-from ckptd.save.staging import ShardKey, SlotPool, default_budget_bytes
+from ckptd.save.staging import SlotPool, default_budget_bytes
 from ckptd.save.uploading import UPLOAD_THREADS, Uploader
+from ckptd.shard_key import ShardKey
 from ckptd.storage.object_store import open_store
 from ckptd.storage.owned_dir import DIR_MODE, claim_dir
 from ckptd.tiers.base import DurableTier, Tier
@@ -176,6 +177,7 @@ class Node:
 
         # -- the cluster: its view, and the peer tier wherever a view is (peers may come later)
         self.view = open_view(config, x.resolve, x.records)  # [cluster] backend; None: no peers, every step sealed here
+        self.membership = self.view.membership if self.view is not None else None  # whom the view follows
         peer_tier = PeerTier([], x.inventories) if self.view is not None else None
         replication = None
         if self.view is not None and config.peer.replicas:
@@ -197,6 +199,7 @@ class Node:
         # -- the save path, the load path, operations
         self.progress = ShardProgress(self.pool, self.nvme, replication, uploader, config.node.name, x.save)
         flusher = Flusher(self.pool, self.nvme, x.flush)
+        self.flusher = flusher  # reconciliation waits for its flushes
         self.locator = Locator(
             *(config, tiers, self.nvme, replica_store, cluster, object_tier, self.verification_failed),
             *(x.locate, x.object, x.object_listings),
@@ -242,10 +245,10 @@ class Node:
         loop = asyncio.get_running_loop()
         peer_threads = self.executors.peer
         await loop.run_in_executor(peer_threads, self._prepare_disk)
-        if self.view is not None:
+        if self.view is not None and self.membership is not None:
             # The peers first, so that the flushes resumed replicate to them; then the commits the cluster knows.
-            await self.view.membership.refresh()
-            self._background.append(loop.create_task(self.view.membership.run_forever()))
+            await self.membership.refresh()
+            self._background.append(loop.create_task(self.membership.run_forever()))
             self.view.seeded(await loop.run_in_executor(peer_threads, self._commits_on_disk))
             await self.view.start()
             self._background.append(loop.create_task(self.view.run_forever()))
@@ -282,7 +285,7 @@ class Node:
         while True:
             try:
                 self.receiver.drop_idle()
-                await self.peering.reconcile(self.save_path.seal_lock, self.save_path.flusher.flushing, full)
+                await self.peering.reconcile(self.save_path.seal_lock, self.flusher.flushing, full)
                 full = False
                 await self.retention.collect(dry_run=False, tiers=LOCAL_TIERS)  # adopted commits bring retention
             except (CheckpointError, OSError) as e:
@@ -313,7 +316,8 @@ class Node:
         await self.peering.drain()
         if self.view is not None:
             await self.view.close()
-            self.view.membership.close()
+        if self.membership is not None:
+            self.membership.close()
         if self.uploader is not None:
             await self.uploader.drain()
         await self.retention.drain()

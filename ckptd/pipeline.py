@@ -35,8 +35,10 @@ from ckptd.replication.peering import Peering
 from ckptd.replication.receiving import ReplicaReceiver
 from ckptd.save.progress import ShardProgress, ShardWait
 from ckptd.save.save_path import SavePath
-from ckptd.save.staging import ShardKey, Slot, SlotPool, Snapshot
+from ckptd.save.staging import SlotPool, Snapshot
+from ckptd.shard_key import ShardKey
 from ckptd.tiers.catalog import StepInfo
+from ckptd.tiers.slot_files import Slot
 
 
 class Pipeline:
@@ -164,7 +166,7 @@ class Pipeline:
         tiers = ("nvme", "peer", "object") if object_too else ("nvme", "peer")
         removals += await self._retention.remove_job(job, dry_run, tiers)
         if not dry_run:  # `status` and /metrics stop reporting its newest steps there, nor the cluster view
-            self._progress.newest.forget(job, ("memory", *tiers))
+            self._progress.forget_job(job, ("memory", *tiers))
             await self._job_retention.forget(job)  # its pins and its client's settings
             if self._view is not None:
                 await self._view.forget_job(job)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import itertools
 import re
 import subprocess
 import sys
@@ -12,12 +13,14 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-# The modules of ckptd that may touch protobuf messages: the RPC edges (ours, and etcd's client with its
-# stubs) and the programs that call them.
+# The modules of ckptd that may touch protobuf messages: the RPC edges (our servers; the links out to other
+# nodes, which live with the cluster as etcd's client and its stubs do) and the programs that call them.
 WIRE_ALLOWED = {
     "ckptd/rpc",
     "ckptd/daemon.py",
     "ckptd/cli.py",
+    "ckptd/cluster/peer_link.py",
+    "ckptd/cluster/cluster_link.py",
     "ckptd/cluster/etcd_client.py",
     "ckptd/cluster/etcd_wire",
 }
@@ -217,3 +220,231 @@ def test_the_thread_map_in_internals_is_the_executors_record():
     in_docs = {name: int(size) for name, size in re.findall(r"^\| `(\w+)` \| (\d+) \|", section, re.MULTILINE)}
     assert in_docs == in_code, "docs/INTERNALS.md's thread map and node.Executors differ (name: size)"
     assert f"{len(in_code)} pools" in section, f"the thread map does not say how many pools there are ({len(in_code)})"
+
+
+# -- The package order ------------------------------------------------------------------------------------------
+# Each package of ckptd is one node, each top-level module (config, errors, metrics, node, pipeline, daemon...) its
+# own; an import of any kind (at the top, in a function, for types only) is an edge. Reading from the bottom: the
+# shared leaves (errors, config, byte_range, shard_key, log_pace, metrics), storage, cluster (membership, placement
+# and the links out to other nodes), tiers, replication, save, operations, load, the RPC edge (servers), the
+# composition root (node, pipeline), the programs (daemon, cli) and the offline tools.
+
+
+def _node_of(module: str) -> str | None:
+    """Return the node of the package graph a ckptd module belongs to (None: not ckptd's)."""
+    parts = module.split(".")
+    if parts[0] != "ckptd":
+        return None
+    if len(parts) == 1:
+        return "ckptd"
+    if (REPO / "ckptd" / parts[1]).is_dir():
+        return parts[1]
+    return f"ckptd.{parts[1]}"
+
+
+def _package_graph() -> dict[tuple[str, str], str]:
+    """Return each edge between the nodes of ckptd's package graph, with one import that makes it."""
+    edges: dict[tuple[str, str], str] = {}
+    for path in _modules(REPO / "ckptd"):
+        module = ".".join(path.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__")
+        source = _node_of(module)
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                # `from ckptd import metrics` imports the module ckptd.metrics, not the package
+                targets = [f"{node.module}.{a.name}" if node.module == "ckptd" else node.module for a in node.names]
+            else:
+                continue
+            for target in targets:
+                end = _node_of(target)
+                if end is not None and source is not None and end != source:
+                    edges.setdefault((source, end), f"{module} imports {target}")
+    return edges
+
+
+def _a_cycle(edges: dict[tuple[str, str], str]) -> list[str]:
+    """Return one cycle of the graph as its nodes, first repeated at the end; [] if there is none."""
+    following: dict[str, list[str]] = {}
+    for a, b in sorted(edges):
+        following.setdefault(a, []).append(b)
+    state: dict[str, str] = {}  # node -> "open" while on the path, "done" once every path from it is known
+
+    def visit(node: str, path: list[str]) -> list[str]:
+        state[node] = "open"
+        for nxt in following.get(node, []):
+            if state.get(nxt) == "open":
+                return [*path[path.index(nxt) :], node, nxt] if nxt in path else [node, nxt]
+            if nxt not in state and (found := visit(nxt, [*path, node])):
+                return found
+        state[node] = "done"
+        return []
+
+    for start in sorted(following):
+        if start not in state and (found := visit(start, [])):
+            return found
+    return []
+
+
+def test_the_packages_import_each_other_in_one_order():
+    edges = _package_graph()
+    cycle = _a_cycle(edges)
+    steps = [f"{a} -> {b} ({edges[(a, b)]})" for a, b in itertools.pairwise(cycle)]
+    assert not cycle, "a loop between ckptd's packages:\n  " + "\n  ".join(steps)
+
+
+def test_a_loop_is_found_and_named():
+    edges = {("save", "tiers"): "x", ("tiers", "cluster"): "y", ("cluster", "save"): "z", ("rpc", "save"): "w"}
+    assert _a_cycle(edges) == ["cluster", "save", "tiers", "cluster"]
+    assert _a_cycle({("rpc", "save"): "w", ("save", "tiers"): "x"}) == []
+
+
+# -- No reach-ins -----------------------------------------------------------------------------------------------
+# A role may call a role it holds, or read one attribute of it; reading through that attribute again
+# (`self.progress.passed_over.passed_over(...)`, `uploader.config.object.every`) is a reach-in: it ties the
+# reader to how the other role is built. The owner offers a method, or the reader gets the thing at construction.
+#
+# Precisely: a *role* is a class of ckptd that is not a dataclass (a record or a frozen config), an exception, an
+# enum or a named tuple. A *role attribute* is a name under which some class keeps a role (`self.x = x` with x
+# annotated as a role, or `self.x = Role(...)`). A reach-in is a chain of attributes read
+#   self.R.a.b...   R a role attribute: two dots into a role held;
+#   r.a.b...        r a parameter annotated as a role, or a local that is `self.R`: the same, held for a moment.
+# Not reach-ins: module paths (`os.path.join`, the root is an import), chains through records and config
+# (`self.config.staging.policy`, `slot.shard.step`: dataclasses, frozen values, nothing that acts), enum members,
+# and `self.x.method()` (one dot past a collaborator).
+
+# The one chain allowed, as test_the_edges_call_the_pipeline_and_never_reach_past_it allows it: the program
+# hands the root's thread pools (a frozen record of them) to the edges it builds.
+REACH_INS_ALLOWED = ("node.executors.",)
+_NOT_ROLES = ("Exception", "Error", "Enum", "IntEnum", "NamedTuple", "TypedDict", "Warning")
+
+
+def _classes(trees: list[ast.Module]) -> dict[str, ast.ClassDef]:
+    return {n.name: n for t in trees for n in ast.walk(t) if isinstance(n, ast.ClassDef)}
+
+
+def _is_role(name: str, classes: dict[str, ast.ClassDef], seen: frozenset[str] = frozenset()) -> bool:
+    c = classes.get(name)
+    if c is None or any("dataclass" in ast.unparse(d) for d in c.decorator_list):
+        return False
+    for base in (ast.unparse(b).split("[")[0].split(".")[-1] for b in c.bases):
+        if base.endswith(_NOT_ROLES) or base == "CheckpointError" or base == "OSError":
+            return False
+        if base in classes and base not in seen and not _is_role(base, classes, seen | {name}):
+            return False
+    return True
+
+
+def _names_in(annotation: ast.expr) -> set[str]:
+    names = {n.id for n in ast.walk(annotation) if isinstance(n, ast.Name)}
+    names |= {n.attr for n in ast.walk(annotation) if isinstance(n, ast.Attribute)}
+    return names | {
+        word
+        for n in ast.walk(annotation)
+        if isinstance(n, ast.Constant) and isinstance(n.value, str)
+        for word in n.value.replace("|", " ").replace("[", " ").replace("]", " ").split()
+    }
+
+
+def _functions(tree: ast.Module) -> list[ast.FunctionDef | ast.AsyncFunctionDef]:
+    return [f for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))]
+
+
+def _role_parameters(f: ast.FunctionDef | ast.AsyncFunctionDef, roles: set[str]) -> set[str]:
+    arguments = [*f.args.posonlyargs, *f.args.args, *f.args.kwonlyargs]
+    return {a.arg for a in arguments if a.annotation is not None and _names_in(a.annotation) & roles}
+
+
+def _role_attributes(trees: list[ast.Module], roles: set[str]) -> set[str]:
+    """Return the names under which some class of ckptd keeps a role."""
+    found: set[str] = set()
+    for f in (f for t in trees for f in _functions(t)):
+        annotated = {a.arg: a.annotation for a in [*f.args.args, *f.args.kwonlyargs] if a.annotation is not None}
+        for n in ast.walk(f):
+            if not isinstance(n, (ast.Assign, ast.AnnAssign)) or n.value is None:
+                continue
+            kinds = _names_in(n.annotation) if isinstance(n, ast.AnnAssign) else set()
+            if isinstance(n.value, ast.Name) and n.value.id in annotated:
+                kinds |= _names_in(annotated[n.value.id])
+            if isinstance(n.value, ast.Call):
+                kinds.add(ast.unparse(n.value.func).split(".")[-1])
+            for target in n.targets if isinstance(n, ast.Assign) else [n.target]:
+                if isinstance(target, ast.Attribute) and ast.unparse(target.value) == "self" and kinds & roles:
+                    found.add(target.attr)
+    return found
+
+
+def _chain(node: ast.expr) -> list[str]:
+    """Return `a.b.c` as ["a", "b", "c"]; [] when the chain does not start at a plain name."""
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    return [node.id, *reversed(parts)] if isinstance(node, ast.Name) else []
+
+
+def _reach_ins(tree: ast.Module, roles: set[str], role_attributes: set[str]) -> list[str]:
+    found = []
+    for f in _functions(tree):
+        held = _role_parameters(f, roles) | {
+            t.id
+            for n in ast.walk(f)
+            if isinstance(n, ast.Assign)
+            and (c := _chain(n.value))[:1] == ["self"]
+            and c[1:]
+            and c[-1] in role_attributes
+            and len(c) == 2
+            for t in n.targets
+            if isinstance(t, ast.Name)
+        }
+        inner = {id(n.value) for n in ast.walk(f) if isinstance(n, ast.Attribute)}
+        for n in ast.walk(f):
+            if not isinstance(n, ast.Attribute) or id(n) in inner:
+                continue
+            chain = _chain(n)
+            through_self = chain[:1] == ["self"] and len(chain) >= 4 and chain[1] in role_attributes
+            through_held = bool(chain) and chain[0] in held and len(chain) >= 3
+            if (through_self or through_held) and not ".".join(chain).startswith(REACH_INS_ALLOWED):
+                found.append(f"{n.lineno}: {'.'.join(chain)}")
+    return sorted(set(found))
+
+
+def _all_reach_ins(root: Path) -> dict[str, list[str]]:
+    paths = _modules(root / "ckptd")
+    trees = [ast.parse(p.read_text()) for p in paths]
+    classes = _classes(trees)
+    roles = {name for name in classes if _is_role(name, classes)}
+    role_attributes = _role_attributes(trees, roles)
+    found = {str(p.relative_to(root)): _reach_ins(t, roles, role_attributes) for p, t in zip(paths, trees, strict=True)}
+    return {path: lines for path, lines in found.items() if lines}
+
+
+def test_no_role_reads_through_another_role():
+    found = _all_reach_ins(REPO)
+    assert not found, "reach-ins (the owner offers a method, or the reader gets the thing at construction):\n" + (
+        "\n".join(f"  {path} {line}" for path, lines in sorted(found.items()) for line in lines)
+    )
+
+
+def test_a_reach_in_is_told_from_a_record_and_a_config(tmp_path):
+    (tmp_path / "ckptd").mkdir()
+    (tmp_path / "ckptd" / "roles.py").write_text(
+        "import os\n"
+        "from dataclasses import dataclass\n"
+        "@dataclass(frozen=True)\n"
+        "class Config:\n    every: int\n"
+        "class Passed:\n    def passed(self): ...\n"
+        "class Progress:\n"
+        "    def __init__(self, config: Config):\n        self.config = config\n        self.passed = Passed()\n"
+        "class Saver:\n"
+        "    def __init__(self, progress: Progress, config: Config):\n"
+        "        self.progress = progress\n        self.config = config\n"
+        "    def save(self, slot, other: Progress):\n"
+        "        self.progress.passed.passed()\n"  # reach-in
+        "        mine = self.progress\n        mine.passed.passed()\n"  # reach-in, through a local
+        "        other.config.every\n"  # reach-in: another role's config
+        "        self.config.every, slot.shard.step, os.path.join('a'), self.progress.changed()\n"  # not
+    )
+    assert _all_reach_ins(tmp_path) == {
+        "ckptd/roles.py": ["17: self.progress.passed.passed", "19: mine.passed.passed", "20: other.config.every"]
+    }

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from concurrent.futures import Executor
 
+from ckptd.cluster.cluster_link import ClusterLinks
 from ckptd.cluster.etcd_view import EtcdView
 from ckptd.cluster.peer_membership import ResolvedPeers
 from ckptd.cluster.peers_view import PeersView
 from ckptd.cluster.view import ClusterView
 from ckptd.config import Config
-from ckptd.rpc.cluster_link import ClusterLinks
 
 
 def open_view(config: Config, resolve_threads: Executor, record_threads: Executor) -> ClusterView | None:

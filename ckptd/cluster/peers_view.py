@@ -11,7 +11,7 @@ A coordinator that dies is replaced by the next node in rendezvous order: report
 answered by a commit are sent again to whoever is coordinator now (docs/INTERNALS.md,
 "The cluster view", has the message counts).
 
-The transport is ckptd.rpc.cluster_link (calls out) and ckptd.rpc.cluster_server
+The transport is ckptd.cluster.cluster_link (calls out) and ckptd.rpc.cluster_server
 (calls in, on_* below). Everything runs on the event loop, but a large commit record's
 serialization (on the record threads given at construction, Executors.records).
 """
@@ -31,11 +31,12 @@ from typing import Any
 from ckpt.errors import CheckpointError
 from ckpt.format import CommitRecord
 
+from ckptd.cluster.cluster_link import ClusterLinks, PeerSlow
 from ckptd.cluster.collector import Collector
 from ckptd.cluster.peer_membership import Membership
 from ckptd.cluster.placement import Holding, StepHoldings
 from ckptd.cluster.view import ClusterView, coordinator_of, fan_out
-from ckptd.rpc.cluster_link import ClusterLinks, PeerBusy, PeerSlow
+from ckptd.errors import PeerBusy
 
 log = logging.getLogger(__name__)
 

@@ -59,6 +59,10 @@ class ClusterSteps:
     async def _run(self, fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._threads, fn, *args)
 
+    def committed(self, job: str) -> list[CommitRecord]:
+        """Return the commit records of the job's steps the cluster view knows committed (none without a view)."""
+        return self.view.committed(job) if self.view is not None else []
+
     async def complete_records(self, job: str, newest: bool = False) -> list[CommitRecord]:
         """Return the commit records of the steps of a job that this node's shards and its peers' make whole.
 

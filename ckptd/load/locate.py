@@ -121,7 +121,7 @@ class Locator:
     def next_line(self, job: str, record: CommitRecord, known: KnownSteps) -> Line:
         """Return the line a rank's saves continue after it loads record's step: the head's, or a rollback's new one."""
         lines = dict(known.lines)
-        for r in self.cluster.view.committed(job) if self.cluster.view is not None else []:
+        for r in self.cluster.committed(job):
             lines.setdefault(r.step, r.line)
         lines[record.step] = record.line
         return History.of(lines).line_after_load(record.step, record.line)
@@ -326,7 +326,7 @@ class Locator:
         assert self.object_tier is not None
         started = time.monotonic()
         meta = fetch_shard(self.object_tier, self.nvme, job, step, rank, replace)
-        where = self.object_tier.store.describe(job, str(step))
+        where = self.object_tier.describe(job, str(step))
         elapsed_s = time.monotonic() - started
         log.info(
             "fetched rank %d shard of %s step %d from %s (%d bytes, verified, %.2f s)",

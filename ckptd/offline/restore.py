@@ -17,12 +17,12 @@ from ckpt.errors import CheckpointError, CorruptCheckpoint, NotFound
 from ckpt.format import ShardMeta, validate_tier
 from ckpt.history import History
 
+from ckptd.cluster.peer_link import PeerLink
 from ckptd.config import Config
 from ckptd.errors import ShardWriteError
 from ckptd.load.fetch import aligned_buffer
 from ckptd.node import Executors
 from ckptd.operations.status_table import human_size
-from ckptd.rpc.peer_link import PeerLink
 from ckptd.storage.object_store import open_store
 from ckptd.tiers.base import Tier
 from ckptd.tiers.memory import MemoryTier

@@ -20,9 +20,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 from ckpt.errors import InvalidArgument
 
-from ckptd.save.slot_files import UNFLUSHED
-from ckptd.save.staging import Slot, SlotPool
+from ckptd.save.staging import SlotPool
 from ckptd.tiers.nvme import LocalDirTier
+from ckptd.tiers.slot_files import UNFLUSHED, Slot
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +49,7 @@ class IdleRelease:
         return [
             job
             for job, held in slots.items()
-            if now - self.pool.last_saved.get(job, now) >= self.idle_ttl_s
+            if now - self.pool.last_saved_at(job, now) >= self.idle_ttl_s
             and not any(s.state in BUSY_STATES for s in held)
         ]
 

@@ -21,21 +21,20 @@ from typing import Any
 
 from ckpt.history import History, generation
 
-from ckptd import __version__
+from ckptd import __version__, metrics
 from ckptd.cluster.view import ClusterView
 from ckptd.config import Config
-from ckptd.operations import metrics
 from ckptd.operations.job_retention import JobRetention
 from ckptd.operations.retention import RetentionRunner
 from ckptd.replication.peering import Peering
 from ckptd.save.flush import Flusher
 from ckptd.save.progress import Completion, ShardProgress
 from ckptd.save.save_path import SavePath
-from ckptd.save.slot_files import UNFLUSHED
 from ckptd.save.staging import SlotPool
 from ckptd.save.uploading import Uploader
 from ckptd.tiers.memory import MemoryTier
 from ckptd.tiers.nvme import LocalDirTier
+from ckptd.tiers.slot_files import UNFLUSHED
 
 LOOP_PROBE_S = 0.1  # how often the event loop's responsiveness is sampled
 
@@ -141,8 +140,8 @@ class StatusReport:
         """Return the status document but the job listings: memory only, quick enough for the event loop."""
         slots = self.pool.slots()
         failures = self.verification_failures
-        newest = _newest_complete(self.progress.newest.by_job(), {s.job for s in slots}, time.time())
-        passed_over = self.progress.passed_over.by_job()
+        newest = _newest_complete(self.progress.newest_by_job(), {s.job for s in slots}, time.time())
+        passed_over = self.progress.passed_over_by_job()
         return {
             "version": __version__,
             "node": self.config.node.name,

@@ -23,13 +23,13 @@ from typing import Any
 from ckpt.errors import CheckpointError
 from ckpt.format import CommitRecord, ShardMeta, data_name, meta_name
 
+from ckptd.cluster.peer_link import PeerLink
 from ckptd.cluster.placement import Holding, StepHoldings, seal_record
 from ckptd.cluster.view import ClusterView
 from ckptd.config import Config
 from ckptd.errors import MixedLines, StepAlreadyComplete
 from ckptd.replication.sending import Replication
-from ckptd.rpc.peer_link import PeerLink
-from ckptd.save.staging import ShardKey
+from ckptd.shard_key import ShardKey
 from ckptd.tiers.base import DurableTier
 from ckptd.tiers.nvme import LocalDirTier
 from ckptd.tiers.peer import PeerTier

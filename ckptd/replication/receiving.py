@@ -36,8 +36,8 @@ from ckpt.errors import CorruptCheckpoint, InvalidArgument
 from ckpt.format import DIRECT_IO_ALIGN_BYTES, CommitRecord, ShardMeta, round_up, shown
 
 from ckptd.byte_range import ByteRange
-from ckptd.errors import AlreadyHeld, ReceiverBusy
-from ckptd.rpc.log_pace import LogPace
+from ckptd.errors import AlreadyHeld, PeerBusy
+from ckptd.log_pace import LogPace
 from ckptd.tiers.base import ShardWrite
 from ckptd.tiers.nvme import LocalDirTier
 
@@ -88,6 +88,7 @@ class ReplicaReceiver:
         """threads: checks and writes of received blocks; receive_threads: one per range being received (at most
         MAX_RANGES_IN_FLIGHT), which fills its buffers from the range's transport."""
         self.tier = tier
+        self._commit_keys = tier.commit_keys  # replicas' shard records are checked against them before a write
         self._threads = threads
         self._transfers: dict[str, _Transfer] = {}
         self._opening: dict[str, asyncio.Future[None]] = {}  # transfers whose ShardWrite a range is opening
@@ -104,7 +105,7 @@ class ReplicaReceiver:
     ) -> None:
         """Write one checked range of a replica (CorruptCheckpoint: a bad chunk, or more bytes than the range).
 
-        source is the range's bytes: PutShard's pieces, or a data connection (rpc.data_channel)
+        source is the range's bytes: PutShard's pieces, or a data connection (cluster.data_channel)
         that a receiving thread reads straight into the block buffers.
         """
         await self.receive_reserved(await self.reserve_range(meta, transfer, byte_range), source)
@@ -113,7 +114,7 @@ class ReplicaReceiver:
         """Make every refusal known before a range's bytes come, and hold a place for it (event loop).
 
         Raises InvalidArgument (the range does not fit its shard, or the transfer carries another
-        shard), ReceiverBusy (too many ranges or replicas under way), AlreadyHeld (this very replica
+        shard), PeerBusy (too many ranges or replicas under way), AlreadyHeld (this very replica
         is here) and StepAlreadyComplete (the step is complete here with other shards). The place
         is given back by receive_reserved, or by release when the range never comes.
         """
@@ -157,10 +158,10 @@ class ReplicaReceiver:
             self._give_back(reservation)
 
     def admit_range(self, meta: ShardMeta, transfer: str, byte_range: ByteRange) -> None:
-        """Raise InvalidArgument for a range that does not fit its shard, ReceiverBusy when too many are under way."""
+        """Raise InvalidArgument for a range that does not fit its shard, PeerBusy when too many are under way."""
         self._check(meta, transfer, byte_range)
         if self._ranges_in_flight >= MAX_RANGES_IN_FLIGHT:
-            raise ReceiverBusy(f"{self._what(meta)}: {self._ranges_in_flight} ranges are being received already")
+            raise PeerBusy(f"{self._what(meta)}: {self._ranges_in_flight} ranges are being received already")
 
     async def _receive(
         self,
@@ -311,7 +312,7 @@ class ReplicaReceiver:
                 raise InvalidArgument(f"transfer {transfer} carries two different shards")
             return t
         if len(self._transfers) + len(self._opening) >= MAX_TRANSFERS:  # bounds the memory and descriptors peers take
-            raise ReceiverBusy(f"{self._what(meta)}: {len(self._transfers)} replicas are being received already")
+            raise PeerBusy(f"{self._what(meta)}: {len(self._transfers)} replicas are being received already")
         opened = self._opening[transfer] = asyncio.get_running_loop().create_future()
         work = self._threads.submit(self._open_signed, meta, transfer[:16])
         try:
@@ -334,7 +335,7 @@ class ReplicaReceiver:
         is written; logged once a minute per step.
         """
         try:
-            self.tier.commit_keys.check(meta, self._what(meta))
+            self._commit_keys.check(meta, self._what(meta))
         except CorruptCheckpoint as e:
             if _refusals.due((meta.job, meta.step)):
                 log.error("refused a replica: %s", e)

@@ -34,10 +34,10 @@ from pathlib import Path
 from ckpt.errors import CheckpointError, CorruptCheckpoint
 from ckpt.format import CommitRecord, ShardMeta, digest
 
+from ckptd.cluster.peer_link import IsSelf, PeerLink
 from ckptd.cluster.placement import Holding, reseat, seated_placement
-from ckptd.errors import LocalCopyGone
-from ckptd.rpc.peer_link import IsSelf, PeerLink
-from ckptd.save.staging import ShardKey
+from ckptd.errors import LocalCopyGone, PeerBusy
+from ckptd.shard_key import ShardKey
 
 log = logging.getLogger(__name__)
 
@@ -119,7 +119,7 @@ class Replication:
         self._streams = streams
         self._tasks: set[asyncio.Task[None]] = set()
         self._fail_overs: dict[str, asyncio.TimerHandle] = {}  # failing peer -> the timer of its failover
-        self.counters = {"replicas_sent": 0, "replica_bytes_sent": 0, "replica_failures": 0}
+        self.counters = {"replicas_sent": 0, "replica_bytes_sent": 0, "replica_failures": 0, "replicas_busy": 0}
         self.last_transfer: dict[str, float] = {}
 
     def targets(self, job: str, rank: int) -> list[str]:
@@ -346,6 +346,11 @@ class Replication:
         except IsSelf as e:
             log.info("%s: no replicas go there", e)
             self._drop_peer(target)
+        except PeerBusy as e:  # up, and receiving as many replicas as it takes: again after a pause, no failure
+            peer.retry_at = time.monotonic() + BACKOFF_MIN_S * random.uniform(0.5, 1.0)
+            peer.last_error = f"replication of {shard.key} to peer {target} waits: {e}"
+            self.counters["replicas_busy"] += 1
+            log.info("%s; retrying in %.1f s", peer.last_error, peer.retry_at - time.monotonic())
         except LocalCopyGone as e:  # retention removed it, or a newer save replaced it: nothing to send
             log.info("%s; not replicating it", e)
             if self._shards.get(shard.key) is shard:

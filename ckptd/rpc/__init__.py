@@ -1,1 +1,2 @@
-"""The RPC edges: the local servicer, the peer servicer and the peer client, and the wire form of shard bytes."""
+"""The RPC edges: the local servicer, the peer and cluster servicers, and the data listener; servers only (the
+links out live in cluster/)."""

@@ -21,11 +21,12 @@ from ckpt.format import CommitRecord, validate_job, validate_step
 from ckpt.wire.v1 import cluster_pb2 as pb
 from ckpt.wire.v1 import cluster_pb2_grpc
 
+from ckptd.cluster.cluster_link import records_from_pb
+from ckptd.cluster.peer_link import holdings_from_pb, holdings_to_pb, server_credentials, server_options
 from ckptd.cluster.placement import Holding, StepHoldings
 from ckptd.config import PeerConfig
-from ckptd.rpc.cluster_link import records_from_pb
+from ckptd.errors import PeerError
 from ckptd.rpc.guard import RequestGuard
-from ckptd.rpc.peer_link import PeerError, holdings_from_pb, holdings_to_pb, server_credentials, server_options
 from ckptd.rpc.server import answer
 
 

@@ -1,4 +1,4 @@
-"""Take replicas' bytes on data connections beside gRPC, for the ranges offered over gRPC (rpc.data_channel).
+"""Take replicas' bytes on data connections beside gRPC, for the ranges offered over gRPC (cluster.data_channel).
 
 Who calls what: daemon.serve starts a DataListener before the peer server and stops it
 first (event loop); PeerServicer.OpenDataRange reserves the range with the receiver
@@ -34,17 +34,12 @@ from typing import TypeVar
 
 from ckpt.errors import CorruptCheckpoint
 
+from ckptd.cluster import tls_refusal
+from ckptd.cluster.data_channel import STALL_TIMEOUT_S, TICKET_BYTES, send_status
 from ckptd.config import PeerConfig
-from ckptd.errors import NotOffered, ReceiverBusy
-from ckptd.replication.receiving import (
-    MAX_RANGES_IN_FLIGHT,
-    RangeReservation,
-    ReplicaReceiver,
-    wait_finished,
-)
-from ckptd.rpc import tls_refusal
-from ckptd.rpc.data_channel import STALL_TIMEOUT_S, TICKET_BYTES, send_status
-from ckptd.rpc.log_pace import LogPace
+from ckptd.errors import NotOffered, PeerBusy
+from ckptd.log_pace import LogPace
+from ckptd.replication.receiving import MAX_RANGES_IN_FLIGHT, RangeReservation, ReplicaReceiver, wait_finished
 from ckptd.rpc.statuses import status_line
 
 log = logging.getLogger(__name__)
@@ -135,14 +130,14 @@ class DataListener:
         self._accepting = asyncio.get_running_loop().create_task(self._accept())
 
     def offer(self, reservation: RangeReservation) -> bytes:
-        """Return a one-time ticket for a range the receiver reserved (ReceiverBusy: too many offered, or stopping).
+        """Return a one-time ticket for a range the receiver reserved (PeerBusy: too many offered, or stopping).
 
         The ticket is good for one connection within TICKET_TTL_S; unused, its reservation is released then.
         """
         if self._stopping:
-            raise ReceiverBusy("this node is stopping: it offers no data ranges")
+            raise PeerBusy("this node is stopping: it offers no data ranges")
         if len(self._offers) >= MAX_TICKETS:
-            raise ReceiverBusy(f"{len(self._offers)} data ranges are offered already")
+            raise PeerBusy(f"{len(self._offers)} data ranges are offered already")
         ticket = secrets.token_bytes(TICKET_BYTES)
         expiry = asyncio.get_running_loop().call_later(TICKET_TTL_S, self._expire, ticket)
         self._offers[ticket] = _Offer(reservation, expiry)

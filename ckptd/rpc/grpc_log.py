@@ -33,8 +33,8 @@ import threading
 from dataclasses import dataclass
 from typing import TextIO
 
-from ckptd.rpc.log_pace import LogPace
-from ckptd.rpc.tls_refusal import reason, refused_by_the_other_side
+from ckptd.cluster.tls_refusal import reason, refused_by_the_other_side
+from ckptd.log_pace import LogPace
 
 log = logging.getLogger("ckptd.grpc")
 

@@ -20,7 +20,7 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError
 
-from ckptd.rpc.log_pace import LOG_EVERY_S, LogPace
+from ckptd.log_pace import LOG_EVERY_S, LogPace
 
 log = logging.getLogger(__name__)
 

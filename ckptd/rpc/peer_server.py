@@ -16,14 +16,14 @@ from ckpt.wire.v1 import peer_pb2 as pb
 from ckpt.wire.v1 import peer_pb2_grpc
 
 from ckptd.byte_range import ByteRange
+from ckptd.cluster.peer_link import INSTANCE_HEADER, ITSELF, IsSelf, data_piece, holdings_to_pb, piece_data
+from ckptd.cluster.shard_stream import read_pieces
 from ckptd.config import Config
 from ckptd.pipeline import Pipeline
 from ckptd.replication.receiving import ReplicaReceiver
 from ckptd.rpc.data_listener import DataListener
 from ckptd.rpc.guard import NotAPeer, RequestGuard
-from ckptd.rpc.peer_link import INSTANCE_HEADER, ITSELF, IsSelf, data_piece, holdings_to_pb, piece_data
 from ckptd.rpc.server import answer
-from ckptd.rpc.shard_stream import read_pieces
 
 
 def _shard_meta(data: bytes) -> ShardMeta:

@@ -17,13 +17,14 @@ from ckpt.wire.v1 import ckptd_pb2_grpc
 from google.protobuf.message import DecodeError
 
 from ckptd.byte_range import ByteRange
+from ckptd.cluster.shard_stream import PIECE_BYTES
 from ckptd.operations.job_retention import ClientRetention
 from ckptd.operations.retention import Removal
 from ckptd.pipeline import Pipeline
 from ckptd.rpc.guard import NotAPeer, RequestGuard
-from ckptd.rpc.shard_stream import PIECE_BYTES
 from ckptd.rpc.statuses import status_of
-from ckptd.save.staging import ShardKey, Snapshot
+from ckptd.save.staging import Snapshot
+from ckptd.shard_key import ShardKey
 
 T = TypeVar("T")
 MAX_LAYOUT_BYTES = 128 << 20

@@ -11,9 +11,9 @@ from __future__ import annotations
 from ckpt.errors import CheckpointError, CorruptCheckpoint, InvalidArgument, NotFound, ReservationLost
 from google.protobuf.message import DecodeError
 
-from ckptd.errors import AlreadyHeld, NotOffered, ReceiverBusy, RemovalRefused, StepAlreadyComplete
+from ckptd.cluster.peer_link import IsSelf
+from ckptd.errors import AlreadyHeld, NotOffered, PeerBusy, RemovalRefused, StepAlreadyComplete
 from ckptd.rpc.guard import NotAPeer
-from ckptd.rpc.peer_link import IsSelf
 
 # A status travels in a header, which gRPC refuses over 16 KiB (the caller would see RESOURCE_EXHAUSTED, not why).
 MAX_DETAILS_BYTES = 2048
@@ -25,7 +25,7 @@ STATUSES: tuple[tuple[tuple[type[BaseException], ...], str], ...] = (
     ((NotAPeer, NotOffered), "PERMISSION_DENIED"),
     ((CorruptCheckpoint,), "DATA_LOSS"),
     ((AlreadyHeld,), "ALREADY_EXISTS"),
-    ((ReceiverBusy,), "RESOURCE_EXHAUSTED"),
+    ((PeerBusy,), "RESOURCE_EXHAUSTED"),
     ((CheckpointError, OSError), "INTERNAL"),
 )
 

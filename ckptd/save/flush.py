@@ -21,11 +21,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 from ckpt.format import CHUNK_SIZE_BYTES, ShardMeta
 
-from ckptd.operations import metrics
+from ckptd import metrics
 from ckptd.save.rounds import Round, plan_round
-from ckptd.save.slot_files import UNFLUSHED
-from ckptd.save.staging import ShardKey, Slot, SlotPool
+from ckptd.save.staging import SlotPool
+from ckptd.shard_key import ShardKey
 from ckptd.tiers.nvme import LocalDirTier
+from ckptd.tiers.slot_files import UNFLUSHED, Slot
 
 # A round waits (this long at most) while ranks of its job on this node are still copying
 # into their slots, or do not yet hold a common step: it then picks the step they are all

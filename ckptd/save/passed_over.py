@@ -20,7 +20,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
-from ckptd.save.slot_files import ShardKey
+from ckptd.shard_key import ShardKey
 
 log = logging.getLogger(__name__)
 

@@ -24,11 +24,12 @@ from ckpt.format import validate_tier
 
 from ckptd.replication.sending import FAILURES_REPORTED, Replication
 from ckptd.save.passed_over import PassedOver
-from ckptd.save.slot_files import UNFLUSHED
-from ckptd.save.staging import ShardKey, SlotPool
+from ckptd.save.staging import SlotPool
 from ckptd.save.uploading import FAILURES_REPORTED as UPLOAD_FAILURES_REPORTED
 from ckptd.save.uploading import Uploader
+from ckptd.shard_key import ShardKey
 from ckptd.tiers.nvme import LocalDirTier
+from ckptd.tiers.slot_files import UNFLUSHED
 
 log = logging.getLogger(__name__)
 
@@ -143,6 +144,22 @@ class ShardProgress:
         self._wakers: set[asyncio.Task[None]] = set()
 
     # -- reports ------------------------------------------------------------------
+
+    def passed_over_by(self, key: ShardKey, newer_step: int) -> None:
+        """Remember that a save of newer_step took the slot of key's snapshot before it was flushed."""
+        self.passed_over.passed_over(key, newer_step)
+
+    def newest_by_job(self) -> dict[str, dict[str, Completion]]:
+        """Return job -> tier -> its newest complete step (for `ckptd status` and /metrics)."""
+        return self.newest.by_job()
+
+    def passed_over_by_job(self) -> dict[str, dict[str, int]]:
+        """Return job -> how many of its shards were passed over, by tier (for `ckptd status` and /metrics)."""
+        return self.passed_over.by_job()
+
+    def forget_job(self, job: str, tiers: tuple[str, ...]) -> None:
+        """Stop reporting a job's newest steps on tiers it was removed from (`ckptd gc --job J --all`)."""
+        self.newest.forget(job, tiers)
 
     def copy_committed(self, key: ShardKey, generation: int = 0) -> None:
         """Forget what an earlier copy of the shard reached: the new copy has reached only memory.
@@ -308,7 +325,7 @@ class ShardProgress:
         uploader = self.uploader
         assert uploader is not None
         if not uploader.wanted(key.step):
-            error = f"{key.job} step {key.step} is not uploaded: [object] every = {uploader.config.object.every}"
+            error = f"{key.job} step {key.step} is not uploaded: [object] every = {uploader.every}"
             return lambda: (False, error)
         before = uploader.state(key)
         attempts_before = before.attempts if before is not None else 0

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ckptd.save.slot_files import Slot
+from ckptd.tiers.slot_files import Slot
 
 
 def kept(step: int, flush_every: int) -> bool:

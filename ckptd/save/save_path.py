@@ -28,29 +28,49 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import OrderedDict
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, Protocol
 
 from ckpt.errors import CheckpointError, InvalidArgument, NotFound
 from ckpt.format import CommitRecord, ShardMeta
 from ckpt.history import History, Line, generation
 
+from ckptd import metrics
 from ckptd.cluster.view import ClusterView
 from ckptd.errors import MixedLines
-from ckptd.operations import metrics
-from ckptd.operations.retention import RetentionRunner
 from ckptd.replication.peering import Peering
 from ckptd.save.flush import Flusher
 from ckptd.save.progress import REMEMBERED_SHARDS, ShardProgress
-from ckptd.save.staging import ShardKey, Slot, SlotPool, Snapshot
+from ckptd.save.staging import SlotPool, Snapshot
 from ckptd.save.uploading import Uploader
+from ckptd.shard_key import ShardKey
 from ckptd.tiers.base import DurableTier
 from ckptd.tiers.nvme import LocalDirTier
+from ckptd.tiers.slot_files import Slot
 
 log = logging.getLogger(__name__)
 
 LOCAL_TIERS = ("nvme", "peer")  # the tiers retention runs on after a seal here
+
+
+class Retention(Protocol):
+    """What the save asks of retention (operations.retention.RetentionRunner, above it), on the event loop.
+
+    collect after a step is sealed here (awaited, on the local tiers); collect_soon once a step
+    is committed in the object store (from the Uploader's callback).
+    """
+
+    async def collect(
+        self,
+        dry_run: bool,
+        job: str = "",
+        keep_newest: bool = True,
+        tiers: tuple[str, ...] = (),
+        unfinished_uploads: bool = True,
+    ) -> Sequence[object]: ...
+
+    def collect_soon(self, job: str, tiers: tuple[str, ...]) -> None: ...
 
 
 class SavePath:
@@ -65,7 +85,7 @@ class SavePath:
         peering: Peering,
         uploader: Uploader | None,
         progress: ShardProgress,
-        retention: RetentionRunner,
+        retention: Retention,
         view: ClusterView | None,
         save_threads: ThreadPoolExecutor,
         peer_threads: ThreadPoolExecutor,
@@ -149,7 +169,7 @@ class SavePath:
             log.warning("%s waited %.1f s for staging room: %s", key, reserved.blocked_s, reserved.reason)
         self.flusher.reserved(key)
         if reserved.replaced is not None and reserved.replaced.step != key.step:  # the same step: saved again
-            self.progress.passed_over.passed_over(reserved.replaced, key.step)
+            self.progress.passed_over_by(reserved.replaced, key.step)
             await self.progress.changed()
         return reserved.slot, reserved.blocked_s, reserved.reason
 
@@ -236,7 +256,7 @@ class SavePath:
                     return  # and, before any await, out of _rounds: the next commit starts them again
                 chosen, passed_over = begun
                 for key in passed_over:
-                    self.progress.passed_over.passed_over(key, chosen.step)
+                    self.progress.passed_over_by(key, chosen.step)
                 await self.pool.changed()  # the slots passed over are free: saves waiting for one may go on
                 await self.progress.changed()  # their waiters hear they were passed over
                 await asyncio.gather(*(self._flush(slot) for slot in chosen.flushed))

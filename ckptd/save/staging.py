@@ -34,18 +34,10 @@ from ckpt.format import MAX_SHARD_BYTES, ShardMeta, digest, layout_offset, round
 from ckpt.history import Line, line_to_json
 
 from ckptd.save.rounds import kept
-
-# A slot and its files on disk live in slot_files; ShardKey, Slot and scan_slots stay importable from here.
-from ckptd.save.slot_files import (
-    SLOT_NAME,
-    ShardKey,
-    Slot,
-    locked_by_a_writer,
-    scan_slots,
-    slot_path,
-)
+from ckptd.shard_key import ShardKey
 from ckptd.storage.durable_write import replace_file
 from ckptd.storage.owned_dir import OWNER_ONLY, StagingAccess, claim_dir, create_new, open_owned
+from ckptd.tiers.slot_files import SLOT_NAME, Slot, locked_by_a_writer, scan_slots, slot_path
 
 log = logging.getLogger(__name__)
 
@@ -114,6 +106,10 @@ class SlotPool:
         """Return every slot."""
         groups = list(self._slots.values())  # worker threads list them too (the memory tier) while the loop adds
         return [s for group in groups for s in list(group)]
+
+    def last_saved_at(self, job: str, default: float) -> float:
+        """Return the time.monotonic() of the job's last commit here (or of recovery); default if none."""
+        return self.last_saved.get(job, default)
 
     def copies(self) -> list[Slot]:
         """Return a copy of every slot, for readers on other threads (the memory tier): the loop changes the slots."""

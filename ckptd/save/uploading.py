@@ -33,12 +33,12 @@ from typing import Any
 from ckpt.errors import CheckpointError, CorruptCheckpoint, NotFound
 from ckpt.format import CommitRecord, ShardMeta, chunk_ranges, data_name, meta_name
 
+from ckptd import metrics
 from ckptd.byte_range import ByteRange
 from ckptd.config import Config
 from ckptd.errors import AlreadyHeld, CommitConflict, LocalCopyGone
 from ckptd.keyed import KeyedLocks
-from ckptd.operations import metrics
-from ckptd.save.staging import ShardKey
+from ckptd.shard_key import ShardKey
 from ckptd.tiers.nvme import LocalDirTier
 from ckptd.tiers.object.layout import part_bytes
 from ckptd.tiers.object.tier import ObjectTier
@@ -96,6 +96,11 @@ class Uploader:
         )
         self.verification_failures = 0  # NVMe copies found bad while read for upload
         self.last_error = ""
+
+    @property
+    def every(self) -> int:
+        """Return which steps go to the object tier: every this many ([object] every)."""
+        return self.config.object.every
 
     def wanted(self, step: int) -> bool:
         """Say whether a step goes to the object tier ([object] every)."""
@@ -207,7 +212,7 @@ class Uploader:
                         self.verification_failures += 1
                         meta, error, gone = None, f"{e}; not uploaded", True
                     except (CheckpointError, OSError) as e:
-                        meta, error, gone = None, f"upload of {key} to {self.tier.store.shown} failed: {e}", False
+                        meta, error, gone = None, f"upload of {key} to {self.tier.describe()} failed: {e}", False
                     except Exception as e:  # the loop must outlive any one bad attempt
                         log.exception("upload of %s failed unexpectedly", key)
                         meta, error, gone = None, f"upload of {key} failed unexpectedly: {e!r}", False
@@ -253,7 +258,7 @@ class Uploader:
         log.info(
             "uploaded %s to %s (%d bytes, %.2f s)",
             key,
-            self.tier.store.describe(key.job, str(key.step)),
+            self.tier.describe(key.job, str(key.step)),
             meta.data_size_bytes,
             time.monotonic() - started,
         )
@@ -282,7 +287,7 @@ class Uploader:
                 try:
                     verdict = await loop.run_in_executor(self.io, self._check_commit, job, step, writer, record, since)
                 except (CheckpointError, OSError) as e:
-                    self._failed(f"committing {job} step {step} on {self.tier.store.shown} failed: {e}")
+                    self._failed(f"committing {job} step {step} on {self.tier.describe()} failed: {e}")
                     verdict = "waiting"
                 if verdict != "waiting":
                     break
@@ -345,7 +350,7 @@ class Uploader:
         failing = {str(k): s.error for k, s in self._states.items() if s.failures and not (s.uploaded or s.gave_up)}
         return {
             "enabled": True,
-            "url": self.tier.store.shown,
+            "url": self.tier.describe(),
             "every": self.config.object.every,
             "compression": self.config.object.compression,
             "pending_uploads": self.pending(),

@@ -416,8 +416,9 @@ class _S3Parts(ObjectParts):
 
     def __init__(self, store: S3Store, names: tuple[str, ...]) -> None:
         self._store = store
+        self._fs = store.fs  # s3fs: its event loop and its S3 calls, for the parts in flight
         self._path = store.path(*names)
-        self._bucket, self._key, _ = store.fs.split_path(self._path)
+        self._bucket, self._key, _ = self._fs.split_path(self._path)
         store.abort_uploads(*names)  # an upload of this object that a crash left unfinished
         self._first: bytes | None = None
         self._upload_id: str | None = None
@@ -445,7 +446,7 @@ class _S3Parts(ObjectParts):
         while len(self._in_flight) >= UPLOAD_CONCURRENCY:
             self._collect_one()
         self._sent += 1
-        coro = self._store.fs._call_s3(
+        coro = self._fs._call_s3(
             "upload_part",
             Bucket=self._bucket,
             Key=self._key,
@@ -453,7 +454,7 @@ class _S3Parts(ObjectParts):
             PartNumber=self._sent,
             Body=part,
         )
-        self._in_flight[self._sent] = asyncio.run_coroutine_threadsafe(coro, self._store.fs.loop)
+        self._in_flight[self._sent] = asyncio.run_coroutine_threadsafe(coro, self._fs.loop)
 
     def _collect_one(self) -> None:
         first = min(self._in_flight)
@@ -480,7 +481,7 @@ class _S3Parts(ObjectParts):
         except BaseException:
             self.abort()
             raise
-        self._store.fs.invalidate_cache(self._path)
+        self._fs.invalidate_cache(self._path)
 
     def abort(self) -> None:
         for f in self._in_flight.values():

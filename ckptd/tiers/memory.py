@@ -9,8 +9,8 @@ from ckpt.errors import NotFound
 from ckpt.format import CommitRecord, digest
 from ckpt.shard_io import ShardSource
 
-from ckptd.save.staging import Slot, scan_slots
 from ckptd.tiers.base import Tier
+from ckptd.tiers.slot_files import Slot, scan_slots
 
 
 class MemoryTier(Tier):

@@ -20,9 +20,10 @@ from ckpt.errors import CheckpointError, CorruptCheckpoint, NotFound
 from ckpt.format import CommitRecord, ShardMeta, digest
 from ckpt.shard_io import ShardSource
 
+from ckptd.cluster.peer_link import IsSelf, PeerLink
 from ckptd.cluster.placement import Holding, StepHoldings, holders
+from ckptd.errors import PeerError
 from ckptd.pool_map import pool_map
-from ckptd.rpc.peer_link import IsSelf, PeerError, PeerLink
 from ckptd.tiers.base import Tier
 
 log = logging.getLogger(__name__)

@@ -22,7 +22,7 @@ from ckpt.format import COMMIT_NAME, CommitRecord, ShardMeta, digest, meta_name
 from ckpt.history import line_text
 
 from ckptd.cluster.placement import Holding
-from ckptd.rpc.log_pace import LogPace
+from ckptd.log_pace import LogPace
 
 log = logging.getLogger(__name__)
 

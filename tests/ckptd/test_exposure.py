@@ -12,7 +12,7 @@ import pytest
 
 from ckptd.config import Config
 from ckptd.daemon import ACCEPT_OUT_OF_RESOURCES, _paced_accept_failures, exposure_warnings
-from ckptd.rpc.log_pace import LogPace
+from ckptd.log_pace import LogPace
 from ckptd.storage.object_store import shown_url
 from ckptd.tiers.step_records import entry_names
 

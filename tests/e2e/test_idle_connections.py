@@ -17,7 +17,7 @@ import pytest
 import torch
 from certs import CertificateAuthority
 
-from ckptd.rpc.peer_link import CONNECTIONS_SHARE_OF_DESCRIPTORS, SERVER_HANDSHAKE_TIMEOUT_MS
+from ckptd.cluster.peer_link import CONNECTIONS_SHARE_OF_DESCRIPTORS, SERVER_HANDSHAKE_TIMEOUT_MS
 
 pytestmark = pytest.mark.e2e
 

@@ -19,8 +19,7 @@ import torch
 from conftest import CKPTD, free_port
 from prometheus_client.parser import text_string_to_metric_families
 
-from ckptd import __version__
-from ckptd.operations import metrics
+from ckptd import __version__, metrics
 
 pytestmark = pytest.mark.e2e
 CLOCK_SLACK_S = 0.05  # file times come from the kernel's coarse clock, a tick behind time.time()

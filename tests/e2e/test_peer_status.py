@@ -10,8 +10,8 @@ import pytest
 import torch
 from conftest import eventually, free_port
 
+from ckptd.cluster.peer_link import PeerLink
 from ckptd.config import PeerConfig
-from ckptd.rpc.peer_link import PeerLink
 from ckptd.tiers.peer import PeerTier
 
 pytestmark = pytest.mark.e2e

@@ -21,8 +21,9 @@ from ckpt.wire.v1 import peer_pb2 as pb
 from conftest import eventually, free_port
 from states import assert_same
 
+from ckptd.cluster.peer_link import PeerLink
 from ckptd.config import PeerConfig
-from ckptd.rpc.peer_link import PeerError, PeerLink
+from ckptd.errors import PeerError
 
 pytestmark = pytest.mark.e2e
 

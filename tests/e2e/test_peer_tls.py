@@ -21,8 +21,9 @@ from certs import CertificateAuthority
 from ckpt.errors import SaveFailed
 from conftest import eventually
 
+from ckptd.cluster.peer_link import PeerLink
 from ckptd.config import PeerConfig
-from ckptd.rpc.peer_link import PeerError, PeerLink
+from ckptd.errors import PeerError
 
 pytestmark = pytest.mark.e2e
 

@@ -15,7 +15,7 @@ from ckpt.transport import DaemonClient
 from ckpt.wire.v1 import ckptd_pb2 as pb
 from conftest import free_port
 
-from ckptd.save.slot_files import scan_slots
+from ckptd.tiers.slot_files import scan_slots
 
 pytestmark = pytest.mark.e2e
 MIB = 1 << 20

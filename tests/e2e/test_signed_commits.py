@@ -24,8 +24,9 @@ from ckpt.format import COMMIT_NAME, CommitRecord, ShardMeta, data_name, digest,
 from conftest import eventually
 from states import assert_same
 
+from ckptd.cluster.peer_link import PeerLink, ReplicaRejected
 from ckptd.config import PeerConfig
-from ckptd.rpc.peer_link import PeerError, PeerLink, ReplicaRejected
+from ckptd.errors import PeerError
 
 pytestmark = pytest.mark.e2e
 

@@ -88,6 +88,10 @@ class ObjectTier(Tier):
         self._lock = threading.Lock()
         self._listing: ThreadKeyedLocks[str] = ThreadKeyedLocks()  # by job: held while its commit records are read
 
+    def describe(self, *names: str) -> str:
+        """Return where names are in the store (no names: the store), as messages and status show it."""
+        return self.store.describe(*names)
+
     # -- listing ------------------------------------------------------------------
 
     def jobs(self) -> list[str]:

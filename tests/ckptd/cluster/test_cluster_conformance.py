@@ -17,13 +17,13 @@ import pytest
 from ckpt.format import CommitRecord
 from conftest import free_port
 
+from ckptd.cluster.cluster_link import ClusterLinks
 from ckptd.cluster.etcd_view import EtcdView
 from ckptd.cluster.peer_membership import ResolvedPeers
 from ckptd.cluster.peers_view import PeersView
 from ckptd.cluster.placement import Holding
 from ckptd.cluster.view import ClusterView, coordinator_of
 from ckptd.config import load_config
-from ckptd.rpc.cluster_link import ClusterLinks
 from ckptd.rpc.cluster_server import serve_cluster
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]

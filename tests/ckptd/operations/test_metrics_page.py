@@ -11,7 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from ckptd.config import Config, NodeConfig, StagingConfig
 from ckptd.node import Executors, Node
-from ckptd.save.staging import ShardKey
+from ckptd.shard_key import ShardKey
 
 DISK_CALLS = (
     (os, "scandir"), (os, "listdir"), (os, "stat"), (os, "lstat"), (os, "open"), (builtins, "open"),

@@ -7,7 +7,7 @@ import os
 import pytest
 from ckpt.wire.v1 import peer_pb2 as pb
 
-from ckptd.rpc.peer_link import data_piece, piece_data
+from ckptd.cluster.peer_link import data_piece, piece_data
 
 
 @pytest.mark.parametrize("size", [0, 1, 127, 128, 16383, 16384, 1 << 20, (1 << 20) + 3])
@@ -29,7 +29,7 @@ def test_a_range_arriving_in_pieces_is_checked_against_its_own_chunks():
     from ckpt.errors import CorruptCheckpoint
     from ckpt.format import ShardMeta
 
-    from ckptd.rpc.shard_stream import fill_from_pieces
+    from ckptd.cluster.shard_stream import fill_from_pieces
 
     chunk = 1 << 16
     data = os.urandom(5 * chunk + 7)

@@ -15,9 +15,9 @@ from ckpt.format import CommitRecord, ShardMeta, chunk_ranges, digest
 from ckpt.shard_io import read_meta
 
 from ckptd.byte_range import ByteRange
-from ckptd.errors import ReceiverBusy, StepAlreadyComplete
+from ckptd.cluster.shard_stream import PIECE_BYTES, byte_ranges
+from ckptd.errors import PeerBusy, StepAlreadyComplete
 from ckptd.replication.receiving import MAX_RANGES_IN_FLIGHT, ReplicaReceiver
-from ckptd.rpc.shard_stream import PIECE_BYTES, byte_ranges
 from ckptd.tiers.nvme import LocalDirTier
 
 CHUNK = 1 << 20
@@ -217,7 +217,7 @@ def test_too_many_replicas_at_once_are_refused_until_some_end(tmp_path, monkeypa
         await receiver.receive_range(
             meta, "ab" * 8, ByteRange(0, CHUNK), pieces(data[:CHUNK])
         )  # stays open: no seal yet
-        with pytest.raises(ReceiverBusy):
+        with pytest.raises(PeerBusy):
             await receiver.receive_range(other, "cd" * 8, ByteRange(0, CHUNK), pieces(data[:CHUNK]))
         await receiver.receive_range(meta, "ab" * 8, ByteRange(CHUNK, CHUNK), pieces(data[CHUNK:]))
         await receiver.seal(meta, "ab" * 8, None)
@@ -241,7 +241,7 @@ def test_ranges_received_at_once_are_bounded(tmp_path):
         ]
         while receiver._ranges_in_flight < MAX_RANGES_IN_FLIGHT:
             await asyncio.sleep(0)  # let each range start (no time passes: the loop runs the others)
-        with pytest.raises(ReceiverBusy, match="ranges are being received"):
+        with pytest.raises(PeerBusy, match="ranges are being received"):
             await receiver.receive_range(meta, "ff" * 8, ByteRange(0, CHUNK), pieces(data))
         release.set()
         await asyncio.gather(*ranges, return_exceptions=True)

@@ -13,7 +13,7 @@ from ckpt.format import CHUNK_SIZE_BYTES, ShardMeta, digest
 
 from ckptd.cluster.placement import Holding
 from ckptd.replication.sending import Replication
-from ckptd.save.staging import ShardKey
+from ckptd.shard_key import ShardKey
 
 THREADS = ThreadPoolExecutor(4)  # the senders and streams of every Replication here (none sends)
 

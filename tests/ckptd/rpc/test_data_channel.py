@@ -23,13 +23,14 @@ from ckpt.format import ShardMeta, chunk_ranges, digest
 from ckpt.wire.v1 import peer_pb2 as pb
 
 from ckptd.byte_range import ByteRange
+from ckptd.cluster import data_channel, shard_stream
+from ckptd.cluster.data_channel import DataChannelError, send_range
+from ckptd.cluster.peer_link import PeerLink, ReplicaRejected, piece_data
 from ckptd.config import PeerConfig
-from ckptd.errors import AlreadyHeld, ReceiverBusy, StepAlreadyComplete
+from ckptd.errors import AlreadyHeld, PeerBusy, StepAlreadyComplete
 from ckptd.replication.receiving import ReplicaReceiver
-from ckptd.rpc import data_channel, data_listener, shard_stream
-from ckptd.rpc.data_channel import DataChannelError, send_range
+from ckptd.rpc import data_listener
 from ckptd.rpc.data_listener import MAX_PER_ADDRESS, DataListener
-from ckptd.rpc.peer_link import PeerLink, ReplicaRejected, piece_data
 from ckptd.rpc.statuses import status_line, status_of
 from ckptd.tiers.nvme import LocalDirTier
 
@@ -143,7 +144,7 @@ def test_one_table_maps_errors_to_statuses_on_both_transports():
     # AlreadyHeld came back INTERNAL on a data connection (caught as a CheckpointError first).
     assert status_line(AlreadyHeld("held already")) == "ALREADY_EXISTS held already"
     assert status_line(StepAlreadyComplete("complete")).startswith("FAILED_PRECONDITION")
-    assert status_line(ReceiverBusy("busy")).startswith("RESOURCE_EXHAUSTED")
+    assert status_line(PeerBusy("busy")).startswith("RESOURCE_EXHAUSTED")
 
 
 def test_tickets_are_bounded_and_an_unused_one_gives_its_place_back(node, tmp_path, monkeypatch):
@@ -151,7 +152,7 @@ def test_tickets_are_bounded_and_an_unused_one_gives_its_place_back(node, tmp_pa
     monkeypatch.setattr(data_listener, "TICKET_TTL_S", 0.5)
     meta, path = make_shard(tmp_path, 8 * CHUNK)
     tickets = [node.run(node.offer(meta, "ab" * 8, ByteRange(i * CHUNK, CHUNK))) for i in range(3)]
-    with pytest.raises(ReceiverBusy, match="offered already"):
+    with pytest.raises(PeerBusy, match="offered already"):
         node.run(node.offer(meta, "ab" * 8, ByteRange(3 * CHUNK, CHUNK)))
     assert node.run(_in_flight(node)) == 3
     deadline = time.monotonic() + 10
@@ -254,7 +255,7 @@ def test_at_stop_offered_tickets_and_ranges_in_flight_get_their_grace(tmp_path):
     meta, path = make_shard(tmp_path, 4 * CHUNK)
     ticket = n.run(n.offer(meta, "ab" * 8, ByteRange(0, meta.data_size_bytes)))
     stopping = asyncio.run_coroutine_threadsafe(n.listener.stop(), n.loop)
-    with pytest.raises(ReceiverBusy, match="stopping"):  # no ticket is offered once stop began
+    with pytest.raises(PeerBusy, match="stopping"):  # no ticket is offered once stop began
         n.run(n.offer(meta, "cd" * 8, ByteRange(0, meta.data_size_bytes)))
     assert send(n, ticket, meta, path) == "OK"  # the one offered before is still taken
     stopping.result(30)

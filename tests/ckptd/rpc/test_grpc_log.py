@@ -77,7 +77,8 @@ SCRIPT = textwrap.dedent(
     from ckpt.wire.v1 import peer_pb2_grpc
     from ckptd.config import PeerConfig
     from ckptd.rpc.grpc_log import CoreLog
-    from ckptd.rpc.peer_link import PeerError, PeerLink, server_credentials
+    from ckptd.errors import PeerError
+    from ckptd.cluster.peer_link import PeerLink, server_credentials
 
     core_log = CoreLog()
     core_log.start()

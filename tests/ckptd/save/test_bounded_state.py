@@ -13,7 +13,8 @@ from ckptd.save import progress, save_path
 from ckptd.save.flush import Flusher
 from ckptd.save.progress import ShardProgress
 from ckptd.save.save_path import SavePath
-from ckptd.save.staging import ShardKey, SlotPool
+from ckptd.save.staging import SlotPool
+from ckptd.shard_key import ShardKey
 from ckptd.tiers.nvme import LocalDirTier
 
 BOUND = 10

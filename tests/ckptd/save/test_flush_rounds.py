@@ -15,7 +15,8 @@ from concurrent.futures import ThreadPoolExecutor
 from ckptd.config import Config, NodeConfig, NvmeConfig, StagingConfig
 from ckptd.node import Executors, Node
 from ckptd.save.passed_over import PassedOver
-from ckptd.save.staging import ShardKey, SlotPool, Snapshot
+from ckptd.save.staging import SlotPool, Snapshot
+from ckptd.shard_key import ShardKey
 
 MIB = 1 << 20
 MEMORY_THREADS = ThreadPoolExecutor(4, thread_name_prefix="slot-memory")  # every SlotPool here allocates on it

@@ -15,7 +15,8 @@ import pytest
 from ckpt.errors import InvalidArgument, ReservationLost
 from ckpt.format import CHUNK_SIZE_BYTES, ShardMeta
 
-from ckptd.save.staging import DEFAULT_BUDGET_SHARE, ShardKey, SlotPool, Snapshot, default_budget_bytes
+from ckptd.save.staging import DEFAULT_BUDGET_SHARE, SlotPool, Snapshot, default_budget_bytes
+from ckptd.shard_key import ShardKey
 
 MIB = 1 << 20
 MEMORY_THREADS = ThreadPoolExecutor(4, thread_name_prefix="slot-memory")  # every SlotPool here allocates on it

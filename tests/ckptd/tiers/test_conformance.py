@@ -29,8 +29,9 @@ from ckpt.format import (
 
 from ckptd.byte_range import ByteRange
 from ckptd.errors import ShardWriteError
-from ckptd.save.staging import ShardKey, SlotPool, Snapshot
+from ckptd.save.staging import SlotPool, Snapshot
 from ckptd.save.uploading import upload_file
+from ckptd.shard_key import ShardKey
 from ckptd.storage.object_store import open_store
 from ckptd.tiers.base import Tier
 from ckptd.tiers.memory import MemoryTier

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from certs import CertificateAuthority
 
+from ckptd.cluster.tls_refusal import own_certificate_problem, reason, sender_error
 from ckptd.config import PeerConfig
-from ckptd.rpc.tls_refusal import own_certificate_problem, reason, sender_error
 
 PEER = "127.0.0.13:7070"
 # gRPC 1.85's UNAVAILABLE details where this node refused the peer's certificate

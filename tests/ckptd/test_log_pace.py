@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from ckptd.rpc.log_pace import LogPace
+from ckptd.log_pace import LogPace
 
 
 def test_a_key_is_due_once_a_period_and_the_keys_remembered_are_bounded(monkeypatch):
     now = [1000.0]
-    monkeypatch.setattr("ckptd.rpc.log_pace.time.monotonic", lambda: now[0])
+    monkeypatch.setattr("ckptd.log_pace.time.monotonic", lambda: now[0])
     pace = LogPace(every_s=60.0, max_keys=3)
     assert pace.due("a") and not pace.due("a")
     now[0] += 59.0

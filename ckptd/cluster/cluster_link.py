@@ -21,24 +21,14 @@ from ckpt.format import CommitRecord
 from ckpt.wire.v1 import cluster_pb2 as pb
 from ckpt.wire.v1 import cluster_pb2_grpc
 
+from ckptd.cluster import tls_refusal
+from ckptd.cluster.peer_link import INSTANCE_HEADER, channel_credentials, grpc_options, holdings_from_pb, holdings_to_pb
 from ckptd.cluster.placement import Holding, StepHoldings
 from ckptd.config import PeerConfig
-from ckptd.rpc import tls_refusal
-from ckptd.rpc.peer_link import (
-    INSTANCE_HEADER,
-    PeerError,
-    channel_credentials,
-    grpc_options,
-    holdings_from_pb,
-    holdings_to_pb,
-)
+from ckptd.errors import PeerBusy, PeerError
 
 CALL_TIMEOUT_S = 2.0
 MAX_CHANNELS = 64
-
-
-class PeerBusy(PeerError):
-    """The peer refused a call for now (too many under way): call it again soon, it is not down."""
 
 
 class PeerSlow(PeerError):

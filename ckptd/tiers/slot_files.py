@@ -33,25 +33,13 @@ from ckpt.format import ShardMeta, digest, unseal, validate_job, validate_rank, 
 from ckpt.history import Line, line_from_json
 from ckpt.owned_paths import user_name
 
+from ckptd.shard_key import ShardKey
 from ckptd.storage.owned_dir import read_owned
 
 log = logging.getLogger(__name__)
 
 SLOT_NAME = re.compile(r"rank-(\d{5})\.slot-(\d+)")
 UNFLUSHED = frozenset({"pending", "flushing"})  # the states of a slot whose snapshot is on its way to NVMe
-
-
-@dataclass(frozen=True)
-class ShardKey:
-    """Name one rank's shard of one step of a job."""
-
-    job: str
-    step: int
-    rank: int
-    world_size: int
-
-    def __str__(self) -> str:
-        return f"rank {self.rank}/{self.world_size} shard of {self.job} step {self.step}"
 
 
 @dataclass

@@ -1,9 +1,11 @@
 """Talk to another node's daemon over the peer protocol: send replicas, ask inventories, fetch shards.
 
 Blocking calls, made from worker threads (never from the event loop). Every
-failure is a PeerError naming the peer; a replica the peer rejected for a bad
-chunk is a ReplicaRejected; a TLS handshake refused over a certificate (the peer's,
-or this node's) is a CertificateRefused saying which and why (tls_refusal).
+failure is a PeerError naming the peer; a peer taking as many replicas as it can now
+is PeerBusy (ask again: no failure); a replica the peer rejected for a bad chunk is a
+ReplicaRejected; a TLS handshake refused over a certificate (the peer's, or this node's)
+is a CertificateRefused saying which and why (tls_refusal). A replica the peer holds
+already is AlreadyHeld, as it is on any tier.
 """
 
 from __future__ import annotations
@@ -28,11 +30,12 @@ from ckpt.wire.v1 import peer_pb2_grpc
 
 from ckptd.addresses import host_of
 from ckptd.byte_range import ByteRange
+from ckptd.cluster import tls_refusal
+from ckptd.cluster.data_channel import DataChannelError, client_context, send_range
 from ckptd.cluster.placement import Holding, StepHoldings
+from ckptd.cluster.shard_stream import byte_ranges, fill_from_pieces, read_pieces
 from ckptd.config import PeerConfig
-from ckptd.rpc import tls_refusal
-from ckptd.rpc.data_channel import DataChannelError, client_context, send_range
-from ckptd.rpc.shard_stream import byte_ranges, fill_from_pieces, read_pieces
+from ckptd.errors import AlreadyHeld, PeerBusy, PeerError
 
 MAX_MESSAGE_BYTES = 64 << 20
 INSTANCE_HEADER = "ckptd-instance"
@@ -77,16 +80,8 @@ def piece_data(message: bytes) -> memoryview:
     return memoryview(pb.ShardPiece.FromString(message).data)  # any other shape protobuf allows
 
 
-class PeerError(CheckpointError):
-    """A peer could not be reached, or refused a request; the message names the peer."""
-
-
 class IsSelf(PeerError):
     """The address leads back to this very daemon (an alias of its own in the peer list)."""
-
-
-class ReplicaHeld(PeerError):
-    """The peer holds this very replica already."""
 
 
 class ReplicaRejected(PeerError):
@@ -300,7 +295,9 @@ class PeerLink:
         if code == "FAILED_PRECONDITION" and detail.startswith(ITSELF):
             return IsSelf(f"peer {self.address} is this node itself")
         if code == "ALREADY_EXISTS":
-            return ReplicaHeld(f"peer {self.address}: {detail}")
+            return AlreadyHeld(f"peer {self.address}: {detail}")
+        if code == "RESOURCE_EXHAUSTED":
+            return PeerBusy(f"peer {self.address}: {what}: busy, {detail}")
         if code == "DATA_LOSS":
             return ReplicaRejected(f"peer {self.address} rejected {what}: {detail}")
         if code == "NOT_FOUND":
@@ -372,10 +369,10 @@ class PeerLink:
             # shard goes again under a new one, by PutShard now that the channel is off.
             if not tries_left or not any(isinstance(e, DataChannelError) for e in errors):
                 break
-        if errors and all(isinstance(e, ReplicaHeld) for e in errors):
+        if errors and all(isinstance(e, AlreadyHeld) for e in errors):
             return  # sent before (a resume, or a retry after a lost answer): nothing to do
         if errors:
-            raise next(e for e in errors if not isinstance(e, ReplicaHeld))
+            raise next(e for e in errors if not isinstance(e, AlreadyHeld))
         request = pb.SealShardRequest(
             meta_json=meta_json, transfer=transfer, commit_json=record.to_bytes() if record else b""
         )
@@ -466,7 +463,7 @@ class PeerLink:
             self._call(
                 f"replica of {what}", lambda: self._put_shard(pieces(), timeout=timeout_s, metadata=self._metadata)
             )
-        except PeerError:
+        except (PeerError, AlreadyHeld):
             if not local_failure:
                 raise
         if local_failure:

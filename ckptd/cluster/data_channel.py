@@ -31,9 +31,9 @@ from pathlib import Path
 from ckpt.format import ShardMeta
 
 from ckptd.byte_range import ByteRange
+from ckptd.cluster import tls_refusal
+from ckptd.cluster.shard_stream import read_pieces
 from ckptd.config import PeerConfig
-from ckptd.rpc import tls_refusal
-from ckptd.rpc.shard_stream import read_pieces
 
 TICKET_BYTES = 16
 STALL_TIMEOUT_S = 30.0  # no byte moved for this long: the connection is given up, on either side
@@ -100,7 +100,7 @@ def send_range(
 
 
 def _channel_error(host: str, port: int, error: BaseException) -> DataChannelError:
-    """Return the failure of a data connection; a refused certificate says so (rpc.tls_refusal), not "reset"."""
+    """Return the failure of a data connection; a refused certificate says so (cluster.tls_refusal), not "reset"."""
     refusal = tls_refusal.sender_error(f"{host}:{port}", str(error)) if isinstance(error, ssl.SSLError) else None
     return DataChannelError(refusal or f"data connection to {host}:{port}: {error}")
 
