@@ -197,7 +197,7 @@ class Node:
         if object_tier is not None:
             uploader = Uploader(config, self.nvme, object_tier, upload_changed, x.upload)
         # -- the save path, the load path, operations
-        self.progress = ShardProgress(self.pool, self.nvme, replication, uploader, config.node.name, x.save)
+        self.progress = ShardProgress(self.pool, self.nvme, replication, uploader, config.node.name, x.locate)
         flusher = Flusher(self.pool, self.nvme, x.flush)
         self.flusher = flusher  # reconciliation waits for its flushes
         self.locator = Locator(

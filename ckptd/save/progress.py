@@ -124,7 +124,8 @@ class ShardProgress:
     ) -> None:
         """replication, uploader: None where the tier is not configured; node: this node's name, for messages.
 
-        threads: where a wait looks on NVMe for a shard made durable before this daemon started (Executors.save).
+        threads: where a wait looks on NVMe for a shard made durable before this daemon started (Executors.locate:
+        a lookup like a load's, never queued behind the Commit work on Executors.save).
         """
         self.pool = pool
         self._threads = threads
