@@ -32,7 +32,7 @@ from ckptd.load.locate import Locator
 from ckptd.load.sharded_reads import ShardedReads
 from ckptd.operations import root_identity
 from ckptd.operations.idle_release import IdleRelease
-from ckptd.operations.job_retention import JobRetention
+from ckptd.operations.job_retention import ClientRetention, JobRetention
 from ckptd.operations.retention import BusySteps, RetentionRunner, lowest_priority
 from ckptd.operations.status import StatusReport
 from ckptd.pipeline import Pipeline
@@ -214,6 +214,7 @@ class Node:
         save_path = SavePath(
             self.pool, flusher, self.nvme, self.durable_tiers, self.peering, uploader,
             self.progress, self.retention, self.view, x.save, x.peer,
+            lambda job, keep, keep_every: self.job_retention.client_asked(job, ClientRetention(keep, keep_every)),
         )  # fmt: skip
         self.save_path = save_path
         self.uploader = uploader

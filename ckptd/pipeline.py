@@ -28,17 +28,16 @@ from ckptd.cluster.view import ClusterView
 from ckptd.load.locate import Located, Locator
 from ckptd.load.sharded_reads import ShardedReads
 from ckptd.operations.idle_release import IdleRelease
-from ckptd.operations.job_retention import ClientRetention, JobRetention
+from ckptd.operations.job_retention import JobRetention
 from ckptd.operations.retention import RETAINED_TIERS, Removal, RetentionRunner
 from ckptd.operations.status import StatusReport
 from ckptd.replication.peering import Peering
 from ckptd.replication.receiving import ReplicaReceiver
 from ckptd.save.progress import ShardProgress, ShardWait
-from ckptd.save.save_path import SavePath
+from ckptd.save.save_path import ReserveAnswer, SavePath
 from ckptd.save.staging import SlotPool, Snapshot
 from ckptd.shard_key import ShardKey
 from ckptd.tiers.catalog import StepInfo
-from ckptd.tiers.slot_files import Slot
 
 
 class Pipeline:
@@ -79,21 +78,17 @@ class Pipeline:
 
     # -- the save path: Reserve, Commit, WaitShard ---------------------------------------
 
-    async def line_for(self, key: ShardKey, asked: Line | None, after: int) -> Line:
-        """Place a save on the job's line, or refuse it (see SavePath.line_for)."""
-        return await self._save_path.line_for(key, asked, after)
-
-    async def reserve(self, key: ShardKey, size_bytes: int, line: Line = ()) -> tuple[Slot | None, float, str]:
-        """Find staging room for a shard of a step on line."""
-        return await self._save_path.reserve(key, size_bytes, line)
-
-    async def prepare(self, key: ShardKey, size_bytes: int) -> list[Slot]:
-        """Allocate a rank's slots ahead of its first save; return its free slots (see SlotPool.prepare)."""
-        return await self._pool.prepare(key.job, key.rank, size_bytes)
-
-    def spare(self, job: str, rank: int) -> Slot | None:
-        """Return the slot the rank's next save will get, if one is allocated."""
-        return self._pool.spare(job, rank)
+    async def reserve(
+        self,
+        key: ShardKey,
+        size_bytes: int,
+        asked: Line | None,
+        after: int,
+        retention: tuple[int | None, int | None] | None,
+        prepare: bool,
+    ) -> ReserveAnswer:
+        """Answer a rank's Reserve (see SavePath.reserve_for)."""
+        return await self._save_path.reserve_for(key, size_bytes, asked, after, retention, prepare)
 
     async def commit(self, snapshot: Snapshot) -> None:
         """Take over a filled slot; its flush, seal, replicas and upload follow (SavePath)."""
@@ -151,10 +146,6 @@ class Pipeline:
     async def pin(self, job: str, step: int, pinned: bool) -> list[int]:
         """Pin a step complete on this node (never removed by retention) or unpin it; return the job's pins."""
         return await self._retention.pin(job, step, pinned)
-
-    async def client_retention(self, job: str, asked: ClientRetention) -> None:
-        """Take the retention a job's client asks for (Reserve)."""
-        await self._job_retention.client_asked(job, asked)
 
     async def remove_job(self, job: str, dry_run: bool, object_too: bool) -> list[Removal]:
         """Remove a finished job from this node (`ckptd gc --job J --all`): its slots, then its steps."""

@@ -18,7 +18,6 @@ from google.protobuf.message import DecodeError
 
 from ckptd.byte_range import ByteRange
 from ckptd.cluster.shard_stream import PIECE_BYTES
-from ckptd.operations.job_retention import ClientRetention
 from ckptd.operations.retention import Removal
 from ckptd.pipeline import Pipeline
 from ckptd.rpc.guard import NotAPeer, RequestGuard
@@ -73,41 +72,34 @@ class CkptdServicer(ckptd_pb2_grpc.CkptdServicer):
     async def Reserve(self, request: pb.ReserveRequest, context: Any) -> pb.ReserveReply:
         async def work() -> pb.ReserveReply:
             key = _shard_key(request.shard)
-            if request.HasField("retention"):  # the job's own retention (Checkpointer keep=, keep_every=)
-                wanted = request.retention
-                await self.pipeline.client_retention(
-                    key.job,
-                    ClientRetention(
-                        wanted.keep if wanted.HasField("keep") else None,
-                        wanted.keep_every if wanted.HasField("keep_every") else None,
-                    ),
+            wanted = request.retention  # the job's own retention (Checkpointer keep=, keep_every=)
+            reserved = await self.pipeline.reserve(
+                key,
+                request.size_bytes,
+                _line(request.line, key) if request.has_line else None,
+                request.after,
+                (
+                    wanted.keep if wanted.HasField("keep") else None,
+                    wanted.keep_every if wanted.HasField("keep_every") else None,
                 )
-            if request.prepare:  # slots allocated ahead, no reservation: the client maps and pins them
-                free = await self.pipeline.prepare(key, request.size_bytes)
-                return pb.ReserveReply(
-                    slot_path=str(free[0].path) if free else "",
-                    slot_size_bytes=free[0].size_bytes if free else 0,
-                    spare_slot_path=str(free[1].path) if len(free) > 1 else "",
-                    spare_slot_size_bytes=free[1].size_bytes if len(free) > 1 else 0,
-                    layout_in_slot=True,
-                )
-            asked = _line(request.line, key) if request.has_line else None
-            line = await self.pipeline.line_for(key, asked, request.after)
-            slot, blocked_s, reason = await self.pipeline.reserve(key, request.size_bytes, line)
-            if slot is None:
-                self.guard.note(context, "skipped", f"skipped {key}: {reason}")
-                return pb.ReserveReply(skipped=True, reason=reason, line=line_text(line))
-            spare = self.pipeline.spare(key.job, key.rank)
+                if request.HasField("retention")
+                else None,
+                request.prepare,
+            )
+            if reserved.skipped:
+                self.guard.note(context, "skipped", f"skipped {key}: {reserved.reason}")
+            slot, spare = reserved.slot, reserved.spare
             return pb.ReserveReply(
-                slot_path=str(slot.path),
-                slot_size_bytes=slot.size_bytes,
-                blocked_s=blocked_s,
-                reason=reason,
-                reservation=slot.reservation,
+                skipped=reserved.skipped,
+                slot_path=str(slot.path) if slot else "",
+                slot_size_bytes=slot.size_bytes if slot else 0,
+                blocked_s=reserved.blocked_s,
+                reason=reserved.reason,
+                reservation=reserved.reservation,
                 spare_slot_path=str(spare.path) if spare else "",
                 spare_slot_size_bytes=spare.size_bytes if spare else 0,
-                layout_in_slot=True,
-                line=line_text(line),
+                layout_in_slot=not reserved.skipped,
+                line=line_text(reserved.line) if reserved.line is not None else "",
             )
 
         return await answer(context, work)

@@ -28,8 +28,9 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import OrderedDict
-from collections.abc import Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from ckpt.errors import CheckpointError, InvalidArgument, NotFound
@@ -73,6 +74,25 @@ class Retention(Protocol):
     def collect_soon(self, job: str, tiers: tuple[str, ...]) -> None: ...
 
 
+@dataclass(frozen=True)
+class ReserveAnswer:
+    """What a Reserve comes to (reserve_for): the slot to copy into, or why there is none.
+
+    slot: the rank's slot, None where the save is skipped (reason says why) or, for a rank
+    preparing its slots, where none is free; spare: the slot its next save will get, if one is
+    allocated; reservation: the token its Commit carries (0 when only preparing); line: the line
+    of the job's history the save belongs to (None when only preparing: no save was placed).
+    """
+
+    slot: Slot | None
+    spare: Slot | None
+    skipped: bool = False
+    reason: str = ""
+    blocked_s: float = 0.0
+    reservation: int = 0
+    line: Line | None = None
+
+
 class SavePath:
     """Order the roles of a save, from the slot reserved to the step retained."""
 
@@ -89,8 +109,13 @@ class SavePath:
         view: ClusterView | None,
         save_threads: ThreadPoolExecutor,
         peer_threads: ThreadPoolExecutor,
+        client_retention: Callable[[str, int | None, int | None], Awaitable[None]],
     ) -> None:
-        """save_threads: Reserve's and Commit's disk work, never behind a flush; peer_threads: short tier lookups."""
+        """save_threads: Reserve's and Commit's disk work, never behind a flush; peer_threads: short tier lookups.
+
+        client_retention(job, keep, keep_every): take the retention a job's client asks for on
+        Reserve (JobRetention.client_asked, above the save path), before the save is placed.
+        """
         self.pool = pool
         self.flusher = flusher
         self.nvme = nvme
@@ -102,6 +127,7 @@ class SavePath:
         self.view = view
         self._save_threads = save_threads
         self._peer_threads = peer_threads
+        self._client_retention = client_retention
         self.seal_lock = asyncio.Lock()  # one seal at a time on this node (reconciliation takes it too)
         self._rounds: dict[str, asyncio.Task[None]] = {}  # job -> its rounds, while a snapshot of it waits
         self._latest_run: OrderedDict[tuple[str, int], str] = OrderedDict()  # the run that committed a step last
@@ -114,6 +140,34 @@ class SavePath:
         )
 
     # -- 1. reserve -------------------------------------------------------------------
+
+    async def reserve_for(
+        self,
+        key: ShardKey,
+        size_bytes: int,
+        asked: Line | None,
+        after: int,
+        retention: tuple[int | None, int | None] | None = None,
+        prepare: bool = False,
+    ) -> ReserveAnswer:
+        """Answer a rank's Reserve: take its client's retention, then prepare its slots or place and reserve the save.
+
+        retention: (keep, keep_every) its client asks for, None where it asks nothing. prepare: allocate
+        the rank's slots ahead of its first save (no reservation: the client maps and pins them), and
+        answer its free slots. Otherwise line_for() places the save (asked and after as there),
+        reserve() finds its slot, and the answer names the slot its next save will get.
+        """
+        if retention is not None:
+            await self._client_retention(key.job, *retention)
+        if prepare:
+            free = await self.pool.prepare(key.job, key.rank, size_bytes)
+            return ReserveAnswer(free[0] if free else None, free[1] if len(free) > 1 else None)
+        line = await self.line_for(key, asked, after)
+        slot, blocked_s, reason = await self.reserve(key, size_bytes, line)
+        if slot is None:
+            return ReserveAnswer(None, None, skipped=True, reason=reason, line=line)
+        spare = self.pool.spare(key.job, key.rank)
+        return ReserveAnswer(slot, spare, False, reason, blocked_s, slot.reservation, line)
 
     async def line_for(self, key: ShardKey, asked: Line | None, after: int) -> Line:
         """Return the line of the job's history a save belongs to, or refuse it (InvalidArgument); before reserve().

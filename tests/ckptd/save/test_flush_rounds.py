@@ -58,7 +58,7 @@ def _payload(step: int, rank: int, size: int = MIB) -> bytes:
 
 
 async def _reserve(node: Node, key: ShardKey, size: int = MIB):
-    return await node.pipeline.reserve(key, size)
+    return await node.save_path.reserve(key, size)
 
 
 async def _commit(node: Node, key: ShardKey, slot, size: int = MIB) -> None:
