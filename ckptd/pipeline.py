@@ -96,7 +96,7 @@ class Pipeline:
 
     async def wait_shard(self, key: ShardKey, tier: str, timeout_s: float) -> ShardWait:
         """Return whether a shard reached a tier, or why it cannot, waiting up to timeout_s."""
-        return await self._progress.wait(key, tier, timeout_s, self._locator.object_step)
+        return await self._save_path.wait_shard(key, tier, timeout_s, self._locator.object_step)
 
     # -- loads and listings ------------------------------------------------------------------
 

@@ -28,7 +28,7 @@ from ckptd.cluster.placement import Holding, StepHoldings, seal_record
 from ckptd.cluster.view import ClusterView
 from ckptd.config import Config
 from ckptd.errors import MixedLines, StepAlreadyComplete
-from ckptd.replication.sending import Replication
+from ckptd.replication.sending import FAILURES_REPORTED, Replication
 from ckptd.shard_key import ShardKey
 from ckptd.tiers.base import DurableTier
 from ckptd.tiers.nvme import LocalDirTier
@@ -186,6 +186,11 @@ class Peering:
             return
         on_disk = self.nvme.step_dir(key.job, key.step) / data_name(key.rank)
         self.replication.send(key, meta, [p for p in (slot_path, on_disk) if p is not None])
+
+    def retry_failing_replicas(self, key: ShardKey) -> None:
+        """Try a shard's missing replicas at once if they have been failing (SavePath.wait_shard: a waiter asks)."""
+        if self.replication is not None and self.replication.state(key)[2] >= FAILURES_REPORTED:
+            self.replication.retry_now(key)
 
     def forget_replicas(self, key: ShardKey) -> None:
         """Stop following the replicas of a shard's earlier copy (it was saved again)."""

@@ -308,9 +308,9 @@ class ShardProgress:
     def _replica_verdict(self, key: ShardKey) -> Verdict:
         replication = self.replication
         assert replication is not None  # wait() answered already where the tier is not configured
+        # Read before any await: a replica failing so far was just retried (SavePath.wait_shard), and the
+        # waiter hears how that fresh attempt goes.
         attempts_before = replication.state(key)[3]
-        if replication.state(key)[2] >= FAILURES_REPORTED:
-            replication.retry_now(key)  # failing so far: a waiter hears how a fresh attempt goes
 
         def verdict() -> tuple[bool, str] | None:
             done, error, failures, attempts = replication.state(key)

@@ -42,7 +42,7 @@ from ckptd.cluster.view import ClusterView
 from ckptd.errors import MixedLines
 from ckptd.replication.peering import Peering
 from ckptd.save.flush import Flusher
-from ckptd.save.progress import REMEMBERED_SHARDS, ShardProgress
+from ckptd.save.progress import REMEMBERED_SHARDS, ShardProgress, ShardWait
 from ckptd.save.staging import SlotPool, Snapshot
 from ckptd.save.uploading import Uploader
 from ckptd.shard_key import ShardKey
@@ -291,6 +291,17 @@ class SavePath:
         self._latest_run[(key.job, key.step)] = run_id
         while len(self._latest_run) > REMEMBERED_SHARDS:
             self._latest_run.popitem(last=False)
+
+    async def wait_shard(self, key: ShardKey, tier: str, timeout_s: float, object_step: Any) -> ShardWait:
+        """Return whether a shard reached a tier, or why it cannot, waiting up to timeout_s (ShardProgress.wait).
+
+        A waiter on "peer" for replicas failing so far has them tried again at once: it hears how a
+        fresh attempt goes. The retry only queues its sends: ShardProgress.wait reads the attempts made
+        so far before its first await, and counts that attempt as a new one.
+        """
+        if tier == "peer":
+            self.peering.retry_failing_replicas(key)
+        return await self.progress.wait(key, tier, timeout_s, object_step)
 
     # -- 4. flush, 5. replicate, 6. upload -----------------------------------------------
 
