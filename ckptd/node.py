@@ -175,6 +175,9 @@ class Node:
         def upload_changed(key: ShardKey, committed: bool) -> None:
             save_path.upload_changed(key, committed)
 
+        async def adopt_missed_commits(tier: DurableTier, job: str) -> None:
+            await save_path.adopt_missed_commits(tier, job)
+
         # -- the cluster: its view, and the peer tier wherever a view is (peers may come later)
         self.view = open_view(config, x.resolve, x.records)  # [cluster] backend; None: no peers, every step sealed here
         self.membership = self.view.membership if self.view is not None else None  # whom the view follows
@@ -199,7 +202,6 @@ class Node:
         # -- the save path, the load path, operations
         self.progress = ShardProgress(self.pool, self.nvme, replication, uploader, config.node.name, x.locate)
         flusher = Flusher(self.pool, self.nvme, x.flush)
-        self.flusher = flusher  # reconciliation waits for its flushes
         self.locator = Locator(
             *(config, tiers, self.nvme, replica_store, cluster, object_tier, self.verification_failed),
             *(x.locate, x.object, x.object_listings),
@@ -208,7 +210,7 @@ class Node:
         if uploader is not None:
             holders.append(uploader)
         self.retention = RetentionRunner(
-            config, self.durable_tiers, object_tier, self.peering, holders, x.object, x.cleanup,
+            config, self.durable_tiers, object_tier, adopt_missed_commits, holders, x.object, x.cleanup,
             self.job_retention, uploader,
         )  # fmt: skip
         save_path = SavePath(
@@ -286,7 +288,7 @@ class Node:
         while True:
             try:
                 self.receiver.drop_idle()
-                await self.peering.reconcile(self.save_path.seal_lock, self.flusher.flushing, full)
+                await self.save_path.catch_up(full)
                 full = False
                 await self.retention.collect(dry_run=False, tiers=LOCAL_TIERS)  # adopted commits bring retention
             except (CheckpointError, OSError) as e:

@@ -11,7 +11,7 @@ import contextlib
 import logging
 import os
 import threading
-from collections.abc import AsyncIterator, Callable, Collection, Iterable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -22,7 +22,6 @@ from ckpt.history import History, Line
 from ckptd.config import Config
 from ckptd.errors import RemovalRefused
 from ckptd.operations.job_retention import JobRetention
-from ckptd.replication.peering import Peering
 from ckptd.save.uploading import Uploader
 from ckptd.tiers.base import DurableTier
 from ckptd.tiers.object.tier import ObjectTier
@@ -113,7 +112,7 @@ class RetentionRunner:
         config: Config,
         durable_tiers: list[DurableTier],
         object_tier: ObjectTier | None,
-        peering: Peering,
+        adopt_missed_commits: Callable[[DurableTier, str], Awaitable[None]],
         holders: list[BusySteps],
         object_threads: ThreadPoolExecutor,
         cleanup_thread: ThreadPoolExecutor,
@@ -121,12 +120,15 @@ class RetentionRunner:
         uploader: Uploader | None = None,
     ) -> None:
         """object_threads: queries and removals in the object store; cleanup_thread: one thread, started with
-        lowest_priority as its initializer, for local removals; job_retention: each job's settings and pins."""
+        lowest_priority as its initializer, for local removals; job_retention: each job's settings and pins.
+
+        adopt_missed_commits(tier, job): SavePath's, which alone seals and adopts; awaited before each
+        job's pass on a local tier, on the event loop."""
         self.config = config
         self.job_retention = job_retention
         self.durable_tiers = durable_tiers
         self.object_tier = object_tier
-        self.peering = peering
+        self._adopt_missed_commits = adopt_missed_commits
         self.holders = holders
         self.uploader = uploader  # its steps not yet committed in the store stay there too
         self._object_threads = object_threads
@@ -194,7 +196,7 @@ class RetentionRunner:
             for j in [job] if job else await loop.run_in_executor(self.cleanup_thread, tier.jobs):
                 # A step that looks abandoned here may be complete in the cluster (its commit
                 # notice missed while this node was down): adopt it rather than remove it.
-                await self.peering.adopt_missed_commits(tier, j)
+                await self._adopt_missed_commits(tier, j)  # asks the save path
                 steps = await loop.run_in_executor(self.cleanup_thread, _steps_of, tier, j)
                 busy = self.busy_steps()  # now, after the awaits above
                 policy = self.job_retention.effective(j)  # pins change only under this pass's lock

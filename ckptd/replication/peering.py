@@ -1,7 +1,9 @@
-"""This node's part in the cluster: seal steps across nodes, keep replicas flowing, catch up with the peers.
+"""This node's part in the cluster: find what seals steps across nodes, keep replicas flowing, catch up with the peers.
 
-Built by the composition root and called on the event loop (by SavePath to seal, by the
-reconciliation loop, by retention for commits it missed); what loads need of the cluster is
+Built by the composition root and called on the event loop by SavePath, which alone seals and
+adopts (it writes the commit records; Peering only finds them: record_to_seal after a shard is
+durable here, told_before for a commit a peer tells, look_around → record_found → resume_replicas
+for a round of catching up, SavePath.catch_up). What loads need of the cluster is
 load/cluster_steps.py's. Blocking work runs on the peer threads. Nodes are known by their
 peer address ("ip:port", as [node] listen names this one). Which steps are committed across
 nodes, and which nodes are peers, the cluster view says (ckptd.cluster.view): Peering reports
@@ -17,6 +19,7 @@ import time
 from collections import OrderedDict, defaultdict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,10 +30,9 @@ from ckptd.cluster.peer_link import PeerLink
 from ckptd.cluster.placement import Holding, StepHoldings, seal_record
 from ckptd.cluster.view import ClusterView
 from ckptd.config import Config
-from ckptd.errors import MixedLines, StepAlreadyComplete
+from ckptd.errors import StepAlreadyComplete
 from ckptd.replication.sending import FAILURES_REPORTED, Replication
 from ckptd.shard_key import ShardKey
-from ckptd.tiers.base import DurableTier
 from ckptd.tiers.nvme import LocalDirTier
 from ckptd.tiers.peer import PeerTier
 
@@ -40,6 +42,27 @@ PROBE_STEP = 2**62 - 1  # a step no job has: asking a peer about it only tells w
 SLOW_ROUND_S = 10.0  # a round of reconcile that takes longer is logged with where its time went
 PROBE_TIMEOUT_S = 2.0  # beyond gRPC's reconnect back-off (peer_link.grpc_options: at most 1 s)
 ANNOUNCED_STEPS = 4096  # the steps "complete across the cluster" was logged for, remembered to log it once
+
+
+@dataclass(frozen=True)
+class CatchUp:
+    """What a round of catching up found (Peering.look_around), for SavePath.catch_up and resume_replicas.
+
+    asked: the peers asked (None: every one), at asked_at (time.monotonic()); remote, local: what they
+    and this node hold; records: the commit records known of the steps (a peer's in a full round, or this
+    node's other tier's); remote_shards, mine: the shards the peers (in a full round) and this node hold, by
+    step; unsealed: the steps this node holds unsealed; took: where the round's time went, in seconds.
+    """
+
+    asked: set[str] | None
+    asked_at: float
+    remote: list[StepHoldings]
+    local: list[StepHoldings]
+    records: dict[tuple[str, int], CommitRecord]
+    remote_shards: dict[tuple[str, int], list[Holding]]
+    mine: dict[tuple[str, int], list[Holding]]
+    unsealed: set[tuple[str, int]]
+    took: dict[str, float]
 
 
 class Peering:
@@ -128,55 +151,41 @@ class Peering:
         shards: list[Holding] = await self._run(self.nvme.holdings, job, step, self.node)
         return shards + await self._run(self.replica_store.holdings, job, step, self.node)
 
-    async def seal(self, job: str, step: int, run_id: str | None) -> CommitRecord | None:
-        """Seal the step here if this node holds every rank, or the cluster view knows it committed.
+    async def record_to_seal(self, job: str, step: int, run_id: str | None) -> tuple[CommitRecord | None, bool]:
+        """Return the record a step that just got a durable shard here is sealed with, and whether it is sealed here.
 
-        Otherwise report what this node holds of it to the view: the step is sealed here
-        when its commit comes back (SavePath.adopt_commit hands it to adopt_told). A replica that
-        arrives after the commit is reported too: the view's holders() names it.
+        Sealed here: this node holds every rank (of run_id's shards, where given), and the record is
+        made now (raises MixedLines where the shards are of different lines). Otherwise the record
+        is the one the cluster view knows committed, and what this node holds of the step is
+        reported to the view, committed or not (replicas count for holders()); (None, False): not yet,
+        the step is sealed here when its commit comes back (SavePath.adopt_commit). SavePath.seal
+        calls it under its seal lock, and adopts what it returns.
         """
         shards = await self._local_shards(job, step)
         record = seal_record(job, step, shards, run_id, commit_keys=self.config.commit_keys)
-        sealed_here = record is not None
-        if record is None and self.view is not None:
+        if record is not None:
+            return record, True
+        if self.view is not None:
             record = self.view.commit_record(job, step)
-            self.view.report(job, step, shards)  # committed or not: replicas count for holders()
-        if record is None or not await self.adopt(record):
-            return None
-        if sealed_here and self.view is not None:
-            self.view.announce(record)
-        return record
+            self.view.report(job, step, shards)
+        return record, False
 
-    async def adopt(self, record: CommitRecord) -> bool:
-        """Seal a step complete in the cluster wherever this node holds part of it; say whether it did anywhere."""
-        on_nvme = await self._run(self.nvme.adopt_commit, record)
-        on_replicas = await self._run(self.replica_store.adopt_commit, record)
-        return bool(on_nvme or on_replicas)
+    async def told_before(self, record: CommitRecord) -> bool:
+        """Say whether this node holds a step a peer tells of complete already, with this very record.
 
-    async def adopt_told(self, record: CommitRecord) -> bool:
-        """Adopt a commit record a peer told of; return whether the step became complete here just now.
-
-        Refused (StepAlreadyComplete) where this node holds the step complete with another record,
-        which stays. A peer may tell a step again (or lie about it): nothing changes, nothing is logged.
+        Raises StepAlreadyComplete where it holds the step complete with another record, which stays
+        (SavePath.adopt_commit adopts the record otherwise). A peer may tell a step again (or lie
+        about it): nothing changes, nothing is logged.
         """
         held = await self._run(self._commits_held, record.job, record.step)
         if any(r != record for r in held):
             raise StepAlreadyComplete(
                 f"{record.job} step {record.step} is complete on node {self.node} with another commit record; kept"
             )
-        return await self.adopt(record) and not held
+        return bool(held)
 
     def _commits_held(self, job: str, step: int) -> list[CommitRecord]:
         return [r for t in (self.nvme, self.replica_store) if (r := t.checked_commit(job, step)) is not None]
-
-    async def adopt_missed_commits(self, tier: DurableTier, job: str) -> None:
-        """Seal this node's incomplete steps of a job that the cluster view knows to be complete."""
-        if self.view is None:
-            return
-        for step in await self._run(_incomplete_steps, tier, job):
-            record = self.view.commit_record(job, step)
-            if record is not None and await self._run(tier.adopt_commit, record):
-                log.info("%s step %d on tier %s: adopted the commit record a peer holds", job, step, tier.name)
 
     # -- replication -------------------------------------------------------------------------
 
@@ -197,15 +206,17 @@ class Peering:
         if self.replication is not None:
             self.replication.untrack(key)
 
-    async def reconcile(self, seal_lock: asyncio.Lock, flushing: Callable[[str, int], bool], full: bool) -> None:
-        """Catch up: seal what this node's shards or the view's commits complete, report the rest, resume replicas.
+    async def look_around(self, full: bool) -> CatchUp | None:
+        """Ask the peers what they hold and list this node's holdings: the start of a round of catching up.
 
-        full (at start-up: recovery): ask every peer's inventory, adopt the commits they hold
-        and seal from their shards too. Otherwise only the peers this node's replicas go to
-        are asked, to confirm those replicas: the work of a round does not grow with the cluster.
+        full (at start-up: recovery): ask every peer's inventory, so that the commits they hold are
+        adopted and steps sealed from their shards too. Otherwise only the peers this node's
+        replicas go to are asked, to confirm those replicas: the work of a round does not grow with
+        the cluster. None: no peer tier. SavePath.catch_up then seals what it found (record_found),
+        and resume_replicas follows the replicas.
         """
         if self.peer_tier is None:
-            return
+            return None
         self.peer_tier.forget()
         await self._run(self.peer_tier.close_retired)
         asked = None if full else self.replication.target_peers() if self.replication is not None else set()
@@ -224,39 +235,40 @@ class Peering:
             if s.record is not None:
                 records.setdefault((s.job, s.step), s.record)  # sealed in one tier here: seal the other too
         unsealed = {(s.job, s.step) for s in local if s.record is None}
-        waited_at = time.monotonic()
-        async with seal_lock:  # the pipeline's: one seal at a time, and never while a shard of the step flushes
-            took["waiting for the seal lock"] = time.monotonic() - waited_at
-            for job, step in sorted(unsealed):
-                if flushing(job, step):
-                    continue
-                record = records.get((job, step)) or (self.view.commit_record(job, step) if self.view else None)
-                sealed_here = record is None
-                try:
-                    held = [*mine[(job, step)], *remote_shards[(job, step)]]
-                    record = record or seal_record(job, step, held, commit_keys=self.config.commit_keys)
-                except MixedLines as e:
-                    log.debug("%s", e)  # the flush that wrote its last shard reported it to the rank waiting on it
-                    continue
-                if record is None:
-                    if self.view is not None:
-                        self.view.report(job, step, mine[(job, step)])
-                elif await self.adopt(record):
-                    self.note_complete(job, step)
-                    if sealed_here and self.view is not None:
-                        self.view.announce(record)
-                    elif self.view is not None:
-                        self.view.seeded([record])  # a peer's record: the view answers latest_step from it
-            took["sealing"] = time.monotonic() - waited_at - took["waiting for the seal lock"]
-        if self.replication is not None:
+        return CatchUp(asked, asked_at, remote, local, records, remote_shards, mine, unsealed, took)
+
+    def record_found(self, found: CatchUp, job: str, step: int) -> tuple[CommitRecord | None, bool]:
+        """Return the record an unsealed step of a round is sealed with, and whether it is sealed here first.
+
+        The record a peer or this node's other tier holds, or the cluster view's; else one made from
+        the shards this node (and, in a full round, the peers) hold (raises MixedLines where they are of
+        different lines). (None, False): not complete yet, and what this node holds is reported to the
+        view. SavePath.catch_up calls it under its seal lock, for each step not flushing.
+        """
+        record = found.records.get((job, step)) or (self.view.commit_record(job, step) if self.view else None)
+        if record is not None:
+            return record, False
+        held = [*found.mine[(job, step)], *found.remote_shards[(job, step)]]
+        record = seal_record(job, step, held, commit_keys=self.config.commit_keys)
+        if record is None and self.view is not None:
+            self.view.report(job, step, found.mine[(job, step)])
+        return record, record is not None
+
+    async def resume_replicas(self, found: CatchUp) -> None:
+        """End a round of catching up: follow this node's shards, confirm their replicas, retry those due.
+
+        Logs a round slower than SLOW_ROUND_S with where its time went (found.took).
+        """
+        took, asked, asked_at = found.took, found.asked, found.asked_at
+        if self.replication is not None and self.peer_tier is not None:
             self._nvme_complete = await self._run(lambda: {j: self.nvme.complete_steps(j) for j in self.nvme.jobs()})
             self._cluster_complete = {j: self._complete_in_cluster(j, s) for j, s in self._nvme_complete.items()}
-            await self._run(self._track_local_shards, local)
+            await self._run(self._track_local_shards, found.local)
             reachable = self.peer_tier.reachable() if asked is None else self.peer_tier.reachable() & asked
             on_disk = await self._run(self._steps_on_disk, self.replication.tracked())
             # A step directory goes only with retention (a shard still being flushed has one already).
             self.replication.forget(lambda k: on_disk.get((k.job, k.step), (True, None))[0] and self._kept(k))
-            self.replication.confirm([h for s in remote for h in s.shards], reachable, asked_at)
+            self.replication.confirm([h for s in found.remote for h in s.shards], reachable, asked_at)
             self.replication.retry_due(lambda k: on_disk.get((k.job, k.step), (True, None))[1])
         if time.monotonic() - asked_at > SLOW_ROUND_S:
             took["the replicas"] = time.monotonic() - asked_at - sum(took.values())
@@ -374,8 +386,3 @@ class Peering:
             await self.replication.drain()
         if self.peer_tier is not None:
             self.peer_tier.close()
-
-
-def _incomplete_steps(tier: DurableTier, job: str) -> list[int]:
-    complete = set(tier.complete_steps(job))
-    return [s for s in tier.all_steps(job) if s not in complete]

@@ -3,7 +3,8 @@
 One SavePath per daemon, on the event loop; the composition root (node.py) builds it with
 the roles it orders, and Pipeline hands it the RPCs of a save. For each save of a rank:
 
-1. reserve()   line_for() first places the save on the job's line (docs/DESIGN.md, "A job's
+1. reserve_for()  Reserve's one call: the client's retention first, then (unless the rank only
+               prepares its slots) line_for() places the save on the job's line (docs/DESIGN.md, "A job's
                history"): a step older than the head is refused unless the rank rolled back.
                Then SlotPool finds a slot (waits under "block", skipped under "skip"); a save that
                replaces its rank's snapshot not yet flushed passes that step over;
@@ -15,11 +16,14 @@ the roles it orders, and Pipeline hands it the RPCs of a save. For each save of 
 5. replicate   Replication sends it to its peers, from the slot, beside the NVMe write;
 6. upload      once durable on NVMe: the Uploader queues it for the object store ([object] every);
 7. seal        after each shard, not awaited by the round: the step is sealed (its commit record)
-               if every rank is in, here or on the peers (Peering.seal), under the seal lock;
+               if every rank is in, here or on the peers (Peering.record_to_seal finds its record),
+               under the seal lock; SavePath alone writes it to the tiers (_adopt_here);
 8. retain      once sealed: retention runs for the job on NVMe and the replica store.
 
-The same seal (7) follows a replica's arrival (replica_arrived) and a commit the cluster
-learned (adopt_commit). At start-up, resume() takes over the slots an earlier run left,
+The same seal (7) follows a replica's arrival (replica_arrived), a commit the cluster
+learned (adopt_commit), a round of catching up with the peers (catch_up, the reconciliation
+loop), and retention's look for commits this node missed (adopt_missed_commits). A waiter on
+"peer" asks here too (wait_shard): replicas failing so far are tried again. At start-up, resume() takes over the slots an earlier run left,
 before any RPC is served, and flushes them by rounds too.
 """
 
@@ -27,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -128,7 +133,7 @@ class SavePath:
         self._save_threads = save_threads
         self._peer_threads = peer_threads
         self._client_retention = client_retention
-        self.seal_lock = asyncio.Lock()  # one seal at a time on this node (reconciliation takes it too)
+        self._seal_lock = asyncio.Lock()  # one seal at a time on this node (catch_up takes it too)
         self._rounds: dict[str, asyncio.Task[None]] = {}  # job -> its rounds, while a snapshot of it waits
         self._latest_run: OrderedDict[tuple[str, int], str] = OrderedDict()  # the run that committed a step last
         self.tasks: set[asyncio.Task[None]] = set()
@@ -385,12 +390,17 @@ class SavePath:
         """
         if self.flusher.flushing(job, step):
             return None  # sealed when the last of its flushes ends
-        async with self.seal_lock:
+        async with self._seal_lock:
             if self.flusher.flushing(job, step):
                 return None
             # Sealed from the latest run that committed the step: a late flush of an
             # earlier run never counts beside the newer run's shards.
-            return await self.peering.seal(job, step, self._latest_run.get((job, step)))
+            record, sealed_here = await self.peering.record_to_seal(job, step, self._latest_run.get((job, step)))
+            if record is None or not await self._adopt_here(record):
+                return None
+            if sealed_here and self.view is not None:
+                self.view.announce(record)
+            return record
 
     async def replica_arrived(self, meta: ShardMeta) -> None:
         """Seal the step of a replica that just became durable here, if it was the last rank missing.
@@ -422,17 +432,74 @@ class SavePath:
         Raises StepAlreadyComplete where this node holds the step with another record.
         """
         try:
-            async with self.seal_lock:
+            async with self._seal_lock:
                 if self.flusher.flushing(record.job, record.step):
                     if self.view is not None:
                         self.view.seeded([record])
                     return
-                adopted = await self.peering.adopt_told(record)
+                told_before = await self.peering.told_before(record)  # or refused: held with another record
+                adopted = await self._adopt_here(record) and not told_before
             if adopted:
                 self.peering.note_complete(record.job, record.step)
                 await self._note_nvme_complete(record)
         finally:
             await self.progress.changed()
+
+    async def catch_up(self, full: bool) -> None:
+        """Catch up with the peers: seal what this node's shards or the cluster's commits complete, resume replicas.
+
+        The reconciliation loop's round (node.py). Peering asks the peers and lists this node
+        (look_around: every peer when full, at start-up), then, as any seal, under the seal lock
+        and never while a shard of the step flushes, each unsealed step is sealed with the record
+        Peering finds for it (record_found); last, Peering follows the replicas (resume_replicas).
+        """
+        found = await self.peering.look_around(full)
+        if found is None:
+            return
+        waited_at = time.monotonic()
+        async with self._seal_lock:
+            found.took["waiting for the seal lock"] = time.monotonic() - waited_at
+            for job, step in sorted(found.unsealed):
+                if self.flusher.flushing(job, step):
+                    continue
+                try:
+                    record, sealed_here = self.peering.record_found(found, job, step)
+                except MixedLines as e:
+                    log.debug("%s", e)  # the flush that wrote its last shard reported it to the rank waiting on it
+                    continue
+                if record is not None and await self._adopt_here(record):
+                    self.peering.note_complete(job, step)
+                    if sealed_here and self.view is not None:
+                        self.view.announce(record)
+                    elif self.view is not None:
+                        self.view.seeded([record])  # a peer's record: the view answers latest_step from it
+            found.took["sealing"] = time.monotonic() - waited_at - found.took["waiting for the seal lock"]
+        await self.peering.resume_replicas(found)
+
+    async def adopt_missed_commits(self, tier: DurableTier, job: str) -> None:
+        """Seal this node's incomplete steps of a job on a tier that the cluster view knows complete (retention).
+
+        RetentionRunner asks before it plans a pass: a step that looks abandoned here may be complete
+        in the cluster (its commit notice missed while this node was down). Outside the seal lock, as
+        retention always adopted them (before the seals went through here).
+        """
+        if self.view is None:
+            return
+        loop = asyncio.get_running_loop()
+        for step in await loop.run_in_executor(self._peer_threads, _incomplete_steps, tier, job):
+            record = self.view.commit_record(job, step)
+            if record is not None and await loop.run_in_executor(self._peer_threads, tier.adopt_commit, record):
+                log.info("%s step %d on tier %s: adopted the commit record a peer holds", job, step, tier.name)
+
+    async def _adopt_here(self, record: CommitRecord) -> bool:
+        """Seal a step complete in the cluster on every durable tier here that holds part of it; say whether any did.
+
+        The one place the save path writes a commit record to a tier's catalog (the flush, a
+        replica's arrival, a commit learned, a round of catching up), under the seal lock.
+        """
+        loop = asyncio.get_running_loop()
+        adopted = [await loop.run_in_executor(self._peer_threads, t.adopt_commit, record) for t in self.durable_tiers]
+        return any(adopted)
 
     async def _note_nvme_complete(self, record: CommitRecord) -> None:
         """Tell `status` and /metrics that a step sealed here is complete on this node's NVMe, if its shards are."""
@@ -518,6 +585,11 @@ class SavePath:
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
         return task
+
+
+def _incomplete_steps(tier: DurableTier, job: str) -> list[int]:
+    complete = set(tier.complete_steps(job))
+    return [s for s in tier.all_steps(job) if s not in complete]
 
 
 def _not_newer(key: ShardKey, than: str) -> InvalidArgument:

@@ -16,8 +16,11 @@ from ckptd.config import Config, NodeConfig, RetentionConfig
 from ckptd.errors import RemovalRefused
 from ckptd.operations.job_retention import JobRetention
 from ckptd.operations.retention import RetentionRunner
-from ckptd.replication.peering import Peering
 from ckptd.tiers.nvme import LocalDirTier
+
+
+async def no_missed_commits(tier, job):
+    """The save path's adopt_missed_commits where no cluster view is: nothing to adopt."""
 
 
 class Holder:
@@ -47,9 +50,8 @@ def node(tmp_path):
         seal_step(nvme, step, line=((2, 1),))  # a rollback to step 2: 3 and 4 are superseded, 6 is the head
     holder = Holder()
     with ThreadPoolExecutor(2) as threads:
-        peering = Peering(config, None, nvme, replicas, None, None, "instance", threads)
         jobs = JobRetention(config, threads)
-        runner = RetentionRunner(config, [nvme, replicas], None, peering, [holder], threads, threads, jobs)
+        runner = RetentionRunner(config, [nvme, replicas], None, no_missed_commits, [holder], threads, threads, jobs)
         yield runner, nvme, holder
 
 
@@ -122,9 +124,8 @@ def test_a_pass_on_nvme_is_not_held_up_by_a_pass_on_the_store_still_listing(tmp_
         return [r.step for r in removals]
 
     with ThreadPoolExecutor(2) as threads, ThreadPoolExecutor(1) as object_threads:
-        peering = Peering(config, None, nvme, LocalDirTier(config.replica_root, name="peer"), None, None, "i", threads)
         jobs = JobRetention(config, threads)
-        runner = RetentionRunner(config, [nvme], store, peering, [], object_threads, threads, jobs)  # type: ignore[arg-type]
+        runner = RetentionRunner(config, [nvme], store, no_missed_commits, [], object_threads, threads, jobs)  # type: ignore[arg-type]
         try:
             removed = asyncio.run(body())
         finally:
