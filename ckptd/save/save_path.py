@@ -23,8 +23,9 @@ the roles it orders, and Pipeline hands it the RPCs of a save. For each save of 
 The same seal (7) follows a replica's arrival (replica_arrived), a commit the cluster
 learned (adopt_commit), a round of catching up with the peers (catch_up, the reconciliation
 loop), and retention's look for commits this node missed (adopt_missed_commits). A waiter on
-"peer" asks here too (wait_shard): replicas failing so far are tried again. At start-up, resume() takes over the slots an earlier run left,
-before any RPC is served, and flushes them by rounds too.
+"peer" asks here too (wait_shard): replicas failing so far are tried again. At start-up,
+resume() takes over the slots an earlier run left, before any RPC is served, and flushes
+them by rounds too.
 """
 
 from __future__ import annotations
