@@ -214,7 +214,7 @@ class Node:
             self.job_retention, uploader,
         )  # fmt: skip
         save_path = SavePath(
-            self.pool, flusher, self.nvme, self.durable_tiers, self.peering, uploader,
+            self.pool, flusher, self.nvme, replica_store, self.durable_tiers, self.peering, uploader,
             self.progress, self.retention, self.view, x.save, x.peer,
             lambda job, keep, keep_every: self.job_retention.client_asked(job, ClientRetention(keep, keep_every)),
         )  # fmt: skip

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from ckpt.errors import CorruptCheckpoint, InvalidArgument
-from ckpt.format import DIRECT_IO_ALIGN_BYTES, CommitRecord, ShardMeta, round_up, shown
+from ckpt.format import DIRECT_IO_ALIGN_BYTES, ShardMeta, round_up, shown
 
 from ckptd.byte_range import ByteRange
 from ckptd.errors import AlreadyHeld, PeerBusy
@@ -267,8 +267,9 @@ class ReplicaReceiver:
                 return buffer
         return mmap.mmap(-1, size_bytes)
 
-    async def seal(self, meta: ShardMeta, transfer: str, record: CommitRecord | None) -> None:
-        """Make a fully received replica durable and count it; adopt the step's commit record if given.
+    async def seal(self, meta: ShardMeta, transfer: str) -> None:
+        """Make a fully received replica durable and count it (its step's commit record, if the sender gave one,
+        is the save path's to adopt: SavePath.replica_arrived).
 
         InvalidArgument where no such transfer is here whole (a range never arrived, or one is still running).
         """
@@ -278,15 +279,13 @@ class ReplicaReceiver:
                 t.abandon()
             raise InvalidArgument(f"{self._what(meta)}: no complete transfer {shown(transfer)} of it is here")
         try:
-            await wait_finished(self._threads.submit(self._install, t, record))
+            await wait_finished(self._threads.submit(self._install, t))
         except BaseException:
             t.abandon()
             raise
 
-    def _install(self, t: _Transfer, record: CommitRecord | None) -> None:
+    def _install(self, t: _Transfer) -> None:
         t.shard.seal()
-        if record is not None and (record.job, record.step) == (t.meta.job, t.meta.step):
-            self.tier.adopt_commit(record)
         log.info("received the %s", self._what(t.meta))
 
     def _check(self, meta: ShardMeta, transfer: str, byte_range: ByteRange) -> None:

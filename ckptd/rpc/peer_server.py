@@ -160,8 +160,8 @@ class PeerServicer(peer_pb2_grpc.CkptdPeerServicer):
             self.admit(context)
             meta = await self._shard_meta(request.transfer, request.meta_json)
             record = await self._commit_record_of(request.commit_json) if request.commit_json else None
-            await self.receiver.seal(meta, request.transfer, record)
-            await self.pipeline.replica_arrived(meta)
+            await self.receiver.seal(meta, request.transfer)
+            await self.pipeline.replica_arrived(meta, record)
             return pb.SealShardReply()
 
         return await answer(context, work)

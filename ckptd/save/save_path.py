@@ -107,6 +107,7 @@ class SavePath:
         pool: SlotPool,
         flusher: Flusher,
         nvme: LocalDirTier,
+        replica_store: DurableTier,
         durable_tiers: list[DurableTier],
         peering: Peering,
         uploader: Uploader | None,
@@ -125,6 +126,7 @@ class SavePath:
         self.pool = pool
         self.flusher = flusher
         self.nvme = nvme
+        self.replica_store = replica_store
         self.durable_tiers = durable_tiers
         self.peering = peering
         self.uploader = uploader
@@ -403,12 +405,16 @@ class SavePath:
                 self.view.announce(record)
             return record
 
-    async def replica_arrived(self, meta: ShardMeta) -> None:
-        """Seal the step of a replica that just became durable here, if it was the last rank missing.
+    async def replica_arrived(self, meta: ShardMeta, told: CommitRecord | None = None) -> None:
+        """Adopt the commit record a replica's sender gave, then seal its step if it was the last rank missing.
 
         Before the sender hears that its replica is in: once every rank has waited for
-        "peer", losing any one node can no longer lose the step.
+        "peer", losing any one node can no longer lose the step. told (the sender's record of a
+        step complete already) is adopted on the replica store at once, outside the seal lock
+        as the receiver did (a refusal goes back to the sender).
         """
+        if told is not None and (told.job, told.step) == (meta.job, meta.step):
+            await asyncio.get_running_loop().run_in_executor(self._peer_threads, self.replica_store.adopt_commit, told)
         try:
             record = await self.seal(meta.job, meta.step)
         except (CheckpointError, OSError) as e:

@@ -103,7 +103,7 @@ def test_a_range_arrives_whole_with_a_ticket(node, tmp_path):
     meta, path = make_shard(tmp_path, 5 * CHUNK + 123)
     ticket = node.run(node.offer(meta, "ab" * 8, ByteRange(0, meta.data_size_bytes)))
     assert send(node, ticket, meta, path) == "OK"
-    node.run(node.receiver.seal(meta, "ab" * 8, None))
+    node.run(node.receiver.seal(meta, "ab" * 8))
     assert (node.tier.step_dir("j", 3) / "rank-00000.data").read_bytes() == path.read_bytes()
 
 
@@ -129,7 +129,7 @@ def test_what_is_refusable_before_the_bytes_is_refused_by_the_offer(node, tmp_pa
     meta, path = make_shard(tmp_path, 2 * CHUNK)
     ticket = node.run(node.offer(meta, "ab" * 8, ByteRange(0, meta.data_size_bytes)))
     assert send(node, ticket, meta, path) == "OK"
-    node.run(node.receiver.seal(meta, "ab" * 8, None))
+    node.run(node.receiver.seal(meta, "ab" * 8))
     with pytest.raises(AlreadyHeld):  # OpenDataRange answers ALREADY_EXISTS: no connection is opened
         node.run(node.offer(meta, "ef" * 8, ByteRange(0, meta.data_size_bytes)))
     assert node.receiver.busy_steps() == set()
@@ -259,7 +259,7 @@ def test_at_stop_offered_tickets_and_ranges_in_flight_get_their_grace(tmp_path):
         n.run(n.offer(meta, "cd" * 8, ByteRange(0, meta.data_size_bytes)))
     assert send(n, ticket, meta, path) == "OK"  # the one offered before is still taken
     stopping.result(30)
-    n.run(n.receiver.seal(meta, "ab" * 8, None))
+    n.run(n.receiver.seal(meta, "ab" * 8))
     n.close()
 
 
@@ -338,7 +338,7 @@ class Peer:
 
     def SealShard(self, request: pb.SealShardRequest, timeout: float, metadata: Any) -> pb.SealShardReply:
         meta = ShardMeta.from_bytes(request.meta_json, "test")
-        self._answer(self.node.receiver.seal(meta, request.transfer, None))
+        self._answer(self.node.receiver.seal(meta, request.transfer))
         self.sealed.append(request.transfer)
         return pb.SealShardReply()
 

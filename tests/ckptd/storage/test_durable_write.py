@@ -101,7 +101,7 @@ def test_a_replica_written_after_a_refused_direct_write_is_the_sent_bytes(
     # The receiver writes in blocks of 8 MiB: the whole shard is its first direct write.
     async def body(receiver: ReplicaReceiver) -> None:
         await receiver.receive_range(meta, "ab" * 8, ByteRange(0, SIZE), pieces())
-        await receiver.seal(meta, "ab" * 8, None)
+        await receiver.seal(meta, "ab" * 8)
 
     with ThreadPoolExecutor(4) as threads, ThreadPoolExecutor(4) as receiving:
         asyncio.run(body(ReplicaReceiver(tier, threads, receiving)))
