@@ -448,3 +448,43 @@ def test_a_reach_in_is_told_from_a_record_and_a_config(tmp_path):
     assert _all_reach_ins(tmp_path) == {
         "ckptd/roles.py": ["17: self.progress.passed.passed", "19: mine.passed.passed", "20: other.config.every"]
     }
+
+
+# -- One writer of the catalog -------------------------------------------------------------------------------------
+# A tier's commit record says a step is complete there. Outside the tiers (and the commit protocol they use), only
+# the save path writes one: SavePath seals and adopts (a flush, a replica's arrival and its sender's record, a commit
+# the cluster learned, a round of catching up, retention's look for missed commits), the Uploader commits a step in
+# the object store; and the load path's fetched copies (load/fetch.py) and the offline restore's target seal what
+# they copied. Reconciliation, retention, membership and the receiver ask the save path.
+CATALOG_WRITES = {"adopt_commit", "try_commit", "write_commit"}
+CATALOG_WRITERS = {
+    "ckptd/save/save_path.py",
+    "ckptd/save/uploading.py",
+    "ckptd/load/fetch.py",
+    "ckptd/offline/restore.py",
+}
+CATALOG_OWNERS = ("ckptd/tiers/", "ckptd/storage/")
+# Asking the save path (through the pipeline, or its own method) is not a write to a tier.
+ASKS_THE_SAVE_PATH = {"self", "pipeline", "_save_path", "save_path"}
+
+
+def _catalog_writes(root: Path) -> list[str]:
+    """Return each use of a tier's catalog-changing method outside its allowed writers, as `path line: a.b.method`."""
+    found = []
+    for path in _modules(root / "ckptd"):
+        where = str(path.relative_to(root))
+        if where in CATALOG_WRITERS or where.startswith(CATALOG_OWNERS):
+            continue
+        for n in ast.walk(ast.parse(path.read_text())):
+            if isinstance(n, ast.Attribute) and n.attr in CATALOG_WRITES:
+                receiver = ast.unparse(n.value).split(".")[-1]
+                if receiver not in ASKS_THE_SAVE_PATH:
+                    found.append(f"{where} {n.lineno}: {ast.unparse(n)}")
+    return sorted(found)
+
+
+def test_only_the_save_path_and_the_load_paths_copies_write_a_tiers_catalog():
+    found = _catalog_writes(REPO)
+    assert not found, "a tier's commit record written outside the save path (ask SavePath to seal or adopt):\n" + (
+        "\n".join(f"  {line}" for line in found)
+    )
