@@ -138,6 +138,41 @@ def test_the_edges_call_the_pipeline_and_never_reach_past_it(path):
     assert not past, past
 
 
+def _pipeline_calls(statements: list[ast.stmt]) -> int:
+    """Return the most calls of self.pipeline one pass through statements makes (an if's arms: the larger one)."""
+
+    def calls_in(node: ast.AST) -> int:
+        return sum(
+            isinstance(n, ast.Call)
+            and isinstance(n.func, ast.Attribute)
+            and ast.unparse(n.func.value) == "self.pipeline"
+            for n in ast.walk(node)
+        )
+
+    total = 0
+    for s in statements:
+        if isinstance(s, ast.If):
+            total += calls_in(s.test) + max(_pipeline_calls(s.body), _pipeline_calls(s.orelse))
+        elif isinstance(s, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            total += _pipeline_calls(s.body)
+        else:
+            total += calls_in(s)
+    return total
+
+
+@pytest.mark.parametrize("path", _modules(REPO / "ckptd" / "rpc"), ids=lambda p: str(p.relative_to(REPO)))
+def test_each_rpc_is_one_call_into_the_pipeline(path):
+    # A sequence of calls (Reserve's retention, line, slot and spare) is the order of a role, not the servicer's:
+    # the servicer translates a message into one call and its answer back.
+    handlers = [
+        f
+        for f in ast.walk(ast.parse(path.read_text()))
+        if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef)) and f.name[:1].isupper()
+    ]
+    more = {f.name: n for f in handlers if (n := _pipeline_calls(f.body)) > 1}
+    assert not more, f"RPC handlers that make several pipeline calls: {more}"
+
+
 # On the client, one module speaks to the daemon: ckpt.transport's DaemonClient takes and returns plain
 # values; the save path, the load path and the adapters never build a protobuf message or call an RPC by name.
 CLIENT_WIRE_ALLOWED = {"transport.py"}
