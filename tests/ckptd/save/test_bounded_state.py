@@ -32,8 +32,8 @@ def roles(tmp_path, monkeypatch):
         )  # peers and store play no part here
         flusher = Flusher(pool, nvme, threads)
         saves = SavePath(
-            pool, flusher, nvme, [nvme], peering=None, uploader=None, progress=shard_progress, retention=None,
-            view=None, save_threads=threads, peer_threads=threads,
+            pool, flusher, nvme, nvme, [nvme], peering=None, uploader=None, progress=shard_progress, retention=None,
+            view=None, save_threads=threads, peer_threads=threads, client_retention=None,
         )  # fmt: skip
         yield shard_progress, saves
 
