@@ -177,8 +177,8 @@ class Pipeline:
     async def replica_arrived(self, meta: ShardMeta, record: CommitRecord | None) -> None:
         """Count a replica that just became durable here, adopt the commit record its sender gave, and seal its step
         if it was the last rank missing."""
+        await self._save_path.replica_arrived(meta, record)  # a record not adopted: the sender hears it, uncounted
         self._report.replica_received(meta.data_size_bytes)
-        await self._save_path.replica_arrived(meta, record)
 
     async def shard_for_peer(self, job: str, step: int, rank: int, tier: str) -> tuple[ShardMeta, bytes, Path]:
         """Return (record, its bytes, data file) of a shard of a complete step that a peer asks for."""

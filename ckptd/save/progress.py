@@ -4,7 +4,7 @@ The flusher, the replication and the uploader report here as shards move (the fl
 also what it passed over: PassedOver); WaitShard reads the verdicts, and `ckptd status`
 and /metrics the newest complete step of each job on each tier (NewestSteps). Everything
 runs on the event loop and touches no disk: what was durable before this daemon started
-is looked up once per wait, on a save thread (Executors.save).
+is looked up once per wait, on a lookup thread (Executors.locate: never behind Commit's work).
 Every table is bounded (the oldest entries go first).
 """
 

@@ -405,13 +405,13 @@ class SavePath:
                 self.view.announce(record)
             return record
 
-    async def replica_arrived(self, meta: ShardMeta, told: CommitRecord | None = None) -> None:
+    async def replica_arrived(self, meta: ShardMeta, told: CommitRecord | None) -> None:
         """Adopt the commit record a replica's sender gave, then seal its step if it was the last rank missing.
 
         Before the sender hears that its replica is in: once every rank has waited for
         "peer", losing any one node can no longer lose the step. told (the sender's record of a
         step complete already) is adopted on the replica store at once, outside the seal lock
-        as the receiver did (a refusal goes back to the sender).
+        as the receiver did (an I/O error adopting it goes back to the sender; a seal's is logged).
         """
         if told is not None and (told.job, told.step) == (meta.job, meta.step):
             await asyncio.get_running_loop().run_in_executor(self._peer_threads, self.replica_store.adopt_commit, told)
