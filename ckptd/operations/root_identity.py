@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import shutil
 import uuid
@@ -23,7 +24,7 @@ from concurrent.futures import Executor
 from pathlib import Path
 
 from ckptd.storage.durable_write import replace_file
-from ckptd.storage.owned_dir import OWNER_ONLY, StagingAccess, claim_dir, read_owned
+from ckptd.storage.owned_dir import OWNER_ONLY, StagingAccess, UnsafePath, claim_dir, read_owned
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +55,9 @@ def claim(root: Path, staging: Path, access: StagingAccess = OWNER_ONLY) -> str:
         tied: str | None = read_owned(marker).decode().strip()
     except FileNotFoundError:
         tied = None  # a new staging directory, or one from before identities: its slots are this root's
-    except (OSError, UnicodeDecodeError) as e:  # a link, or not ours: whatever its slots are, not this root's
+    except (OSError, UnicodeDecodeError) as e:  # a link, not ours, or garbage: its slots are not this root's
+        if isinstance(e, OSError) and not isinstance(e, UnsafePath) and e.errno != errno.ELOOP:
+            raise  # a passing failure (EIO, EMFILE) says nothing of whose slots these are: never a reason to wipe them
         log.warning("ignoring the staging directory's identity marker %s: %s", marker, e)
         with contextlib.suppress(OSError):  # the name only: unlink follows no link
             marker.unlink()

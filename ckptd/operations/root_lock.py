@@ -59,8 +59,8 @@ def hold(root: Path, socket_path: Path) -> RootLock:
     except OSError as e:
         raise InvalidArgument(f"config key node.root: cannot write the NVMe root {root}: {e.strerror or e}") from None
     try:
-        os.fchmod(fd, FILE_MODE)  # open's mode passed through the umask
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.fchmod(fd, FILE_MODE)  # open's mode passed through the umask; another daemon's lock is left alone
     except BlockingIOError:
         holder = _holder(fd)
         os.close(fd)

@@ -312,7 +312,7 @@ class SlotPool:
                 layout = layout.encode()
             layout_json = _text(layout, str(snapshot.key))
             # The layout (megabytes for a large model) goes beside the marker as it came: never escaped into JSON.
-            replace_file(slot.layout_path, layout, StagingAccess.MARKER_MODE)
+            replace_file(slot.layout_path, layout, StagingAccess.MARKER_MODE, durable=False)
             record = {
                 "shard": snapshot.key.__dict__,
                 "data_size_bytes": snapshot.data_size_bytes,
@@ -322,7 +322,7 @@ class SlotPool:
                 "saved_at": snapshot.saved_at,
                 "committed_ns": slot.committed_seq,
             }
-            replace_file(slot.pending_path, seal(record), StagingAccess.MARKER_MODE)
+            replace_file(slot.pending_path, seal(record), StagingAccess.MARKER_MODE, durable=False)
         except BaseException:
             for path in (slot.pending_path, slot.layout_path):  # nothing half-written names the slot
                 path.unlink(missing_ok=True)
@@ -342,7 +342,7 @@ class SlotPool:
 
     def record_hashed(self, slot: Slot, meta: ShardMeta) -> None:
         """Record a slot's checksums: from now on the memory tier serves it. Any thread."""
-        replace_file(slot.meta_path, meta.to_bytes(), StagingAccess.MARKER_MODE)
+        replace_file(slot.meta_path, meta.to_bytes(), StagingAccess.MARKER_MODE, durable=False)
         slot.meta = meta
 
     def start_flush(self, slot: Slot) -> None:

@@ -49,12 +49,7 @@ class RangeWriter:
         """
         self.path = path
         flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | (os.O_TRUNC if truncate else 0)
-        self._fd = os.open(path, flags, FILE_MODE)
-        try:
-            os.fchmod(self._fd, FILE_MODE)  # open's mode passed through the umask
-        except OSError:
-            os.close(self._fd)
-            raise
+        self._fd = os.open(path, flags, FILE_MODE)  # made by StepDirCommit.create_temporary, at its mode
         if size_bytes:
             try:
                 os.posix_fallocate(self._fd, 0, size_bytes)
@@ -109,8 +104,8 @@ class RangeWriter:
             self._fd, self._direct_fd = -1, None
 
 
-def write_file(path: Path, parts: Iterable[bytes | memoryview], mode: int = FILE_MODE) -> None:
-    """Write a new file (none may have its name) from parts and fsync it: the caller renames it into place."""
+def write_file(path: Path, parts: Iterable[bytes | memoryview], mode: int = FILE_MODE, durable: bool = True) -> None:
+    """Write a new file (none may have its name) from parts and fsync it (unless not durable): the caller renames it."""
     fd = create_new(path, mode)
     try:
         for part in parts:
@@ -120,22 +115,26 @@ def write_file(path: Path, parts: Iterable[bytes | memoryview], mode: int = FILE
                 if n <= 0:
                     raise OSError(errno.EIO, f"{path}: a write wrote nothing")
                 view = view[n:]
-        os.fsync(fd)
+        if durable:
+            os.fsync(fd)
     finally:
         os.close(fd)
 
 
-def replace_file(path: Path, data: bytes, mode: int = FILE_MODE) -> None:
+def replace_file(path: Path, data: bytes, mode: int = FILE_MODE, durable: bool = True) -> None:
     """Replace a file whole: written and fsynced as path.tmp, renamed over path, the directory fsynced.
 
+    durable=False skips both fsyncs, for the staging markers: their slot's bytes are never fsynced
+    either (shared memory), and Commit, which the training thread waits for, writes two of them.
     What has the temporary name (left by a crash, or a link planted there) is removed first,
     never followed. One writer per path: callers that share one hold a lock around it.
     """
     temporary = path.with_name(path.name + ".tmp")
     temporary.unlink(missing_ok=True)
-    write_file(temporary, [data], mode)
+    write_file(temporary, [data], mode, durable)
     os.replace(temporary, path)
-    fsync_dir(path.parent)
+    if durable:
+        fsync_dir(path.parent)
 
 
 def fsync_dir(path: Path | str) -> None:
