@@ -87,6 +87,8 @@ class LoadPath:
         job = self._shard.job
         found = self._daemon.locate_step(job, step, tier)
         record = CommitRecord.from_bytes(found.commit_json, f"commit record of {job} step {found.step}")
+        if record.step != found.step:  # the sources name the step the reply gave: it must be the record's
+            raise CorruptCheckpoint(f"ckptd answered {job} step {found.step} with the commit record of {record.step}")
 
         def remote_meta(rank: int) -> bytes:
             return self._daemon.shard_record(job, record.step, rank)
