@@ -4,8 +4,9 @@ The tiers whose calls ask many things at once (PeerTier every peer's inventory, 
 job's commit records and a shard's ranged GETs, StepShards every rank of a step) get their pool
 from node.Executors at construction and call pool_map() on whatever thread calls them. Every item
 has ended when pool_map() returns or raises, as when each call had a pool of its own: a ranged
-read never writes into a buffer its caller was given back. Only such leaf items run on these
-pools: an item that waited on its own pool could wait for ever once the pool is full.
+read never writes into a buffer its caller was given back. The pool's size bounds the calls
+together: calls made at once share it (each still at most at_once), where each used to have its own.
+Only such leaf items run on these pools: an item that waited on its own pool could wait for ever once the pool is full.
 """
 
 from __future__ import annotations
@@ -29,11 +30,13 @@ def pool_map(threads: Executor, fn: Callable[[T], R], items: Iterable[T], at_onc
         return iter([fn(item) for item in items])
     futures: list[Future[R]] = []
     running: set[Future[R]] = set()
-    for item in items:
-        if len(running) >= at_once:
-            running = wait(running, return_when=FIRST_COMPLETED).not_done
-        future = threads.submit(fn, item)
-        futures.append(future)
-        running.add(future)
-    wait(running)
+    try:
+        for item in items:
+            if len(running) >= at_once:
+                running = wait(running, return_when=FIRST_COMPLETED).not_done
+            future = threads.submit(fn, item)
+            futures.append(future)
+            running.add(future)
+    finally:
+        wait(futures)  # also when a submit failed (the pool shut down): what was started has ended
     return (future.result() for future in futures)
