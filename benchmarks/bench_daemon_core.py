@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from ckpt.transport import DaemonClient
-from ckpt.wire.v1 import ckptd_pb2 as pb
+from ckpt_core.wire.v1 import ckptd_pb2 as pb
 from daemon import BenchDaemon, daemon_env
 from report import Row, write_results  # benchmarks/report.py: run as scripts, this directory is on sys.path
 
@@ -111,7 +111,7 @@ def running_daemon(parent: Path, name: str, warnings: list[str]) -> Iterator[Ben
 
 
 def layout_at(data_size_bytes: int) -> int:
-    """Return where the layout goes in a slot: after the data, at the next 4 KiB (ckpt.format.layout_offset)."""
+    """Return where the layout goes in a slot: after the data, at the next 4 KiB (ckpt_core.format.layout_offset)."""
     return -(-data_size_bytes // 4096) * 4096
 
 

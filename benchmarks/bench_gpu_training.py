@@ -86,7 +86,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
-from ckpt.wire.v1 import ckptd_pb2 as pb
+from ckpt_core.wire.v1 import ckptd_pb2 as pb
 from daemon import BenchDaemon
 from report import Row, held, table, write_results
 from torch import nn

@@ -31,7 +31,7 @@ from typing import Any
 import botocore
 import moto
 import s3fs
-from ckpt.format import CHUNK_SIZE_BYTES, CommitRecord, ShardMeta, data_name, digest
+from ckpt_core.format import CHUNK_SIZE_BYTES, CommitRecord, ShardMeta, data_name, digest
 from report import (  # benchmarks/report.py: run as scripts, this directory is on sys.path
     Row,
     held,

@@ -35,7 +35,7 @@ from typing import Any
 import ckpt
 import torch
 import xxhash
-from ckpt.format import ShardMeta, data_name, meta_name
+from ckpt_core.format import ShardMeta, data_name, meta_name
 from daemon import BenchDaemon, free_port
 from report import (  # benchmarks/report.py: run as scripts, this directory is on sys.path
     Row,

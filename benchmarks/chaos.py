@@ -49,8 +49,8 @@ import torch
 from chaos_cluster import JOB, RETENTION, TIERS, Cluster
 from chaos_faults import KINDS, PEER_DOWN_S, inject
 from chaos_rank import state_for
-from ckpt.format import COMMIT_NAME, data_name, meta_name
-from ckpt.wire.v1 import ckptd_pb2 as pb
+from ckpt_core.format import COMMIT_NAME, data_name, meta_name
+from ckpt_core.wire.v1 import ckptd_pb2 as pb
 
 NEWEST = 3  # after each fault: the newest steps reported on each tier ...
 SAMPLE = 3  # ... and a sample of older ones

@@ -27,7 +27,7 @@ import ckpt
 import torch
 from chaos_cluster import FAILOVER_S, JOB, Cluster
 from chaos_rank import state_for
-from ckpt.format import COMMIT_NAME, data_name, meta_name
+from ckpt_core.format import COMMIT_NAME, data_name, meta_name
 from daemon import BenchDaemon, daemon_env
 
 KINDS = (

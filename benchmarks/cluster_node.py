@@ -17,7 +17,7 @@ import time
 from collections import Counter
 from typing import Any
 
-from ckpt.format import CommitRecord
+from ckpt_core.format import CommitRecord
 
 from ckptd.cluster.cluster_link import ClusterLinks
 from ckptd.cluster.etcd_view import EtcdView

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from ckpt.transport import DaemonClient
-from ckpt.wire.v1 import ckptd_pb2 as pb
+from ckpt_core.wire.v1 import ckptd_pb2 as pb
 
 READY_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 600.0  # a drain may flush gigabytes

@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from ckpt.format import CHUNK_SIZE_BYTES
+from ckpt_core.format import CHUNK_SIZE_BYTES
 from report import Row, as_json, table  # benchmarks/report.py: run as a script, this directory is on sys.path
 
 from ckptd.node import OBJECT_THREADS

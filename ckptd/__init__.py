@@ -1,5 +1,5 @@
 """ckptd: the per-node checkpoint daemon and its command-line tools."""
 
-from ckpt._version import __version__
+from ckpt_core._version import __version__
 
 __all__ = ["__version__"]

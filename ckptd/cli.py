@@ -23,10 +23,10 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TextIO, cast
 
-from ckpt.errors import CheckpointError, DaemonUnavailable, InvalidArgument
-from ckpt.format import validate_job, validate_step
 from ckpt.transport import DaemonClient
-from ckpt.wire.v1 import ckptd_pb2 as pb
+from ckpt_core.errors import CheckpointError, DaemonUnavailable, InvalidArgument
+from ckpt_core.format import validate_job, validate_step
+from ckpt_core.wire.v1 import ckptd_pb2 as pb
 
 from ckptd import __version__
 from ckptd.config import Config, ConfigError, load_config

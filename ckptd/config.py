@@ -14,10 +14,10 @@ from pathlib import Path
 from typing import Any
 
 import fsspec
-from ckpt.commit_keys import CommitKeys
-from ckpt.errors import InvalidArgument
-from ckpt.format import validate_job
-from ckpt.transport import default_socket_path
+from ckpt_core.commit_keys import CommitKeys
+from ckpt_core.daemon_socket import default_socket_path
+from ckpt_core.errors import InvalidArgument
+from ckpt_core.format import validate_job
 
 from ckptd.addresses import dialled_names, endpoints_or_none, host_of, is_host_port, peer_endpoints
 from ckptd.storage.owned_dir import StagingAccess
@@ -109,7 +109,7 @@ class MetricsConfig:
 
 @dataclass(frozen=True)
 class SecurityConfig:
-    key_file: str = ""  # the cluster key that signs and checks commit records (ckpt.commit_keys); "" = signing off
+    key_file: str = ""  # the cluster key that signs and checks commit records (ckpt_core.commit_keys); "" = signing off
     previous_key_files: tuple[str, ...] = ()  # keys that only check: records signed before a key rotation
 
 

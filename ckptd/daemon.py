@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-from ckpt.transport import MAX_MESSAGE_BYTES
-from ckpt.wire.v1 import ckptd_pb2_grpc
+from ckpt_core.daemon_socket import MAX_MESSAGE_BYTES
+from ckpt_core.wire.v1 import ckptd_pb2_grpc
 
 from ckptd import metrics, sd_notify
 from ckptd.addresses import host_of

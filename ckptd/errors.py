@@ -1,12 +1,12 @@
 """The daemon's errors that cross a role's border, one class per meaning.
 
-Each derives from ckpt.errors.CheckpointError (whose subclasses the RPC edges map to gRPC
+Each derives from ckpt_core.errors.CheckpointError (whose subclasses the RPC edges map to gRPC
 status codes), except RootGone, which stops the daemon.
 """
 
 from __future__ import annotations
 
-from ckpt.errors import CheckpointError
+from ckpt_core.errors import CheckpointError
 
 
 class ShardWriteError(CheckpointError):

@@ -21,8 +21,9 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, fields
 
-from ckpt.errors import CheckpointError
-from ckpt.format import CommitRecord
+from ckpt_core.errors import CheckpointError
+from ckpt_core.format import CommitRecord
+from ckpt_core.shard_key import ShardKey
 
 from ckptd.cluster.backends import open_view
 from ckptd.cluster.peer_link import STREAMS_PER_SHARD
@@ -45,7 +46,6 @@ from ckptd.save.progress import ShardProgress
 from ckptd.save.save_path import LOCAL_TIERS, SavePath
 from ckptd.save.staging import SlotPool, default_budget_bytes
 from ckptd.save.uploading import UPLOAD_THREADS, Uploader
-from ckptd.shard_key import ShardKey
 from ckptd.storage.object_store import open_store
 from ckptd.storage.owned_dir import DIR_MODE, claim_dir
 from ckptd.tiers.base import DurableTier, Tier

@@ -17,12 +17,13 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from ckpt.errors import InvalidArgument
-from ckpt.format import CommitRecord, ShardMeta
-from ckpt.history import Line
-from ckpt.shard_io import ShardSource
+from ckpt_core.byte_range import ByteRange
+from ckpt_core.errors import InvalidArgument
+from ckpt_core.format import CommitRecord, ShardMeta
+from ckpt_core.history import Line
+from ckpt_core.shard_io import ShardSource
+from ckpt_core.shard_key import ShardKey
 
-from ckptd.byte_range import ByteRange
 from ckptd.cluster.placement import StepHoldings
 from ckptd.cluster.view import ClusterView
 from ckptd.load.locate import Located, Locator
@@ -36,7 +37,6 @@ from ckptd.replication.receiving import ReplicaReceiver
 from ckptd.save.progress import ShardProgress, ShardWait
 from ckptd.save.save_path import ReserveAnswer, SavePath
 from ckptd.save.staging import SlotPool, Snapshot
-from ckptd.shard_key import ShardKey
 from ckptd.tiers.catalog import StepInfo
 
 

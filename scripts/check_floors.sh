@@ -24,5 +24,5 @@ pip_install $FLOORS/client torch==2.13.0
 pip_install $FLOORS/client $(grep -E '^(grpcio|protobuf|numpy|xxhash)==' scripts/floors.txt)
 pip_install $FLOORS/client --no-deps --force-reinstall ./client
 $FLOORS/client/bin/python -m pip check
-$FLOORS/daemon/bin/python -c "import ckpt.format, ckpt.shard_io, ckpt.wire.v1.peer_pb2_grpc, ckptd.daemon, ckptd.cli"
+$FLOORS/daemon/bin/python -c "import ckpt_core.format, ckpt_core.shard_io, ckpt_core.wire.v1.peer_pb2_grpc, ckptd.daemon, ckptd.cli"
 $FLOORS/client/bin/python scripts/floors_smoke.py "$PWD/$FLOORS/daemon/bin/ckptd"

@@ -10,7 +10,7 @@ if [ ! -x "$PYTHON" ]; then
   exit 2
 fi
 "$PYTHON" -m grpc_tools.protoc -Iprotos --python_out=client --pyi_out=client --grpc_python_out=client \
-  protos/ckpt/wire/v1/ckptd.proto protos/ckpt/wire/v1/peer.proto protos/ckpt/wire/v1/cluster.proto
+  protos/ckpt_core/wire/v1/ckptd.proto protos/ckpt_core/wire/v1/peer.proto protos/ckpt_core/wire/v1/cluster.proto
 # The trimmed etcd v3 API of the etcd cluster view (daemon only, so generated into ckptd/).
 "$PYTHON" -m grpc_tools.protoc -Iprotos --python_out=. --pyi_out=. --grpc_python_out=. \
   protos/ckptd/cluster/etcd_wire/kv.proto protos/ckptd/cluster/etcd_wire/watch.proto protos/ckptd/cluster/etcd_wire/lease.proto

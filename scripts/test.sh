@@ -7,7 +7,7 @@ scripts/setup.sh
 scripts/check_floors.sh
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
-.venv/bin/mypy ckptd client/ckpt
+.venv/bin/mypy ckptd client/ckpt client/ckpt_core
 # PyTorch's and Lightning's own checkpoint tests on ckptd (tests/upstream/README.md) run when these name
 # checkouts of them: their files are copied in, never committed. Without, tests/upstream collects nothing.
 if [ -n "${CKPTD_UPSTREAM_PYTORCH:-}" ] && [ -n "${CKPTD_UPSTREAM_LIGHTNING:-}" ]; then

@@ -1,4 +1,5 @@
-"""The layers point one way: ckpt never imports ckptd; only the servicer layer sees protobuf; no torch in ckptd."""
+"""The layers point one way: ckpt and ckptd share ckpt_core and never import each other; only the servicer layer
+sees protobuf; no torch in ckptd."""
 
 from __future__ import annotations
 
@@ -43,9 +44,41 @@ def _modules(package: Path) -> list[Path]:
     return [p for p in package.rglob("*.py") if "wire" not in p.parts]
 
 
+def _names(names: set[str], package: str) -> set[str]:
+    return {n for n in names if n == package or n.startswith(package + ".")}
+
+
 @pytest.mark.parametrize("path", _modules(REPO / "client" / "ckpt"), ids=lambda p: p.name)
 def test_client_never_imports_the_daemon(path):
-    assert not any(n == "ckptd" or n.startswith("ckptd.") for n in _imports(path))
+    assert not _names(_imports(path), "ckptd"), path
+
+
+@pytest.mark.parametrize("path", _modules(REPO / "client" / "ckpt_core"), ids=lambda p: p.name)
+def test_the_shared_core_imports_neither_side(path):
+    assert not _names(_imports(path), "ckpt") | _names(_imports(path), "ckptd"), path
+
+
+# The daemon imports the shared core, never the client. The CLI's commands that are clients of a running daemon
+# (its DaemonClient) and the two torch tools (export reads a step as a trainer loads it, ingest saves a torch file
+# as a trainer saves it) use the client as a library; `ckptd serve` never loads it (the check below).
+DAEMON_USES_THE_CLIENT = {"ckptd/cli.py", "ckptd/offline/export.py", "ckptd/offline/ingest.py"}
+
+
+@pytest.mark.parametrize("path", _modules(REPO / "ckptd"), ids=lambda p: str(p.relative_to(REPO)))
+def test_the_daemon_imports_the_core_not_the_client(path):
+    if str(path.relative_to(REPO)) in DAEMON_USES_THE_CLIENT:
+        return
+    assert not _names(_imports(path), "ckpt"), path
+
+
+def test_serving_never_loads_the_client():
+    code = (
+        "import sys, ckptd.daemon, ckptd.node, ckptd.rpc.server, ckptd.rpc.peer_server, ckptd.offline.restore\n"
+        "loaded = sorted(m for m in sys.modules if m == 'ckpt' or m.startswith('ckpt.'))\n"
+        "assert not loaded, loaded\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
 
 
 @pytest.mark.parametrize("path", _modules(REPO / "ckptd"), ids=lambda p: str(p.relative_to(REPO)))
@@ -53,7 +86,7 @@ def test_below_the_servicer_nothing_sees_protobuf(path):
     relative = str(path.relative_to(REPO))
     if any(relative == allowed or relative.startswith(allowed + "/") for allowed in WIRE_ALLOWED):
         return
-    assert not any(n.startswith("ckpt.wire") or n.startswith("grpc") for n in _imports(path)), path
+    assert not any(n.startswith(("ckpt_core.wire", "grpc")) for n in _imports(path)), path
 
 
 @pytest.mark.parametrize(
@@ -182,21 +215,23 @@ CLIENT_WIRE_ALLOWED = {"transport.py"}
 def test_on_the_client_only_the_daemon_client_speaks_protobuf(path):
     if str(path.relative_to(REPO / "client" / "ckpt")) in CLIENT_WIRE_ALLOWED:
         return
-    assert not any(n.startswith(("ckpt.wire", "grpc")) for n in _imports(path)), path
+    assert not any(n.startswith(("ckpt_core.wire", "grpc")) for n in _imports(path)), path
 
 
 # Private attributes read on another object than self, each with its reason: what a client role needs
 # of another it gets at construction or through a method (no `handle._c._daemon`, `c._save_async`).
 CLIENT_PRIVATE_READS = {
-    "format.py": "a ShardMeta classmethod seals the record it has just built",
-    "lightning.py": "torch's Tensor._version, the in-place counter it has no public name for",
-    "skeleton_unpickler.py": "torch.load(weights_only=True)'s allow-list, which torch offers no public name for",
+    "ckpt_core/format.py": "a ShardMeta classmethod seals the record it has just built",
+    "ckpt/lightning.py": "torch's Tensor._version, the in-place counter it has no public name for",
+    "ckpt/skeleton_unpickler.py": "torch.load(weights_only=True)'s allow-list, which torch offers no public name for",
 }
 
 
-@pytest.mark.parametrize("path", _modules(REPO / "client" / "ckpt"), ids=lambda p: p.name)
+@pytest.mark.parametrize(
+    "path", _modules(REPO / "client" / "ckpt") + _modules(REPO / "client" / "ckpt_core"), ids=lambda p: p.name
+)
 def test_no_client_module_reads_another_objects_private_attributes(path):
-    if str(path.relative_to(REPO / "client" / "ckpt")) in CLIENT_PRIVATE_READS:
+    if str(path.relative_to(REPO / "client")) in CLIENT_PRIVATE_READS:
         return
     reached = [
         f"{n.lineno}: {ast.unparse(n)}"

@@ -49,7 +49,7 @@ def test_the_client_needs_only_torch_and_the_wire_and_the_daemon_no_torch():
 
 
 def test_the_stubs_were_generated_with_the_floor_tools():
-    stub = (REPO / "client" / "ckpt" / "wire" / "v1" / "peer_pb2_grpc.py").read_text()
+    stub = (REPO / "client" / "ckpt_core" / "wire" / "v1" / "peer_pb2_grpc.py").read_text()
     assert f"GRPC_GENERATED_VERSION = '{floors()['grpcio-tools']}'" in stub
 
 
@@ -58,10 +58,10 @@ def test_one_version_for_both():
         project = tomllib.loads(path.read_text())["project"]
         assert project["dynamic"] == ["version"] and "version" not in project
         assert tomllib.loads(path.read_text())["tool"]["setuptools"]["dynamic"]["version"] == {
-            "attr": "ckpt._version.__version__"
+            "attr": "ckpt_core._version.__version__"
         }
     assert ckpt.__version__ == ckptd.__version__
-    assert (REPO / "client" / "ckpt" / "py.typed").exists() and (REPO / "ckptd" / "py.typed").exists()
+    assert all((REPO / p / "py.typed").exists() for p in ("client/ckpt", "client/ckpt_core", "ckptd"))
 
 
 def test_an_old_or_missing_torch_is_named_at_import(monkeypatch):

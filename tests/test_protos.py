@@ -10,9 +10,9 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 # proto -> where its committed stubs are
 PROTOS = {
-    "ckpt/wire/v1/ckptd.proto": REPO / "client",
-    "ckpt/wire/v1/peer.proto": REPO / "client",
-    "ckpt/wire/v1/cluster.proto": REPO / "client",
+    "ckpt_core/wire/v1/ckptd.proto": REPO / "client",
+    "ckpt_core/wire/v1/peer.proto": REPO / "client",
+    "ckpt_core/wire/v1/cluster.proto": REPO / "client",
     "ckptd/cluster/etcd_wire/kv.proto": REPO,
     "ckptd/cluster/etcd_wire/watch.proto": REPO,
     "ckptd/cluster/etcd_wire/lease.proto": REPO,

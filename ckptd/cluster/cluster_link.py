@@ -1,4 +1,4 @@
-"""Call other nodes' CkptdCluster service (ckpt/wire/v1/cluster.proto): the built-in cluster view's transport.
+"""Call other nodes' CkptdCluster service (ckpt_core/wire/v1/cluster.proto): the built-in cluster view's transport.
 
 PeersView (ckptd.cluster.peers_view) makes every call, on the event loop (grpc.aio).
 Channels are opened on first use and the least recently used are closed past
@@ -15,11 +15,11 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import grpc
-from ckpt.commit_keys import UNSIGNED, CommitKeys
-from ckpt.errors import CheckpointError, CorruptCheckpoint
-from ckpt.format import CommitRecord
-from ckpt.wire.v1 import cluster_pb2 as pb
-from ckpt.wire.v1 import cluster_pb2_grpc
+from ckpt_core.commit_keys import UNSIGNED, CommitKeys
+from ckpt_core.errors import CheckpointError, CorruptCheckpoint
+from ckpt_core.format import CommitRecord
+from ckpt_core.wire.v1 import cluster_pb2 as pb
+from ckpt_core.wire.v1 import cluster_pb2_grpc
 
 from ckptd.cluster import tls_refusal
 from ckptd.cluster.peer_link import INSTANCE_HEADER, channel_credentials, grpc_options, holdings_from_pb, holdings_to_pb

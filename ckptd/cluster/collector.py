@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections import Counter, OrderedDict
 from collections.abc import Collection, Sequence
 
-from ckpt.commit_keys import CommitKeys
-from ckpt.format import CommitRecord
+from ckpt_core.commit_keys import CommitKeys
+from ckpt_core.format import CommitRecord
 
 from ckptd.cluster.placement import Holding, seal_record
 from ckptd.errors import MixedLines

@@ -28,9 +28,9 @@ import struct
 from collections.abc import Iterator
 from pathlib import Path
 
-from ckpt.format import ShardMeta
+from ckpt_core.byte_range import ByteRange
+from ckpt_core.format import ShardMeta
 
-from ckptd.byte_range import ByteRange
 from ckptd.cluster import tls_refusal
 from ckptd.cluster.shard_stream import read_pieces
 from ckptd.config import PeerConfig

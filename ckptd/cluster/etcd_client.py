@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-from ckpt.errors import CheckpointError
+from ckpt_core.errors import CheckpointError
 
 from ckptd.cluster.etcd_wire import kv_pb2 as kv
 from ckptd.cluster.etcd_wire import kv_pb2_grpc, lease_pb2_grpc, watch_pb2_grpc

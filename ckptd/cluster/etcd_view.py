@@ -26,8 +26,8 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
-from ckpt.errors import CorruptCheckpoint, InvalidArgument
-from ckpt.format import CommitRecord, validate_job
+from ckpt_core.errors import CorruptCheckpoint, InvalidArgument
+from ckpt_core.format import CommitRecord, validate_job
 
 from ckptd.cluster.collector import Collector
 from ckptd.cluster.etcd_client import EtcdClient, EtcdCompacted, EtcdError

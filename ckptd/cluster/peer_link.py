@@ -22,14 +22,14 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-from ckpt.commit_keys import UNSIGNED, CommitKeys
-from ckpt.errors import CheckpointError, CorruptCheckpoint, NotFound
-from ckpt.format import CommitRecord, ShardMeta, digest, validate_job, validate_step
-from ckpt.wire.v1 import peer_pb2 as pb
-from ckpt.wire.v1 import peer_pb2_grpc
+from ckpt_core.byte_range import ByteRange
+from ckpt_core.commit_keys import UNSIGNED, CommitKeys
+from ckpt_core.errors import CheckpointError, CorruptCheckpoint, NotFound
+from ckpt_core.format import CommitRecord, ShardMeta, digest, validate_job, validate_step
+from ckpt_core.wire.v1 import peer_pb2 as pb
+from ckpt_core.wire.v1 import peer_pb2_grpc
 
 from ckptd.addresses import host_of
-from ckptd.byte_range import ByteRange
 from ckptd.cluster import tls_refusal
 from ckptd.cluster.data_channel import DataChannelError, client_context, send_range
 from ckptd.cluster.placement import Holding, StepHoldings

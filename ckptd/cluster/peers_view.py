@@ -28,8 +28,8 @@ from collections.abc import Sequence
 from concurrent.futures import Executor
 from typing import Any
 
-from ckpt.errors import CheckpointError
-from ckpt.format import CommitRecord
+from ckpt_core.errors import CheckpointError
+from ckpt_core.format import CommitRecord
 
 from ckptd.cluster.cluster_link import ClusterLinks, PeerSlow
 from ckptd.cluster.collector import Collector

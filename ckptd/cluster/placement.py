@@ -12,9 +12,9 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import xxhash
-from ckpt.commit_keys import UNSIGNED, CommitKeys
-from ckpt.format import CommitRecord
-from ckpt.history import line_from_text
+from ckpt_core.commit_keys import UNSIGNED, CommitKeys
+from ckpt_core.format import CommitRecord
+from ckpt_core.history import line_from_text
 
 from ckptd.errors import MixedLines
 
@@ -32,7 +32,7 @@ class Holding:
     data_size_bytes: int
     meta_digest: str  # xxh3-128 of the sealed shard record, as a commit record lists it
     run_id: str
-    line: str = ""  # the shard record's line as canonical JSON text (ckpt.history.line_text); "" the first line
+    line: str = ""  # the shard record's line as canonical JSON text (ckpt_core.history.line_text); "" the first line
     saved_at: str = ""  # the shard record's saved_at
 
 

@@ -8,12 +8,11 @@ import os
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-from ckpt.chunks import check_chunks
-from ckpt.errors import CorruptCheckpoint
-from ckpt.format import DIRECT_IO_ALIGN_BYTES, ShardMeta, round_up
-from ckpt.shard_io import open_direct, pread_into
-
-from ckptd.byte_range import ByteRange
+from ckpt_core.byte_range import ByteRange
+from ckpt_core.chunks import check_chunks
+from ckpt_core.errors import CorruptCheckpoint
+from ckpt_core.format import DIRECT_IO_ALIGN_BYTES, ShardMeta, round_up
+from ckpt_core.shard_io import open_direct, pread_into
 
 PIECE_BYTES = 1 << 20  # one gRPC message
 MIN_RANGE_BYTES = 32 << 20  # smaller shards travel on fewer streams

@@ -32,8 +32,8 @@ from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any
 
 import xxhash
-from ckpt.format import CommitRecord
-from ckpt.history import History
+from ckpt_core.format import CommitRecord
+from ckpt_core.history import History
 
 from ckptd.cluster.peer_membership import Membership
 from ckptd.cluster.placement import Holding
@@ -167,7 +167,7 @@ class CommitBook:
         return steps.get(step) if steps is not None else None
 
     def newest(self, job: str) -> int | None:
-        """Return the job's head (ckpt.history): its newest line's newest step."""
+        """Return the job's head (ckpt_core.history): its newest line's newest step."""
         steps = self._jobs.get(job)
         return History.of({s: r.line for s, r in steps.items()}).head if steps else None
 

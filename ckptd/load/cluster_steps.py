@@ -15,8 +15,8 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from ckpt.errors import CheckpointError
-from ckpt.format import CommitRecord
+from ckpt_core.errors import CheckpointError
+from ckpt_core.format import CommitRecord
 
 from ckptd.cluster.placement import StepHoldings, loadable_steps
 from ckptd.cluster.view import ClusterView

@@ -10,7 +10,7 @@ import mmap
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from ckpt.format import DIRECT_IO_ALIGN_BYTES, ShardMeta, round_up
+from ckpt_core.format import DIRECT_IO_ALIGN_BYTES, ShardMeta, round_up
 
 from ckptd.tiers.base import DurableTier, Tier
 

@@ -6,7 +6,7 @@
    (from the peers by ClusterSteps.fetch, from the store here); refetch (the client found this
    node's copies bad) does so over them;
 3. verify and serve: the answer is where the bytes lie, fastest first (ShardSource); the
-   client reads them itself and checks every chunk again (ckpt.shard_io).
+   client reads them itself and checks every chunk again (ckpt_core.shard_io).
 
 Called on the event loop by the Locate, List and GetShard RPCs. Whatever reads the
 disk or the store runs on worker threads: this node's tiers on the locate threads,
@@ -27,10 +27,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from ckpt.errors import CheckpointError, CorruptCheckpoint, NotFound
-from ckpt.format import CommitRecord, ShardMeta, digest, validate_tier
-from ckpt.history import History, Line
-from ckpt.shard_io import ShardSource
+from ckpt_core.errors import CheckpointError, CorruptCheckpoint, NotFound
+from ckpt_core.format import CommitRecord, ShardMeta, digest, validate_tier
+from ckpt_core.history import History, Line
+from ckpt_core.shard_io import ShardSource
 
 from ckptd.config import Config
 from ckptd.keyed import KeyCounts, KeyedLocks

@@ -15,13 +15,13 @@ import logging
 from collections import OrderedDict
 from collections.abc import AsyncIterator
 
-from ckpt.errors import CheckpointError, CorruptCheckpoint, InvalidArgument, NotFound
-from ckpt.format import CommitRecord, ShardMeta, digest
-from ckpt.history import History, Line
-from ckpt.shard_io import ShardSource
-from ckpt.step_index import index_bytes
+from ckpt_core.byte_range import ByteRange
+from ckpt_core.errors import CheckpointError, CorruptCheckpoint, InvalidArgument, NotFound
+from ckpt_core.format import CommitRecord, ShardMeta, digest
+from ckpt_core.history import History, Line
+from ckpt_core.shard_io import ShardSource
+from ckpt_core.step_index import index_bytes
 
-from ckptd.byte_range import ByteRange
 from ckptd.load.cluster_steps import ClusterSteps
 from ckptd.load.fetch import aligned_buffer
 from ckptd.load.locate import Locator

@@ -31,9 +31,9 @@ from concurrent.futures import Executor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ckpt.errors import CheckpointError, InvalidArgument, UnsafeCheckpoint
-from ckpt.format import keyed_leaves, validate_job, validate_step
 from ckpt.key_filter import KeyFilter
+from ckpt_core.errors import CheckpointError, InvalidArgument, UnsafeCheckpoint
+from ckpt_core.format import keyed_leaves, validate_job, validate_step
 
 from ckptd.config import Config
 
@@ -206,8 +206,8 @@ def _read_state(step_dir: Path, keys: KeyFilter, prefix: tuple[str, ...], weight
     """
     from ckpt.range_read import StepReader
     from ckpt.reshard import load_full, load_skeleton
-    from ckpt.shard_io import read_commit, read_index, read_meta, step_dir_source
-    from ckpt.step_index import StepIndex, index_bytes
+    from ckpt_core.shard_io import read_commit, read_index, read_meta, step_dir_source
+    from ckpt_core.step_index import StepIndex, index_bytes
 
     record = read_commit(step_dir)
     source = step_dir_source(step_dir, "local")

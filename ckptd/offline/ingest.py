@@ -27,8 +27,8 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from ckpt.errors import CheckpointError, InvalidArgument
-from ckpt.format import validate_job, validate_step
+from ckpt_core.errors import CheckpointError, InvalidArgument
+from ckpt_core.format import validate_job, validate_step
 
 from ckptd.config import Config
 

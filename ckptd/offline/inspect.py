@@ -19,8 +19,8 @@ from collections import OrderedDict
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from ckpt.errors import CheckpointError, NotFound
-from ckpt.format import CommitRecord, ShardMeta, keyed_leaves
+from ckpt_core.errors import CheckpointError, NotFound
+from ckpt_core.format import CommitRecord, ShardMeta, keyed_leaves
 
 from ckptd.tiers.base import Tier
 

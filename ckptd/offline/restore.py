@@ -13,9 +13,9 @@ from concurrent.futures import Executor
 from contextlib import contextmanager
 from pathlib import Path
 
-from ckpt.errors import CheckpointError, CorruptCheckpoint, NotFound
-from ckpt.format import ShardMeta, validate_tier
-from ckpt.history import History
+from ckpt_core.errors import CheckpointError, CorruptCheckpoint, NotFound
+from ckpt_core.format import ShardMeta, validate_tier
+from ckpt_core.history import History
 
 from ckptd.cluster.peer_link import PeerLink
 from ckptd.config import Config
@@ -89,7 +89,7 @@ def readable_tiers(config: Config, source: str, threads: Executors) -> list[Tier
 
 
 def latest_step(tiers: list[Tier], job: str) -> int:
-    """Return the job's head on the tiers: the newest step of its newest line (ckpt.history)."""
+    """Return the job's head on the tiers: the newest step of its newest line (ckpt_core.history)."""
     lines = {s: r.line for t in tiers for s, r in t.complete_records(job).items()}
     head = History.of(lines).head
     if head is None:

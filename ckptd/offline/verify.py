@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from ckpt.errors import CheckpointError, NotFound
+from ckpt_core.errors import CheckpointError, NotFound
 
 from ckptd.load.fetch import aligned_buffer
 from ckptd.tiers.base import Tier

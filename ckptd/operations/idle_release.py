@@ -18,7 +18,7 @@ import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from ckpt.errors import InvalidArgument
+from ckpt_core.errors import InvalidArgument
 
 from ckptd.save.staging import SlotPool
 from ckptd.tiers.nvme import LocalDirTier

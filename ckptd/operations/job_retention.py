@@ -6,10 +6,10 @@ client (`Checkpointer(keep=, keep_every=)`, sent on every Reserve), its config t
 store; the object store keeps `[retention] object`. A pinned step (`ckptd pin`) is never
 removed by retention, on any tier of this node.
 
-Persisted per job in a sealed record (ckpt.format.seal), `<node root>/.ckptd-jobs/<job>.json`,
+Persisted per job in a sealed record (ckpt_core.format.seal), `<node root>/.ckptd-jobs/<job>.json`,
 so that a restarted daemon honours the pins and the client's settings before the client
 saves again. The directory's name starts with a dot: it is never taken for a job (job
-names start with a letter or digit, ckpt.format.JOB_RE), nor listed by any tier.
+names start with a letter or digit, ckpt_core.format.JOB_RE), nor listed by any tier.
 
 Who calls what: Node calls load() once at start, on a worker thread, before any RPC.
 On the event loop: the Reserve handler (through the Pipeline) calls client_asked(); the
@@ -30,8 +30,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from ckpt.errors import CheckpointError, InvalidArgument
-from ckpt.format import JOB_RE, seal, unseal, validate_job
+from ckpt_core.errors import CheckpointError, InvalidArgument
+from ckpt_core.format import JOB_RE, seal, unseal, validate_job
 
 from ckptd.config import Config
 from ckptd.storage.durable_write import fsync_dir, make_dirs, replace_file

@@ -16,8 +16,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from ckpt.errors import CheckpointError, NotFound
-from ckpt.history import History, Line
+from ckpt_core.errors import CheckpointError, NotFound
+from ckpt_core.history import History, Line
 
 from ckptd.config import Config
 from ckptd.errors import RemovalRefused
@@ -42,7 +42,7 @@ def plan_removals(
 ) -> list[tuple[int, str]]:
     """Return (step, reason) for each step to remove from a tier, in the order to remove them.
 
-    lines: the line of each complete step on the tier (ckpt.history). The job's line
+    lines: the line of each complete step on the tier (ckpt_core.history). The job's line
     orders them: first the superseded steps (off the line), oldest first; then the steps
     of the line older than its newest `keep` (0 keeps every complete step, superseded
     ones too), except those that are multiples of keep_every (0: none); then the

@@ -15,7 +15,7 @@ import json
 import os
 from pathlib import Path
 
-from ckpt.errors import InvalidArgument
+from ckpt_core.errors import InvalidArgument
 
 from ckptd.storage.owned_dir import DIR_MODE, FILE_MODE, UnsafePath, claim_dir
 

@@ -19,7 +19,7 @@ from collections import Counter
 from concurrent.futures import Executor
 from typing import Any
 
-from ckpt.history import History, generation
+from ckpt_core.history import History, generation
 
 from ckptd import __version__, metrics
 from ckptd.cluster.view import ClusterView
@@ -101,7 +101,7 @@ class StatusReport:
         self.verification_failures[tier] += 1
 
     def seed(self) -> None:
-        """Learn each job's head on NVMe (ckpt.history) and when it was sealed (a worker thread, at start)."""
+        """Learn each job's head on NVMe (ckpt_core.history) and when it was sealed (a worker thread, at start)."""
         for job in self.nvme.jobs():
             records = self.nvme.complete_records(job)
             head = History.of({s: r.line for s, r in records.items()}).head

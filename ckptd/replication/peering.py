@@ -23,8 +23,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ckpt.errors import CheckpointError
-from ckpt.format import CommitRecord, ShardMeta, data_name, meta_name
+from ckpt_core.errors import CheckpointError
+from ckpt_core.format import CommitRecord, ShardMeta, data_name, meta_name
+from ckpt_core.shard_key import ShardKey
 
 from ckptd.cluster.peer_link import PeerLink
 from ckptd.cluster.placement import Holding, StepHoldings, seal_record
@@ -32,7 +33,6 @@ from ckptd.cluster.view import ClusterView
 from ckptd.config import Config
 from ckptd.errors import StepAlreadyComplete
 from ckptd.replication.sending import FAILURES_REPORTED, Replication
-from ckptd.shard_key import ShardKey
 from ckptd.tiers.nvme import LocalDirTier
 from ckptd.tiers.peer import PeerTier
 

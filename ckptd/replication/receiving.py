@@ -32,10 +32,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from ckpt.errors import CorruptCheckpoint, InvalidArgument
-from ckpt.format import DIRECT_IO_ALIGN_BYTES, ShardMeta, round_up, shown
+from ckpt_core.byte_range import ByteRange
+from ckpt_core.errors import CorruptCheckpoint, InvalidArgument
+from ckpt_core.format import DIRECT_IO_ALIGN_BYTES, ShardMeta, round_up, shown
 
-from ckptd.byte_range import ByteRange
 from ckptd.errors import AlreadyHeld, PeerBusy
 from ckptd.log_pace import LogPace
 from ckptd.tiers.base import ShardWrite

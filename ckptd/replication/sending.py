@@ -31,13 +31,13 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ckpt.errors import CheckpointError, CorruptCheckpoint
-from ckpt.format import CommitRecord, ShardMeta, digest
+from ckpt_core.errors import CheckpointError, CorruptCheckpoint
+from ckpt_core.format import CommitRecord, ShardMeta, digest
+from ckpt_core.shard_key import ShardKey
 
 from ckptd.cluster.peer_link import IsSelf, PeerLink
 from ckptd.cluster.placement import Holding, reseat, seated_placement
 from ckptd.errors import LocalCopyGone, PeerBusy
-from ckptd.shard_key import ShardKey
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""Translate the CkptdCluster service (ckpt/wire/v1/cluster.proto) to PeersView calls and back; no logic here.
+"""Translate the CkptdCluster service (ckpt_core/wire/v1/cluster.proto) to PeersView calls and back; no logic here.
 
 daemon.py adds it to the peer server beside CkptdPeer (same port, same TLS, same
 admission); tests and benchmarks/bench_cluster.py serve it alone with serve_cluster().
@@ -15,11 +15,11 @@ from concurrent.futures import Executor
 from typing import Any, Protocol
 
 import grpc
-from ckpt.commit_keys import CommitKeys
-from ckpt.errors import InvalidArgument
-from ckpt.format import CommitRecord, validate_job, validate_step
-from ckpt.wire.v1 import cluster_pb2 as pb
-from ckpt.wire.v1 import cluster_pb2_grpc
+from ckpt_core.commit_keys import CommitKeys
+from ckpt_core.errors import InvalidArgument
+from ckpt_core.format import CommitRecord, validate_job, validate_step
+from ckpt_core.wire.v1 import cluster_pb2 as pb
+from ckpt_core.wire.v1 import cluster_pb2_grpc
 
 from ckptd.cluster.cluster_link import records_from_pb
 from ckptd.cluster.peer_link import holdings_from_pb, holdings_to_pb, server_credentials, server_options
@@ -50,7 +50,7 @@ def _records(raw: Sequence[bytes], commit_keys: CommitKeys) -> list[CommitRecord
 
 
 class ClusterServicer(cluster_pb2_grpc.CkptdClusterServicer):
-    """Serve ckpt/wire/v1/cluster.proto; admit(context) refuses callers that are not peers (raises)."""
+    """Serve ckpt_core/wire/v1/cluster.proto; admit(context) refuses callers that are not peers (raises)."""
 
     def __init__(
         self, handler: ClusterHandler, record_threads: Executor, admit: Callable[[Any], None] = lambda context: None

@@ -32,7 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TypeVar
 
-from ckpt.errors import CorruptCheckpoint
+from ckpt_core.errors import CorruptCheckpoint
 
 from ckptd.cluster import tls_refusal
 from ckptd.cluster.data_channel import STALL_TIMEOUT_S, TICKET_BYTES, send_status

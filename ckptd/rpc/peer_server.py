@@ -9,13 +9,13 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, cast
 
 import grpc
-from ckpt.commit_keys import CommitKeys
-from ckpt.errors import CorruptCheckpoint, InvalidArgument
-from ckpt.format import CommitRecord, ShardMeta, validate_job, validate_step
-from ckpt.wire.v1 import peer_pb2 as pb
-from ckpt.wire.v1 import peer_pb2_grpc
+from ckpt_core.byte_range import ByteRange
+from ckpt_core.commit_keys import CommitKeys
+from ckpt_core.errors import CorruptCheckpoint, InvalidArgument
+from ckpt_core.format import CommitRecord, ShardMeta, validate_job, validate_step
+from ckpt_core.wire.v1 import peer_pb2 as pb
+from ckpt_core.wire.v1 import peer_pb2_grpc
 
-from ckptd.byte_range import ByteRange
 from ckptd.cluster.peer_link import INSTANCE_HEADER, ITSELF, IsSelf, data_piece, holdings_to_pb, piece_data
 from ckptd.cluster.shard_stream import read_pieces
 from ckptd.config import Config
@@ -51,7 +51,7 @@ def add_peer_servicer(servicer: PeerServicer, server: grpc.aio.Server, guard: Re
 
 
 class PeerServicer(peer_pb2_grpc.CkptdPeerServicer):
-    """Serve ckpt/wire/v1/peer.proto to other nodes' daemons."""
+    """Serve ckpt_core/wire/v1/peer.proto to other nodes' daemons."""
 
     def __init__(
         self,

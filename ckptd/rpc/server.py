@@ -9,21 +9,21 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 import grpc
-from ckpt.errors import CheckpointError, CorruptCheckpoint, InvalidArgument
-from ckpt.format import utc_timestamp, validate_job, validate_rank, validate_step
-from ckpt.history import Line, line_from_text, line_text
-from ckpt.wire.v1 import ckptd_pb2 as pb
-from ckpt.wire.v1 import ckptd_pb2_grpc
+from ckpt_core.byte_range import ByteRange
+from ckpt_core.errors import CheckpointError, CorruptCheckpoint, InvalidArgument
+from ckpt_core.format import utc_timestamp, validate_job, validate_rank, validate_step
+from ckpt_core.history import Line, line_from_text, line_text
+from ckpt_core.shard_key import ShardKey
+from ckpt_core.wire.v1 import ckptd_pb2 as pb
+from ckpt_core.wire.v1 import ckptd_pb2_grpc
 from google.protobuf.message import DecodeError
 
-from ckptd.byte_range import ByteRange
 from ckptd.cluster.shard_stream import PIECE_BYTES
 from ckptd.operations.retention import Removal
 from ckptd.pipeline import Pipeline
 from ckptd.rpc.guard import NotAPeer, RequestGuard
 from ckptd.rpc.statuses import status_of
 from ckptd.save.staging import Snapshot
-from ckptd.shard_key import ShardKey
 
 T = TypeVar("T")
 MAX_LAYOUT_BYTES = 128 << 20
@@ -53,7 +53,7 @@ def _collect_reply(removals: list[Removal]) -> pb.CollectReply:
 
 
 def _line(text: str, key: ShardKey) -> Line:
-    """Parse the line a client names (ckpt.history.line_text), raising InvalidArgument if it is not one."""
+    """Parse the line a client names (ckpt_core.history.line_text), raising InvalidArgument if it is not one."""
     if len(text) > MAX_LINE_CHARS:
         raise InvalidArgument(f"{key}: a line of {len(text)} characters is too long")
     try:
@@ -63,7 +63,7 @@ def _line(text: str, key: ShardKey) -> Line:
 
 
 class CkptdServicer(ckptd_pb2_grpc.CkptdServicer):
-    """Serve the local-client protocol of ckpt/wire/v1/ckptd.proto."""
+    """Serve the local-client protocol of ckpt_core/wire/v1/ckptd.proto."""
 
     def __init__(self, pipeline: Pipeline, guard: RequestGuard) -> None:
         self.pipeline = pipeline

@@ -8,7 +8,7 @@ first: StepAlreadyComplete is a ShardWriteError, and every ckpt error a Checkpoi
 
 from __future__ import annotations
 
-from ckpt.errors import CheckpointError, CorruptCheckpoint, InvalidArgument, NotFound, ReservationLost
+from ckpt_core.errors import CheckpointError, CorruptCheckpoint, InvalidArgument, NotFound, ReservationLost
 from google.protobuf.message import DecodeError
 
 from ckptd.cluster.peer_link import IsSelf

@@ -19,12 +19,12 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
-from ckpt.format import CHUNK_SIZE_BYTES, ShardMeta
+from ckpt_core.format import CHUNK_SIZE_BYTES, ShardMeta
+from ckpt_core.shard_key import ShardKey
 
 from ckptd import metrics
 from ckptd.save.rounds import Round, plan_round
 from ckptd.save.staging import SlotPool
-from ckptd.shard_key import ShardKey
 from ckptd.tiers.nvme import LocalDirTier
 from ckptd.tiers.slot_files import UNFLUSHED, Slot
 

@@ -20,7 +20,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
-from ckptd.shard_key import ShardKey
+from ckpt_core.shard_key import ShardKey
 
 log = logging.getLogger(__name__)
 

@@ -20,14 +20,14 @@ from concurrent.futures import Executor
 from dataclasses import dataclass, replace
 from typing import Any
 
-from ckpt.format import validate_tier
+from ckpt_core.format import validate_tier
+from ckpt_core.shard_key import ShardKey
 
 from ckptd.replication.sending import FAILURES_REPORTED, Replication
 from ckptd.save.passed_over import PassedOver
 from ckptd.save.staging import SlotPool
 from ckptd.save.uploading import FAILURES_REPORTED as UPLOAD_FAILURES_REPORTED
 from ckptd.save.uploading import Uploader
-from ckptd.shard_key import ShardKey
 from ckptd.tiers.nvme import LocalDirTier
 from ckptd.tiers.slot_files import UNFLUSHED
 
@@ -55,7 +55,7 @@ class Completion:
 
     step: int
     unix_s: float
-    generation: int = 0  # of the step's line (ckpt.history): a rollback's new line is newer whatever its numbers
+    generation: int = 0  # of the step's line (ckpt_core.history): a rollback's new line is newer whatever its numbers
 
 
 class NewestSteps:
@@ -165,7 +165,7 @@ class ShardProgress:
     def copy_committed(self, key: ShardKey, generation: int = 0) -> None:
         """Forget what an earlier copy of the shard reached: the new copy has reached only memory.
 
-        generation is that of the step's line (ckpt.history), for the newest steps `status` reports.
+        generation is that of the step's line (ckpt_core.history), for the newest steps `status` reports.
         """
         self._generations[(key.job, key.step)] = generation
         self._generations.move_to_end((key.job, key.step))

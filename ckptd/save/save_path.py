@@ -39,9 +39,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from ckpt.errors import CheckpointError, InvalidArgument, NotFound
-from ckpt.format import CommitRecord, ShardMeta
-from ckpt.history import History, Line, generation
+from ckpt_core.errors import CheckpointError, InvalidArgument, NotFound
+from ckpt_core.format import CommitRecord, ShardMeta
+from ckpt_core.history import History, Line, generation
+from ckpt_core.shard_key import ShardKey
 
 from ckptd import metrics
 from ckptd.cluster.view import ClusterView
@@ -51,7 +52,6 @@ from ckptd.save.flush import Flusher
 from ckptd.save.progress import REMEMBERED_SHARDS, ShardProgress, ShardWait
 from ckptd.save.staging import SlotPool, Snapshot
 from ckptd.save.uploading import Uploader
-from ckptd.shard_key import ShardKey
 from ckptd.tiers.base import DurableTier
 from ckptd.tiers.nvme import LocalDirTier
 from ckptd.tiers.slot_files import Slot

@@ -29,12 +29,12 @@ from concurrent.futures import Executor
 from dataclasses import dataclass
 from pathlib import Path
 
-from ckpt.errors import CheckpointError, InvalidArgument, ReservationLost
-from ckpt.format import MAX_SHARD_BYTES, ShardMeta, digest, layout_offset, round_up, seal, shown
-from ckpt.history import Line, line_to_json
+from ckpt_core.errors import CheckpointError, InvalidArgument, ReservationLost
+from ckpt_core.format import MAX_SHARD_BYTES, ShardMeta, digest, layout_offset, round_up, seal, shown
+from ckpt_core.history import Line, line_to_json
+from ckpt_core.shard_key import ShardKey
 
 from ckptd.save.rounds import kept
-from ckptd.shard_key import ShardKey
 from ckptd.storage.durable_write import replace_file
 from ckptd.storage.owned_dir import OWNER_ONLY, StagingAccess, claim_dir, create_new, open_owned
 from ckptd.tiers.slot_files import SLOT_NAME, Slot, locked_by_a_writer, scan_slots, slot_path

@@ -30,15 +30,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ckpt.errors import CheckpointError, CorruptCheckpoint, NotFound
-from ckpt.format import CommitRecord, ShardMeta, chunk_ranges, data_name, meta_name
+from ckpt_core.byte_range import ByteRange
+from ckpt_core.errors import CheckpointError, CorruptCheckpoint, NotFound
+from ckpt_core.format import CommitRecord, ShardMeta, chunk_ranges, data_name, meta_name
+from ckpt_core.shard_key import ShardKey
 
 from ckptd import metrics
-from ckptd.byte_range import ByteRange
 from ckptd.config import Config
 from ckptd.errors import AlreadyHeld, CommitConflict, LocalCopyGone
 from ckptd.keyed import KeyedLocks
-from ckptd.shard_key import ShardKey
 from ckptd.tiers.nvme import LocalDirTier
 from ckptd.tiers.object.layout import part_bytes
 from ckptd.tiers.object.tier import ObjectTier

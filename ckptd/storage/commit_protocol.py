@@ -39,9 +39,9 @@ from collections.abc import Iterable
 from contextlib import AbstractContextManager
 from pathlib import Path
 
-from ckpt.errors import CheckpointError
-from ckpt.format import COMMIT_NAME, INDEX_NAME, PARTIAL_SUFFIX, CommitRecord, ShardMeta, data_name, meta_name
-from ckpt.step_index import SHARDED_RECORD_MARK, index_bytes
+from ckpt_core.errors import CheckpointError
+from ckpt_core.format import COMMIT_NAME, INDEX_NAME, PARTIAL_SUFFIX, CommitRecord, ShardMeta, data_name, meta_name
+from ckpt_core.step_index import SHARDED_RECORD_MARK, index_bytes
 
 from ckptd.storage.durable_write import fsync_dir, make_dirs, write_file
 from ckptd.storage.object_store import ObjectParts, ObjectStore

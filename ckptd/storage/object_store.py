@@ -24,8 +24,8 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import fsspec
-from ckpt.errors import CheckpointError
-from ckpt.format import PARTIAL_SUFFIX
+from ckpt_core.errors import CheckpointError
+from ckpt_core.format import PARTIAL_SUFFIX
 
 from ckptd.storage.durable_write import fsync_dir, make_dirs, write_file
 

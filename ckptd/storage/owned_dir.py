@@ -4,7 +4,7 @@ The names of the daemon's directories are known in advance (/dev/shm/ckptd-UID-.
 a documented /dev/shm/ckptd): another local user could make one first and read what is staged
 in it, or plant files and links the daemon would trust. claim_dir makes a directory with mkdir
 at an explicit mode (the umask decides nothing), or accepts an existing one only where
-ckpt.owned_paths.dir_problem finds nothing wrong; otherwise it raises UnsafePath, and
+ckpt_core.owned_paths.dir_problem finds nothing wrong; otherwise it raises UnsafePath, and
 `ckptd serve` exits 2. Files in those directories are opened with O_NOFOLLOW (create_new,
 read_owned; durable_write for the NVMe tier), new ones with O_EXCL.
 
@@ -21,8 +21,8 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 
-from ckpt.errors import InvalidArgument
-from ckpt.owned_paths import dir_problem, user_name
+from ckpt_core.errors import InvalidArgument
+from ckpt_core.owned_paths import dir_problem, user_name
 
 DIR_MODE = 0o750  # the NVMe tier's directories: the daemon's group reads checkpoints straight from them
 FILE_MODE = 0o640  # shards and records, wherever the daemon keeps them

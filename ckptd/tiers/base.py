@@ -12,15 +12,15 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, Future, wait
 
-from ckpt import shard_io
-from ckpt.chunks import check_chunks, chunk_digests
-from ckpt.commit_keys import CommitKeys
-from ckpt.errors import CorruptCheckpoint, NotFound
-from ckpt.format import CommitRecord, ShardMeta, chunk_ranges
-from ckpt.history import Line
-from ckpt.shard_io import ShardSource
+from ckpt_core import shard_io
+from ckpt_core.byte_range import ByteRange
+from ckpt_core.chunks import check_chunks, chunk_digests
+from ckpt_core.commit_keys import CommitKeys
+from ckpt_core.errors import CorruptCheckpoint, NotFound
+from ckpt_core.format import CommitRecord, ShardMeta, chunk_ranges
+from ckpt_core.history import Line
+from ckpt_core.shard_io import ShardSource
 
-from ckptd.byte_range import ByteRange
 from ckptd.errors import ShardWriteError
 
 WRITE_BLOCK_BYTES = 32 << 20  # what write_shard hashes, then hands to a writer thread, at a time
@@ -64,7 +64,7 @@ class Tier(ABC):
         return records
 
     def complete_lines(self, job: str) -> dict[int, Line]:
-        """Return the line of each complete step of the job (ckpt.history), oldest step first (retention, rm)."""
+        """Return the line of each complete step of the job (ckpt_core.history), oldest step first (retention, rm)."""
         return {step: record.line for step, record in self.complete_records(job).items()}
 
     @abstractmethod

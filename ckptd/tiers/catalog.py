@@ -5,9 +5,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from ckpt.errors import NotFound
-from ckpt.format import CommitRecord
-from ckpt.history import History, Line
+from ckpt_core.errors import NotFound
+from ckpt_core.format import CommitRecord
+from ckpt_core.history import History, Line
 
 from ckptd.tiers.base import Tier
 
@@ -22,7 +22,7 @@ class StepInfo:
     size_bytes: int
     tiers: tuple[str, ...]
     committed_at: str = ""  # its commit record's (UTC, ISO 8601); "" for steps saved before records had it
-    line: Line = ()  # its line of the job's history (ckpt.history)
+    line: Line = ()  # its line of the job's history (ckpt_core.history)
     superseded: bool = False  # off the job's line: set by whoever lists the job's steps together
     pinned: bool = False  # kept by `ckptd pin` on this node (Pipeline.list_steps marks it)
 

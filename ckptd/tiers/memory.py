@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from ckpt.errors import NotFound
-from ckpt.format import CommitRecord, digest
-from ckpt.shard_io import ShardSource
+from ckpt_core.errors import NotFound
+from ckpt_core.format import CommitRecord, digest
+from ckpt_core.shard_io import ShardSource
 
 from ckptd.tiers.base import Tier
 from ckptd.tiers.slot_files import Slot, scan_slots

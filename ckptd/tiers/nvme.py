@@ -25,10 +25,11 @@ from collections.abc import Iterator, Sequence
 from concurrent.futures import Executor
 from pathlib import Path
 
-from ckpt.chunks import check_chunks, chunk_digests
-from ckpt.commit_keys import UNSIGNED, CommitKeys
-from ckpt.errors import CheckpointError, CorruptCheckpoint, InvalidArgument, NotFound
-from ckpt.format import (
+from ckpt_core.byte_range import ByteRange
+from ckpt_core.chunks import check_chunks, chunk_digests
+from ckpt_core.commit_keys import UNSIGNED, CommitKeys
+from ckpt_core.errors import CheckpointError, CorruptCheckpoint, InvalidArgument, NotFound
+from ckpt_core.format import (
     COMMIT_NAME,
     DIRECT_IO_ALIGN_BYTES,
     JOB_RE,
@@ -40,10 +41,9 @@ from ckpt.format import (
     meta_name,
     validate_job,
 )
-from ckpt.history import generation
-from ckpt.shard_io import ShardSource, read_index
+from ckpt_core.history import generation
+from ckpt_core.shard_io import ShardSource, read_index
 
-from ckptd.byte_range import ByteRange
 from ckptd.cluster.placement import Holding, seal_record
 from ckptd.errors import ShardWriteError, StepAlreadyComplete
 from ckptd.storage.commit_protocol import StepDirCommit

@@ -16,9 +16,9 @@ import time
 from collections.abc import Collection
 from concurrent.futures import Executor
 
-from ckpt.errors import CheckpointError, CorruptCheckpoint, NotFound
-from ckpt.format import CommitRecord, ShardMeta, digest
-from ckpt.shard_io import ShardSource
+from ckpt_core.errors import CheckpointError, CorruptCheckpoint, NotFound
+from ckpt_core.format import CommitRecord, ShardMeta, digest
+from ckpt_core.shard_io import ShardSource
 
 from ckptd.cluster.peer_link import IsSelf, PeerLink
 from ckptd.cluster.placement import Holding, StepHoldings, holders

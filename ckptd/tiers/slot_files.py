@@ -28,12 +28,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ckpt.errors import CheckpointError, CorruptCheckpoint
-from ckpt.format import ShardMeta, digest, unseal, validate_job, validate_rank, validate_step
-from ckpt.history import Line, line_from_json
-from ckpt.owned_paths import user_name
+from ckpt_core.errors import CheckpointError, CorruptCheckpoint
+from ckpt_core.format import ShardMeta, digest, unseal, validate_job, validate_rank, validate_step
+from ckpt_core.history import Line, line_from_json
+from ckpt_core.owned_paths import user_name
+from ckpt_core.shard_key import ShardKey
 
-from ckptd.shard_key import ShardKey
 from ckptd.storage.owned_dir import read_owned
 
 log = logging.getLogger(__name__)

@@ -16,10 +16,10 @@ import logging
 import os
 from pathlib import Path
 
-from ckpt.commit_keys import CommitKeys
-from ckpt.errors import CheckpointError, CorruptCheckpoint
-from ckpt.format import COMMIT_NAME, CommitRecord, ShardMeta, digest, meta_name
-from ckpt.history import line_text
+from ckpt_core.commit_keys import CommitKeys
+from ckpt_core.errors import CheckpointError, CorruptCheckpoint
+from ckpt_core.format import COMMIT_NAME, CommitRecord, ShardMeta, digest, meta_name
+from ckpt_core.history import line_text
 
 from ckptd.cluster.placement import Holding
 from ckptd.log_pace import LogPace

@@ -15,8 +15,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
-from ckpt._version import __version__
-from ckpt.errors import (
+from ckpt_core._version import __version__
+from ckpt_core.errors import (
     CheckpointError,
     CorruptCheckpoint,
     DaemonUnavailable,
@@ -27,6 +27,7 @@ from ckpt.errors import (
     SaveSkipped,
     UnsafeCheckpoint,
 )
+
 from ckpt.key_filter import LoadReport
 from ckpt.torch_version import require_torch
 
@@ -61,7 +62,7 @@ _default: Checkpointer | None = None
 
 def __getattr__(name: str) -> Any:
     # torch is imported only when the training-side API is used, so the daemon can
-    # import ckpt.format and ckpt.shard_io without it.
+    # import ckpt_core.format and ckpt_core.shard_io without it.
     if name in _LAZY:
         require_torch()
         from ckpt import checkpointer, local_read

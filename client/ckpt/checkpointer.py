@@ -13,16 +13,17 @@ from collections.abc import Iterable
 from concurrent.futures import Future
 from typing import Any
 
+from ckpt_core.errors import CheckpointError, InvalidArgument, ReservationLost, SaveFailed, SaveSkipped
+from ckpt_core.format import validate_job, validate_rank, validate_step, validate_tier
+from ckpt_core.step_index import StepIndex
+
 from ckpt import lazy as lazy_copies
-from ckpt.errors import CheckpointError, InvalidArgument, ReservationLost, SaveFailed, SaveSkipped
-from ckpt.format import validate_job, validate_rank, validate_step, validate_tier
 from ckpt.key_filter import KeyFilter, LoadReport
 from ckpt.launcher import rank_and_world_size
 from ckpt.load_path import LoadPath
 from ckpt.placement import Placement
 from ckpt.range_read import StepReader
 from ckpt.save_path import SavePath
-from ckpt.step_index import StepIndex
 from ckpt.transport import DaemonClient, JobRetention, ShardId
 
 # How long a blocked wait may sit in one RPC before asking again (keeps RPCs short-lived).

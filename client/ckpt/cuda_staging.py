@@ -46,8 +46,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
-
-from ckpt.errors import CheckpointError
+from ckpt_core.errors import CheckpointError
 
 log = logging.getLogger("ckpt")
 

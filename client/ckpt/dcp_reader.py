@@ -2,7 +2,7 @@
 
 DCP's metadata is made from what ckptd keeps, with no file of DCP's own: rank 0's
 saved structure, walked as DCP flattens a state dict, gives every key; a sharded
-tensor's chunks come from the step index (ckpt.step_index), a plain tensor of rank 0
+tensor's chunks come from the step index (ckpt_core.step_index), a plain tensor of rank 0
 is one chunk, and any other value is served as torch.save bytes. Reads go through
 ckpt.range_read.StepReader, so a rank reads only the byte ranges its tensors overlap,
 from a local step directory (no daemon) or from this node's daemon.
@@ -22,6 +22,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from ckpt_core.errors import CorruptCheckpoint, InvalidArgument, NotFound
+from ckpt_core.format import COMMIT_NAME, validate_step
+from ckpt_core.step_index import SavedChunk, SavedTensor, StepIndex
 from torch.distributed.checkpoint._nested_dict import FLATTEN_MAPPING, flatten_state_dict
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
@@ -37,12 +40,9 @@ from torch.futures import Future
 
 from ckpt.checkpointer import Checkpointer
 from ckpt.dcp_writer import checkpoint_step, process_rank
-from ckpt.errors import CorruptCheckpoint, InvalidArgument, NotFound
-from ckpt.format import COMMIT_NAME, validate_step
 from ckpt.local_read import open_step_dir
 from ckpt.range_read import StepReader
 from ckpt.reshard import DTensorRef, TensorRef, fill_boxes, load_skeleton, realize, refs_in, torch_dtype
-from ckpt.step_index import SavedChunk, SavedTensor, StepIndex
 
 
 @dataclass(frozen=True)

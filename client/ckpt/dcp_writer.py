@@ -32,6 +32,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from ckpt_core.errors import CheckpointError, InvalidArgument
+from ckpt_core.format import validate_step
 from torch.distributed.checkpoint._nested_dict import unflatten_state_dict
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
@@ -41,8 +43,6 @@ from torch.futures import Future
 from torch.utils._pytree import tree_leaves
 
 from ckpt.checkpointer import Checkpointer, SaveHandle
-from ckpt.errors import CheckpointError, InvalidArgument
-from ckpt.format import validate_step
 from ckpt.sharding import LocalChunks, OwnedChunk
 
 # How long synchronize_staging waits for dcp.async_save's upload thread to set the save up: the thread executor

@@ -19,9 +19,9 @@ from typing import Any
 
 import numpy as np
 import torch
+from ckpt_core.errors import InvalidArgument
+from ckpt_core.format import TENSOR_ALIGN_BYTES, round_up
 
-from ckpt.errors import InvalidArgument
-from ckpt.format import TENSOR_ALIGN_BYTES, round_up
 from ckpt.key_filter import KeyFilter
 from ckpt.sharding import (
     check_plain_tensor,

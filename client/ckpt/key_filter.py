@@ -15,7 +15,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
 
-from ckpt.errors import InvalidArgument
+from ckpt_core.errors import InvalidArgument
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import os
 import sys
 
-from ckpt.errors import InvalidArgument
+from ckpt_core.errors import InvalidArgument
 
 LAUNCHER_VARIABLES = (  # (rank, world size) variables, in the order they are tried
     ("RANK", "WORLD_SIZE"),

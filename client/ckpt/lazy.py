@@ -44,9 +44,9 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
+from ckpt_core.errors import CheckpointError
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from ckpt.errors import CheckpointError
 from ckpt.transport import DaemonClient
 
 log = logging.getLogger("ckpt")

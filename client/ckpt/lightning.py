@@ -80,12 +80,13 @@ try:
 except ImportError as e:  # ckptd-client does not depend on Lightning: say what to install
     raise ImportError(f"ckpt.lightning needs PyTorch Lightning (pip install 'lightning>=2.4'): {e}") from e
 
+from ckpt_core.daemon_socket import resolve_address  # noqa: E402
+from ckpt_core.errors import CheckpointError, InvalidArgument, NotFound, SaveFailed  # noqa: E402
+from ckpt_core.format import validate_job, validate_step  # noqa: E402
+
 from ckpt.checkpointer import Checkpointer, SaveHandle  # noqa: E402
-from ckpt.errors import CheckpointError, InvalidArgument, NotFound, SaveFailed  # noqa: E402
 from ckpt.flatten import flatten  # noqa: E402
-from ckpt.format import validate_job, validate_step  # noqa: E402
 from ckpt.lightning_files import POINTER_KEY, TorchFileWriter, pointer_text  # noqa: E402
-from ckpt.transport import resolve_address  # noqa: E402
 
 log = logging.getLogger(__name__)
 

@@ -28,11 +28,11 @@ import zipfile
 from typing import IO, Any
 
 import torch
+from ckpt_core.errors import CheckpointError, SaveSkipped
 from lightning.fabric.utilities.cloud_io import get_filesystem
 
 from ckpt.background import BackgroundThread
 from ckpt.checkpointer import Checkpointer, SaveHandle
-from ckpt.errors import CheckpointError, SaveSkipped
 
 log = logging.getLogger(__name__)
 

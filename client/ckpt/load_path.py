@@ -12,14 +12,15 @@ import logging
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from ckpt.errors import CheckpointError, CorruptCheckpoint, InvalidArgument, NotFound
-from ckpt.format import CommitRecord
+from ckpt_core.errors import CheckpointError, CorruptCheckpoint, InvalidArgument, NotFound
+from ckpt_core.format import CommitRecord
+from ckpt_core.step_index import StepIndex
+
 from ckpt.key_filter import KeyFilter, LoadReport
 from ckpt.local_read import checked_index, load_first_good
 from ckpt.placement import Placement
 from ckpt.range_read import StepReader
 from ckpt.reshard import load_into, report_left
-from ckpt.step_index import StepIndex
 from ckpt.transport import DaemonClient, LocatedStep, ShardId
 
 log = logging.getLogger("ckpt")

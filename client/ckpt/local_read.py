@@ -14,15 +14,16 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from ckpt.errors import CheckpointError, CorruptCheckpoint, InvalidArgument, NotFound, UnsafeCheckpoint
+from ckpt_core.errors import CheckpointError, CorruptCheckpoint, InvalidArgument, NotFound, UnsafeCheckpoint
+from ckpt_core.format import COMMIT_NAME, DIRECT_IO_ALIGN_BYTES, INDEX_NAME, JOB_RE, CommitRecord, round_up
+from ckpt_core.shard_io import ShardSource, read_commit, read_index, read_meta, read_shard_into, step_dir_source
+from ckpt_core.step_index import StepIndex, index_bytes, is_sharded
+
 from ckpt.flatten import unflatten
-from ckpt.format import COMMIT_NAME, DIRECT_IO_ALIGN_BYTES, INDEX_NAME, JOB_RE, CommitRecord, round_up
 from ckpt.key_filter import KeyFilter
 from ckpt.placement import Placement, Refused
 from ckpt.range_read import StepReader, fresh_buffer
 from ckpt.reshard import load_into, report_left
-from ckpt.shard_io import ShardSource, read_commit, read_index, read_meta, read_shard_into, step_dir_source
-from ckpt.step_index import StepIndex, index_bytes, is_sharded
 
 log = logging.getLogger("ckpt")
 

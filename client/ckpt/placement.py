@@ -28,8 +28,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-
-from ckpt.errors import InvalidArgument
+from ckpt_core.errors import InvalidArgument
 
 CPU = "cpu"
 

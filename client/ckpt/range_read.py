@@ -17,11 +17,10 @@ from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
-
-from ckpt.chunks import find_bad_chunk
-from ckpt.errors import CheckpointError, CorruptCheckpoint, NotFound
-from ckpt.format import DIRECT_IO_ALIGN_BYTES, ShardMeta, digest, round_up
-from ckpt.shard_io import ShardSource, read_meta, read_shard_into
+from ckpt_core.chunks import find_bad_chunk
+from ckpt_core.errors import CheckpointError, CorruptCheckpoint, NotFound
+from ckpt_core.format import DIRECT_IO_ALIGN_BYTES, ShardMeta, digest, round_up
+from ckpt_core.shard_io import ShardSource, read_meta, read_shard_into
 
 log = logging.getLogger("ckpt")
 

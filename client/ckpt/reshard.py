@@ -35,16 +35,16 @@ from typing import Any
 
 import numpy as np
 import torch
+from ckpt_core.errors import CorruptCheckpoint, InvalidArgument
+from ckpt_core.format import keyed_leaves
+from ckpt_core.step_index import SavedChunk, SavedTensor, StepIndex
 
-from ckpt.errors import CorruptCheckpoint, InvalidArgument
 from ckpt.flatten import unflatten
-from ckpt.format import keyed_leaves
 from ckpt.key_filter import ALL_KEYS, KeyFilter, LoadReport
 from ckpt.range_read import StepReader
 from ckpt.sharding import is_dtensor, local_box
 from ckpt.skeleton_unpickler import SkeletonUnpickler
 from ckpt.stateful import is_stateful
-from ckpt.step_index import SavedChunk, SavedTensor, StepIndex
 
 log = logging.getLogger("ckpt")
 

@@ -3,7 +3,7 @@
 SavePath.save() is the whole order of one save; each step is a role of its own module:
 flatten (ckpt.flatten), reserve and commit (ckpt.transport), map and copy into the slot
 (ckpt.staging), the CUDA path (ckpt.cuda_staging), the lazy copy (ckpt.lazy), and the
-job's history line that the next save continues (ckpt.history).
+job's history line that the next save continues (ckpt_core.history).
 """
 
 from __future__ import annotations
@@ -19,12 +19,12 @@ from typing import Any
 
 import numpy as np
 import torch
+from ckpt_core.errors import CheckpointError
+from ckpt_core.format import layout_offset, validate_step
+from ckpt_core.history import line_from_text
 
 from ckpt import lazy as lazy_copies
-from ckpt.errors import CheckpointError
 from ckpt.flatten import Flattened, flatten
-from ckpt.format import layout_offset, validate_step
-from ckpt.history import line_from_text
 from ckpt.key_filter import KeyFilter
 from ckpt.staging import SlotMappings, copy_into, slot_view, writer_lock
 from ckpt.transport import DaemonClient, JobRetention, Reservation, ShardCommit, ShardId
@@ -101,7 +101,7 @@ class SavePath:
         self._arena: Any = None  # cuda_staging.SpillArena of lazy saves, made by prepare() or the first lazy save
         self._policy: str | None = None  # the daemon's [staging] policy, once asked
         self._preparing: Future[None] | None = None  # prepare()'s work in the background, until a save waited for it
-        # The job's history (ckpt.history): the line this rank's saves continue, as the daemon named it at its
+        # The job's history (ckpt_core.history): the line this rank's saves continue, as the daemon named it at its
         # last load or save, and the step loaded or saved last. None: neither yet; a save continues the job's head.
         self._line: str | None = None
         self._last_step: int | None = None

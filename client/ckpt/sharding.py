@@ -17,10 +17,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from ckpt_core.errors import InvalidArgument
+from ckpt_core.format import keyed_leaves
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
-
-from ckpt.errors import InvalidArgument
-from ckpt.format import keyed_leaves
 
 
 @functools.cache  # asked for every tensor of every save: the import statement alone costs more than the check
@@ -160,7 +159,7 @@ def _replica_on_parent_mesh(mesh: Any) -> bool:
     FSDP2 on a 2-D mesh puts the parameters it alone shards on the "dp" sub-mesh: the
     ranks along the other dims hold the same chunks. A sub-mesh whose dims cannot be
     told (a flattened one) counts as no replica: the index keeps one copy of a chunk
-    written twice (ckpt.step_index).
+    written twice (ckpt_core.step_index).
     """
     get_root = getattr(mesh, "_get_root_mesh", None)
     root = get_root() if get_root is not None else None

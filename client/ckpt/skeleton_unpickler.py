@@ -23,7 +23,7 @@ import pickle
 from collections.abc import Callable
 from typing import Any
 
-from ckpt.errors import UnsafeCheckpoint
+from ckpt_core.errors import UnsafeCheckpoint
 
 
 class SkeletonUnpickler(pickle.Unpickler):

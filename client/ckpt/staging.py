@@ -18,9 +18,9 @@ from typing import Any
 
 import numpy as np
 import torch
+from ckpt_core.errors import InvalidArgument
 
 from ckpt.background import BackgroundThread
-from ckpt.errors import InvalidArgument
 from ckpt.flatten import Flattened
 
 PARALLEL_MIN_BYTES = 64 << 20

@@ -7,10 +7,10 @@ import os
 from collections.abc import AsyncIterator
 
 import pytest
-from ckpt.errors import InvalidArgument
-from ckpt.format import ShardMeta, chunk_ranges, digest
+from ckpt_core.byte_range import ByteRange
+from ckpt_core.errors import InvalidArgument
+from ckpt_core.format import ShardMeta, chunk_ranges, digest
 
-from ckptd.byte_range import ByteRange
 from ckptd.config import Config, NodeConfig, StagingConfig
 from ckptd.node import Executors, Node
 

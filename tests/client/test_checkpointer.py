@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import ckpt
 import pytest
-from ckpt.wire.v1 import ckptd_pb2 as pb
+from ckpt_core.wire.v1 import ckptd_pb2 as pb
 
 
 def test_job_rank_and_world_size_come_from_the_environment(monkeypatch):

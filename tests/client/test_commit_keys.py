@@ -1,4 +1,4 @@
-"""Commit and shard record signatures (ckpt.commit_keys): what they cover, what they leave to the tier, key files."""
+"""Commit and shard record signatures (ckpt_core.commit_keys): what they cover, what they leave to the tier, keys."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import dataclasses
 import json
 
 import pytest
-from ckpt.commit_keys import UNSIGNED, CommitKeys, key_id, read_key
-from ckpt.errors import CorruptCheckpoint
-from ckpt.format import CommitRecord, ShardMeta, seal, unseal
+from ckpt_core.commit_keys import UNSIGNED, CommitKeys, key_id, read_key
+from ckpt_core.errors import CorruptCheckpoint
+from ckpt_core.format import CommitRecord, ShardMeta, seal, unseal
 
 KEY, OLD = bytes(range(32)), bytes(range(1, 33))
 RECORD = CommitRecord("train", 7, 2, ("a" * 32, "b" * 32), 100, ((0, 7),), "2026-01-01T00:00:00Z")

@@ -8,11 +8,11 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from ckpt.errors import InvalidArgument
 from ckpt.flatten import flatten, unflatten
-from ckpt.format import TENSOR_ALIGN_BYTES
 from ckpt.key_filter import KeyFilter
 from ckpt.staging import copy_into
+from ckpt_core.errors import InvalidArgument
+from ckpt_core.format import TENSOR_ALIGN_BYTES
 from states import assert_same, every_kind_state
 from torch.testing._internal.two_tensor import TwoTensor
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import json
 
-import ckpt.format as format_module
+import ckpt_core.format as format_module
 import pytest
-from ckpt.errors import CorruptCheckpoint, InvalidArgument
-from ckpt.format import CommitRecord, ShardMeta, seal, unseal, validate_job, validate_rank, validate_step
+from ckpt_core.errors import CorruptCheckpoint, InvalidArgument
+from ckpt_core.format import CommitRecord, ShardMeta, seal, unseal, validate_job, validate_rank, validate_step
 
 
 @pytest.mark.parametrize("job", ["a", "llama-7b", "run_1.2", "A" * 128])

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch.distributed as dist
-from ckpt.errors import InvalidArgument
 from ckpt.launcher import LAUNCHER_VARIABLES, rank_and_world_size
+from ckpt_core.errors import InvalidArgument
 
 EVERY_VARIABLE = [name for pair in LAUNCHER_VARIABLES for name in pair]
 

@@ -6,10 +6,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-from ckpt.errors import CheckpointError, InvalidArgument
 from ckpt.flatten import flatten, unflatten
 from ckpt.placement import Placement
 from ckpt.staging import copy_into
+from ckpt_core.errors import CheckpointError, InvalidArgument
 
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
 

@@ -10,9 +10,9 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 import torch
-from ckpt.errors import UnsafeCheckpoint
 from ckpt.flatten import flatten, unflatten
 from ckpt.staging import copy_into
+from ckpt_core.errors import UnsafeCheckpoint
 from states import Planted, Point, assert_same
 
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import json
 
 import pytest
-from ckpt.errors import CorruptCheckpoint
-from ckpt.format import CommitRecord, ShardMeta, digest, seal, unseal
 from ckpt.range_read import runs_for
-from ckpt.step_index import SavedChunk, SavedTensor, StepIndex, index_bytes, is_sharded
+from ckpt_core.errors import CorruptCheckpoint
+from ckpt_core.format import CommitRecord, ShardMeta, digest, seal, unseal
+from ckpt_core.step_index import SavedChunk, SavedTensor, StepIndex, index_bytes, is_sharded
 
 MiB = 1 << 20
 
@@ -108,7 +108,7 @@ def test_chunks_that_overlap_are_refused_even_when_their_sizes_add_up():
 
 
 def test_a_sharded_record_is_told_from_its_raw_bytes():
-    from ckpt.step_index import SHARDED_RECORD_MARK
+    from ckpt_core.step_index import SHARDED_RECORD_MARK
 
     sharded = meta(0, [("w", [0, 0], [8, 4])], world_size=1)
     plain = ShardMeta("j", 3, 0, 1, 0, MiB, (), json.dumps({"tensors": [], "skeleton_pickle_b64": "ZHRlbnNvcnM="}))

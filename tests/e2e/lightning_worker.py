@@ -23,7 +23,7 @@ from typing import Any
 
 import lightning as L
 import torch
-from ckpt.errors import InvalidArgument
+from ckpt_core.errors import InvalidArgument
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 from lightning_train import TinyRegressor, data, make_trainer

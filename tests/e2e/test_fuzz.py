@@ -22,8 +22,8 @@ import ckpt
 import grpc
 import pytest
 import torch
-from ckpt.format import JOB_RE, ShardMeta, digest, seal
-from ckpt.wire.v1 import ckptd_pb2, peer_pb2
+from ckpt_core.format import JOB_RE, ShardMeta, digest, seal
+from ckpt_core.wire.v1 import ckptd_pb2, peer_pb2
 from conftest import OUR_SHARED_MEMORY_PREFIXES, SHARED_MEMORY, free_port
 from google.protobuf import message_factory
 from google.protobuf.descriptor import Descriptor, FieldDescriptor, MethodDescriptor

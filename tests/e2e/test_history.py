@@ -8,7 +8,7 @@ import json
 import ckpt
 import pytest
 import torch
-from ckpt.errors import InvalidArgument, SaveFailed
+from ckpt_core.errors import InvalidArgument, SaveFailed
 from conftest import eventually
 
 pytestmark = pytest.mark.e2e

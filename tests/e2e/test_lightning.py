@@ -17,7 +17,7 @@ import torch
 from ckpt.lightning import CkptdCheckpointIO, Pointer, read_pointer, write_pointer
 from ckpt.lightning_files import POINTER_KEY
 from ckpt.transport import DaemonClient
-from ckpt.wire.v1 import ckptd_pb2 as pb
+from ckpt_core.wire.v1 import ckptd_pb2 as pb
 from conftest import eventually
 from lightning.fabric.utilities.cloud_io import _load as pl_load
 from lightning.pytorch.plugins.io import AsyncCheckpointIO

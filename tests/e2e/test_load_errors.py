@@ -5,7 +5,7 @@ from __future__ import annotations
 import ckpt
 import pytest
 import torch
-from ckpt.errors import CheckpointError, InvalidArgument, NotFound
+from ckpt_core.errors import CheckpointError, InvalidArgument, NotFound
 from states import assert_same, every_kind_state
 
 pytestmark = pytest.mark.e2e

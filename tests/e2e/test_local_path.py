@@ -12,9 +12,9 @@ from pathlib import Path
 import ckpt
 import pytest
 import torch
-from ckpt.errors import InvalidArgument
-from ckpt.format import COMMIT_NAME, data_name
 from ckpt.transport import DaemonClient
+from ckpt_core.errors import InvalidArgument
+from ckpt_core.format import COMMIT_NAME, data_name
 from states import Holder, Point, assert_same, every_kind_state
 
 pytestmark = pytest.mark.e2e
@@ -359,7 +359,7 @@ def test_bad_input_gets_clear_errors_and_the_daemon_stays_up(daemon):
         assert torch.equal(c.load(1)["x"], torch.ones(1))
     # Raw RPCs with hostile fields: the daemon answers INVALID_ARGUMENT and keeps serving.
     from ckpt.transport import DaemonClient
-    from ckpt.wire.v1 import ckptd_pb2 as pb
+    from ckpt_core.wire.v1 import ckptd_pb2 as pb
 
     raw = DaemonClient(daemon.address)
     hostile = [
@@ -459,7 +459,7 @@ def test_an_nvme_root_that_cannot_be_written_is_a_config_error_naming_it(make_da
 def _hold_staging(daemon, job, size_bytes):
     """Reserve a slot as a rank in the middle of its copy would, and never commit it."""
     from ckpt.transport import DaemonClient
-    from ckpt.wire.v1 import ckptd_pb2 as pb
+    from ckpt_core.wire.v1 import ckptd_pb2 as pb
 
     raw = DaemonClient(daemon.address)
     reply = raw.call(
@@ -492,7 +492,7 @@ def test_block_policy_waits_for_room_and_reports_it(make_daemon):
     proc = run_rank(daemon, "blocked", 0, 1, [1])
     # The rank is blocked in Reserve until the held slot is given up: the same rank reserving again
     # abandons its unfinished copy, which frees the budget.
-    from ckpt.wire.v1 import ckptd_pb2 as pb
+    from ckpt_core.wire.v1 import ckptd_pb2 as pb
 
     raw.call("Reserve", pb.ReserveRequest(shard=pb.ShardId(job="other", step=2, rank=0, world_size=1), size_bytes=1))
     assert "durable" in finish(proc)
@@ -585,9 +585,9 @@ def test_many_steps_of_two_ranks_commit_without_a_race(daemon):
 
 
 def test_a_reservation_lost_to_a_daemon_restart_is_refused_and_the_save_goes_on(daemon):
-    from ckpt.errors import ReservationLost
     from ckpt.transport import DaemonClient
-    from ckpt.wire.v1 import ckptd_pb2 as pb
+    from ckpt_core.errors import ReservationLost
+    from ckpt_core.wire.v1 import ckptd_pb2 as pb
 
     shard = pb.ShardId(job="restart", step=1, rank=0, world_size=1)
     raw = DaemonClient(daemon.address)

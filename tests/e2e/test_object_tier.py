@@ -9,8 +9,8 @@ import signal
 import ckpt
 import pytest
 import torch
-from ckpt.errors import CheckpointError, SaveFailed
-from ckpt.format import COMMIT_NAME, data_name, meta_name
+from ckpt_core.errors import CheckpointError, SaveFailed
+from ckpt_core.format import COMMIT_NAME, data_name, meta_name
 from conftest import eventually, free_port
 from states import assert_same
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import ckpt
 import pytest
 import torch
-from ckpt.format import data_name
+from ckpt_core.format import data_name
 from conftest import CKPTD
 
 pytestmark = pytest.mark.e2e

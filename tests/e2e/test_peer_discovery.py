@@ -21,8 +21,8 @@ import ckpt
 import pytest
 import torch
 from certs import CertificateAuthority
-from ckpt.errors import SaveFailed
-from ckpt.format import data_name
+from ckpt_core.errors import SaveFailed
+from ckpt_core.format import data_name
 from conftest import Daemon, eventually, free_port
 from states import assert_same
 

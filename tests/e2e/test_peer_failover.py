@@ -7,9 +7,9 @@ import json
 import ckpt
 import pytest
 import torch
-from ckpt.format import data_name
 from ckpt.transport import DaemonClient
-from ckpt.wire.v1 import ckptd_pb2 as pb
+from ckpt_core.format import data_name
+from ckpt_core.wire.v1 import ckptd_pb2 as pb
 from conftest import eventually
 from states import assert_same
 

@@ -15,9 +15,9 @@ import grpc
 import pytest
 import torch
 from certs import CertificateAuthority
-from ckpt.errors import CheckpointError, SaveFailed
-from ckpt.format import COMMIT_NAME, CommitRecord, ShardMeta, data_name, meta_name
-from ckpt.wire.v1 import peer_pb2 as pb
+from ckpt_core.errors import CheckpointError, SaveFailed
+from ckpt_core.format import COMMIT_NAME, CommitRecord, ShardMeta, data_name, meta_name
+from ckpt_core.wire.v1 import peer_pb2 as pb
 from conftest import eventually, free_port
 from states import assert_same
 

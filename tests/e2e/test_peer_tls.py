@@ -18,7 +18,7 @@ import ckpt
 import pytest
 import torch
 from certs import CertificateAuthority
-from ckpt.errors import SaveFailed
+from ckpt_core.errors import SaveFailed
 from conftest import eventually
 
 from ckptd.cluster.peer_link import PeerLink

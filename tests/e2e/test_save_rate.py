@@ -10,9 +10,9 @@ import urllib.request
 import ckpt
 import pytest
 import torch
-from ckpt.format import COMMIT_NAME, meta_name
 from ckpt.transport import DaemonClient
-from ckpt.wire.v1 import ckptd_pb2 as pb
+from ckpt_core.format import COMMIT_NAME, meta_name
+from ckpt_core.wire.v1 import ckptd_pb2 as pb
 from conftest import free_port
 
 from ckptd.tiers.slot_files import scan_slots

@@ -59,7 +59,7 @@ def test_a_save_that_comes_while_prepare_works_waits_for_it_and_says_so(daemon):
 def test_prepare_refuses_a_closed_checkpointer(daemon):
     c = ckpt.Checkpointer(job="closed", address=daemon.address)
     c.close()
-    with pytest.raises(ckpt.errors.CheckpointError, match="closed"):
+    with pytest.raises(ckpt.CheckpointError, match="closed"):
         c.prepare(_state(0))
 
 
@@ -112,6 +112,6 @@ def test_under_policy_skip_a_save_that_outruns_the_lazy_copy_is_skipped(make_dae
         third = c.save_async(state, step=3)  # the copy is done: saved again
         third.wait("nvme", timeout=WAIT_S)
     assert skipped.skipped and "previous lazy save's copy is still running" in skipped.reason
-    with pytest.raises(ckpt.errors.SaveSkipped, match=r"staging\.policy = skip"):
+    with pytest.raises(ckpt.SaveSkipped, match=r"staging\.policy = skip"):
         skipped.wait("memory", timeout=WAIT_S)
     assert not third.skipped

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from ckpt.format import INDEX_NAME, ShardMeta, data_name, meta_name
-from ckpt.shard_io import read_commit
-from ckpt.step_index import StepIndex
+from ckpt_core.format import INDEX_NAME, ShardMeta, data_name, meta_name
+from ckpt_core.shard_io import read_commit
+from ckpt_core.step_index import StepIndex
 from conftest import eventually
 from torchrun import torchrun as run_torchrun
 

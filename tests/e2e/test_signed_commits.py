@@ -17,10 +17,10 @@ import ckpt
 import pytest
 import torch
 from certs import CertificateAuthority
-from ckpt.chunks import chunk_digests
-from ckpt.commit_keys import KEY_FILE_ENV, CommitKeys
-from ckpt.errors import CorruptCheckpoint, NotFound
-from ckpt.format import COMMIT_NAME, CommitRecord, ShardMeta, data_name, digest, meta_name
+from ckpt_core.chunks import chunk_digests
+from ckpt_core.commit_keys import KEY_FILE_ENV, CommitKeys
+from ckpt_core.errors import CorruptCheckpoint, NotFound
+from ckpt_core.format import COMMIT_NAME, CommitRecord, ShardMeta, data_name, digest, meta_name
 from conftest import eventually
 from states import assert_same
 

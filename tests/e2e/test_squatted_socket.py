@@ -17,7 +17,7 @@ import threading
 from pathlib import Path
 
 import pytest
-from ckpt.owned_paths import dir_problem
+from ckpt_core.owned_paths import dir_problem
 from conftest import CKPTD
 
 pytestmark = [

@@ -18,7 +18,7 @@ import subprocess
 import ckpt
 import pytest
 import torch
-from ckpt.format import COMMIT_NAME
+from ckpt_core.format import COMMIT_NAME
 from conftest import CKPTD
 
 pytestmark = [

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
-from ckpt.format import data_name
+from ckpt_core.format import data_name
 from torchrun import torchrun as run_torchrun
 
 pytestmark = pytest.mark.e2e

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import xxhash
-from ckpt.format import data_name, meta_name
+from ckpt_core.format import data_name, meta_name
 
 from ckptd.tiers.object.layout import frames_name, zstd_name
 

@@ -15,9 +15,9 @@ from collections.abc import Iterator
 from typing import Any
 
 import zstandard
-from ckpt.chunks import find_bad_chunk
-from ckpt.errors import CorruptCheckpoint
-from ckpt.format import ShardMeta, chunk_ranges, data_name, seal, unseal
+from ckpt_core.chunks import find_bad_chunk
+from ckpt_core.errors import CorruptCheckpoint
+from ckpt_core.format import ShardMeta, chunk_ranges, data_name, seal, unseal
 
 PART_BYTES = 16 << 20  # the size of each part sent (a multiple of the 4 MiB chunk)
 MAX_PARTS = 9000  # S3 takes at most 10,000 parts per object

@@ -14,11 +14,11 @@ import threading
 from collections.abc import Callable, Sequence
 
 import zstandard
-from ckpt.chunks import first_bad_chunk
-from ckpt.errors import CorruptCheckpoint
-from ckpt.format import ShardMeta
+from ckpt_core.byte_range import ByteRange
+from ckpt_core.chunks import first_bad_chunk
+from ckpt_core.errors import CorruptCheckpoint
+from ckpt_core.format import ShardMeta
 
-from ckptd.byte_range import ByteRange
 from ckptd.errors import ShardWriteError
 from ckptd.storage.commit_protocol import ObjectStepCommit
 from ckptd.storage.object_store import ObjectParts

@@ -24,8 +24,8 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import Executor
 from typing import TypeVar
 
-from ckpt.errors import CheckpointError
-from ckpt.format import CommitRecord, ShardMeta, data_name, digest, meta_name
+from ckpt_core.errors import CheckpointError
+from ckpt_core.format import CommitRecord, ShardMeta, data_name, digest, meta_name
 
 from ckptd.pool_map import pool_map
 from ckptd.storage.object_store import ObjectStore

@@ -21,12 +21,12 @@ from collections.abc import Iterator
 from concurrent.futures import Executor
 from contextlib import contextmanager
 
-from ckpt.commit_keys import UNSIGNED, CommitKeys
-from ckpt.errors import CheckpointError, CorruptCheckpoint, NotFound
-from ckpt.format import COMMIT_NAME, INDEX_NAME, JOB_RE, CommitRecord, ShardMeta, data_name, digest, meta_name
-from ckpt.history import generation
-from ckpt.shard_io import ShardSource
-from ckpt.step_index import StepIndex, index_bytes
+from ckpt_core.commit_keys import UNSIGNED, CommitKeys
+from ckpt_core.errors import CheckpointError, CorruptCheckpoint, NotFound
+from ckpt_core.format import COMMIT_NAME, INDEX_NAME, JOB_RE, CommitRecord, ShardMeta, data_name, digest, meta_name
+from ckpt_core.history import generation
+from ckpt_core.shard_io import ShardSource
+from ckpt_core.step_index import StepIndex, index_bytes
 
 from ckptd.errors import AlreadyHeld, CommitConflict
 from ckptd.keyed import ThreadKeyedLocks
@@ -371,7 +371,7 @@ class ObjectTier(Tier):
         )
 
     def _unlist_superseded(self, old: CommitRecord, meta: ShardMeta) -> None:
-        """Remove the commit record of a step a rollback's line saves again (ckpt.history): the step it made
+        """Remove the commit record of a step a rollback's line saves again (ckpt_core.history): the step it made
         complete is superseded. Its shard objects are written over rank by rank, and the new record lists the
         new ones; removing a record that is gone already (another rank, another node) is no error."""
         job, step = meta.job, meta.step

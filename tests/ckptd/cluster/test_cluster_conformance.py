@@ -14,7 +14,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from ckpt.format import CommitRecord
+from ckpt_core.format import CommitRecord
 from conftest import free_port
 
 from ckptd.cluster.cluster_link import ClusterLinks

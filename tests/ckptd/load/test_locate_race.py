@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from ckpt.errors import NotFound
-from ckpt.format import CommitRecord
-from ckpt.shard_io import ShardSource
+from ckpt_core.errors import NotFound
+from ckpt_core.format import CommitRecord
+from ckpt_core.shard_io import ShardSource
 
 from ckptd.load.locate import Locator
 

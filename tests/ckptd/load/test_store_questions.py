@@ -8,7 +8,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
-from ckpt.errors import CheckpointError
+from ckpt_core.errors import CheckpointError
 
 from ckptd.load.locate import Locator
 

@@ -10,7 +10,7 @@ import sys
 import numpy as np
 import torch
 from ckpt.flatten import flatten
-from ckpt.format import CHUNK_SIZE_BYTES, ShardMeta
+from ckpt_core.format import CHUNK_SIZE_BYTES, ShardMeta
 
 from ckptd.offline.inspect import inspect_step
 from ckptd.tiers.nvme import LocalDirTier

@@ -7,7 +7,7 @@ import dataclasses
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from ckpt.errors import InvalidArgument
+from ckpt_core.errors import InvalidArgument
 
 from ckptd.config import Config, JobRetentionConfig, NodeConfig, RetentionConfig
 from ckptd.operations.job_retention import JOBS_DIR_NAME, ClientRetention, JobRetention

@@ -7,11 +7,11 @@ import builtins
 import os
 
 import prometheus_client
+from ckpt_core.shard_key import ShardKey
 from prometheus_client.parser import text_string_to_metric_families
 
 from ckptd.config import Config, NodeConfig, StagingConfig
 from ckptd.node import Executors, Node
-from ckptd.shard_key import ShardKey
 
 DISK_CALLS = (
     (os, "scandir"), (os, "listdir"), (os, "stat"), (os, "lstat"), (os, "open"), (builtins, "open"),

@@ -9,8 +9,8 @@ from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
 import pytest
-from ckpt.errors import NotFound
-from ckpt.format import CHUNK_SIZE_BYTES, ShardMeta
+from ckpt_core.errors import NotFound
+from ckpt_core.format import CHUNK_SIZE_BYTES, ShardMeta
 
 from ckptd.config import Config, NodeConfig, RetentionConfig
 from ckptd.errors import RemovalRefused

@@ -12,13 +12,13 @@ from pathlib import Path
 
 import grpc
 import pytest
-from ckpt.format import CHUNK_SIZE_BYTES, ShardMeta
+from ckpt_core.format import CHUNK_SIZE_BYTES, ShardMeta
+from ckpt_core.shard_key import ShardKey
 
 from ckptd.cluster.peer_link import PeerLink
 from ckptd.config import PeerConfig
 from ckptd.errors import PeerBusy
 from ckptd.replication.sending import Replication
-from ckptd.shard_key import ShardKey
 
 BUSY = "rank 0/1 shard of j step 1: 32 replicas are being received already"
 

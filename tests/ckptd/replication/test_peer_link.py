@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 
 import pytest
-from ckpt.wire.v1 import peer_pb2 as pb
+from ckpt_core.wire.v1 import peer_pb2 as pb
 
 from ckptd.cluster.peer_link import data_piece, piece_data
 
@@ -25,9 +25,9 @@ def test_other_shapes_of_a_piece_still_parse():
 
 
 def test_a_range_arriving_in_pieces_is_checked_against_its_own_chunks():
-    from ckpt.chunks import chunk_digests
-    from ckpt.errors import CorruptCheckpoint
-    from ckpt.format import ShardMeta
+    from ckpt_core.chunks import chunk_digests
+    from ckpt_core.errors import CorruptCheckpoint
+    from ckpt_core.format import ShardMeta
 
     from ckptd.cluster.shard_stream import fill_from_pieces
 

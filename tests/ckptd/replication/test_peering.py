@@ -10,7 +10,7 @@ import asyncio
 import mmap
 
 import pytest
-from ckpt.format import CHUNK_SIZE_BYTES, CommitRecord, ShardMeta, digest
+from ckpt_core.format import CHUNK_SIZE_BYTES, CommitRecord, ShardMeta, digest
 
 from ckptd.config import Config, NodeConfig, StagingConfig
 from ckptd.errors import StepAlreadyComplete

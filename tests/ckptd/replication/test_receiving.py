@@ -10,11 +10,11 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from ckpt.errors import CorruptCheckpoint, InvalidArgument
-from ckpt.format import CommitRecord, ShardMeta, chunk_ranges, digest
-from ckpt.shard_io import read_meta
+from ckpt_core.byte_range import ByteRange
+from ckpt_core.errors import CorruptCheckpoint, InvalidArgument
+from ckpt_core.format import CommitRecord, ShardMeta, chunk_ranges, digest
+from ckpt_core.shard_io import read_meta
 
-from ckptd.byte_range import ByteRange
 from ckptd.cluster.shard_stream import PIECE_BYTES, byte_ranges
 from ckptd.errors import PeerBusy, StepAlreadyComplete
 from ckptd.replication.receiving import MAX_RANGES_IN_FLIGHT, ReplicaReceiver

@@ -8,12 +8,12 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from ckpt.errors import CheckpointError
-from ckpt.format import CHUNK_SIZE_BYTES, ShardMeta, digest
+from ckpt_core.errors import CheckpointError
+from ckpt_core.format import CHUNK_SIZE_BYTES, ShardMeta, digest
+from ckpt_core.shard_key import ShardKey
 
 from ckptd.cluster.placement import Holding
 from ckptd.replication.sending import Replication
-from ckptd.shard_key import ShardKey
 
 THREADS = ThreadPoolExecutor(4)  # the senders and streams of every Replication here (none sends)
 

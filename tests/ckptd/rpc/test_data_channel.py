@@ -19,10 +19,10 @@ from typing import Any, TypeVar
 
 import grpc
 import pytest
-from ckpt.format import ShardMeta, chunk_ranges, digest
-from ckpt.wire.v1 import peer_pb2 as pb
+from ckpt_core.byte_range import ByteRange
+from ckpt_core.format import ShardMeta, chunk_ranges, digest
+from ckpt_core.wire.v1 import peer_pb2 as pb
 
-from ckptd.byte_range import ByteRange
 from ckptd.cluster import data_channel, shard_stream
 from ckptd.cluster.data_channel import DataChannelError, send_range
 from ckptd.cluster.peer_link import PeerLink, ReplicaRejected, piece_data

@@ -74,7 +74,7 @@ SCRIPT = textwrap.dedent(
 
     import grpc
     from certs import CertificateAuthority
-    from ckpt.wire.v1 import peer_pb2_grpc
+    from ckpt_core.wire.v1 import peer_pb2_grpc
     from ckptd.config import PeerConfig
     from ckptd.rpc.grpc_log import CoreLog
     from ckptd.errors import PeerError

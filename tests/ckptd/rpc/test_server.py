@@ -6,7 +6,7 @@ import asyncio
 
 import grpc
 import pytest
-from ckpt.errors import InvalidArgument
+from ckpt_core.errors import InvalidArgument
 
 from ckptd.errors import StepAlreadyComplete
 from ckptd.rpc.server import answer

@@ -7,6 +7,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from ckpt_core.shard_key import ShardKey
 
 from ckptd.keyed import KeyCounts, KeyedLocks, ThreadKeyedLocks
 from ckptd.save import progress, save_path
@@ -14,7 +15,6 @@ from ckptd.save.flush import Flusher
 from ckptd.save.progress import ShardProgress
 from ckptd.save.save_path import SavePath
 from ckptd.save.staging import SlotPool
-from ckptd.shard_key import ShardKey
 from ckptd.tiers.nvme import LocalDirTier
 
 BOUND = 10

@@ -12,11 +12,12 @@ import queue
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
+from ckpt_core.shard_key import ShardKey
+
 from ckptd.config import Config, NodeConfig, NvmeConfig, StagingConfig
 from ckptd.node import Executors, Node
 from ckptd.save.passed_over import PassedOver
 from ckptd.save.staging import SlotPool, Snapshot
-from ckptd.shard_key import ShardKey
 
 MIB = 1 << 20
 MEMORY_THREADS = ThreadPoolExecutor(4, thread_name_prefix="slot-memory")  # every SlotPool here allocates on it

@@ -5,11 +5,11 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from ckpt_core.shard_key import ShardKey
 
 from ckptd.save import progress
 from ckptd.save.progress import Completion, NewestSteps, ShardProgress
 from ckptd.save.staging import SlotPool
-from ckptd.shard_key import ShardKey
 from ckptd.tiers.nvme import LocalDirTier
 
 MEMORY_THREADS = ThreadPoolExecutor(4, thread_name_prefix="slot-memory")  # every SlotPool here allocates on it

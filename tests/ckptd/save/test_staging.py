@@ -12,11 +12,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from ckpt.errors import InvalidArgument, ReservationLost
-from ckpt.format import CHUNK_SIZE_BYTES, ShardMeta
+from ckpt_core.errors import InvalidArgument, ReservationLost
+from ckpt_core.format import CHUNK_SIZE_BYTES, ShardMeta
+from ckpt_core.shard_key import ShardKey
 
 from ckptd.save.staging import DEFAULT_BUDGET_SHARE, SlotPool, Snapshot, default_budget_bytes
-from ckptd.shard_key import ShardKey
 
 MIB = 1 << 20
 MEMORY_THREADS = ThreadPoolExecutor(4, thread_name_prefix="slot-memory")  # every SlotPool here allocates on it

@@ -7,8 +7,8 @@ import time
 import types
 from concurrent.futures import ThreadPoolExecutor
 
-from ckpt.errors import NotFound
-from ckpt.format import CHUNK_SIZE_BYTES, CommitRecord, ShardMeta, data_name, digest, round_up
+from ckpt_core.errors import NotFound
+from ckpt_core.format import CHUNK_SIZE_BYTES, CommitRecord, ShardMeta, data_name, digest, round_up
 
 from ckptd.save.uploading import Uploader, upload_file
 from ckptd.storage.object_store import open_store

@@ -14,9 +14,9 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from ckpt.format import ShardMeta, chunk_ranges, digest
+from ckpt_core.byte_range import ByteRange
+from ckpt_core.format import ShardMeta, chunk_ranges, digest
 
-from ckptd.byte_range import ByteRange
 from ckptd.replication.receiving import ReplicaReceiver
 from ckptd.storage.durable_write import RangeWriter
 from ckptd.tiers.nvme import LocalDirTier

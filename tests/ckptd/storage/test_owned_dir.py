@@ -6,7 +6,7 @@ import os
 import stat
 
 import pytest
-from ckpt.errors import InvalidArgument
+from ckpt_core.errors import InvalidArgument
 
 from ckptd.storage.durable_write import replace_file
 from ckptd.storage.owned_dir import StagingAccess, UnsafePath, claim_dir

@@ -15,8 +15,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from ckpt.errors import CorruptCheckpoint, InvalidArgument, NotFound
-from ckpt.format import (
+from ckpt_core.byte_range import ByteRange
+from ckpt_core.errors import CorruptCheckpoint, InvalidArgument, NotFound
+from ckpt_core.format import (
     CHUNK_SIZE_BYTES,
     CommitRecord,
     ShardMeta,
@@ -26,12 +27,11 @@ from ckpt.format import (
     meta_name,
     round_up,
 )
+from ckpt_core.shard_key import ShardKey
 
-from ckptd.byte_range import ByteRange
 from ckptd.errors import ShardWriteError
 from ckptd.save.staging import SlotPool, Snapshot
 from ckptd.save.uploading import upload_file
-from ckptd.shard_key import ShardKey
 from ckptd.storage.object_store import open_store
 from ckptd.tiers.base import Tier
 from ckptd.tiers.memory import MemoryTier

@@ -7,9 +7,9 @@ import os
 import shutil
 
 import pytest
-from ckpt.errors import CorruptCheckpoint, NotFound
-from ckpt.format import CHUNK_SIZE_BYTES, COMMIT_NAME, ShardMeta, data_name, meta_name, round_up
-from ckpt.shard_io import read_meta, read_shard_into
+from ckpt_core.errors import CorruptCheckpoint, NotFound
+from ckpt_core.format import CHUNK_SIZE_BYTES, COMMIT_NAME, ShardMeta, data_name, meta_name, round_up
+from ckpt_core.shard_io import read_meta, read_shard_into
 
 from ckptd.errors import ShardWriteError
 from ckptd.tiers.nvme import LocalDirTier
@@ -140,7 +140,7 @@ def test_shards_of_two_runs_are_never_sealed_together(tier):
 
 
 def test_holdings_follow_a_shard_saved_again(tier):
-    from ckpt.format import digest
+    from ckpt_core.format import digest
 
     first = _write(tier, 0, b"first copy")
     assert [h.meta_digest for h in tier.holdings("j", 1, node="n")] == [digest(first.to_bytes())]

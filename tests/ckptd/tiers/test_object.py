@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 import xxhash
 import zstandard
-from ckpt.errors import CorruptCheckpoint, InvalidArgument, NotFound
-from ckpt.format import (
+from ckpt_core.byte_range import ByteRange
+from ckpt_core.errors import CorruptCheckpoint, InvalidArgument, NotFound
+from ckpt_core.format import (
     CHUNK_SIZE_BYTES,
     COMMIT_NAME,
     JOB_RE,
@@ -31,7 +32,6 @@ from ckpt.format import (
     validate_job,
 )
 
-from ckptd.byte_range import ByteRange
 from ckptd.errors import AlreadyHeld, CommitConflict
 from ckptd.offline.restore import restore
 from ckptd.offline.verify import verify

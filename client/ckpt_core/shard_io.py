@@ -14,10 +14,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from ckpt.chunks import find_bad_chunk
-from ckpt.commit_keys import CommitKeys
-from ckpt.errors import CorruptCheckpoint, NotFound
-from ckpt.format import (
+from ckpt_core.chunks import find_bad_chunk
+from ckpt_core.commit_keys import CommitKeys
+from ckpt_core.errors import CorruptCheckpoint, NotFound
+from ckpt_core.format import (
     COMMIT_NAME,
     DIRECT_IO_ALIGN_BYTES,
     INDEX_NAME,
@@ -57,7 +57,7 @@ class ShardSource:
 def read_commit(step_dir: Path) -> CommitRecord:
     """Read a step directory's commit record; raise NotFound if the step is not complete.
 
-    With env CKPTD_KEY_FILE set, the record must be signed with that key (ckpt.commit_keys):
+    With env CKPTD_KEY_FILE set, the record must be signed with that key (ckpt_core.commit_keys):
     how load_local and ckpt.dcp.Reader(path=) check a directory with no daemon to ask.
     """
     path = step_dir / COMMIT_NAME
@@ -72,9 +72,9 @@ def read_index(step_dir: Path, record: CommitRecord) -> bytes | None:
     """Return a step directory's sealed index if it has one that belongs to record and checks, else None.
 
     The index is derived from the shard records: with none (or a stale or damaged one),
-    a reader builds it from them (ckpt.step_index.index_bytes).
+    a reader builds it from them (ckpt_core.step_index.index_bytes).
     """
-    from ckpt.step_index import StepIndex  # the index module builds on this one's records
+    from ckpt_core.step_index import StepIndex  # the index module builds on this one's records
 
     path = step_dir / INDEX_NAME
     try:

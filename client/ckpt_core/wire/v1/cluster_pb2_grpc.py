@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from ckpt.wire.v1 import cluster_pb2 as ckpt_dot_wire_dot_v1_dot_cluster__pb2
+from ckpt_core.wire.v1 import cluster_pb2 as ckpt__core_dot_wire_dot_v1_dot_cluster__pb2
 
 GRPC_GENERATED_VERSION = '1.66.2'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + f' but the generated code in ckpt/wire/v1/cluster_pb2_grpc.py depends on'
+        + f' but the generated code in ckpt_core/wire/v1/cluster_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,23 +36,23 @@ class CkptdClusterStub(object):
         """
         self.Report = channel.unary_unary(
                 '/ckpt.wire.v1.CkptdCluster/Report',
-                request_serializer=ckpt_dot_wire_dot_v1_dot_cluster__pb2.ReportRequest.SerializeToString,
-                response_deserializer=ckpt_dot_wire_dot_v1_dot_cluster__pb2.ReportReply.FromString,
+                request_serializer=ckpt__core_dot_wire_dot_v1_dot_cluster__pb2.ReportRequest.SerializeToString,
+                response_deserializer=ckpt__core_dot_wire_dot_v1_dot_cluster__pb2.ReportReply.FromString,
                 _registered_method=True)
         self.Announce = channel.unary_unary(
                 '/ckpt.wire.v1.CkptdCluster/Announce',
-                request_serializer=ckpt_dot_wire_dot_v1_dot_cluster__pb2.AnnounceRequest.SerializeToString,
-                response_deserializer=ckpt_dot_wire_dot_v1_dot_cluster__pb2.AnnounceReply.FromString,
+                request_serializer=ckpt__core_dot_wire_dot_v1_dot_cluster__pb2.AnnounceRequest.SerializeToString,
+                response_deserializer=ckpt__core_dot_wire_dot_v1_dot_cluster__pb2.AnnounceReply.FromString,
                 _registered_method=True)
         self.Digest = channel.unary_unary(
                 '/ckpt.wire.v1.CkptdCluster/Digest',
-                request_serializer=ckpt_dot_wire_dot_v1_dot_cluster__pb2.DigestRequest.SerializeToString,
-                response_deserializer=ckpt_dot_wire_dot_v1_dot_cluster__pb2.DigestReply.FromString,
+                request_serializer=ckpt__core_dot_wire_dot_v1_dot_cluster__pb2.DigestRequest.SerializeToString,
+                response_deserializer=ckpt__core_dot_wire_dot_v1_dot_cluster__pb2.DigestReply.FromString,
                 _registered_method=True)
         self.Holders = channel.unary_unary(
                 '/ckpt.wire.v1.CkptdCluster/Holders',
-                request_serializer=ckpt_dot_wire_dot_v1_dot_cluster__pb2.HoldersRequest.SerializeToString,
-                response_deserializer=ckpt_dot_wire_dot_v1_dot_cluster__pb2.HoldersReply.FromString,
+                request_serializer=ckpt__core_dot_wire_dot_v1_dot_cluster__pb2.HoldersRequest.SerializeToString,
+                response_deserializer=ckpt__core_dot_wire_dot_v1_dot_cluster__pb2.HoldersReply.FromString,
                 _registered_method=True)
 
 
@@ -94,23 +94,23 @@ def add_CkptdClusterServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Report': grpc.unary_unary_rpc_method_handler(
                     servicer.Report,
-                    request_deserializer=ckpt_dot_wire_dot_v1_dot_cluster__pb2.ReportRequest.FromString,
-                    response_serializer=ckpt_dot_wire_dot_v1_dot_cluster__pb2.ReportReply.SerializeToString,
+                    request_deserializer=ckpt__core_dot_wire_dot_v1_dot_cluster__pb2.ReportRequest.FromString,
+                    response_serializer=ckpt__core_dot_wire_dot_v1_dot_cluster__pb2.ReportReply.SerializeToString,
             ),
             'Announce': grpc.unary_unary_rpc_method_handler(
                     servicer.Announce,
-                    request_deserializer=ckpt_dot_wire_dot_v1_dot_cluster__pb2.AnnounceRequest.FromString,
-                    response_serializer=ckpt_dot_wire_dot_v1_dot_cluster__pb2.AnnounceReply.SerializeToString,
+                    request_deserializer=ckpt__core_dot_wire_dot_v1_dot_cluster__pb2.AnnounceRequest.FromString,
+                    response_serializer=ckpt__core_dot_wire_dot_v1_dot_cluster__pb2.AnnounceReply.SerializeToString,
             ),
             'Digest': grpc.unary_unary_rpc_method_handler(
                     servicer.Digest,
-                    request_deserializer=ckpt_dot_wire_dot_v1_dot_cluster__pb2.DigestRequest.FromString,
-                    response_serializer=ckpt_dot_wire_dot_v1_dot_cluster__pb2.DigestReply.SerializeToString,
+                    request_deserializer=ckpt__core_dot_wire_dot_v1_dot_cluster__pb2.DigestRequest.FromString,
+                    response_serializer=ckpt__core_dot_wire_dot_v1_dot_cluster__pb2.DigestReply.SerializeToString,
             ),
             'Holders': grpc.unary_unary_rpc_method_handler(
                     servicer.Holders,
-                    request_deserializer=ckpt_dot_wire_dot_v1_dot_cluster__pb2.HoldersRequest.FromString,
-                    response_serializer=ckpt_dot_wire_dot_v1_dot_cluster__pb2.HoldersReply.SerializeToString,
+                    request_deserializer=ckpt__core_dot_wire_dot_v1_dot_cluster__pb2.HoldersRequest.FromString,
+                    response_serializer=ckpt__core_dot_wire_dot_v1_dot_cluster__pb2.HoldersReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -138,8 +138,8 @@ class CkptdCluster(object):
             request,
             target,
             '/ckpt.wire.v1.CkptdCluster/Report',
-            ckpt_dot_wire_dot_v1_dot_cluster__pb2.ReportRequest.SerializeToString,
-            ckpt_dot_wire_dot_v1_dot_cluster__pb2.ReportReply.FromString,
+            ckpt__core_dot_wire_dot_v1_dot_cluster__pb2.ReportRequest.SerializeToString,
+            ckpt__core_dot_wire_dot_v1_dot_cluster__pb2.ReportReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -165,8 +165,8 @@ class CkptdCluster(object):
             request,
             target,
             '/ckpt.wire.v1.CkptdCluster/Announce',
-            ckpt_dot_wire_dot_v1_dot_cluster__pb2.AnnounceRequest.SerializeToString,
-            ckpt_dot_wire_dot_v1_dot_cluster__pb2.AnnounceReply.FromString,
+            ckpt__core_dot_wire_dot_v1_dot_cluster__pb2.AnnounceRequest.SerializeToString,
+            ckpt__core_dot_wire_dot_v1_dot_cluster__pb2.AnnounceReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -192,8 +192,8 @@ class CkptdCluster(object):
             request,
             target,
             '/ckpt.wire.v1.CkptdCluster/Digest',
-            ckpt_dot_wire_dot_v1_dot_cluster__pb2.DigestRequest.SerializeToString,
-            ckpt_dot_wire_dot_v1_dot_cluster__pb2.DigestReply.FromString,
+            ckpt__core_dot_wire_dot_v1_dot_cluster__pb2.DigestRequest.SerializeToString,
+            ckpt__core_dot_wire_dot_v1_dot_cluster__pb2.DigestReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -219,8 +219,8 @@ class CkptdCluster(object):
             request,
             target,
             '/ckpt.wire.v1.CkptdCluster/Holders',
-            ckpt_dot_wire_dot_v1_dot_cluster__pb2.HoldersRequest.SerializeToString,
-            ckpt_dot_wire_dot_v1_dot_cluster__pb2.HoldersReply.FromString,
+            ckpt__core_dot_wire_dot_v1_dot_cluster__pb2.HoldersRequest.SerializeToString,
+            ckpt__core_dot_wire_dot_v1_dot_cluster__pb2.HoldersReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,4 +1,4 @@
-from ckpt.wire.v1 import peer_pb2 as _peer_pb2
+from ckpt_core.wire.v1 import peer_pb2 as _peer_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message

@@ -1,6 +1,6 @@
 """Say whether a directory is one only its owner could have prepared: the one rule for paths whose names are known.
 
-The client calls dir_problem on the default socket's directory (transport.check_default_socket);
+The client calls dir_problem on the default socket's directory (daemon_socket.check_default_socket);
 the daemon on every directory it makes or takes over: its socket's, its NVMe root, its staging
 directory and the job directories in it (ckptd.storage.owned_dir). Any thread.
 """

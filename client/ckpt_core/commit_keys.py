@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Protocol, TypeVar
 
-from ckpt.errors import CorruptCheckpoint
+from ckpt_core.errors import CorruptCheckpoint
 
 KEY_BYTES_MIN = 32
 KEY_FILE_ENV = "CKPTD_KEY_FILE"
@@ -63,7 +63,7 @@ def read_key(path: str | Path) -> bytes:
 
 
 class Signed(Protocol):
-    """A record that carries a signature (ckpt.format's CommitRecord and ShardMeta): frozen dataclasses."""
+    """A record that carries a signature (ckpt_core.format's CommitRecord and ShardMeta): frozen dataclasses."""
 
     __dataclass_fields__: ClassVar[dict[str, Any]]  # what dataclasses.replace needs
     RECORD_NAME: ClassVar[str]  # "commit record", "shard record": what an error names

@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ckpt.errors import CorruptCheckpoint
+from ckpt_core.errors import CorruptCheckpoint
 
 Fork = tuple[int, int]  # (the step the line continues from, the line's generation)
 Line = tuple[Fork, ...]  # oldest fork first; () is the job's first line

@@ -7,8 +7,8 @@ read, restore, verify and every load. No torch here; any thread may call it.
 
 from __future__ import annotations
 
-from ckpt.errors import CorruptCheckpoint
-from ckpt.format import ShardMeta, chunk_ranges, digest
+from ckpt_core.errors import CorruptCheckpoint
+from ckpt_core.format import ShardMeta, chunk_ranges, digest
 
 
 def chunk_digests(data: memoryview, chunk_size_bytes: int) -> list[str]:

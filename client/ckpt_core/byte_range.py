@@ -1,7 +1,7 @@
 """A byte range of a shard: the one small type every layer passes for "these bytes", frozen.
 
 The wire carries the same pair as ckpt.wire.v1's ByteRange; the RPC edges translate one into
-the other. Ranges the daemon cuts from a shard start on a chunk boundary (see ckpt.format).
+the other. Ranges the daemon cuts from a shard start on a chunk boundary (see ckpt_core.format).
 """
 
 from __future__ import annotations

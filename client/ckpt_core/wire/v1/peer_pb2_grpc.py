@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from ckpt.wire.v1 import peer_pb2 as ckpt_dot_wire_dot_v1_dot_peer__pb2
+from ckpt_core.wire.v1 import peer_pb2 as ckpt__core_dot_wire_dot_v1_dot_peer__pb2
 
 GRPC_GENERATED_VERSION = '1.66.2'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + f' but the generated code in ckpt/wire/v1/peer_pb2_grpc.py depends on'
+        + f' but the generated code in ckpt_core/wire/v1/peer_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,38 +36,38 @@ class CkptdPeerStub(object):
         """
         self.PutShard = channel.stream_unary(
                 '/ckpt.wire.v1.CkptdPeer/PutShard',
-                request_serializer=ckpt_dot_wire_dot_v1_dot_peer__pb2.ShardPiece.SerializeToString,
-                response_deserializer=ckpt_dot_wire_dot_v1_dot_peer__pb2.PutShardReply.FromString,
+                request_serializer=ckpt__core_dot_wire_dot_v1_dot_peer__pb2.ShardPiece.SerializeToString,
+                response_deserializer=ckpt__core_dot_wire_dot_v1_dot_peer__pb2.PutShardReply.FromString,
                 _registered_method=True)
         self.OpenDataRange = channel.unary_unary(
                 '/ckpt.wire.v1.CkptdPeer/OpenDataRange',
-                request_serializer=ckpt_dot_wire_dot_v1_dot_peer__pb2.ShardPiece.SerializeToString,
-                response_deserializer=ckpt_dot_wire_dot_v1_dot_peer__pb2.DataRangeTicket.FromString,
+                request_serializer=ckpt__core_dot_wire_dot_v1_dot_peer__pb2.ShardPiece.SerializeToString,
+                response_deserializer=ckpt__core_dot_wire_dot_v1_dot_peer__pb2.DataRangeTicket.FromString,
                 _registered_method=True)
         self.SealShard = channel.unary_unary(
                 '/ckpt.wire.v1.CkptdPeer/SealShard',
-                request_serializer=ckpt_dot_wire_dot_v1_dot_peer__pb2.SealShardRequest.SerializeToString,
-                response_deserializer=ckpt_dot_wire_dot_v1_dot_peer__pb2.SealShardReply.FromString,
+                request_serializer=ckpt__core_dot_wire_dot_v1_dot_peer__pb2.SealShardRequest.SerializeToString,
+                response_deserializer=ckpt__core_dot_wire_dot_v1_dot_peer__pb2.SealShardReply.FromString,
                 _registered_method=True)
         self.GetShard = channel.unary_stream(
                 '/ckpt.wire.v1.CkptdPeer/GetShard',
-                request_serializer=ckpt_dot_wire_dot_v1_dot_peer__pb2.GetShardRequest.SerializeToString,
-                response_deserializer=ckpt_dot_wire_dot_v1_dot_peer__pb2.ShardPiece.FromString,
+                request_serializer=ckpt__core_dot_wire_dot_v1_dot_peer__pb2.GetShardRequest.SerializeToString,
+                response_deserializer=ckpt__core_dot_wire_dot_v1_dot_peer__pb2.ShardPiece.FromString,
                 _registered_method=True)
         self.Inventory = channel.unary_unary(
                 '/ckpt.wire.v1.CkptdPeer/Inventory',
-                request_serializer=ckpt_dot_wire_dot_v1_dot_peer__pb2.InventoryRequest.SerializeToString,
-                response_deserializer=ckpt_dot_wire_dot_v1_dot_peer__pb2.InventoryReply.FromString,
+                request_serializer=ckpt__core_dot_wire_dot_v1_dot_peer__pb2.InventoryRequest.SerializeToString,
+                response_deserializer=ckpt__core_dot_wire_dot_v1_dot_peer__pb2.InventoryReply.FromString,
                 _registered_method=True)
         self.CommitStep = channel.unary_unary(
                 '/ckpt.wire.v1.CkptdPeer/CommitStep',
-                request_serializer=ckpt_dot_wire_dot_v1_dot_peer__pb2.CommitStepRequest.SerializeToString,
-                response_deserializer=ckpt_dot_wire_dot_v1_dot_peer__pb2.CommitStepReply.FromString,
+                request_serializer=ckpt__core_dot_wire_dot_v1_dot_peer__pb2.CommitStepRequest.SerializeToString,
+                response_deserializer=ckpt__core_dot_wire_dot_v1_dot_peer__pb2.CommitStepReply.FromString,
                 _registered_method=True)
         self.RetireReplica = channel.unary_unary(
                 '/ckpt.wire.v1.CkptdPeer/RetireReplica',
-                request_serializer=ckpt_dot_wire_dot_v1_dot_peer__pb2.RetireReplicaRequest.SerializeToString,
-                response_deserializer=ckpt_dot_wire_dot_v1_dot_peer__pb2.RetireReplicaReply.FromString,
+                request_serializer=ckpt__core_dot_wire_dot_v1_dot_peer__pb2.RetireReplicaRequest.SerializeToString,
+                response_deserializer=ckpt__core_dot_wire_dot_v1_dot_peer__pb2.RetireReplicaReply.FromString,
                 _registered_method=True)
 
 
@@ -133,38 +133,38 @@ def add_CkptdPeerServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'PutShard': grpc.stream_unary_rpc_method_handler(
                     servicer.PutShard,
-                    request_deserializer=ckpt_dot_wire_dot_v1_dot_peer__pb2.ShardPiece.FromString,
-                    response_serializer=ckpt_dot_wire_dot_v1_dot_peer__pb2.PutShardReply.SerializeToString,
+                    request_deserializer=ckpt__core_dot_wire_dot_v1_dot_peer__pb2.ShardPiece.FromString,
+                    response_serializer=ckpt__core_dot_wire_dot_v1_dot_peer__pb2.PutShardReply.SerializeToString,
             ),
             'OpenDataRange': grpc.unary_unary_rpc_method_handler(
                     servicer.OpenDataRange,
-                    request_deserializer=ckpt_dot_wire_dot_v1_dot_peer__pb2.ShardPiece.FromString,
-                    response_serializer=ckpt_dot_wire_dot_v1_dot_peer__pb2.DataRangeTicket.SerializeToString,
+                    request_deserializer=ckpt__core_dot_wire_dot_v1_dot_peer__pb2.ShardPiece.FromString,
+                    response_serializer=ckpt__core_dot_wire_dot_v1_dot_peer__pb2.DataRangeTicket.SerializeToString,
             ),
             'SealShard': grpc.unary_unary_rpc_method_handler(
                     servicer.SealShard,
-                    request_deserializer=ckpt_dot_wire_dot_v1_dot_peer__pb2.SealShardRequest.FromString,
-                    response_serializer=ckpt_dot_wire_dot_v1_dot_peer__pb2.SealShardReply.SerializeToString,
+                    request_deserializer=ckpt__core_dot_wire_dot_v1_dot_peer__pb2.SealShardRequest.FromString,
+                    response_serializer=ckpt__core_dot_wire_dot_v1_dot_peer__pb2.SealShardReply.SerializeToString,
             ),
             'GetShard': grpc.unary_stream_rpc_method_handler(
                     servicer.GetShard,
-                    request_deserializer=ckpt_dot_wire_dot_v1_dot_peer__pb2.GetShardRequest.FromString,
-                    response_serializer=ckpt_dot_wire_dot_v1_dot_peer__pb2.ShardPiece.SerializeToString,
+                    request_deserializer=ckpt__core_dot_wire_dot_v1_dot_peer__pb2.GetShardRequest.FromString,
+                    response_serializer=ckpt__core_dot_wire_dot_v1_dot_peer__pb2.ShardPiece.SerializeToString,
             ),
             'Inventory': grpc.unary_unary_rpc_method_handler(
                     servicer.Inventory,
-                    request_deserializer=ckpt_dot_wire_dot_v1_dot_peer__pb2.InventoryRequest.FromString,
-                    response_serializer=ckpt_dot_wire_dot_v1_dot_peer__pb2.InventoryReply.SerializeToString,
+                    request_deserializer=ckpt__core_dot_wire_dot_v1_dot_peer__pb2.InventoryRequest.FromString,
+                    response_serializer=ckpt__core_dot_wire_dot_v1_dot_peer__pb2.InventoryReply.SerializeToString,
             ),
             'CommitStep': grpc.unary_unary_rpc_method_handler(
                     servicer.CommitStep,
-                    request_deserializer=ckpt_dot_wire_dot_v1_dot_peer__pb2.CommitStepRequest.FromString,
-                    response_serializer=ckpt_dot_wire_dot_v1_dot_peer__pb2.CommitStepReply.SerializeToString,
+                    request_deserializer=ckpt__core_dot_wire_dot_v1_dot_peer__pb2.CommitStepRequest.FromString,
+                    response_serializer=ckpt__core_dot_wire_dot_v1_dot_peer__pb2.CommitStepReply.SerializeToString,
             ),
             'RetireReplica': grpc.unary_unary_rpc_method_handler(
                     servicer.RetireReplica,
-                    request_deserializer=ckpt_dot_wire_dot_v1_dot_peer__pb2.RetireReplicaRequest.FromString,
-                    response_serializer=ckpt_dot_wire_dot_v1_dot_peer__pb2.RetireReplicaReply.SerializeToString,
+                    request_deserializer=ckpt__core_dot_wire_dot_v1_dot_peer__pb2.RetireReplicaRequest.FromString,
+                    response_serializer=ckpt__core_dot_wire_dot_v1_dot_peer__pb2.RetireReplicaReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -192,8 +192,8 @@ class CkptdPeer(object):
             request_iterator,
             target,
             '/ckpt.wire.v1.CkptdPeer/PutShard',
-            ckpt_dot_wire_dot_v1_dot_peer__pb2.ShardPiece.SerializeToString,
-            ckpt_dot_wire_dot_v1_dot_peer__pb2.PutShardReply.FromString,
+            ckpt__core_dot_wire_dot_v1_dot_peer__pb2.ShardPiece.SerializeToString,
+            ckpt__core_dot_wire_dot_v1_dot_peer__pb2.PutShardReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -219,8 +219,8 @@ class CkptdPeer(object):
             request,
             target,
             '/ckpt.wire.v1.CkptdPeer/OpenDataRange',
-            ckpt_dot_wire_dot_v1_dot_peer__pb2.ShardPiece.SerializeToString,
-            ckpt_dot_wire_dot_v1_dot_peer__pb2.DataRangeTicket.FromString,
+            ckpt__core_dot_wire_dot_v1_dot_peer__pb2.ShardPiece.SerializeToString,
+            ckpt__core_dot_wire_dot_v1_dot_peer__pb2.DataRangeTicket.FromString,
             options,
             channel_credentials,
             insecure,
@@ -246,8 +246,8 @@ class CkptdPeer(object):
             request,
             target,
             '/ckpt.wire.v1.CkptdPeer/SealShard',
-            ckpt_dot_wire_dot_v1_dot_peer__pb2.SealShardRequest.SerializeToString,
-            ckpt_dot_wire_dot_v1_dot_peer__pb2.SealShardReply.FromString,
+            ckpt__core_dot_wire_dot_v1_dot_peer__pb2.SealShardRequest.SerializeToString,
+            ckpt__core_dot_wire_dot_v1_dot_peer__pb2.SealShardReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -273,8 +273,8 @@ class CkptdPeer(object):
             request,
             target,
             '/ckpt.wire.v1.CkptdPeer/GetShard',
-            ckpt_dot_wire_dot_v1_dot_peer__pb2.GetShardRequest.SerializeToString,
-            ckpt_dot_wire_dot_v1_dot_peer__pb2.ShardPiece.FromString,
+            ckpt__core_dot_wire_dot_v1_dot_peer__pb2.GetShardRequest.SerializeToString,
+            ckpt__core_dot_wire_dot_v1_dot_peer__pb2.ShardPiece.FromString,
             options,
             channel_credentials,
             insecure,
@@ -300,8 +300,8 @@ class CkptdPeer(object):
             request,
             target,
             '/ckpt.wire.v1.CkptdPeer/Inventory',
-            ckpt_dot_wire_dot_v1_dot_peer__pb2.InventoryRequest.SerializeToString,
-            ckpt_dot_wire_dot_v1_dot_peer__pb2.InventoryReply.FromString,
+            ckpt__core_dot_wire_dot_v1_dot_peer__pb2.InventoryRequest.SerializeToString,
+            ckpt__core_dot_wire_dot_v1_dot_peer__pb2.InventoryReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -327,8 +327,8 @@ class CkptdPeer(object):
             request,
             target,
             '/ckpt.wire.v1.CkptdPeer/CommitStep',
-            ckpt_dot_wire_dot_v1_dot_peer__pb2.CommitStepRequest.SerializeToString,
-            ckpt_dot_wire_dot_v1_dot_peer__pb2.CommitStepReply.FromString,
+            ckpt__core_dot_wire_dot_v1_dot_peer__pb2.CommitStepRequest.SerializeToString,
+            ckpt__core_dot_wire_dot_v1_dot_peer__pb2.CommitStepReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -354,8 +354,8 @@ class CkptdPeer(object):
             request,
             target,
             '/ckpt.wire.v1.CkptdPeer/RetireReplica',
-            ckpt_dot_wire_dot_v1_dot_peer__pb2.RetireReplicaRequest.SerializeToString,
-            ckpt_dot_wire_dot_v1_dot_peer__pb2.RetireReplicaReply.FromString,
+            ckpt__core_dot_wire_dot_v1_dot_peer__pb2.RetireReplicaRequest.SerializeToString,
+            ckpt__core_dot_wire_dot_v1_dot_peer__pb2.RetireReplicaReply.FromString,
             options,
             channel_credentials,
             insecure,

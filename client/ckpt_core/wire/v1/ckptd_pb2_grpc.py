@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from ckpt.wire.v1 import ckptd_pb2 as ckpt_dot_wire_dot_v1_dot_ckptd__pb2
+from ckpt_core.wire.v1 import ckptd_pb2 as ckpt__core_dot_wire_dot_v1_dot_ckptd__pb2
 
 GRPC_GENERATED_VERSION = '1.66.2'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + f' but the generated code in ckpt/wire/v1/ckptd_pb2_grpc.py depends on'
+        + f' but the generated code in ckpt_core/wire/v1/ckptd_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,58 +36,58 @@ class CkptdStub(object):
         """
         self.Reserve = channel.unary_unary(
                 '/ckpt.wire.v1.Ckptd/Reserve',
-                request_serializer=ckpt_dot_wire_dot_v1_dot_ckptd__pb2.ReserveRequest.SerializeToString,
-                response_deserializer=ckpt_dot_wire_dot_v1_dot_ckptd__pb2.ReserveReply.FromString,
+                request_serializer=ckpt__core_dot_wire_dot_v1_dot_ckptd__pb2.ReserveRequest.SerializeToString,
+                response_deserializer=ckpt__core_dot_wire_dot_v1_dot_ckptd__pb2.ReserveReply.FromString,
                 _registered_method=True)
         self.Commit = channel.unary_unary(
                 '/ckpt.wire.v1.Ckptd/Commit',
-                request_serializer=ckpt_dot_wire_dot_v1_dot_ckptd__pb2.CommitRequest.SerializeToString,
-                response_deserializer=ckpt_dot_wire_dot_v1_dot_ckptd__pb2.CommitReply.FromString,
+                request_serializer=ckpt__core_dot_wire_dot_v1_dot_ckptd__pb2.CommitRequest.SerializeToString,
+                response_deserializer=ckpt__core_dot_wire_dot_v1_dot_ckptd__pb2.CommitReply.FromString,
                 _registered_method=True)
         self.WaitShard = channel.unary_unary(
                 '/ckpt.wire.v1.Ckptd/WaitShard',
-                request_serializer=ckpt_dot_wire_dot_v1_dot_ckptd__pb2.WaitShardRequest.SerializeToString,
-                response_deserializer=ckpt_dot_wire_dot_v1_dot_ckptd__pb2.WaitShardReply.FromString,
+                request_serializer=ckpt__core_dot_wire_dot_v1_dot_ckptd__pb2.WaitShardRequest.SerializeToString,
+                response_deserializer=ckpt__core_dot_wire_dot_v1_dot_ckptd__pb2.WaitShardReply.FromString,
                 _registered_method=True)
         self.Locate = channel.unary_unary(
                 '/ckpt.wire.v1.Ckptd/Locate',
-                request_serializer=ckpt_dot_wire_dot_v1_dot_ckptd__pb2.LocateRequest.SerializeToString,
-                response_deserializer=ckpt_dot_wire_dot_v1_dot_ckptd__pb2.LocateReply.FromString,
+                request_serializer=ckpt__core_dot_wire_dot_v1_dot_ckptd__pb2.LocateRequest.SerializeToString,
+                response_deserializer=ckpt__core_dot_wire_dot_v1_dot_ckptd__pb2.LocateReply.FromString,
                 _registered_method=True)
         self.LocateStep = channel.unary_unary(
                 '/ckpt.wire.v1.Ckptd/LocateStep',
-                request_serializer=ckpt_dot_wire_dot_v1_dot_ckptd__pb2.LocateStepRequest.SerializeToString,
-                response_deserializer=ckpt_dot_wire_dot_v1_dot_ckptd__pb2.LocateStepReply.FromString,
+                request_serializer=ckpt__core_dot_wire_dot_v1_dot_ckptd__pb2.LocateStepRequest.SerializeToString,
+                response_deserializer=ckpt__core_dot_wire_dot_v1_dot_ckptd__pb2.LocateStepReply.FromString,
                 _registered_method=True)
         self.ReadShard = channel.unary_stream(
                 '/ckpt.wire.v1.Ckptd/ReadShard',
-                request_serializer=ckpt_dot_wire_dot_v1_dot_ckptd__pb2.ReadShardRequest.SerializeToString,
-                response_deserializer=ckpt_dot_wire_dot_v1_dot_ckptd__pb2.ReadShardPiece.FromString,
+                request_serializer=ckpt__core_dot_wire_dot_v1_dot_ckptd__pb2.ReadShardRequest.SerializeToString,
+                response_deserializer=ckpt__core_dot_wire_dot_v1_dot_ckptd__pb2.ReadShardPiece.FromString,
                 _registered_method=True)
         self.List = channel.unary_unary(
                 '/ckpt.wire.v1.Ckptd/List',
-                request_serializer=ckpt_dot_wire_dot_v1_dot_ckptd__pb2.ListRequest.SerializeToString,
-                response_deserializer=ckpt_dot_wire_dot_v1_dot_ckptd__pb2.ListReply.FromString,
+                request_serializer=ckpt__core_dot_wire_dot_v1_dot_ckptd__pb2.ListRequest.SerializeToString,
+                response_deserializer=ckpt__core_dot_wire_dot_v1_dot_ckptd__pb2.ListReply.FromString,
                 _registered_method=True)
         self.Status = channel.unary_unary(
                 '/ckpt.wire.v1.Ckptd/Status',
-                request_serializer=ckpt_dot_wire_dot_v1_dot_ckptd__pb2.StatusRequest.SerializeToString,
-                response_deserializer=ckpt_dot_wire_dot_v1_dot_ckptd__pb2.StatusReply.FromString,
+                request_serializer=ckpt__core_dot_wire_dot_v1_dot_ckptd__pb2.StatusRequest.SerializeToString,
+                response_deserializer=ckpt__core_dot_wire_dot_v1_dot_ckptd__pb2.StatusReply.FromString,
                 _registered_method=True)
         self.Collect = channel.unary_unary(
                 '/ckpt.wire.v1.Ckptd/Collect',
-                request_serializer=ckpt_dot_wire_dot_v1_dot_ckptd__pb2.CollectRequest.SerializeToString,
-                response_deserializer=ckpt_dot_wire_dot_v1_dot_ckptd__pb2.CollectReply.FromString,
+                request_serializer=ckpt__core_dot_wire_dot_v1_dot_ckptd__pb2.CollectRequest.SerializeToString,
+                response_deserializer=ckpt__core_dot_wire_dot_v1_dot_ckptd__pb2.CollectReply.FromString,
                 _registered_method=True)
         self.Pin = channel.unary_unary(
                 '/ckpt.wire.v1.Ckptd/Pin',
-                request_serializer=ckpt_dot_wire_dot_v1_dot_ckptd__pb2.PinRequest.SerializeToString,
-                response_deserializer=ckpt_dot_wire_dot_v1_dot_ckptd__pb2.PinReply.FromString,
+                request_serializer=ckpt__core_dot_wire_dot_v1_dot_ckptd__pb2.PinRequest.SerializeToString,
+                response_deserializer=ckpt__core_dot_wire_dot_v1_dot_ckptd__pb2.PinReply.FromString,
                 _registered_method=True)
         self.RemoveStep = channel.unary_unary(
                 '/ckpt.wire.v1.Ckptd/RemoveStep',
-                request_serializer=ckpt_dot_wire_dot_v1_dot_ckptd__pb2.RemoveStepRequest.SerializeToString,
-                response_deserializer=ckpt_dot_wire_dot_v1_dot_ckptd__pb2.CollectReply.FromString,
+                request_serializer=ckpt__core_dot_wire_dot_v1_dot_ckptd__pb2.RemoveStepRequest.SerializeToString,
+                response_deserializer=ckpt__core_dot_wire_dot_v1_dot_ckptd__pb2.CollectReply.FromString,
                 _registered_method=True)
 
 
@@ -180,58 +180,58 @@ def add_CkptdServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Reserve': grpc.unary_unary_rpc_method_handler(
                     servicer.Reserve,
-                    request_deserializer=ckpt_dot_wire_dot_v1_dot_ckptd__pb2.ReserveRequest.FromString,
-                    response_serializer=ckpt_dot_wire_dot_v1_dot_ckptd__pb2.ReserveReply.SerializeToString,
+                    request_deserializer=ckpt__core_dot_wire_dot_v1_dot_ckptd__pb2.ReserveRequest.FromString,
+                    response_serializer=ckpt__core_dot_wire_dot_v1_dot_ckptd__pb2.ReserveReply.SerializeToString,
             ),
             'Commit': grpc.unary_unary_rpc_method_handler(
                     servicer.Commit,
-                    request_deserializer=ckpt_dot_wire_dot_v1_dot_ckptd__pb2.CommitRequest.FromString,
-                    response_serializer=ckpt_dot_wire_dot_v1_dot_ckptd__pb2.CommitReply.SerializeToString,
+                    request_deserializer=ckpt__core_dot_wire_dot_v1_dot_ckptd__pb2.CommitRequest.FromString,
+                    response_serializer=ckpt__core_dot_wire_dot_v1_dot_ckptd__pb2.CommitReply.SerializeToString,
             ),
             'WaitShard': grpc.unary_unary_rpc_method_handler(
                     servicer.WaitShard,
-                    request_deserializer=ckpt_dot_wire_dot_v1_dot_ckptd__pb2.WaitShardRequest.FromString,
-                    response_serializer=ckpt_dot_wire_dot_v1_dot_ckptd__pb2.WaitShardReply.SerializeToString,
+                    request_deserializer=ckpt__core_dot_wire_dot_v1_dot_ckptd__pb2.WaitShardRequest.FromString,
+                    response_serializer=ckpt__core_dot_wire_dot_v1_dot_ckptd__pb2.WaitShardReply.SerializeToString,
             ),
             'Locate': grpc.unary_unary_rpc_method_handler(
                     servicer.Locate,
-                    request_deserializer=ckpt_dot_wire_dot_v1_dot_ckptd__pb2.LocateRequest.FromString,
-                    response_serializer=ckpt_dot_wire_dot_v1_dot_ckptd__pb2.LocateReply.SerializeToString,
+                    request_deserializer=ckpt__core_dot_wire_dot_v1_dot_ckptd__pb2.LocateRequest.FromString,
+                    response_serializer=ckpt__core_dot_wire_dot_v1_dot_ckptd__pb2.LocateReply.SerializeToString,
             ),
             'LocateStep': grpc.unary_unary_rpc_method_handler(
                     servicer.LocateStep,
-                    request_deserializer=ckpt_dot_wire_dot_v1_dot_ckptd__pb2.LocateStepRequest.FromString,
-                    response_serializer=ckpt_dot_wire_dot_v1_dot_ckptd__pb2.LocateStepReply.SerializeToString,
+                    request_deserializer=ckpt__core_dot_wire_dot_v1_dot_ckptd__pb2.LocateStepRequest.FromString,
+                    response_serializer=ckpt__core_dot_wire_dot_v1_dot_ckptd__pb2.LocateStepReply.SerializeToString,
             ),
             'ReadShard': grpc.unary_stream_rpc_method_handler(
                     servicer.ReadShard,
-                    request_deserializer=ckpt_dot_wire_dot_v1_dot_ckptd__pb2.ReadShardRequest.FromString,
-                    response_serializer=ckpt_dot_wire_dot_v1_dot_ckptd__pb2.ReadShardPiece.SerializeToString,
+                    request_deserializer=ckpt__core_dot_wire_dot_v1_dot_ckptd__pb2.ReadShardRequest.FromString,
+                    response_serializer=ckpt__core_dot_wire_dot_v1_dot_ckptd__pb2.ReadShardPiece.SerializeToString,
             ),
             'List': grpc.unary_unary_rpc_method_handler(
                     servicer.List,
-                    request_deserializer=ckpt_dot_wire_dot_v1_dot_ckptd__pb2.ListRequest.FromString,
-                    response_serializer=ckpt_dot_wire_dot_v1_dot_ckptd__pb2.ListReply.SerializeToString,
+                    request_deserializer=ckpt__core_dot_wire_dot_v1_dot_ckptd__pb2.ListRequest.FromString,
+                    response_serializer=ckpt__core_dot_wire_dot_v1_dot_ckptd__pb2.ListReply.SerializeToString,
             ),
             'Status': grpc.unary_unary_rpc_method_handler(
                     servicer.Status,
-                    request_deserializer=ckpt_dot_wire_dot_v1_dot_ckptd__pb2.StatusRequest.FromString,
-                    response_serializer=ckpt_dot_wire_dot_v1_dot_ckptd__pb2.StatusReply.SerializeToString,
+                    request_deserializer=ckpt__core_dot_wire_dot_v1_dot_ckptd__pb2.StatusRequest.FromString,
+                    response_serializer=ckpt__core_dot_wire_dot_v1_dot_ckptd__pb2.StatusReply.SerializeToString,
             ),
             'Collect': grpc.unary_unary_rpc_method_handler(
                     servicer.Collect,
-                    request_deserializer=ckpt_dot_wire_dot_v1_dot_ckptd__pb2.CollectRequest.FromString,
-                    response_serializer=ckpt_dot_wire_dot_v1_dot_ckptd__pb2.CollectReply.SerializeToString,
+                    request_deserializer=ckpt__core_dot_wire_dot_v1_dot_ckptd__pb2.CollectRequest.FromString,
+                    response_serializer=ckpt__core_dot_wire_dot_v1_dot_ckptd__pb2.CollectReply.SerializeToString,
             ),
             'Pin': grpc.unary_unary_rpc_method_handler(
                     servicer.Pin,
-                    request_deserializer=ckpt_dot_wire_dot_v1_dot_ckptd__pb2.PinRequest.FromString,
-                    response_serializer=ckpt_dot_wire_dot_v1_dot_ckptd__pb2.PinReply.SerializeToString,
+                    request_deserializer=ckpt__core_dot_wire_dot_v1_dot_ckptd__pb2.PinRequest.FromString,
+                    response_serializer=ckpt__core_dot_wire_dot_v1_dot_ckptd__pb2.PinReply.SerializeToString,
             ),
             'RemoveStep': grpc.unary_unary_rpc_method_handler(
                     servicer.RemoveStep,
-                    request_deserializer=ckpt_dot_wire_dot_v1_dot_ckptd__pb2.RemoveStepRequest.FromString,
-                    response_serializer=ckpt_dot_wire_dot_v1_dot_ckptd__pb2.CollectReply.SerializeToString,
+                    request_deserializer=ckpt__core_dot_wire_dot_v1_dot_ckptd__pb2.RemoveStepRequest.FromString,
+                    response_serializer=ckpt__core_dot_wire_dot_v1_dot_ckptd__pb2.CollectReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -259,8 +259,8 @@ class Ckptd(object):
             request,
             target,
             '/ckpt.wire.v1.Ckptd/Reserve',
-            ckpt_dot_wire_dot_v1_dot_ckptd__pb2.ReserveRequest.SerializeToString,
-            ckpt_dot_wire_dot_v1_dot_ckptd__pb2.ReserveReply.FromString,
+            ckpt__core_dot_wire_dot_v1_dot_ckptd__pb2.ReserveRequest.SerializeToString,
+            ckpt__core_dot_wire_dot_v1_dot_ckptd__pb2.ReserveReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -286,8 +286,8 @@ class Ckptd(object):
             request,
             target,
             '/ckpt.wire.v1.Ckptd/Commit',
-            ckpt_dot_wire_dot_v1_dot_ckptd__pb2.CommitRequest.SerializeToString,
-            ckpt_dot_wire_dot_v1_dot_ckptd__pb2.CommitReply.FromString,
+            ckpt__core_dot_wire_dot_v1_dot_ckptd__pb2.CommitRequest.SerializeToString,
+            ckpt__core_dot_wire_dot_v1_dot_ckptd__pb2.CommitReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -313,8 +313,8 @@ class Ckptd(object):
             request,
             target,
             '/ckpt.wire.v1.Ckptd/WaitShard',
-            ckpt_dot_wire_dot_v1_dot_ckptd__pb2.WaitShardRequest.SerializeToString,
-            ckpt_dot_wire_dot_v1_dot_ckptd__pb2.WaitShardReply.FromString,
+            ckpt__core_dot_wire_dot_v1_dot_ckptd__pb2.WaitShardRequest.SerializeToString,
+            ckpt__core_dot_wire_dot_v1_dot_ckptd__pb2.WaitShardReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -340,8 +340,8 @@ class Ckptd(object):
             request,
             target,
             '/ckpt.wire.v1.Ckptd/Locate',
-            ckpt_dot_wire_dot_v1_dot_ckptd__pb2.LocateRequest.SerializeToString,
-            ckpt_dot_wire_dot_v1_dot_ckptd__pb2.LocateReply.FromString,
+            ckpt__core_dot_wire_dot_v1_dot_ckptd__pb2.LocateRequest.SerializeToString,
+            ckpt__core_dot_wire_dot_v1_dot_ckptd__pb2.LocateReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -367,8 +367,8 @@ class Ckptd(object):
             request,
             target,
             '/ckpt.wire.v1.Ckptd/LocateStep',
-            ckpt_dot_wire_dot_v1_dot_ckptd__pb2.LocateStepRequest.SerializeToString,
-            ckpt_dot_wire_dot_v1_dot_ckptd__pb2.LocateStepReply.FromString,
+            ckpt__core_dot_wire_dot_v1_dot_ckptd__pb2.LocateStepRequest.SerializeToString,
+            ckpt__core_dot_wire_dot_v1_dot_ckptd__pb2.LocateStepReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -394,8 +394,8 @@ class Ckptd(object):
             request,
             target,
             '/ckpt.wire.v1.Ckptd/ReadShard',
-            ckpt_dot_wire_dot_v1_dot_ckptd__pb2.ReadShardRequest.SerializeToString,
-            ckpt_dot_wire_dot_v1_dot_ckptd__pb2.ReadShardPiece.FromString,
+            ckpt__core_dot_wire_dot_v1_dot_ckptd__pb2.ReadShardRequest.SerializeToString,
+            ckpt__core_dot_wire_dot_v1_dot_ckptd__pb2.ReadShardPiece.FromString,
             options,
             channel_credentials,
             insecure,
@@ -421,8 +421,8 @@ class Ckptd(object):
             request,
             target,
             '/ckpt.wire.v1.Ckptd/List',
-            ckpt_dot_wire_dot_v1_dot_ckptd__pb2.ListRequest.SerializeToString,
-            ckpt_dot_wire_dot_v1_dot_ckptd__pb2.ListReply.FromString,
+            ckpt__core_dot_wire_dot_v1_dot_ckptd__pb2.ListRequest.SerializeToString,
+            ckpt__core_dot_wire_dot_v1_dot_ckptd__pb2.ListReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -448,8 +448,8 @@ class Ckptd(object):
             request,
             target,
             '/ckpt.wire.v1.Ckptd/Status',
-            ckpt_dot_wire_dot_v1_dot_ckptd__pb2.StatusRequest.SerializeToString,
-            ckpt_dot_wire_dot_v1_dot_ckptd__pb2.StatusReply.FromString,
+            ckpt__core_dot_wire_dot_v1_dot_ckptd__pb2.StatusRequest.SerializeToString,
+            ckpt__core_dot_wire_dot_v1_dot_ckptd__pb2.StatusReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -475,8 +475,8 @@ class Ckptd(object):
             request,
             target,
             '/ckpt.wire.v1.Ckptd/Collect',
-            ckpt_dot_wire_dot_v1_dot_ckptd__pb2.CollectRequest.SerializeToString,
-            ckpt_dot_wire_dot_v1_dot_ckptd__pb2.CollectReply.FromString,
+            ckpt__core_dot_wire_dot_v1_dot_ckptd__pb2.CollectRequest.SerializeToString,
+            ckpt__core_dot_wire_dot_v1_dot_ckptd__pb2.CollectReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -502,8 +502,8 @@ class Ckptd(object):
             request,
             target,
             '/ckpt.wire.v1.Ckptd/Pin',
-            ckpt_dot_wire_dot_v1_dot_ckptd__pb2.PinRequest.SerializeToString,
-            ckpt_dot_wire_dot_v1_dot_ckptd__pb2.PinReply.FromString,
+            ckpt__core_dot_wire_dot_v1_dot_ckptd__pb2.PinRequest.SerializeToString,
+            ckpt__core_dot_wire_dot_v1_dot_ckptd__pb2.PinReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -529,8 +529,8 @@ class Ckptd(object):
             request,
             target,
             '/ckpt.wire.v1.Ckptd/RemoveStep',
-            ckpt_dot_wire_dot_v1_dot_ckptd__pb2.RemoveStepRequest.SerializeToString,
-            ckpt_dot_wire_dot_v1_dot_ckptd__pb2.CollectReply.FromString,
+            ckpt__core_dot_wire_dot_v1_dot_ckptd__pb2.RemoveStepRequest.SerializeToString,
+            ckpt__core_dot_wire_dot_v1_dot_ckptd__pb2.CollectReply.FromString,
             options,
             channel_credentials,
             insecure,

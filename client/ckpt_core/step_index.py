@@ -18,8 +18,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ckpt.errors import CorruptCheckpoint
-from ckpt.format import READABLE_VERSIONS, CommitRecord, ShardMeta, digest, seal, unseal
+from ckpt_core.errors import CorruptCheckpoint
+from ckpt_core.format import READABLE_VERSIONS, CommitRecord, ShardMeta, digest, seal, unseal
 
 INDEX_FORMAT = "ckpt-index"
 # How the layout's "dtensors" key appears in a sealed shard record (inside the layout's JSON text):

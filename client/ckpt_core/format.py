@@ -18,9 +18,9 @@ from typing import Any, ClassVar
 
 import xxhash
 
-from ckpt.commit_keys import UNSIGNED, CommitKeys
-from ckpt.errors import CorruptCheckpoint, InvalidArgument
-from ckpt.history import Line, line_from_json, line_to_json
+from ckpt_core.commit_keys import UNSIGNED, CommitKeys
+from ckpt_core.errors import CorruptCheckpoint, InvalidArgument
+from ckpt_core.history import Line, line_from_json, line_to_json
 
 FORMAT_VERSION = 2  # version 2 adds sharded (DTensor) chunks to the layout and the step index
 READABLE_VERSIONS = (1, 2)
@@ -232,9 +232,9 @@ class ShardMeta:
     chunk_xxh3_128: tuple[str, ...]
     layout_json: str  # the client's tensor table and skeleton, as JSON text; the daemon never parses it
     run_id: str = ""  # which run of the job wrote it: a step is sealed from one run's shards only
-    line: Line = ()  # the job's line the step belongs to (ckpt.history): every rank's shard names the same
+    line: Line = ()  # the job's line the step belongs to (ckpt_core.history): every rank's shard names the same
     saved_at: str = ""  # when the daemon took the rank's snapshot (UTC, ISO 8601): a commit is its ranks' latest
-    # The signature (ckpt.commit_keys) by the daemon that took the snapshot over: a peer without the key
+    # The signature (ckpt_core.commit_keys) by the daemon that took the snapshot over: a peer without the key
     # cannot make up a shard that a node seals. Compared by neither: the same shard, signed or not.
     key_id: str = field(default="", compare=False)  # which key signed it: 8 hex digits of the key's SHA-256
     hmac_sha256: str = field(default="", compare=False)  # HMAC-SHA256 of signed_body() under that key; "" unsigned
@@ -328,9 +328,9 @@ class CommitRecord:
     world_size: int
     shard_meta_xxh3_128: tuple[str, ...]  # by rank
     size_bytes: int
-    line: Line = ()  # its ranks' line (ckpt.history)
+    line: Line = ()  # its ranks' line (ckpt_core.history)
     committed_at: str = ""  # its ranks' latest saved_at (UTC, ISO 8601): the same on every node that seals it
-    # The signature (ckpt.commit_keys): two nodes that seal one step with different keys (a rotation under
+    # The signature (ckpt_core.commit_keys): two nodes that seal one step with different keys (a rotation under
     # way) seal the same record, so it takes no part in comparing records.
     key_id: str = field(default="", compare=False)  # which key signed it: 8 hex digits of the key's SHA-256
     hmac_sha256: str = field(default="", compare=False)  # HMAC-SHA256 of signed_body() under that key; "" unsigned
