@@ -31,12 +31,19 @@ CORE_NEVER_IMPORTS = ("ckptd.offline", "ckptd.cli", "ckptd.daemon")
 
 
 def _imports(path: Path) -> set[str]:
+    """Name every module path imports, and every name it takes from one: `from ckpt_core import wire` counts as
+    both ckpt_core and ckpt_core.wire; a relative import is resolved against path's package."""
     names: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             names.update(a.name for a in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module:
-            names.add(node.module)
+        elif isinstance(node, ast.ImportFrom):
+            module = node.module or ""
+            if node.level:
+                package = path.relative_to(REPO / "client" if path.is_relative_to(REPO / "client") else REPO).parts
+                module = ".".join([*package[: len(package) - node.level], *([module] if module else [])])
+            names.add(module)
+            names.update(f"{module}.{a.name}" for a in node.names)
     return names
 
 
@@ -125,17 +132,52 @@ def _daemon_modules() -> list[Path]:
     return [p for p in _modules(REPO / "ckptd")]
 
 
+def _constructions(path: Path, kinds: set[str]) -> list[str]:
+    """Where path builds one of kinds (class names): called by name, through a module, under another name (`import
+    ... as`), or subclassed. Annotations that only name a kind are no construction."""
+    tree = ast.parse(path.read_text())
+    aliases = {a.asname for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names if a.name in kinds}
+    built = kinds | (aliases - {None})
+
+    def names_a_kind(expression: ast.expr) -> bool:
+        return (isinstance(expression, ast.Name) and expression.id in built) or (
+            isinstance(expression, ast.Attribute) and expression.attr in kinds
+        )
+
+    found = [
+        f"{n.lineno}: {ast.unparse(n)[:60]}" for n in ast.walk(tree) if isinstance(n, ast.Call) and names_a_kind(n.func)
+    ]
+    found += [
+        f"{n.lineno}: class {n.name}"
+        for n in ast.walk(tree)
+        if isinstance(n, ast.ClassDef) and any(map(names_a_kind, n.bases))
+    ]
+    return found
+
+
+POOL_KINDS = {"ThreadPoolExecutor", "ProcessPoolExecutor", "ThreadPool", "Pool"}
+THREAD_KINDS = {"Thread", "Timer", "Process", "start_new_thread"}
+
+
 @pytest.mark.parametrize("path", _daemon_modules(), ids=lambda p: str(p.relative_to(REPO)))
 def test_only_the_composition_root_builds_thread_pools(path):
     relative = str(path.relative_to(REPO))
     if relative == "ckptd/node.py" or relative in POOLS_ELSEWHERE:
         return
-    calls = [
-        n.lineno
-        for n in ast.walk(ast.parse(path.read_text()))
-        if isinstance(n, ast.Call) and ast.unparse(n.func).endswith("ThreadPoolExecutor")
-    ]
-    assert not calls, f"{relative} builds a thread pool at lines {calls}: take one from node.Executors"
+    built = _constructions(path, POOL_KINDS)
+    assert not built, f"{relative} builds a pool: {built}: take one from node.Executors"
+
+
+def test_a_pool_is_found_under_another_name_and_as_a_base_class(tmp_path):
+    hidden = tmp_path / "hidden.py"
+    hidden.write_text(
+        "import concurrent.futures as cf\nfrom threading import Thread as T\n"
+        "class Pump(T):\n    pass\n"
+        "def make():\n    return cf.ThreadPoolExecutor(2)\n"
+        "def typed(pool: cf.ThreadPoolExecutor) -> None:\n    pass\n"
+    )
+    assert [f.split(":")[0] for f in _constructions(hidden, POOL_KINDS)] == ["6"]
+    assert [f.split(":")[0] for f in _constructions(hidden, THREAD_KINDS)] == ["3"]
 
 
 @pytest.mark.parametrize("path", _daemon_modules(), ids=lambda p: str(p.relative_to(REPO)))
@@ -270,12 +312,8 @@ def test_only_the_composition_root_starts_threads(path):
     relative = str(path.relative_to(REPO))
     if relative in THREADS_ELSEWHERE:
         return
-    started = [
-        n.lineno
-        for n in ast.walk(ast.parse(path.read_text()))
-        if isinstance(n, ast.Call) and ast.unparse(n.func) in ("threading.Thread", "Thread", "threading.Timer", "Timer")
-    ]
-    assert not started, f"{relative} starts a thread at lines {started}: take a pool from node.Executors"
+    started = _constructions(path, THREAD_KINDS)
+    assert not started, f"{relative} starts a thread: {started}: take a pool from node.Executors"
 
 
 def test_the_thread_map_in_internals_is_the_executors_record():
