@@ -59,29 +59,43 @@ RECEIVE_ROOTS = (
 )
 JOB = "walk"
 
-# Run in the daemon: profile every thread's calls into our code, write them out at exit.
-PROFILED_DAEMON = """
-import atexit, json, os, sys, threading, time
-ours, calls = tuple(json.loads(os.environ["WALK_OURS"])), []
-def profile(frame, event, arg):
-    if event == "call" and frame.f_code.co_filename.startswith(ours):
+# The profiler, in this process and in each daemon: every thread's calls into our code. A generator or coroutine
+# resumed is the same call going on (3.11's RESUME has argument 0 only at a function's start), not an entry.
+PROFILER = """
+import inspect, sys, threading, time
+RESUMABLE = inspect.CO_GENERATOR | inspect.CO_COROUTINE | inspect.CO_ASYNC_GENERATOR
+def start_profiling(ours, calls):
+    def profile(frame, event, arg):
+        code = frame.f_code
+        if event != "call" or not code.co_filename.startswith(ours):
+            return
+        if code.co_flags & RESUMABLE and code.co_code[frame.f_lasti + 1]:
+            return
         back, outer, root = frame.f_back, frame.f_back, frame
         while outer is not None:
             if outer.f_code.co_filename.startswith(ours):
                 root = outer
             outer = outer.f_back
         calls.append((time.monotonic(), threading.current_thread().name, back.f_code.co_filename if back else "",
-                      frame.f_code.co_filename, frame.f_code.co_qualname,
-                      root.f_code.co_filename + ":" + root.f_code.co_qualname))
-sys.setprofile(profile)
-threading.setprofile(profile)
+                      code.co_filename, code.co_qualname, root.f_code.co_filename + ":" + root.f_code.co_qualname))
+    sys.setprofile(profile)
+    threading.setprofile(profile)
+"""
+# Run in each daemon: profile it from the start, write the calls out at exit.
+PROFILED_DAEMON = (
+    PROFILER
+    + """
+import atexit, json, os
+calls = []
+start_profiling(tuple(json.loads(os.environ["WALK_OURS"])), calls)
 atexit.register(lambda: json.dump(calls, open(os.environ["WALK_TRACE"], "w")))
 from ckptd.cli import main
 sys.exit(main(sys.argv[1:]))
 """
+)
 
-# when, thread, caller's file, callee's file, callee's qualified name, and (in a daemon) the outermost call of
-# ours on that thread's stack as "file:qualified name" (the work item a pool runs)
+# when, thread, caller's file, callee's file, callee's qualified name, and the outermost call of ours on that
+# thread's stack as "file:qualified name" (in a daemon's pool, the work item it runs)
 Call = tuple[str | float, ...]
 
 
@@ -123,17 +137,10 @@ def types_met(calls: list[Call]) -> set[str]:
 
 
 def profile_this_process(calls: list[Call]) -> None:
-    def profile(frame: Any, event: str, arg: Any) -> None:
-        if event == "call" and frame.f_code.co_filename.startswith(OURS):
-            back = frame.f_back
-            code = frame.f_code
-            caller = back.f_code.co_filename if back else ""
-            calls.append(
-                (time.monotonic(), threading.current_thread().name, caller, code.co_filename, code.co_qualname)
-            )
-
-    sys.setprofile(profile)
-    threading.setprofile(profile)
+    """Append every call of this process's threads into our code to calls, from now until sys.setprofile(None)."""
+    namespace: dict[str, Any] = {}
+    exec(PROFILER, namespace)
+    namespace["start_profiling"](OURS, calls)
 
 
 def profiled(name: str, work: Path, staging: Path, listen: str, peer: str, toml: str = "") -> BenchDaemon:
