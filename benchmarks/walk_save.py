@@ -127,11 +127,11 @@ def entries(calls: list[Call]) -> list[str]:
 
 
 def types_met(calls: list[Call]) -> set[str]:
-    """Return the classes whose methods ran ("ckptd.save.flush.Flusher")."""
+    """Return the classes whose methods ran ("ckptd.save.flush.Flusher"), private ones ("_FileParts") too."""
     found = set()
     for call in calls:
         callee, parts = str(call[3]), str(call[4]).split(".")
-        if len(parts) >= 2 and parts[-2] != "<locals>" and parts[-2][:1].isupper():
+        if len(parts) >= 2 and parts[-2] != "<locals>" and parts[-2].lstrip("_")[:1].isupper():
             found.add(f"{module(callee)}.{parts[-2]}")
     return found
 
