@@ -211,7 +211,9 @@ def report(found: dict[str, Any]) -> None:
     for name, leg in found.items():
         counts = Counter(leg["entries"])
         again = {m: n for m, n in counts.items() if n > 1}
-        print(f"\n{name}: {len(counts)} modules, {len(leg['types'])} types")
+        entered = len(leg["entries"])
+        print(f"\n{name}: {len(counts)} modules, entered {entered} times ({entered - len(counts)} again), "
+              f"{len(leg['types'])} types")  # fmt: skip
         print("  entered in order: " + " > ".join(dict.fromkeys(leg["entries"])))
         print("  entered more than once: " + (", ".join(f"{m} {n}x" for m, n in sorted(again.items())) or "none"))
         everything |= set(leg["types"])
