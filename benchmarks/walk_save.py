@@ -4,8 +4,9 @@
 
 It starts two real `ckptd serve`, the saving node and its peer, each under a profiler (every
 thread; the profile goes to a file when the daemon exits after SIGTERM), with a file:// object
-store behind the saving node. A real Checkpointer on this thread (profiled too) saves one small
-state and waits for it on NVMe, on the peer and in the object store. Then, for each leg of the save
+store behind the saving node. A real Checkpointer on this thread saves one small state twice (the
+first save makes the slots) and, profiled, waits for the second on NVMe, on the peer and in the
+object store. Then, for each leg of the save
 (the training thread from save_async to wait; the saving node's Reserve and Commit work, its flush,
 its NVMe writes, its replication to the peer and its upload; the peer's receive), it prints the
 modules entered in order and how often each was entered: a call from a function of one module into
@@ -60,7 +61,8 @@ RECEIVE_ROOTS = (
 JOB = "walk"
 
 # The profiler, in this process and in each daemon: every thread's calls into our code. A generator or coroutine
-# resumed is the same call going on (3.11's RESUME has argument 0 only at a function's start), not an entry.
+# resumed is the same call going on, not an entry: RESUME's argument says where (its low bits are 0 only at a
+# function's start).
 PROFILER = """
 import inspect, sys, threading, time
 RESUMABLE = inspect.CO_GENERATOR | inspect.CO_COROUTINE | inspect.CO_ASYNC_GENERATOR
@@ -69,7 +71,7 @@ def start_profiling(ours, calls):
         code = frame.f_code
         if event != "call" or not code.co_filename.startswith(ours):
             return
-        if code.co_flags & RESUMABLE and code.co_code[frame.f_lasti + 1]:
+        if code.co_flags & RESUMABLE and code.co_code[frame.f_lasti + 1] & 3:
             return
         back, outer, root = frame.f_back, frame.f_back, frame
         while outer is not None:
