@@ -39,40 +39,24 @@ def read_pieces(path: Path, meta: ShardMeta, byte_range: ByteRange, what: str) -
     also what a staging slot reused for a newer snapshot looks like.
     """
     chunk = meta.chunk_size_bytes
-    with open(path, "rb", buffering=0) as f, _Reader(f.fileno(), path, round_up(chunk, DIRECT_IO_ALIGN_BYTES)) as read:
-        for lo in range(byte_range.offset, byte_range.end, chunk):
-            n = min(chunk, byte_range.end - lo)
-            data = read(lo, n)
-            check_chunks(meta, data, lo, what)
-            for p in range(0, n, PIECE_BYTES):
-                yield data[p : p + PIECE_BYTES]
-
-
-class _Reader:
-    """Read byte ranges of a file into one page-aligned buffer, with direct I/O when the file allows it."""
-
-    def __init__(self, fd: int, path: Path, size_bytes: int) -> None:
-        self._fd = fd
-        self._path = path
-        self._direct = open_direct(path)
-        self._buffer = mmap.mmap(-1, size_bytes)
-        self._view = memoryview(self._buffer)
-
-    def __enter__(self) -> _Reader:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._view.release()
-        with contextlib.suppress(BufferError):  # a caller may still hold a slice; then GC unmaps it
-            self._buffer.close()
-        if self._direct is not None:
-            os.close(self._direct)
-
-    def __call__(self, offset: int, length: int) -> memoryview:
-        view = self._view[: round_up(length, DIRECT_IO_ALIGN_BYTES)]
-        if pread_into(self._direct, self._fd, view, offset, length) < length:
-            raise CorruptCheckpoint(f"{self._path}: short read in bytes {offset}-{offset + length - 1}")
-        return self._view[:length]
+    with open(path, "rb", buffering=0) as f:
+        direct = open_direct(path)
+        buffer = mmap.mmap(-1, round_up(chunk, DIRECT_IO_ALIGN_BYTES))
+        view = memoryview(buffer)
+        try:
+            for lo in range(byte_range.offset, byte_range.end, chunk):
+                n = min(chunk, byte_range.end - lo)
+                if pread_into(direct, f.fileno(), view[: round_up(n, DIRECT_IO_ALIGN_BYTES)], lo, n) < n:
+                    raise CorruptCheckpoint(f"{path}: short read in bytes {lo}-{lo + n - 1}")
+                check_chunks(meta, view[:n], lo, what)
+                for p in range(0, n, PIECE_BYTES):
+                    yield view[p : min(p + PIECE_BYTES, n)]
+        finally:
+            view.release()
+            with contextlib.suppress(BufferError):  # a caller may still hold a piece; then GC unmaps it
+                buffer.close()
+            if direct is not None:
+                os.close(direct)
 
 
 def fill_from_pieces(

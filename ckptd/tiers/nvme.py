@@ -440,9 +440,7 @@ class LocalShardWrite(ShardWrite):
 
     def write(self, byte_range: ByteRange, data: memoryview, digests: Sequence[str] | None = None) -> None:
         """Check (or hash, or take digests for) the range's chunks, then write them; any worker thread."""
-        chunk = self.meta.chunk_size_bytes
-        first, end = byte_range.offset // chunk, -(-byte_range.end // chunk)
-        self._check_range(byte_range, data, digests)
+        first, end = self._chunks_of(byte_range, data, digests)
         with self._lock:
             if self._state != "open":
                 raise ShardWriteError(f"{self._what}: a write after the copy was {self._state}")
@@ -452,7 +450,7 @@ class LocalShardWrite(ShardWrite):
                 check_chunks(self.meta, data, byte_range.offset, self._what)
                 digests = self.meta.chunk_xxh3_128[first:end]
             elif digests is None:
-                digests = chunk_digests(data, chunk)
+                digests = chunk_digests(data, self.meta.chunk_size_bytes)
             self._write_aligned(data, byte_range)
             with self._lock:
                 self._digests[first:end] = digests
@@ -467,7 +465,8 @@ class LocalShardWrite(ShardWrite):
             if last_out:  # abandoned while this write ran: the file goes now
                 self._discard()
 
-    def _check_range(self, byte_range: ByteRange, data: memoryview, digests: Sequence[str] | None) -> None:
+    def _chunks_of(self, byte_range: ByteRange, data: memoryview, digests: Sequence[str] | None) -> tuple[int, int]:
+        """Return the chunks [first, end) the range covers, once it, its data and its digests fit the shard."""
         chunk, size = self.meta.chunk_size_bytes, self.meta.data_size_bytes
         offset, end = byte_range.offset, byte_range.end
         fits = 0 <= offset <= end <= size and offset % chunk == 0 and (end % chunk == 0 or end == size)
@@ -475,6 +474,7 @@ class LocalShardWrite(ShardWrite):
             raise InvalidArgument(f"{self._what}: range {byte_range} ({len(data)} bytes) does not fit the shard")
         if digests is not None and len(digests) != -(-byte_range.length // chunk):
             raise InvalidArgument(f"{self._what}: {len(digests)} checksums for range {byte_range}")
+        return offset // chunk, -(-end // chunk)
 
     def _write_aligned(self, data: memoryview, byte_range: ByteRange) -> None:
         # Direct writes need whole 4 KiB blocks: a range that ends mid-block (the shard's

@@ -133,30 +133,31 @@ def flatten(state: Any, replicated: KeyFilter | None = None, rank: int = 0) -> F
                 add(chunk.data, {**entry, "kind": "chunk", "key": key, "offsets": list(chunk.offsets)})
         return key
 
-    class Pickler(pickle.Pickler):
-        def persistent_id(self, obj: Any) -> Any:
-            if type(obj) in _PLAIN_TYPES:  # most of what a state pickles; no array, DTensor or chunk list
-                return None
-            if is_sharded_value(obj):
-                return ("ckpt-dtensor", add_dtensor(obj, key_of(obj), id(obj)))
-            if replicated is not None and isinstance(obj, torch.Tensor) and replicated.takes(key_of(obj) or ""):
-                key = key_of(obj)
-                if key is not None:
-                    check_plain_tensor(obj, key)
-                    return ("ckpt-dtensor", add_dtensor(replicated_chunks(obj, rank), key, id(obj)))
-            is_array = isinstance(obj, np.ndarray) and not obj.dtype.hasobject
-            if not (isinstance(obj, torch.Tensor) or is_array):
-                return None
-            if id(obj) not in index_of:
-                if isinstance(obj, torch.Tensor) and is_wrapper_tensor(obj):
-                    check_plain_tensor(obj, key_of(obj) or "")  # raises, naming the tensor
-                index_of[id(obj)] = len(arrays)
-                add(obj, _entry(obj))
-            return ("ckpt", index_of[id(obj)])
+    def persistent_id(obj: Any) -> Any:
+        if type(obj) in _PLAIN_TYPES:  # most of what a state pickles; no array, DTensor or chunk list
+            return None
+        if is_sharded_value(obj):
+            return ("ckpt-dtensor", add_dtensor(obj, key_of(obj), id(obj)))
+        if replicated is not None and isinstance(obj, torch.Tensor) and replicated.takes(key_of(obj) or ""):
+            key = key_of(obj)
+            if key is not None:
+                check_plain_tensor(obj, key)
+                return ("ckpt-dtensor", add_dtensor(replicated_chunks(obj, rank), key, id(obj)))
+        is_array = isinstance(obj, np.ndarray) and not obj.dtype.hasobject
+        if not (isinstance(obj, torch.Tensor) or is_array):
+            return None
+        if id(obj) not in index_of:
+            if isinstance(obj, torch.Tensor) and is_wrapper_tensor(obj):
+                check_plain_tensor(obj, key_of(obj) or "")  # raises, naming the tensor
+            index_of[id(obj)] = len(arrays)
+            add(obj, _entry(obj))
+        return ("ckpt", index_of[id(obj)])
 
     buf = io.BytesIO()
+    pickler = pickle.Pickler(buf, protocol=PICKLE_PROTOCOL)
+    pickler.persistent_id = persistent_id  # type: ignore[method-assign]  # the C pickler takes it per instance
     try:
-        Pickler(buf, protocol=PICKLE_PROTOCOL).dump(state)
+        pickler.dump(state)
     except InvalidArgument:
         raise
     except Exception as e:  # pickle raises many types for unpicklable objects
