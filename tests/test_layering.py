@@ -529,8 +529,8 @@ CATALOG_WRITERS = {
     "ckptd/offline/restore.py",
 }
 CATALOG_OWNERS = ("ckptd/tiers/", "ckptd/storage/")
-# Asking the save path (through the pipeline, or its own method) is not a write to a tier.
-ASKS_THE_SAVE_PATH = {"self", "pipeline", "_save_path", "save_path"}
+# Asking the save path (its own method, or a role holding it) is not a write to a tier.
+ASKS_THE_SAVE_PATH = {"self", "_save_path", "save_path"}
 
 
 def _catalog_writes(root: Path) -> list[str]:

@@ -51,7 +51,7 @@ class Pass:
 
 
 # Every pass retention runs, by what starts it: RetentionRunner.retain is the one entry point.
-PASSES: dict[str, Pass] = {
+PASSES: dict[Occasion, Pass] = {
     "sealed": Pass(LOCAL_TIERS),  # a step sealed here (SavePath.after_flush; its failure goes to the rank waiting)
     "uploaded": Pass(("object",), quiet=True),  # a step committed in the store (SavePath.upload_changed)
     "started": Pass(LOCAL_TIERS, keep_newest=False, quiet=True),  # start-up, before any save (Node.start)
@@ -149,8 +149,9 @@ class RetentionRunner:
         job_retention: JobRetention,
         uploader: Uploader | None = None,
     ) -> None:
-        """object_threads: queries and removals in the object store; cleanup_thread: one thread, started with
-        lowest_priority as its initializer, for local removals; job_retention: each job's settings and pins.
+        """object_threads: queries in the object store; cleanup_thread: one thread, started with lowest_priority
+        as its initializer, for local listings and the removals that failed before (retry_removals, of steps
+        unlisted already); job_retention: each job's settings and pins.
 
         The save path's, which alone seals, adopts and removes (awaited on the event loop):
         adopt_missed_commits(tier, job) before each job's pass on a local tier; release(tier, job, step)
@@ -169,7 +170,7 @@ class RetentionRunner:
         self._local_lock = asyncio.Lock()
         self._object_lock = asyncio.Lock()
         self.cleanup_thread = cleanup_thread
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks: set[asyncio.Task[list[Removal]]] = set()
 
     def busy_steps(self) -> set[tuple[str, int]]:
         """Return every step some holder keeps (asked now, after any await)."""
@@ -192,12 +193,9 @@ class RetentionRunner:
 
     def retain_soon(self, occasion: Occasion, job: str) -> None:
         """Start retain() from a plain callback on the event loop; drain() waits for it."""
-        task = asyncio.get_running_loop().create_task(self._retain_in_background(occasion, job))
+        task = asyncio.get_running_loop().create_task(self.retain(occasion, job))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
-
-    async def _retain_in_background(self, occasion: Occasion, job: str) -> None:
-        await self.retain(occasion, job)
 
     async def _collect(self, dry_run: bool, job: str, how: Pass) -> list[Removal]:
         """Apply retention on the tiers of a pass, this node's first, then the store's."""
