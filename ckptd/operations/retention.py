@@ -44,9 +44,7 @@ class Pass:
 
     tiers: tuple[str, ...]
     keep_newest: bool = True  # False: only incomplete steps that can no longer complete go
-    unfinished_uploads: bool = (
-        False  # the store's crash leftovers too (never of its own accord: another node may own them)
-    )
+    unfinished_uploads: bool = False  # the store's crash leftovers too (never unasked: another node may own them)
     quiet: bool = False  # a failure is logged (the next pass tries again), not raised
 
 
