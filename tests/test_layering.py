@@ -188,7 +188,7 @@ def test_each_rpc_is_one_call_into_a_role(path):
     assert not more, f"RPC handlers that make several calls into roles: {more}"
 
 
-def test_a_handler_that_calls_two_roles_is_counted(tmp_path):
+def test_a_handler_that_calls_two_roles_is_counted():
     handler = ast.parse(
         "async def Reserve(self, request, context):\n"
         "    self.guard.note(context)\n"  # a helper of the edge: not counted
