@@ -25,7 +25,7 @@ from ckptd.errors import RootGone
 from ckptd.log_pace import LogPace
 from ckptd.node import Executors, Node
 from ckptd.operations import root_lock
-from ckptd.pipeline import Pipeline
+from ckptd.operations.status import StatusReport
 from ckptd.rpc.cluster_server import add_cluster_servicer
 from ckptd.rpc.data_listener import DataListener
 from ckptd.rpc.grpc_log import CoreLog
@@ -79,10 +79,9 @@ async def serve(config: Config) -> None:
 
 async def _serve_holding_root(config: Config, executors: Executors) -> None:
     if config.cpu_set:
-        _pin(config.cpu_set)  # before the pipeline starts its threads: they inherit it
+        _pin(config.cpu_set)  # before the node starts its threads: they inherit it
     node = Node(config, executors)  # every role of the daemon
     await node.start()
-    pipeline = node.pipeline
     server = grpc.aio.server(
         options=[
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -90,7 +89,10 @@ async def _serve_holding_root(config: Config, executors: Executors) -> None:
         ]
     )
     guard = RequestGuard()
-    guard.register(ckptd_pb2_grpc.add_CkptdServicer_to_server, CkptdServicer(pipeline, guard), server)
+    servicer = CkptdServicer(
+        node.save_path, node.locator, node.sharded_reads, node.retention, node.job_removal, node.report, guard
+    )
+    guard.register(ckptd_pb2_grpc.add_CkptdServicer_to_server, servicer, server)
     server.add_insecure_port(f"unix:{config.socket_path}")
     old_umask = os.umask(0o117)  # the socket is born owner/group only: no moment where others may connect
     try:
@@ -111,7 +113,7 @@ async def _serve_holding_root(config: Config, executors: Executors) -> None:
     data_listener = await _listen_for_data(config, node) if config.node.listen else None
     node.serving(data_listener.port if data_listener is not None else 0, guard.counters)
     peer_server = await _serve_peers(config, node, guard, data_listener) if config.node.listen else None
-    metrics_server = await _serve_metrics(config, pipeline) if config.metrics.listen else None
+    metrics_server = await _serve_metrics(config, node.report) if config.metrics.listen else None
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -174,8 +176,9 @@ async def _serve_peers(
     server = grpc.aio.server(options=server_options(), maximum_concurrent_rpcs=MAX_PEER_RPCS)
     threads = node.executors
     peer_servicer = PeerServicer(
-        node.pipeline, node.receiver, config, threads.serve, threads.records, data_listener, guard
-    )
+        node.save_path, node.locator, node.peering, node.receiver, node.verification_failed, node.instance,
+        config, threads.serve, threads.records, data_listener, guard,
+    )  # fmt: skip
     add_peer_servicer(peer_servicer, server, guard)
     view = node.view
     if isinstance(view, PeersView):  # the built-in cluster view's calls, on the same port
@@ -195,9 +198,9 @@ async def _serve_peers(
     return server
 
 
-async def _serve_metrics(config: Config, pipeline: Pipeline) -> asyncio.Server:
+async def _serve_metrics(config: Config, report: StatusReport) -> asyncio.Server:
     try:
-        server = await metrics.serve(config.metrics.listen, pipeline.metrics_page)
+        server = await metrics.serve(config.metrics.listen, report.metrics_page)
     except OSError as e:
         raise ListenFailed(f"cannot serve metrics on {config.metrics.listen} (metrics.listen): {e}") from None
     log.info("serving Prometheus metrics on http://%s/metrics", config.metrics.listen)

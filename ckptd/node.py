@@ -1,9 +1,10 @@
 """The composition root: build every executor and every role of one node, start them in order, drain them.
 
 daemon.serve builds the Executors (its first act: the root's lock is taken on one), then one
-Node on them, awaits start() before serving any RPC, hands the RPC edges node.pipeline (and
-the data listener node.receiver, the cluster servicer node.view, the threads they use from
-node.executors), and awaits drain() after the servers stopped. Everything here runs on the
+Node on them, awaits start() before serving any RPC, hands the RPC edges the roles each calls
+(the save path, the load path's Locator and ShardedReads, retention, job removal, the status
+report, Peering, the receiver, the cluster view, and the threads they use from node.executors),
+and awaits drain() after the servers stopped. Everything here runs on the
 event loop. No role builds another role or a thread pool of its own, and none reaches into
 another's attributes: each gets here, at construction, what it uses. The threads of the
 daemon are the Executors below (the thread map, with who submits what and what may block, is
@@ -33,17 +34,17 @@ from ckptd.load.locate import Locator
 from ckptd.load.sharded_reads import ShardedReads
 from ckptd.operations import root_identity
 from ckptd.operations.idle_release import IdleRelease
+from ckptd.operations.job_removal import JobRemoval
 from ckptd.operations.job_retention import ClientRetention, JobRetention
 from ckptd.operations.retention import BusySteps, RetentionRunner, lowest_priority
 from ckptd.operations.status import StatusReport
-from ckptd.pipeline import Pipeline
 from ckptd.replication.peering import Peering
 from ckptd.replication.receiving import MAX_RANGES_IN_FLIGHT, ReplicaReceiver
 from ckptd.replication.sending import MAX_SENDERS, Replication
 from ckptd.rpc.data_listener import CONNECTION_THREADS
 from ckptd.save.flush import Flusher
 from ckptd.save.progress import ShardProgress
-from ckptd.save.save_path import LOCAL_TIERS, SavePath
+from ckptd.save.save_path import SavePath
 from ckptd.save.staging import SlotPool, default_budget_bytes
 from ckptd.save.uploading import UPLOAD_THREADS, Uploader
 from ckptd.storage.object_store import open_store
@@ -55,6 +56,7 @@ from ckptd.tiers.object.layout import READ_THREADS
 from ckptd.tiers.object.shards import COMMIT_CHECK_THREADS
 from ckptd.tiers.object.tier import ObjectTier
 from ckptd.tiers.peer import INVENTORY_THREADS, PeerTier
+from ckptd.tiers.slot_files import Slot
 
 log = logging.getLogger(__name__)
 
@@ -168,7 +170,8 @@ class Node:
                 store, x.object_reads, x.object_requests, config.object.compression, config.commit_keys
             )
 
-        # SavePath orders the others, so it is built last; the replicas and uploads report to it through these.
+        # SavePath orders the others, so it is built last; the replicas and uploads report to it through these,
+        # and retention asks it through these to adopt what this node missed and to remove what it decided goes.
         def replication_changed(key: ShardKey, replicated: bool) -> None:
             save_path.replication_changed(key, replicated)
 
@@ -177,6 +180,12 @@ class Node:
 
         async def adopt_missed_commits(tier: DurableTier, job: str) -> None:
             await save_path.adopt_missed_commits(tier, job)
+
+        async def release(tier: DurableTier | ObjectTier, job: str, step: int) -> None:
+            await save_path.release(tier, job, step)
+
+        async def release_slots(job: str, step: int, dry_run: bool) -> list[Slot]:
+            return await save_path.release_slots(job, step, dry_run)
 
         # -- the cluster: its view, and the peer tier wherever a view is (peers may come later)
         self.view = open_view(config, x.resolve, x.records)  # [cluster] backend; None: no peers, every step sealed here
@@ -204,34 +213,35 @@ class Node:
         flusher = Flusher(self.pool, self.nvme, x.flush)
         self.locator = Locator(
             *(config, tiers, self.nvme, replica_store, cluster, object_tier, self.verification_failed),
-            *(x.locate, x.object, x.object_listings),
+            *(x.locate, x.object, x.object_listings, self.job_retention.pinned),
         )
+        self.sharded_reads = ShardedReads(self.locator, cluster)
         holders: list[BusySteps] = [flusher, self.progress, self.locator, cluster, self.receiver, self.peering]
         if uploader is not None:
             holders.append(uploader)
         self.retention = RetentionRunner(
-            config, self.durable_tiers, object_tier, adopt_missed_commits, holders, x.object, x.cleanup,
-            self.job_retention, uploader,
+            config, self.durable_tiers, object_tier, adopt_missed_commits, release, release_slots, holders,
+            x.object, x.cleanup, self.job_retention, uploader,
         )  # fmt: skip
         save_path = SavePath(
             self.pool, flusher, self.nvme, replica_store, self.durable_tiers, self.peering, uploader,
-            self.progress, self.retention, self.view, x.save, x.peer,
+            self.progress, self.retention, self.view, x.save, x.peer, x.cleanup, x.object,
             lambda job, keep, keep_every: self.job_retention.client_asked(job, ClientRetention(keep, keep_every)),
+            self.locator.object_step,
         )  # fmt: skip
         self.save_path = save_path
         self.uploader = uploader
         if self.view is not None:
             self.view.watch(save_path.commit_learned)
         self.idle_release = IdleRelease(self.pool, self.nvme, config.staging.idle_ttl_s, x.cleanup)
+        self.job_removal = JobRemoval(
+            self.receiver, self.idle_release, self.retention, self.progress, self.job_retention, self.view
+        )
         self.report = StatusReport(
             config, self.pool, memory, self.nvme, flusher, save_path,
             self.progress, self.peering, self.view, uploader, self.retention, self.job_retention, x.status,
         )  # fmt: skip
-        self.pipeline = Pipeline(
-            self.pool, save_path, self.progress, self.locator, ShardedReads(self.locator, cluster), self.peering,
-            self.receiver, self.retention, self.job_retention, self.idle_release, self.report, self.view, instance,
-            x.peer,
-        )  # fmt: skip
+        self.instance = instance  # this daemon's run: the peer servicer refuses calls that carry it
         self._background: list[asyncio.Task[None]] = []
         self.root_id = ""  # the NVMe root's identity, read at start()
 
@@ -257,7 +267,7 @@ class Node:
             self._background.append(loop.create_task(self.view.run_forever()))
         await self.save_path.resume()
         for job in await loop.run_in_executor(peer_threads, self.nvme.jobs):
-            await self.retention.collect_quietly(job, LOCAL_TIERS, keep_newest=False)
+            await self.retention.retain("started", job)
         await loop.run_in_executor(peer_threads, self.report.seed)
         if self.uploader is not None:
             self.uploader.start()
@@ -290,7 +300,7 @@ class Node:
                 self.receiver.drop_idle()
                 await self.save_path.catch_up(full)
                 full = False
-                await self.retention.collect(dry_run=False, tiers=LOCAL_TIERS)  # adopted commits bring retention
+                await self.retention.retain("caught up")  # adopted commits bring retention
             except (CheckpointError, OSError) as e:
                 log.warning("catching up with the peers failed: %s", e)
             except Exception:  # the loop must outlive any one bad round

@@ -19,9 +19,10 @@ refetch (the client found this node's copies bad) does so over them.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -67,10 +68,12 @@ class Locator:
         threads: ThreadPoolExecutor,
         object_threads: ThreadPoolExecutor,
         listing_threads: ThreadPoolExecutor,
+        pinned: Callable[[str], Collection[int]],
     ) -> None:
         """threads: lookups on this node's tiers; object_threads: object-store queries of one step, and fetches;
         listing_threads: listings of a job's steps in the store, which take long with a long history (and go
         on after a caller stopped waiting): on threads of their own, a load's one question is never behind them.
+        pinned(job): the job's pinned steps (JobRetention.pinned, on the event loop), marked in listings.
         """
         self.config = config
         self.tiers = tiers
@@ -82,6 +85,7 @@ class Locator:
         self.threads = threads
         self.object_threads = object_threads
         self.listing_threads = listing_threads
+        self._pinned = pinned
         self._fetch_locks: KeyedLocks[tuple[str, int, int]] = KeyedLocks()  # one fetch of a shard at a time
         self._fetching_from_object: KeyCounts[tuple[str, int]] = KeyCounts()  # ranks of a step may be fetched at once
         self._being_read: dict[tuple[str, int], float] = {}  # steps a client was pointed at, until when
@@ -336,7 +340,7 @@ class Locator:
     # -- listings and peers' requests ---------------------------------------------------
 
     async def list_steps(self, job: str = "", newest: bool = False) -> list[StepInfo]:
-        """Return every complete step on any tier, by job and step (with peers, as the cluster sees it).
+        """Return every complete step on any tier, by job and step (with peers, as the cluster sees it), pins marked.
 
         newest (with a job): only its newest step, which the cluster view answers without
         asking every peer (Checkpointer.latest_step, on every rank at a restart).
@@ -350,8 +354,10 @@ class Locator:
             steps = merge_steps(steps, in_store or [])
         if newest:
             head = head_of(steps)
-            return [head] if head is not None else []
-        return with_superseded(steps)
+            steps = [head] if head is not None else []
+        else:
+            steps = with_superseded(steps)
+        return [dataclasses.replace(s, pinned=s.step in self._pinned(s.job)) for s in steps]
 
     async def shard_for_peer(self, job: str, step: int, rank: int, tier: str) -> tuple[ShardMeta, bytes, Path]:
         """Return (record, its bytes, data file) of a shard of a complete step that a peer asks for."""

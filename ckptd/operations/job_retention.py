@@ -12,9 +12,10 @@ saves again. The directory's name starts with a dot: it is never taken for a job
 names start with a letter or digit, ckpt_core.format.JOB_RE), nor listed by any tier.
 
 Who calls what: Node calls load() once at start, on a worker thread, before any RPC.
-On the event loop: the Reserve handler (through the Pipeline) calls client_asked(); the
+On the event loop: the Reserve handler (through SavePath.reserve_for) calls client_asked(); the
 retention runner calls effective() and pinned() during its passes and set_pin() for
-`ckptd pin`/`unpin` and `ckptd rm`; the status report calls describe(). The record is
+`ckptd pin`/`unpin` and `ckptd rm`; the Locator's listings call pinned() to mark pins; JobRemoval
+calls forget() (`gc --job J --all`); the status report calls describe(). The record is
 written on the save threads (a small file, fsync'd), only when it changed.
 """
 

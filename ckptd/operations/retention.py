@@ -2,6 +2,8 @@
 
 plan_removals is the rule, a pure function. RetentionRunner applies it tier by tier;
 every component that holds a step implements BusySteps, and the runner asks them all.
+Retention decides what goes; the save path removes it (SavePath.release, under the lock
+that seals): no step leaves a tier's catalog any other way.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 from ckpt_core.errors import CheckpointError, NotFound
 from ckpt_core.history import History, Line
@@ -22,14 +24,38 @@ from ckpt_core.history import History, Line
 from ckptd.config import Config
 from ckptd.errors import RemovalRefused
 from ckptd.operations.job_retention import JobRetention
+from ckptd.save.save_path import LOCAL_TIERS
 from ckptd.save.uploading import Uploader
 from ckptd.tiers.base import DurableTier
 from ckptd.tiers.object.tier import ObjectTier
+from ckptd.tiers.slot_files import Slot
 
 log = logging.getLogger(__name__)
 
 RETAINED_TIERS = ("nvme", "peer", "object")  # the tiers [retention] applies to
 STEPS_NAMED = 10  # a NotFound names at most this many of the job's steps (as a load's does)
+
+Occasion = Literal["sealed", "uploaded", "started", "caught up", "gc"]
+
+
+@dataclass(frozen=True)
+class Pass:
+    """What a retention pass does on one occasion (see PASSES)."""
+
+    tiers: tuple[str, ...]
+    keep_newest: bool = True  # False: only incomplete steps that can no longer complete go
+    unfinished_uploads: bool = False  # the store's crash leftovers too (never unasked: another node may own them)
+    quiet: bool = False  # a failure is logged (the next pass tries again), not raised
+
+
+# Every pass retention runs, by what starts it: RetentionRunner.retain is the one entry point.
+PASSES: dict[Occasion, Pass] = {
+    "sealed": Pass(LOCAL_TIERS),  # a step sealed here (SavePath.after_flush; its failure goes to the rank waiting)
+    "uploaded": Pass(("object",), quiet=True),  # a step committed in the store (SavePath.upload_changed)
+    "started": Pass(LOCAL_TIERS, keep_newest=False, quiet=True),  # start-up, before any save (Node.start)
+    "caught up": Pass(LOCAL_TIERS),  # after each round of catching up with the peers: adopted commits (Node)
+    "gc": Pass(RETAINED_TIERS, unfinished_uploads=True),  # `ckptd gc` (the Collect RPC)
+}
 
 
 def plan_removals(
@@ -98,13 +124,13 @@ class Removal:
 class RetentionRunner:
     """Apply [retention] to each tier: what the config no longer keeps goes, busy steps stay.
 
-    Called on the event loop: after a step is sealed (NVMe and the replica store),
-    after a step is committed in the store (object), from reconciliation, and from
-    `ckptd gc`. One pass at a time on this node's tiers, and one on the store: a pass on
-    the store (a listing of a long history there, after a restart) never holds up NVMe's,
-    nor reconciliation, which runs one after each round. `ckptd rm`, `gc --all` and pins
-    hold off both. Listing and removing run on the cleanup thread (lowest CPU priority)
-    or, for the store, on the object threads.
+    Called on the event loop, through retain() (PASSES names each occasion): after a step is
+    sealed (NVMe and the replica store), after a step is committed in the store (object), at
+    start-up, after each round of reconciliation, and from `ckptd gc`. One pass at a time on
+    this node's tiers, and one on the store: a pass on the store (a listing of a long history
+    there, after a restart) never holds up NVMe's, nor reconciliation's. `ckptd rm`, `gc --all`
+    and pins hold off both. Listing runs on the cleanup thread (lowest CPU priority) or, for the
+    store, on the object threads; each removal is the save path's (release).
     """
 
     def __init__(
@@ -113,22 +139,28 @@ class RetentionRunner:
         durable_tiers: list[DurableTier],
         object_tier: ObjectTier | None,
         adopt_missed_commits: Callable[[DurableTier, str], Awaitable[None]],
+        release: Callable[[DurableTier | ObjectTier, str, int], Awaitable[None]],
+        release_slots: Callable[[str, int, bool], Awaitable[list[Slot]]],
         holders: list[BusySteps],
         object_threads: ThreadPoolExecutor,
         cleanup_thread: ThreadPoolExecutor,
         job_retention: JobRetention,
         uploader: Uploader | None = None,
     ) -> None:
-        """object_threads: queries and removals in the object store; cleanup_thread: one thread, started with
-        lowest_priority as its initializer, for local removals; job_retention: each job's settings and pins.
+        """object_threads: queries in the object store; cleanup_thread: one thread, started with lowest_priority
+        as its initializer, for local listings and the removals that failed before (retry_removals, of steps
+        unlisted already); job_retention: each job's settings and pins.
 
-        adopt_missed_commits(tier, job): SavePath's, which alone seals and adopts; awaited before each
-        job's pass on a local tier, on the event loop."""
+        The save path's, which alone seals, adopts and removes (awaited on the event loop):
+        adopt_missed_commits(tier, job) before each job's pass on a local tier; release(tier, job, step)
+        removes a step from a tier; release_slots(job, step, dry_run) drops a step's staging slots (`ckptd rm`)."""
         self.config = config
         self.job_retention = job_retention
         self.durable_tiers = durable_tiers
         self.object_tier = object_tier
         self._adopt_missed_commits = adopt_missed_commits
+        self._release = release
+        self._release_slots = release_slots
         self.holders = holders
         self.uploader = uploader  # its steps not yet committed in the store stay there too
         self._object_threads = object_threads
@@ -136,36 +168,41 @@ class RetentionRunner:
         self._local_lock = asyncio.Lock()
         self._object_lock = asyncio.Lock()
         self.cleanup_thread = cleanup_thread
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks: set[asyncio.Task[list[Removal]]] = set()
 
     def busy_steps(self) -> set[tuple[str, int]]:
         """Return every step some holder keeps (asked now, after any await)."""
         return set().union(*(h.busy_steps() for h in self.holders))
 
-    async def collect(
-        self,
-        dry_run: bool,
-        job: str = "",
-        keep_newest: bool = True,
-        tiers: tuple[str, ...] = RETAINED_TIERS,
-        unfinished_uploads: bool = True,
-    ) -> list[Removal]:
-        """Apply retention: remove what the config says not to keep; with dry_run only report it.
+    async def retain(self, occasion: Occasion, job: str = "", dry_run: bool = False) -> list[Removal]:
+        """Run the pass of an occasion (PASSES) for a job, or every job: the one entry point of retention.
 
-        keep_newest=False removes only the incomplete steps that can no longer complete;
-        tiers limits the pass to some tiers (a flush touches NVMe, an upload the object store);
-        unfinished_uploads (`ckptd gc`) also removes what crashes left in the object store:
-        incomplete steps older than the newest complete one, and unfinished multipart
-        uploads. Passes of their own accord never do: another node may be uploading them.
+        Remove what the config says not to keep; with dry_run (`ckptd gc --dry-run`) only report
+        it. A quiet occasion's failure is logged, and the pass returns what it removed: nothing.
         """
+        how = PASSES[occasion]
+        try:
+            return await self._collect(dry_run, job, how)
+        except (CheckpointError, OSError) as e:
+            if not how.quiet:
+                raise
+            log.warning("retention for %s on %s failed: %s", job or "every job", ", ".join(how.tiers), e)
+            return []
+
+    def retain_soon(self, occasion: Occasion, job: str) -> None:
+        """Start retain() from a plain callback on the event loop; drain() waits for it."""
+        task = asyncio.get_running_loop().create_task(self.retain(occasion, job))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _collect(self, dry_run: bool, job: str, how: Pass) -> list[Removal]:
+        """Apply retention on the tiers of a pass, this node's first, then the store's."""
         async with self._local_lock:
-            removals = await self._collect_local(dry_run, job, keep_newest, tiers)
-        if "object" in tiers and self.object_tier is not None:
+            removals = await self._collect_local(dry_run, job, how.keep_newest, how.tiers)
+        if "object" in how.tiers and self.object_tier is not None:
             async with self._object_lock:
                 busy = self.busy_steps() | (self.uploader.unsettled_steps() if self.uploader else set())
-                removals += await self._on_object_threads(
-                    self._collect_object, dry_run, job, keep_newest, busy, unfinished_uploads
-                )
+                removals += await self._collect_object(dry_run, job, how.keep_newest, busy, how.unfinished_uploads)
         return removals
 
     @contextlib.asynccontextmanager
@@ -173,19 +210,6 @@ class RetentionRunner:
         """Hold both locks, local first (collect takes one at a time: no deadlock)."""
         async with self._local_lock, self._object_lock:
             yield
-
-    async def collect_quietly(self, job: str, tiers: tuple[str, ...], keep_newest: bool = True) -> None:
-        """Run a pass of its own accord; a failure is logged (the next pass tries again)."""
-        try:
-            await self.collect(dry_run=False, job=job, tiers=tiers, keep_newest=keep_newest, unfinished_uploads=False)
-        except (CheckpointError, OSError) as e:
-            log.warning("retention for %s on %s failed: %s", job or "every job", ", ".join(tiers), e)
-
-    def collect_soon(self, job: str, tiers: tuple[str, ...]) -> None:
-        """Start a pass of its own accord from a plain callback on the event loop."""
-        task = asyncio.get_running_loop().create_task(self.collect_quietly(job, tiers))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
 
     async def _collect_local(self, dry_run: bool, job: str, keep_newest: bool, tiers: tuple[str, ...]) -> list[Removal]:
         loop = asyncio.get_running_loop()
@@ -214,46 +238,63 @@ class RetentionRunner:
                         continue  # taken meanwhile, while an earlier step was being removed (a load pointed at it)
                     removals.append(Removal(tier.name, j, step, reason))
                     if not dry_run:
-                        await loop.run_in_executor(self.cleanup_thread, tier.remove_step, j, step)
+                        await self._release(tier, j, step)
                         log.info("removed %s step %d from %s: %s", j, step, tier.name, reason)
         return removals
 
-    def _collect_object(
+    async def _collect_object(
         self, dry_run: bool, job: str, keep_newest: bool, busy: set[tuple[str, int]], unfinished_uploads: bool
     ) -> list[Removal]:
-        """Apply [retention] object to the object store (on an object thread: every call is a request)."""
+        """Apply [retention] object to the object store (its requests on the object threads)."""
         tier = self.object_tier
         assert tier is not None
         removals = []
-        for j in [job] if job else tier.jobs():
-            policy = self.job_retention.effective(j)  # read only here; changed on the event loop, under the pass's lock
-            lines = tier.complete_lines(j)
-            plan = plan_removals(
-                all_steps=tier.all_steps(j, scan=unfinished_uploads),  # gc: what crashes left under the hash prefixes
-                lines=lines,
-                keep=policy.keep["object"] if keep_newest else 0,
-                busy={s for bj, s in busy if bj == j} | set(tier.damaged_steps(j)),
-                keep_every=policy.keep_every,
-                pinned=policy.pinned,
+        for j in [job] if job else await self._on_object_threads(tier.jobs):
+            plan, crashed = await self._on_object_threads(
+                self._plan_object, tier, j, keep_newest, busy, unfinished_uploads
             )
-            plan = [(step, reason) for step, reason in plan if unfinished_uploads or step in lines]
             for step, reason in plan:
                 removals.append(Removal(tier.name, j, step, reason))
                 if not dry_run:
-                    tier.remove_step(j, step)
+                    await self._release(tier, j, step)
                     log.info("removed %s step %d from object: %s", j, step, reason)
-            if not unfinished_uploads:
-                continue
-            # Uploads a crash left unfinished, of steps no upload of this node will resume:
-            # their parts cost storage and no listing shows them.
-            newest = max(tier.complete_steps(j), default=-1)
-            for step in tier.steps_with_unfinished_uploads(j):
-                if step <= newest and (j, step) not in busy and step not in dict(plan):
-                    removals.append(Removal(tier.name, j, step, "unfinished multipart uploads of a crashed upload"))
-                    if not dry_run:
-                        count = tier.abort_uploads(j, step)
-                        log.info("aborted %d unfinished upload(s) of %s step %d in the object store", count, j, step)
+            for step in crashed:
+                removals.append(Removal(tier.name, j, step, "unfinished multipart uploads of a crashed upload"))
+                if not dry_run:
+                    count = await self._on_object_threads(tier.abort_uploads, j, step)
+                    log.info("aborted %d unfinished upload(s) of %s step %d in the object store", count, j, step)
         return removals
+
+    def _plan_object(
+        self, tier: ObjectTier, job: str, keep_newest: bool, busy: set[tuple[str, int]], unfinished_uploads: bool
+    ) -> tuple[list[tuple[int, str]], list[int]]:
+        """Return (the steps to remove from the store with why, the steps whose crashed uploads to abort) of a job.
+
+        On an object thread: every call is a request.
+        """
+        policy = self.job_retention.effective(job)  # read only here; changed on the event loop, under the pass's lock
+        lines = tier.complete_lines(job)
+        plan = plan_removals(
+            all_steps=tier.all_steps(job, scan=unfinished_uploads),  # gc: what crashes left under the hash prefixes
+            lines=lines,
+            keep=policy.keep["object"] if keep_newest else 0,
+            busy={s for bj, s in busy if bj == job} | set(tier.damaged_steps(job)),
+            keep_every=policy.keep_every,
+            pinned=policy.pinned,
+        )
+        plan = [(step, reason) for step, reason in plan if unfinished_uploads or step in lines]
+        if not unfinished_uploads:
+            return plan, []
+        # Uploads a crash left unfinished, of steps no upload of this node will resume:
+        # their parts cost storage and no listing shows them.
+        newest = max(tier.complete_steps(job), default=-1)
+        planned = {step for step, _ in plan}
+        crashed = [
+            step
+            for step in tier.steps_with_unfinished_uploads(job)
+            if step <= newest and (job, step) not in busy and step not in planned
+        ]
+        return plan, crashed
 
     async def remove_job(self, job: str, dry_run: bool, tiers: tuple[str, ...]) -> list[Removal]:
         """Remove every step of a finished job from the named tiers of this node (`ckptd gc --job J --all`)."""
@@ -265,20 +306,21 @@ class RetentionRunner:
                 for step in await loop.run_in_executor(self.cleanup_thread, tier.all_steps, job):
                     removals.append(Removal(tier.name, job, step, reason))
                     if not dry_run:
-                        await loop.run_in_executor(self.cleanup_thread, tier.remove_step, job, step)
+                        await self._release(tier, job, step)
             if "object" in tiers and self.object_tier is not None:
                 store = self.object_tier
                 steps = await self._on_object_threads(store.all_steps, job, True)  # the hash prefixes listed now
                 for step in steps:
                     removals.append(Removal(store.name, job, step, reason))
                     if not dry_run:
-                        await self._on_object_threads(store.remove_step, job, step)
+                        await self._release(store, job, step)
         if removals and not dry_run:
             log.info("removed job %s from %s: %d steps", job, ", ".join(tiers), len(removals))
         return removals
 
-    async def remove_step(self, job: str, step: int, force: bool, dry_run: bool) -> list[Removal]:
-        """Remove one step from every durable tier of this node that has any of it (`ckptd rm`).
+    async def remove_one(self, job: str, step: int, force: bool, dry_run: bool) -> list[Removal]:
+        """Remove one step from every tier of this node that has any of it (`ckptd rm`): its durable copies, then its
+        settled staging slots.
 
         Refused (RemovalRefused) while a role is busy with the step, for the job's head (the
         newest step of its line on this node) and for a pinned step, unless force (never a
@@ -310,7 +352,6 @@ class RetentionRunner:
                 )
             reason = "removed by ckptd rm" + (" --force (the job's head)" if step == head else "")
             removals: list[Removal] = []
-            loop = asyncio.get_running_loop()
             tiers: list[DurableTier | ObjectTier] = [*self.durable_tiers]
             if self.object_tier is not None:
                 tiers.append(self.object_tier)
@@ -318,14 +359,12 @@ class RetentionRunner:
                 removals.append(Removal(tier.name, job, step, reason))
                 if dry_run:
                     continue
-                if isinstance(tier, ObjectTier):  # requests to the store
-                    await self._on_object_threads(tier.remove_step, job, step)
-                else:
-                    await loop.run_in_executor(self.cleanup_thread, tier.remove_step, job, step)
+                await self._release(tier, job, step)
                 log.info("removed %s step %d from %s: %s", job, step, tier.name, reason)
             if pinned and not dry_run:
                 await self.job_retention.set_pin(job, step, False)
-            return removals
+            slots = await self._release_slots(job, step, dry_run)
+            return removals + [Removal("memory", job, step, f"rank {s.rank}'s staging slot") for s in slots]
 
     async def pin(self, job: str, step: int, pinned: bool) -> list[int]:
         """Pin a step complete on some tier of this node (else NotFound), or unpin one; return the job's pins.

@@ -74,8 +74,6 @@ class StatusReport:
         self.job_retention = job_retention
         self.started_unix_s = time.time()
         self.verification_failures: Counter[str] = Counter()  # by tier: a bad byte caught on its way
-        self.replica_bytes_received = 0
-        self.inventories_answered = 0  # peers' Inventory calls (start-ups, ls, loads)
         self.data_port = 0  # where this node takes replicas' bytes beside gRPC; 0 = by gRPC only
         self.loop_max_stall_s = 0.0  # the longest the event loop was late, since start
         self._rpc_counters: dict[str, int] = {}  # the RPC layer's own, read at each report (Node.serving)
@@ -87,14 +85,6 @@ class StatusReport:
         """Learn what the RPC edges serve: the peer data port (0: none) and their counters, a live dict (at start)."""
         self.data_port = data_port
         self._rpc_counters = rpc_counters
-
-    def replica_received(self, size_bytes: int) -> None:
-        """Count a replica that became durable here."""
-        self.replica_bytes_received += size_bytes
-
-    def inventory_answered(self) -> None:
-        """Count a peer's Inventory call."""
-        self.inventories_answered += 1
 
     def verification_failed(self, tier: str) -> None:
         """Count a bad byte caught on its way (a chunk that did not match its checksum)."""
@@ -154,7 +144,6 @@ class StatusReport:
                 "peer": {
                     "replica_root": str(self.config.replica_root),
                     "data_port": self.data_port,
-                    "inventories_answered": self.inventories_answered,
                     **self.peering.status(),
                 },
                 "object": self.uploader.status() if self.uploader is not None else {"enabled": False},
@@ -173,7 +162,6 @@ class StatusReport:
                 **self.save_path.counters,
                 **self.flusher.counters,
                 "passed_over": sum(p["steps"] for p in passed_over.values()),
-                "replica_bytes_received": self.replica_bytes_received,
                 "removal_failures": self.retention.removal_failures(),
                 **self._rpc_counters,
                 "verification_failures": {

@@ -92,6 +92,7 @@ class Peering:
         self.replica_store = replica_store
         self.node = config.node.listen or config.node.name
         self._threads = threads
+        self._inventories_answered = 0
         self.instance = instance
         # Their links follow the membership.
         self.view = view
@@ -132,6 +133,11 @@ class Peering:
         return min(self.config.peer.replicas, len(self.peer_tier.links)) if self.peer_tier is not None else 0
 
     # -- what this node holds -----------------------------------------------------
+
+    async def holdings(self, job: str, step: int | None) -> list[StepHoldings]:
+        """Return what this node holds of a job's step (or of everything): a peer's Inventory (on the peer threads)."""
+        self._inventories_answered += 1
+        return await asyncio.get_running_loop().run_in_executor(self._threads, self.local_holdings, job, step)
 
     def local_holdings(self, job: str = "", step: int | None = None) -> list[StepHoldings]:
         """Return what this node's NVMe tier and replica store hold of a job's step (or of everything)."""
@@ -361,6 +367,7 @@ class Peering:
         """Describe the peer tier for `ckptd status`."""
         common = {
             "enabled": self.peer_tier is not None,
+            "inventories_answered": self._inventories_answered,  # peers' Inventory calls (start-ups, ls, loads)
             "listen": self.config.node.listen,
             "instance": self.instance,  # this daemon's run: peer calls that carry it are refused as its own
         }

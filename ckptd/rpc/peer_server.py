@@ -1,10 +1,15 @@
-"""Translate the peer protocol's messages to Pipeline calls and back; no logic of its own lives here."""
+"""Translate the peer protocol's messages to calls of the roles that answer them, and back; no logic of its own.
+
+Each RPC is one call into one role, handed over by the composition root (node.py): a replica's
+arrival and a peer's CommitStep to SavePath, a peer's fetch to the Locator, its Inventory to
+Peering; the replica's bytes go to the ReplicaReceiver.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, cast
 
@@ -19,11 +24,13 @@ from ckpt_core.wire.v1 import peer_pb2_grpc
 from ckptd.cluster.peer_link import INSTANCE_HEADER, ITSELF, IsSelf, data_piece, holdings_to_pb, piece_data
 from ckptd.cluster.shard_stream import read_pieces
 from ckptd.config import Config
-from ckptd.pipeline import Pipeline
+from ckptd.load.locate import Locator
+from ckptd.replication.peering import Peering
 from ckptd.replication.receiving import ReplicaReceiver
 from ckptd.rpc.data_listener import DataListener
 from ckptd.rpc.guard import NotAPeer, RequestGuard
 from ckptd.rpc.server import answer
+from ckptd.save.save_path import SavePath
 
 
 def _shard_meta(data: bytes) -> ShardMeta:
@@ -55,8 +62,12 @@ class PeerServicer(peer_pb2_grpc.CkptdPeerServicer):
 
     def __init__(
         self,
-        pipeline: Pipeline,
+        save_path: SavePath,
+        locator: Locator,
+        peering: Peering,
         receiver: ReplicaReceiver,
+        verification_failed: Callable[[str], None],
+        instance: str,
         config: Config,
         serve_threads: ThreadPoolExecutor,
         record_threads: ThreadPoolExecutor,
@@ -66,9 +77,15 @@ class PeerServicer(peer_pb2_grpc.CkptdPeerServicer):
         """serve_threads: where GetShard reads and serializes pieces (never in the way of seals);
         record_threads: where the shard and commit records peers send are parsed and checked (Executors.records).
 
-        guard: where a caller refused by admit() is logged, once a minute per caller.
+        verification_failed(tier): count a bad byte caught on its way in (StatusReport's). instance: this
+        daemon's run, to refuse calls from itself. guard: where a caller refused by admit() is logged, once a
+        minute per caller.
         """
-        self.pipeline = pipeline
+        self.save_path = save_path
+        self.locator = locator
+        self.peering = peering
+        self.verification_failed = verification_failed
+        self.instance = instance
         self.receiver = receiver
         self.config = config
         self._serve_threads = serve_threads
@@ -90,7 +107,7 @@ class PeerServicer(peer_pb2_grpc.CkptdPeerServicer):
 
     def admit(self, context: Any) -> None:
         """Refuse the node itself, and (with TLS) a caller whose certificate names no configured peer's host."""
-        if dict(context.invocation_metadata()).get(INSTANCE_HEADER) == self.pipeline.instance:
+        if dict(context.invocation_metadata()).get(INSTANCE_HEADER) == self.instance:
             raise IsSelf(f"{ITSELF} a peer address in [peer] addresses leads back to this node")
         config = self.config
         if not config.peer.cert:
@@ -131,7 +148,7 @@ class PeerServicer(peer_pb2_grpc.CkptdPeerServicer):
                         byte_range = ByteRange(first.offset, first.length)
                         await self.receiver.receive_range(meta, first.transfer, byte_range, pieces)
                     except CorruptCheckpoint:
-                        self.pipeline.verification_failed("peer")
+                        self.verification_failed("peer")
                         raise
             return pb.PutShardReply()
 
@@ -161,7 +178,7 @@ class PeerServicer(peer_pb2_grpc.CkptdPeerServicer):
             meta = await self._shard_meta(request.transfer, request.meta_json)
             record = await self._commit_record_of(request.commit_json) if request.commit_json else None
             await self.receiver.seal(meta, request.transfer)
-            await self.pipeline.replica_arrived(meta, record)
+            await self.save_path.replica_arrived(meta, record)
             return pb.SealShardReply()
 
         return await answer(context, work)
@@ -170,7 +187,7 @@ class PeerServicer(peer_pb2_grpc.CkptdPeerServicer):
         async def find() -> tuple[ShardMeta, bytes, Any]:
             self.admit(context)
             job, step = validate_job(request.job), validate_step(request.step)
-            return await self.pipeline.shard_for_peer(job, step, request.rank, request.tier)
+            return await self.locator.shard_for_peer(job, step, request.rank, request.tier)
 
         meta, meta_json, path = await answer(context, find)
         yield pb.ShardPiece(meta_json=meta_json).SerializeToString()
@@ -198,7 +215,7 @@ class PeerServicer(peer_pb2_grpc.CkptdPeerServicer):
             self.admit(context)
             job = validate_job(request.job) if request.job else ""
             step = None if request.step == -1 else validate_step(request.step)
-            steps = await self.pipeline.holdings(job, step)
+            steps = await self.peering.holdings(job, step)
             return pb.InventoryReply(node=self.config.node.name, steps=holdings_to_pb(steps))
 
         return await answer(context, work)
@@ -217,7 +234,7 @@ class PeerServicer(peer_pb2_grpc.CkptdPeerServicer):
     async def CommitStep(self, request: pb.CommitStepRequest, context: Any) -> pb.CommitStepReply:
         async def work() -> pb.CommitStepReply:
             self.admit(context)
-            await self.pipeline.adopt_commit(await self._commit_record_of(request.commit_json))
+            await self.save_path.adopt_commit(await self._commit_record_of(request.commit_json))
             return pb.CommitStepReply()
 
         return await answer(context, work)

@@ -1,4 +1,9 @@
-"""Translate gRPC messages to Pipeline calls and back; no logic of its own lives here."""
+"""Translate gRPC messages to calls of the roles that answer them, and back; no logic of its own lives here.
+
+Each RPC is one call into one role, handed over by the composition root (node.py): a save's to
+SavePath, a load's to the Locator and ShardedReads, the operators' to retention, job removal and
+the status report.
+"""
 
 from __future__ import annotations
 
@@ -19,10 +24,14 @@ from ckpt_core.wire.v1 import ckptd_pb2_grpc
 from google.protobuf.message import DecodeError
 
 from ckptd.cluster.shard_stream import PIECE_BYTES
-from ckptd.operations.retention import Removal
-from ckptd.pipeline import Pipeline
+from ckptd.load.locate import Locator
+from ckptd.load.sharded_reads import ShardedReads
+from ckptd.operations.job_removal import JobRemoval
+from ckptd.operations.retention import Removal, RetentionRunner
+from ckptd.operations.status import StatusReport
 from ckptd.rpc.guard import NotAPeer, RequestGuard
 from ckptd.rpc.statuses import status_of
+from ckptd.save.save_path import SavePath
 from ckptd.save.staging import Snapshot
 
 T = TypeVar("T")
@@ -65,15 +74,29 @@ def _line(text: str, key: ShardKey) -> Line:
 class CkptdServicer(ckptd_pb2_grpc.CkptdServicer):
     """Serve the local-client protocol of ckpt_core/wire/v1/ckptd.proto."""
 
-    def __init__(self, pipeline: Pipeline, guard: RequestGuard) -> None:
-        self.pipeline = pipeline
+    def __init__(
+        self,
+        save_path: SavePath,
+        locator: Locator,
+        sharded_reads: ShardedReads,
+        retention: RetentionRunner,
+        job_removal: JobRemoval,
+        report: StatusReport,
+        guard: RequestGuard,
+    ) -> None:
+        self.save_path = save_path
+        self.locator = locator
+        self.sharded_reads = sharded_reads
+        self.retention = retention
+        self.job_removal = job_removal
+        self.report = report
         self.guard = guard
 
     async def Reserve(self, request: pb.ReserveRequest, context: Any) -> pb.ReserveReply:
         async def work() -> pb.ReserveReply:
             key = _shard_key(request.shard)
             wanted = request.retention  # the job's own retention (Checkpointer keep=, keep_every=)
-            reserved = await self.pipeline.reserve(
+            reserved = await self.save_path.reserve_for(
                 key,
                 request.size_bytes,
                 _line(request.line, key) if request.has_line else None,
@@ -124,7 +147,7 @@ class CkptdServicer(ckptd_pb2_grpc.CkptdServicer):
                 _line(request.line, key),
                 utc_timestamp(time.time()),
             )
-            await self.pipeline.commit(snapshot)
+            await self.save_path.commit(snapshot)
             return pb.CommitReply()
 
         return await answer(context, work)
@@ -135,7 +158,7 @@ class CkptdServicer(ckptd_pb2_grpc.CkptdServicer):
             if not math.isfinite(request.timeout_s):
                 raise InvalidArgument(f"invalid timeout_s {request.timeout_s}")
             timeout_s = min(max(request.timeout_s, 0.0), MAX_WAIT_S)
-            answer = await self.pipeline.wait_shard(key, request.tier, timeout_s)
+            answer = await self.save_path.wait_shard(key, request.tier, timeout_s)
             return pb.WaitShardReply(done=answer.done, error=answer.error, passed_over=answer.passed_over)
 
         return await answer(context, work)
@@ -146,7 +169,7 @@ class CkptdServicer(ckptd_pb2_grpc.CkptdServicer):
             step = None if request.step == -1 else validate_step(request.step)
             if request.rank < 0:
                 raise InvalidArgument(f"invalid rank {request.rank}")
-            located = await self.pipeline.locate(job, step, request.rank, request.tier, refetch=request.refetch)
+            located = await self.locator.locate(job, step, request.rank, request.tier, refetch=request.refetch)
             return pb.LocateReply(
                 found=True,
                 step=located.step,
@@ -161,7 +184,7 @@ class CkptdServicer(ckptd_pb2_grpc.CkptdServicer):
         async def work() -> pb.LocateStepReply:
             job = validate_job(request.job)
             step = None if request.step == -1 else validate_step(request.step)
-            record, index, sources, next_line = await self.pipeline.locate_step(job, step, request.tier)
+            record, index, sources, next_line = await self.sharded_reads.locate_step(job, step, request.tier)
             return pb.LocateStepReply(
                 step=record.step,
                 world_size=record.world_size,
@@ -180,7 +203,7 @@ class CkptdServicer(ckptd_pb2_grpc.CkptdServicer):
         async def start() -> AsyncIterator[bytes]:
             job, step = validate_job(request.job), validate_step(request.step)
             ranges = [ByteRange(r.offset, r.length) for r in request.ranges]
-            return self.pipeline.read_shard(job, step, request.rank, ranges)
+            return self.sharded_reads.read_shard(job, step, request.rank, ranges)
 
         blocks = await answer(context, start)
         record = await answer(context, lambda: anext(blocks, None))
@@ -195,7 +218,7 @@ class CkptdServicer(ckptd_pb2_grpc.CkptdServicer):
             job = validate_job(request.job) if request.job else ""
             if request.newest and not job:
                 raise InvalidArgument("listing only the newest step (newest) needs a job")
-            steps = await self.pipeline.list_steps(job, request.newest)
+            steps = await self.locator.list_steps(job, request.newest)
             return pb.ListReply(
                 steps=[
                     pb.StepInfo(
@@ -216,7 +239,7 @@ class CkptdServicer(ckptd_pb2_grpc.CkptdServicer):
 
     async def Status(self, request: pb.StatusRequest, context: Any) -> pb.StatusReply:
         async def work() -> pb.StatusReply:
-            return pb.StatusReply(json=json.dumps(await self.pipeline.status()))
+            return pb.StatusReply(json=json.dumps(await self.report.document()))
 
         return await answer(context, work)
 
@@ -226,9 +249,9 @@ class CkptdServicer(ckptd_pb2_grpc.CkptdServicer):
             if request.all and not job:
                 raise InvalidArgument("removing a whole job (all) needs its name")
             if request.all:
-                removals = await self.pipeline.remove_job(job, request.dry_run, request.object)
+                removals = await self.job_removal.remove(job, request.dry_run, request.object)
             else:
-                removals = await self.pipeline.collect(dry_run=request.dry_run, job=job)
+                removals = await self.retention.retain("gc", job, request.dry_run)
             return _collect_reply(removals)
 
         return await answer(context, work)
@@ -236,14 +259,14 @@ class CkptdServicer(ckptd_pb2_grpc.CkptdServicer):
     async def Pin(self, request: pb.PinRequest, context: Any) -> pb.PinReply:
         async def work() -> pb.PinReply:
             job, step = validate_job(request.job), validate_step(request.step)
-            return pb.PinReply(pinned=await self.pipeline.pin(job, step, request.pin))
+            return pb.PinReply(pinned=await self.retention.pin(job, step, request.pin))
 
         return await answer(context, work)
 
     async def RemoveStep(self, request: pb.RemoveStepRequest, context: Any) -> pb.CollectReply:
         async def work() -> pb.CollectReply:
             job, step = validate_job(request.job), validate_step(request.step)
-            removals = await self.pipeline.remove_step(job, step, request.force, request.dry_run)
+            removals = await self.retention.remove_one(job, step, request.force, request.dry_run)
             return _collect_reply(removals)
 
         return await answer(context, work)

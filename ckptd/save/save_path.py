@@ -1,7 +1,11 @@
-"""The save, in order, in one place: reserve → copy → commit → flush → seal → replicate → upload → retain.
+"""The save, in order, in one place: reserve → copy → commit → flush → seal → replicate → upload → retain → release.
 
 One SavePath per daemon, on the event loop; the composition root (node.py) builds it with
-the roles it orders, and Pipeline hands it the RPCs of a save. For each save of a rank:
+the roles it orders, and hands it to the servicers, which call it for the RPCs of a save
+(Reserve, Commit, WaitShard) and the peers' (a replica's arrival, CommitStep). It is the one
+writer of this node's catalogs: a step becomes complete on a tier (seal, adopt) and leaves
+it (release) only here; the load path's fetched copies are the one other writer. For each
+save of a rank:
 
 1. reserve_for()  Reserve's one call: the client's retention first, then (unless the rank only
                prepares its slots) line_for() places the save on the job's line (docs/DESIGN.md, "A job's
@@ -18,11 +22,14 @@ the roles it orders, and Pipeline hands it the RPCs of a save. For each save of 
 7. seal        after each shard, not awaited by the round: the step is sealed (its commit record)
                if every rank is in, here or on the peers (Peering.record_to_seal finds its record),
                under the seal lock; SavePath alone writes it to the tiers (_adopt_here);
-8. retain      once sealed: retention runs for the job on NVMe and the replica store.
+8. retain      once sealed: retention runs for the job on NVMe and the replica store (RetentionRunner.retain);
+9. release     what retention, `ckptd rm` or `gc --all` decided goes leaves its tier here (release), under
+               the seal lock on this node's disks: never while the step is being sealed or adopted.
 
 The same seal (7) follows a replica's arrival (replica_arrived), a commit the cluster
 learned (adopt_commit), a round of catching up with the peers (catch_up, the reconciliation
-loop), and retention's look for commits this node missed (adopt_missed_commits). A waiter on
+loop), and retention's look for commits this node missed (adopt_missed_commits), all under the
+seal lock, as is the adoption of a replica sender's record. A waiter on
 "peer" asks here too (wait_shard): replicas failing so far are tried again. At start-up,
 resume() takes over the slots an earlier run left, before any RPC is served, and flushes
 them by rounds too.
@@ -37,7 +44,7 @@ from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 from ckpt_core.errors import CheckpointError, InvalidArgument, NotFound
 from ckpt_core.format import CommitRecord, ShardMeta
@@ -54,6 +61,7 @@ from ckptd.save.staging import SlotPool, Snapshot
 from ckptd.save.uploading import Uploader
 from ckptd.tiers.base import DurableTier
 from ckptd.tiers.nvme import LocalDirTier
+from ckptd.tiers.object.tier import ObjectTier
 from ckptd.tiers.slot_files import Slot
 
 log = logging.getLogger(__name__)
@@ -64,20 +72,13 @@ LOCAL_TIERS = ("nvme", "peer")  # the tiers retention runs on after a seal here
 class Retention(Protocol):
     """What the save asks of retention (operations.retention.RetentionRunner, above it), on the event loop.
 
-    collect after a step is sealed here (awaited, on the local tiers); collect_soon once a step
-    is committed in the object store (from the Uploader's callback).
+    Its one entry point, retain(): "sealed" after a step is sealed here (awaited); and its form for
+    plain callbacks, retain_soon(): "uploaded" once a step is committed in the object store (the Uploader's).
     """
 
-    async def collect(
-        self,
-        dry_run: bool,
-        job: str = "",
-        keep_newest: bool = True,
-        tiers: tuple[str, ...] = (),
-        unfinished_uploads: bool = True,
-    ) -> Sequence[object]: ...
+    async def retain(self, occasion: Literal["sealed"], job: str = "", dry_run: bool = False) -> Sequence[object]: ...
 
-    def collect_soon(self, job: str, tiers: tuple[str, ...]) -> None: ...
+    def retain_soon(self, occasion: Literal["uploaded"], job: str) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -116,9 +117,16 @@ class SavePath:
         view: ClusterView | None,
         save_threads: ThreadPoolExecutor,
         peer_threads: ThreadPoolExecutor,
+        removal_threads: ThreadPoolExecutor,
+        object_threads: ThreadPoolExecutor,
         client_retention: Callable[[str, int | None, int | None], Awaitable[None]],
+        object_step: Callable[[str, int], Awaitable[list[int] | None]],
     ) -> None:
-        """save_threads: Reserve's and Commit's disk work, never behind a flush; peer_threads: short tier lookups.
+        """save_threads: Reserve's and Commit's disk work, never behind a flush; peer_threads: short tier lookups;
+        removal_threads: the cleanup thread (lowest CPU priority), where steps leave this node's disks;
+        object_threads: requests to the object store (a step removed there).
+
+        object_step(job, step): whether a step is complete in the store (Locator.object_step), for a waiter on "object".
 
         client_retention(job, keep, keep_every): take the retention a job's client asks for on
         Reserve (JobRetention.client_asked, above the save path), before the save is placed.
@@ -135,12 +143,16 @@ class SavePath:
         self.view = view
         self._save_threads = save_threads
         self._peer_threads = peer_threads
+        self._removal_threads = removal_threads
+        self._object_threads = object_threads
         self._client_retention = client_retention
-        self._seal_lock = asyncio.Lock()  # one seal at a time on this node (catch_up takes it too)
+        self._object_step = object_step
+        # One seal at a time on this node; catch_up, the adoptions and every removal from this node's disks take it too.
+        self._seal_lock = asyncio.Lock()
         self._rounds: dict[str, asyncio.Task[None]] = {}  # job -> its rounds, while a snapshot of it waits
         self._latest_run: OrderedDict[tuple[str, int], str] = OrderedDict()  # the run that committed a step last
         self.tasks: set[asyncio.Task[None]] = set()
-        self.counters = {"saves": 0, "skipped": 0, "bytes_saved": 0}
+        self.counters = {"saves": 0, "skipped": 0, "bytes_saved": 0, "replica_bytes_received": 0}
         self.save_seconds = metrics.Histogram(
             "ckptd_save_duration_seconds",
             "From a rank's slot reserved to its snapshot committed (the copy: what the daemon sees of a save's stall)",
@@ -300,7 +312,7 @@ class SavePath:
         while len(self._latest_run) > REMEMBERED_SHARDS:
             self._latest_run.popitem(last=False)
 
-    async def wait_shard(self, key: ShardKey, tier: str, timeout_s: float, object_step: Any) -> ShardWait:
+    async def wait_shard(self, key: ShardKey, tier: str, timeout_s: float) -> ShardWait:
         """Return whether a shard reached a tier, or why it cannot, waiting up to timeout_s (ShardProgress.wait).
 
         A waiter on "peer" for replicas failing so far has them tried again at once: it hears how a
@@ -309,7 +321,7 @@ class SavePath:
         """
         if tier == "peer":
             self.peering.retry_failing_replicas(key)
-        return await self.progress.wait(key, tier, timeout_s, object_step)
+        return await self.progress.wait(key, tier, timeout_s, self._object_step)
 
     # -- 4. flush, 5. replicate, 6. upload -----------------------------------------------
 
@@ -379,7 +391,7 @@ class SavePath:
         self.progress.step_completed("nvme", key.job, key.step, generation=generation(record.line))
         log.info("%s step %d is complete on nvme (%d bytes)", key.job, key.step, record.size_bytes)
         try:
-            await self.retention.collect(dry_run=False, job=key.job, tiers=LOCAL_TIERS)
+            await self.retention.retain("sealed", key.job)
         except (CheckpointError, OSError) as e:
             self.progress.failed(key, "nvme", f"retention for {key.job} failed: {e}")
 
@@ -406,15 +418,19 @@ class SavePath:
             return record
 
     async def replica_arrived(self, meta: ShardMeta, told: CommitRecord | None) -> None:
-        """Adopt the commit record a replica's sender gave, then seal its step if it was the last rank missing.
+        """Adopt the commit record a replica's sender gave, count the replica, then seal its step if it was the last
+        rank missing (the peer servicer's, once the receiver made the replica durable).
 
         Before the sender hears that its replica is in: once every rank has waited for
         "peer", losing any one node can no longer lose the step. told (the sender's record of a
-        step complete already) is adopted on the replica store at once, outside the seal lock
-        as the receiver did (an I/O error adopting it goes back to the sender; a seal's is logged).
+        step complete already) is adopted on the replica store at once, under the seal lock as every
+        adoption (an I/O error adopting it goes back to the sender; a seal's is logged).
         """
         if told is not None and (told.job, told.step) == (meta.job, meta.step):
-            await asyncio.get_running_loop().run_in_executor(self._peer_threads, self.replica_store.adopt_commit, told)
+            async with self._seal_lock:
+                loop = asyncio.get_running_loop()
+                await loop.run_in_executor(self._peer_threads, self.replica_store.adopt_commit, told)
+        self.counters["replica_bytes_received"] += meta.data_size_bytes  # a record not adopted: uncounted
         try:
             record = await self.seal(meta.job, meta.step)
         except (CheckpointError, OSError) as e:
@@ -487,16 +503,19 @@ class SavePath:
         """Seal this node's incomplete steps of a job on a tier that the cluster view knows complete (retention).
 
         RetentionRunner asks before it plans a pass: a step that looks abandoned here may be complete
-        in the cluster (its commit notice missed while this node was down). Outside the seal lock, as
-        retention always adopted them (before the seals went through here).
+        in the cluster (its commit notice missed while this node was down). Under the seal lock, as
+        every adoption, and not while a shard of the step flushes (that flush seals it when it ends).
         """
         if self.view is None:
             return
         loop = asyncio.get_running_loop()
-        for step in await loop.run_in_executor(self._peer_threads, _incomplete_steps, tier, job):
-            record = self.view.commit_record(job, step)
-            if record is not None and await loop.run_in_executor(self._peer_threads, tier.adopt_commit, record):
-                log.info("%s step %d on tier %s: adopted the commit record a peer holds", job, step, tier.name)
+        async with self._seal_lock:
+            for step in await loop.run_in_executor(self._peer_threads, _incomplete_steps, tier, job):
+                record = self.view.commit_record(job, step)
+                if record is None or self.flusher.flushing(job, step):
+                    continue
+                if await loop.run_in_executor(self._peer_threads, tier.adopt_commit, record):
+                    log.info("%s step %d on tier %s: adopted the commit record a peer holds", job, step, tier.name)
 
     async def _adopt_here(self, record: CommitRecord) -> bool:
         """Seal a step complete in the cluster on every durable tier here that holds part of it; say whether any did.
@@ -516,6 +535,30 @@ class SavePath:
         if held is not None:
             self.progress.step_completed("nvme", record.job, record.step, generation=generation(record.line))
 
+    # -- 9. release: what retention, `ckptd rm` and `gc --all` decided goes ----------------------
+
+    async def release(self, tier: DurableTier | ObjectTier, job: str, step: int) -> None:
+        """Remove a step from a tier: the one way a step leaves a tier's catalog (RetentionRunner decides which).
+
+        From this node's disks under the seal lock, on the cleanup thread (lowest CPU priority): a step
+        is never removed while it is being sealed or adopted. From the object store on the object
+        threads, outside the seal lock: no seal writes there (the Uploader commits its steps, and
+        holds them busy until it has).
+        """
+        loop = asyncio.get_running_loop()
+        if isinstance(tier, ObjectTier):
+            await loop.run_in_executor(self._object_threads, tier.remove_step, job, step)
+            return
+        async with self._seal_lock:
+            await loop.run_in_executor(self._removal_threads, tier.remove_step, job, step)
+
+    async def release_slots(self, job: str, step: int, dry_run: bool) -> list[Slot]:
+        """Drop a step's settled staging slots (`ckptd rm`); return them, or with dry_run those it would drop."""
+        slots = self.pool.drop_step(job, step, dry_run)  # no await before: nothing took them meanwhile
+        if slots and not dry_run:
+            await self.pool.changed()
+        return slots
+
     # -- what the replicas and uploads report (registered by the composition root) -----------------
 
     def replication_changed(self, key: ShardKey, replicated: bool) -> None:
@@ -531,7 +574,7 @@ class SavePath:
             self.progress.step_completed("object", key.job, key.step)
         self.progress.changed_soon()
         if committed:  # a new step in the store: [retention] object may now remove an older one
-            self.retention.collect_soon(key.job, ("object",))
+            self.retention.retain_soon("uploaded", key.job)
 
     # -- recovery and drain ------------------------------------------------------------------
 

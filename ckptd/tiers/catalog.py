@@ -24,7 +24,7 @@ class StepInfo:
     committed_at: str = ""  # its commit record's (UTC, ISO 8601); "" for steps saved before records had it
     line: Line = ()  # its line of the job's history (ckpt_core.history)
     superseded: bool = False  # off the job's line: set by whoever lists the job's steps together
-    pinned: bool = False  # kept by `ckptd pin` on this node (Pipeline.list_steps marks it)
+    pinned: bool = False  # kept by `ckptd pin` on this node (Locator.list_steps marks it)
 
     @classmethod
     def of(cls, record: CommitRecord, tiers: tuple[str, ...]) -> StepInfo:

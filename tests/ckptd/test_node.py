@@ -30,7 +30,7 @@ def test_a_job_is_not_removed_under_a_replica_being_received(tmp_path):
     async def body(node: Node) -> None:
         await node.receiver.receive_range(meta, "ab" * 8, ByteRange(0, CHUNK), first_half())  # the other half to come
         with pytest.raises(InvalidArgument, match="still receiving replicas of steps \\[3\\]"):
-            await node.pipeline.remove_job("j", dry_run=False, object_too=False)
+            await node.job_removal.remove("j", dry_run=False, object_too=False)
         assert list(config.replica_root.glob("j/3/*.partial"))
         await node.drain()
 

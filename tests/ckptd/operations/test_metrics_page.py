@@ -29,16 +29,16 @@ def test_a_scrape_touches_no_disk_where_status_lists_the_jobs(tmp_path, monkeypa
         raise TouchedTheDisk(f"disk call with {args}")
 
     async def body(node: Node) -> tuple[str, BaseException | None]:
-        progress, pipeline = node.progress, node.pipeline
+        progress, report = node.progress, node.report
         key = ShardKey("j", 4, 0, 1)
         progress.copy_committed(key)  # complete in memory: every rank's copy is in
         progress.step_completed("nvme", "j", 4, 1_700_000_000.0)
         with monkeypatch.context() as blocked:
             for module, name in DISK_CALLS:
                 blocked.setattr(module, name, refuse)
-            page = await pipeline.metrics_page()
+            page = await report.metrics_page()
             try:
-                await pipeline.status()  # the Status RPC lists each tier's jobs: the guard does catch that
+                await report.document()  # the Status RPC lists each tier's jobs: the guard does catch that
                 listed = None
             except TouchedTheDisk as e:
                 listed = e
@@ -70,7 +70,7 @@ def test_nothing_lands_in_prometheus_clients_global_registry(tmp_path):
     async def run() -> str:
         node = Node(config, Executors.build())
         await node.start()
-        page = await node.pipeline.metrics_page()
+        page = await node.report.metrics_page()
         await node.drain()
         return page
 

@@ -23,6 +23,16 @@ async def no_missed_commits(tier, job):
     """The save path's adopt_missed_commits where no cluster view is: nothing to adopt."""
 
 
+async def release(tier, job, step):
+    """The save path's release, played here: the step leaves the tier."""
+    tier.remove_step(job, step)
+
+
+async def no_slots(job, step, dry_run):
+    """The save path's release_slots where no staging slot holds the step."""
+    return []
+
+
 class Holder:
     """A role that holds steps (BusySteps)."""
 
@@ -51,7 +61,9 @@ def node(tmp_path):
     holder = Holder()
     with ThreadPoolExecutor(2) as threads:
         jobs = JobRetention(config, threads)
-        runner = RetentionRunner(config, [nvme, replicas], None, no_missed_commits, [holder], threads, threads, jobs)
+        runner = RetentionRunner(
+            config, [nvme, replicas], None, no_missed_commits, release, no_slots, [holder], threads, threads, jobs
+        )
         yield runner, nvme, holder
 
 
@@ -62,7 +74,7 @@ def steps_on(tier):
 def test_a_pass_removes_the_superseded_steps_first_and_keeps_the_lines_newest_and_the_pins(node):
     runner, nvme, _ = node
     asyncio.run(runner.pin("j", 3, True))
-    removals = asyncio.run(runner.collect(dry_run=False, job="j", tiers=("nvme",)))
+    removals = asyncio.run(runner.retain("sealed", "j"))
     assert [(r.step, r.reason.split(":")[0]) for r in removals] == [
         (4, "superseded"),
         (1, "older than the newest 2 complete steps"),
@@ -74,27 +86,27 @@ def test_a_pass_removes_the_superseded_steps_first_and_keeps_the_lines_newest_an
 def test_rm_refuses_the_head_a_busy_step_and_a_pinned_one_and_names_the_steps_for_a_missing_one(node):
     runner, nvme, holder = node
     with pytest.raises(RemovalRefused, match=r"j step 6 is the job's head .* pass --force"):
-        asyncio.run(runner.remove_step("j", 6, force=False, dry_run=False))
+        asyncio.run(runner.remove_one("j", 6, force=False, dry_run=False))
     holder.held = {("j", 5)}
     with pytest.raises(RemovalRefused, match=r"j step 5 is in use on this node .* try again later"):
-        asyncio.run(runner.remove_step("j", 5, force=True, dry_run=False))  # --force never overrides a busy step
+        asyncio.run(runner.remove_one("j", 5, force=True, dry_run=False))  # --force never overrides a busy step
     asyncio.run(runner.pin("j", 1, True))
     with pytest.raises(RemovalRefused, match="j step 1 is pinned"):
-        asyncio.run(runner.remove_step("j", 1, force=False, dry_run=False))
+        asyncio.run(runner.remove_one("j", 1, force=False, dry_run=False))
     with pytest.raises(NotFound, match=r"j step 9 is on no tier of this node; .*\(all 6\): 6, 5, 4, 3, 2, 1"):
-        asyncio.run(runner.remove_step("j", 9, force=False, dry_run=False))
+        asyncio.run(runner.remove_one("j", 9, force=False, dry_run=False))
     with pytest.raises(NotFound, match=r"j step 9 is not complete on any tier of this node"):
         asyncio.run(runner.pin("j", 9, True))
     assert steps_on(nvme) == [1, 2, 3, 4, 5, 6]
 
-    assert [r.step for r in asyncio.run(runner.remove_step("j", 3, force=False, dry_run=True))] == [3]
+    assert [r.step for r in asyncio.run(runner.remove_one("j", 3, force=False, dry_run=True))] == [3]
     assert steps_on(nvme) == [1, 2, 3, 4, 5, 6]
-    asyncio.run(runner.remove_step("j", 3, force=False, dry_run=False))  # superseded: not the head
-    removals = asyncio.run(runner.remove_step("j", 6, force=True, dry_run=False))
+    asyncio.run(runner.remove_one("j", 3, force=False, dry_run=False))  # superseded: not the head
+    removals = asyncio.run(runner.remove_one("j", 6, force=True, dry_run=False))
     assert [(r.tier, r.step, r.reason) for r in removals] == [
         ("nvme", 6, "removed by ckptd rm --force (the job's head)")
     ]
-    asyncio.run(runner.remove_step("j", 1, force=True, dry_run=False))
+    asyncio.run(runner.remove_one("j", 1, force=True, dry_run=False))
     assert steps_on(nvme) == [2, 4, 5] and runner.job_retention.pinned("j") == frozenset()
 
 
@@ -115,17 +127,28 @@ def test_a_pass_on_nvme_is_not_held_up_by_a_pass_on_the_store_still_listing(tmp_
         seal_step(nvme, step)
 
     async def body() -> list[int]:
-        store_pass = asyncio.ensure_future(runner.collect(False, "j", tiers=("object",), unfinished_uploads=False))
+        store_pass = asyncio.ensure_future(runner.retain("uploaded", "j"))
         while not listing.is_set():
             await asyncio.sleep(0.01)
-        removals = await asyncio.wait_for(runner.collect(False, "j", tiers=("nvme",)), 10)
+        removals = await asyncio.wait_for(runner.retain("sealed", "j"), 10)
         released.set()
         await store_pass
         return [r.step for r in removals]
 
     with ThreadPoolExecutor(2) as threads, ThreadPoolExecutor(1) as object_threads:
         jobs = JobRetention(config, threads)
-        runner = RetentionRunner(config, [nvme], store, no_missed_commits, [], object_threads, threads, jobs)  # type: ignore[arg-type]
+        runner = RetentionRunner(
+            config,
+            [nvme],
+            store,
+            no_missed_commits,
+            release,
+            no_slots,
+            [],
+            object_threads,
+            threads,
+            jobs,  # type: ignore[arg-type]
+        )
         try:
             removed = asyncio.run(body())
         finally:

@@ -33,7 +33,8 @@ def roles(tmp_path, monkeypatch):
         flusher = Flusher(pool, nvme, threads)
         saves = SavePath(
             pool, flusher, nvme, nvme, [nvme], peering=None, uploader=None, progress=shard_progress, retention=None,
-            view=None, save_threads=threads, peer_threads=threads, client_retention=None,
+            view=None, save_threads=threads, peer_threads=threads, removal_threads=threads, object_threads=threads,
+            client_retention=None, object_step=None,
         )  # fmt: skip
         yield shard_progress, saves
 

@@ -65,7 +65,7 @@ async def _reserve(node: Node, key: ShardKey, size: int = MIB):
 async def _commit(node: Node, key: ShardKey, slot, size: int = MIB) -> None:
     with open(slot.path, "r+b") as f:
         f.write(_payload(key.step, key.rank, size))
-    await node.pipeline.commit(Snapshot(key, str(slot.path), slot.reservation, size, "{}"))
+    await node.save_path.commit(Snapshot(key, str(slot.path), slot.reservation, size, "{}"))
 
 
 async def _save(node: Node, job: str, step: int, ranks=(0,), world_size=1):
@@ -79,7 +79,7 @@ async def _save(node: Node, job: str, step: int, ranks=(0,), world_size=1):
 
 
 async def _wait(node: Node, job: str, step: int, rank=0, world_size=1, tier="nvme"):
-    return await node.pipeline.wait_shard(ShardKey(job, step, rank, world_size), tier, GATE_TIMEOUT_S)
+    return await node.save_path.wait_shard(ShardKey(job, step, rank, world_size), tier, GATE_TIMEOUT_S)
 
 
 def _run(config, body):
@@ -114,7 +114,7 @@ def test_saves_never_wait_for_the_disk_and_the_newest_snapshot_is_flushed_next(t
         assert (await _wait(node, "j", 1)).done
         assert disk.written == [(1, 0), (5, 0)]  # step 5, the newest, right after step 1: nothing in between
         assert node.nvme.complete_steps("j") == [1, 5]
-        status = await node.pipeline.status()
+        status = await node.report.document()
         assert status["passed_over"] == {"j": {"steps": 3, "last_step": 4, "replaced_by": 5}}
         assert status["counters"]["passed_over"] == 3
 
@@ -141,7 +141,7 @@ def test_the_ranks_of_a_job_flush_the_same_steps_in_rounds(tmp_path):
                 assert (await _wait(node, "r", step, rank, 4)).passed_over
         assert sorted(disk.written) == [(step, rank) for step in (1, 5) for rank in ranks]  # every rank the same steps
         assert node.nvme.complete_steps("r") == [1, 5]
-        assert (await node.pipeline.status())["passed_over"]["r"]["steps"] == 3  # steps, not shards
+        assert (await node.report.document())["passed_over"]["r"]["steps"] == 3  # steps, not shards
 
     _run(_config(tmp_path), body)
 
@@ -161,7 +161,7 @@ def test_flush_every_keeps_its_steps_and_a_save_that_needs_their_slot_waits_or_i
         assert (await _wait(node, "k", 3)).done
         assert (await _wait(node, "k", 2)).passed_over
         assert disk.written == [(1, 0), (3, 0)]
-        assert (await node.pipeline.status())["counters"]["skipped"] == 1
+        assert (await node.report.document())["counters"]["skipped"] == 1
 
     _run(_config(tmp_path, flush_every=3, policy="skip"), body)
 
@@ -183,7 +183,7 @@ def test_under_block_a_save_waits_for_the_flush_of_a_kept_step_and_says_so(tmp_p
         for step in (1, 2, 3):
             assert (await _wait(node, "b", step)).done
         assert sorted(disk.written) == [(1, 0), (2, 0), (3, 0)]
-        assert (await node.pipeline.status())["passed_over"] == {}
+        assert (await node.report.document())["passed_over"] == {}
 
     _run(_config(tmp_path, flush_every=1), body)
 
