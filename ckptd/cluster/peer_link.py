@@ -29,7 +29,7 @@ from ckpt.wire.v1 import peer_pb2 as pb
 from ckpt.wire.v1 import peer_pb2_grpc
 
 from ckptd.addresses import host_of
-from ckptd.byte_range import ByteRange
+from ckptd.byte_range import WHOLE, ByteRange, ByteRequest
 from ckptd.cluster import tls_refusal
 from ckptd.cluster.data_channel import DataChannelError, client_context, send_range
 from ckptd.cluster.placement import Holding, StepHoldings
@@ -477,11 +477,10 @@ class PeerLink:
             return ShardMeta.from_bytes(pb.ShardPiece.FromString(raw).meta_json, f"{what} from peer {self.address}")
         raise PeerError(f"peer {self.address} sent nothing for {what}")
 
-    def fetch_into(
-        self, meta: ShardMeta, buffer: memoryview, tier: str = "", offset: int = 0, length: int = -1
-    ) -> None:
-        """Fill buffer with a shard's bytes from the peer (a range: from offset, length bytes), every chunk checked."""
-        length = meta.data_size_bytes - offset if length < 0 else length
+    def fetch_into(self, meta: ShardMeta, buffer: memoryview, wanted: ByteRequest = WHOLE, tier: str = "") -> None:
+        """Fill buffer with the wanted bytes of a shard from the peer, every chunk checked; buffer holds them from its first byte."""
+        byte_range = wanted.resolve(meta.data_size_bytes)
+        offset, length = byte_range.offset, byte_range.length
         request = pb.GetShardRequest(
             job=meta.job, step=meta.step, rank=meta.rank, tier=tier, offset=offset, length=length, ranged=True
         )
@@ -493,6 +492,6 @@ class PeerLink:
             first = next(replies, None)
             if first is None or pb.ShardPiece.FromString(first).meta_json != meta.to_bytes():
                 raise CorruptCheckpoint(f"{what}: the peer holds a different copy of the shard")
-            fill_from_pieces(buffer, meta, (piece_data(r) for r in replies), what, offset, length)
+            fill_from_pieces(buffer, meta, (piece_data(r) for r in replies), what, byte_range)
 
         self._call(what, fill)

@@ -109,7 +109,7 @@ def restore(
 
 
 def _restore(tiers: list[Tier], job: str, step: int, out: LocalDirTier, progress: Progress) -> Path:
-    step_dir = out.step_dir(job, step)
+    step_dir = Path(out.shard_source(job, step, 0).path)
     if _knows(out, job, step):
         raise CheckpointError(f"{step_dir} already exists; restore into an empty place")
     if step_dir.exists():  # no commit record: what a restore that was killed left

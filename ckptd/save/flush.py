@@ -25,7 +25,7 @@ from ckptd import metrics
 from ckptd.save.rounds import Round, plan_round
 from ckptd.save.staging import SlotPool
 from ckptd.shard_key import ShardKey
-from ckptd.tiers.nvme import LocalDirTier
+from ckptd.tiers.base import ShardSink
 from ckptd.tiers.slot_files import UNFLUSHED, Slot
 
 # A round waits (this long at most) while ranks of its job on this node are still copying
@@ -38,7 +38,7 @@ FLUSH_HOLD_MAX_S = 2.0
 class Flusher:
     """Write the pinned slots of each round to NVMe; know which steps are still on their way."""
 
-    def __init__(self, pool: SlotPool, nvme: LocalDirTier, threads: ThreadPoolExecutor) -> None:
+    def __init__(self, pool: SlotPool, nvme: ShardSink, threads: ThreadPoolExecutor) -> None:
         """threads: the flush threads (Executors.flush), where each slot is hashed and fed to the NVMe writers."""
         self.pool = pool
         self.nvme = nvme

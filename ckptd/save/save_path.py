@@ -53,7 +53,6 @@ from ckptd.save.staging import SlotPool, Snapshot
 from ckptd.save.uploading import Uploader
 from ckptd.shard_key import ShardKey
 from ckptd.tiers.base import DurableTier
-from ckptd.tiers.nvme import LocalDirTier
 from ckptd.tiers.slot_files import Slot
 
 log = logging.getLogger(__name__)
@@ -106,7 +105,7 @@ class SavePath:
         self,
         pool: SlotPool,
         flusher: Flusher,
-        nvme: LocalDirTier,
+        nvme: DurableTier,
         replica_store: DurableTier,
         durable_tiers: list[DurableTier],
         peering: Peering,
@@ -577,7 +576,7 @@ class SavePath:
         for job in self.nvme.jobs():
             complete = set(self.nvme.complete_steps(job))
             for step in self.nvme.all_steps(job):
-                world_size = None if step in complete else self.nvme.saved_world_size(job, step)
+                world_size = None if step in complete else next((h.world_size for h in self.nvme.holdings(job, step)), None)
                 if world_size:
                     found.append((job, step, world_size))
         return found

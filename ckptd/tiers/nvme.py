@@ -137,10 +137,6 @@ class LocalDirTier(DurableTier):
         """Say whether a rank's shard is fully written (its metadata is renamed last)."""
         return (self.step_dir(job, step) / meta_name(rank)).exists()
 
-    def has_committed_shard(self, job: str, step: int, rank: int) -> bool:
-        """Say whether a rank's shard is here in a step complete here."""
-        return self.has_shard(job, step, rank) and self.checked_commit(job, step) is not None
-
     def holds(self, meta: ShardMeta) -> bool:
         """Say whether this exact shard record is installed here."""
         path = self.step_dir(meta.job, meta.step) / meta_name(meta.rank)
@@ -148,15 +144,6 @@ class LocalDirTier(DurableTier):
             return path.read_bytes() == meta.to_bytes()
         except OSError:
             return False
-
-    def saved_world_size(self, job: str, step: int) -> int | None:
-        """Return the world_size recorded by the shards of a step, or None if no readable shard is there."""
-        for path in sorted(self.step_dir(job, step).glob("rank-*.meta.json")):
-            try:
-                return ShardMeta.from_bytes(path.read_bytes(), str(path)).world_size
-            except (CheckpointError, OSError) as e:
-                log.error("ignoring damaged shard record %s: %s", path, e)
-        return None
 
     # -- writing -----------------------------------------------------------
 
@@ -194,12 +181,12 @@ class LocalDirTier(DurableTier):
             try:
                 return LocalShardWrite(self, meta, commit, temporary, what)
             except BaseException:  # a full disk, found by fallocate: the file is gone; so is the directory, if empty
-                self.remove_if_empty(meta.job, meta.step)
+                self._remove_if_empty(meta.job, meta.step)
                 raise
         except OSError as e:
             raise ShardWriteError(f"{what}: {e.strerror or e}") from e
 
-    def remove_if_empty(self, job: str, step: int, wait: bool = True) -> bool:
+    def _remove_if_empty(self, job: str, step: int, wait: bool = True) -> bool:
         """Remove a step's directory if nothing is in it, under the step's lock; return whether it went.
 
         A failed copy calls it once its temporary file is gone, so that no empty step directory
@@ -538,4 +525,4 @@ class LocalShardWrite(ShardWrite):
     def _discard(self) -> None:
         self._writer.close()
         self.temporary.unlink(missing_ok=True)
-        self._tier.remove_if_empty(self.meta.job, self.meta.step, wait=False)
+        self._tier._remove_if_empty(self.meta.job, self.meta.step, wait=False)

@@ -19,6 +19,8 @@ from ckpt.chunks import find_bad_chunk
 from ckpt.errors import CorruptCheckpoint
 from ckpt.format import ShardMeta, chunk_ranges, data_name, seal, unseal
 
+from ckptd.byte_range import ByteRange
+
 PART_BYTES = 16 << 20  # the size of each part sent (a multiple of the 4 MiB chunk)
 MAX_PARTS = 9000  # S3 takes at most 10,000 parts per object
 READ_THREADS = 8
@@ -91,22 +93,22 @@ def range_bytes(size_bytes: int, multiple: int = 1) -> int:
     return max(multiple, -(-min(max(per_thread, MIN_RANGE_BYTES), MAX_RANGE_BYTES) // multiple) * multiple)
 
 
-def plain_pieces(meta: ShardMeta, offset: int = 0, length: int = -1) -> list[Piece]:
-    """Return the ranges to fetch of (a range of) a shard stored whole: each one frame, stored as it is."""
-    length = meta.data_size_bytes - offset if length < 0 else length
+def plain_pieces(meta: ShardMeta, byte_range: ByteRange) -> list[Piece]:
+    """Return the ranges to fetch of a range of a shard stored whole: each one frame, stored as it is."""
+    offset, length = byte_range.offset, byte_range.length
     ranges = chunk_ranges(length, range_bytes(length, meta.chunk_size_bytes))
     return [(offset + o, n, [(offset + o, n, n)]) for o, n in ranges]
 
 
 def frame_groups(
-    meta: ShardMeta, frame_sizes: list[int], group_bytes: int, offset: int = 0, length: int = -1
+    meta: ShardMeta, frame_sizes: list[int], group_bytes: int, byte_range: ByteRange
 ) -> Iterator[Piece]:
     """Yield (stored offset, stored length, frames) ranges of about group_bytes, covering a range of the data.
 
     A frame is (data offset, data size, stored size); the range starts on a chunk
-    boundary (-1: to the end), and only the frames holding it are fetched.
+    boundary, and only the frames holding it are fetched.
     """
-    end = meta.data_size_bytes if length < 0 else offset + length
+    offset, end = byte_range.offset, byte_range.end
     stored = 0
     group: list[tuple[int, int, int]] = []
     group_start = 0

@@ -29,6 +29,7 @@ def test_a_range_arriving_in_pieces_is_checked_against_its_own_chunks():
     from ckpt.errors import CorruptCheckpoint
     from ckpt.format import ShardMeta
 
+    from ckptd.byte_range import ByteRange
     from ckptd.cluster.shard_stream import fill_from_pieces
 
     chunk = 1 << 16
@@ -37,8 +38,8 @@ def test_a_range_arriving_in_pieces_is_checked_against_its_own_chunks():
     offset, length = 2 * chunk, 3 * chunk + 7  # the last three chunks, the short one included
     pieces = [memoryview(data)[at : at + 1000] for at in range(offset, offset + length, 1000)]
     buffer = bytearray(length)
-    fill_from_pieces(memoryview(buffer), meta, pieces, "range", offset, length)
+    fill_from_pieces(memoryview(buffer), meta, pieces, "range", ByteRange(offset, length))
     assert bytes(buffer) == data[offset:]
     shifted = [memoryview(data)[at : at + 1000] for at in range(chunk, chunk + length, 1000)]  # the wrong bytes
     with pytest.raises(CorruptCheckpoint, match="chunk 2 "):
-        fill_from_pieces(memoryview(bytearray(length)), meta, shifted, "range", offset, length)
+        fill_from_pieces(memoryview(bytearray(length)), meta, shifted, "range", ByteRange(offset, length))
