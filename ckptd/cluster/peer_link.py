@@ -478,7 +478,7 @@ class PeerLink:
         raise PeerError(f"peer {self.address} sent nothing for {what}")
 
     def fetch_into(self, meta: ShardMeta, buffer: memoryview, wanted: ByteRequest = WHOLE, tier: str = "") -> None:
-        """Fill buffer with the wanted bytes of a shard from the peer, every chunk checked; buffer holds them from its first byte."""
+        """Fill buffer with the wanted bytes of a shard from the peer (from its first byte), every chunk checked."""
         byte_range = wanted.resolve(meta.data_size_bytes)
         offset, length = byte_range.offset, byte_range.length
         request = pb.GetShardRequest(

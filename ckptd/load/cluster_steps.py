@@ -22,8 +22,8 @@ from ckptd.cluster.placement import StepHoldings, loadable_steps
 from ckptd.cluster.view import ClusterView
 from ckptd.keyed import KeyCounts, KeyedLocks
 from ckptd.load.fetch import fetch_shard
-from ckptd.tiers.catalog import StepInfo
 from ckptd.tiers.base import DurableTier, has_committed_shard
+from ckptd.tiers.catalog import StepInfo
 from ckptd.tiers.peer import PeerTier
 
 log = logging.getLogger(__name__)

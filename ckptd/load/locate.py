@@ -158,7 +158,11 @@ class Locator:
             raise CorruptCheckpoint(f"{job} step {step} rank {rank}: no other tier to fetch a good copy from")
         sources = [] if refetch else await self.on_locate_threads(self.local_sources, tiers, job, step, rank, record)
         fetched_to = ShardSource(
-            tier if tier in ("peer", "object") else "nvme", "dir", self.nvme.shard_source(job, step, rank).path, job, step
+            tier if tier in ("peer", "object") else "nvme",
+            "dir",
+            self.nvme.shard_source(job, step, rank).path,
+            job,
+            step,
         )
         if not sources and from_peers and (refetch or step not in object_steps):
             try:

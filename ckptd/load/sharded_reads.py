@@ -138,7 +138,9 @@ class ShardedReads:
         piece_bytes = max(1, FETCH_RANGE_BYTES // meta.chunk_size_bytes) * meta.chunk_size_bytes
         for r in ranges:
             for at in range(r.offset, r.end, piece_bytes):
-                data, bad_tiers = await locator.on_object_threads(self._fetch, meta, ByteRange(at, min(piece_bytes, r.end - at)))
+                data, bad_tiers = await locator.on_object_threads(
+                    self._fetch, meta, ByteRange(at, min(piece_bytes, r.end - at))
+                )
                 for name in bad_tiers:
                     locator.verification_failed(name)
                 yield data

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from ckpt.errors import CheckpointError
-from ckpt.format import CommitRecord, ShardMeta, data_name, meta_name
+from ckpt.format import CommitRecord, ShardMeta
 
 from ckptd.cluster.peer_link import PeerLink
 from ckptd.cluster.placement import Holding, StepHoldings, seal_record

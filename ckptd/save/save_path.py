@@ -576,7 +576,8 @@ class SavePath:
         for job in self.nvme.jobs():
             complete = set(self.nvme.complete_steps(job))
             for step in self.nvme.all_steps(job):
-                world_size = None if step in complete else next((h.world_size for h in self.nvme.holdings(job, step)), None)
+                held = [] if step in complete else self.nvme.holdings(job, step)
+                world_size = held[0].world_size if held else None
                 if world_size:
                     found.append((job, step, world_size))
         return found

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from ckpt.errors import CheckpointError, CorruptCheckpoint, NotFound
-from ckpt.format import CommitRecord, ShardMeta, chunk_ranges, data_name, meta_name
+from ckpt.format import CommitRecord, ShardMeta, chunk_ranges
 
 from ckptd import metrics
 from ckptd.byte_range import ByteRange

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from ckpt.chunks import check_chunks, chunk_digests
 from ckpt.commit_keys import UNSIGNED, CommitKeys
-from ckpt.errors import CheckpointError, CorruptCheckpoint, InvalidArgument, NotFound
+from ckpt.errors import CorruptCheckpoint, InvalidArgument, NotFound
 from ckpt.format import (
     COMMIT_NAME,
     DIRECT_IO_ALIGN_BYTES,

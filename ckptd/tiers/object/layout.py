@@ -100,9 +100,7 @@ def plain_pieces(meta: ShardMeta, byte_range: ByteRange) -> list[Piece]:
     return [(offset + o, n, [(offset + o, n, n)]) for o, n in ranges]
 
 
-def frame_groups(
-    meta: ShardMeta, frame_sizes: list[int], group_bytes: int, byte_range: ByteRange
-) -> Iterator[Piece]:
+def frame_groups(meta: ShardMeta, frame_sizes: list[int], group_bytes: int, byte_range: ByteRange) -> Iterator[Piece]:
     """Yield (stored offset, stored length, frames) ranges of about group_bytes, covering a range of the data.
 
     A frame is (data offset, data size, stored size); the range starts on a chunk
