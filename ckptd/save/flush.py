@@ -6,7 +6,7 @@ which picks one step (see rounds: the newest that the job's ranks on this node h
 oldest that [nvme] flush_every keeps), pins every local rank's slot of it and passes over
 the older snapshots not yet flushed; then write() for each pinned slot, which hashes and
 writes it on the flush threads (shared by every job of the node) through the NVMe tier's
-one write path (DurableTier.write_shard). The save path learns of a reservation and of its
+one write path (ShardSink.write_shard). The save path learns of a reservation and of its
 commit (reserved(), copied()), so that a round waits for ranks still copying.
 """
 

@@ -5,7 +5,7 @@ is made ready and the rank's older record dropped (under the step's lock), its b
 to a temporary file in large aligned direct-I/O writes, range by range, each chunk
 checked or hashed first; seal fsyncs the file and renames it in, its record last
 (storage.commit_protocol). The NVMe flush, fetch and restore write a whole shard from
-memory through DurableTier.write_shard (its blocks on this tier's writer threads); the
+memory through ShardSink.write_shard (its blocks on this tier's writer threads); the
 replica receiver writes the ranges a peer sends. The step's commit record is written
 last, once every rank's shard is in. Layout: <root>/<job>/<step>/. The records of a
 step directory are read through step_records, each parsed once.
@@ -75,7 +75,7 @@ class LocalDirTier(DurableTier):
         self.removal_failures = 0  # step directories that could not be deleted (see retry_removals)
         self._undeleted: set[Path] = set()  # those still there, retried before every retention pass
 
-    def step_dir(self, job: str, step: int) -> Path:
+    def _step_dir(self, job: str, step: int) -> Path:
         """Return the directory of a job's step."""
         return self.root / validate_job(job) / str(step)
 
@@ -127,19 +127,19 @@ class LocalDirTier(DurableTier):
 
     def committed_unix_s(self, job: str, step: int) -> float:
         """Return when a complete step's commit record was written (its mtime)."""
-        return (self.step_dir(job, step) / COMMIT_NAME).stat().st_mtime
+        return (self._step_dir(job, step) / COMMIT_NAME).stat().st_mtime
 
     def shard_source(self, job: str, step: int, rank: int) -> ShardSource:
         """Point at a step directory."""
-        return ShardSource(self.name, "dir", str(self.step_dir(job, step)), job, step)
+        return ShardSource(self.name, "dir", str(self._step_dir(job, step)), job, step)
 
     def has_shard(self, job: str, step: int, rank: int) -> bool:
         """Say whether a rank's shard is fully written (its metadata is renamed last)."""
-        return (self.step_dir(job, step) / meta_name(rank)).exists()
+        return (self._step_dir(job, step) / meta_name(rank)).exists()
 
     def holds(self, meta: ShardMeta) -> bool:
         """Say whether this exact shard record is installed here."""
-        path = self.step_dir(meta.job, meta.step) / meta_name(meta.rank)
+        path = self._step_dir(meta.job, meta.step) / meta_name(meta.rank)
         try:
             return path.read_bytes() == meta.to_bytes()
         except OSError:
@@ -161,7 +161,7 @@ class LocalDirTier(DurableTier):
         names the temporary file, which start-up removes if a crash leaves it.
         """
         what = shard_on_tier(meta, self.name)
-        commit = StepDirCommit(self.step_dir(meta.job, meta.step))
+        commit = StepDirCommit(self._step_dir(meta.job, meta.step))
         # Each copy owns its temporary file, even two copies of one transfer: abandoning
         # one never removes the file another is writing.
         unique = f"{transfer}-{uuid.uuid4().hex[:8]}" if transfer else ""
@@ -197,7 +197,7 @@ class LocalDirTier(DurableTier):
         if not lock.acquire(blocking=wait):
             return False
         try:
-            step_dir = self.step_dir(job, step)
+            step_dir = self._step_dir(job, step)
             removed = StepDirCommit(step_dir).remove_if_empty()
             if removed:
                 self._records.forget(step_dir)  # records of shards it once held, dropped since
@@ -211,7 +211,7 @@ class LocalDirTier(DurableTier):
         with self._step_lock(meta.job, meta.step):
             self._check_writable(meta, what)
             yield
-            self._records.learn(self.step_dir(meta.job, meta.step), meta)
+            self._records.learn(self._step_dir(meta.job, meta.step), meta)
 
     def _check_writable(self, meta: ShardMeta, what: str) -> None:
         """Refuse a shard of a step complete here, unless listed there; retire the step if meta's line supersedes it.
@@ -229,7 +229,7 @@ class LocalDirTier(DurableTier):
                 "step %d again",
                 *(meta.job, meta.step, self.name, record.committed_at or "an unknown time", meta.step),
             )
-            step_dir = self.step_dir(meta.job, meta.step)
+            step_dir = self._step_dir(meta.job, meta.step)
             doomed = step_dir.parent / f"{DELETING_PREFIX}{meta.step}-{uuid.uuid4().hex[:8]}"
             (step_dir / COMMIT_NAME).unlink(missing_ok=True)
             self._records.forget(step_dir)
@@ -262,11 +262,11 @@ class LocalDirTier(DurableTier):
 
     def read_index(self, record: CommitRecord) -> bytes | None:
         """Return the step's sealed index if this tier keeps one that belongs to record."""
-        return read_index(self.step_dir(record.job, record.step), record)
+        return read_index(self._step_dir(record.job, record.step), record)
 
     def holdings(self, job: str, step: int, node: str = "") -> list[Holding]:
         """Return the readable shard records of a step on this tier, each parsed once (a damaged one is left out)."""
-        return self._records.holdings(self.step_dir(job, step), job, step, node)
+        return self._records.holdings(self._step_dir(job, step), job, step, node)
 
     def adopt_commit(self, record: CommitRecord) -> bool:
         """Seal a step with its commit record; return whether the step is complete here with that record.
@@ -276,7 +276,7 @@ class LocalDirTier(DurableTier):
         removed first; the step directory must exist.
         """
         job, step = record.job, record.step
-        step_dir = self.step_dir(job, step)
+        step_dir = self._step_dir(job, step)
         with self._step_lock(job, step):
             state = self._commit_state(job, step)
             if isinstance(state, CommitRecord):
@@ -310,7 +310,7 @@ class LocalDirTier(DurableTier):
         # each rank saves the step again in this run, and only then is it sealed.
         if not run_id:
             return
-        step_dir = self.step_dir(job, step)
+        step_dir = self._step_dir(job, step)
         for path in sorted(step_dir.glob("rank-*.meta.json")):
             try:
                 stale = ShardMeta.from_bytes(path.read_bytes(), str(path)).run_id != run_id
@@ -332,7 +332,7 @@ class LocalDirTier(DurableTier):
         Called on a worker thread for RetireReplica (a stand-in's copy, see replication.sending).
         Its record first, so that the shard is unlisted before its data goes.
         """
-        step_dir = self.step_dir(job, step)
+        step_dir = self._step_dir(job, step)
         with self._step_lock(job, step):
             held = [h for h in self.holdings(job, step) if h.rank == rank and h.meta_digest == meta_digest]
             if not held:
@@ -348,7 +348,7 @@ class LocalDirTier(DurableTier):
 
     def remove_step(self, job: str, step: int) -> None:
         """Unlist the step (commit record first), then delete its directory."""
-        step_dir = self.step_dir(job, step)
+        step_dir = self._step_dir(job, step)
         if not step_dir.exists():
             raise NotFound(f"{job} step {step} is not on tier {self.name}")
         doomed = step_dir.parent / f"{DELETING_PREFIX}{step}-{uuid.uuid4().hex[:8]}"  # never an older leftover's name

@@ -104,7 +104,7 @@ def test_a_range_arrives_whole_with_a_ticket(node, tmp_path):
     ticket = node.run(node.offer(meta, "ab" * 8, ByteRange(0, meta.data_size_bytes)))
     assert send(node, ticket, meta, path) == "OK"
     node.run(node.receiver.seal(meta, "ab" * 8))
-    assert (node.tier.step_dir("j", 3) / "rank-00000.data").read_bytes() == path.read_bytes()
+    assert ((node.tier.root / "j" / "3") / "rank-00000.data").read_bytes() == path.read_bytes()
 
 
 def test_a_ticket_never_offered_is_refused_with_a_status_not_a_broken_pipe(node, tmp_path):
@@ -363,7 +363,7 @@ def streams() -> Iterator[ThreadPoolExecutor]:
 
 
 def received(node: Node, path: Path) -> bool:
-    return (node.tier.step_dir("j", 3) / "rank-00000.data").read_bytes() == path.read_bytes()
+    return ((node.tier.root / "j" / "3") / "rank-00000.data").read_bytes() == path.read_bytes()
 
 
 def test_an_older_peer_without_open_data_range_gets_put_shard_and_is_asked_again_after_a_minute(

@@ -107,4 +107,4 @@ def test_a_replica_written_after_a_refused_direct_write_is_the_sent_bytes(
         asyncio.run(body(ReplicaReceiver(tier, threads, receiving)))
     assert faults.calls >= at_call  # the fault was reached
     assert faults.refused or not einval_after  # refused as asked (or, after an unaligned short write, anyway)
-    assert (tier.step_dir("j", 3) / "rank-00000.data").read_bytes() == data
+    assert ((tier.root / "j" / "3") / "rank-00000.data").read_bytes() == data

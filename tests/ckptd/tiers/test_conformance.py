@@ -76,7 +76,7 @@ class ObjectHarness:
     def put(self, key: ShardKey, payload: bytes) -> None:
         meta = ShardMeta(key.job, key.step, key.rank, key.world_size, len(payload), CHUNK_SIZE_BYTES, (), "{}")
         meta = self.scratch.write_shard(meta, _aligned(payload))
-        upload_file(self.tier, meta, self.scratch.step_dir(key.job, key.step) / data_name(key.rank))
+        upload_file(self.tier, meta, (self.scratch.root / key.job / str(key.step)) / data_name(key.rank))
         metas = self.metas.setdefault((key.job, key.step), {})
         metas[key.rank] = meta
         if len(metas) == key.world_size:
@@ -232,7 +232,7 @@ def test_ranges_written_out_of_order_from_threads_make_the_shard_write_shard_mak
     whole = LocalDirTier(tmp_path / "whole")
     expected = whole.write_shard(meta, _aligned(data))
     assert sealed == expected and len(sealed.chunk_xxh3_128) == 10
-    step, whole_step = durable.step_dir("job", 1), whole.step_dir("job", 1)
+    step, whole_step = (durable.root / "job" / "1"), (whole.root / "job" / "1")
     for name in (data_name(0), meta_name(0)):
         assert (step / name).read_bytes() == (whole_step / name).read_bytes()
     assert _read(durable, "job", 1, 0) == data

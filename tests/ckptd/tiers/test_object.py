@@ -77,7 +77,7 @@ class Shards:
         return self.nvme.write_shard(meta, memoryview(m))
 
     def path(self, meta: ShardMeta) -> Path:
-        return self.nvme.step_dir(meta.job, meta.step) / data_name(meta.rank)
+        return (self.nvme.root / meta.job / str(meta.step)) / data_name(meta.rank)
 
 
 @pytest.fixture
