@@ -27,7 +27,7 @@ from ckpt.format import (
     round_up,
 )
 
-from ckptd.byte_range import ByteRange
+from ckptd.byte_range import WHOLE, ByteRange, ToEnd
 from ckptd.errors import ShardWriteError
 from ckptd.save.staging import SlotPool, Snapshot
 from ckptd.save.uploading import upload_file
@@ -168,6 +168,20 @@ def test_every_shard_reads_back_verified(harness):
         harness.put(ShardKey("job", 1, rank, 3), payload)
     for rank, payload in enumerate(payloads):
         assert _read(harness.tier, "job", 1, rank) == payload
+
+
+def test_a_byte_request_reads_just_its_bytes_verified(harness):
+    payload = os.urandom(3 * CHUNK_SIZE_BYTES + 99)
+    harness.put(ShardKey("job", 4, 0, 1), payload)
+    meta = harness.tier.read_meta("job", 4, 0)
+    for wanted, expected in [
+        (ByteRange(CHUNK_SIZE_BYTES, CHUNK_SIZE_BYTES), payload[CHUNK_SIZE_BYTES : 2 * CHUNK_SIZE_BYTES]),
+        (ToEnd(2 * CHUNK_SIZE_BYTES), payload[2 * CHUNK_SIZE_BYTES :]),  # the short last chunk included
+        (WHOLE, payload),
+    ]:
+        buf = _aligned(b"\0" * len(expected))
+        harness.tier.read_into(meta, buf, wanted)
+        assert bytes(buf[: len(expected)]) == expected, wanted
 
 
 def test_steps_are_listed_oldest_first_per_job(harness):
