@@ -28,6 +28,7 @@ from ckptd.tiers.memory import MemoryTier
 from ckptd.tiers.nvme import LocalDirTier
 from ckptd.tiers.object.tier import ObjectTier
 from ckptd.tiers.peer import PeerTier
+from ckptd.tiers.replica_store import ReplicaStore
 from ckptd.tiers.restore_target import DestinationUnwritable, RestoreTarget
 
 Progress = Callable[[str], None]
@@ -68,7 +69,7 @@ def readable_tiers(config: Config, source: str, threads: Executors) -> list[Tier
     tiers: list[Tier] = [
         MemoryTier.from_directory(config.staging_dir),
         LocalDirTier(config.root, commit_keys=config.commit_keys),
-        LocalDirTier(config.replica_root, name="peer", commit_keys=config.commit_keys),
+        ReplicaStore(config.replica_root, commit_keys=config.commit_keys),
     ]
     if config.peers:
         names, keys = config.peer_names, config.commit_keys

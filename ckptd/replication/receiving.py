@@ -38,7 +38,8 @@ from ckpt.format import DIRECT_IO_ALIGN_BYTES, ShardMeta, round_up, shown
 from ckptd.byte_range import ByteRange
 from ckptd.errors import AlreadyHeld, PeerBusy
 from ckptd.log_pace import LogPace
-from ckptd.tiers.base import DurableTier, ShardWrite
+from ckptd.tiers.base import ShardWrite
+from ckptd.tiers.replica_store import ReplicaStore
 
 log = logging.getLogger(__name__)
 
@@ -81,9 +82,9 @@ class RangeReservation:
 
 
 class ReplicaReceiver:
-    """Receive replicas into the replica store (a DurableTier)."""
+    """Receive replicas into the replica store."""
 
-    def __init__(self, tier: DurableTier, threads: ThreadPoolExecutor, receive_threads: ThreadPoolExecutor) -> None:
+    def __init__(self, tier: ReplicaStore, threads: ThreadPoolExecutor, receive_threads: ThreadPoolExecutor) -> None:
         """threads: checks and writes of received blocks; receive_threads: one per range being received (at most
         MAX_RANGES_IN_FLIGHT), which fills its buffers from the range's transport."""
         self.tier = tier

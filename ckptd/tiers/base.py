@@ -4,10 +4,12 @@ ShardReader reads one rank's shard of a complete step, a typed byte request at a
 StepListing lists complete steps and their commit records; StepCatalog adds what a written
 tier's catalog does besides (commit, adopt, remove, and what is on disk but not complete).
 ShardSink takes shards in, each through one ShardWrite. Each tier implements the ones it has:
-memory and peer read and list (Tier); NVMe and the replica store (tiers.nvme) read, list,
-catalog and take shards (DurableTier); the object store (tiers.object) reads, lists and takes
-shards, with a commit of its own. Roles outside ckptd/tiers hold a tier by these types only;
-the composition root (node.py) and the offline tools' builders alone name the classes.
+memory and peer read and list (Tier); NVMe (tiers.nvme) reads, lists, catalogs and takes
+shards (DurableTier); the object store (tiers.object) reads, lists and takes shards, with a
+commit of its own. The replica store (tiers.replica_store) and a restore target
+(tiers.restore_target) are their own small things, made of a directory tier. Roles outside
+ckptd/tiers hold a tier by these types only; the composition root (node.py) and the offline
+tools' builders alone name the classes.
 """
 
 from __future__ import annotations
@@ -271,8 +273,8 @@ class StepCatalog(StepListing):
     1. remove_leftovers() once, at start-up, before anything else;
     2. after each shard is sealed (ShardSink): try_commit(), which seals the step once every
        rank is in, or adopt_commit(), when the step is complete across nodes;
-    3. from retention: remove_step(), for steps the config no longer keeps (remove_shard for
-       one retired replica), and retry_removals() before each pass, for removals that failed.
+    3. from retention: remove_step(), for steps the config no longer keeps, and
+       retry_removals() before each pass, for removals that failed.
 
     Anyone may list, besides complete steps: every step with anything written (all_steps),
     the shards a step holds (holdings), damaged commit records, and when a step was sealed.
@@ -317,10 +319,6 @@ class StepCatalog(StepListing):
     @abstractmethod
     def remove_step(self, job: str, step: int) -> None:
         """Remove a step: it stops being listed first, then its shards go."""
-
-    @abstractmethod
-    def remove_shard(self, job: str, step: int, rank: int, meta_digest: str) -> bool:
-        """Remove one rank's shard from a step if it is the copy named; the step goes with its last shard."""
 
     removal_failures: int  # removals that failed (logged, retried by retry_removals)
 

@@ -1,4 +1,4 @@
-"""Keep checkpoints in a local directory tree: the node's NVMe tier, the replica store, and restore targets.
+"""Keep checkpoints in a local directory tree: the NVMe tier (also what the replica store and restore target use).
 
 Every shard enters through open_shard, one LocalShardWrite per copy: the step directory
 is made ready and the rank's older record dropped (under the step's lock), its bytes go
@@ -325,26 +325,6 @@ class LocalDirTier(DurableTier):
                 path.unlink(missing_ok=True)
                 (step_dir / data_name(rank)).unlink(missing_ok=True)
         fsync_dir(step_dir)
-
-    def remove_shard(self, job: str, step: int, rank: int, meta_digest: str) -> bool:
-        """Remove one rank's shard from a step, if it is the copy named; the step goes with its last shard.
-
-        Called on a worker thread for RetireReplica (a stand-in's copy, see replication.sending).
-        Its record first, so that the shard is unlisted before its data goes.
-        """
-        step_dir = self._step_dir(job, step)
-        with self._step_lock(job, step):
-            held = [h for h in self.holdings(job, step) if h.rank == rank and h.meta_digest == meta_digest]
-            if not held:
-                return False
-            (step_dir / meta_name(rank)).unlink(missing_ok=True)
-            (step_dir / data_name(rank)).unlink(missing_ok=True)
-            self._records.forget(step_dir)
-            fsync_dir(step_dir)
-            left = [n for n in entry_names(step_dir) if n.startswith("rank-")]
-        if not left:
-            self.remove_step(job, step)
-        return True
 
     def remove_step(self, job: str, step: int) -> None:
         """Unlist the step (commit record first), then delete its directory."""

@@ -18,7 +18,7 @@ from ckptd.byte_range import ByteRange
 from ckptd.cluster.shard_stream import PIECE_BYTES, byte_ranges
 from ckptd.errors import PeerBusy, StepAlreadyComplete
 from ckptd.replication.receiving import MAX_RANGES_IN_FLIGHT, ReplicaReceiver
-from ckptd.tiers.nvme import LocalDirTier
+from ckptd.tiers.replica_store import ReplicaStore
 
 CHUNK = 1 << 20
 
@@ -35,7 +35,7 @@ async def pieces(data: bytes):
 
 
 def run(tmp_path, body):
-    tier = LocalDirTier(tmp_path / "peer", name="peer")
+    tier = ReplicaStore(tmp_path / "peer")
     with ThreadPoolExecutor(4) as threads, ThreadPoolExecutor(4) as receiving:
         receiver = ReplicaReceiver(tier, threads, receiving)
         asyncio.run(body(receiver))

@@ -32,7 +32,7 @@ from ckptd.replication.receiving import ReplicaReceiver
 from ckptd.rpc import data_listener
 from ckptd.rpc.data_listener import MAX_PER_ADDRESS, DataListener
 from ckptd.rpc.statuses import status_line, status_of
-from ckptd.tiers.nvme import LocalDirTier
+from ckptd.tiers.replica_store import ReplicaStore
 
 T = TypeVar("T")
 CHUNK = 1 << 20
@@ -51,7 +51,7 @@ class Node:
     """A receiver and its data listener on an event loop of their own, as a daemon runs them."""
 
     def __init__(self, tmp_path: Path, host: str = "127.0.0.1", before_start: Any = None) -> None:
-        self.tier = LocalDirTier(tmp_path / "peer", name="peer")
+        self.tier = ReplicaStore(tmp_path / "peer")
         self._pools = [ThreadPoolExecutor(4), ThreadPoolExecutor(16), ThreadPoolExecutor(48)]
         self.receiver = ReplicaReceiver(self.tier, self._pools[0], self._pools[1])
         self.bad_chunks = 0

@@ -38,6 +38,7 @@ from ckptd.tiers.memory import MemoryTier
 from ckptd.tiers.nvme import LocalDirTier
 from ckptd.tiers.object.keys import shard_dir
 from ckptd.tiers.object.tier import ObjectTier
+from ckptd.tiers.replica_store import ReplicaStore
 
 THREADS = ThreadPoolExecutor(8)  # the pools Executors gives the tiers here: slot_memory, object_reads, object_requests
 
@@ -220,7 +221,7 @@ SMALL_CHUNK = 64 << 10
 
 @pytest.fixture(params=["nvme", "replica-store"])
 def durable(request, tmp_path):
-    return LocalDirTier(tmp_path / request.param, name=request.param)
+    return LocalDirTier(tmp_path / "nvme") if request.param == "nvme" else ReplicaStore(tmp_path / "peer")
 
 
 def _shard(size: int, with_checksums: bool = True) -> tuple[ShardMeta, bytes]:
