@@ -70,7 +70,7 @@ def write_shard(nvme: LocalDirTier, job: str, size: int, half_zeros: bool) -> tu
         meta = nvme.write_shard(ShardMeta(job, STEP, 0, 1, size, CHUNK_SIZE_BYTES, (), "{}"), memoryview(buf))
     finally:
         buf.close()
-    return meta, nvme.step_dir(job, STEP) / data_name(0)
+    return meta, (nvme.root / job / str(STEP)) / data_name(0)
 
 
 def drop_from_page_cache(path: Path) -> None:

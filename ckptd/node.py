@@ -56,6 +56,7 @@ from ckptd.tiers.object.layout import READ_THREADS
 from ckptd.tiers.object.shards import COMMIT_CHECK_THREADS
 from ckptd.tiers.object.tier import ObjectTier
 from ckptd.tiers.peer import INVENTORY_THREADS, PeerTier
+from ckptd.tiers.replica_store import ReplicaStore
 from ckptd.tiers.slot_files import Slot
 
 log = logging.getLogger(__name__)
@@ -160,7 +161,7 @@ class Node:
         memory = MemoryTier(self.pool.copies)
         self.nvme = LocalDirTier(config.root, write_threads=x.nvme_writes, commit_keys=config.commit_keys)
         # the replicas other nodes sent
-        replica_store = LocalDirTier(config.replica_root, "peer", x.replica_writes, config.commit_keys)
+        replica_store = ReplicaStore(config.replica_root, x.replica_writes, config.commit_keys)
         tiers: list[Tier] = [memory, self.nvme, replica_store]
         self.durable_tiers: list[DurableTier] = [self.nvme, replica_store]
         object_tier = None

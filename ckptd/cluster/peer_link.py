@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-from ckpt_core.byte_range import ByteRange
+from ckpt_core.byte_range import WHOLE, ByteRange, ByteRequest
 from ckpt_core.commit_keys import UNSIGNED, CommitKeys
 from ckpt_core.errors import CheckpointError, CorruptCheckpoint, NotFound
 from ckpt_core.format import CommitRecord, ShardMeta, digest, validate_job, validate_step
@@ -477,11 +477,10 @@ class PeerLink:
             return ShardMeta.from_bytes(pb.ShardPiece.FromString(raw).meta_json, f"{what} from peer {self.address}")
         raise PeerError(f"peer {self.address} sent nothing for {what}")
 
-    def fetch_into(
-        self, meta: ShardMeta, buffer: memoryview, tier: str = "", offset: int = 0, length: int = -1
-    ) -> None:
-        """Fill buffer with a shard's bytes from the peer (a range: from offset, length bytes), every chunk checked."""
-        length = meta.data_size_bytes - offset if length < 0 else length
+    def fetch_into(self, meta: ShardMeta, buffer: memoryview, wanted: ByteRequest = WHOLE, tier: str = "") -> None:
+        """Fill buffer with the wanted bytes of a shard from the peer (from its first byte), every chunk checked."""
+        byte_range = wanted.resolve(meta.data_size_bytes)
+        offset, length = byte_range.offset, byte_range.length
         request = pb.GetShardRequest(
             job=meta.job, step=meta.step, rank=meta.rank, tier=tier, offset=offset, length=length, ranged=True
         )
@@ -493,6 +492,6 @@ class PeerLink:
             first = next(replies, None)
             if first is None or pb.ShardPiece.FromString(first).meta_json != meta.to_bytes():
                 raise CorruptCheckpoint(f"{what}: the peer holds a different copy of the shard")
-            fill_from_pieces(buffer, meta, (piece_data(r) for r in replies), what, offset, length)
+            fill_from_pieces(buffer, meta, (piece_data(r) for r in replies), what, byte_range)
 
         self._call(what, fill)

@@ -60,15 +60,14 @@ def read_pieces(path: Path, meta: ShardMeta, byte_range: ByteRange, what: str) -
 
 
 def fill_from_pieces(
-    buffer: memoryview, meta: ShardMeta, pieces: Iterable[memoryview], what: str, offset: int = 0, length: int = -1
+    buffer: memoryview, meta: ShardMeta, pieces: Iterable[memoryview], what: str, byte_range: ByteRange
 ) -> None:
     """Copy a range of a shard arriving in pieces into buffer, checking each chunk as it completes.
 
-    The range starts at offset (a multiple of the chunk size) and runs for length bytes
-    (-1: to the end of the data); buffer holds it from its first byte.
+    The range starts on a chunk boundary; buffer holds it from its first byte.
     """
     chunk = meta.chunk_size_bytes
-    size = meta.data_size_bytes - offset if length < 0 else length
+    offset, size = byte_range.offset, byte_range.length
     filled = 0
     for piece in pieces:
         view = memoryview(piece)

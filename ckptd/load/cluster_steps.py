@@ -22,8 +22,8 @@ from ckptd.cluster.placement import StepHoldings, loadable_steps
 from ckptd.cluster.view import ClusterView
 from ckptd.keyed import KeyCounts, KeyedLocks
 from ckptd.load.fetch import fetch_shard
+from ckptd.tiers.base import DurableTier, has_committed_shard
 from ckptd.tiers.catalog import StepInfo
-from ckptd.tiers.nvme import LocalDirTier
 from ckptd.tiers.peer import PeerTier
 
 log = logging.getLogger(__name__)
@@ -36,7 +36,7 @@ class ClusterSteps:
         self,
         view: ClusterView | None,
         peer_tier: PeerTier | None,
-        nvme: LocalDirTier,
+        nvme: DurableTier,
         local_holdings: Callable[[str, int | None], list[StepHoldings]],
         replicas: Callable[[], int],
         threads: ThreadPoolExecutor,
@@ -101,7 +101,7 @@ class ClusterSteps:
         if self.peer_tier is None:
             return
         async with self._fetch_locks.hold((job, step, rank)):
-            if not replace and await self._run(self.nvme.has_committed_shard, job, step, rank):
+            if not replace and await self._run(has_committed_shard, self.nvme, job, step, rank):
                 return  # another load fetched it meanwhile
             with self._fetching.counting((job, step)):
                 # The nodes the cluster view names first: asking every peer is for when they cannot serve.

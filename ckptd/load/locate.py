@@ -38,9 +38,8 @@ from ckptd.keyed import KeyCounts, KeyedLocks
 from ckptd.load.cluster_steps import ClusterSteps
 from ckptd.load.fetch import fetch_shard
 from ckptd.storage.object_store import shown_url
-from ckptd.tiers.base import Tier
+from ckptd.tiers.base import DurableTier, Tier, has_committed_shard
 from ckptd.tiers.catalog import StepInfo, head_of, list_steps, merge_steps, with_superseded
-from ckptd.tiers.nvme import LocalDirTier
 from ckptd.tiers.object.tier import ObjectTier
 
 log = logging.getLogger(__name__)
@@ -60,8 +59,8 @@ class Locator:
         self,
         config: Config,
         tiers: list[Tier],
-        nvme: LocalDirTier,
-        replica_store: LocalDirTier,
+        nvme: DurableTier,
+        replica_store: DurableTier,
         cluster: ClusterSteps,
         object_tier: ObjectTier | None,
         verification_failed: Callable[[str], None],
@@ -163,7 +162,11 @@ class Locator:
             raise CorruptCheckpoint(f"{job} step {step} rank {rank}: no other tier to fetch a good copy from")
         sources = [] if refetch else await self.on_locate_threads(self.local_sources, tiers, job, step, rank, record)
         fetched_to = ShardSource(
-            tier if tier in ("peer", "object") else "nvme", "dir", str(self.nvme.step_dir(job, step)), job, step
+            tier if tier in ("peer", "object") else "nvme",
+            "dir",
+            self.nvme.shard_source(job, step, rank).path,
+            job,
+            step,
         )
         if not sources and from_peers and (refetch or step not in object_steps):
             try:
@@ -317,7 +320,7 @@ class Locator:
         again: read and check the store's copy even if NVMe holds the shard (a load that named tier "object").
         """
         async with self._fetch_locks.hold((job, step, rank)):
-            if not again and await self.on_locate_threads(self.nvme.has_committed_shard, job, step, rank):
+            if not again and await self.on_locate_threads(has_committed_shard, self.nvme, job, step, rank):
                 return  # another load fetched it meanwhile
             with self._fetching_from_object.counting((job, step)):
                 try:

@@ -100,11 +100,8 @@ class ShardedReads:
     def _read_or_build_index(self, record: CommitRecord) -> bytes:
         """Return the step's index as a tier keeps it, or built from the ranks' records (b"" if none is sharded)."""
         for t in [*self.locator.tiers, *self._remote_tiers()]:
-            read_index = getattr(t, "read_index", None)
-            if read_index is None:
-                continue
             try:
-                data: bytes | None = read_index(record)
+                data = t.read_index(record)
             except (CheckpointError, OSError) as e:
                 log.warning("%s; building the index from the shard records", e)
                 continue
@@ -141,19 +138,22 @@ class ShardedReads:
         piece_bytes = max(1, FETCH_RANGE_BYTES // meta.chunk_size_bytes) * meta.chunk_size_bytes
         for r in ranges:
             for at in range(r.offset, r.end, piece_bytes):
-                data, bad_tiers = await locator.on_object_threads(self._fetch, meta, at, min(piece_bytes, r.end - at))
+                data, bad_tiers = await locator.on_object_threads(
+                    self._fetch, meta, ByteRange(at, min(piece_bytes, r.end - at))
+                )
                 for name in bad_tiers:
                     locator.verification_failed(name)
                 yield data
 
-    def _fetch(self, meta: ShardMeta, offset: int, length: int) -> tuple[bytes, list[str]]:
+    def _fetch(self, meta: ShardMeta, byte_range: ByteRange) -> tuple[bytes, list[str]]:
         """Return a range of a shard from the first tier beyond this node whose copy checks, and the failed tiers."""
         errors: list[str] = []
         bad_tiers: list[str] = []
+        offset, length = byte_range.offset, byte_range.length
         for t in self._remote_tiers():
             with aligned_buffer(length) as buffer:
                 try:
-                    t.read_into(meta, buffer, offset, length)
+                    t.read_into(meta, buffer, byte_range)
                     log.info(
                         "read bytes %d-%d of rank %d shard of %s step %d from tier %s (verified)",
                         *(offset, offset + length - 1, meta.rank, meta.job, meta.step, t.name),

@@ -178,15 +178,16 @@ def _local_step_dir(tiers: list[Tier], job: str, step: int) -> Path | None:
     A step spread over nodes is sealed on each with only part of its shards: such a
     directory is not enough, and the step is restored instead.
     """
-    from ckptd.tiers.nvme import LocalDirTier
+    from ckptd.tiers.base import DurableTier
 
     for tier in tiers:
-        if not isinstance(tier, LocalDirTier):
+        if not isinstance(tier, DurableTier):  # a directory tier: NVMe or the replica store
             continue
         record = tier.checked_commit(job, step)
         if record is not None and all(tier.has_shard(job, step, r) for r in range(record.world_size)):
-            _progress(f"{job} step {step}: reading it on tier {tier.name} ({tier.step_dir(job, step)})")
-            return tier.step_dir(job, step)
+            step_dir = Path(tier.shard_source(job, step, 0).path)
+            _progress(f"{job} step {step}: reading it on tier {tier.name} ({step_dir})")
+            return step_dir
     return None
 
 

@@ -14,12 +14,11 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from ckpt_core.errors import CheckpointError, CorruptCheckpoint, NotFound
-from ckpt_core.format import ShardMeta, validate_tier
+from ckpt_core.format import validate_tier
 from ckpt_core.history import History
 
 from ckptd.cluster.peer_link import PeerLink
 from ckptd.config import Config
-from ckptd.errors import ShardWriteError
 from ckptd.load.fetch import aligned_buffer
 from ckptd.node import Executors
 from ckptd.operations.status_table import human_size
@@ -29,12 +28,10 @@ from ckptd.tiers.memory import MemoryTier
 from ckptd.tiers.nvme import LocalDirTier
 from ckptd.tiers.object.tier import ObjectTier
 from ckptd.tiers.peer import PeerTier
+from ckptd.tiers.replica_store import ReplicaStore
+from ckptd.tiers.restore_target import DestinationUnwritable, RestoreTarget
 
 Progress = Callable[[str], None]
-
-
-class DestinationUnwritable(CheckpointError):
-    """The restore destination (--to) cannot be written: no tier's copy is at fault, and no other tier helps."""
 
 
 @contextmanager
@@ -72,7 +69,7 @@ def readable_tiers(config: Config, source: str, threads: Executors) -> list[Tier
     tiers: list[Tier] = [
         MemoryTier.from_directory(config.staging_dir),
         LocalDirTier(config.root, commit_keys=config.commit_keys),
-        LocalDirTier(config.replica_root, name="peer", commit_keys=config.commit_keys),
+        ReplicaStore(config.replica_root, commit_keys=config.commit_keys),
     ]
     if config.peers:
         names, keys = config.peer_names, config.commit_keys
@@ -105,16 +102,16 @@ def restore(
     write_threads: the target's writers, as the NVMe tier's in a daemon (tool_threads().nvme_writes;
     None writes on the calling thread).
     """
-    return _restore(tiers, job, step, LocalDirTier(target, name="restore", write_threads=write_threads), progress)
+    return _restore(tiers, job, step, RestoreTarget(target, write_threads), progress)
 
 
-def _restore(tiers: list[Tier], job: str, step: int, out: LocalDirTier, progress: Progress) -> Path:
+def _restore(tiers: list[Tier], job: str, step: int, out: RestoreTarget, progress: Progress) -> Path:
     step_dir = out.step_dir(job, step)
-    if _knows(out, job, step):
+    if out.holds_step(job, step):
         raise CheckpointError(f"{step_dir} already exists; restore into an empty place")
     if step_dir.exists():  # no commit record: what a restore that was killed left
         progress(f"{step_dir}: removing what an earlier restore, cut short, left there")
-        out.remove_step(job, step)
+        out.clear(job, step)
     # Every tier that knows the step as complete may hold some of its ranks: a step spread
     # over nodes has part of its shards here and the rest on the peers.
     holders = [t for t in tiers if _knows(t, job, step)]
@@ -128,7 +125,7 @@ def _restore(tiers: list[Tier], job: str, step: int, out: LocalDirTier, progress
         holders.remove(other)
     world_size = record.world_size
     try:
-        _make_destination(out, step_dir)
+        out.begin(job, step)
         for rank in range(world_size):
             errors = []
             for tier in holders:
@@ -140,7 +137,7 @@ def _restore(tiers: list[Tier], job: str, step: int, out: LocalDirTier, progress
                     started = time.monotonic()
                     with aligned_buffer(meta.data_size_bytes) as buf:
                         tier.read_into(meta, buf)
-                        _write_to(out, meta, buf)
+                        out.write(meta, buf)
                     rate = meta.data_size_bytes / max(time.monotonic() - started, 1e-9) / 1e6
                     progress(
                         f"rank {rank}/{world_size}: {meta.data_size_bytes} bytes from {tier.name}, verified "
@@ -154,35 +151,11 @@ def _restore(tiers: list[Tier], job: str, step: int, out: LocalDirTier, progress
                     errors.append(str(e))
             else:
                 raise CorruptCheckpoint(f"no good copy of rank {rank} of {job} step {step}: " + "; ".join(errors))
-        try:
-            committed = out.try_commit(job, step, world_size)
-        except OSError as e:
-            raise DestinationUnwritable(f"cannot write the restore destination {out.root}: {e.strerror or e}") from e
-        if committed is None:
-            raise CheckpointError(f"{step_dir}: not every shard was written")
+        out.seal(job, step, world_size)
     except BaseException:
-        if step_dir.exists():
-            out.remove_step(job, step)  # nothing half-restored is left to trip the next attempt
+        out.clear(job, step)  # nothing half-restored is left to trip the next attempt
         raise
     return step_dir
-
-
-def _make_destination(out: LocalDirTier, step_dir: Path) -> None:
-    """Create the step's directory in the destination, or say that the destination cannot be written."""
-    try:
-        step_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise DestinationUnwritable(f"cannot write the restore destination {out.root}: {e.strerror or e}") from None
-
-
-def _write_to(out: LocalDirTier, meta: ShardMeta, buf: memoryview) -> None:
-    """Write a shard read from a tier into the destination; a disk error there is the destination's, not the tier's."""
-    try:
-        out.write_shard(meta, buf)
-    except ShardWriteError as e:
-        if isinstance(e.__cause__, OSError):  # the bytes were in memory: only the destination's disk failed
-            raise DestinationUnwritable(f"cannot write the restore destination {out.root}: {e}") from e
-        raise
 
 
 def _knows(tier: Tier, job: str, step: int) -> bool:

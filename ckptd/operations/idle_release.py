@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from ckpt_core.errors import InvalidArgument
 
 from ckptd.save.staging import SlotPool
-from ckptd.tiers.nvme import LocalDirTier
+from ckptd.tiers.base import ShardSink
 from ckptd.tiers.slot_files import UNFLUSHED, Slot
 
 log = logging.getLogger(__name__)
@@ -33,7 +33,7 @@ BUSY_STATES = frozenset({"allocating", "writing", "committing"}) | UNFLUSHED
 class IdleRelease:
     """Release the slots of jobs idle for longer than the TTL, once their snapshots are durable."""
 
-    def __init__(self, pool: SlotPool, nvme: LocalDirTier, idle_ttl_s: float, thread: ThreadPoolExecutor) -> None:
+    def __init__(self, pool: SlotPool, nvme: ShardSink, idle_ttl_s: float, thread: ThreadPoolExecutor) -> None:
         self.pool = pool
         self.nvme = nvme
         self.idle_ttl_s = idle_ttl_s

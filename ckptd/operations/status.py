@@ -32,8 +32,7 @@ from ckptd.save.progress import Completion, ShardProgress
 from ckptd.save.save_path import SavePath
 from ckptd.save.staging import SlotPool
 from ckptd.save.uploading import Uploader
-from ckptd.tiers.memory import MemoryTier
-from ckptd.tiers.nvme import LocalDirTier
+from ckptd.tiers.base import DurableTier, Tier
 from ckptd.tiers.slot_files import UNFLUSHED
 
 LOOP_PROBE_S = 0.1  # how often the event loop's responsiveness is sampled
@@ -46,8 +45,8 @@ class StatusReport:
         self,
         config: Config,
         pool: SlotPool,
-        memory: MemoryTier,
-        nvme: LocalDirTier,
+        memory: Tier,
+        nvme: DurableTier,
         flusher: Flusher,
         save_path: SavePath,
         progress: ShardProgress,

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from ckpt_core.errors import CheckpointError
-from ckpt_core.format import CommitRecord, ShardMeta, data_name, meta_name
+from ckpt_core.format import CommitRecord, ShardMeta
 from ckpt_core.shard_key import ShardKey
 
 from ckptd.cluster.peer_link import PeerLink
@@ -33,7 +33,7 @@ from ckptd.cluster.view import ClusterView
 from ckptd.config import Config
 from ckptd.errors import StepAlreadyComplete
 from ckptd.replication.sending import FAILURES_REPORTED, Replication
-from ckptd.tiers.nvme import LocalDirTier
+from ckptd.tiers.base import DurableTier
 from ckptd.tiers.peer import PeerTier
 
 log = logging.getLogger(__name__)
@@ -72,8 +72,8 @@ class Peering:
         self,
         config: Config,
         view: ClusterView | None,
-        nvme: LocalDirTier,
-        replica_store: LocalDirTier,
+        nvme: DurableTier,
+        replica_store: DurableTier,
         peer_tier: PeerTier | None,
         replication: Replication | None,
         instance: str,
@@ -199,7 +199,7 @@ class Peering:
         """Start replicating a shard from its staging slot (while it holds the snapshot), else from NVMe."""
         if self.replication is None:
             return
-        on_disk = self.nvme.step_dir(key.job, key.step) / data_name(key.rank)
+        on_disk = self.nvme.shard_source(key.job, key.step, key.rank).data_path(key.rank)
         self.replication.send(key, meta, [p for p in (slot_path, on_disk) if p is not None])
 
     def retry_failing_replicas(self, key: ShardKey) -> None:
@@ -286,7 +286,8 @@ class Peering:
     def _steps_on_disk(self, keys: list[ShardKey]) -> dict[tuple[str, int], tuple[bool, CommitRecord | None]]:
         """Return, for the steps of keys, whether each has a directory on NVMe and its commit record (a thread)."""
         steps = {(k.job, k.step) for k in keys}
-        return {(j, s): (self.nvme.step_dir(j, s).is_dir(), self.nvme.checked_commit(j, s)) for j, s in steps}
+        on_disk = {j: set(self.nvme.all_steps(j)) for j in {j for j, _ in steps}}
+        return {(j, s): (s in on_disk[j], self.nvme.checked_commit(j, s)) for j, s in steps}
 
     def busy_steps(self) -> set[tuple[str, int]]:
         """Return the steps whose replicas are still owed within [retention]: retention keeps off them (BusySteps)."""
@@ -336,12 +337,13 @@ class Peering:
                 key = ShardKey(h.job, h.step, h.rank, h.world_size)
                 if self.replication.tracks(key, h.meta_digest) or not self._kept(key):
                     continue
-                path = self.nvme.step_dir(h.job, h.step) / meta_name(h.rank)
+                source = self.nvme.shard_source(h.job, h.step, h.rank)
+                path = source.meta_path(h.rank)
                 try:
                     meta = ShardMeta.from_bytes(path.read_bytes(), str(path))
                 except (CheckpointError, OSError):
                     continue  # removed or replaced since it was listed
-                self.replication.track(key, meta, [self.nvme.step_dir(h.job, h.step) / data_name(h.rank)])
+                self.replication.track(key, meta, [source.data_path(h.rank)])
 
     def note_complete(self, job: str, step: int) -> None:
         """Log that a step is complete across the cluster, once per step (a seal, a commit learned, a catch-up)."""

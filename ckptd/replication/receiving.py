@@ -2,7 +2,7 @@
 
 The sender splits a shard into byte ranges and sends each on a data connection of
 its own (rpc.data_listener) or, where none is offered, a PutShard stream. Each transfer
-(one copy of one shard) holds one ShardWrite of the tier (LocalDirTier.open_shard),
+(one copy of one shard) holds one ShardWrite of the tier (ShardSink.open_shard),
 opened by its first range: every range goes through the same receive loop, on a
 receiving thread, which fills two aligned block buffers by turns from the transport
 (a data connection's recv_into, or PutShard's pieces taken from the event loop) and
@@ -39,7 +39,7 @@ from ckpt_core.format import DIRECT_IO_ALIGN_BYTES, ShardMeta, round_up, shown
 from ckptd.errors import AlreadyHeld, PeerBusy
 from ckptd.log_pace import LogPace
 from ckptd.tiers.base import ShardWrite
-from ckptd.tiers.nvme import LocalDirTier
+from ckptd.tiers.replica_store import ReplicaStore
 
 log = logging.getLogger(__name__)
 
@@ -82,9 +82,9 @@ class RangeReservation:
 
 
 class ReplicaReceiver:
-    """Receive replicas into a LocalDirTier."""
+    """Receive replicas into the replica store."""
 
-    def __init__(self, tier: LocalDirTier, threads: ThreadPoolExecutor, receive_threads: ThreadPoolExecutor) -> None:
+    def __init__(self, tier: ReplicaStore, threads: ThreadPoolExecutor, receive_threads: ThreadPoolExecutor) -> None:
         """threads: checks and writes of received blocks; receive_threads: one per range being received (at most
         MAX_RANGES_IN_FLIGHT), which fills its buffers from the range's transport."""
         self.tier = tier

@@ -6,7 +6,7 @@ which picks one step (see rounds: the newest that the job's ranks on this node h
 oldest that [nvme] flush_every keeps), pins every local rank's slot of it and passes over
 the older snapshots not yet flushed; then write() for each pinned slot, which hashes and
 writes it on the flush threads (shared by every job of the node) through the NVMe tier's
-one write path (DurableTier.write_shard). The save path learns of a reservation and of its
+one write path (ShardSink.write_shard). The save path learns of a reservation and of its
 commit (reserved(), copied()), so that a round waits for ranks still copying.
 """
 
@@ -25,7 +25,7 @@ from ckpt_core.shard_key import ShardKey
 from ckptd import metrics
 from ckptd.save.rounds import Round, plan_round
 from ckptd.save.staging import SlotPool
-from ckptd.tiers.nvme import LocalDirTier
+from ckptd.tiers.base import ShardSink
 from ckptd.tiers.slot_files import UNFLUSHED, Slot
 
 # A round waits (this long at most) while ranks of its job on this node are still copying
@@ -38,7 +38,7 @@ FLUSH_HOLD_MAX_S = 2.0
 class Flusher:
     """Write the pinned slots of each round to NVMe; know which steps are still on their way."""
 
-    def __init__(self, pool: SlotPool, nvme: LocalDirTier, threads: ThreadPoolExecutor) -> None:
+    def __init__(self, pool: SlotPool, nvme: ShardSink, threads: ThreadPoolExecutor) -> None:
         """threads: the flush threads (Executors.flush), where each slot is hashed and fed to the NVMe writers."""
         self.pool = pool
         self.nvme = nvme

@@ -28,7 +28,7 @@ from ckptd.save.passed_over import PassedOver
 from ckptd.save.staging import SlotPool
 from ckptd.save.uploading import FAILURES_REPORTED as UPLOAD_FAILURES_REPORTED
 from ckptd.save.uploading import Uploader
-from ckptd.tiers.nvme import LocalDirTier
+from ckptd.tiers.base import ShardReader
 from ckptd.tiers.slot_files import UNFLUSHED
 
 log = logging.getLogger(__name__)
@@ -116,7 +116,7 @@ class ShardProgress:
     def __init__(
         self,
         pool: SlotPool,
-        nvme: LocalDirTier,
+        nvme: ShardReader,
         replication: Replication | None,
         uploader: Uploader | None,
         node: str,

@@ -60,7 +60,6 @@ from ckptd.save.progress import REMEMBERED_SHARDS, ShardProgress, ShardWait
 from ckptd.save.staging import SlotPool, Snapshot
 from ckptd.save.uploading import Uploader
 from ckptd.tiers.base import DurableTier
-from ckptd.tiers.nvme import LocalDirTier
 from ckptd.tiers.object.tier import ObjectTier
 from ckptd.tiers.slot_files import Slot
 
@@ -107,7 +106,7 @@ class SavePath:
         self,
         pool: SlotPool,
         flusher: Flusher,
-        nvme: LocalDirTier,
+        nvme: DurableTier,
         replica_store: DurableTier,
         durable_tiers: list[DurableTier],
         peering: Peering,
@@ -620,7 +619,8 @@ class SavePath:
         for job in self.nvme.jobs():
             complete = set(self.nvme.complete_steps(job))
             for step in self.nvme.all_steps(job):
-                world_size = None if step in complete else self.nvme.saved_world_size(job, step)
+                held = [] if step in complete else self.nvme.holdings(job, step)
+                world_size = held[0].world_size if held else None
                 if world_size:
                     found.append((job, step, world_size))
         return found

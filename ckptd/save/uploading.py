@@ -32,14 +32,14 @@ from typing import Any
 
 from ckpt_core.byte_range import ByteRange
 from ckpt_core.errors import CheckpointError, CorruptCheckpoint, NotFound
-from ckpt_core.format import CommitRecord, ShardMeta, chunk_ranges, data_name, meta_name
+from ckpt_core.format import CommitRecord, ShardMeta, chunk_ranges
 from ckpt_core.shard_key import ShardKey
 
 from ckptd import metrics
 from ckptd.config import Config
 from ckptd.errors import AlreadyHeld, CommitConflict, LocalCopyGone
 from ckptd.keyed import KeyedLocks
-from ckptd.tiers.nvme import LocalDirTier
+from ckptd.tiers.base import DurableTier
 from ckptd.tiers.object.layout import part_bytes
 from ckptd.tiers.object.tier import ObjectTier
 
@@ -73,7 +73,7 @@ class Uploader:
     def __init__(
         self,
         config: Config,
-        nvme: LocalDirTier,
+        nvme: DurableTier,
         tier: ObjectTier,
         on_change: Callable[[ShardKey, bool], None],
         threads: ThreadPoolExecutor,
@@ -243,8 +243,8 @@ class Uploader:
 
     def _upload_shard(self, key: ShardKey) -> ShardMeta | None:
         """Upload the shard from NVMe unless the store holds it already; return its record if it was sent."""
-        step_dir = self.nvme.step_dir(key.job, key.step)
-        path = step_dir / meta_name(key.rank)
+        source = self.nvme.shard_source(key.job, key.step, key.rank)
+        path = source.meta_path(key.rank)
         try:
             meta = ShardMeta.from_bytes(path.read_bytes(), str(path))
         except FileNotFoundError:
@@ -252,7 +252,7 @@ class Uploader:
         if self.tier.holds(meta):
             return None
         started = time.monotonic()
-        if not upload_file(self.tier, meta, step_dir / data_name(key.rank)):
+        if not upload_file(self.tier, meta, source.data_path(key.rank)):
             return None  # the step is complete in the store with this very shard
         self.upload_seconds.observe(time.monotonic() - started)
         log.info(

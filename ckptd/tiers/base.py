@@ -1,8 +1,15 @@
-"""The interfaces every tier offers to the save path, replication, retention and the CLI.
+"""The three small interfaces a tier offers, cut by capability, and the whole-tier types made of them.
 
-Tier: read complete steps. DurableTier: also receive shards, each through one ShardWrite,
-and seal steps. The memory tier only reads; NVMe and the replica store (tiers.nvme) and the
-object store (tiers.object) are durable.
+ShardReader reads one rank's shard of a complete step, a typed byte request at a time.
+StepListing lists complete steps and their commit records; StepCatalog adds what a written
+tier's catalog does besides (commit, adopt, remove, and what is on disk but not complete).
+ShardSink takes shards in, each through one ShardWrite. Each tier implements the ones it has:
+memory and peer read and list (Tier); NVMe (tiers.nvme) reads, lists, catalogs and takes
+shards (DurableTier); the object store (tiers.object) reads, lists and takes shards, with a
+commit of its own. The replica store (tiers.replica_store) and a restore target
+(tiers.restore_target) are their own small things, made of a directory tier. Roles outside
+ckptd/tiers hold a tier by these types only; the composition root (node.py) and the offline
+tools' builders alone name the classes.
 """
 
 from __future__ import annotations
@@ -13,7 +20,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, Future, wait
 
 from ckpt_core import shard_io
-from ckpt_core.byte_range import ByteRange
+from ckpt_core.byte_range import WHOLE, ByteRange, ByteRequest
 from ckpt_core.chunks import check_chunks, chunk_digests
 from ckpt_core.commit_keys import CommitKeys
 from ckpt_core.errors import CorruptCheckpoint, NotFound
@@ -21,6 +28,7 @@ from ckpt_core.format import CommitRecord, ShardMeta, chunk_ranges
 from ckpt_core.history import Line
 from ckpt_core.shard_io import ShardSource
 
+from ckptd.cluster.placement import Holding
 from ckptd.errors import ShardWriteError
 
 WRITE_BLOCK_BYTES = 32 << 20  # what write_shard hashes, then hands to a writer thread, at a time
@@ -31,12 +39,56 @@ def shard_on_tier(meta: ShardMeta, tier_name: str) -> str:
     return f"rank {meta.rank} shard of {meta.job} step {meta.step} on tier {tier_name}"
 
 
-class Tier(ABC):
-    """Hold complete steps of jobs, each readable shard by shard.
+def has_committed_shard(tier: Tier, job: str, step: int, rank: int) -> bool:
+    """Say whether a rank's shard is on the tier in a step complete there (locate and fetch ask, on a worker thread)."""
+    return tier.has_shard(job, step, rank) and tier.is_complete(job, step)
 
-    Listing and reading may come from any thread. A step is listed only once it is
-    complete: every rank's shard is there and checks, and (for durable tiers) its
-    commit record was written last.
+
+class ShardReader(ABC):
+    """Read one rank's shard of a complete step: the read side of a tier.
+
+    A reader (the load path, fetch, restore, verify, export) calls, from any worker thread:
+
+    1. has_shard(), or shard_source() for where the shard lies on this node;
+    2. read_meta() once, for the shard's record, checked against the step's commit record;
+    3. read_into() as often as it likes, each time for a ByteRange or a ToEnd request
+       (from an offset to the end; WHOLE, the whole shard), every chunk checked;
+    4. read_index() where it wants the step's sealed index and this tier keeps one.
+    """
+
+    name: str
+
+    @abstractmethod
+    def shard_source(self, job: str, step: int, rank: int) -> ShardSource:
+        """Say where a rank's shard of a complete step can be read on this node."""
+
+    @abstractmethod
+    def has_shard(self, job: str, step: int, rank: int) -> bool:
+        """Say whether a rank's shard of a step is fully written here (in a cluster, a node holds some ranks)."""
+
+    def read_meta(self, job: str, step: int, rank: int) -> ShardMeta:
+        """Return a rank's shard record of a complete step, checked against the step's commit record."""
+        return shard_io.read_meta(self.shard_source(job, step, rank), rank)
+
+    def read_into(self, meta: ShardMeta, buffer: memoryview, wanted: ByteRequest = WHOLE) -> None:
+        """Fill buffer with the wanted bytes of the shard, every chunk checked; raise CorruptCheckpoint naming the tier.
+
+        wanted starts on a chunk boundary; buffer holds its bytes from its first byte.
+        """
+        byte_range = wanted.resolve(meta.data_size_bytes)
+        source = self.shard_source(meta.job, meta.step, meta.rank)
+        shard_io.read_shard_into(source, meta, buffer, byte_range.offset, byte_range.length)
+
+    def read_index(self, record: CommitRecord) -> bytes | None:
+        """Return the step's sealed index if this tier keeps one that belongs to record (None: it keeps none)."""
+        return None
+
+
+class StepListing(ABC):
+    """List the complete steps of jobs a tier holds and their commit records: the read side of its catalog.
+
+    Any thread may call it. A step is listed only once it is complete: every rank's shard is
+    there and checks, and (for written tiers) its commit record was written last.
     """
 
     name: str
@@ -67,26 +119,13 @@ class Tier(ABC):
         """Return the line of each complete step of the job (ckpt_core.history), oldest step first (retention, rm)."""
         return {step: record.line for step, record in self.complete_records(job).items()}
 
-    @abstractmethod
-    def shard_source(self, job: str, step: int, rank: int) -> ShardSource:
-        """Say where a rank's shard of a complete step can be read on this node."""
+    def is_complete(self, job: str, step: int) -> bool:
+        """Say whether the step is complete here (a tier may answer without listing every step)."""
+        return step in self.complete_steps(job)
 
-    @abstractmethod
-    def has_shard(self, job: str, step: int, rank: int) -> bool:
-        """Say whether a rank's shard of a step is fully written here (in a cluster, a node holds some ranks)."""
 
-    def read_meta(self, job: str, step: int, rank: int) -> ShardMeta:
-        """Return a rank's shard record of a complete step, checked against the step's commit record."""
-        return shard_io.read_meta(self.shard_source(job, step, rank), rank)
-
-    def read_into(self, meta: ShardMeta, buffer: memoryview, offset: int = 0, length: int = -1) -> None:
-        """Fill buffer with the shard's bytes, every chunk checked; raise CorruptCheckpoint naming the tier.
-
-        A range: from offset (a multiple of the chunk size), length bytes (-1: to the
-        end); buffer holds it from its first byte.
-        """
-        source = self.shard_source(meta.job, meta.step, meta.rank)
-        shard_io.read_shard_into(source, meta, buffer, offset, length)
+class Tier(ShardReader, StepListing):
+    """A tier whose complete steps are read and listed, never written through it (memory, peer)."""
 
 
 class ShardWrite(ABC):
@@ -135,27 +174,25 @@ class ShardWrite(ABC):
         """Give the copy up: what was written goes, nothing counts (safe to call twice, or after a failed seal)."""
 
 
-class DurableTier(Tier):
-    """A tier written shard by shard with the atomic commit protocol of docs/FORMAT.md.
+class ShardSink(ABC):
+    """Take shards into a tier, each copy through one ShardWrite: the write side of a tier.
 
-    The pipeline drives it in this order, from worker threads, never two calls for
-    the same step at once:
-
-    1. remove_leftovers() once, at start-up, before anything else;
-    2. for each shard: open_shard(), then the ShardWrite's calls (above) until it is sealed or
-       abandoned (the replica receiver, range by range); or write_shard(), which makes those
-       calls for a whole shard in memory (the NVMe flush, fetch, restore);
-    3. after each shard: try_commit(), which seals the step once every rank is in, or
-       adopt_commit(), when the step is complete across nodes;
-    4. from retention: remove_step(), for steps the config no longer keeps, and
-       retry_removals() before each pass, for removals that failed earlier.
+    The NVMe flush, the replica receiver, the uploader, fetch and restore call, from worker
+    threads, for one copy of one shard: open_shard(), then the ShardWrite's calls (above) until
+    it is sealed or abandoned; or write_shard(), which makes those calls for a whole shard in
+    memory. holds() says, from any thread, whether an exact shard record is in already.
     """
 
+    name: str
     commit_keys: CommitKeys  # set by the subclass: signs the shard records write_shard makes, checks those it counts
 
     @abstractmethod
     def open_shard(self, meta: ShardMeta, transfer: str = "") -> ShardWrite:
         """Begin receiving one copy of a shard (see ShardWrite); transfer names it, for the temporary files."""
+
+    @abstractmethod
+    def holds(self, meta: ShardMeta) -> bool:
+        """Say whether this exact shard (the same record) is written here."""
 
     @property
     def write_threads(self) -> Executor | None:
@@ -226,21 +263,38 @@ class DurableTier(Tier):
                 raise ShardWriteError(str(e)) from e
             raise
 
-    def is_complete(self, job: str, step: int) -> bool:
-        """Say whether the step is complete here (a tier may answer without listing every step)."""
-        return step in self.complete_steps(job)
+
+class StepCatalog(StepListing):
+    """The catalog of a tier written shard by shard, with the atomic commit protocol of docs/FORMAT.md.
+
+    The save path is its one writer (the load path's fetched copies aside), from worker
+    threads, never two calls for the same step at once:
+
+    1. remove_leftovers() once, at start-up, before anything else;
+    2. after each shard is sealed (ShardSink): try_commit(), which seals the step once every
+       rank is in, or adopt_commit(), when the step is complete across nodes;
+    3. from retention: remove_step(), for steps the config no longer keeps, and
+       retry_removals() before each pass, for removals that failed.
+
+    Anyone may list, besides complete steps: every step with anything written (all_steps),
+    the shards a step holds (holdings), damaged commit records, and when a step was sealed.
+    """
+
+    @abstractmethod
+    def checked_commit(self, job: str, step: int) -> CommitRecord | None:
+        """Return the step's commit record if it is there and checks, else None (not complete here)."""
 
     @abstractmethod
     def committed_unix_s(self, job: str, step: int) -> float:
         """Return when a complete step's commit record was written here (raise OSError if it is gone)."""
 
     @abstractmethod
-    def holds(self, meta: ShardMeta) -> bool:
-        """Say whether this exact shard (the same record) is written here."""
-
-    @abstractmethod
     def all_steps(self, job: str) -> list[int]:
         """Return every step of the job with anything written, complete or not, oldest first."""
+
+    @abstractmethod
+    def holdings(self, job: str, step: int, node: str = "") -> list[Holding]:
+        """Return the readable, counted shard records of a step here, as held by node (a damaged one left out)."""
 
     @abstractmethod
     def damaged_steps(self, job: str) -> list[int]:
@@ -275,3 +329,7 @@ class DurableTier(Tier):
     @abstractmethod
     def remove_leftovers(self) -> list[str]:
         """Remove what interrupted writes and removals left; return what was removed."""
+
+
+class DurableTier(Tier, ShardSink, StepCatalog):
+    """A tier that reads, lists, catalogs and takes shards: NVMe and the replica store (tiers.nvme)."""

@@ -1,11 +1,11 @@
-"""Keep checkpoints in a local directory tree: the node's NVMe tier, the replica store, and restore targets.
+"""Keep checkpoints in a local directory tree: the NVMe tier (also what the replica store and restore target use).
 
 Every shard enters through open_shard, one LocalShardWrite per copy: the step directory
 is made ready and the rank's older record dropped (under the step's lock), its bytes go
 to a temporary file in large aligned direct-I/O writes, range by range, each chunk
 checked or hashed first; seal fsyncs the file and renames it in, its record last
 (storage.commit_protocol). The NVMe flush, fetch and restore write a whole shard from
-memory through DurableTier.write_shard (its blocks on this tier's writer threads); the
+memory through ShardSink.write_shard (its blocks on this tier's writer threads); the
 replica receiver writes the ranges a peer sends. The step's commit record is written
 last, once every rank's shard is in. Layout: <root>/<job>/<step>/. The records of a
 step directory are read through step_records, each parsed once.
@@ -28,7 +28,7 @@ from pathlib import Path
 from ckpt_core.byte_range import ByteRange
 from ckpt_core.chunks import check_chunks, chunk_digests
 from ckpt_core.commit_keys import UNSIGNED, CommitKeys
-from ckpt_core.errors import CheckpointError, CorruptCheckpoint, InvalidArgument, NotFound
+from ckpt_core.errors import CorruptCheckpoint, InvalidArgument, NotFound
 from ckpt_core.format import (
     COMMIT_NAME,
     DIRECT_IO_ALIGN_BYTES,
@@ -75,7 +75,7 @@ class LocalDirTier(DurableTier):
         self.removal_failures = 0  # step directories that could not be deleted (see retry_removals)
         self._undeleted: set[Path] = set()  # those still there, retried before every retention pass
 
-    def step_dir(self, job: str, step: int) -> Path:
+    def _step_dir(self, job: str, step: int) -> Path:
         """Return the directory of a job's step."""
         return self.root / validate_job(job) / str(step)
 
@@ -127,36 +127,23 @@ class LocalDirTier(DurableTier):
 
     def committed_unix_s(self, job: str, step: int) -> float:
         """Return when a complete step's commit record was written (its mtime)."""
-        return (self.step_dir(job, step) / COMMIT_NAME).stat().st_mtime
+        return (self._step_dir(job, step) / COMMIT_NAME).stat().st_mtime
 
     def shard_source(self, job: str, step: int, rank: int) -> ShardSource:
         """Point at a step directory."""
-        return ShardSource(self.name, "dir", str(self.step_dir(job, step)), job, step)
+        return ShardSource(self.name, "dir", str(self._step_dir(job, step)), job, step)
 
     def has_shard(self, job: str, step: int, rank: int) -> bool:
         """Say whether a rank's shard is fully written (its metadata is renamed last)."""
-        return (self.step_dir(job, step) / meta_name(rank)).exists()
-
-    def has_committed_shard(self, job: str, step: int, rank: int) -> bool:
-        """Say whether a rank's shard is here in a step complete here."""
-        return self.has_shard(job, step, rank) and self.checked_commit(job, step) is not None
+        return (self._step_dir(job, step) / meta_name(rank)).exists()
 
     def holds(self, meta: ShardMeta) -> bool:
         """Say whether this exact shard record is installed here."""
-        path = self.step_dir(meta.job, meta.step) / meta_name(meta.rank)
+        path = self._step_dir(meta.job, meta.step) / meta_name(meta.rank)
         try:
             return path.read_bytes() == meta.to_bytes()
         except OSError:
             return False
-
-    def saved_world_size(self, job: str, step: int) -> int | None:
-        """Return the world_size recorded by the shards of a step, or None if no readable shard is there."""
-        for path in sorted(self.step_dir(job, step).glob("rank-*.meta.json")):
-            try:
-                return ShardMeta.from_bytes(path.read_bytes(), str(path)).world_size
-            except (CheckpointError, OSError) as e:
-                log.error("ignoring damaged shard record %s: %s", path, e)
-        return None
 
     # -- writing -----------------------------------------------------------
 
@@ -174,7 +161,7 @@ class LocalDirTier(DurableTier):
         names the temporary file, which start-up removes if a crash leaves it.
         """
         what = shard_on_tier(meta, self.name)
-        commit = StepDirCommit(self.step_dir(meta.job, meta.step))
+        commit = StepDirCommit(self._step_dir(meta.job, meta.step))
         # Each copy owns its temporary file, even two copies of one transfer: abandoning
         # one never removes the file another is writing.
         unique = f"{transfer}-{uuid.uuid4().hex[:8]}" if transfer else ""
@@ -194,12 +181,12 @@ class LocalDirTier(DurableTier):
             try:
                 return LocalShardWrite(self, meta, commit, temporary, what)
             except BaseException:  # a full disk, found by fallocate: the file is gone; so is the directory, if empty
-                self.remove_if_empty(meta.job, meta.step)
+                self._remove_if_empty(meta.job, meta.step)
                 raise
         except OSError as e:
             raise ShardWriteError(f"{what}: {e.strerror or e}") from e
 
-    def remove_if_empty(self, job: str, step: int, wait: bool = True) -> bool:
+    def _remove_if_empty(self, job: str, step: int, wait: bool = True) -> bool:
         """Remove a step's directory if nothing is in it, under the step's lock; return whether it went.
 
         A failed copy calls it once its temporary file is gone, so that no empty step directory
@@ -210,7 +197,7 @@ class LocalDirTier(DurableTier):
         if not lock.acquire(blocking=wait):
             return False
         try:
-            step_dir = self.step_dir(job, step)
+            step_dir = self._step_dir(job, step)
             removed = StepDirCommit(step_dir).remove_if_empty()
             if removed:
                 self._records.forget(step_dir)  # records of shards it once held, dropped since
@@ -224,7 +211,7 @@ class LocalDirTier(DurableTier):
         with self._step_lock(meta.job, meta.step):
             self._check_writable(meta, what)
             yield
-            self._records.learn(self.step_dir(meta.job, meta.step), meta)
+            self._records.learn(self._step_dir(meta.job, meta.step), meta)
 
     def _check_writable(self, meta: ShardMeta, what: str) -> None:
         """Refuse a shard of a step complete here, unless listed there; retire the step if meta's line supersedes it.
@@ -242,7 +229,7 @@ class LocalDirTier(DurableTier):
                 "step %d again",
                 *(meta.job, meta.step, self.name, record.committed_at or "an unknown time", meta.step),
             )
-            step_dir = self.step_dir(meta.job, meta.step)
+            step_dir = self._step_dir(meta.job, meta.step)
             doomed = step_dir.parent / f"{DELETING_PREFIX}{meta.step}-{uuid.uuid4().hex[:8]}"
             (step_dir / COMMIT_NAME).unlink(missing_ok=True)
             self._records.forget(step_dir)
@@ -275,11 +262,11 @@ class LocalDirTier(DurableTier):
 
     def read_index(self, record: CommitRecord) -> bytes | None:
         """Return the step's sealed index if this tier keeps one that belongs to record."""
-        return read_index(self.step_dir(record.job, record.step), record)
+        return read_index(self._step_dir(record.job, record.step), record)
 
     def holdings(self, job: str, step: int, node: str = "") -> list[Holding]:
         """Return the readable shard records of a step on this tier, each parsed once (a damaged one is left out)."""
-        return self._records.holdings(self.step_dir(job, step), job, step, node)
+        return self._records.holdings(self._step_dir(job, step), job, step, node)
 
     def adopt_commit(self, record: CommitRecord) -> bool:
         """Seal a step with its commit record; return whether the step is complete here with that record.
@@ -289,7 +276,7 @@ class LocalDirTier(DurableTier):
         removed first; the step directory must exist.
         """
         job, step = record.job, record.step
-        step_dir = self.step_dir(job, step)
+        step_dir = self._step_dir(job, step)
         with self._step_lock(job, step):
             state = self._commit_state(job, step)
             if isinstance(state, CommitRecord):
@@ -323,7 +310,7 @@ class LocalDirTier(DurableTier):
         # each rank saves the step again in this run, and only then is it sealed.
         if not run_id:
             return
-        step_dir = self.step_dir(job, step)
+        step_dir = self._step_dir(job, step)
         for path in sorted(step_dir.glob("rank-*.meta.json")):
             try:
                 stale = ShardMeta.from_bytes(path.read_bytes(), str(path)).run_id != run_id
@@ -339,29 +326,9 @@ class LocalDirTier(DurableTier):
                 (step_dir / data_name(rank)).unlink(missing_ok=True)
         fsync_dir(step_dir)
 
-    def remove_shard(self, job: str, step: int, rank: int, meta_digest: str) -> bool:
-        """Remove one rank's shard from a step, if it is the copy named; the step goes with its last shard.
-
-        Called on a worker thread for RetireReplica (a stand-in's copy, see replication.sending).
-        Its record first, so that the shard is unlisted before its data goes.
-        """
-        step_dir = self.step_dir(job, step)
-        with self._step_lock(job, step):
-            held = [h for h in self.holdings(job, step) if h.rank == rank and h.meta_digest == meta_digest]
-            if not held:
-                return False
-            (step_dir / meta_name(rank)).unlink(missing_ok=True)
-            (step_dir / data_name(rank)).unlink(missing_ok=True)
-            self._records.forget(step_dir)
-            fsync_dir(step_dir)
-            left = [n for n in entry_names(step_dir) if n.startswith("rank-")]
-        if not left:
-            self.remove_step(job, step)
-        return True
-
     def remove_step(self, job: str, step: int) -> None:
         """Unlist the step (commit record first), then delete its directory."""
-        step_dir = self.step_dir(job, step)
+        step_dir = self._step_dir(job, step)
         if not step_dir.exists():
             raise NotFound(f"{job} step {step} is not on tier {self.name}")
         doomed = step_dir.parent / f"{DELETING_PREFIX}{step}-{uuid.uuid4().hex[:8]}"  # never an older leftover's name
@@ -538,4 +505,4 @@ class LocalShardWrite(ShardWrite):
     def _discard(self) -> None:
         self._writer.close()
         self.temporary.unlink(missing_ok=True)
-        self._tier.remove_if_empty(self.meta.job, self.meta.step, wait=False)
+        self._tier._remove_if_empty(self.meta.job, self.meta.step, wait=False)

@@ -16,6 +16,7 @@ import time
 from collections.abc import Collection
 from concurrent.futures import Executor
 
+from ckpt_core.byte_range import WHOLE, ByteRequest
 from ckpt_core.errors import CheckpointError, CorruptCheckpoint, NotFound
 from ckpt_core.format import CommitRecord, ShardMeta, digest
 from ckpt_core.shard_io import ShardSource
@@ -203,16 +204,16 @@ class PeerTier(Tier):
             errors.append(f"peer {link.address} holds a record that does not match the step's commit record")
         raise CorruptCheckpoint(f"no good copy of rank {rank} shard record of {job} step {step}: " + "; ".join(errors))
 
-    def read_into(self, meta: ShardMeta, buffer: memoryview, offset: int = 0, length: int = -1) -> None:
+    def read_into(self, meta: ShardMeta, buffer: memoryview, wanted: ByteRequest = WHOLE) -> None:
         """Fill buffer from the first peer whose copy checks; a bad or missing copy is skipped for the next.
 
-        A range as in Tier.read_into.
+        wanted as in ShardReader.read_into.
         """
         errors = []
         for link in self._holders(meta.job, meta.step, meta.rank):
             try:
                 link.connect()
-                link.fetch_into(meta, buffer, offset=offset, length=length)
+                link.fetch_into(meta, buffer, wanted)
                 return
             except (CheckpointError, PeerError) as e:
                 log.warning("%s; trying the next copy", e)

@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import zstandard
+from ckpt_core.byte_range import ByteRange
 from ckpt_core.chunks import find_bad_chunk
 from ckpt_core.errors import CorruptCheckpoint
 from ckpt_core.format import ShardMeta, chunk_ranges, data_name, seal, unseal
@@ -91,22 +92,20 @@ def range_bytes(size_bytes: int, multiple: int = 1) -> int:
     return max(multiple, -(-min(max(per_thread, MIN_RANGE_BYTES), MAX_RANGE_BYTES) // multiple) * multiple)
 
 
-def plain_pieces(meta: ShardMeta, offset: int = 0, length: int = -1) -> list[Piece]:
-    """Return the ranges to fetch of (a range of) a shard stored whole: each one frame, stored as it is."""
-    length = meta.data_size_bytes - offset if length < 0 else length
+def plain_pieces(meta: ShardMeta, byte_range: ByteRange) -> list[Piece]:
+    """Return the ranges to fetch of a range of a shard stored whole: each one frame, stored as it is."""
+    offset, length = byte_range.offset, byte_range.length
     ranges = chunk_ranges(length, range_bytes(length, meta.chunk_size_bytes))
     return [(offset + o, n, [(offset + o, n, n)]) for o, n in ranges]
 
 
-def frame_groups(
-    meta: ShardMeta, frame_sizes: list[int], group_bytes: int, offset: int = 0, length: int = -1
-) -> Iterator[Piece]:
+def frame_groups(meta: ShardMeta, frame_sizes: list[int], group_bytes: int, byte_range: ByteRange) -> Iterator[Piece]:
     """Yield (stored offset, stored length, frames) ranges of about group_bytes, covering a range of the data.
 
     A frame is (data offset, data size, stored size); the range starts on a chunk
-    boundary (-1: to the end), and only the frames holding it are fetched.
+    boundary, and only the frames holding it are fetched.
     """
-    end = meta.data_size_bytes if length < 0 else offset + length
+    offset, end = byte_range.offset, byte_range.end
     stored = 0
     group: list[tuple[int, int, int]] = []
     group_start = 0

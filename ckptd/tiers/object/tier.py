@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from concurrent.futures import Executor
 from contextlib import contextmanager
 
+from ckpt_core.byte_range import WHOLE, ByteRequest
 from ckpt_core.commit_keys import UNSIGNED, CommitKeys
 from ckpt_core.errors import CheckpointError, CorruptCheckpoint, NotFound
 from ckpt_core.format import COMMIT_NAME, INDEX_NAME, JOB_RE, CommitRecord, ShardMeta, data_name, digest, meta_name
@@ -33,7 +34,7 @@ from ckptd.keyed import ThreadKeyedLocks
 from ckptd.pool_map import pool_map
 from ckptd.storage.commit_protocol import ObjectStepCommit
 from ckptd.storage.object_store import ObjectStore
-from ckptd.tiers.base import Tier
+from ckptd.tiers.base import ShardSink, Tier
 from ckptd.tiers.object.keys import FLAT_KEYS, HASHED_KEYS, KNOWN_KEYS, Directory, shard_dir, step_dir, step_number
 from ckptd.tiers.object.layout import (
     READ_THREADS,
@@ -54,7 +55,7 @@ log = logging.getLogger(__name__)
 UNCOMMITTED_STEPS_KEPT = 64  # steps an upload found not complete in the store, remembered for the next ranks
 
 
-class ObjectTier(Tier):
+class ObjectTier(Tier, ShardSink):
     """List, read, upload and remove steps in an object store."""
 
     name = "object"
@@ -259,25 +260,25 @@ class ObjectTier(Tier):
         StepIndex.from_bytes(data, where).check(record, where)
         return data
 
-    def read_into(self, meta: ShardMeta, buffer: memoryview, offset: int = 0, length: int = -1) -> None:
-        """Fill buffer with the shard's bytes, fetched in parallel ranged GETs, every chunk checked.
+    def read_into(self, meta: ShardMeta, buffer: memoryview, wanted: ByteRequest = WHOLE) -> None:
+        """Fill buffer with the wanted bytes of the shard, fetched in parallel ranged GETs, every chunk checked.
 
-        A range as in Tier.read_into: only the stored bytes (or compressed frames) that
+        wanted as in ShardReader.read_into: only the stored bytes (or compressed frames) that
         hold it are fetched. One listing of the rank's directory says which format and size.
         """
         directory = shard_dir(meta.job, meta.step, meta.rank, self._shard_keys(meta.job, meta.step))
         what = self._what(meta, directory)
-        length = meta.data_size_bytes - offset if length < 0 else length
+        byte_range = wanted.resolve(meta.data_size_bytes)
         names = self._listed(directory)
         if zstd_name(meta.rank) in names:
             frame_sizes = self._frame_sizes(meta, directory, what)
-            pieces = list(frame_groups(meta, frame_sizes, range_bytes(sum(frame_sizes)), offset, length))
+            pieces = list(frame_groups(meta, frame_sizes, range_bytes(sum(frame_sizes)), byte_range))
             name = zstd_name(meta.rank)
         elif data_name(meta.rank) in names:
             if names[data_name(meta.rank)] != meta.data_size_bytes:
                 size = names[data_name(meta.rank)]
                 raise CorruptCheckpoint(f"{what}: {size} bytes stored, expected {meta.data_size_bytes}")
-            pieces = plain_pieces(meta, offset, length)
+            pieces = plain_pieces(meta, byte_range)
             name = data_name(meta.rank)
         else:
             raise CorruptCheckpoint(f"{what}: data object missing")
@@ -288,7 +289,7 @@ class ObjectTier(Tier):
                 blob = self.store.read(*directory, name, start=start, end=start + stored)
             except OSError as e:  # the way to the store failed: not a bad byte
                 raise CheckpointError(f"{what}: reading bytes {start}-{start + stored - 1} of {name}: {e}") from e
-            return unpack_range(meta, blob, frames, buffer, compressed=name.endswith(".zst"), base=offset)
+            return unpack_range(meta, blob, frames, buffer, compressed=name.endswith(".zst"), base=byte_range.offset)
 
         for bad in pool_map(self._read_threads, fetch, pieces, READ_THREADS):
             if bad is not None:

@@ -17,6 +17,7 @@ from ckptd.errors import RemovalRefused
 from ckptd.operations.job_retention import JobRetention
 from ckptd.operations.retention import RetentionRunner
 from ckptd.tiers.nvme import LocalDirTier
+from ckptd.tiers.replica_store import ReplicaStore
 
 
 async def no_missed_commits(tier, job):
@@ -53,7 +54,7 @@ def seal_step(tier, step, line=()):
 def node(tmp_path):
     """Yield (runner, the NVMe tier, the busy holder): steps 1..4 of the first line, then 5 and 6 forked at 2."""
     config = Config(node=NodeConfig(root=str(tmp_path / "nvme")), retention=RetentionConfig(nvme=2, peer=2))
-    nvme, replicas = LocalDirTier(config.root), LocalDirTier(config.replica_root, name="peer")
+    nvme, replicas = LocalDirTier(config.root), ReplicaStore(config.replica_root)
     for step in (1, 2, 3, 4):
         seal_step(nvme, step)
     for step in (5, 6):

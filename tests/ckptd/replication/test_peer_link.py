@@ -25,6 +25,7 @@ def test_other_shapes_of_a_piece_still_parse():
 
 
 def test_a_range_arriving_in_pieces_is_checked_against_its_own_chunks():
+    from ckpt_core.byte_range import ByteRange
     from ckpt_core.chunks import chunk_digests
     from ckpt_core.errors import CorruptCheckpoint
     from ckpt_core.format import ShardMeta
@@ -37,8 +38,8 @@ def test_a_range_arriving_in_pieces_is_checked_against_its_own_chunks():
     offset, length = 2 * chunk, 3 * chunk + 7  # the last three chunks, the short one included
     pieces = [memoryview(data)[at : at + 1000] for at in range(offset, offset + length, 1000)]
     buffer = bytearray(length)
-    fill_from_pieces(memoryview(buffer), meta, pieces, "range", offset, length)
+    fill_from_pieces(memoryview(buffer), meta, pieces, "range", ByteRange(offset, length))
     assert bytes(buffer) == data[offset:]
     shifted = [memoryview(data)[at : at + 1000] for at in range(chunk, chunk + length, 1000)]  # the wrong bytes
     with pytest.raises(CorruptCheckpoint, match="chunk 2 "):
-        fill_from_pieces(memoryview(bytearray(length)), meta, shifted, "range", offset, length)
+        fill_from_pieces(memoryview(bytearray(length)), meta, shifted, "range", ByteRange(offset, length))

@@ -18,7 +18,7 @@ from ckpt_core.shard_io import read_meta
 from ckptd.cluster.shard_stream import PIECE_BYTES, byte_ranges
 from ckptd.errors import PeerBusy, StepAlreadyComplete
 from ckptd.replication.receiving import MAX_RANGES_IN_FLIGHT, ReplicaReceiver
-from ckptd.tiers.nvme import LocalDirTier
+from ckptd.tiers.replica_store import ReplicaStore
 
 CHUNK = 1 << 20
 
@@ -35,7 +35,7 @@ async def pieces(data: bytes):
 
 
 def run(tmp_path, body):
-    tier = LocalDirTier(tmp_path / "peer", name="peer")
+    tier = ReplicaStore(tmp_path / "peer")
     with ThreadPoolExecutor(4) as threads, ThreadPoolExecutor(4) as receiving:
         receiver = ReplicaReceiver(tier, threads, receiving)
         asyncio.run(body(receiver))
@@ -72,7 +72,7 @@ def test_ranges_in_any_order_make_one_durable_replica(tmp_path):
         await receiver.seal(meta, "ab" * 8)
 
     tier = run(tmp_path, body)
-    step_dir = tier.step_dir("j", 3)
+    step_dir = tier.root / "j" / "3"
     assert (step_dir / "rank-00000.data").read_bytes() == data
     assert read_meta_ok(step_dir, meta)
     assert not list(step_dir.glob("*.partial"))
@@ -93,8 +93,8 @@ def test_ranges_read_from_data_connections_make_one_durable_replica(tmp_path):
         await receiver.seal(meta, "ab" * 8)
 
     tier = run(tmp_path, body)
-    assert (tier.step_dir("j", 3) / "rank-00000.data").read_bytes() == data
-    assert read_meta_ok(tier.step_dir("j", 3), meta)
+    assert ((tier.root / "j" / "3") / "rank-00000.data").read_bytes() == data
+    assert read_meta_ok((tier.root / "j" / "3"), meta)
 
 
 @pytest.mark.parametrize("fault", ["bad chunk", "closed early"])
@@ -115,7 +115,7 @@ def test_a_data_connection_with_a_bad_chunk_or_cut_short_leaves_nothing(tmp_path
 
     tier = run(tmp_path, body)
     assert not tier.has_shard("j", 3, 0)
-    assert not list(tier.step_dir("j", 3).glob("*"))
+    assert not list((tier.root / "j" / "3").glob("*"))
 
 
 def read_meta_ok(step_dir, meta) -> bool:
@@ -135,7 +135,7 @@ def test_a_bad_chunk_is_rejected_and_leaves_nothing(tmp_path):
 
     tier = run(tmp_path, body)
     assert not tier.has_shard("j", 3, 0)
-    assert not list(tier.step_dir("j", 3).glob("*"))
+    assert not list((tier.root / "j" / "3").glob("*"))
 
 
 def test_another_replica_of_a_step_complete_here_is_refused_as_such(tmp_path):
@@ -151,7 +151,7 @@ def test_another_replica_of_a_step_complete_here_is_refused_as_such(tmp_path):
             await receiver.receive_range(other, "cd" * 8, ByteRange(0, CHUNK), pieces(other_data))
 
     tier = run(tmp_path, body)
-    assert tier.checked_commit("j", 3) == record and read_meta_ok(tier.step_dir("j", 3), meta)
+    assert tier.checked_commit("j", 3) == record and read_meta_ok((tier.root / "j" / "3"), meta)
 
 
 def test_a_replica_missing_a_range_is_never_sealed(tmp_path):
@@ -285,8 +285,8 @@ def test_both_transports_go_through_the_one_receive_loop(tmp_path, monkeypatch, 
             await receiver.receive_range(small, "cd" * 8, ByteRange.whole(2 * 4096), too_long)
 
     tier = run(tmp_path, body)
-    assert (tier.step_dir("j", 3) / "rank-00000.data").read_bytes() == data
-    assert read_meta_ok(tier.step_dir("j", 3), meta)
+    assert ((tier.root / "j" / "3") / "rank-00000.data").read_bytes() == data
+    assert read_meta_ok((tier.root / "j" / "3"), meta)
     assert not tier.has_shard("j", 4, 0) and not list(tier.root.rglob("*.partial"))
     assert sources == ["socket" if transport == "data connection" else "_Pieces"] * 2
 

@@ -32,7 +32,7 @@ from ckptd.replication.receiving import ReplicaReceiver
 from ckptd.rpc import data_listener
 from ckptd.rpc.data_listener import MAX_PER_ADDRESS, DataListener
 from ckptd.rpc.statuses import status_line, status_of
-from ckptd.tiers.nvme import LocalDirTier
+from ckptd.tiers.replica_store import ReplicaStore
 
 T = TypeVar("T")
 CHUNK = 1 << 20
@@ -51,7 +51,7 @@ class Node:
     """A receiver and its data listener on an event loop of their own, as a daemon runs them."""
 
     def __init__(self, tmp_path: Path, host: str = "127.0.0.1", before_start: Any = None) -> None:
-        self.tier = LocalDirTier(tmp_path / "peer", name="peer")
+        self.tier = ReplicaStore(tmp_path / "peer")
         self._pools = [ThreadPoolExecutor(4), ThreadPoolExecutor(16), ThreadPoolExecutor(48)]
         self.receiver = ReplicaReceiver(self.tier, self._pools[0], self._pools[1])
         self.bad_chunks = 0
@@ -104,7 +104,7 @@ def test_a_range_arrives_whole_with_a_ticket(node, tmp_path):
     ticket = node.run(node.offer(meta, "ab" * 8, ByteRange(0, meta.data_size_bytes)))
     assert send(node, ticket, meta, path) == "OK"
     node.run(node.receiver.seal(meta, "ab" * 8))
-    assert (node.tier.step_dir("j", 3) / "rank-00000.data").read_bytes() == path.read_bytes()
+    assert ((node.tier.root / "j" / "3") / "rank-00000.data").read_bytes() == path.read_bytes()
 
 
 def test_a_ticket_never_offered_is_refused_with_a_status_not_a_broken_pipe(node, tmp_path):
@@ -363,7 +363,7 @@ def streams() -> Iterator[ThreadPoolExecutor]:
 
 
 def received(node: Node, path: Path) -> bool:
-    return (node.tier.step_dir("j", 3) / "rank-00000.data").read_bytes() == path.read_bytes()
+    return ((node.tier.root / "j" / "3") / "rank-00000.data").read_bytes() == path.read_bytes()
 
 
 def test_an_older_peer_without_open_data_range_gets_put_shard_and_is_asked_again_after_a_minute(

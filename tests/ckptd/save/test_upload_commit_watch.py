@@ -23,7 +23,7 @@ def _uploaded(nvme: LocalDirTier, store: ObjectTier, step: int) -> CommitRecord:
     m = mmap.mmap(-1, round_up(len(payload), 4096))
     m[: len(payload)] = payload
     meta = nvme.write_shard(ShardMeta("job", step, 0, 1, len(payload), CHUNK_SIZE_BYTES, (), "{}"), memoryview(m))
-    upload_file(store, meta, nvme.step_dir("job", step) / data_name(0))
+    upload_file(store, meta, (nvme.root / "job" / str(step)) / data_name(0))
     return CommitRecord("job", step, 1, (digest(meta.to_bytes()),), len(payload))
 
 

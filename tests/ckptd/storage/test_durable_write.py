@@ -19,7 +19,7 @@ from ckpt_core.format import ShardMeta, chunk_ranges, digest
 
 from ckptd.replication.receiving import ReplicaReceiver
 from ckptd.storage.durable_write import RangeWriter
-from ckptd.tiers.nvme import LocalDirTier
+from ckptd.tiers.replica_store import ReplicaStore
 
 CHUNK = 1 << 20
 SIZE = 3 * CHUNK + 5000  # the last block is not 4 KiB aligned: padding goes past the end and is cut off
@@ -92,7 +92,7 @@ def test_a_replica_written_after_a_refused_direct_write_is_the_sent_bytes(
     digests = tuple(digest(data[o : o + n]) for o, n in chunk_ranges(SIZE, CHUNK))
     meta = ShardMeta("j", 3, 0, 1, SIZE, CHUNK, digests, "{}", "run")
     faults = FlakyDirectIO(monkeypatch, at_call, short_bytes, einval_after)
-    tier = LocalDirTier(tmp_path / "peer", name="peer")
+    tier = ReplicaStore(tmp_path / "peer")
 
     async def pieces():
         for o in range(0, SIZE, 300_000):
@@ -107,4 +107,4 @@ def test_a_replica_written_after_a_refused_direct_write_is_the_sent_bytes(
         asyncio.run(body(ReplicaReceiver(tier, threads, receiving)))
     assert faults.calls >= at_call  # the fault was reached
     assert faults.refused or not einval_after  # refused as asked (or, after an unaligned short write, anyway)
-    assert (tier.step_dir("j", 3) / "rank-00000.data").read_bytes() == data
+    assert ((tier.root / "j" / "3") / "rank-00000.data").read_bytes() == data

@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from ckpt_core.byte_range import ByteRange
+from ckpt_core.byte_range import WHOLE, ByteRange, ToEnd
 from ckpt_core.errors import CorruptCheckpoint, InvalidArgument, NotFound
 from ckpt_core.format import (
     CHUNK_SIZE_BYTES,
@@ -38,6 +38,7 @@ from ckptd.tiers.memory import MemoryTier
 from ckptd.tiers.nvme import LocalDirTier
 from ckptd.tiers.object.keys import shard_dir
 from ckptd.tiers.object.tier import ObjectTier
+from ckptd.tiers.replica_store import ReplicaStore
 
 THREADS = ThreadPoolExecutor(8)  # the pools Executors gives the tiers here: slot_memory, object_reads, object_requests
 
@@ -76,7 +77,7 @@ class ObjectHarness:
     def put(self, key: ShardKey, payload: bytes) -> None:
         meta = ShardMeta(key.job, key.step, key.rank, key.world_size, len(payload), CHUNK_SIZE_BYTES, (), "{}")
         meta = self.scratch.write_shard(meta, _aligned(payload))
-        upload_file(self.tier, meta, self.scratch.step_dir(key.job, key.step) / data_name(key.rank))
+        upload_file(self.tier, meta, (self.scratch.root / key.job / str(key.step)) / data_name(key.rank))
         metas = self.metas.setdefault((key.job, key.step), {})
         metas[key.rank] = meta
         if len(metas) == key.world_size:
@@ -170,6 +171,20 @@ def test_every_shard_reads_back_verified(harness):
         assert _read(harness.tier, "job", 1, rank) == payload
 
 
+def test_a_byte_request_reads_just_its_bytes_verified(harness):
+    payload = os.urandom(3 * CHUNK_SIZE_BYTES + 99)
+    harness.put(ShardKey("job", 4, 0, 1), payload)
+    meta = harness.tier.read_meta("job", 4, 0)
+    for wanted, expected in [
+        (ByteRange(CHUNK_SIZE_BYTES, CHUNK_SIZE_BYTES), payload[CHUNK_SIZE_BYTES : 2 * CHUNK_SIZE_BYTES]),
+        (ToEnd(2 * CHUNK_SIZE_BYTES), payload[2 * CHUNK_SIZE_BYTES :]),  # the short last chunk included
+        (WHOLE, payload),
+    ]:
+        buf = _aligned(b"\0" * len(expected))
+        harness.tier.read_into(meta, buf, wanted)
+        assert bytes(buf[: len(expected)]) == expected, wanted
+
+
 def test_steps_are_listed_oldest_first_per_job(harness):
     for job, step in (("a", 5), ("a", 3), ("b", 9)):
         harness.put(ShardKey(job, step, 0, 1), job.encode() * step)
@@ -206,7 +221,7 @@ SMALL_CHUNK = 64 << 10
 
 @pytest.fixture(params=["nvme", "replica-store"])
 def durable(request, tmp_path):
-    return LocalDirTier(tmp_path / request.param, name=request.param)
+    return LocalDirTier(tmp_path / "nvme") if request.param == "nvme" else ReplicaStore(tmp_path / "peer")
 
 
 def _shard(size: int, with_checksums: bool = True) -> tuple[ShardMeta, bytes]:
@@ -232,7 +247,7 @@ def test_ranges_written_out_of_order_from_threads_make_the_shard_write_shard_mak
     whole = LocalDirTier(tmp_path / "whole")
     expected = whole.write_shard(meta, _aligned(data))
     assert sealed == expected and len(sealed.chunk_xxh3_128) == 10
-    step, whole_step = durable.step_dir("job", 1), whole.step_dir("job", 1)
+    step, whole_step = (durable.root / "job" / "1"), (whole.root / "job" / "1")
     for name in (data_name(0), meta_name(0)):
         assert (step / name).read_bytes() == (whole_step / name).read_bytes()
     assert _read(durable, "job", 1, 0) == data

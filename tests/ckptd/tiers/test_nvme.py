@@ -44,7 +44,7 @@ def test_step_is_listed_only_when_every_rank_is_committed(tier):
     record = tier.try_commit("j", 1, 2)
     assert record is not None and record.size_bytes == 2 * len(payload)
     assert tier.complete_steps("j") == [1]
-    assert (tier.step_dir("j", 1) / data_name(0)).stat().st_size == len(payload)
+    assert ((tier.root / "j" / "1") / data_name(0)).stat().st_size == len(payload)
 
 
 def test_written_bytes_read_back_verified(tier):
@@ -62,7 +62,7 @@ def test_flipped_byte_is_caught_naming_shard_tier_and_chunk(tier):
     payload = os.urandom(2 * CHUNK_SIZE_BYTES)
     _write(tier, 0, payload, world_size=1)
     tier.try_commit("j", 1, 1)
-    path = tier.step_dir("j", 1) / data_name(0)
+    path = (tier.root / "j" / "1") / data_name(0)
     with open(path, "r+b") as f:
         f.seek(CHUNK_SIZE_BYTES + 5)
         byte = f.read(1)
@@ -79,11 +79,11 @@ def test_expected_checksums_are_checked_while_writing(tier):
     other = ShardMeta(**{**meta.__dict__, "step": 2})
     with pytest.raises(ShardWriteError, match="checksum mismatch"):
         tier.write_shard(other, _buffer(b"x" * 100))
-    assert not tier.step_dir("j", 2).exists()  # the partial file is gone, and the directory it was alone in
+    assert not (tier.root / "j" / "2").exists()  # the partial file is gone, and the directory it was alone in
 
 
 def test_a_failed_copy_leaves_no_empty_step_directory_and_never_takes_one_in_use(tier):
-    step_dir = tier.step_dir("j", 1)
+    step_dir = tier.root / "j" / "1"
     first, second = tier.open_shard(_meta(size=100)), tier.open_shard(_meta(rank=1, size=100))
     first.abandon()
     assert second.temporary.exists()  # the directory stayed: another copy is under way in it
@@ -102,7 +102,7 @@ def test_remove_step_unlists_first_and_leftovers_are_cleaned(tier):
     assert tier.complete_steps("j") == [] and tier.all_steps("j") == []
     with pytest.raises(NotFound):
         tier.remove_step("j", 1)
-    step_dir = tier.step_dir("j", 5)
+    step_dir = tier.root / "j" / "5"
     step_dir.mkdir(parents=True)
     (step_dir / "rank-00000.data.partial").write_bytes(b"x")
     (tier.root / "j" / ".deleting-4").mkdir()
@@ -113,12 +113,12 @@ def test_remove_step_unlists_first_and_leftovers_are_cleaned(tier):
 def test_commit_record_is_checked_against_the_metadata(tier):
     _write(tier, 0, b"abc", world_size=1)
     tier.try_commit("j", 1, 1)
-    meta_path = tier.step_dir("j", 1) / "rank-00000.meta.json"
+    meta_path = (tier.root / "j" / "1") / "rank-00000.meta.json"
     other = ShardMeta.from_bytes(meta_path.read_bytes(), "m")
     meta_path.write_bytes(ShardMeta(**{**other.__dict__, "layout_json": '{"tensors": [], "x": 1}'}).to_bytes())
     with pytest.raises(CorruptCheckpoint, match="commit record"):
         read_meta(tier.shard_source("j", 1, 0), 0)
-    (tier.step_dir("j", 1) / COMMIT_NAME).unlink()
+    ((tier.root / "j" / "1") / COMMIT_NAME).unlink()
     with pytest.raises(NotFound):
         read_meta(tier.shard_source("j", 1, 0), 0)
 

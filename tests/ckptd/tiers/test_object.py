@@ -77,7 +77,7 @@ class Shards:
         return self.nvme.write_shard(meta, memoryview(m))
 
     def path(self, meta: ShardMeta) -> Path:
-        return self.nvme.step_dir(meta.job, meta.step) / data_name(meta.rank)
+        return (self.nvme.root / meta.job / str(meta.step)) / data_name(meta.rank)
 
 
 @pytest.fixture
@@ -265,7 +265,7 @@ def test_a_range_of_a_shard_is_read_alone_from_the_store(tier, shards, compressi
     assert tier.try_commit(_record([meta]))
     for offset, length in [(CHUNK_SIZE_BYTES, 2 * CHUNK_SIZE_BYTES), (4 * CHUNK_SIZE_BYTES, CHUNK_SIZE_BYTES + 99)]:
         buf = memoryview(mmap.mmap(-1, round_up(length, 4096)))
-        tier.read_into(tier.read_meta("job", 2, 0), buf, offset, length)
+        tier.read_into(tier.read_meta("job", 2, 0), buf, ByteRange(offset, length))
         assert bytes(buf[:length]) == payload[offset : offset + length]
 
 
