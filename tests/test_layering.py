@@ -648,7 +648,7 @@ NOT_YET_CUT = {
     "ckptd/operations/retention.py": "ObjectTier's all_steps(scan=), steps_with_unfinished_uploads, abort_uploads",
     "ckptd/replication/peering.py": "PeerTier's membership: update, ask, reachable, connecting, close_retired",
     "ckptd/save/uploading.py": "ObjectTier's try_commit(record), describe",
-    "ckptd/save/save_path.py": "release: ObjectTier's remove_step, off the seal lock (the store has no StepCatalog yet)",
+    "ckptd/save/save_path.py": "release: ObjectTier's remove_step (the store has no StepCatalog yet)",
 }
 
 

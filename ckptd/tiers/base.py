@@ -75,9 +75,7 @@ class ShardReader(ABC):
 
         wanted starts on a chunk boundary; buffer holds its bytes from its first byte.
         """
-        byte_range = wanted.resolve(meta.data_size_bytes)
-        source = self.shard_source(meta.job, meta.step, meta.rank)
-        shard_io.read_shard_into(source, meta, buffer, byte_range.offset, byte_range.length)
+        shard_io.read_shard_into(self.shard_source(meta.job, meta.step, meta.rank), meta, buffer, wanted)
 
     def read_index(self, record: CommitRecord) -> bytes | None:
         """Return the step's sealed index if this tier keeps one that belongs to record (None: it keeps none)."""

@@ -12,6 +12,7 @@ import logging
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from ckpt_core.byte_range import ByteRange
 from ckpt_core.errors import CheckpointError, CorruptCheckpoint, InvalidArgument, NotFound
 from ckpt_core.format import CommitRecord
 from ckpt_core.step_index import StepIndex
@@ -94,7 +95,7 @@ class LoadPath:
         def remote_meta(rank: int) -> bytes:
             return self._daemon.shard_record(job, record.step, rank)
 
-        def remote_runs(rank: int, runs: list[tuple[int, int]]) -> Iterator[bytes]:
+        def remote_runs(rank: int, runs: list[ByteRange]) -> Iterator[bytes]:
             return self._daemon.shard_runs(job, record.step, rank, runs)
 
         local = dict(enumerate(found.ranks))

@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
+from ckpt_core.byte_range import ByteRange
 from ckpt_core.chunks import find_bad_chunk
 from ckpt_core.errors import CheckpointError, CorruptCheckpoint, NotFound
 from ckpt_core.format import DIRECT_IO_ALIGN_BYTES, ShardMeta, digest, round_up
@@ -25,10 +26,9 @@ from ckpt_core.shard_io import ShardSource, read_meta, read_shard_into
 log = logging.getLogger("ckpt")
 
 READ_THREADS = 4
-Run = tuple[int, int]  # [start, end) in a rank's data, chunk-aligned at the start
 Consume = Callable[[int, np.ndarray], None]  # (run start, its checked bytes)
-# Fetch ranges of a rank's data through the daemon: yields the shard record, then the runs' bytes in order.
-RemoteRead = Callable[[int, list[Run]], Iterator[bytes]]
+# Fetch runs (ByteRanges, chunk-aligned at the start) of a rank's data through the daemon: their bytes in order.
+RemoteRead = Callable[[int, list[ByteRange]], Iterator[bytes]]
 
 
 def fresh_buffer(size_bytes: int) -> np.ndarray:
@@ -42,20 +42,20 @@ def fresh_buffer(size_bytes: int) -> np.ndarray:
     return raw[skip : skip + size_bytes]
 
 
-def runs_for(ranges: Iterable[tuple[int, int]], chunk_size_bytes: int, data_size_bytes: int) -> list[Run]:
-    """Widen each [start, end) to whole checksum chunks and merge those that touch, in order."""
+def runs_for(ranges: Iterable[ByteRange], chunk_size_bytes: int, data_size_bytes: int) -> list[ByteRange]:
+    """Widen each range to whole checksum chunks and merge those that touch, in order: the runs to read."""
     runs: list[list[int]] = []
     widened = sorted(
-        (s - s % chunk_size_bytes, min(-(-e // chunk_size_bytes) * chunk_size_bytes, data_size_bytes))
-        for s, e in ranges
-        if e > s
+        (r.offset - r.offset % chunk_size_bytes, min(-(-r.end // chunk_size_bytes) * chunk_size_bytes, data_size_bytes))
+        for r in ranges
+        if r.length > 0
     )
     for start, end in widened:
         if runs and start <= runs[-1][1]:
             runs[-1][1] = max(runs[-1][1], end)
         else:
             runs.append([start, end])
-    return [(a, b) for a, b in runs]
+    return [ByteRange(a, b - a) for a, b in runs]
 
 
 class StepReader:
@@ -103,7 +103,7 @@ class StepReader:
                 "does not match the step's commit record"
             )
 
-    def read(self, rank: int, ranges: Iterable[tuple[int, int]], consume: Consume) -> None:
+    def read(self, rank: int, ranges: Iterable[ByteRange], consume: Consume) -> None:
         """Read the byte ranges of rank's data, checked, and hand each run to consume (from reading threads)."""
         meta = self.meta(rank)
         todo = runs_for(ranges, meta.chunk_size_bytes, meta.data_size_bytes)
@@ -132,17 +132,18 @@ class StepReader:
                 raise CorruptCheckpoint(f"{what}: no copy holds good bytes: " + "; ".join(errors))
             raise NotFound(f"{what}: no copy could be read: " + ("; ".join(errors) or "none on this node"))
 
-    def _read_local(self, source: ShardSource, meta: ShardMeta, runs: list[Run], consume: Consume) -> list[Run]:
+    def _read_local(
+        self, source: ShardSource, meta: ShardMeta, runs: list[ByteRange], consume: Consume
+    ) -> list[ByteRange]:
         """Read runs from one copy; return the runs left (none), or raise _Partial with those not handed on."""
         if read_meta(source, meta.rank) != meta:
             raise CorruptCheckpoint(f"rank {meta.rank} shard on tier {source.tier}: holds another record")
-        done: set[Run] = set()
+        done: set[ByteRange] = set()
 
-        def one(run: Run) -> None:
-            start, end = run
-            buffer = fresh_buffer(round_up(end - start, DIRECT_IO_ALIGN_BYTES))
-            read_shard_into(source, meta, memoryview(buffer), start, end - start)  # type: ignore[arg-type]
-            consume(start, buffer[: end - start])
+        def one(run: ByteRange) -> None:
+            buffer = fresh_buffer(round_up(run.length, DIRECT_IO_ALIGN_BYTES))
+            read_shard_into(source, meta, memoryview(buffer), run)  # type: ignore[arg-type]
+            consume(run.offset, buffer[: run.length])
             done.add(run)
 
         with ThreadPoolExecutor(max_workers=min(READ_THREADS, len(runs))) as pool:
@@ -154,13 +155,14 @@ class StepReader:
             raise _Partial(first, [r for r in runs if r not in done])
         raise first
 
-    def _read_remote(self, meta: ShardMeta, runs: list[Run], consume: Consume) -> None:
+    def _read_remote(self, meta: ShardMeta, runs: list[ByteRange], consume: Consume) -> None:
         assert self.remote is not None
         what = f"rank {meta.rank} shard of {meta.job} step {meta.step} from the daemon"
         pieces = self.remote[1](meta.rank, runs)
         pending = memoryview(b"")
-        for start, end in runs:
-            buffer = fresh_buffer(end - start)
+        for run in runs:
+            start, end = run.offset, run.end
+            buffer = fresh_buffer(run.length)
             filled = 0
             while filled < end - start:
                 if not pending:
@@ -180,6 +182,6 @@ class StepReader:
 class _Partial(CheckpointError):
     """A copy failed part way: the runs it did not hand on are still to read."""
 
-    def __init__(self, cause: BaseException, left: list[Run]) -> None:
+    def __init__(self, cause: BaseException, left: list[ByteRange]) -> None:
         super().__init__(str(cause))
         self.left = left

@@ -35,6 +35,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from ckpt_core.byte_range import ByteRange
 from ckpt_core.errors import CorruptCheckpoint, InvalidArgument
 from ckpt_core.format import keyed_leaves
 from ckpt_core.step_index import SavedChunk, SavedTensor, StepIndex
@@ -74,14 +75,15 @@ class _Copy:
     source_slices: tuple[slice, ...]  # in the rows read, every dimension
     target: torch.Tensor  # the target's region, a view
 
-    def byte_range(self) -> tuple[int, int]:
+    def byte_range(self) -> ByteRange:
+        """Return the bytes of the saved rank's data this copy reads."""
         if not self.chunk.lengths:  # 0-d: the whole chunk
-            return self.chunk.offset, self.chunk.offset + self.chunk.nbytes
+            return ByteRange(self.chunk.offset, self.chunk.nbytes)
         row_bytes = self.chunk.nbytes // self.chunk.lengths[0]
-        return self.chunk.offset + self.row_lo * row_bytes, self.chunk.offset + self.row_hi * row_bytes
+        return ByteRange(self.chunk.offset + self.row_lo * row_bytes, (self.row_hi - self.row_lo) * row_bytes)
 
     def apply(self, run_start: int, run: np.ndarray) -> None:
-        lo, hi = self.byte_range()
+        lo, hi = (wanted := self.byte_range()).offset, wanted.end
         rows = torch.from_numpy(run[lo - run_start : hi - run_start]).view(self.dtype)
         shape = (self.row_hi - self.row_lo, *self.chunk.lengths[1:]) if self.chunk.lengths else ()
         source = rows.view(shape)[self.source_slices]
@@ -148,14 +150,14 @@ def _execute(reader: StepReader, copies: list[_Copy]) -> None:
 
 
 def _read_and_copy(reader: StepReader, rank: int, copies: list[_Copy]) -> None:
-    spans = sorted((c.byte_range(), i) for i, c in enumerate(copies))
-    starts = [lo for (lo, _), _ in spans]
+    spans = sorted(((c.byte_range(), i) for i, c in enumerate(copies)), key=lambda s: s[0].offset)
+    starts = [span.offset for span, _ in spans]
 
     def consume(run_start: int, run: np.ndarray) -> None:
         # A run is whole chunks around whole spans: the spans that start in it end in it.
         run_end = run_start + len(run)
-        for (_, hi), i in spans[bisect_left(starts, run_start) : bisect_left(starts, run_end)]:
-            if hi <= run_end:
+        for span, i in spans[bisect_left(starts, run_start) : bisect_left(starts, run_end)]:
+            if span.end <= run_end:
                 copies[i].apply(run_start, run)
 
     reader.read(rank, [span for span, _ in spans], consume)
@@ -222,7 +224,7 @@ def realize(
         end = min(run_start + len(run), size)
         data[run_start:end] = run[: end - run_start]
 
-    reader.read(home, [(e["offset"], e["offset"] + e["nbytes"]) for e in entries], consume)
+    reader.read(home, [ByteRange(e["offset"], e["nbytes"]) for e in entries], consume)
     what = f"rank {home} shard of {reader.job} step {reader.step}"
     return unflatten(layout, data, None, dtensor_ref or DTensorRef, weights_only, what)
 

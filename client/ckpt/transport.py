@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import grpc
+from ckpt_core.byte_range import ByteRange
 from ckpt_core.daemon_socket import MAX_MESSAGE_BYTES, check_default_socket, default_socket_path, resolve_address
 from ckpt_core.errors import (
     CheckpointError,
@@ -191,9 +192,9 @@ class DaemonClient:
             raise CheckpointError(f"ckptd sent no record of rank {rank} shard of {job} step {step}")
         return bytes(first.meta_json)
 
-    def shard_runs(self, job: str, step: int, rank: int, runs: list[tuple[int, int]]) -> Iterator[bytes]:
-        """Yield the bytes of rank's data in runs ([start, end) pairs), in order, as the daemon sends them."""
-        ranges = [pb.ByteRange(offset=a, length=b - a) for a, b in runs]
+    def shard_runs(self, job: str, step: int, rank: int, runs: list[ByteRange]) -> Iterator[bytes]:
+        """Yield the bytes of rank's data in runs, in order, as the daemon sends them."""
+        ranges = [pb.ByteRange(offset=r.offset, length=r.length) for r in runs]
         replies = self.stream("ReadShard", pb.ReadShardRequest(job=job, step=step, rank=rank, ranges=ranges))
         next(replies, None)  # the record, known already
         return (r.data for r in replies)

@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+from ckpt_core.byte_range import WHOLE, ByteRequest
 from ckpt_core.chunks import find_bad_chunk
 from ckpt_core.commit_keys import CommitKeys
 from ckpt_core.errors import CorruptCheckpoint, NotFound
@@ -119,19 +120,17 @@ def step_dir_source(step_dir: Path, tier: str) -> ShardSource:
     return ShardSource(tier, "dir", str(step_dir), commit.job, commit.step)
 
 
-def read_shard_into(
-    source: ShardSource, meta: ShardMeta, buffer: memoryview, offset: int = 0, length: int = -1
-) -> None:
-    """Fill buffer with the shard's bytes (a range: from offset, length bytes; -1: to the end), each chunk checked.
+def read_shard_into(source: ShardSource, meta: ShardMeta, buffer: memoryview, wanted: ByteRequest = WHOLE) -> None:
+    """Fill buffer with the bytes of the shard that wanted names (a ByteRange, or a ToEnd), each chunk checked.
 
-    offset is a multiple of the chunk size; buffer holds the range from its first byte
+    The range starts on a chunk boundary; buffer holds the range from its first byte
     and must be writable and hold at least its length rounded up to 4 KiB; where it is
     4 KiB aligned the read uses direct I/O. Raises CorruptCheckpoint naming the shard,
     the tier and the first bad chunk.
     """
     path = source.data_path(meta.rank)
     what = f"rank {meta.rank} shard of {meta.job} step {meta.step} on tier {source.tier} ({path})"
-    length = meta.data_size_bytes - offset if length < 0 else length
+    offset, length = (byte_range := wanted.resolve(meta.data_size_bytes)).offset, byte_range.length
     try:
         size = os.stat(path).st_size
     except FileNotFoundError:

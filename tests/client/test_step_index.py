@@ -6,6 +6,7 @@ import json
 
 import pytest
 from ckpt.range_read import runs_for
+from ckpt_core.byte_range import ByteRange
 from ckpt_core.errors import CorruptCheckpoint
 from ckpt_core.format import CommitRecord, ShardMeta, digest, seal, unseal
 from ckpt_core.step_index import SavedChunk, SavedTensor, StepIndex, index_bytes, is_sharded
@@ -85,12 +86,16 @@ def test_records_of_format_version_1_stay_readable_and_newer_ones_are_refused():
 
 def test_ranges_widen_to_whole_checksum_chunks_and_merge():
     chunk = 4 * MiB
-    assert runs_for([(10, 20), (chunk - 1, chunk + 1), (9 * chunk, 9 * chunk + 5)], chunk, 50 * MiB + 7) == [
+
+    def spans(*pairs: tuple[int, int]) -> list[ByteRange]:  # [start, end) pairs, as the tests read best
+        return [ByteRange(a, b - a) for a, b in pairs]
+
+    assert runs_for(spans((10, 20), (chunk - 1, chunk + 1), (9 * chunk, 9 * chunk + 5)), chunk, 50 * MiB + 7) == spans(
         (0, 2 * chunk),
         (9 * chunk, 10 * chunk),
-    ]
-    assert runs_for([(50 * MiB, 50 * MiB + 7)], chunk, 50 * MiB + 7) == [(48 * MiB, 50 * MiB + 7)]
-    assert runs_for([(5, 5)], chunk, 100) == []  # an empty range reads nothing
+    )
+    assert runs_for(spans((50 * MiB, 50 * MiB + 7)), chunk, 50 * MiB + 7) == spans((48 * MiB, 50 * MiB + 7))
+    assert runs_for(spans((5, 5)), chunk, 100) == []  # an empty range reads nothing
 
 
 def test_chunks_that_overlap_are_refused_even_when_their_sizes_add_up():
