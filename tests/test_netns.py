@@ -1,4 +1,4 @@
-"""The harness of nodes as hosts (tests/netns.py): a cut stops packets both ways, a one-way cut one way, heal ends it."""
+"""The harness of nodes as hosts (tests/netns.py): a cut silences a link both ways, or one way; heal ends it."""
 
 from __future__ import annotations
 
@@ -53,7 +53,8 @@ def _datagram_arrives(sender: Host, receiver: Host) -> bool:
     try:
         assert listener.stdout is not None
         assert listener.stdout.readline().strip() == "ready"
-        send = f"import socket; socket.socket(socket.AF_INET, socket.SOCK_DGRAM).sendto(b'hello', ('{receiver.address}', {PORT}))"
+        to = (receiver.address, PORT)
+        send = f"import socket; socket.socket(socket.AF_INET, socket.SOCK_DGRAM).sendto(b'hello', {to!r})"
         subprocess.run([*sender.command(), sys.executable, "-c", send], check=True, timeout=30)
         return listener.stdout.readline().strip() == "hello"
     finally:

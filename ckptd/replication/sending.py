@@ -35,7 +35,7 @@ from ckpt_core.errors import CheckpointError, CorruptCheckpoint
 from ckpt_core.format import CommitRecord, ShardMeta, digest
 from ckpt_core.shard_key import ShardKey
 
-from ckptd.cluster.peer_link import IsSelf, PeerLink
+from ckptd.cluster.peer_link import IsSelf, PeerLink, PeerUnreachable
 from ckptd.cluster.placement import Holding, reseat, seated_placement
 from ckptd.errors import LocalCopyGone, PeerBusy
 
@@ -56,6 +56,8 @@ class _Peer:
     retry_at: float = 0.0
     last_error: str = ""
     failing_since: float | None = None  # time.monotonic() of the first of its failures in a row
+    failed_at: float = 0.0  # time.monotonic() of the last of them
+    unanswered: bool = False  # its last request got no answer at all (PeerUnreachable), nor any since: cut off, or down
 
 
 @dataclass
@@ -178,6 +180,13 @@ class Replication:
         """
         by_key = {(h.node, h.job, h.step, h.rank): h.meta_digest for h in held if h.tier == "peer"}
         peers = reachable & self._peers.keys()
+        for address in peers:
+            peer = self._peers[address]
+            if peer.unanswered and peer.failed_at < asked_at:
+                # Silent until it answered now: the link healed (or the peer came back). Its replicas go at
+                # once, not after a back-off that grew through the cut.
+                log.info("peer %s answers again: retrying the replicas it is owed now", address)
+                peer.unanswered, peer.retry_at = False, 0.0
         for shard in self._shards.values():
             where = (shard.key.job, shard.key.step, shard.key.rank)
             holding = sorted(p for p in peers if by_key.get((p, *where)) == shard.meta_digest)
@@ -220,6 +229,28 @@ class Replication:
         if shard is None:
             return False, "", 0, 0
         return shard.replicated, shard.error, shard.failures, shard.attempts
+
+    def unreachable(self, key: ShardKey) -> str:
+        """Return why a shard's missing copies can go nowhere now, "" where some peer may still take them.
+
+        Nowhere: every peer that does not hold its copy failed its last request without any answer
+        (PeerUnreachable: no connection, a connection keepalive found dead, a deadline), as when this
+        node is cut off from them. The placed peers are tried first, the others once failover_s gives
+        them a stand-in's part; so a waiter hears this within failover_s and two attempts' time.
+        """
+        shard = self._shards.get(key)
+        if shard is None or shard.replicated:
+            return ""
+        others = [a for a in self._peers if a not in shard.done]
+        if not others or not all(self._peers[a].unanswered for a in others):
+            return ""
+        now = time.monotonic()
+        silent = ", ".join(f"{a} (for {now - (self._peers[a].failing_since or now):.0f} s)" for a in sorted(others))
+        last = max(others, key=lambda a: self._peers[a].failed_at)
+        return (
+            f"replication of {key}: no peer that could keep its copy answers (is this node cut off from them?): "
+            f"{silent}; the last said: {self._peers[last].last_error}"
+        )
 
     def retry_now(self, key: ShardKey) -> None:
         """Try a shard's missing replicas at once, whatever the back-off says (someone is waiting for them)."""
@@ -363,6 +394,7 @@ class Replication:
             if peer.failing_since is None:
                 peer.failing_since = started
                 self._fail_over_later(target, started)
+            peer.unanswered, peer.failed_at = isinstance(e, PeerUnreachable), time.monotonic()
             shard.failures += 1
             peer.last_error = shard.error = message
             backoff = min(BACKOFF_MAX_S, BACKOFF_MIN_S * 2 ** (peer.failures - 1))
@@ -372,7 +404,7 @@ class Replication:
         else:
             shard.done[target] = time.monotonic()
             shard.failures, shard.error = 0, ""
-            peer.failures, peer.retry_at, peer.failing_since = 0, 0.0, None
+            peer.failures, peer.retry_at, peer.failing_since, peer.unanswered = 0, 0.0, None, False
             elapsed = time.monotonic() - started
             self.last_transfer = {"bytes": shard.meta.data_size_bytes, "seconds": round(elapsed, 6)}
             self.counters["replicas_sent"] += 1

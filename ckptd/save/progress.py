@@ -318,7 +318,8 @@ class ShardProgress:
                 return True, ""
             if failures >= FAILURES_REPORTED and attempts > attempts_before:
                 return False, error
-            return None
+            unreachable = replication.unreachable(key)
+            return (False, unreachable) if unreachable else None
 
         return verdict
 

@@ -1,0 +1,126 @@
+"""A peer that hangs is handled like a dead one: daemons on hosts of their own (tests/netns.py), links cut under them.
+
+A cut drops packets silently, as a switch port or a firewall does: no refusal, no reset, the
+peer's process alive. Each test measures the time it bounds and prints it (pytest -s shows it).
+"""
+
+from __future__ import annotations
+
+import time
+
+import ckpt
+import pytest
+import torch
+from ckpt_core.errors import SaveFailed
+from ckpt_core.format import data_name
+from conftest import eventually
+from states import assert_same
+
+from ckptd.cluster.placement import reseat, seated_placement
+
+pytestmark = pytest.mark.e2e
+
+FAILOVER_S = 2.0
+STAND_IN_BOUND_S = FAILOVER_S + 4.0  # the first unanswered request, failover_s, the stand-in's copy (docs/DESIGN.md)
+HEAL_BOUND_S = 6.0  # a healed link carries the replicas owed within this (docs/DESIGN.md)
+CUT_S = 30.0  # long enough that the kernel's retransmissions on a reused connection back off past it
+ISOLATED_WAIT_BOUND_S = 10.0  # an isolated node's wait("peer") raises within this (docs/DESIGN.md)
+DRAIN_BOUND_S = 6.0  # SIGTERM with every peer cut off: drained and exited within this
+
+
+def _state(step: int) -> dict:
+    return {"w": torch.arange(1 << 16, dtype=torch.float32) + step, "step": step}
+
+
+def _job_placed_on(peers: list[str], wanted: str) -> str:
+    """Return a job name whose rank 0 replica the saving node places on `wanted` (rendezvous hashing)."""
+    for n in range(1000):
+        job = f"cut-{n}"
+        if seated_placement(job, 0, reseat({}, peers), 1) == [wanted]:
+            return job
+    raise AssertionError("no job name places its replica there")
+
+
+def _replica_held(node, job: str, step: int) -> bool:
+    return (node.root / ".peer" / job / str(step) / data_name(0)).exists()
+
+
+@pytest.mark.parametrize("cut", ["both ways", "its answers lost"])
+def test_a_cut_off_peer_is_stood_in_for_within_failover_s_not_a_request_deadline(make_host_cluster, network, cut):
+    a, b, c = make_host_cluster(3, extra_toml=f"failover_s = {FAILOVER_S}\n")
+    for node in (a, b, c):
+        node.start()
+    job = _job_placed_on([b.listen, c.listen], c.listen)
+    with ckpt.Checkpointer(job=job, address=a.address) as saver:
+        saver.save_async(_state(1), step=1).wait("peer", timeout=60)
+        assert _replica_held(c, job, 1)
+        if cut == "both ways":
+            network.cut(a.host, c.host)  # c lives on, and hears nothing from a, nor a from c
+        else:
+            network.cut_one_way(c.host, a.host)  # a's requests reach c; nothing c sends back reaches a
+        started = time.monotonic()
+        saver.save_async(_state(2), step=2).wait("peer", timeout=60)
+        took = time.monotonic() - started
+    print(f"stand-in after a cut: {took:.2f} s (failover_s = {FAILOVER_S})")
+    assert _replica_held(b, job, 2), "the next node in placement order keeps the copy while c is cut off"
+    assert took < STAND_IN_BOUND_S, f"the stand-in came {took:.1f} s after the save, failover_s is {FAILOVER_S}"
+
+
+def test_a_healed_link_carries_the_replicas_owed_at_once(make_host_cluster, network):
+    a, b = make_host_cluster(2)
+    for node in (a, b):
+        node.start()
+    with ckpt.Checkpointer(job="healed", address=a.address) as saver:
+        saver.save_async(_state(1), step=1).wait("peer", timeout=60)
+        network.cut(a.host, b.host)
+        cut_at = time.monotonic()
+        saver.save_async(_state(2), step=2).wait("nvme", timeout=60)
+        time.sleep(max(0.0, cut_at + CUT_S - time.monotonic()))  # the cut lasts CUT_S: the fault, not a wait
+        network.heal()
+        healed_at = time.monotonic()
+        eventually(lambda: _replica_held(b, "healed", 2), timeout_s=60, what="the replica after healing")
+        took = time.monotonic() - healed_at
+    print(f"replicated {took:.2f} s after healing a {CUT_S:.0f} s cut")
+    assert took < HEAL_BOUND_S, f"replication resumed {took:.1f} s after the link healed"
+    a.kill()
+    with ckpt.Checkpointer(job="healed", address=b.address) as reader:
+        assert_same(reader.load(step=2), _state(2))
+
+
+def test_an_isolated_nodes_wait_for_peer_raises_naming_the_peers_it_cannot_reach(make_host_cluster, network):
+    a, b, c = make_host_cluster(3, extra_toml=f"failover_s = {FAILOVER_S}\n")
+    for node in (a, b, c):
+        node.start()
+    with ckpt.Checkpointer(job="isolated", address=a.address) as saver:
+        saver.save_async(_state(1), step=1).wait("peer", timeout=60)
+        network.isolate(a.host)
+        started = time.monotonic()
+        handles = [saver.save_async(_state(step), step=step) for step in (2, 3, 4)]
+        for h in handles:
+            with pytest.raises(SaveFailed) as failed:
+                h.wait("peer", timeout=60)
+            took = time.monotonic() - started
+            print(f"an isolated node's wait('peer') for step {h.step} raised after {took:.2f} s")
+            assert b.listen in str(failed.value) and c.listen in str(failed.value), failed.value
+        for h in handles:
+            h.wait("nvme", timeout=10)  # the node itself keeps saving
+    print(failed.value)
+    assert took < ISOLATED_WAIT_BOUND_S, f"wait('peer') took {took:.1f} s to say the peers cannot be reached"
+
+
+def test_sigterm_drains_promptly_and_cleanly_with_every_peer_cut_off(make_host_cluster, network):
+    a, b, c = make_host_cluster(3, extra_toml=f"failover_s = {FAILOVER_S}\n")
+    for node in (a, b, c):
+        node.start()
+    with ckpt.Checkpointer(job="draining", address=a.address) as saver:
+        saver.save_async(_state(1), step=1).wait("peer", timeout=60)
+        network.isolate(a.host)
+        for step in (2, 3):
+            saver.save_async(_state(step), step=step).wait("nvme", timeout=60)
+    eventually(lambda: "failed" in a.log(), timeout_s=30, what="a's replication meets the cut")
+    started = time.monotonic()
+    assert a.stop() == 0
+    took = time.monotonic() - started
+    print(f"SIGTERM with every peer cut off: exited after {took:.2f} s")
+    assert took < DRAIN_BOUND_S, f"draining took {took:.1f} s"
+    assert "Traceback" not in a.log(), a.log()[-4000:]
