@@ -74,6 +74,7 @@ class _Shard:
     error: str = ""
     meta_digest: str = ""
     since: float | None = field(default_factory=time.monotonic)  # since when it is short of a copy (status)
+    tracked_at: float = field(default_factory=time.monotonic)
 
     def __post_init__(self) -> None:
         self.meta_digest = digest(self.meta.to_bytes())
@@ -233,16 +234,20 @@ class Replication:
     def unreachable(self, key: ShardKey) -> str:
         """Return why a shard's missing copies can go nowhere now, "" where some peer may still take them.
 
-        Nowhere: every peer that does not hold its copy failed its last request without any answer
-        (PeerUnreachable: no connection, a connection keepalive found dead, a deadline), as when this
-        node is cut off from them. The placed peers are tried first, the others once failover_s gives
-        them a stand-in's part; so a waiter hears this within failover_s and two attempts' time.
+        Nowhere: every peer that does not hold its copy failed a request without any answer
+        (PeerUnreachable: no connection, a connection keepalive found dead, a deadline) since the shard
+        was saved, and has not answered since, as when this node is cut off from them. The placed peers
+        are tried first, the others once failover_s gives them a stand-in's part; so a waiter hears this
+        within failover_s and two attempts' time. A shard saved after the peers were last heard failing
+        is tried before anything is said of it: the link may have healed.
         """
         shard = self._shards.get(key)
         if shard is None or shard.replicated:
             return ""
         others = [a for a in self._peers if a not in shard.done]
-        if not others or not all(self._peers[a].unanswered for a in others):
+        if not others or not all(
+            self._peers[a].unanswered and self._peers[a].failed_at >= shard.tracked_at for a in others
+        ):
             return ""
         now = time.monotonic()
         silent = ", ".join(f"{a} (for {now - (self._peers[a].failing_since or now):.0f} s)" for a in sorted(others))
