@@ -122,6 +122,7 @@ class Replication:
         self._streams = streams
         self._tasks: set[asyncio.Task[None]] = set()
         self._fail_overs: dict[str, asyncio.TimerHandle] = {}  # failing peer -> the timer of its failover
+        self._unanswered_in_a_row = 0  # requests to any peer that got no answer, since the last that did
         self.counters = {"replicas_sent": 0, "replica_bytes_sent": 0, "replica_failures": 0, "replicas_busy": 0}
         self.last_transfer: dict[str, float] = {}
 
@@ -187,7 +188,7 @@ class Replication:
                 # Silent until it answered now: the link healed (or the peer came back). Its replicas go at
                 # once, not after a back-off that grew through the cut.
                 log.info("peer %s answers again: retrying the replicas it is owed now", address)
-                peer.unanswered, peer.retry_at = False, 0.0
+                peer.unanswered, peer.retry_at, self._unanswered_in_a_row = False, 0.0, 0
         for shard in self._shards.values():
             where = (shard.key.job, shard.key.step, shard.key.rank)
             holding = sorted(p for p in peers if by_key.get((p, *where)) == shard.meta_digest)
@@ -234,19 +235,21 @@ class Replication:
     def unreachable(self, key: ShardKey) -> str:
         """Return why a shard's missing copies can go nowhere now, "" where some peer may still take them.
 
-        Nowhere: every peer that does not hold its copy failed a request without any answer
-        (PeerUnreachable: no connection, a connection keepalive found dead, a deadline) since the shard
-        was saved, and has not answered since, as when this node is cut off from them. The placed peers
-        are tried first, the others once failover_s gives them a stand-in's part; so a waiter hears this
-        within failover_s and two attempts' time. A shard saved after the peers were last heard failing
-        is tried before anything is said of it: the link may have healed.
+        Nowhere: FAILURES_REPORTED requests in a row, to any peers, got no answer at all (PeerUnreachable:
+        no connection, a connection keepalive found dead, a deadline), and every peer that does not hold
+        its copy failed one so since the shard was saved, as when this node is cut off from them. The placed peers
+        are tried first, the others once failover_s gives them a stand-in's part. A shard saved after the
+        peers were last heard failing is tried before anything is said of it: the link may have healed.
+        ShardProgress tells a waiter after a fresh attempt (Peering.retry_failing_replicas makes one).
         """
         shard = self._shards.get(key)
         if shard is None or shard.replicated:
             return ""
         others = [a for a in self._peers if a not in shard.done]
-        if not others or not all(
-            self._peers[a].unanswered and self._peers[a].failed_at >= shard.tracked_at for a in others
+        if (
+            self._unanswered_in_a_row < FAILURES_REPORTED
+            or not others
+            or not all(self._peers[a].unanswered and self._peers[a].failed_at >= shard.tracked_at for a in others)
         ):
             return ""
         now = time.monotonic()
@@ -386,6 +389,7 @@ class Replication:
             peer.retry_at = time.monotonic() + BACKOFF_MIN_S * random.uniform(0.5, 1.0)
             peer.last_error = f"replication of {shard.key} to peer {target} waits: {e}"
             self.counters["replicas_busy"] += 1
+            self._unanswered_in_a_row = 0
             log.info("%s; retrying in %.1f s", peer.last_error, peer.retry_at - time.monotonic())
         except LocalCopyGone as e:  # retention removed it, or a newer save replaced it: nothing to send
             log.info("%s; not replicating it", e)
@@ -400,6 +404,7 @@ class Replication:
                 peer.failing_since = started
                 self._fail_over_later(target, started)
             peer.unanswered, peer.failed_at = isinstance(e, PeerUnreachable), time.monotonic()
+            self._unanswered_in_a_row = self._unanswered_in_a_row + 1 if peer.unanswered else 0
             shard.failures += 1
             peer.last_error = shard.error = message
             backoff = min(BACKOFF_MAX_S, BACKOFF_MIN_S * 2 ** (peer.failures - 1))
@@ -410,6 +415,7 @@ class Replication:
             shard.done[target] = time.monotonic()
             shard.failures, shard.error = 0, ""
             peer.failures, peer.retry_at, peer.failing_since, peer.unanswered = 0, 0.0, None, False
+            self._unanswered_in_a_row = 0
             elapsed = time.monotonic() - started
             self.last_transfer = {"bytes": shard.meta.data_size_bytes, "seconds": round(elapsed, 6)}
             self.counters["replicas_sent"] += 1

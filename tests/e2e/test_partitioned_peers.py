@@ -24,7 +24,9 @@ FAILOVER_S = 2.0
 STAND_IN_BOUND_S = FAILOVER_S + 4.0  # the first unanswered request, failover_s, the stand-in's copy (docs/DESIGN.md)
 HEAL_BOUND_S = 6.0  # a healed link carries the replicas owed within this (docs/DESIGN.md)
 CUT_S = 30.0  # long enough that the kernel's retransmissions on a reused connection back off past it
-ISOLATED_WAIT_BOUND_S = 10.0  # an isolated node's wait("peer") raises within this (docs/DESIGN.md)
+# An isolated node's wait("peer") raises within failover_s and two attempts (CONNECT_TIMEOUT_S each) of the save;
+# a later wait, on a shard of the same cut, within one fresh attempt (docs/DESIGN.md).
+ISOLATED_WAIT_BOUND_S = FAILOVER_S + 2 * 3.0
 DRAIN_BOUND_S = 6.0  # SIGTERM with every peer cut off: drained and exited within this
 
 
@@ -94,18 +96,18 @@ def test_an_isolated_nodes_wait_for_peer_raises_naming_the_peers_it_cannot_reach
     with ckpt.Checkpointer(job="isolated", address=a.address) as saver:
         saver.save_async(_state(1), step=1).wait("peer", timeout=60)
         network.isolate(a.host)
-        started = time.monotonic()
         handles = [saver.save_async(_state(step), step=step) for step in (2, 3, 4)]
         for h in handles:
+            started = time.monotonic()
             with pytest.raises(SaveFailed) as failed:
                 h.wait("peer", timeout=60)
             took = time.monotonic() - started
             print(f"an isolated node's wait('peer') for step {h.step} raised after {took:.2f} s")
             assert b.listen in str(failed.value) and c.listen in str(failed.value), failed.value
+            assert took < ISOLATED_WAIT_BOUND_S, f"wait('peer') took {took:.1f} s to say the peers cannot be reached"
         for h in handles:
             h.wait("nvme", timeout=10)  # the node itself keeps saving
     print(failed.value)
-    assert took < ISOLATED_WAIT_BOUND_S, f"wait('peer') took {took:.1f} s to say the peers cannot be reached"
 
 
 def test_sigterm_drains_promptly_and_cleanly_with_every_peer_cut_off(make_host_cluster, network):
