@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import uuid
 from dataclasses import dataclass
@@ -82,6 +83,8 @@ class Network:
         """Make the router; raise NamespacesRefused where namespaces cannot be made here."""
         if os.geteuid() != 0:
             raise NamespacesRefused("network namespaces need root")
+        if shutil.which("ip") is None:
+            raise NamespacesRefused("no `ip` command (iproute2) here")
         sweep_leftovers()
         self.tag = f"{PREFIX}{os.getpid()}x{uuid.uuid4().hex[:8]}"
         self.router = f"{self.tag}-r"
