@@ -25,7 +25,7 @@ import subprocess
 import uuid
 from dataclasses import dataclass
 
-PREFIX = "ckn"  # every namespace of this harness: ckn<pid>x<tag>-<role>
+PREFIX = "ckn"  # every namespace of this harness: ckn<pid>x<tag>-router, ckn<pid>x<tag>-h-<role>
 SUBNET = "10.213"  # 10.213.<i>.0/24 per host; only inside the test's own namespaces
 _NAME = re.compile(rf"^{PREFIX}(\d+)x[0-9a-f]+-")
 
@@ -87,7 +87,7 @@ class Network:
             raise NamespacesRefused("no `ip` command (iproute2) here")
         sweep_leftovers()
         self.tag = f"{PREFIX}{os.getpid()}x{uuid.uuid4().hex[:8]}"
-        self.router = f"{self.tag}-r"
+        self.router = f"{self.tag}-router"
         self.hosts: list[Host] = []
         self._rules: set[tuple[str, str]] = set()  # (from, to) addresses whose packets the router drops
         try:
@@ -108,7 +108,7 @@ class Network:
     def host(self, role: str) -> Host:
         """Add a host (role names it in the namespace: "n0", "s3", "etcd") and return it, reachable from every other."""
         i = len(self.hosts) + 1
-        host = Host(role, f"{self.tag}-{role}", f"{SUBNET}.{i}.2")
+        host = Host(role, f"{self.tag}-h-{role}", f"{SUBNET}.{i}.2")
         _ip("netns", "add", host.namespace)
         self.hosts.append(host)
         _ip("-n", self.router, "link", "add", f"h{i}", "type", "veth", "peer", "name", "eth0", "netns", host.namespace)

@@ -6,6 +6,8 @@ peer's process alive. Each test measures the time it bounds and prints it (pytes
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 
 import ckpt
@@ -16,6 +18,7 @@ from ckpt_core.format import data_name
 from conftest import eventually
 from states import assert_same
 
+from ckptd.cluster.data_channel import SILENT_CONNECTION_S
 from ckptd.cluster.placement import reseat, seated_placement
 
 pytestmark = pytest.mark.e2e
@@ -126,3 +129,51 @@ def test_sigterm_drains_promptly_and_cleanly_with_every_peer_cut_off(make_host_c
     print(f"SIGTERM with every peer cut off: exited after {took:.2f} s")
     assert took < DRAIN_BOUND_S, f"draining took {took:.1f} s"
     assert "Traceback" not in a.log(), a.log()[-4000:]
+
+
+_SINK = """
+import socket, time
+server = socket.create_server(("0.0.0.0", 7272))
+print("ready", flush=True)
+conn = server.accept()[0]
+conn.recv(16)
+time.sleep(3600)  # takes the bytes and never answers: a receiver still writing them, as far as the sender knows
+"""
+
+_SEND = """
+import socket, sys, time
+from ckptd.cluster.data_channel import STALL_TIMEOUT_S, close_when_silent
+conn = socket.create_connection((sys.argv[1], 7272), timeout=3)
+close_when_silent(conn)
+conn.settimeout(STALL_TIMEOUT_S)
+conn.sendall(bytes(16))
+print("sent", flush=True)
+try:
+    conn.recv(4)  # the receiver's status
+except OSError as e:
+    print(f"failed {time.monotonic():.3f} {e}", flush=True)
+"""
+
+
+def test_a_data_connection_waiting_on_a_cut_peer_fails_within_seconds_and_on_a_slow_one_waits(network):
+    """A sender waiting for a receiver's status: the receiver alive but slow answers TCP, one cut off does not."""
+    sender_host, receiver_host = network.host("s"), network.host("r")
+    sink = subprocess.Popen([*receiver_host.command(), sys.executable, "-c", _SINK], stdout=subprocess.PIPE, text=True)
+    sender = subprocess.Popen(
+        [*sender_host.command(), sys.executable, "-c", _SEND, receiver_host.address], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert sink.stdout is not None and sink.stdout.readline().strip() == "ready"
+        assert sender.stdout is not None and sender.stdout.readline().strip() == "sent"
+        with pytest.raises(subprocess.TimeoutExpired):  # a live receiver answers the probes: no end
+            sender.wait(timeout=SILENT_CONNECTION_S + 2)
+        network.cut(sender_host, receiver_host)
+        cut_at = time.monotonic()
+        said = sender.stdout.readline().split()
+        took = float(said[1]) - cut_at
+        print(f"a waiting data connection failed {took:.2f} s after the cut: {' '.join(said[2:])}")
+        assert said[0] == "failed" and took < SILENT_CONNECTION_S + 3
+    finally:
+        for process in (sender, sink):
+            process.kill()
+            process.wait()
