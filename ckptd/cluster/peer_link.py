@@ -99,14 +99,13 @@ class CertificateRefused(PeerError):
 
 KEEPALIVE_TIME_S = 1.0  # a ping on every peer connection this often, calls or none
 KEEPALIVE_TIMEOUT_S = 2.0  # a ping unanswered this long: the connection is dead (its calls fail UNAVAILABLE)
-SILENT_PEER_S = KEEPALIVE_TIME_S + KEEPALIVE_TIMEOUT_S  # how long a cut goes unnoticed on a connection, at most
 
 
 def grpc_options() -> list[tuple[str, Any]]:
     """Return the channel and server options of the peer protocol.
 
     Keepalive: a connection whose peer stopped answering (a cut link, a hung host) is closed
-    within SILENT_PEER_S, failing its calls, rather than reused until a call's deadline or the
+    within KEEPALIVE_TIME_S + KEEPALIVE_TIMEOUT_S, failing its calls, rather than reused until a call's deadline or the
     kernel's retransmissions (which back off to minutes) give up on it; the next call connects
     afresh, so a healed link is used at once. Pings go also on idle connections, and without
     data between them (gRPC's defaults stop after two).

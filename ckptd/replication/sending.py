@@ -18,6 +18,11 @@ placed peer is still retried; once it holds the replica, the stand-in's copy is 
 (RetireReplica). So every shard has its `replicas` copies on live nodes within about
 failover_s, and the placement stays rendezvous-stable: a node's return moves back only what
 it held.
+
+A peer that does not answer at all (PeerUnreachable: a cut link, as keepalive finds within
+seconds, or a dead host) fails like a dead one. When a round's inventory (confirm) hears it
+again, its back-off is dropped and its replicas go in that round; while no peer answers,
+unreachable() says so to a waiter.
 """
 
 from __future__ import annotations
@@ -74,7 +79,7 @@ class _Shard:
     error: str = ""
     meta_digest: str = ""
     since: float | None = field(default_factory=time.monotonic)  # since when it is short of a copy (status)
-    tracked_at: float = field(default_factory=time.monotonic)
+    tracked_at: float = field(default_factory=time.monotonic)  # failures before it say nothing of it (unreachable)
 
     def __post_init__(self) -> None:
         self.meta_digest = digest(self.meta.to_bytes())
@@ -237,10 +242,11 @@ class Replication:
 
         Nowhere: FAILURES_REPORTED requests in a row, to any peers, got no answer at all (PeerUnreachable:
         no connection, a connection keepalive found dead, a deadline), and every peer that does not hold
-        its copy failed one so since the shard was saved, as when this node is cut off from them. The placed peers
-        are tried first, the others once failover_s gives them a stand-in's part. A shard saved after the
-        peers were last heard failing is tried before anything is said of it: the link may have healed.
-        ShardProgress tells a waiter after a fresh attempt (Peering.retry_failing_replicas makes one).
+        its copy left one unanswered since the shard was saved, as when this node is cut off from them.
+        The placed peers are tried first, the others once failover_s gives them a stand-in's part. A
+        shard saved after the peers were last heard failing is tried before anything is said of it: the
+        link may have healed. ShardProgress tells a waiter after a fresh attempt (which
+        Peering.retry_failing_replicas makes).
         """
         shard = self._shards.get(key)
         if shard is None or shard.replicated:
