@@ -121,7 +121,10 @@ class Network:
         return host
 
     def cut_one_way(self, sender: Host, receiver: Host) -> None:
-        """Drop what sender sends receiver (receiver still reaches sender: its answers to sender are what is lost)."""
+        """Drop what sender sends receiver; what receiver sends sender still arrives.
+
+        A node that sends and hears nothing back: cut_one_way(peer, node) loses the peer's answers.
+        """
         self._drop(sender.address, receiver.address)
 
     def cut(self, a: Host, b: Host) -> None:
@@ -131,9 +134,13 @@ class Network:
 
     def isolate(self, host: Host) -> None:
         """Cut a host off from every other host, both ways."""
-        for other in self.hosts:
-            if other != host:
-                self.cut(host, other)
+        self.partition([host], [h for h in self.hosts if h != host])
+
+    def partition(self, side: list[Host], other_side: list[Host]) -> None:
+        """Cut every host of one side off from every host of the other, both ways (each side still whole)."""
+        for a in side:
+            for b in other_side:
+                self.cut(a, b)
 
     def heal(self) -> None:
         """Take every cut away: packets flow again between every pair of hosts."""

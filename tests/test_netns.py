@@ -92,9 +92,9 @@ def test_a_cut_silences_both_ways_a_one_way_cut_one_way_and_heal_restores_both(n
         assert _connect(a, b) == "silence" and _connect(b, a) == "silence"  # TCP needs both ways
 
         network.heal()
-        network.isolate(c)
+        network.isolate(c)  # a partition c | a b
         assert not _datagram_arrives(c, a) and not _datagram_arrives(b, c)
-        assert _connect(a, b) == "connected"
+        assert _connect(a, b) == "connected", "each side of a partition still whole"
     finally:
         server.kill()
         server.wait()
