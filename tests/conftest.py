@@ -77,6 +77,7 @@ class Daemon:
         self.listen = listen  # the peer address, for daemons of a cluster
         self.serve_args: list[str] = []  # more flags for `ckptd serve`
         self.wrapper: list[str] = []  # a command that runs the rest of its line (`ckptd serve`), e.g. in a namespace
+        self.host = None  # its Host, where it runs in a network namespace of its own (make_host_cluster)
         self.env: dict[str, str] = {}  # more environment for `ckptd serve` (CKPTD_<SECTION>__<KEY> overrides)
 
     @property
@@ -245,6 +246,52 @@ def make_cluster(make_daemon, cluster_backend, request) -> Iterator:
         return nodes
 
     return make
+
+
+@pytest.fixture
+def network() -> Iterator:
+    """Yield a Network of the test's own (tests/netns.py), removed at the end; skip where namespaces are refused."""
+    from netns import NamespacesRefused, Network
+
+    try:
+        net = Network()
+    except NamespacesRefused as e:
+        pytest.skip(f"no network namespaces here: {e}")
+    try:
+        yield net
+    finally:
+        net.close()
+
+
+HOST_PEER_PORT = 7070  # every daemon's peer port in its own namespace, where nothing else can hold it
+
+
+@pytest.fixture
+def make_host_cluster(make_daemon, network) -> Iterator:
+    """Return a factory of n daemons (not started), each on a host of its own (network), each other's peers.
+
+    Like make_cluster, but a daemon's peer address is its host's, on a link the test can cut
+    (network.cut, cut_one_way, isolate, heal); node.host is its Host. Clients and the CLI reach a
+    daemon by its unix socket, which no cut touches. Its daemons are killed before the network goes.
+    """
+    nodes = []
+
+    def make(n: int, replicas: int = 1, extra_toml: str = ""):
+        hosts = [network.host(f"n{len(nodes) + i}") for i in range(n)]
+        peers = ", ".join(f'"{h.address}:{HOST_PEER_PORT}"' for h in hosts)
+        made = []
+        for host in hosts:
+            toml = f"[peer]\naddresses = [{peers}]\nreplicas = {replicas}\ninsecure = true\n" + extra_toml
+            node = make_daemon(toml, name=host.name, listen=f"{host.address}:{HOST_PEER_PORT}")
+            node.wrapper = host.command()
+            node.host = host
+            made.append(node)
+        nodes.extend(made)
+        return made
+
+    yield make
+    for node in nodes:
+        node.cleanup()
 
 
 @pytest.fixture

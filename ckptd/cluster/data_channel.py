@@ -38,6 +38,7 @@ from ckptd.config import PeerConfig
 TICKET_BYTES = 16
 STALL_TIMEOUT_S = 30.0  # no byte moved for this long: the connection is given up, on either side
 CONNECT_TIMEOUT_S = 3.0
+SILENT_CONNECTION_S = 5.0  # an idle data connection whose keepalive probes go unanswered this long is failed
 MAX_STATUS_BYTES = 16 << 10
 _LENGTH = struct.Struct(">I")
 
@@ -81,6 +82,7 @@ def send_range(
         raise DataChannelError(f"data connection to {host}:{port}: {e}") from e
     with conn:
         try:
+            close_when_silent(conn)
             conn.settimeout(STALL_TIMEOUT_S)
             sock = context.wrap_socket(conn, server_hostname=tls_name or host) if context is not None else conn
         except OSError as e:
@@ -97,6 +99,21 @@ def send_range(
                     raise
                 cause = failed or e
                 raise _channel_error(host, port, cause) from cause
+
+
+def close_when_silent(conn: socket.socket) -> None:
+    """Have the kernel fail a data connection whose other end stops answering as it waits, in SILENT_CONNECTION_S.
+
+    Called on both ends (send_range, and the receiver as it accepts). TCP keepalive probes a
+    connection with nothing in flight: a sender waiting for the receiver's status, a receiver
+    waiting for bytes. A cut link otherwise leaves them waiting until STALL_TIMEOUT_S. Bytes in
+    flight are not covered: TCP_USER_TIMEOUT would cover them, but it also gives up on a receiver
+    that is only slow (a closed window, its probes answered), so those wait for STALL_TIMEOUT_S.
+    """
+    conn.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, 1)
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, 1)
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, int(SILENT_CONNECTION_S) - 1)
 
 
 def _channel_error(host: str, port: int, error: BaseException) -> DataChannelError:

@@ -4,7 +4,8 @@ Blocking calls, made from worker threads (never from the event loop). Every
 failure is a PeerError naming the peer; a peer taking as many replicas as it can now
 is PeerBusy (ask again: no failure); a replica the peer rejected for a bad chunk is a
 ReplicaRejected; a TLS handshake refused over a certificate (the peer's, or this node's)
-is a CertificateRefused saying which and why (tls_refusal). A replica the peer holds
+is a CertificateRefused saying which and why (tls_refusal); a peer that does not answer
+(no connection, a dead one, a deadline) is a PeerUnreachable. A replica the peer holds
 already is AlreadyHeld, as it is on any tier.
 """
 
@@ -88,19 +89,39 @@ class ReplicaRejected(PeerError):
     """The peer found a bad chunk in a replica it received (the sender's copy or the wire is at fault)."""
 
 
+class PeerUnreachable(PeerError):
+    """The peer did not answer: no connection, a connection that died (keepalive), or a call past its deadline."""
+
+
 class CertificateRefused(PeerError):
     """A TLS handshake with the peer failed over a certificate: "certificate rejected by" or "... not trusted"."""
 
 
+KEEPALIVE_TIME_S = 1.0  # a ping on every peer connection this often, calls or none
+KEEPALIVE_TIMEOUT_S = 2.0  # a ping unanswered this long: the connection is dead (its calls fail UNAVAILABLE)
+
+
 def grpc_options() -> list[tuple[str, Any]]:
-    """Return the channel and server options of the peer protocol."""
+    """Return the channel and server options of the peer protocol.
+
+    Keepalive: a connection whose peer stopped answering (a cut link, a hung host) is closed
+    within KEEPALIVE_TIME_S + KEEPALIVE_TIMEOUT_S, failing its calls, rather than reused until a call's deadline or the
+    kernel's retransmissions (which back off to minutes) give up on it; the next call connects
+    afresh, so a healed link is used at once. Pings go also on idle connections, and without
+    data between them (gRPC's defaults stop after two).
+    """
     return [
         ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
         ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
         # A peer that comes back is seen within a second, not after gRPC's default of up to two minutes.
+        # The minimum is also how long a connection attempt may take: one into a cut link gives up soon.
         ("grpc.initial_reconnect_backoff_ms", 200),
         ("grpc.min_reconnect_backoff_ms", 200),
         ("grpc.max_reconnect_backoff_ms", 1000),
+        ("grpc.keepalive_time_ms", int(KEEPALIVE_TIME_S * 1000)),
+        ("grpc.keepalive_timeout_ms", int(KEEPALIVE_TIMEOUT_S * 1000)),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
     ]
 
 
@@ -119,6 +140,10 @@ def server_options() -> list[tuple[str, Any]]:
     """
     return [
         *grpc_options(),
+        # The peers' keepalive pings are welcome, idle or not, however often they come (else gRPC answers
+        # pings closer than five minutes apart with "too many pings" and closes the connection).
+        ("grpc.http2.min_ping_interval_without_data_ms", int(KEEPALIVE_TIME_S * 1000 / 2)),
+        ("grpc.http2.max_ping_strikes", 0),
         ("grpc.so_reuseport", 0),
         ("grpc.server_handshake_timeout_ms", SERVER_HANDSHAKE_TIMEOUT_MS),
         ("grpc.max_allowed_incoming_connections", max_incoming_connections()),
@@ -259,13 +284,16 @@ class PeerLink:
 
     def connect(self, timeout_s: float = CONNECT_TIMEOUT_S) -> None:
         """Wait up to timeout_s for the channel to be ready: a peer that just came back gets a fair chance."""
+        ready = grpc.channel_ready_future(self._channel)
         try:
-            grpc.channel_ready_future(self._channel).result(timeout=timeout_s)
+            ready.result(timeout=timeout_s)
         except grpc.FutureTimeoutError:
+            # Else gRPC's thread watching the channel for it lives on, and raises when close() comes.
+            ready.cancel()
             refusal = self._certificate_refusal("")
             if refusal is not None:
                 raise CertificateRefused(refusal) from None
-            raise PeerError(f"peer {self.address}: not reachable within {timeout_s:.0f} s") from None
+            raise PeerUnreachable(f"peer {self.address}: not reachable within {timeout_s:.0f} s") from None
 
     def _certificate_refusal(self, details: str) -> str | None:
         """Return the error for a refused certificate, from gRPC's details (UNAVAILABLE) or a handshake of our own.
@@ -304,6 +332,8 @@ class PeerLink:
             return NotFound(f"peer {self.address}: {detail}")
         if code == "UNAVAILABLE" and (refusal := self._certificate_refusal(detail)) is not None:
             return CertificateRefused(refusal)
+        if code in ("UNAVAILABLE", "DEADLINE_EXCEEDED"):
+            return PeerUnreachable(f"peer {self.address}: {what} failed: {code} {detail}")
         return PeerError(f"peer {self.address}: {what} failed: {code} {detail}")
 
     def inventory(

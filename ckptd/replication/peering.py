@@ -203,8 +203,11 @@ class Peering:
         self.replication.send(key, meta, [p for p in (slot_path, on_disk) if p is not None])
 
     def retry_failing_replicas(self, key: ShardKey) -> None:
-        """Try a shard's missing replicas at once if they have been failing (SavePath.wait_shard: a waiter asks)."""
-        if self.replication is not None and self.replication.state(key)[2] >= FAILURES_REPORTED:
+        """Try a shard's missing replicas at once if they have been failing, or no peer answers (SavePath.wait_shard:
+        a waiter asks, and hears how a fresh attempt goes)."""
+        if self.replication is not None and (
+            self.replication.state(key)[2] >= FAILURES_REPORTED or self.replication.unreachable(key)
+        ):
             self.replication.retry_now(key)
 
     def forget_replicas(self, key: ShardKey) -> None:

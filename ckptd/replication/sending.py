@@ -18,6 +18,11 @@ placed peer is still retried; once it holds the replica, the stand-in's copy is 
 (RetireReplica). So every shard has its `replicas` copies on live nodes within about
 failover_s, and the placement stays rendezvous-stable: a node's return moves back only what
 it held.
+
+A peer that does not answer at all (PeerUnreachable: a cut link, as keepalive finds within
+seconds, or a dead host) fails like a dead one. When a round's inventory (confirm) hears it
+again, its back-off is dropped and its replicas go in that round; while no peer answers,
+unreachable() says so to a waiter.
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ from ckpt_core.errors import CheckpointError, CorruptCheckpoint
 from ckpt_core.format import CommitRecord, ShardMeta, digest
 from ckpt_core.shard_key import ShardKey
 
-from ckptd.cluster.peer_link import IsSelf, PeerLink
+from ckptd.cluster.peer_link import IsSelf, PeerLink, PeerUnreachable
 from ckptd.cluster.placement import Holding, reseat, seated_placement
 from ckptd.errors import LocalCopyGone, PeerBusy
 
@@ -56,6 +61,8 @@ class _Peer:
     retry_at: float = 0.0
     last_error: str = ""
     failing_since: float | None = None  # time.monotonic() of the first of its failures in a row
+    failed_at: float = 0.0  # time.monotonic() of the last of them
+    unanswered: bool = False  # its last request got no answer at all (PeerUnreachable), nor any since: cut off, or down
 
 
 @dataclass
@@ -72,6 +79,7 @@ class _Shard:
     error: str = ""
     meta_digest: str = ""
     since: float | None = field(default_factory=time.monotonic)  # since when it is short of a copy (status)
+    tracked_at: float = field(default_factory=time.monotonic)  # failures before it say nothing of it (unreachable)
 
     def __post_init__(self) -> None:
         self.meta_digest = digest(self.meta.to_bytes())
@@ -119,6 +127,7 @@ class Replication:
         self._streams = streams
         self._tasks: set[asyncio.Task[None]] = set()
         self._fail_overs: dict[str, asyncio.TimerHandle] = {}  # failing peer -> the timer of its failover
+        self._unanswered_in_a_row = 0  # requests to any peer that got no answer, since the last that did
         self.counters = {"replicas_sent": 0, "replica_bytes_sent": 0, "replica_failures": 0, "replicas_busy": 0}
         self.last_transfer: dict[str, float] = {}
 
@@ -178,6 +187,13 @@ class Replication:
         """
         by_key = {(h.node, h.job, h.step, h.rank): h.meta_digest for h in held if h.tier == "peer"}
         peers = reachable & self._peers.keys()
+        for address in peers:
+            peer = self._peers[address]
+            if peer.unanswered and peer.failed_at < asked_at:
+                # Silent until it answered now: the link healed (or the peer came back). Its replicas go at
+                # once, not after a back-off that grew through the cut.
+                log.info("peer %s answers again: retrying the replicas it is owed now", address)
+                peer.unanswered, peer.retry_at, self._unanswered_in_a_row = False, 0.0, 0
         for shard in self._shards.values():
             where = (shard.key.job, shard.key.step, shard.key.rank)
             holding = sorted(p for p in peers if by_key.get((p, *where)) == shard.meta_digest)
@@ -220,6 +236,35 @@ class Replication:
         if shard is None:
             return False, "", 0, 0
         return shard.replicated, shard.error, shard.failures, shard.attempts
+
+    def unreachable(self, key: ShardKey) -> str:
+        """Return why a shard's missing copies can go nowhere now, "" where some peer may still take them.
+
+        Nowhere: FAILURES_REPORTED requests in a row, to any peers, got no answer at all (PeerUnreachable:
+        no connection, a connection keepalive found dead, a deadline), and every peer that does not hold
+        its copy left one unanswered since the shard was saved, as when this node is cut off from them.
+        The placed peers are tried first, the others once failover_s gives them a stand-in's part. A
+        shard saved after the peers were last heard failing is tried before anything is said of it: the
+        link may have healed. ShardProgress tells a waiter after a fresh attempt (which
+        Peering.retry_failing_replicas makes).
+        """
+        shard = self._shards.get(key)
+        if shard is None or shard.replicated:
+            return ""
+        others = [a for a in self._peers if a not in shard.done]
+        if (
+            self._unanswered_in_a_row < FAILURES_REPORTED
+            or not others
+            or not all(self._peers[a].unanswered and self._peers[a].failed_at >= shard.tracked_at for a in others)
+        ):
+            return ""
+        now = time.monotonic()
+        silent = ", ".join(f"{a} (for {now - (self._peers[a].failing_since or now):.0f} s)" for a in sorted(others))
+        last = max(others, key=lambda a: self._peers[a].failed_at)
+        return (
+            f"replication of {key}: no peer that could keep its copy answers (is this node cut off from them?): "
+            f"{silent}; the last said: {self._peers[last].last_error}"
+        )
 
     def retry_now(self, key: ShardKey) -> None:
         """Try a shard's missing replicas at once, whatever the back-off says (someone is waiting for them)."""
@@ -350,6 +395,7 @@ class Replication:
             peer.retry_at = time.monotonic() + BACKOFF_MIN_S * random.uniform(0.5, 1.0)
             peer.last_error = f"replication of {shard.key} to peer {target} waits: {e}"
             self.counters["replicas_busy"] += 1
+            self._unanswered_in_a_row = 0
             log.info("%s; retrying in %.1f s", peer.last_error, peer.retry_at - time.monotonic())
         except LocalCopyGone as e:  # retention removed it, or a newer save replaced it: nothing to send
             log.info("%s; not replicating it", e)
@@ -363,6 +409,8 @@ class Replication:
             if peer.failing_since is None:
                 peer.failing_since = started
                 self._fail_over_later(target, started)
+            peer.unanswered, peer.failed_at = isinstance(e, PeerUnreachable), time.monotonic()
+            self._unanswered_in_a_row = self._unanswered_in_a_row + 1 if peer.unanswered else 0
             shard.failures += 1
             peer.last_error = shard.error = message
             backoff = min(BACKOFF_MAX_S, BACKOFF_MIN_S * 2 ** (peer.failures - 1))
@@ -372,7 +420,8 @@ class Replication:
         else:
             shard.done[target] = time.monotonic()
             shard.failures, shard.error = 0, ""
-            peer.failures, peer.retry_at, peer.failing_since = 0, 0.0, None
+            peer.failures, peer.retry_at, peer.failing_since, peer.unanswered = 0, 0.0, None, False
+            self._unanswered_in_a_row = 0
             elapsed = time.monotonic() - started
             self.last_transfer = {"bytes": shard.meta.data_size_bytes, "seconds": round(elapsed, 6)}
             self.counters["replicas_sent"] += 1

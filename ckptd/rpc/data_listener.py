@@ -35,7 +35,7 @@ from typing import TypeVar
 from ckpt_core.errors import CorruptCheckpoint
 
 from ckptd.cluster import tls_refusal
-from ckptd.cluster.data_channel import STALL_TIMEOUT_S, TICKET_BYTES, send_status
+from ckptd.cluster.data_channel import STALL_TIMEOUT_S, TICKET_BYTES, close_when_silent, send_status
 from ckptd.config import PeerConfig
 from ckptd.errors import NotOffered, PeerBusy
 from ckptd.log_pace import LogPace
@@ -264,6 +264,7 @@ class DataListener:
     def _handshake(self, conn: socket.socket) -> tuple[socket.socket, bytes]:
         """On a connection thread: TLS where configured, then the ticket, all within HANDSHAKE_DEADLINE_S."""
         deadline = time.monotonic() + HANDSHAKE_DEADLINE_S
+        close_when_silent(conn)  # a sender cut off mid-range frees its slot in seconds, not STALL_TIMEOUT_S
         conn.settimeout(HANDSHAKE_DEADLINE_S)  # the TLS handshake has one deadline for all its reads
         sock = self._tls.wrap_socket(conn, server_side=True) if self._tls is not None else conn
         ticket = bytearray()

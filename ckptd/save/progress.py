@@ -316,8 +316,11 @@ class ShardProgress:
             done, error, failures, attempts = replication.state(key)
             if done or (key, "peer") in self._reached:
                 return True, ""
-            if failures >= FAILURES_REPORTED and attempts > attempts_before:
-                return False, error
+            if attempts <= attempts_before:
+                return None
+            unreachable = replication.unreachable(key)  # no peer answers: said after one fresh attempt, not three
+            if unreachable or failures >= FAILURES_REPORTED:
+                return False, unreachable or error
             return None
 
         return verdict

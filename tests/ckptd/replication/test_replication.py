@@ -12,6 +12,7 @@ from ckpt_core.errors import CheckpointError
 from ckpt_core.format import CHUNK_SIZE_BYTES, ShardMeta, digest
 from ckpt_core.shard_key import ShardKey
 
+from ckptd.cluster.peer_link import PeerUnreachable
 from ckptd.cluster.placement import Holding
 from ckptd.replication.sending import Replication
 
@@ -106,17 +107,69 @@ def test_a_replica_in_place_is_kept_where_placement_would_now_choose_another_pee
 
 
 class SendingLink(Link):
-    """A peer that takes every replica, or (down) refuses each at once, as a dead peer's link does."""
+    """A peer that takes every replica, or (down) refuses each at once, or (silent) never answers, as a cut link."""
 
-    def __init__(self, address: str, down: bool = False) -> None:
+    def __init__(self, address: str, down: bool = False, silent: bool = False) -> None:
         super().__init__(address)
         self.down = down
+        self.silent = silent
         self.held: list[ShardKey] = []
 
     def put_shard(self, meta: ShardMeta, path: object, streams: object, record: object = None) -> None:
+        if self.silent:
+            raise PeerUnreachable(f"peer {self.address}: not reachable within 3 s")
         if self.down:
-            raise CheckpointError(f"peer {self.address}: not reachable within 3 s")
+            raise CheckpointError(f"peer {self.address}: refused")
         self.held.append(ShardKey(meta.job, meta.step, meta.rank, meta.world_size))
+
+
+async def _attempted(replication: Replication, key: ShardKey, attempts: int) -> None:
+    """Wait until a shard's attempts reach a number (the fake links answer at once)."""
+    deadline = time.monotonic() + 5.0
+    while replication.state(key)[3] < attempts:
+        assert time.monotonic() < deadline, f"{key} was not tried {attempts} times"
+        await asyncio.sleep(0.01)
+
+
+def test_a_peer_silent_through_a_cut_is_sent_its_replicas_as_soon_as_it_answers_again():
+    cut = SendingLink("10.0.0.1:7070", silent=True)
+    replication = Replication([cut], 1, lambda key, done: None, THREADS, THREADS)
+    key = ShardKey("j", 1, 0, 1)
+
+    async def body() -> None:
+        replication.send(key, _meta(key), [Path("/nonexistent/rank.data")])
+        await _attempted(replication, key, 1)
+        assert replication.peers_status()[cut.address]["retry_in_s"] > 0  # backing off
+        cut.silent = False  # the link heals; the next round's inventory answers
+        replication.confirm([], {cut.address}, time.monotonic())
+        assert replication.peers_status()[cut.address]["retry_in_s"] == 0
+        replication.retry_due(lambda k: None)
+        await _attempted(replication, key, 2)
+        await replication.drain()
+
+    asyncio.run(body())
+    assert cut.held == [key] and replication.state(key)[0]
+
+
+def test_a_shard_whose_every_peer_is_silent_since_it_was_saved_is_said_to_have_nowhere_to_go():
+    b, c = SendingLink("10.0.0.2:7070", silent=True), SendingLink("10.0.0.3:7070", silent=True)
+    replication = Replication([b, c], 1, lambda key, done: None, THREADS, THREADS, failover_s=0.01)
+    key, later = ShardKey("j", 1, 0, 1), ShardKey("j", 2, 0, 1)
+
+    async def body() -> None:
+        replication.send(key, _meta(key), [Path("/nonexistent/rank.data")])
+        assert replication.unreachable(key) == "", "nothing tried yet"
+        await _attempted(replication, key, 2)  # its placed peer, then the stand-in failover_s gives it
+        assert replication.unreachable(key) == "", "two requests unanswered: not yet FAILURES_REPORTED"
+        replication.retry_now(key)  # as a waiter has it done
+        await _attempted(replication, key, 4)
+        said = replication.unreachable(key)
+        assert b.address in said and c.address in said, said
+        replication.track(later, _meta(later), [])  # saved after: the link may have healed, it is tried first
+        assert replication.unreachable(later) == ""
+        await replication.drain()
+
+    asyncio.run(body())
 
 
 def test_a_shard_waiting_out_a_dead_peers_back_off_gets_its_stand_in_after_failover_s_without_a_round():
