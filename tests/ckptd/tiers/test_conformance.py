@@ -83,7 +83,7 @@ class ObjectHarness:
         if len(metas) == key.world_size:
             digests = tuple(digest(metas[r].to_bytes()) for r in range(key.world_size))
             size = sum(m.data_size_bytes for m in metas.values())
-            assert self.tier.try_commit(CommitRecord(key.job, key.step, key.world_size, digests, size))
+            assert self.tier.adopt_commit(CommitRecord(key.job, key.step, key.world_size, digests, size))
 
     def damage(self, job: str, step: int, rank: int, offset: int) -> None:
         directory = shard_dir(job, step, rank, self.tier.keys)
