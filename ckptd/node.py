@@ -96,9 +96,7 @@ class Executors:
     records: ThreadPoolExecutor  # commit and shard records from and to peers: parsed, signatures checked, serialized
     status: ThreadPoolExecutor  # the Status RPC's listings, /metrics pages, the NVMe root's identity checked
     resolve: ThreadPoolExecutor  # the built-in cluster view's DNS lookups, one at a time: a slow DNS holds up nothing
-    inventories: (
-        ThreadPoolExecutor  # PeerInventory: every peer's inventory asked at once, INVENTORY_THREADS by each call
-    )
+    inventories: ThreadPoolExecutor  # PeerInventory: every peer's inventory at once, INVENTORY_THREADS by a call
     object_reads: ThreadPoolExecutor  # ObjectTier: a shard's ranged GETs, READ_THREADS by each read
     object_requests: ThreadPoolExecutor  # ObjectTier: a job's commit records, a step's ranks checked or removed
 
