@@ -146,7 +146,7 @@ def bench(server: S3Server, work: Path, size: int, repeats: int) -> tuple[dict[s
         # Interleaved, the order alternating between repeats, so machine noise hits both alike.
         for measure in (plain_put, ours_put) if repeat % 2 == 0 else (ours_put, plain_put):
             measure()
-        if not tier.try_commit(record):
+        if not tier.adopt_commit(record):
             raise RuntimeError("the uploaded shard does not match its commit record")
         restores = (plain_get, ours_restore)
         for measure in restores if repeat % 2 == 0 else reversed(restores):

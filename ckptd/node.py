@@ -19,6 +19,7 @@ import asyncio
 import logging
 import shutil
 import uuid
+from collections.abc import Collection
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, fields
 
@@ -27,6 +28,7 @@ from ckpt_core.format import CommitRecord
 from ckpt_core.shard_key import ShardKey
 
 from ckptd.cluster.backends import open_view
+from ckptd.cluster.peer_inventory import INVENTORY_THREADS, PeerInventory
 from ckptd.cluster.peer_link import STREAMS_PER_SHARD
 from ckptd.config import Config
 from ckptd.load.cluster_steps import ClusterSteps
@@ -49,13 +51,13 @@ from ckptd.save.staging import SlotPool, default_budget_bytes
 from ckptd.save.uploading import UPLOAD_THREADS, Uploader
 from ckptd.storage.object_store import open_store
 from ckptd.storage.owned_dir import DIR_MODE, claim_dir
-from ckptd.tiers.base import DurableTier, Tier
+from ckptd.tiers.base import DurableTier, StepCatalog, Tier
 from ckptd.tiers.memory import MemoryTier
 from ckptd.tiers.nvme import LocalDirTier
 from ckptd.tiers.object.layout import READ_THREADS
 from ckptd.tiers.object.shards import COMMIT_CHECK_THREADS
 from ckptd.tiers.object.tier import ObjectTier
-from ckptd.tiers.peer import INVENTORY_THREADS, PeerTier
+from ckptd.tiers.peer import PeerTier
 from ckptd.tiers.replica_store import ReplicaStore
 from ckptd.tiers.slot_files import Slot
 
@@ -94,7 +96,7 @@ class Executors:
     records: ThreadPoolExecutor  # commit and shard records from and to peers: parsed, signatures checked, serialized
     status: ThreadPoolExecutor  # the Status RPC's listings, /metrics pages, the NVMe root's identity checked
     resolve: ThreadPoolExecutor  # the built-in cluster view's DNS lookups, one at a time: a slow DNS holds up nothing
-    inventories: ThreadPoolExecutor  # PeerTier: every peer's inventory asked at once, INVENTORY_THREADS by each call
+    inventories: ThreadPoolExecutor  # PeerInventory: every peer's inventory at once, INVENTORY_THREADS by a call
     object_reads: ThreadPoolExecutor  # ObjectTier: a shard's ranged GETs, READ_THREADS by each read
     object_requests: ThreadPoolExecutor  # ObjectTier: a job's commit records, a step's ranks checked or removed
 
@@ -182,7 +184,7 @@ class Node:
         async def adopt_missed_commits(tier: DurableTier, job: str) -> None:
             await save_path.adopt_missed_commits(tier, job)
 
-        async def release(tier: DurableTier | ObjectTier, job: str, step: int) -> None:
+        async def release(tier: StepCatalog, job: str, step: int) -> None:
             await save_path.release(tier, job, step)
 
         async def release_slots(job: str, step: int, dry_run: bool) -> list[Slot]:
@@ -191,7 +193,13 @@ class Node:
         # -- the cluster: its view, and the peer tier wherever a view is (peers may come later)
         self.view = open_view(config, x.resolve, x.records)  # [cluster] backend; None: no peers, every step sealed here
         self.membership = self.view.membership if self.view is not None else None  # whom the view follows
-        peer_tier = PeerTier([], x.inventories) if self.view is not None else None
+        peers = PeerInventory([], x.inventories) if self.view is not None else None
+        peer_tier = PeerTier(peers) if peers is not None else None
+
+        def peer_tier_among(among: Collection[str] | None) -> Tier:
+            assert peers is not None and peer_tier is not None
+            return peer_tier if among is None else PeerTier(peers.among(among))
+
         replication = None
         if self.view is not None and config.peer.replicas:
             replication = Replication(
@@ -200,11 +208,12 @@ class Node:
         self.receiver = ReplicaReceiver(replica_store, x.peer, x.receive)
         self.job_retention = JobRetention(config, x.save)  # each job's settings and pins, read at start()
         self.peering = Peering(
-            config, self.view, self.nvme, replica_store, peer_tier, replication, instance, x.peer,
+            config, self.view, self.nvme, replica_store, peers, replication, instance, x.peer,
             lambda job, tier: self.job_retention.effective(job).keep[tier],
         )  # fmt: skip
         cluster = ClusterSteps(
-            self.view, peer_tier, self.nvme, self.peering.local_holdings, lambda: self.peering.replicas, x.peer, x.fetch
+            *(self.view, peers, peer_tier_among, self.nvme, self.peering.local_holdings, lambda: self.peering.replicas),
+            *(x.peer, x.fetch),
         )
         uploader = None
         if object_tier is not None:
@@ -213,10 +222,13 @@ class Node:
         self.progress = ShardProgress(self.pool, self.nvme, replication, uploader, config.node.name, x.locate)
         flusher = Flusher(self.pool, self.nvme, x.flush)
         self.locator = Locator(
-            *(config, tiers, self.nvme, replica_store, cluster, object_tier, self.verification_failed),
+            *(config, tiers, self.nvme, replica_store, cluster, peer_tier is not None, object_tier),
+            self.verification_failed,
             *(x.locate, x.object, x.object_listings, self.job_retention.pinned),
         )
-        self.sharded_reads = ShardedReads(self.locator, cluster)
+        self.sharded_reads = ShardedReads(
+            self.locator, self.view, [t for t in (peer_tier, object_tier) if t is not None]
+        )
         holders: list[BusySteps] = [flusher, self.progress, self.locator, cluster, self.receiver, self.peering]
         if uploader is not None:
             holders.append(uploader)

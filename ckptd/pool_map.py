@@ -1,6 +1,6 @@
 """Map one call's items over a pool it was given, a bounded number at once, and wait for every one.
 
-The tiers whose calls ask many things at once (PeerTier every peer's inventory, ObjectTier a
+The roles whose calls ask many things at once (PeerInventory every peer's inventory, ObjectTier a
 job's commit records and a shard's ranged GETs, StepShards every rank of a step) get their pool
 from node.Executors at construction and call pool_map() on whatever thread calls them. Every item
 has ended when pool_map() returns or raises, as when each call had a pool of its own: a ranged

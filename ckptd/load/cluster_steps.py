@@ -11,20 +11,20 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from ckpt_core.errors import CheckpointError
 from ckpt_core.format import CommitRecord
 
+from ckptd.cluster.peer_inventory import PeerInventory
 from ckptd.cluster.placement import StepHoldings, loadable_steps
 from ckptd.cluster.view import ClusterView
 from ckptd.keyed import KeyCounts, KeyedLocks
 from ckptd.load.fetch import fetch_shard
-from ckptd.tiers.base import DurableTier, has_committed_shard
+from ckptd.tiers.base import DurableTier, Tier, has_committed_shard
 from ckptd.tiers.catalog import StepInfo
-from ckptd.tiers.peer import PeerTier
 
 log = logging.getLogger(__name__)
 
@@ -35,19 +35,23 @@ class ClusterSteps:
     def __init__(
         self,
         view: ClusterView | None,
-        peer_tier: PeerTier | None,
+        peers: PeerInventory | None,
+        peer_tier: Callable[[Collection[str] | None], Tier],
         nvme: DurableTier,
         local_holdings: Callable[[str, int | None], list[StepHoldings]],
         replicas: Callable[[], int],
         threads: ThreadPoolExecutor,
         fetch_threads: ThreadPoolExecutor,
     ) -> None:
-        """local_holdings(job, step): what this node holds (Peering's, on a thread); replicas(): copies per shard now.
+        """peers: the links to the peers and what they hold (None: no cluster); peer_tier(among): the peer tier over
+        those peers, or only over the addresses among (the holders the view names), to fetch from.
+        local_holdings(job, step): what this node holds (Peering's, on a thread); replicas(): copies per shard now.
 
         threads: the peer threads, for inventories and listings; fetch_threads: whole shards fetched.
         """
         self.view = view
-        self.peer_tier = peer_tier
+        self.peers = peers
+        self._peer_tier = peer_tier
         self.nvme = nvme
         self._local_holdings = local_holdings
         self._replicas = replicas
@@ -78,15 +82,15 @@ class ClusterSteps:
         node holds part of unsealed, whose commit a peer holds, is handed to the view (it may lag
         after an outage) and adopted before this returns: a load finds what a listing showed.
         """
-        if self.peer_tier is None or self.view is None:
+        if self.peers is None or self.view is None:
             return []
         known = self.view.newest_complete(job) if newest and job else None
         record = self.view.commit_record(job, known) if known is not None else None
         if record is not None:
             return [(record, [])]  # committed, on tiers the view does not say
-        self.peer_tier.forget()
+        self.peers.forget()
         local = await self._run(self._local_holdings, job, None)
-        loadable = loadable_steps(await self._run(self.peer_tier.inventories, job) + local, self._replicas())
+        loadable = loadable_steps(await self._run(self.peers.inventories, job) + local, self._replicas())
         unsealed = {(s.job, s.step) for s in local if s.shards} - {(s.job, s.step) for s in local if s.record}
         for record, _ in loadable:
             if (record.job, record.step) in unsealed:
@@ -98,7 +102,7 @@ class ClusterSteps:
 
         replace: over a copy this node holds that failed its checks.
         """
-        if self.peer_tier is None:
+        if self.peers is None:
             return
         async with self._fetch_locks.hold((job, step, rank)):
             if not replace and await self._run(has_committed_shard, self.nvme, job, step, rank):
@@ -113,23 +117,23 @@ class ClusterSteps:
                 )
 
     def _fetch(self, job: str, step: int, rank: int, replace: bool, named: set[str]) -> None:
-        assert self.peer_tier is not None
-        self.peer_tier.forget()
+        assert self.peers is not None
+        self.peers.forget()
         meta = None
         if named:
             try:
-                meta = fetch_shard(self.peer_tier.among(named), self.nvme, job, step, rank, replace)
+                meta = fetch_shard(self._peer_tier(named), self.nvme, job, step, rank, replace)
             except CheckpointError as e:
                 log.info("rank %d of %s step %d: the holders named (%s) could not serve it (%s); asking every peer",
                          rank, job, step, ", ".join(sorted(named)), e)  # fmt: skip
         if meta is None:
-            meta = fetch_shard(self.peer_tier, self.nvme, job, step, rank, replace)
+            meta = fetch_shard(self._peer_tier(None), self.nvme, job, step, rank, replace)
         log.info("fetched rank %d shard of %s step %d from the peers (%d bytes, verified)", rank, job, step,
                  meta.data_size_bytes)  # fmt: skip
 
     async def list_steps(self, local: list[StepInfo], job: str, newest: bool = False) -> list[StepInfo]:
         """Return the cluster's view of complete steps: "nvme" and "peer" count every node's copies."""
-        if self.peer_tier is None:
+        if self.peers is None:
             return local
         in_memory = {(i.job, i.step) for i in local if "memory" in i.tiers}
         found = []

@@ -40,7 +40,6 @@ from ckptd.load.fetch import fetch_shard
 from ckptd.storage.object_store import shown_url
 from ckptd.tiers.base import DurableTier, Tier, has_committed_shard
 from ckptd.tiers.catalog import StepInfo, head_of, list_steps, merge_steps, with_superseded
-from ckptd.tiers.object.tier import ObjectTier
 
 log = logging.getLogger(__name__)
 Answer = TypeVar("Answer")
@@ -62,14 +61,18 @@ class Locator:
         nvme: DurableTier,
         replica_store: DurableTier,
         cluster: ClusterSteps,
-        object_tier: ObjectTier | None,
+        with_peers: bool,
+        object_tier: Tier | None,
         verification_failed: Callable[[str], None],
         threads: ThreadPoolExecutor,
         object_threads: ThreadPoolExecutor,
         listing_threads: ThreadPoolExecutor,
         pinned: Callable[[str], Collection[int]],
     ) -> None:
-        """threads: lookups on this node's tiers; object_threads: object-store queries of one step, and fetches;
+        """with_peers: a peer tier is on (wherever a cluster view is), read through cluster; object_tier: the store's
+        (None: off; str() of it names the store in messages).
+
+        threads: lookups on this node's tiers; object_threads: object-store queries of one step, and fetches;
         listing_threads: listings of a job's steps in the store, which take long with a long history (and go
         on after a caller stopped waiting): on threads of their own, a load's one question is never behind them.
         pinned(job): the job's pinned steps (JobRetention.pinned, on the event loop), marked in listings.
@@ -79,6 +82,7 @@ class Locator:
         self.nvme = nvme
         self.replica_store = replica_store
         self.cluster = cluster
+        self.with_peers = with_peers
         self.object_tier = object_tier
         self.verification_failed = verification_failed
         self.threads = threads
@@ -102,7 +106,7 @@ class Locator:
         they fail: a hung store does not hold up a good copy on a peer).
         """
         tiers = self.tiers_for(tier)
-        from_peers = tier in ("", "auto", "peer") and self.cluster.peer_tier is not None
+        from_peers = tier in ("", "auto", "peer") and self.with_peers
         store = self.object_tier if tier in ("", "auto", "object") else None
         records: dict[int, CommitRecord] = await self.on_locate_threads(_complete_records, tiers, job)
         lines = {s: r.line for s, r in records.items()}
@@ -132,7 +136,7 @@ class Locator:
     async def locate(self, job: str, step: int | None, rank: int, tier: str = "auto", refetch: bool = False) -> Located:
         """Return where a rank's shard of a complete step (None: the job's head) lies, fastest first."""
         tiers = self.tiers_for(tier)
-        from_peers = tier in ("", "auto", "peer") and self.cluster.peer_tier is not None
+        from_peers = tier in ("", "auto", "peer") and self.with_peers
         from_object = tier in ("", "auto", "object") and self.object_tier is not None
         known = await self.known_steps(job, step, tier, refetch)
         steps, object_steps, store_silent = known.steps, known.object_steps, known.store_silent
@@ -333,7 +337,7 @@ class Locator:
         assert self.object_tier is not None
         started = time.monotonic()
         meta = fetch_shard(self.object_tier, self.nvme, job, step, rank, replace)
-        where = self.object_tier.describe(job, str(step))
+        where = f"{self.object_tier}/{job}/{step}"
         elapsed_s = time.monotonic() - started
         log.info(
             "fetched rank %d shard of %s step %d from %s (%d bytes, verified, %.2f s)",

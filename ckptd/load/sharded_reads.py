@@ -22,7 +22,7 @@ from ckpt_core.history import History, Line
 from ckpt_core.shard_io import ShardSource
 from ckpt_core.step_index import index_bytes
 
-from ckptd.load.cluster_steps import ClusterSteps
+from ckptd.cluster.view import ClusterView
 from ckptd.load.fetch import aligned_buffer
 from ckptd.load.locate import Locator
 from ckptd.tiers.base import Tier
@@ -36,14 +36,13 @@ FETCH_RANGE_BYTES = 64 << 20  # a range asked for is fetched and sent about this
 class ShardedReads:
     """Answer LocateStep and ReadShard for one node."""
 
-    def __init__(self, locator: Locator, cluster: ClusterSteps) -> None:
+    def __init__(self, locator: Locator, view: ClusterView | None, remote_tiers: list[Tier]) -> None:
+        """view: the cluster view (None: no cluster); remote_tiers: the tiers that reach beyond this node, in the
+        order a range is fetched from them (the peers', the object store's)."""
         self.locator = locator
-        self.cluster = cluster
+        self.view = view
+        self.remote_tiers = remote_tiers
         self._indexes: OrderedDict[tuple[str, int], tuple[tuple[str, ...], bytes]] = OrderedDict()
-
-    def _remote_tiers(self) -> list[Tier]:
-        """Return the tiers that reach beyond this node, in the order a range is fetched from them."""
-        return [t for t in (self.cluster.peer_tier, self.locator.object_tier) if t is not None]
 
     async def locate_step(
         self, job: str, step: int | None, tier: str = "auto"
@@ -68,7 +67,7 @@ class ShardedReads:
 
     async def _record(self, job: str, step: int) -> CommitRecord:
         """Return a complete step's commit record: this node's, the view's, else the first peer's or the store's."""
-        view = self.cluster.view  # on the event loop: it knows recent steps without asking every peer
+        view = self.view  # on the event loop: it knows recent steps without asking every peer
         known = view.commit_record(job, step) if view is not None else None
         record: CommitRecord = await self.locator.on_locate_threads(self._commit_record, job, step, known)
         return record
@@ -77,7 +76,7 @@ class ShardedReads:
         record = self.locator.commit_record_here(job, step) or known
         if record is not None:
             return record
-        for t in self._remote_tiers():
+        for t in self.remote_tiers:
             try:
                 return t.commit_record(job, step)
             except CheckpointError:
@@ -99,7 +98,7 @@ class ShardedReads:
 
     def _read_or_build_index(self, record: CommitRecord) -> bytes:
         """Return the step's index as a tier keeps it, or built from the ranks' records (b"" if none is sharded)."""
-        for t in [*self.locator.tiers, *self._remote_tiers()]:
+        for t in [*self.locator.tiers, *self.remote_tiers]:
             try:
                 data = t.read_index(record)
             except (CheckpointError, OSError) as e:
@@ -111,7 +110,7 @@ class ShardedReads:
 
     def _meta(self, record: CommitRecord, rank: int) -> ShardMeta:
         errors = []
-        for t in [*self.locator.tiers, *self._remote_tiers()]:
+        for t in [*self.locator.tiers, *self.remote_tiers]:
             try:
                 if t in self.locator.tiers and not t.has_shard(record.job, record.step, rank):
                     continue
@@ -150,7 +149,7 @@ class ShardedReads:
         errors: list[str] = []
         bad_tiers: list[str] = []
         offset, length = byte_range.offset, byte_range.length
-        for t in self._remote_tiers():
+        for t in self.remote_tiers:
             with aligned_buffer(length) as buffer:
                 try:
                     t.read_into(meta, buffer, byte_range)

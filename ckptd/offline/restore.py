@@ -17,6 +17,7 @@ from ckpt_core.errors import CheckpointError, CorruptCheckpoint, NotFound
 from ckpt_core.format import validate_tier
 from ckpt_core.history import History
 
+from ckptd.cluster.peer_inventory import PeerInventory
 from ckptd.cluster.peer_link import PeerLink
 from ckptd.config import Config
 from ckptd.load.fetch import aligned_buffer
@@ -74,7 +75,7 @@ def readable_tiers(config: Config, source: str, threads: Executors) -> list[Tier
     if config.peers:
         names, keys = config.peer_names, config.commit_keys
         links = [PeerLink(a, config.peer, tls_name=names.get(a, ""), commit_keys=keys) for a in config.peers]
-        tiers.append(PeerTier(links, threads.inventories))
+        tiers.append(PeerTier(PeerInventory(links, threads.inventories)))
     if config.object.url:
         tiers.append(object_tier(config.object.url))
     if source in ("", "auto"):

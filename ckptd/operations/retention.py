@@ -26,8 +26,7 @@ from ckptd.errors import RemovalRefused
 from ckptd.operations.job_retention import JobRetention
 from ckptd.save.save_path import LOCAL_TIERS
 from ckptd.save.uploading import Uploader
-from ckptd.tiers.base import DurableTier
-from ckptd.tiers.object.tier import ObjectTier
+from ckptd.tiers.base import DurableTier, StepCatalog, WrittenTier
 from ckptd.tiers.slot_files import Slot
 
 log = logging.getLogger(__name__)
@@ -137,9 +136,9 @@ class RetentionRunner:
         self,
         config: Config,
         durable_tiers: list[DurableTier],
-        object_tier: ObjectTier | None,
+        object_tier: WrittenTier | None,
         adopt_missed_commits: Callable[[DurableTier, str], Awaitable[None]],
-        release: Callable[[DurableTier | ObjectTier, str, int], Awaitable[None]],
+        release: Callable[[StepCatalog, str, int], Awaitable[None]],
         release_slots: Callable[[str, int, bool], Awaitable[list[Slot]]],
         holders: list[BusySteps],
         object_threads: ThreadPoolExecutor,
@@ -261,12 +260,12 @@ class RetentionRunner:
             for step in crashed:
                 removals.append(Removal(tier.name, j, step, "unfinished multipart uploads of a crashed upload"))
                 if not dry_run:
-                    count = await self._on_object_threads(tier.abort_uploads, j, step)
+                    count = await self._on_object_threads(tier.abort_unfinished, j, step)
                     log.info("aborted %d unfinished upload(s) of %s step %d in the object store", count, j, step)
         return removals
 
     def _plan_object(
-        self, tier: ObjectTier, job: str, keep_newest: bool, busy: set[tuple[str, int]], unfinished_uploads: bool
+        self, tier: WrittenTier, job: str, keep_newest: bool, busy: set[tuple[str, int]], unfinished_uploads: bool
     ) -> tuple[list[tuple[int, str]], list[int]]:
         """Return (the steps to remove from the store with why, the steps whose crashed uploads to abort) of a job.
 
@@ -275,7 +274,7 @@ class RetentionRunner:
         policy = self.job_retention.effective(job)  # read only here; changed on the event loop, under the pass's lock
         lines = tier.complete_lines(job)
         plan = plan_removals(
-            all_steps=tier.all_steps(job, scan=unfinished_uploads),  # gc: what crashes left under the hash prefixes
+            all_steps=tier.all_steps(job, afresh=unfinished_uploads),  # gc: what crashes left under the hash prefixes
             lines=lines,
             keep=policy.keep["object"] if keep_newest else 0,
             busy={s for bj, s in busy if bj == job} | set(tier.damaged_steps(job)),
@@ -291,7 +290,7 @@ class RetentionRunner:
         planned = {step for step, _ in plan}
         crashed = [
             step
-            for step in tier.steps_with_unfinished_uploads(job)
+            for step in tier.unfinished_steps(job)
             if step <= newest and (job, step) not in busy and step not in planned
         ]
         return plan, crashed
@@ -352,7 +351,7 @@ class RetentionRunner:
                 )
             reason = "removed by ckptd rm" + (" --force (the job's head)" if step == head else "")
             removals: list[Removal] = []
-            tiers: list[DurableTier | ObjectTier] = [*self.durable_tiers]
+            tiers: list[WrittenTier] = [*self.durable_tiers]
             if self.object_tier is not None:
                 tiers.append(self.object_tier)
             for tier in [t for t in tiers if step in held[t.name][0]]:

@@ -27,6 +27,7 @@ from ckpt_core.errors import CheckpointError
 from ckpt_core.format import CommitRecord, ShardMeta
 from ckpt_core.shard_key import ShardKey
 
+from ckptd.cluster.peer_inventory import PeerInventory
 from ckptd.cluster.peer_link import PeerLink
 from ckptd.cluster.placement import Holding, StepHoldings, seal_record
 from ckptd.cluster.view import ClusterView
@@ -34,7 +35,6 @@ from ckptd.config import Config
 from ckptd.errors import StepAlreadyComplete
 from ckptd.replication.sending import FAILURES_REPORTED, Replication
 from ckptd.tiers.base import DurableTier
-from ckptd.tiers.peer import PeerTier
 
 log = logging.getLogger(__name__)
 
@@ -74,13 +74,14 @@ class Peering:
         view: ClusterView | None,
         nvme: DurableTier,
         replica_store: DurableTier,
-        peer_tier: PeerTier | None,
+        peers: PeerInventory | None,
         replication: Replication | None,
         instance: str,
         threads: ThreadPoolExecutor,
         keep_of: Callable[[str, str], int] | None = None,
     ) -> None:
-        """peer_tier: wherever a cluster view is (peers may come later); replication: where [peer] replicas > 0.
+        """peers: the links to the peers and what they hold, wherever a cluster view is (peers may come later);
+        replication: where [peer] replicas > 0.
 
         instance: this daemon's run (calls that carry it have come back to it). threads: the
         peer threads, for short tier work. keep_of(job, tier): the newest steps retention keeps
@@ -97,7 +98,7 @@ class Peering:
         # Their links follow the membership.
         self.view = view
         self.membership = view.membership if view is not None else None
-        self.peer_tier = peer_tier
+        self.peers = peers
         self.replication = replication
         if self.membership is not None:
             self.membership.watch(self.membership_changed)
@@ -113,8 +114,8 @@ class Peering:
 
     async def membership_changed(self, added: frozenset[str], removed: frozenset[str]) -> None:
         """Open links to the peers that joined, retire those of the peers that left, and place replicas again."""
-        assert self.peer_tier is not None
-        known = {link.address for link in self.peer_tier.links}
+        assert self.peers is not None
+        known = {link.address for link in self.peers.links}
         new = sorted(added - known)  # a change offered again after a failure: its links may be there
         names = {a: self.membership.tls_name(a) for a in new} if self.membership is not None else {}
         links = await self._run(
@@ -122,7 +123,7 @@ class Peering:
                 PeerLink(a, self.config.peer, self.instance, names.get(a, ""), self.config.commit_keys) for a in new
             ]
         )
-        self.peer_tier.update(links, removed)
+        self.peers.update(links, removed)
         if self.replication is not None:
             self.replication.update(links, removed)
         log.info("peers joined: %s; left: %s", ", ".join(sorted(added)) or "none", ", ".join(sorted(removed)) or "none")
@@ -130,7 +131,7 @@ class Peering:
     @property
     def replicas(self) -> int:
         """Return how many other nodes hold a copy of each shard: at most one per peer known now."""
-        return min(self.config.peer.replicas, len(self.peer_tier.links)) if self.peer_tier is not None else 0
+        return min(self.config.peer.replicas, len(self.peers.links)) if self.peers is not None else 0
 
     # -- what this node holds -----------------------------------------------------
 
@@ -224,14 +225,14 @@ class Peering:
         the cluster. None: no peer tier. SavePath.catch_up then seals what it found (record_found),
         and resume_replicas follows the replicas.
         """
-        if self.peer_tier is None:
+        if self.peers is None:
             return None
-        self.peer_tier.forget()
-        await self._run(self.peer_tier.close_retired)
+        self.peers.forget()
+        await self._run(self.peers.close_retired)
         asked = None if full else self.replication.target_peers() if self.replication is not None else set()
         asked_at = time.monotonic()
-        peer_tier = self.peer_tier
-        remote: list[StepHoldings] = await self._run(lambda: peer_tier.ask(only=asked))
+        peers = self.peers
+        remote: list[StepHoldings] = await self._run(lambda: peers.ask(only=asked))
         local: list[StepHoldings] = await self._run(self.local_holdings, "", None)
         took = {"asking the peers and listing this node": time.monotonic() - asked_at}
         records = {(s.job, s.step): s.record for s in remote if s.record is not None and full}
@@ -269,11 +270,11 @@ class Peering:
         Logs a round slower than SLOW_ROUND_S with where its time went (found.took).
         """
         took, asked, asked_at = found.took, found.asked, found.asked_at
-        if self.replication is not None and self.peer_tier is not None:
+        if self.replication is not None and self.peers is not None:
             self._nvme_complete = await self._run(lambda: {j: self.nvme.complete_steps(j) for j in self.nvme.jobs()})
             self._cluster_complete = {j: self._complete_in_cluster(j, s) for j, s in self._nvme_complete.items()}
             await self._run(self._track_local_shards, found.local)
-            reachable = self.peer_tier.reachable() if asked is None else self.peer_tier.reachable() & asked
+            reachable = self.peers.reachable() if asked is None else self.peers.reachable() & asked
             on_disk = await self._run(self._steps_on_disk, self.replication.tracked())
             # A step directory goes only with retention (a shard still being flushed has one already).
             self.replication.forget(lambda k: on_disk.get((k.job, k.step), (True, None))[0] and self._kept(k))
@@ -363,28 +364,28 @@ class Peering:
         Called by StatusReport.document before it describes the peers: a question about a step no
         job has (PROBE_STEP) answers at once, and an answer clears the peer's unreachable mark.
         """
-        if self.peer_tier is None or not self.peer_tier.unreachable:
+        if self.peers is None or not self.peers.unreachable:
             return
-        unreachable = set(self.peer_tier.unreachable)
-        await self._run(self.peer_tier.ask, "", PROBE_STEP, PROBE_TIMEOUT_S, unreachable, True)
+        unreachable = set(self.peers.unreachable)
+        await self._run(self.peers.ask, "", PROBE_STEP, PROBE_TIMEOUT_S, unreachable, True)
 
     def status(self) -> dict[str, Any]:
         """Describe the peer tier for `ckptd status`."""
         common = {
-            "enabled": self.peer_tier is not None,
+            "enabled": self.peers is not None,
             "inventories_answered": self._inventories_answered,  # peers' Inventory calls (start-ups, ls, loads)
             "listen": self.config.node.listen,
             "instance": self.instance,  # this daemon's run: peer calls that carry it are refused as its own
         }
-        if self.peer_tier is None or self.membership is None:
+        if self.peers is None or self.membership is None:
             return common
         return {
             **common,
             "membership": self.membership.status(),  # [peer] addresses, what they resolve to, lookups failing
             "replicas": self.replicas,
             "tls": bool(self.config.peer.cert),
-            "unreachable": dict(self.peer_tier.unreachable),
-            "connecting": self.peer_tier.connecting(),  # no answer nor failure yet: "connecting", not "unreachable"
+            "unreachable": dict(self.peers.unreachable),
+            "connecting": self.peers.connecting(),  # no answer nor failure yet: "connecting", not "unreachable"
             "peers": self.replication.peers_status() if self.replication else {},
             # shards short of a copy (and for how long), shards whose copy a stand-in keeps (replication.sending)
             "under_replicated": self.replication.under_replicated() if self.replication else {},
@@ -396,5 +397,5 @@ class Peering:
         """Finish transfers under way and close the links."""
         if self.replication is not None:
             await self.replication.drain()
-        if self.peer_tier is not None:
-            self.peer_tier.close()
+        if self.peers is not None:
+            self.peers.close()

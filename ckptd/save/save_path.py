@@ -59,8 +59,7 @@ from ckptd.save.flush import Flusher
 from ckptd.save.progress import REMEMBERED_SHARDS, ShardProgress, ShardWait
 from ckptd.save.staging import SlotPool, Snapshot
 from ckptd.save.uploading import Uploader
-from ckptd.tiers.base import DurableTier
-from ckptd.tiers.object.tier import ObjectTier
+from ckptd.tiers.base import DurableTier, StepCatalog
 from ckptd.tiers.slot_files import Slot
 
 log = logging.getLogger(__name__)
@@ -536,7 +535,7 @@ class SavePath:
 
     # -- 9. release: what retention, `ckptd rm` and `gc --all` decided goes ----------------------
 
-    async def release(self, tier: DurableTier | ObjectTier, job: str, step: int) -> None:
+    async def release(self, tier: StepCatalog, job: str, step: int) -> None:
         """Remove a step from a tier: the one way a step leaves a tier's catalog (RetentionRunner decides which).
 
         From this node's disks under the seal lock, on the cleanup thread (lowest CPU priority): a step
@@ -545,7 +544,7 @@ class SavePath:
         holds them busy until it has).
         """
         loop = asyncio.get_running_loop()
-        if isinstance(tier, ObjectTier):
+        if not isinstance(tier, DurableTier):  # the object store: its catalog is not this node's disk
             await loop.run_in_executor(self._object_threads, tier.remove_step, job, step)
             return
         async with self._seal_lock:

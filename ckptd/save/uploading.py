@@ -6,7 +6,7 @@ durable on NVMe and forget() when a shard is saved again; ShardProgress state() 
 waiters; Node drain() at shutdown. Bytes move on the upload threads (Executors.upload): a slow or failing store never
 holds a staging slot, a flush or training. Each shard goes the one way into a tier,
 upload_file: the NVMe file is read in the store's part-sized ranges and pushed
-through ObjectTier.open_shard -> write -> seal (abandon on any failure). Failures
+through the tier's open_shard -> write -> seal (abandon on any failure). Failures
 retry with exponential back-off and jitter, forever, and are reported after a few
 in a row.
 
@@ -39,9 +39,8 @@ from ckptd import metrics
 from ckptd.config import Config
 from ckptd.errors import AlreadyHeld, CommitConflict, LocalCopyGone
 from ckptd.keyed import KeyedLocks
-from ckptd.tiers.base import DurableTier
+from ckptd.tiers.base import DurableTier, WrittenTier
 from ckptd.tiers.object.layout import part_bytes
-from ckptd.tiers.object.tier import ObjectTier
 
 log = logging.getLogger(__name__)
 
@@ -74,11 +73,12 @@ class Uploader:
         self,
         config: Config,
         nvme: DurableTier,
-        tier: ObjectTier,
+        tier: WrittenTier,
         on_change: Callable[[ShardKey, bool], None],
         threads: ThreadPoolExecutor,
     ) -> None:
-        """on_change(key, committed) is called on the event loop whenever a shard's state changes."""
+        """tier: the object store's (str() of it names the store in messages); on_change(key, committed) is called
+        on the event loop whenever a shard's state changes."""
         self.config = config
         self.nvme = nvme
         self.tier = tier
@@ -212,7 +212,7 @@ class Uploader:
                         self.verification_failures += 1
                         meta, error, gone = None, f"{e}; not uploaded", True
                     except (CheckpointError, OSError) as e:
-                        meta, error, gone = None, f"upload of {key} to {self.tier.describe()} failed: {e}", False
+                        meta, error, gone = None, f"upload of {key} to {self.tier} failed: {e}", False
                     except Exception as e:  # the loop must outlive any one bad attempt
                         log.exception("upload of %s failed unexpectedly", key)
                         meta, error, gone = None, f"upload of {key} failed unexpectedly: {e!r}", False
@@ -258,7 +258,7 @@ class Uploader:
         log.info(
             "uploaded %s to %s (%d bytes, %.2f s)",
             key,
-            self.tier.describe(key.job, str(key.step)),
+            f"{self.tier}/{key.job}/{key.step}",
             meta.data_size_bytes,
             time.monotonic() - started,
         )
@@ -287,7 +287,7 @@ class Uploader:
                 try:
                     verdict = await loop.run_in_executor(self.io, self._check_commit, job, step, writer, record, since)
                 except (CheckpointError, OSError) as e:
-                    self._failed(f"committing {job} step {step} on {self.tier.describe()} failed: {e}")
+                    self._failed(f"committing {job} step {step} on {self.tier} failed: {e}")
                     verdict = "waiting"
                 if verdict != "waiting":
                     break
@@ -322,7 +322,7 @@ class Uploader:
                 record.append(sealed)
             if record:
                 try:
-                    if self.tier.try_commit(record[0]):
+                    if self.tier.adopt_commit(record[0]):
                         self.counters["commits_written"] += 1
                         return "committed"
                 except CommitConflict as e:
@@ -350,7 +350,7 @@ class Uploader:
         failing = {str(k): s.error for k, s in self._states.items() if s.failures and not (s.uploaded or s.gave_up)}
         return {
             "enabled": True,
-            "url": self.tier.describe(),
+            "url": str(self.tier),
             "every": self.config.object.every,
             "compression": self.config.object.compression,
             "pending_uploads": self.pending(),
@@ -368,7 +368,7 @@ class Uploader:
         await asyncio.gather(*list(self._tasks), return_exceptions=True)
 
 
-def upload_file(tier: ObjectTier, meta: ShardMeta, data_path: Path) -> bool:
+def upload_file(tier: WrittenTier, meta: ShardMeta, data_path: Path) -> bool:
     """Upload a shard from its local data file through tier.open_shard, every chunk checked on the way.
 
     Called on an uploader thread (tests and benchmarks call it on theirs). The file is read in

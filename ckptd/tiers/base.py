@@ -2,14 +2,15 @@
 
 ShardReader reads one rank's shard of a complete step, a typed byte request at a time.
 StepListing lists complete steps and their commit records; StepCatalog adds what a written
-tier's catalog does besides (commit, adopt, remove, and what is on disk but not complete).
-ShardSink takes shards in, each through one ShardWrite. Each tier implements the ones it has:
-memory and peer read and list (Tier); NVMe (tiers.nvme) reads, lists, catalogs and takes
-shards (DurableTier); the object store (tiers.object) reads, lists and takes shards, with a
-commit of its own. The replica store (tiers.replica_store) and a restore target
-(tiers.restore_target) are their own small things, made of a directory tier. Roles outside
-ckptd/tiers hold a tier by these types only; the composition root (node.py) and the offline
-tools' builders alone name the classes.
+tier's catalog does besides (adopt a commit record, remove a step, what is written but not
+complete), and ShardCatalog what a tier written shard by shard on this node's disk does too
+(seal a step itself once every rank is in, its holdings, its leftovers). ShardSink takes shards
+in, each through one ShardWrite. Each tier implements the ones it has: memory and peer read and
+list (Tier); the object store (tiers.object) reads, catalogs and takes shards (WrittenTier); NVMe
+(tiers.nvme) reads, catalogs shard by shard and takes shards (DurableTier). The replica store
+(tiers.replica_store) and a restore target (tiers.restore_target) are their own small things,
+made of a directory tier. Roles outside ckptd/tiers hold a tier by these types only; the
+composition root (node.py) and the offline tools' builders alone name the classes.
 """
 
 from __future__ import annotations
@@ -147,6 +148,7 @@ class ShardWrite(ABC):
     """
 
     meta: ShardMeta
+    what: str  # this copy in messages: the shard, the tier and where on it
     ordered: bool = False
 
     @abstractmethod
@@ -263,19 +265,63 @@ class ShardSink(ABC):
 
 
 class StepCatalog(StepListing):
-    """The catalog of a tier written shard by shard, with the atomic commit protocol of docs/FORMAT.md.
+    """The catalog of a written tier: which steps are complete there, changed by the save path alone.
 
-    The save path is its one writer (the load path's fetched copies aside), from worker
-    threads, never two calls for the same step at once:
+    The save path is its one writer (the load path's fetched copies aside), from worker threads,
+    never two calls for the same step at once: adopt_commit() seals a step with a commit record
+    made elsewhere (for the object store, the record NVMe sealed), remove_step() takes one out
+    (for retention, `ckptd rm`, `gc --all`). Anyone may list, besides complete steps, every step
+    with anything written (all_steps) and the damaged commit records. What an interrupted write
+    left that no step's removal takes (the object store's unfinished multipart uploads) `ckptd gc`
+    finds with unfinished_steps() and clears with abort_unfinished(); a tier that clears its own at
+    start-up (ShardCatalog.remove_leftovers) has none.
+    """
+
+    @abstractmethod
+    def all_steps(self, job: str, afresh: bool = False) -> list[int]:
+        """Return every step of the job with anything written, complete or not, oldest first.
+
+        afresh: look again now where the tier keeps what it found for a while (the object
+        store's scan of its hash prefixes; `ckptd gc`); a directory is listed afresh every time.
+        """
+
+    @abstractmethod
+    def damaged_steps(self, job: str) -> list[int]:
+        """Return the steps whose commit record is there but does not check (never removed, only reported)."""
+
+    @abstractmethod
+    def adopt_commit(self, record: CommitRecord) -> bool:
+        """Seal a step with a commit record made elsewhere (the step is complete across the cluster).
+
+        Return whether the step is now complete here with that record (False: not every rank's
+        shard is here to match it).
+        """
+
+    @abstractmethod
+    def remove_step(self, job: str, step: int) -> None:
+        """Remove a step: it stops being listed first, then its shards go."""
+
+    def unfinished_steps(self, job: str) -> list[int]:
+        """Return the steps of the job with writes an interrupted run left unfinished that only gc clears."""
+        return []
+
+    def abort_unfinished(self, job: str, step: int) -> int:
+        """Clear a step's unfinished writes (unfinished_steps); return how many."""
+        return 0
+
+
+class ShardCatalog(StepCatalog):
+    """The catalog of a tier on this node written shard by shard, with the atomic commit protocol of docs/FORMAT.md.
+
+    Besides StepCatalog's, from the save path, in this order:
 
     1. remove_leftovers() once, at start-up, before anything else;
     2. after each shard is sealed (ShardSink): try_commit(), which seals the step once every
-       rank is in, or adopt_commit(), when the step is complete across nodes;
-    3. from retention: remove_step(), for steps the config no longer keeps, and
-       retry_removals() before each pass, for removals that failed.
+       rank is in, or adopt_commit(), when the step is complete across nodes (shards the
+       record does not list are removed first);
+    3. from retention: retry_removals() before each pass, for removals that failed.
 
-    Anyone may list, besides complete steps: every step with anything written (all_steps),
-    the shards a step holds (holdings), damaged commit records, and when a step was sealed.
+    Anyone may list the shards a step holds (holdings), its checked commit record, and when it was sealed.
     """
 
     @abstractmethod
@@ -287,16 +333,8 @@ class StepCatalog(StepListing):
         """Return when a complete step's commit record was written here (raise OSError if it is gone)."""
 
     @abstractmethod
-    def all_steps(self, job: str) -> list[int]:
-        """Return every step of the job with anything written, complete or not, oldest first."""
-
-    @abstractmethod
     def holdings(self, job: str, step: int, node: str = "") -> list[Holding]:
         """Return the readable, counted shard records of a step here, as held by node (a damaged one left out)."""
-
-    @abstractmethod
-    def damaged_steps(self, job: str) -> list[int]:
-        """Return the steps whose commit record is there but does not check (never removed, only reported)."""
 
     @abstractmethod
     def try_commit(self, job: str, step: int, world_size: int, run_id: str = "") -> CommitRecord | None:
@@ -305,18 +343,6 @@ class StepCatalog(StepListing):
         With a run_id, shards of the step written by another run of the job are
         stale: they are removed, never sealed into the step.
         """
-
-    @abstractmethod
-    def adopt_commit(self, record: CommitRecord) -> bool:
-        """Seal a step with a commit record made elsewhere (the step is complete across the cluster).
-
-        Shards the record does not list are removed first; return whether the step is
-        now complete here with that record.
-        """
-
-    @abstractmethod
-    def remove_step(self, job: str, step: int) -> None:
-        """Remove a step: it stops being listed first, then its shards go."""
 
     removal_failures: int  # removals that failed (logged, retried by retry_removals)
 
@@ -329,5 +355,9 @@ class StepCatalog(StepListing):
         """Remove what interrupted writes and removals left; return what was removed."""
 
 
-class DurableTier(Tier, ShardSink, StepCatalog):
-    """A tier that reads, lists, catalogs and takes shards: NVMe and the replica store (tiers.nvme)."""
+class WrittenTier(Tier, ShardSink, StepCatalog):
+    """A tier that reads, lists, takes shards and keeps a catalog: the object store (tiers.object)."""
+
+
+class DurableTier(WrittenTier, ShardCatalog):
+    """A written tier on this node's disk, whose catalog it seals shard by shard: NVMe and the replica store."""

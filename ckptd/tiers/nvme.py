@@ -85,8 +85,8 @@ class LocalDirTier(DurableTier):
         """Return the jobs with a directory under the root (other entries, like lost+found, are not jobs)."""
         return sorted(name for name in entry_names(self.root) if JOB_RE.fullmatch(name) and (self.root / name).is_dir())
 
-    def all_steps(self, job: str) -> list[int]:
-        """Return every step directory of the job, complete or not, oldest first."""
+    def all_steps(self, job: str, afresh: bool = False) -> list[int]:
+        """Return every step directory of the job, complete or not, oldest first (listed afresh every time)."""
         return sorted(int(n) for n in entry_names(self.root / job) if n.isdigit())
 
     def complete_steps(self, job: str) -> list[int]:
@@ -391,7 +391,7 @@ class LocalShardWrite(ShardWrite):
         self.temporary = temporary
         self._tier = tier
         self._commit = commit
-        self._what = what
+        self.what = what
         try:
             self._writer = RangeWriter(temporary, size_bytes=meta.data_size_bytes)
         except BaseException:  # a full disk says so here, once the file exists: it goes
@@ -410,11 +410,11 @@ class LocalShardWrite(ShardWrite):
         first, end = self._chunks_of(byte_range, data, digests)
         with self._lock:
             if self._state != "open":
-                raise ShardWriteError(f"{self._what}: a write after the copy was {self._state}")
+                raise ShardWriteError(f"{self.what}: a write after the copy was {self._state}")
             self._writes_running += 1
         try:
             if digests is None and self.meta.chunk_xxh3_128:
-                check_chunks(self.meta, data, byte_range.offset, self._what)
+                check_chunks(self.meta, data, byte_range.offset, self.what)
                 digests = self.meta.chunk_xxh3_128[first:end]
             elif digests is None:
                 digests = chunk_digests(data, self.meta.chunk_size_bytes)
@@ -424,7 +424,7 @@ class LocalShardWrite(ShardWrite):
                 self._chunks_missing -= (end - first) - sum(self._chunk_in[first:end])
                 self._chunk_in[first:end] = b"\1" * (end - first)
         except OSError as e:
-            raise ShardWriteError(f"{self._what}: {e.strerror or e}") from e
+            raise ShardWriteError(f"{self.what}: {e.strerror or e}") from e
         finally:
             with self._lock:
                 self._writes_running -= 1
@@ -438,9 +438,9 @@ class LocalShardWrite(ShardWrite):
         offset, end = byte_range.offset, byte_range.end
         fits = 0 <= offset <= end <= size and offset % chunk == 0 and (end % chunk == 0 or end == size)
         if not fits or len(data) != byte_range.length:
-            raise InvalidArgument(f"{self._what}: range {byte_range} ({len(data)} bytes) does not fit the shard")
+            raise InvalidArgument(f"{self.what}: range {byte_range} ({len(data)} bytes) does not fit the shard")
         if digests is not None and len(digests) != -(-byte_range.length // chunk):
-            raise InvalidArgument(f"{self._what}: {len(digests)} checksums for range {byte_range}")
+            raise InvalidArgument(f"{self.what}: {len(digests)} checksums for range {byte_range}")
         return offset // chunk, -(-end // chunk)
 
     def _write_aligned(self, data: memoryview, byte_range: ByteRange) -> None:
@@ -458,9 +458,9 @@ class LocalShardWrite(ShardWrite):
         """Fsync the file and install it as the rank's shard, under the step's lock and its last checks."""
         with self._lock:
             if self._state != "open" or self._writes_running:
-                raise ShardWriteError(f"{self._what}: sealed while {self._state} or with a write running")
+                raise ShardWriteError(f"{self.what}: sealed while {self._state} or with a write running")
             if self._chunks_missing:
-                raise InvalidArgument(f"{self._what}: {self._chunks_missing} chunks never arrived")
+                raise InvalidArgument(f"{self.what}: {self._chunks_missing} chunks never arrived")
             self._state = "sealing"
         meta = record or (
             self.meta
@@ -473,17 +473,17 @@ class LocalShardWrite(ShardWrite):
         ):
             with self._lock:
                 self._state = "failed"
-            raise InvalidArgument(f"{self._what}: the record to seal is not the one its bytes were written for")
+            raise InvalidArgument(f"{self.what}: the record to seal is not the one its bytes were written for")
         try:
             self._writer.finish(meta.data_size_bytes)
             self._writer.close()
-            guard = self._tier._writable(meta, self._what)
+            guard = self._tier._writable(meta, self.what)
             self._commit.install_shard(meta.rank, self.temporary, meta.to_bytes(), guard)
         except BaseException as e:
             with self._lock:
                 self._state = "failed"  # abandon() removes what is left
             if isinstance(e, OSError):
-                raise ShardWriteError(f"{self._what}: {e.strerror or e}") from e
+                raise ShardWriteError(f"{self.what}: {e.strerror or e}") from e
             raise
         with self._lock:
             self._state = "sealed"

@@ -10,9 +10,9 @@ import pytest
 import torch
 from conftest import eventually, free_port
 
+from ckptd.cluster.peer_inventory import PeerInventory
 from ckptd.cluster.peer_link import PeerLink
 from ckptd.config import PeerConfig
-from ckptd.tiers.peer import PeerTier
 
 pytestmark = pytest.mark.e2e
 
@@ -25,7 +25,7 @@ def _peer_status(node) -> dict:
 
 def test_a_peer_is_connecting_until_a_first_attempt_fails():
     address = f"127.0.0.1:{free_port()}"  # nobody listens there
-    tier = PeerTier([PeerLink(address, PeerConfig(insecure=True))], ThreadPoolExecutor(1))  # one peer: no thread
+    tier = PeerInventory([PeerLink(address, PeerConfig(insecure=True))], ThreadPoolExecutor(1))  # one peer: no thread
     try:
         assert tier.connecting() == [address] and not tier.unreachable
         assert tier.ask(timeout_s=0.5) == []

@@ -34,7 +34,7 @@ from ckptd.keyed import ThreadKeyedLocks
 from ckptd.pool_map import pool_map
 from ckptd.storage.commit_protocol import ObjectStepCommit
 from ckptd.storage.object_store import ObjectStore
-from ckptd.tiers.base import ShardSink, Tier
+from ckptd.tiers.base import WrittenTier
 from ckptd.tiers.object.keys import FLAT_KEYS, HASHED_KEYS, KNOWN_KEYS, Directory, shard_dir, step_dir, step_number
 from ckptd.tiers.object.layout import (
     READ_THREADS,
@@ -55,8 +55,8 @@ log = logging.getLogger(__name__)
 UNCOMMITTED_STEPS_KEPT = 64  # steps an upload found not complete in the store, remembered for the next ranks
 
 
-class ObjectTier(Tier, ShardSink):
-    """List, read, upload and remove steps in an object store."""
+class ObjectTier(WrittenTier):
+    """List, read, upload, commit and remove steps in an object store; str() of it is the store's URL, for messages."""
 
     name = "object"
 
@@ -89,9 +89,9 @@ class ObjectTier(Tier, ShardSink):
         self._lock = threading.Lock()
         self._listing: ThreadKeyedLocks[str] = ThreadKeyedLocks()  # by job: held while its commit records are read
 
-    def describe(self, *names: str) -> str:
-        """Return where names are in the store (no names: the store), as messages and status show it."""
-        return self.store.describe(*names)
+    def __str__(self) -> str:
+        """Return the store's URL (without credentials), for messages and status (a step: f"{tier}/{job}/{step}")."""
+        return self.store.describe()
 
     # -- listing ------------------------------------------------------------------
 
@@ -121,14 +121,14 @@ class ObjectTier(Tier, ShardSink):
                 del self._records[key]  # removed (by another node's retention, a lifecycle rule)
         return steps
 
-    def all_steps(self, job: str, scan: bool = False) -> list[int]:
+    def all_steps(self, job: str, afresh: bool = False) -> list[int]:
         """Return every step of the job with anything uploaded, complete or not, oldest first.
 
         A step with shard objects only (a crash before its commit) is found by listing every hash
-        prefix: at most every SCAN_INTERVAL_S, and now with scan (`ckptd gc`).
+        prefix: at most every SCAN_INTERVAL_S, and now when afresh (`ckptd gc`).
         """
         with self._asking(job):
-            return sorted(set(self._steps(job)) | self.shards.steps(job, afresh=scan))
+            return sorted(set(self._steps(job)) | self.shards.steps(job, afresh=afresh))
 
     def complete_steps(self, job: str) -> list[int]:
         states = self._commit_states(job)
@@ -386,8 +386,8 @@ class ObjectTier(Tier, ShardSink):
         self.shards.forget_listings((job,))
         self.store.remove(*step_dir(job, step), COMMIT_NAME)
 
-    def try_commit(self, record: CommitRecord) -> bool:
-        """Write the step's commit record, create-only, if every rank's shard is there and matches it.
+    def adopt_commit(self, record: CommitRecord) -> bool:
+        """Write the step's commit record (NVMe's), create-only, if every rank's shard is there and matches it.
 
         Return whether the step is now complete in the store with this record, False while ranks are
         missing. Each poll lists the directories of the step's ranks once and reads only the records
@@ -427,12 +427,12 @@ class ObjectTier(Tier, ShardSink):
 
     # -- removing ---------------------------------------------------------------------
 
-    def steps_with_unfinished_uploads(self, job: str) -> list[int]:
+    def unfinished_steps(self, job: str) -> list[int]:
         """Return the steps of a job with a multipart upload left unfinished (by a crash, or under way)."""
         with self._asking(job):
             return sorted(self.shards.unfinished_steps(job))
 
-    def abort_uploads(self, job: str, step: int) -> int:
+    def abort_unfinished(self, job: str, step: int) -> int:
         """Abort the unfinished multipart uploads of a step, under every hash prefix; return how many."""
         with self._asking(job, str(step)):
             return self.shards.abort_uploads(job, step, world_size=None)

@@ -121,7 +121,7 @@ def test_a_pass_on_nvme_is_not_held_up_by_a_pass_on_the_store_still_listing(tmp_
         released.wait()
         return {}
 
-    store = SimpleNamespace(complete_lines=complete_lines, all_steps=lambda job, scan=False: [], damaged_steps=list)
+    store = SimpleNamespace(complete_lines=complete_lines, all_steps=lambda job, afresh=False: [], damaged_steps=list)
     config = Config(node=NodeConfig(root=str(tmp_path / "nvme")), retention=RetentionConfig(nvme=2))
     nvme = LocalDirTier(config.root)
     for step in (1, 2, 3):

@@ -31,7 +31,7 @@ def test_a_step_committed_by_another_node_between_two_looks_is_not_given_up(tmp_
     url = f"file://{tmp_path}/store"
     here, writer = (ObjectTier(open_store(url, {}), THREADS, THREADS) for _ in range(2))  # two nodes, one store
     nvme = LocalDirTier(tmp_path / "nvme")
-    assert writer.try_commit(_uploaded(nvme, writer, 10))
+    assert writer.adopt_commit(_uploaded(nvme, writer, 10))
     step_5 = _uploaded(nvme, writer, 5)
     read_before_the_commit = here.commit_record
 
@@ -39,7 +39,7 @@ def test_a_step_committed_by_another_node_between_two_looks_is_not_given_up(tmp_
         try:
             return read_before_the_commit(job, step)  # not there yet...
         finally:
-            assert writer.try_commit(step_5)  # ...and the other node commits it right after this look
+            assert writer.adopt_commit(step_5)  # ...and the other node commits it right after this look
 
     monkeypatch.setattr(here, "commit_record", commit_record)
     watch = types.SimpleNamespace(tier=here, nvme=nvme, counters={"commits_written": 0})

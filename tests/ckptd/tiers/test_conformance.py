@@ -83,7 +83,7 @@ class ObjectHarness:
         if len(metas) == key.world_size:
             digests = tuple(digest(metas[r].to_bytes()) for r in range(key.world_size))
             size = sum(m.data_size_bytes for m in metas.values())
-            assert self.tier.try_commit(CommitRecord(key.job, key.step, key.world_size, digests, size))
+            assert self.tier.adopt_commit(CommitRecord(key.job, key.step, key.world_size, digests, size))
 
     def damage(self, job: str, step: int, rank: int, offset: int) -> None:
         directory = shard_dir(job, step, rank, self.tier.keys)
@@ -210,6 +210,27 @@ def test_removing_a_step_leaves_nothing_of_it(harness):
     harness.tier.remove_step("job", 3)
     harness.tier.remove_step("job", 4)
     assert harness.stored() == []
+
+
+def test_a_written_tier_adopts_a_commit_record_made_elsewhere_through_its_catalog(harness, tmp_path):
+    # How the object store gets NVMe's record (the Uploader), and a node the step it holds part of (the save path).
+    if not hasattr(harness, "stored"):
+        pytest.skip("the memory tier is no catalog: its steps are the slots'")
+    elsewhere = LocalDirTier(tmp_path / "elsewhere")
+    payloads = [os.urandom(CHUNK_SIZE_BYTES + 5), b"rank one"]
+    metas = []
+    for rank, payload in enumerate(payloads):
+        meta = ShardMeta("job", 5, rank, 2, len(payload), CHUNK_SIZE_BYTES, (), "{}")
+        metas.append(elsewhere.write_shard(meta, _aligned(payload)))
+    record = elsewhere.try_commit("job", 5, 2)
+    assert record is not None
+    for meta, payload in zip(metas, payloads, strict=True):
+        harness.tier.write_shard(meta, _aligned(payload))
+    assert harness.tier.all_steps("job") == [5] and harness.tier.complete_steps("job") == []
+    assert harness.tier.adopt_commit(record)
+    assert harness.tier.complete_steps("job") == [5] and harness.tier.commit_record("job", 5) == record
+    assert harness.tier.adopt_commit(record), "the same record again is no change"
+    assert [_read(harness.tier, "job", 5, rank) for rank in (0, 1)] == payloads
 
 
 # -- ShardWrite: the one way bytes enter a durable tier ---------------------------------

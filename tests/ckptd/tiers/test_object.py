@@ -134,12 +134,12 @@ def test_a_step_is_listed_only_through_its_commit_record_and_reads_back_bit_for_
     record = _record(metas)
     for meta in metas[:2]:
         _upload(tier, meta, shards.path(meta), compression)
-    assert not tier.try_commit(record), "committed with rank 2 missing"
+    assert not tier.adopt_commit(record), "committed with rank 2 missing"
     assert tier.complete_steps("job") == [] and tier.all_steps("job") == [4]
     with pytest.raises(NotFound):
         tier.read_meta("job", 4, 0)
     _upload(tier, metas[2], shards.path(metas[2]), compression)
-    assert tier.try_commit(record)
+    assert tier.adopt_commit(record)
     assert tier.complete_steps("job") == [4] and tier.jobs() == ["job"]
     assert tier.commit_record("job", 4) == record
     for rank, payload in enumerate(payloads):
@@ -156,11 +156,11 @@ def test_two_writers_never_commit_different_records(tier, shards):
     meta = shards.write("job", 1, 0, 1, b"the one shard")
     _upload(tier, meta, shards.path(meta), "none")
     record = _record([meta])
-    assert tier.try_commit(record)
-    assert tier.try_commit(record), "the same record again is not a conflict"
+    assert tier.adopt_commit(record)
+    assert tier.adopt_commit(record), "the same record again is not a conflict"
     other = CommitRecord("job", 1, 1, record.shard_meta_xxh3_128, record.size_bytes + 1)
     with pytest.raises(CommitConflict):
-        tier.try_commit(other)
+        tier.adopt_commit(other)
     assert not tier.store.create(other.to_bytes(), "job", "1", COMMIT_NAME), "the store is not create-only"
     assert tier.store.read("job", "1", COMMIT_NAME) == record.to_bytes(object_keys=tier.keys)
 
@@ -168,7 +168,7 @@ def test_two_writers_never_commit_different_records(tier, shards):
 def test_a_changed_byte_in_the_store_is_an_error_naming_the_shard_and_tier(tier, shards):
     meta = shards.write("job", 2, 0, 1, os.urandom(3 * CHUNK_SIZE_BYTES))
     _upload(tier, meta, shards.path(meta), "none")
-    assert tier.try_commit(_record([meta]))
+    assert tier.adopt_commit(_record([meta]))
     data = bytearray(tier.store.read(*_dir(tier, "job", 2, 0), data_name(0)))
     data[CHUNK_SIZE_BYTES + 7] ^= 1
     tier.store.put(bytes(data), *_dir(tier, "job", 2, 0), data_name(0))
@@ -191,7 +191,7 @@ def test_removing_a_step_unlists_it_first_and_leaves_nothing(tier, shards):
     for step in (1, 2):
         meta = shards.write("job", step, 0, 1, b"x" * 100)
         _upload(tier, meta, shards.path(meta), "zstd")
-        assert tier.try_commit(_record([meta]))
+        assert tier.adopt_commit(_record([meta]))
     tier.remove_step("job", 1)
     assert tier.complete_steps("job") == [2]
     assert tier.all_steps("job") == [2]
@@ -206,7 +206,7 @@ def test_an_upload_abandoned_by_a_crash_is_aborted_by_the_next_upload(s3_server,
     s3.create_multipart_upload(Bucket=bucket, Key=key)  # what a killed daemon leaves
     _upload(tier, meta, shards.path(meta), "none")
     assert s3.list_multipart_uploads(Bucket=bucket).get("Uploads", []) == []
-    assert tier.try_commit(_record([meta]))
+    assert tier.adopt_commit(_record([meta]))
     assert tier.holds(meta)
 
 
@@ -214,7 +214,7 @@ def test_verify_reports_a_rank_missing_from_the_store_even_on_a_node_with_peers(
     metas = [shards.write("job", 6, r, 2, os.urandom(1000)) for r in range(2)]
     for meta in metas:
         _upload(tier, meta, shards.path(meta), "none")
-    assert tier.try_commit(_record(metas))
+    assert tier.adopt_commit(_record(metas))
     tier.store.remove(*_dir(tier, "job", 6, 1), data_name(1))
     tier.store.remove(*_dir(tier, "job", 6, 1), meta_name(1))
     checks = list(verify([tier], "job", 6, spread=True))  # spread: a node's own tiers hold some ranks, not the store
@@ -234,7 +234,7 @@ class _RemovedOnSight(dict):
 def test_records_removed_by_another_thread_meanwhile_are_read_again(tier, shards):
     metas = [shards.write("job", 5, 0, 1, os.urandom(100))]
     _upload(tier, metas[0], shards.path(metas[0]), "none")
-    assert tier.try_commit(_record(metas))
+    assert tier.adopt_commit(_record(metas))
     assert tier.complete_steps("job") == [5]  # the record is cached now
     tier._records = _RemovedOnSight(tier._records)
     assert tier.complete_steps("job") == [5]  # never a KeyError out of the cache
@@ -243,7 +243,7 @@ def test_records_removed_by_another_thread_meanwhile_are_read_again(tier, shards
 def test_a_record_removed_right_after_the_listing_is_read_again(tier, shards):
     metas = [shards.write("job", 6, 0, 1, os.urandom(100))]
     _upload(tier, metas[0], shards.path(metas[0]), "none")
-    assert tier.try_commit(_record(metas))
+    assert tier.adopt_commit(_record(metas))
     assert tier.complete_steps("job") == [6]  # the record is cached now
     listed = tier._steps
 
@@ -262,7 +262,7 @@ def test_a_range_of_a_shard_is_read_alone_from_the_store(tier, shards, compressi
     payload = os.urandom(5 * CHUNK_SIZE_BYTES + 99)
     meta = shards.write("job", 2, 0, 1, payload)
     _upload(tier, meta, shards.path(meta), compression)
-    assert tier.try_commit(_record([meta]))
+    assert tier.adopt_commit(_record([meta]))
     for offset, length in [(CHUNK_SIZE_BYTES, 2 * CHUNK_SIZE_BYTES), (4 * CHUNK_SIZE_BYTES, CHUNK_SIZE_BYTES + 99)]:
         buf = memoryview(mmap.mmap(-1, round_up(length, 4096)))
         tier.read_into(tier.read_meta("job", 2, 0), buf, ByteRange(offset, length))
@@ -273,7 +273,7 @@ def test_a_damaged_commit_record_is_not_complete_and_is_logged_once(tier, shards
     meta = shards.write("job", 2, 0, 1, b"a shard")
     _upload(tier, meta, shards.path(meta), "none")
     record = _record([meta])
-    assert tier.try_commit(record) and tier.is_complete("job", 2)
+    assert tier.adopt_commit(record) and tier.is_complete("job", 2)
     raw = bytearray(tier.store.read("job", "2", COMMIT_NAME))
     raw[-3] ^= 1
     tier.store.put(bytes(raw), "job", "2", COMMIT_NAME)
@@ -294,7 +294,7 @@ def test_shard_objects_spread_over_256_hash_prefixes_and_the_step_keeps_its_comm
     metas = [shards.write("job", 9, rank, world, p) for rank, p in enumerate(payloads)]
     for meta in metas:
         _upload(tier, meta, shards.path(meta), "none")
-    assert tier.try_commit(_record(metas))
+    assert tier.adopt_commit(_record(metas))
     shard_keys = {
         f"{SHARDS_DIR}/{hash_prefix('job', 9, rank)}/job/9/{name}"
         for rank in range(world)
@@ -315,7 +315,7 @@ def test_the_shards_directory_is_never_taken_for_a_job(tier, shards):
         validate_job(SHARDS_DIR)
     meta = shards.write("job", 1, 0, 1, b"a shard")
     _upload(tier, meta, shards.path(meta), "none")
-    assert tier.try_commit(_record([meta]))
+    assert tier.adopt_commit(_record([meta]))
     assert tier.store.names().keys() == {SHARDS_DIR, "job"}
     assert tier.jobs() == ["job"]
 
@@ -351,7 +351,7 @@ def test_the_stores_record_names_its_keys_in_a_version_that_readers_of_versions_
     meta = shards.write("job", 8, 0, 1, b"a shard")
     _upload(tier, meta, shards.path(meta), "none")
     record = _record([meta])
-    assert tier.try_commit(record)
+    assert tier.adopt_commit(record)
     raw = tier.store.read("job", "8", COMMIT_NAME)
     body = unseal(raw, "COMMIT.json")
     if tier.keys != HASHED_KEYS:  # a file:// store: flat, its step directory readable as every tier's
@@ -396,7 +396,7 @@ def test_a_commit_poll_lists_each_prefix_once_and_reads_only_the_records_not_fou
     def poll() -> bool:
         reads.clear()
         listings.clear()
-        done = tier.try_commit(record)
+        done = tier.adopt_commit(record)
         assert sorted(listings) == [hashed_dir(p, "job", 5) for p in prefixes]  # each once, the step never
         return done
 
@@ -417,7 +417,7 @@ def test_listings_of_a_job_at_once_read_each_commit_record_once(tier, shards, mo
     for step in range(1, 7):
         meta = shards.write("job", step, 0, 1, os.urandom(50))
         _upload(tier, meta, shards.path(meta), "none")
-        assert tier.try_commit(_record([meta]))
+        assert tier.adopt_commit(_record([meta]))
     restarted = ObjectTier(tier.store, THREADS, THREADS)
     reads: list[tuple[str, ...]] = []
     read = restarted.store.read
@@ -445,7 +445,7 @@ def test_removing_a_committed_and_a_never_committed_step_leaves_nothing_in_the_s
     done = [shards.write("job", 1, rank, world, os.urandom(100)) for rank in range(world)]
     for meta in done:
         _upload(tier, meta, shards.path(meta), "zstd" if meta.rank % 2 else "none")
-    assert tier.try_commit(_record(done))
+    assert tier.adopt_commit(_record(done))
     for rank in range(3):  # a crash before the commit: three ranks of five uploaded
         meta = shards.write("job", 2, rank, world, os.urandom(100))
         _upload(tier, meta, shards.path(meta), "none")
@@ -454,20 +454,20 @@ def test_removing_a_committed_and_a_never_committed_step_leaves_nothing_in_the_s
         request.getfixturevalue("s3_server").client().create_multipart_upload(Bucket=bucket, Key=key)
     else:
         tier.store.put(b"half", *_dir(tier, "job", 2, 4), f"{data_name(4)}.0123abcd.partial")
-    assert tier.all_steps("job", scan=True) == [1, 2] and tier.complete_steps("job") == [1]
-    assert tier.steps_with_unfinished_uploads("job") == ([2] if isinstance(tier.store, S3Store) else [])
+    assert tier.all_steps("job", afresh=True) == [1, 2] and tier.complete_steps("job") == [1]
+    assert tier.unfinished_steps("job") == ([2] if isinstance(tier.store, S3Store) else [])
     tier.remove_step("job", 1)  # its ranks from its record, by name
     tier.remove_step("job", 2)  # no record: what a listing of every hash prefix finds
     assert _stored(tier) == []
     assert [p for p in tier.store.fs.find(tier.store.root, withdirs=True) if p.rsplit("/", 1)[-1] in ("1", "2")] == []
-    assert tier.all_steps("job") == [] and tier.all_steps("job", scan=True) == []
+    assert tier.all_steps("job") == [] and tier.all_steps("job", afresh=True) == []
 
 
 def test_steps_with_shard_objects_only_are_found_by_a_scan_of_the_prefixes_kept_a_while(tier, shards, monkeypatch):
     hashed_only(tier)
     meta = shards.write("job", 1, 0, 1, b"done")
     _upload(tier, meta, shards.path(meta), "none")
-    assert tier.try_commit(_record([meta]))
+    assert tier.adopt_commit(_record([meta]))
     assert tier.all_steps("job") == [1]
     crashed = shards.write("job", 2, 0, 2, b"never committed")
     _upload(tier, crashed, shards.path(crashed), "none")
@@ -476,7 +476,7 @@ def test_steps_with_shard_objects_only_are_found_by_a_scan_of_the_prefixes_kept_
     monkeypatch.setattr(tier.store, "names", lambda *d: listings.append(d) or names(*d))
     assert tier.all_steps("job") == [1], "the hash prefixes were listed again within SCAN_INTERVAL_S"
     assert [d for d in listings if d[0] == SHARDS_DIR] == []
-    assert tier.all_steps("job", scan=True) == [1, 2]  # ckptd gc: now
+    assert tier.all_steps("job", afresh=True) == [1, 2]  # ckptd gc: now
     assert sorted(d for d in listings if d[0] == SHARDS_DIR) == [hashed_job_dir(p, "job") for p in all_prefixes()]
     tier.remove_step("job", 2)
     assert tier.all_steps("job") == [1]
@@ -496,7 +496,7 @@ def test_uploads_ask_for_the_commit_record_once_per_step_and_never_write_into_a_
     for meta in metas:
         assert _upload(tier, meta, shards.path(meta), "none")
     assert asked == [("job", "3", COMMIT_NAME)], "one node's ranks each asked the step's prefix"
-    assert tier.try_commit(_record(metas))
+    assert tier.adopt_commit(_record(metas))
     resaved = shards.write("job", 3, 2, 4, b"another save of rank 2")
     for node in (tier, ObjectTier(tier.store, THREADS, THREADS)):  # this node, and one that never asked
         with pytest.raises(CommitConflict, match="never rewritten"):
@@ -509,12 +509,12 @@ def test_a_store_in_the_flat_layout_never_looks_under_the_hash_prefixes(tmp_path
     tier = ObjectTier(open_store(f"file://{tmp_path}/store", {}), THREADS, THREADS)
     meta = shards.write("job", 1, 0, 1, b"flat")
     _upload(tier, meta, shards.path(meta), "none")
-    assert tier.try_commit(_record([meta]))
+    assert tier.adopt_commit(_record([meta]))
     names, uploads = tier.store.names, tier.store.unfinished_uploads
     asked: list[tuple[str, ...]] = []
     monkeypatch.setattr(tier.store, "names", lambda *d: asked.append(d) or names(*d))
     monkeypatch.setattr(tier.store, "unfinished_uploads", lambda *d: asked.append(d) or uploads(*d))
-    assert tier.all_steps("job", scan=True) == [1] and tier.steps_with_unfinished_uploads("job") == []
+    assert tier.all_steps("job", afresh=True) == [1] and tier.unfinished_steps("job") == []
     tier.remove_step("job", 1)
     assert asked and not [d for d in asked if d and d[0] == SHARDS_DIR], asked
     assert _stored(tier) == []
@@ -523,7 +523,7 @@ def test_a_store_in_the_flat_layout_never_looks_under_the_hash_prefixes(tmp_path
 def test_a_damaged_commit_record_is_read_and_logged_once_while_its_step_is_listed(tier, shards, monkeypatch, caplog):
     meta = shards.write("job", 3, 0, 1, b"x")
     _upload(tier, meta, shards.path(meta), "none")
-    assert tier.try_commit(_record([meta]))
+    assert tier.adopt_commit(_record([meta]))
     tier.store.put(b"not a record", "job", "3", COMMIT_NAME)
     fresh = ObjectTier(tier.store, THREADS, THREADS)
     read = fresh.store.read
@@ -559,7 +559,7 @@ def test_a_shard_written_through_open_shard_in_chunk_sized_ranges_reads_back_ide
     assert shard.ordered
     _write_ranges(shard, payload, CHUNK_SIZE_BYTES)  # smaller than a part: the ShardWrite packs them
     assert shard.seal() == meta
-    assert tier.holds(meta) and tier.try_commit(_record([meta]))
+    assert tier.holds(meta) and tier.adopt_commit(_record([meta]))
     assert _read(tier, "job", 2, 0) == payload
     names = tier.store.names(*_dir(tier, "job", 2, 0))
     assert (zstd_name(0) in names) == (compression == "zstd") and (data_name(0) in names) == (compression == "none")
@@ -598,7 +598,7 @@ def test_a_bad_chunk_is_refused_and_nothing_of_the_shard_counts(tier):
     shard.abandon()
     assert _stored(tier) == []
     assert not tier.has_shard("job", 4, 0)
-    assert not tier.try_commit(_record([meta]))
+    assert not tier.adopt_commit(_record([meta]))
 
 
 def test_a_shard_the_commit_record_lists_is_already_held_and_another_one_a_conflict(tier):
@@ -608,7 +608,7 @@ def test_a_shard_the_commit_record_lists_is_already_held_and_another_one_a_confl
         shard = tier.open_shard(meta)
         _write_ranges(shard, payload, PART_BYTES)
         shard.seal()
-    assert tier.try_commit(_record(metas))
+    assert tier.adopt_commit(_record(metas))
     for node in (tier, ObjectTier(tier.store, THREADS, THREADS)):  # this node, and one that never uploaded
         with pytest.raises(AlreadyHeld, match="rank 1 shard of job step 5 on tier object"):
             node.open_shard(metas[1])
