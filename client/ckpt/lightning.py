@@ -97,7 +97,6 @@ from ckpt_core.format import validate_job, validate_step  # noqa: E402
 from ckpt.checkpointer import Checkpointer, SaveHandle  # noqa: E402
 from ckpt.flatten import flatten  # noqa: E402
 from ckpt.lightning_files import POINTER_KEY, TorchFileWriter, pointer_text  # noqa: E402
-from ckpt.transport import DaemonClient  # noqa: E402
 
 log = logging.getLogger(__name__)
 
@@ -296,16 +295,13 @@ class CkptdCheckpointIO(CheckpointIO):
         """
         base = self._base_job
         assert base is not None
-        daemon = DaemonClient(self.address)
-        try:
-            used = daemon.newest_step(base)
+        with Checkpointer(job=base, rank=0, world_size=1, address=self.address) as c:
+            used = c.latest_step()
             if used is None:
                 return base
             version = 1
-            while daemon.newest_step(f"{base}-v{version}") is not None:
+            while c.daemon.newest_step(f"{base}-v{version}") is not None:
                 version += 1
-        finally:
-            daemon.close()
         job = validate_job(f"{base}-v{version}")
         log.warning(
             "ckpt: job %s holds steps up to %d of another run, and this run loaded none of them: it saves to "
