@@ -200,8 +200,10 @@ class CkptdCheckpointIO(CheckpointIO):
     save_checkpoint, or by teardown, which first waits until every save has reached
     teardown_tier ("nvme", the default, and the torch files written; "memory" waits for
     nothing more, and drops the torch files not written yet), so that the process may
-    exit. One thread at a time calls the methods (Lightning's training thread); the
-    module's docstring says in which order.
+    exit; a save that blocks no training (outside fit, or on AsyncCheckpointIO's thread)
+    returns only once its file is written, as the module's docstring says. One thread at a
+    time calls the methods (Lightning's training thread, and AsyncCheckpointIO's for saves);
+    the module's docstring says in which order.
     """
 
     def __init__(

@@ -14,8 +14,8 @@ the pointer inside the file with pointer_text, which reads only the file's pickl
 
 Who calls what, on which thread: write_after and forget on the training thread
 (save_checkpoint, remove_checkpoint); the writes on one daemon thread,
-"ckpt-lightning-files", in the order given; close on the training thread (teardown) or
-at interpreter exit.
+"ckpt-lightning-files", in the order given; close on the thread that tears the plugin down
+(Lightning's training thread; AsyncCheckpointIO's after a save there) or at interpreter exit.
 """
 
 from __future__ import annotations
