@@ -10,8 +10,12 @@ each is a pointer naming a ckptd job and step when the save returns (the bytes a
 ckptd: `ckptd ls --job lightning-demo`), and a torch.save file once the step is durable
 (`torch.load` or `TinyRegressor.load_from_checkpoint` opens it; it still names the step).
 Every run asks for ckpt_path="last": the first finds none and starts afresh, the second
-resumes from the first's last step. The daemon is --address, else CKPTD_ADDRESS, else
-the default socket.
+resumes from the first's last step (and saves on in its job). A run in the same --dirpath
+that does not resume (ckpt_path=None) is a new run in a used job: its saves go to
+lightning-demo-v1 (a warning says so) and its last checkpoint is last-v1.ckpt, as Lightning
+versions its files. After fit, trainer.save_checkpoint("final.ckpt") returns once
+final.ckpt is a torch file. The daemon is --address, else CKPTD_ADDRESS, else the
+default socket.
 """
 
 from __future__ import annotations

@@ -22,8 +22,10 @@ step already with other tensors (then it is one past the step it saved last: ckp
 rewrites a step). The pointer records both. The job's history is ckptd's (docs/DESIGN.md,
 "A job's history"): a run resumed from an older checkpoint loads it through the plugin's
 Checkpointer, so its saves start a new line from it and the old run's later steps become
-superseded; a new run under a used job name is refused at its first save, naming the
-job's newest step and the ways forward.
+superseded. A new run in a used job (a plugin that saves before it loaded a checkpoint of
+the job, as a new Trainer in a used directory does) is versioned as Lightning versions its
+files: its saves go to the job's first version not used yet, JOB-v1, JOB-v2, ..., and a
+warning names it; a run resumed from a checkpoint of any version continues that version.
 A save of the global_step saved last whose tensors are the same tensors, none changed
 in place since (Fingerprint), writes only another pointer to the same step: so
 ModelCheckpoint's top-k file and last.ckpt of one step are one ckptd step, as with
@@ -48,6 +50,12 @@ Lightning's AsyncCheckpointIO may wrap the plugin (it gains nothing: a save retu
 copy already), but does not call its teardown: the plugin's threads are daemon threads, and its
 files are written and its connection closed when the plugin goes or the interpreter exits.
 
+A save through Trainer.save_checkpoint outside the Trainer's fit loop (after fit, in validate, or
+called by hand) overlaps no training, and one on AsyncCheckpointIO's thread blocks no training: each
+is a step of its own, and returns only once the file at its path is the torch file (with teardown_tier
+"nvme"), after which the plugin is torn down, so that no thread of it is left behind. Saves inside the
+fit loop (ModelCheckpoint's), and any other (Fabric's, a direct call), return at once.
+
 A dict without global_step is not a Trainer checkpoint (Lightning's ddp_spawn hands
 the final weights to the main process in a temporary file this way): it is written
 and read with torch.save and torch.load, as TorchCheckpointIO does, and so is a
@@ -66,6 +74,8 @@ import contextlib  # noqa: E402 (torch checked first)
 import json  # noqa: E402
 import logging  # noqa: E402
 import os  # noqa: E402
+import re  # noqa: E402
+import sys  # noqa: E402
 import weakref  # noqa: E402
 from dataclasses import asdict, dataclass  # noqa: E402
 from typing import Any  # noqa: E402
@@ -190,8 +200,10 @@ class CkptdCheckpointIO(CheckpointIO):
     save_checkpoint, or by teardown, which first waits until every save has reached
     teardown_tier ("nvme", the default, and the torch files written; "memory" waits for
     nothing more, and drops the torch files not written yet), so that the process may
-    exit. One thread at a time calls the methods (Lightning's training thread); the
-    module's docstring says in which order.
+    exit; a save that blocks no training (outside fit, or on AsyncCheckpointIO's thread)
+    returns only once its file is written, as the module's docstring says. One thread at a
+    time calls the methods (Lightning's training thread, and AsyncCheckpointIO's for saves);
+    the module's docstring says in which order.
     """
 
     def __init__(
@@ -205,7 +217,9 @@ class CkptdCheckpointIO(CheckpointIO):
         job = job if job is not None else os.environ.get("CKPT_JOB", "")
         if teardown_tier not in TEARDOWN_TIERS:
             raise InvalidArgument(f"teardown_tier must be one of {', '.join(TEARDOWN_TIERS)}, not {teardown_tier!r}")
-        self.job: str | None = validate_job(job) if job else None
+        self.job: str | None = validate_job(job) if job else None  # the job saved to: job= or a version of it
+        self._base_job = self.job  # job= (or the first pointer loaded): the name its versions are made from
+        self._job_settled = False  # whether self.job is this run's: set by the first save, or by a load of it
         self.address = address
         self.teardown_tier = teardown_tier
         self.torch_files = bool(torch_files)
@@ -240,6 +254,9 @@ class CkptdCheckpointIO(CheckpointIO):
         self._raise_failures()
         tensors = fingerprint(checkpoint)
         last = self._last
+        finish = _overlaps_no_training()
+        if finish:
+            tensors = None  # a step of its own: values besides the tensors (epoch, callbacks) moved on since
         if last is not None and last[0].global_step == global_step and tensors is not None and last[1] == tensors:
             pointer: Pointer | None = last[0]  # the same state again: another pointer to its step
         else:
@@ -248,11 +265,16 @@ class CkptdCheckpointIO(CheckpointIO):
             if self.torch_files:
                 self._file_writer().write_after(str(path), pointer.to_json(), pointer.step)
             write_pointer(str(path), pointer)
+        if finish:
+            self.teardown()  # its file is written before it returns, and no thread is left
 
     def _save(
         self, checkpoint: dict[str, Any], global_step: int, path: str, tensors: Fingerprint | None
     ) -> Pointer | None:
         """Stage one checkpoint as a new step of the job; return its pointer, or None if ckptd skipped it."""
+        if not self._job_settled:
+            self.job = self._job_for_new_run()
+            self._job_settled = True
         last = self._last[0].step if self._last is not None else -1
         step = max(global_step, last + 1)  # the same global step saved again with other tensors: a step of its own
         c = self._opened()
@@ -266,6 +288,32 @@ class CkptdCheckpointIO(CheckpointIO):
         pointer = Pointer(c.job, step, global_step, resolve_address(self.address))
         self._last = (pointer, tensors)
         return pointer
+
+    def _job_for_new_run(self) -> str:
+        """Return the job a run that loaded none of its job's checkpoints saves to: the first version not used yet.
+
+        The plugin's job if it holds no step, else JOB-v1, JOB-v2, ... (as Lightning names a new
+        run's files in a used directory): a new run never mixes its steps into another run's line.
+        """
+        base = self._base_job
+        assert base is not None
+        with Checkpointer(job=base, rank=0, world_size=1, address=self.address) as c:
+            used = c.latest_step()
+            if used is None:
+                return base
+            version = 1
+            while c.daemon.newest_step(f"{base}-v{version}") is not None:
+                version += 1
+        job = validate_job(f"{base}-v{version}")
+        log.warning(
+            "ckpt: job %s holds steps up to %d of another run, and this run loaded none of them: it saves to "
+            "job %s, as Lightning versions its files (to continue a run, resume it from its checkpoint: "
+            "Trainer.fit(ckpt_path=...))",
+            base,
+            used,
+            job,
+        )
+        return job
 
     def _opened(self) -> Checkpointer:
         """Return the plugin's Checkpointer, opened by the first save or load after each teardown.
@@ -315,8 +363,13 @@ class CkptdCheckpointIO(CheckpointIO):
             checkpoint = self._files.load_checkpoint(path, map_location=map_location, weights_only=weights_only)
             checkpoint.pop(POINTER_KEY, None)
             return checkpoint
-        if self.job is None:
-            self.job = pointer.job  # a plugin given no job resumes the pointer's, and its saves continue it
+        if self._base_job is None:
+            self._base_job = pointer.job  # a plugin given no job resumes the pointer's, and its saves continue it
+        if pointer.job != self.job and self._is_version(pointer.job):
+            self.teardown()  # the saves made to another version so far are finished as they were
+            self.job = pointer.job  # a run resumed from a version of the plugin's job continues that version
+        if pointer.job == self.job:
+            self._job_settled = True
         # The plugin's own job is loaded through its Checkpointer: the saves after it continue from that step.
         own = pointer.job == self.job
         c = self._opened() if own else Checkpointer(job=pointer.job, rank=0, world_size=1, address=self.address)
@@ -353,10 +406,16 @@ class CkptdCheckpointIO(CheckpointIO):
             checkpoint = c.load(pointer.step, map_location or "cpu", weights_only=weights_only)
         return checkpoint
 
+    def _is_version(self, job: str) -> bool:
+        """Say whether job is the plugin's job or one of its versions (JOB-v1, JOB-v2, ...)."""
+        assert self._base_job is not None
+        return re.fullmatch(rf"{re.escape(self._base_job)}(-v[1-9][0-9]*)?", job) is not None
+
     def remove_checkpoint(self, path: _PATH) -> None:
         """Remove the pointer (or file) at path; the step it names stays in ckptd until its retention drops it."""
-        if self._torch_files is not None:
-            self._torch_files.forget(str(path))
+        files = self._torch_files  # read once: under AsyncCheckpointIO a save on its thread may tear down
+        if files is not None:
+            files.forget(str(path))
         self._files.remove_checkpoint(path)
 
     def teardown(self) -> None:
@@ -411,6 +470,29 @@ def fingerprint(checkpoint: dict[str, Any]) -> Fingerprint | None:
         except RuntimeError:  # an inference-mode tensor keeps none either
             return None
     return tuple(identities)
+
+
+def _overlaps_no_training() -> bool:
+    """Say whether the calling thread saves where no training waits on it: Trainer.save_checkpoint outside fit, or
+    AsyncCheckpointIO's thread (read from the calling thread's frames: Lightning tells a CheckpointIO neither)."""
+    try:
+        from lightning.pytorch import Trainer
+        from lightning.pytorch.loops.fit_loop import _FitLoop
+        from lightning.pytorch.plugins.io import async_plugin
+    except ImportError:  # Fabric alone: no Trainer
+        return False
+    trainer_save, fit_loop, wrapper = Trainer.save_checkpoint.__code__, _FitLoop.run.__code__, async_plugin.__file__
+    by_trainer = False
+    frame: Any = sys._getframe(1)
+    while frame is not None:
+        code = frame.f_code
+        if code is fit_loop:
+            return False
+        if code.co_filename == wrapper:
+            return True
+        by_trainer = by_trainer or code is trainer_save
+        frame = frame.f_back
+    return by_trainer
 
 
 def _refuse_other_ranks() -> None:

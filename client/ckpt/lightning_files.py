@@ -2,8 +2,10 @@
 
 CkptdCheckpointIO writes a pointer at a Lightning path when save_checkpoint returns
 (ckpt.lightning), and hands the path to a TorchFileWriter. Its thread waits until the
-step is durable on NVMe, loads it from ckptd (the memory tier, mostly), and writes
-torch.save of the checkpoint dict, with the pointer's JSON under POINTER_KEY, to
+step is durable on NVMe, reads it from the daemon's NVMe root itself (ckpt.load_local,
+every chunk checked: a load through the daemon would keep retention off the step for
+its read lease, 10 minutes, and so every step of a job that saves more often than that),
+and writes torch.save of the checkpoint dict, with the pointer's JSON under POINTER_KEY, to
 path.torch.partial, then renames it over the pointer, unless the path was saved again
 or removed meanwhile (then the work is dropped). So torch.load, pl_load and
 LightningModule.load_from_checkpoint open the path once its step is durable and the
@@ -12,8 +14,8 @@ the pointer inside the file with pointer_text, which reads only the file's pickl
 
 Who calls what, on which thread: write_after and forget on the training thread
 (save_checkpoint, remove_checkpoint); the writes on one daemon thread,
-"ckpt-lightning-files", in the order given; close on the training thread (teardown) or
-at interpreter exit.
+"ckpt-lightning-files", in the order given; close on the thread that tears the plugin down
+(Lightning's training thread; AsyncCheckpointIO's after a save there) or at interpreter exit.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from lightning.fabric.utilities.cloud_io import get_filesystem
 
 from ckpt.background import BackgroundThread
 from ckpt.checkpointer import Checkpointer, SaveHandle
+from ckpt.local_read import load_local
 
 log = logging.getLogger(__name__)
 
@@ -47,13 +50,6 @@ WANTED_CHECK_S = 1.0
 MAX_PICKLE_BYTES = 64 << 20
 
 
-class _StepReader(Checkpointer):
-    """A Checkpointer that only reads: its loads are no point a save continues from, so they say nothing of lines."""
-
-    def _loading(self, step: int, next_line: str) -> None:
-        return
-
-
 class TorchFileWriter:
     """Replace the pointers at Lightning paths with torch.save files of their steps, once each is durable."""
 
@@ -63,7 +59,8 @@ class TorchFileWriter:
         self._thread = BackgroundThread("ckpt-lightning-files")
         self._lock = threading.Lock()  # orders renames here against new pointers and removals there
         self._wanted: dict[str, object] = {}  # path -> the token of the last write asked for it
-        self._reader: _StepReader | None = None  # opened on the writer's thread
+        self._waits: Checkpointer | None = None  # its handles wait for durability; opened on the writer's thread
+        self._nvme_root: str | None = None  # the daemon's, asked once
         self._failure: CheckpointError | None = None  # the first file that could not be written
         self._closed = False
 
@@ -88,8 +85,8 @@ class TorchFileWriter:
             with self._lock:
                 self._wanted.clear()
         self._thread.close()
-        if self._reader is not None:
-            self._reader.close()
+        if self._waits is not None:
+            self._waits.close()
         if self._failure is not None and wait:
             raise self._failure
 
@@ -129,9 +126,9 @@ class TorchFileWriter:
         None: the step never will be durable, or the path's write was dropped meanwhile (looked at
         every WANTED_CHECK_S, so that a teardown that waits for no file does not wait for this).
         """
-        if self._reader is None:
-            self._reader = _StepReader(job=self._job, rank=0, world_size=1, address=self._address)
-        handle = SaveHandle(self._reader, step, skipped=False, blocked_s=0.0, reason="")
+        if self._waits is None:
+            self._waits = Checkpointer(job=self._job, rank=0, world_size=1, address=self._address)
+        handle = SaveHandle(self._waits, step, skipped=False, blocked_s=0.0, reason="")
         deadline = time.monotonic() + DURABLE_WAIT_S
         while True:
             try:
@@ -147,7 +144,9 @@ class TorchFileWriter:
                     raise CheckpointError(
                         f"step {step} of {self._job} did not reach nvme in {DURABLE_WAIT_S:.0f} s"
                     ) from None
-        checkpoint: dict[str, Any] = self._reader.load(step, "cpu")
+        if self._nvme_root is None:
+            self._nvme_root = str(self._waits.daemon.status()["tiers"]["nvme"]["root"])
+        checkpoint: dict[str, Any] = load_local(os.path.join(self._nvme_root, self._job, str(step)))
         return checkpoint
 
 

@@ -1,11 +1,11 @@
 """Lightning's checkpoint tests on ckptd: every Strategy's default TorchCheckpointIO becomes a CkptdCheckpointIO.
 
-A Trainer given no CheckpointIO gets one of ckptd's on the session's daemon, with a job of its own
-(Strategy.checkpoint_io makes the default; it is swapped where the strategy module looks it up), and
-writes torch.load-able files at Lightning's paths, as the stock one would. Tests that give their own
-plugin keep it. At the end of each test the plugins it made are torn down, as their finalizer would
-at the process's exit: a save made outside fit (trainer.save_checkpoint after fit) has no teardown of
-Lightning's to wait for it, and upstream's thread check would count the plugin's writer thread.
+A Trainer given no CheckpointIO gets CkptdCheckpointIO() on the session's daemon (Strategy.checkpoint_io
+makes the default; it is swapped where the strategy module looks it up), as a user would set it up: the
+job from CKPT_JOB, one per test, so that every Trainer of a test (a rerun in the same directory, a
+resumed run) shares it, and writes torch.load-able files at Lightning's paths, as the stock one would.
+Tests that give their own plugin keep it. Nothing here tears the plugins down: Lightning's own teardown
+and the plugin's saves outside fit leave no thread for upstream's thread check to find.
 The copied tests import their helpers as tests_pytorch (this directory on sys.path).
 KNOWN_FAILURES are the tests that fail on ckptd alone, each with the reason (tests/upstream/README.md).
 """
@@ -36,10 +36,6 @@ COUNTS_TORCH_SAVE = (
     "checkpoint ModelCheckpoint removed before that, nor twice for two saves of one unchanged step"
 )
 DEFAULT_TYPE = "asserts the default CheckpointIO is TorchCheckpointIO (here it is CkptdCheckpointIO)"
-POINTER_UNTIL_DURABLE = (
-    "torch.load of the path right after trainer.save_checkpoint outside fit: until the step is durable the file "
-    "there is ckptd's pointer, not yet the torch file (the plugin's teardown, or process exit, waits for it)"
-)
 # Test (or test with its parameters) -> (why, strict): strict where it fails every time; not where it races the
 # plugin's writer thread (the torch file may be there already, and then the test passes).
 KNOWN_FAILURES = {
@@ -47,18 +43,6 @@ KNOWN_FAILURES = {
     "checkpointing/test_checkpoint_callback_frequency.py::test_top_k": (COUNTS_TORCH_SAVE, False),
     "plugins/test_checkpoint_io_plugin.py::test_multi_wrapped_checkpoint_io_initialization": (DEFAULT_TYPE, True),
     "checkpointing/test_trainer_checkpoint.py::test_trainer_save_checkpoint_storage_options": (DEFAULT_TYPE, True),
-    "checkpointing/test_model_checkpoint.py::test_save_last_saves_correct_last_model_path": (
-        POINTER_UNTIL_DURABLE,
-        False,
-    ),
-    "checkpointing/test_model_checkpoint.py::test_none_monitor_saves_correct_best_model_path": (
-        POINTER_UNTIL_DURABLE,
-        False,
-    ),
-    "models/test_restore.py::test_correct_step_and_epoch": (POINTER_UNTIL_DURABLE, False),
-    "models/test_restore.py::test_model_saving_loading": (POINTER_UNTIL_DURABLE, False),
-    "models/test_restore.py::test_strict_model_load_more_params": (POINTER_UNTIL_DURABLE, False),
-    "models/test_restore.py::test_strict_model_load_less_params": (POINTER_UNTIL_DURABLE, False),
 }
 
 
@@ -78,21 +62,13 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 def lightning_on_ckptd(
     thread_police_duuu_daaa_duuu_daaa: None, upstream_env, monkeypatch: pytest.MonkeyPatch
 ) -> Iterator[None]:
-    """Make the default CheckpointIO of every Strategy made in this test ckptd's (nothing on stock storage).
+    """Make the default CheckpointIO of every Strategy made in this test ckptd's, on one job (nothing on stock storage).
 
-    Asks for upstream's thread check so as to end before it: the plugins are torn down first.
+    Asks for upstream's thread check so as to be set up before it: the check sees every thread the plugins start.
     """
     if upstream_env is None:
         yield
         return
-    address = upstream_env.address
-    made: list[CkptdCheckpointIO] = []
-
-    def default_checkpoint_io() -> CkptdCheckpointIO:
-        made.append(CkptdCheckpointIO(job=f"upstream-{uuid.uuid4().hex[:16]}", address=address))
-        return made[-1]
-
-    monkeypatch.setattr(strategy_module, "TorchCheckpointIO", default_checkpoint_io)
+    monkeypatch.setenv("CKPT_JOB", f"upstream-{uuid.uuid4().hex[:16]}")
+    monkeypatch.setattr(strategy_module, "TorchCheckpointIO", CkptdCheckpointIO)
     yield
-    for plugin in made:
-        plugin.teardown()
