@@ -1,4 +1,4 @@
-"""Hugging Face Trainer and Accelerate on ckptd: CkptdTrainer(job=...) for Trainer, AcceleratorCheckpoints for Accelerate.
+"""Hugging Face Trainer and Accelerate: CkptdTrainer(job=...) for Trainer, AcceleratorCheckpoints for Accelerate.
 
 CkptdTrainer is a transformers.Trainer whose checkpoints go to ckptd. Where Trainer writes
 output_dir/checkpoint-N with model, optimizer, scheduler, scaler and RNG files (seconds of
@@ -189,8 +189,10 @@ class CkptdTrainer(Trainer):
         state: dict[str, Any] = {"model": self.accelerator.get_state_dict(self.model)}
         if not self.args.save_only_model:
             scaler = getattr(self.accelerator, "scaler", None)
-            state["optimizer"] = self.optimizer.state_dict()
-            state["scheduler"] = self.lr_scheduler.state_dict()
+            optimizer, scheduler = self.optimizer, self.lr_scheduler
+            assert optimizer is not None and scheduler is not None  # Trainer creates both before its first step
+            state["optimizer"] = optimizer.state_dict()
+            state["scheduler"] = scheduler.state_dict()
             state["scaler"] = scaler.state_dict() if scaler is not None else None
             state["rng"] = rng_states()
         handle = c.save_async(state, step=self.state.global_step)
@@ -216,15 +218,19 @@ class CkptdTrainer(Trainer):
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: torch.nn.Module | None = None) -> None:
         if read_pointer(resume_from_checkpoint) is None:
             return super()._load_from_checkpoint(resume_from_checkpoint, model)
-        (model or self.model).load_state_dict(self._resumed_part(resume_from_checkpoint, "model"))
+        target = model or self.model
+        assert target is not None  # Trainer resumes a model it was given
+        target.load_state_dict(self._resumed_part(resume_from_checkpoint, "model"))
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         if checkpoint is None or read_pointer(checkpoint) is None:
             return super()._load_optimizer_and_scheduler(checkpoint)
-        optimizer = self._resumed_part(checkpoint, "optimizer")
-        if optimizer is not None:  # None: saved with save_only_model
-            self.optimizer.load_state_dict(optimizer)
-            self.lr_scheduler.load_state_dict(self._resumed_part(checkpoint, "scheduler"))
+        saved = self._resumed_part(checkpoint, "optimizer")
+        if saved is not None:  # None: saved with save_only_model
+            optimizer, scheduler = self.optimizer, self.lr_scheduler
+            assert optimizer is not None and scheduler is not None  # Trainer creates both before it calls this
+            optimizer.load_state_dict(saved)
+            scheduler.load_state_dict(self._resumed_part(checkpoint, "scheduler"))
 
     def _load_scaler(self, checkpoint: str | None) -> None:
         if checkpoint is None or read_pointer(checkpoint) is None:

@@ -13,7 +13,7 @@ from ckpt.checkpointer import Checkpointer
 
 
 def new_run_job(base: str, address: str | None) -> tuple[str, int | None]:
-    """Return the job a new run saves to and the newest step of base: base if it holds none, else its first unused version."""
+    """Return a new run's job (base, or its first unused version if base holds a step) and base's newest step."""
     with Checkpointer(job=base, rank=0, world_size=1, address=address) as c:
         used = c.latest_step()
         if used is None:
