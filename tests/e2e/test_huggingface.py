@@ -16,7 +16,9 @@ from ckpt.huggingface import read_pointer
 from transformers.trainer_utils import get_last_checkpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
-from huggingface_train import make_trainer
+import huggingface_train
+from huggingface_train import Tokens, make_trainer, tiny_gpt2
+from transformers import Trainer, TrainerCallback
 
 pytestmark = pytest.mark.e2e
 
@@ -42,6 +44,16 @@ def losses(out: Path) -> dict[int, float]:
     for path in sorted(out.glob("losses-*.json"), key=lambda p: p.stat().st_mtime_ns):
         merged |= {int(k): v for k, v in json.loads(path.read_text()).items()}
     return merged
+
+
+class StepCounter(TrainerCallback):
+    """Count the steps a run trains."""
+
+    def __init__(self) -> None:
+        self.run = 0
+
+    def on_step_end(self, *args: object, **kwargs: object) -> None:
+        self.run += 1
 
 
 def ls(daemon, job: str) -> list[int]:
@@ -79,11 +91,28 @@ def test_a_new_trainer_in_a_used_output_dir_saves_to_a_version_of_the_job(daemon
     out_dir = str(short_tmp / "run")
     make_trainer("hfv", out_dir, max_steps=8, address=daemon.address).train()
     with caplog.at_level(logging.WARNING, logger="ckpt.huggingface"):
-        make_trainer("hfv", out_dir, max_steps=8, address=daemon.address).train()  # the same script run again
+        huggingface_train.main(  # the same script run again, as the example runs it
+            ["--job", "hfv", "--output-dir", out_dir, "--max-steps", "8", "--address", daemon.address]
+        )
     assert "job hfv holds steps up to 8 of another run" in caplog.text and "job hfv-v1" in caplog.text
     pointer = read_pointer(f"{out_dir}/checkpoint-8")
     assert pointer is not None and (pointer.job, pointer.step) == ("hfv-v1", 8)
     assert ls(daemon, "hfv") == [8] and ls(daemon, "hfv-v1") == [8]
+
+
+@pytest.mark.timeout(120)
+def test_a_checkpoint_the_plain_trainer_wrote_resumes_under_ckptd_trainer(daemon, short_tmp):
+    out_dir = str(short_tmp / "run")
+    plain = make_trainer("hfp", out_dir, max_steps=8, address=daemon.address)
+    Trainer(model=tiny_gpt2(), args=plain.args, train_dataset=Tokens()).train()  # files, no ckptd.json
+    assert read_pointer(f"{out_dir}/checkpoint-8") is None
+
+    steps = StepCounter()
+    resumed = make_trainer("hfp", out_dir, max_steps=16, address=daemon.address, callbacks=[steps])
+    resumed.train(resume_from_checkpoint=True)
+    assert (resumed.state.global_step, steps.run) == (16, 8)  # went on from step 8, not from 0
+    pointer = read_pointer(f"{out_dir}/checkpoint-16")
+    assert pointer is not None and (pointer.job, pointer.step) == ("hfp", 16)
 
 
 @pytest.mark.timeout(240)
