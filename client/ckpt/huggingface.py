@@ -56,6 +56,8 @@ from ckpt_core.daemon_socket import resolve_address  # noqa: E402
 from ckpt_core.errors import InvalidArgument  # noqa: E402
 from ckpt_core.format import validate_job, validate_step  # noqa: E402
 from transformers import Trainer  # noqa: E402
+from transformers.trainer import TRAINER_STATE_NAME  # noqa: E402
+from transformers.trainer_callback import ExportableState  # noqa: E402
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints  # noqa: E402
 
 from ckpt.checkpointer import Checkpointer, SaveHandle  # noqa: E402
@@ -66,7 +68,6 @@ log = logging.getLogger(__name__)
 POINTER_NAME = "ckptd.json"
 POINTER_FORMAT = "ckptd-huggingface-pointer"
 POINTER_VERSION = 1
-TRAINER_STATE_NAME = "trainer_state.json"
 
 
 @dataclass(frozen=True)
@@ -146,14 +147,14 @@ class CkptdTrainer(Trainer):
         limit = self.args.save_total_limit
         self._keep = limit if limit is not None and limit > 0 else None
         self._checkpointer: Checkpointer | None = None
-        self._resumed: dict[str, Any] = {}  # the parts of the loaded step not handed to the Trainer yet
+        self._resumed: dict[str, Any] | None = None  # the parts of the loaded step not handed to the Trainer yet
 
     def train(self, *args: Any, **kwargs: Any) -> Any:
         """Run Trainer.train, then close the Checkpointer (a later train() opens another)."""
         try:
             return super().train(*args, **kwargs)
         finally:
-            self._resumed = {}
+            self._resumed = None
             if self._checkpointer is not None:
                 self._checkpointer.close()
                 self._checkpointer = None
@@ -198,12 +199,25 @@ class CkptdTrainer(Trainer):
         handle = c.save_async(state, step=self.state.global_step)
         if self.args.should_save:
             Pointer(c.job, handle.step, resolve_address(self.address)).write(output_dir)
+            self._record_callback_states()
             self.state.save_to_json(os.path.join(output_dir, TRAINER_STATE_NAME))
             rotate_checkpoints(output_dir=run_dir, save_total_limit=self.args.save_total_limit, use_mtime=True)
 
+    def _record_callback_states(self) -> None:
+        """Put the states of the stateful callbacks and of TrainerControl into the trainer state, as Trainer does."""
+        # TrainerState declares a list of callbacks, and turns it into {class name: state} when it is made.
+        states: dict[str, Any] = self.state.stateful_callbacks  # type: ignore[assignment]
+        for cb in [*self.callback_handler.callbacks, self.control]:
+            if isinstance(cb, ExportableState):
+                name, cb_state = cb.__class__.__name__, cb.state()
+                if isinstance(states[name], list):
+                    states[name].append(cb_state)
+                else:
+                    states[name] = cb_state
+
     def _resumed_part(self, checkpoint: str, part: str) -> Any:
         """Return one part of the step checkpoint points to, loading the step at the first call of a resume."""
-        if not self._resumed:
+        if self._resumed is None:
             pointer = read_pointer(checkpoint)
             assert pointer is not None
             c = self._checkpointer
@@ -212,7 +226,6 @@ class CkptdTrainer(Trainer):
                     c.close()
                 c = self._open(pointer.job)
             self._resumed = c.load(pointer.step)
-            self._resumed["pointer"] = checkpoint
         return self._resumed.pop(part, None)
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: torch.nn.Module | None = None) -> None:
