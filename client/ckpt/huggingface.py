@@ -160,6 +160,7 @@ class CkptdTrainer(Trainer):
                 self._checkpointer = None
 
     def _open(self, job: str) -> Checkpointer:
+        """Open the Checkpointer this train() saves (and resumes) through, in job."""
         self._checkpointer = Checkpointer(
             job=job,
             rank=self.args.process_index,
