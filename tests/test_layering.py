@@ -295,6 +295,8 @@ def test_on_the_client_only_the_daemon_client_speaks_protobuf(path):
 # of another it gets at construction or through a method (no `handle._c._daemon`, `c._save_async`).
 CLIENT_PRIVATE_READS = {
     "ckpt_core/format.py": "a ShardMeta classmethod seals the record it has just built",
+    "ckpt/huggingface.py": "the Accelerator's _models, _optimizers, _schedulers and _custom_objects: what its own "
+    "save_state saves, which it offers no public name for",
     "ckpt/lightning.py": "torch's Tensor._version, the in-place counter it has no public name for",
     "ckpt/skeleton_unpickler.py": "torch.load(weights_only=True)'s allow-list, which torch offers no public name for",
 }

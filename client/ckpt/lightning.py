@@ -96,6 +96,7 @@ from ckpt_core.format import validate_job, validate_step  # noqa: E402
 
 from ckpt.checkpointer import Checkpointer, SaveHandle  # noqa: E402
 from ckpt.flatten import flatten  # noqa: E402
+from ckpt.job_versions import new_run_job  # noqa: E402
 from ckpt.lightning_files import POINTER_KEY, TorchFileWriter, pointer_text  # noqa: E402
 
 log = logging.getLogger(__name__)
@@ -297,14 +298,9 @@ class CkptdCheckpointIO(CheckpointIO):
         """
         base = self._base_job
         assert base is not None
-        with Checkpointer(job=base, rank=0, world_size=1, address=self.address) as c:
-            used = c.latest_step()
-            if used is None:
-                return base
-            version = 1
-            while c.daemon.newest_step(f"{base}-v{version}") is not None:
-                version += 1
-        job = validate_job(f"{base}-v{version}")
+        job, used = new_run_job(base, self.address)
+        if used is None:
+            return job
         log.warning(
             "ckpt: job %s holds steps up to %d of another run, and this run loaded none of them: it saves to "
             "job %s, as Lightning versions its files (to continue a run, resume it from its checkpoint: "
