@@ -186,11 +186,6 @@ def test_a_rollback_retires_the_superseded_replicas_on_other_nodes(make_cluster)
             assert other.load(step=400)["w"][0].item() == -400.0
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="open: a node back from an outage serves its old line's copy of a step number the new line saved again "
-    "until the new replica reaches it (its load prefers its own copy; its view did not yet know the new record)",
-)
 def test_a_node_down_during_a_rollback_gets_the_new_lines_replica_when_it_returns(make_cluster):
     # b is down while the new line saves step 400 again: it still holds the old line's 400 when it returns. It never
     # loads that as the job's latest or as step 400, and the new line's replica replaces it once sent there.
