@@ -30,6 +30,7 @@ from typing import Any
 
 from ckpt_core.errors import CheckpointError
 from ckpt_core.format import CommitRecord
+from ckpt_core.history import generation
 
 from ckptd.cluster.cluster_link import ClusterLinks, PeerSlow
 from ckptd.cluster.collector import Collector
@@ -323,13 +324,16 @@ class PeersView(ClusterView):
         await self.learned(record)
 
     async def on_digest(self, digests: dict[str, tuple[str, list[int]]]) -> list[CommitRecord]:
-        """Return, for each job whose digest differs from the caller's, the records of the steps it lacks."""
+        """Return, for each job whose digest differs from the caller's, the records of the steps it lacks.
+
+        And those of a rollback's lines (generation > 0): the caller may hold the step number on the old line.
+        """
         lacking = []
         for job in self.commits.jobs():
             digest, steps = digests.get(job, ("", []))
             if digest != self.commits.digest(job):
                 held = set(steps)
-                lacking += [r for r in self.commits.records(job) if r.step not in held]
+                lacking += [r for r in self.commits.records(job) if r.step not in held or generation(r.line) > 0]
         return lacking
 
     async def on_holders(self, job: str, step: int, rank: int) -> list[Holding]:

@@ -33,7 +33,7 @@ from typing import Any
 
 import xxhash
 from ckpt_core.format import CommitRecord
-from ckpt_core.history import History
+from ckpt_core.history import History, generation
 
 from ckptd.cluster.peer_membership import Membership
 from ckptd.cluster.placement import Holding
@@ -79,11 +79,14 @@ class ClusterView(ABC):
         """Take a commit from the backend: hand it to on_commit if it is new; return whether it was handed.
 
         A record that contradicts a known one of the same step is logged and dropped: the
-        first stays (as a node's disk keeps the first record it adopted). again: hand a
-        known one to on_commit again too (Peering, which found this node's copy unsealed).
+        first stays (as a node's disk keeps the first record it adopted), unless it is of a
+        newer line (a rollback saved the step number again: the old line's is superseded).
+        again: hand a known one to on_commit again too (Peering, which found this node's copy unsealed).
         """
         known = self.commits.get(record.job, record.step)
-        if known is not None:
+        if known is not None and generation(record.line) > generation(known.line):
+            self.commits.add(record)
+        elif known is not None:
             if known != record:
                 log.warning("%s step %d: ignored a second, different commit record", record.job, record.step)
                 return False

@@ -30,7 +30,7 @@ from typing import Any, TypeVar
 
 from ckpt_core.errors import CheckpointError, CorruptCheckpoint, NotFound
 from ckpt_core.format import CommitRecord, ShardMeta, digest, validate_tier
-from ckpt_core.history import History, Line
+from ckpt_core.history import History, Line, generation
 from ckpt_core.shard_io import ShardSource
 
 from ckptd.config import Config
@@ -164,7 +164,8 @@ class Locator:
             self.verification_failed("nvme")  # the client found this node's copies bad
         if refetch and not (from_peers or from_object):
             raise CorruptCheckpoint(f"{job} step {step} rank {rank}: no other tier to fetch a good copy from")
-        sources = [] if refetch else await self.on_locate_threads(self.local_sources, tiers, job, step, rank, record)
+        fresh = refetch or self.superseded_here(job, record)  # fetch over this node's copies
+        sources = [] if fresh else await self.on_locate_threads(self.local_sources, tiers, job, step, rank, record)
         fetched_to = ShardSource(
             tier if tier in ("peer", "object") else "nvme",
             "dir",
@@ -174,7 +175,7 @@ class Locator:
         )
         if not sources and from_peers and (refetch or step not in object_steps):
             try:
-                await self.cluster.fetch(job, step, rank, replace=refetch)
+                await self.cluster.fetch(job, step, rank, replace=fresh)
                 sources = [fetched_to]
             except CheckpointError as e:
                 if not from_object:
@@ -219,6 +220,18 @@ class Locator:
         return NotFound(
             f"{job} step {step} is not complete {where}; job {job}'s complete steps there, newest first "
             f"({count}): {', '.join(map(str, newest))}{unlisted}"
+        )
+
+    def superseded_here(self, job: str, record: CommitRecord | None) -> bool:
+        """Say whether this node's copy of a step (its record) is of an older line than the cluster's record of it.
+
+        A node away while a rollback's new line saved the step number again holds the old line's
+        copy until the new line's replica reaches it: a load fetches the new one instead.
+        """
+        if record is None:
+            return False
+        return any(
+            r.step == record.step and generation(r.line) > generation(record.line) for r in self.cluster.committed(job)
         )
 
     def tiers_for(self, tier: str) -> list[Tier]:

@@ -300,12 +300,17 @@ class Peering:
     def replicating_steps(self) -> set[tuple[str, int]]:
         """Return the steps whose replicas are still on their way, among those the peers keep of the job (keep_of).
 
-        At most twice the job's NVMe keep per job: a peer that stays down must not fill the disk.
+        With [retention] peer > 0 that is the bound: a step of the job's newest `peer` steps stays on NVMe
+        until its replicas exist (a stand-in's count), however far NVMe's own keep has passed it. With
+        peer = 0 (the peers keep every step), at most twice the job's NVMe keep: a peer that stays down
+        must not fill the disk.
         """
         if self.replication is None:
             return set()
 
         def within(key: ShardKey) -> bool:
+            if self._keep_of(key.job, "peer") > 0:
+                return True  # _kept bounds it by the peers' keep
             limit = 2 * self._keep_of(key.job, "nvme")
             complete = self._nvme_complete.get(key.job)
             if complete is None:  # not listed yet: kept until the next reconciliation says

@@ -48,7 +48,7 @@ from typing import Any, Literal, Protocol
 
 from ckpt_core.errors import CheckpointError, InvalidArgument, NotFound
 from ckpt_core.format import CommitRecord, ShardMeta
-from ckpt_core.history import History, Line, generation
+from ckpt_core.history import Line, generation
 from ckpt_core.shard_key import ShardKey
 
 from ckptd import metrics
@@ -56,6 +56,7 @@ from ckptd.cluster.view import ClusterView
 from ckptd.errors import MixedLines
 from ckptd.replication.peering import Peering
 from ckptd.save.flush import Flusher
+from ckptd.save.job_heads import JobHeads, newer
 from ckptd.save.progress import REMEMBERED_SHARDS, ShardProgress, ShardWait
 from ckptd.save.staging import SlotPool, Snapshot
 from ckptd.save.uploading import Uploader
@@ -148,6 +149,7 @@ class SavePath:
         # One seal at a time on this node; catch_up, the adoptions and every removal from this node's disks take it too.
         self._seal_lock = asyncio.Lock()
         self._rounds: dict[str, asyncio.Task[None]] = {}  # job -> its rounds, while a snapshot of it waits
+        self.heads = JobHeads(self._tiers_records)  # told of every seal, adoption and removal below
         self._latest_run: OrderedDict[tuple[str, int], str] = OrderedDict()  # the run that committed a step last
         self.tasks: set[asyncio.Task[None]] = set()
         self.counters = {"saves": 0, "skipped": 0, "bytes_saved": 0, "replica_bytes_received": 0}
@@ -197,29 +199,35 @@ class SavePath:
         continues the job's head. The head is the newest step of the newest line this node
         knows (its durable tiers, the cluster view's commits).
         """
-        records = await asyncio.get_running_loop().run_in_executor(self._save_threads, self._records_of, key.job)
-        history = History.of({s: r.line for s, r in records.items()})
-        head = history.head
+        record = await asyncio.get_running_loop().run_in_executor(self._save_threads, self._head_of, key.job)
+        head = record.step if record is not None else None
+        head_line = record.line if record is not None else ()
         # The head itself, or the step last saved, saved again: reserve() skips it if complete, else (a rank
         # that never got its shard in) it is saved again.
-        if asked is None and head is not None and key.step < head:
-            record = records[head]
+        if asked is None and record is not None and key.step < record.step:
             saved = f", saved {record.committed_at}" if record.committed_at else ""
             raise _not_newer(key, f"step {head}, the job's newest complete step{saved}")
         if asked is None:
-            return history.head_line
+            return head_line
         if key.step < after:
             raise _not_newer(key, f"step {after}, which this rank loaded or saved last")
-        if head is not None and generation(asked) < generation(history.head_line):
+        if head is not None and generation(asked) < generation(head_line):
             raise InvalidArgument(
                 f"{key.job} step {key.step} continues a line of the job that a later rollback superseded (the job's "
                 f"newest step is {head}, of a newer line): load the step to continue from first"
             )
         return asked
 
-    def _records_of(self, job: str) -> dict[int, CommitRecord]:
-        """Return the records of the job's steps complete on this node or known to the cluster (a save thread)."""
-        records = {r.step: r for r in self.view.committed(job)} if self.view is not None else {}
+    def _head_of(self, job: str) -> CommitRecord | None:
+        """Return the record of the job's head here (kept by JobHeads) or in the cluster (a save thread)."""
+        head = self.heads.head(job)
+        for record in self.view.committed(job) if self.view is not None else []:
+            head = newer(head, record)
+        return head
+
+    def _tiers_records(self, job: str) -> dict[int, CommitRecord]:
+        """Return the records of the job's steps complete on this node's durable tiers (JobHeads' listing)."""
+        records: dict[int, CommitRecord] = {}
         for tier in self.durable_tiers:
             records.update(tier.complete_records(job))
         return records
@@ -427,7 +435,8 @@ class SavePath:
         if told is not None and (told.job, told.step) == (meta.job, meta.step):
             async with self._seal_lock:
                 loop = asyncio.get_running_loop()
-                await loop.run_in_executor(self._peer_threads, self.replica_store.adopt_commit, told)
+                if await loop.run_in_executor(self._peer_threads, self.replica_store.adopt_commit, told):
+                    self.heads.sealed(told)
         self.counters["replica_bytes_received"] += meta.data_size_bytes  # a record not adopted: uncounted
         try:
             record = await self.seal(meta.job, meta.step)
@@ -513,6 +522,7 @@ class SavePath:
                 if record is None or self.flusher.flushing(job, step):
                     continue
                 if await loop.run_in_executor(self._peer_threads, tier.adopt_commit, record):
+                    self.heads.sealed(record)
                     log.info("%s step %d on tier %s: adopted the commit record a peer holds", job, step, tier.name)
 
     async def _adopt_here(self, record: CommitRecord) -> bool:
@@ -523,6 +533,8 @@ class SavePath:
         """
         loop = asyncio.get_running_loop()
         adopted = [await loop.run_in_executor(self._peer_threads, t.adopt_commit, record) for t in self.durable_tiers]
+        if any(adopted):
+            self.heads.sealed(record)
         return any(adopted)
 
     async def _note_nvme_complete(self, record: CommitRecord) -> None:
@@ -548,7 +560,10 @@ class SavePath:
             await loop.run_in_executor(self._object_threads, tier.remove_step, job, step)
             return
         async with self._seal_lock:
-            await loop.run_in_executor(self._removal_threads, tier.remove_step, job, step)
+            try:
+                await loop.run_in_executor(self._removal_threads, tier.remove_step, job, step)
+            finally:
+                self.heads.released(job, step)
 
     async def release_slots(self, job: str, step: int, dry_run: bool) -> list[Slot]:
         """Drop a step's settled staging slots (`ckptd rm`); return them, or with dry_run those it would drop."""

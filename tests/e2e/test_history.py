@@ -162,3 +162,53 @@ def test_retention_removes_the_superseded_step_before_any_step_of_the_line(make_
     eventually(lambda: on_nvme() == [300, 310, 320], what="the line's oldest removed")
     for c in ranks:
         c.close()
+
+
+def test_a_rollback_retires_the_superseded_replicas_on_other_nodes(make_cluster):
+    # Both other nodes keep a replica of every step; after a rollback, the new line's step 400 replaces the old
+    # line's on each of them (their replica stores and what they list and load), and the old line's step 500,
+    # which the new line has not saved again, is superseded there too.
+    a, b, c = (d.start() for d in make_cluster(3, replicas=2, extra_toml="[retention]\nnvme = 0\npeer = 0\n"))
+    with ckpt.Checkpointer(job="lines", rank=0, world_size=1, address=a.address) as r:
+        for s in (100, 200, 300, 400, 500):
+            r.save_async(_state(float(s)), step=s).wait("peer", timeout=60)
+        r.load(step=300)
+        r.save_async(_state(-400.0), step=400).wait("peer", timeout=60)
+    for node in (b, c):
+        replica = ckpt.load_local(node.root / ".peer" / "lines" / "400")
+        assert replica["w"][0].item() == -400.0, f"{node.root} kept the superseded step 400"
+        assert ckpt.load_local(node.root / ".peer" / "lines" / "500")["w"][0].item() == 500.0
+        listed = _ls(node, "lines")
+        assert not listed[400]["superseded"] and listed[500]["superseded"], listed
+        with ckpt.Checkpointer(job="lines", rank=0, world_size=1, address=node.address) as other:
+            assert other.latest_step() == 400
+            assert other.load()["w"][0].item() == -400.0
+            assert other.load(step=400)["w"][0].item() == -400.0
+
+
+def test_a_node_down_during_a_rollback_gets_the_new_lines_replica_when_it_returns(make_cluster):
+    # b is down while the new line saves step 400 again: it still holds the old line's 400 when it returns. It never
+    # loads that as the job's latest or as step 400, and the new line's replica replaces it once sent there.
+    a, b, c = make_cluster(3, replicas=2, extra_toml="[retention]\nnvme = 0\npeer = 0\n")
+    for node in (a, b, c):
+        node.start()
+    with ckpt.Checkpointer(job="lines", rank=0, world_size=1, address=a.address) as r:
+        for s in (100, 200, 300, 400):
+            r.save_async(_state(float(s)), step=s).wait("peer", timeout=60)
+        b.kill()
+        r.load(step=300)
+        r.save_async(_state(-400.0), step=400).wait("nvme", timeout=60)
+        eventually(lambda: (c.root / ".peer" / "lines" / "400").exists() and _replica(c, 400) == -400.0, what="c's")
+        b.start()
+        with ckpt.Checkpointer(job="lines", rank=0, world_size=1, address=b.address) as other:
+            assert other.load(step=400)["w"][0].item() == -400.0
+            assert other.load()["w"][0].item() == -400.0
+        eventually(lambda: _replica(b, 400) == -400.0, timeout_s=120, what="the new line's replica on b")
+        assert not _ls(b, "lines")[400]["superseded"]
+
+
+def _replica(node, step: int) -> float | None:
+    try:
+        return ckpt.load_local(node.root / ".peer" / "lines" / str(step))["w"][0].item()
+    except Exception:
+        return None

@@ -439,7 +439,11 @@ def test_nvme_keeps_a_step_until_its_replicas_are_in(make_cluster):
     eventually(lambda: (b.root / ".peer" / JOB / "1" / meta_name(0)).exists(), what="step 1's replica")
     # A sender that failed while b was down backs off up to 30 s (jittered) between tries: under a loaded run
     # the try that hears b hold the replica may come that late, twice.
-    released = lambda: "would remove nvme train step 1" in a.cli("gc", "--dry-run").stdout  # noqa: E731
+    # Released: a retention pass removes it, or would (gc --dry-run), whichever comes first.
+    released = lambda: (  # noqa: E731
+        "removed train step 1 from nvme" in a.log()
+        or "would remove nvme train step 1" in a.cli("gc", "--dry-run").stdout
+    )
     eventually(released, timeout_s=120, what="step 1 released")
 
 
@@ -477,3 +481,20 @@ def test_a_hostile_commit_record_deletes_nothing_of_a_complete_step(make_cluster
     with ckpt.Checkpointer(job=JOB, rank=0, world_size=1, address=a.address) as c:
         assert_same(c.load(1), rank_state(0, 1))
     assert not [line for line in a.log().splitlines() if JOB in line and ("WARNING" in line or "ERROR" in line)]
+
+
+def test_nvme_keeps_every_unreplicated_step_the_peers_keep_while_a_peer_is_down(make_cluster):
+    # NVMe keeps 1, the peers 3: a step of the newest 3 with no replica anywhere stays on NVMe (the one copy
+    # there is), however many newer ones come while the peer is down; an older one may go (no peer keeps it).
+    a, _ = make_cluster(2, extra_toml="[retention]\nnvme = 1\npeer = 3\n")
+    a.start()  # b is down: no replica can be sent
+    with ckpt.Checkpointer(job=JOB, rank=0, world_size=1, address=a.address) as c:
+        for step in (1, 2, 3, 4):
+            c.save_async(rank_state(0, step), step=step).wait("nvme", timeout=60)
+    # A round of catching up lists NVMe's steps; its retention pass then drops step 1, out of the peers' keep.
+    eventually(lambda: "removed train step 1 from nvme" in a.log(), what="step 1 retired")
+    assert "removed train step 2 from nvme" not in a.log()
+    out = a.cli("gc", "--dry-run").stdout
+    assert "nvme train step 2" not in out and "nvme train step 3" not in out, out
+    for step in (2, 3, 4):
+        assert (a.root / JOB / str(step) / data_name(0)).exists(), f"step {step} left NVMe with no replica"
