@@ -25,7 +25,7 @@ from typing import Any, TextIO, cast
 
 from ckpt.transport import DaemonClient
 from ckpt_core.errors import CheckpointError, DaemonUnavailable, InvalidArgument
-from ckpt_core.format import validate_job, validate_step
+from ckpt_core.format import counted, validate_job, validate_step
 from ckpt_core.wire.v1 import ckptd_pb2 as pb
 
 from ckptd import __version__
@@ -446,8 +446,8 @@ def cmd_inspect(args: argparse.Namespace, config: Config) -> int:
     if args.json:
         print(json.dumps(found.to_json()))
         return 0
-    print(f"{found.job} step {found.step}: {found.world_size} ranks, {human_size(found.size_bytes)}, read from tier "
-          f"{found.tier}")  # fmt: skip
+    ranks = counted(found.world_size, "rank")
+    print(f"{found.job} step {found.step}: {ranks}, {human_size(found.size_bytes)}, read from tier {found.tier}")
     width = max((len(row.key) for row in found.tensors), default=3)
     print(f"{'key':<{width}}  {'dtype':<9}  {'shape':<18}  {'bytes':>10}  ranks")
     for row in found.tensors:

@@ -84,7 +84,7 @@ class SaveHandle:
         return self._staged.device if self._staged is not None else None
 
     def done(self, tier: str = "nvme") -> bool:
-        """Return whether this rank's shard has reached tier."""
+        """Return whether this rank's shard has reached tier (False for a tier this node does not configure)."""
         validate_tier(tier)
         if self.skipped or not self._staged_within(0):
             return False
@@ -137,7 +137,10 @@ class Checkpointer:
         address: str | None = None,
         **options: Any,
     ) -> None:
-        self.job = validate_job(job if job is not None else os.environ.get("CKPT_JOB", ""))
+        job = job if job is not None else os.environ.get("CKPT_JOB")
+        if not job:
+            raise InvalidArgument("a Checkpointer needs a job name: pass Checkpointer(job=...) or set CKPT_JOB")
+        self.job = validate_job(job)
         self.rank, self.world_size = validate_rank(*rank_and_world_size(rank, world_size))
         copy_threads = options.pop("copy_threads", 2)
         self.run_id = str(options.pop("run_id", None) or _default_run_id())

@@ -109,6 +109,11 @@ class DaemonClient:
     def __init__(self, address: str | None = None) -> None:
         if not (address or os.environ.get("CKPTD_ADDRESS")):
             check_default_socket(default_socket_path())
+            self._way_out = "start it with `ckptd serve`, or set CKPTD_ADDRESS to the address of a running one"
+        elif address:
+            self._way_out = "start it with `ckptd serve`, or check the address given"
+        else:
+            self._way_out = "start it with `ckptd serve`, or check CKPTD_ADDRESS, which named this address"
         self.target = resolve_address(address)
         self._channel = grpc.insecure_channel(
             self.target,
@@ -232,9 +237,7 @@ class DaemonClient:
         code = e.code()
         detail = e.details() or str(code)
         if code == grpc.StatusCode.UNAVAILABLE:
-            return DaemonUnavailable(
-                f"ckptd is not reachable at {self.target} ({detail}); start it with `ckptd serve` or set CKPTD_ADDRESS"
-            )
+            return DaemonUnavailable(f"ckptd is not reachable at {self.target} ({detail}); {self._way_out}")
         errors: dict[Any, type[Exception]] = {
             grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument,
             grpc.StatusCode.NOT_FOUND: NotFound,

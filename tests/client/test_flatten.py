@@ -115,3 +115,8 @@ def test_replicated_keys_become_one_chunk_that_only_rank_0_writes():
     assert [e["kind"] for e in owner.entries] == ["chunk", "torch"]  # the tensor once, under its first key
     assert [e["kind"] for e in other.entries] == ["torch"] and "model.w" in other.dtensors  # listed, not written
     assert other.data_size_bytes < owner.data_size_bytes
+
+
+def test_a_value_that_cannot_be_pickled_is_named_by_its_key():
+    with pytest.raises(InvalidArgument, match=r"at key 'a\.b\.1\.c': .*pickle"):
+        flatten({"a": {"b": [1, {"c": lambda: 0}]}, "w": torch.zeros(2)})

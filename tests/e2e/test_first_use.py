@@ -1,0 +1,66 @@
+"""What a new user meets first, against a real ckptd: bounds that cannot lock a job, messages that name the way out."""
+
+from __future__ import annotations
+
+import ckpt
+import pytest
+import torch
+from ckpt_core.errors import DaemonUnavailable, InvalidArgument, NotFound
+
+pytestmark = pytest.mark.e2e
+
+
+def _state(value: float) -> dict[str, torch.Tensor]:
+    return {"w": torch.full((4,), value)}
+
+
+def test_a_named_step_cannot_lock_the_job_and_the_top_names_the_way_out(daemon):
+    with ckpt.Checkpointer(job="far", address=daemon.address) as c:
+        with pytest.raises(InvalidArgument, match=r"far step 2305843009213693952 is above 2\*\*61-1"):
+            c.save_async(_state(0.0), step=2**61)
+        c.save_async(_state(1.0), step=2**61 - 1).wait(timeout=60)
+        h = c.save_async(_state(2.0))  # step=None still has room after the highest named step
+        h.wait(timeout=60)
+        assert h.step == 2**61
+    with ckpt.Checkpointer(job="top", address=daemon.address) as c:
+        c.save_async(_state(1.0), step=2**61 - 1).wait(timeout=60)
+        c._saves._last_step = 2**62 - 1  # the state of a job after 2**61 saves, which no test can make
+        with pytest.raises(InvalidArgument, match=r"top has no step after 4611686018427387903.*new job name.*ckptd rm"):
+            c.save_async(_state(2.0))
+
+
+def test_no_job_asks_for_one(monkeypatch):
+    monkeypatch.delenv("CKPT_JOB", raising=False)
+    with pytest.raises(InvalidArgument, match=r"needs a job name: pass Checkpointer\(job=\.\.\.\) or set CKPT_JOB"):
+        ckpt.Checkpointer(address="/nonexistent.sock")
+
+
+def test_an_unreachable_daemon_does_not_suggest_the_variable_already_set(short_tmp, monkeypatch):
+    monkeypatch.setenv("CKPTD_ADDRESS", str(short_tmp / "none.sock"))
+    with ckpt.Checkpointer(job="x") as c, pytest.raises(DaemonUnavailable) as refused:
+        c.latest_step()
+    assert "check CKPTD_ADDRESS, which named this address" in str(refused.value)
+    assert "set CKPTD_ADDRESS" not in str(refused.value)
+
+
+def test_done_on_a_tier_this_node_lacks_is_false_and_wait_says_why(daemon):
+    with ckpt.Checkpointer(job="alone", address=daemon.address) as c:
+        h = c.save_async(_state(1.0), step=1)
+        h.wait("nvme", timeout=60)
+        assert h.done("peer") is False
+        assert h.done("object") is False
+        with pytest.raises(ckpt.SaveFailed, match="tier peer is not configured"):
+            h.wait("peer", timeout=5)
+
+
+def test_one_rank_and_any_tier_read_right(daemon):
+    with ckpt.Checkpointer(job="one", address=daemon.address) as c:
+        c.save_async(_state(1.0), step=1).wait(timeout=60)
+    two = ckpt.Checkpointer(job="one", rank=0, world_size=2, address=daemon.address)
+    with two, pytest.raises(InvalidArgument, match=r"saved by 1 rank, and this Checkpointer has world_size 2"):
+        two.load(1)
+    second = ckpt.Checkpointer(job="one", rank=1, world_size=2, address=daemon.address)
+    with second, pytest.raises(NotFound, match=r"has no rank 1: it was saved by 1 rank \(world_size 1\)"):
+        second.load(1)
+    with ckpt.Checkpointer(job="one", address=daemon.address) as c, pytest.raises(NotFound, match="any tier"):
+        c.load(9)
