@@ -311,12 +311,13 @@ class Checkpointer:
             raise CheckpointError("this Checkpointer is closed")
 
 
-def _job_retention(keep: Any, keep_every: Any) -> JobRetention | None:
-    """Return the job's own retention for Reserve (only what was given), None if neither; check both first.
+def _job_retention(keep: Any, keep_every: Any) -> JobRetention:
+    """Return the job's own retention for Reserve (only what was given); check both first.
 
     keep: the newest complete steps of the job's line the daemon keeps on NVMe and the replica store
     (0: all); keep_every: it also keeps the steps that are multiples of it (0: none). Each overrides
-    the daemon's [retention.jobs.<job>] and [retention] for this job.
+    the daemon's [retention.jobs.<job>] and [retention] for this job; None (not given) is the config's,
+    sent as such, so that a later Checkpointer of the job without them takes back what an earlier one set.
     """
     given = {}
     for name, value in (("keep", keep), ("keep_every", keep_every)):
@@ -325,7 +326,7 @@ def _job_retention(keep: Any, keep_every: Any) -> JobRetention | None:
         if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**31:
             raise InvalidArgument(f"{name} must be None (the daemon's config) or an integer >= 0, not {value!r}")
         given[name] = value
-    return JobRetention(**given) if given else None
+    return JobRetention(**given)
 
 
 def _default_run_id() -> str:

@@ -82,7 +82,7 @@ class SavePath:
         shard: ShardId,  # step 0: this rank's place in the job; each save names its step
         run_id: str,
         replicated: KeyFilter | None,
-        retention: JobRetention | None,
+        retention: JobRetention,
         copy_threads: int,
         spill_bytes: int | None,
     ) -> None:
@@ -90,7 +90,7 @@ class SavePath:
         self._shard = shard
         self._run_id = run_id
         self._replicated = replicated  # keys whose plain tensors every rank holds alike: written by rank 0
-        self._retention = retention  # sent on every Reserve; None: the daemon's config
+        self._retention = retention  # sent on every Reserve, even empty: what it leaves out is the daemon's config
         self._spill_bytes = spill_bytes
         self._slots = SlotMappings()
         self._copy_threads = copy_threads

@@ -56,6 +56,23 @@ def test_the_clients_keep_wins_over_the_config(make_daemon):
     assert r["keep"]["nvme"] == 3 and r["from"] == {"keep": "client", "keep_every": "default"}
 
 
+def test_a_later_checkpointer_without_keep_takes_the_config_back(make_daemon):
+    node = make_daemon("[retention]\nnvme = 1\n").start()
+    save(node, "back", range(1, 8), keep=2, keep_every=5)
+    node.cli("gc")
+    assert on_nvme(node, "back") == [5, 6, 7]
+    assert retention(node, "back")["from"] == {"keep": "client", "keep_every": "client"}
+    node.stop()  # remembered across a restart, until the job's next save says otherwise
+    node.start()
+    assert retention(node, "back")["from"] == {"keep": "client", "keep_every": "client"}
+    save(node, "back", [8])  # keep=None, keep_every=None: the config's
+    r = retention(node, "back")
+    assert r["keep"]["nvme"] == 1 and r["keep_every"] == 0
+    assert r["from"] == {"keep": "default", "keep_every": "default"}
+    node.cli("gc")
+    assert on_nvme(node, "back") == [8]
+
+
 def test_a_pinned_step_survives_retention_and_restarts_and_goes_after_unpin(make_daemon):
     node = make_daemon("[retention]\nnvme = 1\n").start()
     save(node, "p", [1])
