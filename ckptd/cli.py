@@ -198,22 +198,28 @@ def _parser() -> argparse.ArgumentParser:
     s = command(
         "rm",
         parents=[common, daemon],
-        help="remove one step from every tier of this node",
+        help="remove one step from this node's tiers (--tier object: the shared object store too)",
         description=(
-            "Remove one step from every tier of this node: NVMe, the replicas other nodes sent here, the object "
-            "store if one is configured, and its settled staging slots. Refused for the job's head (the newest "
-            "step of its line) unless --force, for a pinned step unless --force, and for a step being written, "
-            "replicated, uploaded or read (try again later). Other nodes' copies stay.\n\n"
+            "Remove one step from every tier of this node: NVMe, the replicas other nodes sent here, and its "
+            "settled staging slots; with --tier object, from the object store too, which every node shares "
+            "(without it the store is left alone, as by gc). It prints one line per tier it removes the step "
+            "from. Refused for the job's head (the newest step of its line) unless --force, for a pinned step "
+            "unless --force, and for a step being written, replicated, uploaded or read (try again later). "
+            "Other nodes' copies stay.\n\n"
             "exit codes: 0 removed, 1 not found or refused, 2 usage"
         ),
         epilog=_examples(
             "ckptd rm --job llama-7b --step 1100 --dry-run",
             "ckptd rm --job llama-7b --step 1200 --force   # the job's head: its latest step goes back to 1100",
+            "ckptd rm --job llama-7b --step 900 --tier object   # the shared object store's copy too",
         ),
     )
     s.add_argument("--job", required=True, help="the job")
     s.add_argument("--step", type=int, required=True, help="the step to remove")
     s.add_argument("--force", action="store_true", help="remove it even if it is the job's head or pinned")
+    s.add_argument(
+        "--tier", choices=("object",), help="the shared object store's copy too (every node's, not this one's)"
+    )
     s.add_argument("--dry-run", action="store_true", help="show what would be removed, remove nothing")
     s.add_argument("--json", action="store_true", help="print one JSON list of removals")
     export.add_parser(command, common)
@@ -523,8 +529,11 @@ def cmd_pin(args: argparse.Namespace, config: Config) -> int:
 
 def cmd_rm(args: argparse.Namespace, config: Config) -> int:
     job, step = validate_job(args.job), validate_step(args.step)
-    request = pb.RemoveStepRequest(job=job, step=step, force=args.force, dry_run=args.dry_run)
+    object_too = args.tier == "object"
+    request = pb.RemoveStepRequest(job=job, step=step, force=args.force, dry_run=args.dry_run, object=object_too)
     _print_removals(_client(args, config).call("RemoveStep", request).removals, args.dry_run, args.json)
+    if config.object.url and not object_too and not args.json:
+        print(f"the object store ({config.object.url}) was left alone: --tier object removes the step there too")
     return 0
 
 

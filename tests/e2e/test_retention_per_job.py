@@ -146,9 +146,28 @@ def test_rm_removes_the_step_from_the_object_store_too_and_pins_count_there(make
 
     out = node.cli("rm", "--job", "o", "--step", "1")
     assert out.returncode == 1 and "o step 1 is pinned" in out.stderr and "--force" in out.stderr
-    out = node.cli("rm", "--job", "o", "--step", "1", "--force", "--json")
+    out = node.cli("rm", "--job", "o", "--step", "1", "--force", "--json", "--tier", "object")
     assert out.returncode == 0, out.stderr
     assert {r["tier"] for r in json.loads(out.stdout)} >= {"nvme", "object"}
     assert sorted(p.name for p in (store / "o").iterdir()) == ["3"]
     assert on_nvme(node, "o") == [2, 3]
     assert retention(node, "o")["pinned"] == []  # the removed step's pin went with it
+
+
+def test_rm_leaves_the_shared_object_store_alone_unless_asked(make_daemon, short_tmp):
+    store = short_tmp / "store"
+    node = make_daemon(f'[object]\nurl = "file://{store}"\n[retention]\nnvme = 0\n').start()
+    with ckpt.Checkpointer(job="s", address=node.address) as c:
+        for step in (1, 2):
+            c.save_async({"w": torch.ones(4) * step}, step=step).wait("object", timeout=60)
+    out = node.cli("rm", "--job", "s", "--step", "1")
+    assert out.returncode == 0, out.stderr
+    assert "removed nvme s step 1: removed by ckptd rm" in out.stdout
+    assert "removed object" not in out.stdout
+    assert f"the object store (file://{store}) was left alone: --tier object removes the step there too" in out.stdout
+    assert on_nvme(node, "s") == [2] and sorted(p.name for p in (store / "s").iterdir()) == ["1", "2"]
+    out = node.cli("rm", "--job", "s", "--step", "1")  # only the store has it now
+    assert out.returncode == 1 and "on no tier of this node (the object store not asked: --tier object)" in out.stderr
+    out = node.cli("rm", "--job", "s", "--step", "1", "--tier", "object")
+    assert out.returncode == 0 and "removed object s step 1: removed by ckptd rm" in out.stdout, out.stderr
+    assert sorted(p.name for p in (store / "s").iterdir()) == ["2"]
