@@ -149,12 +149,12 @@ def _parser() -> argparse.ArgumentParser:
         help="list a step's tensors: keys, dtypes, shapes, bytes and the ranks holding them (no torch needed)",
         epilog=_examples(
             "ckptd inspect --job llama-7b --step 1200",
-            "ckptd inspect --job llama-7b --step 1200 --json --tier object",
+            "ckptd inspect --job llama-7b --json --tier object   # the latest step complete in the store",
         ),
     )
     s.add_argument("--json", action="store_true", help="print one JSON document instead of a table")
     s.add_argument("--job", required=True, help="the job")
-    s.add_argument("--step", type=int, required=True, help="the step (a complete one)")
+    s.add_argument("--step", default="latest", help="a complete step's number, or latest (default)")
     s.add_argument(
         "--tier", help="read this tier: memory, nvme, peer, object or an object-store URL (default: the fastest)"
     )
@@ -444,11 +444,13 @@ def cmd_restore(args: argparse.Namespace, config: Config) -> int:
 
 def cmd_inspect(args: argparse.Namespace, config: Config) -> int:
     from ckptd.offline.inspect import inspect_step
-    from ckptd.offline.restore import readable_tiers, tool_threads
+    from ckptd.offline.restore import latest_step, readable_tiers, tool_threads
 
+    job = validate_job(args.job)
+    step = None if args.step == "latest" else _parse_step(args.step)
     with tool_threads() as threads:
         tiers = readable_tiers(config, args.tier or "auto", threads)
-        found = inspect_step(tiers, validate_job(args.job), validate_step(args.step))
+        found = inspect_step(tiers, job, latest_step(tiers, job) if step is None else step)
     if args.json:
         print(json.dumps(found.to_json()))
         return 0

@@ -64,3 +64,24 @@ def test_one_rank_and_any_tier_read_right(daemon):
         second.load(1)
     with ckpt.Checkpointer(job="one", address=daemon.address) as c, pytest.raises(NotFound, match="any tier"):
         c.load(9)
+
+
+def test_inspect_reads_the_latest_step_by_default(daemon):
+    with ckpt.Checkpointer(job="look", address=daemon.address) as c:
+        for step in (3, 7):
+            c.save_async({"w": torch.zeros(2, 3)}, step=step).wait(timeout=60)
+    for args in ((), ("--step", "latest")):
+        out = daemon.cli("inspect", "--job", "look", *args)
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.startswith("look step 7: 1 rank, ")
+    out = daemon.cli("inspect", "--job", "look", "--step", "soon")
+    assert out.returncode == 2 and "a number or latest" in out.stderr
+
+
+def test_a_tier_off_in_the_config_names_what_to_give(daemon):
+    with ckpt.Checkpointer(job="v", address=daemon.address) as c:
+        c.save_async(_state(1.0), step=1).wait(timeout=60)
+    out = daemon.cli("verify", "--job", "v", "--tier", "object")
+    assert out.returncode == 1
+    assert "tier object is off in the config this command read (no [object] url)" in out.stderr
+    assert "--tier s3://bucket/prefix" in out.stderr
