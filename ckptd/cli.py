@@ -352,10 +352,10 @@ def cmd_serve(args: argparse.Namespace, config: Config) -> int:
     logging.captureWarnings(True)  # Python's warnings go through the same formatter
     try:
         asyncio.run(serve(config))
-    except (AlreadyServing, RootGone) as e:
+    except RootGone as e:
         print(f"ckptd: {e}", file=sys.stderr)
         return 1
-    except (ListenFailed, RootInUse, UnsafePath) as e:
+    except (AlreadyServing, ListenFailed, RootInUse, UnsafePath) as e:  # the config names what another holds
         print(f"ckptd: {e}", file=sys.stderr)
         return 2
     return 0

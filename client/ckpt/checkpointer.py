@@ -137,10 +137,9 @@ class Checkpointer:
         address: str | None = None,
         **options: Any,
     ) -> None:
-        job = job if job is not None else os.environ.get("CKPT_JOB")
-        if not job:
+        if job is None and not os.environ.get("CKPT_JOB"):
             raise InvalidArgument("a Checkpointer needs a job name: pass Checkpointer(job=...) or set CKPT_JOB")
-        self.job = validate_job(job)
+        self.job = validate_job(job if job is not None else os.environ["CKPT_JOB"])
         self.rank, self.world_size = validate_rank(*rank_and_world_size(rank, world_size))
         copy_threads = options.pop("copy_threads", 2)
         self.run_id = str(options.pop("run_id", None) or _default_run_id())

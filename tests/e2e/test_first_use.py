@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import ckpt
 import pytest
 import torch
@@ -85,3 +88,15 @@ def test_a_tier_off_in_the_config_names_what_to_give(daemon):
     assert out.returncode == 1
     assert "tier object is off in the config this command read (no [object] url)" in out.stderr
     assert "--tier s3://bucket/prefix" in out.stderr
+
+
+def test_a_root_that_is_a_file_says_so_and_a_missing_one_is_created_naming_it(make_daemon, short_tmp):
+    (short_tmp / "a-file").write_text("not a directory")
+    taken = make_daemon(root=short_tmp / "a-file")
+    r = subprocess.run([sys.executable, "-m", "ckptd", "serve", "--config", str(taken.config_path)],
+                       capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert r.returncode == 2
+    assert f"{short_tmp / 'a-file'} is not a directory" in r.stderr and "File exists" not in r.stderr
+    fresh = make_daemon(root=short_tmp / "not" / "yet").start()
+    assert f"node.root {short_tmp / 'not' / 'yet'} did not exist: created it" in fresh.log()
+    assert "that disk is not mounted" in fresh.log()
