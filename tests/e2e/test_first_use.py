@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 
@@ -100,3 +101,20 @@ def test_a_root_that_is_a_file_says_so_and_a_missing_one_is_created_naming_it(ma
     fresh = make_daemon(root=short_tmp / "not" / "yet").start()
     assert f"node.root {short_tmp / 'not' / 'yet'} did not exist: created it" in fresh.log()
     assert "that disk is not mounted" in fresh.log()
+
+
+def test_a_port_in_use_stops_the_daemon_with_its_message_alone(make_daemon):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        for extra, listen in (
+            (f'[metrics]\nlisten = "127.0.0.1:{port}"\n', ""),
+            ("[peer]\ninsecure = true\n", f"127.0.0.1:{port}"),
+        ):
+            node = make_daemon(extra, listen=listen)
+            r = subprocess.run([sys.executable, "-m", "ckptd", "serve", "--config", str(node.config_path)],
+                               capture_output=True, text=True, timeout=60)  # fmt: skip
+            assert r.returncode == 2 and f"127.0.0.1:{port}" in r.stderr
+            assert "Traceback" not in r.stderr and "Event loop is closed" not in r.stderr, r.stderr
+            assert not node.socket.exists()
