@@ -118,3 +118,13 @@ def test_a_port_in_use_stops_the_daemon_with_its_message_alone(make_daemon):
             assert r.returncode == 2 and f"127.0.0.1:{port}" in r.stderr
             assert "Traceback" not in r.stderr and "Event loop is closed" not in r.stderr, r.stderr
             assert not node.socket.exists()
+
+
+def test_import_of_a_class_from_the_saving_script_says_what_to_do(daemon, short_tmp):
+    saved = short_tmp / "main-class.pt"
+    code = f"import torch\nclass Box:\n    pass\ntorch.save({{'box': Box()}}, {str(saved)!r})"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+    run = daemon.cli("import", "--job", "boxed", "--step", "1", "--torch", str(saved), "--trusted")
+    assert run.returncode == 1 and "Traceback" not in run.stderr, run.stderr
+    assert "a class defined in the script that saved it (__main__)" in run.stderr
+    assert "Re-save plain values (model.state_dict(), not the model)" in run.stderr
