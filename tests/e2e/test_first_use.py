@@ -128,3 +128,13 @@ def test_import_of_a_class_from_the_saving_script_says_what_to_do(daemon, short_
     assert run.returncode == 1 and "Traceback" not in run.stderr, run.stderr
     assert "a class defined in the script that saved it (__main__)" in run.stderr
     assert "Re-save plain values (model.state_dict(), not the model)" in run.stderr
+
+
+@pytest.mark.s3
+def test_a_missing_bucket_stops_the_start_naming_it(make_daemon, s3_server):
+    node = make_daemon(s3_server.toml("s3://no-such-bucket-here/ckpts"))
+    r = subprocess.run([sys.executable, "-m", "ckptd", "serve", "--config", str(node.config_path)],
+                       capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert r.returncode == 2, r.stderr
+    assert "object.url: the bucket no-such-bucket-here does not exist" in r.stderr
+    assert "ckptd never creates buckets" in r.stderr and "Traceback" not in r.stderr
