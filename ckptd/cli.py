@@ -25,7 +25,7 @@ from typing import Any, TextIO, cast
 
 from ckpt.transport import DaemonClient
 from ckpt_core.errors import CheckpointError, DaemonUnavailable, InvalidArgument
-from ckpt_core.format import validate_job, validate_step
+from ckpt_core.format import counted, validate_job, validate_step
 from ckpt_core.wire.v1 import ckptd_pb2 as pb
 
 from ckptd import __version__
@@ -149,12 +149,12 @@ def _parser() -> argparse.ArgumentParser:
         help="list a step's tensors: keys, dtypes, shapes, bytes and the ranks holding them (no torch needed)",
         epilog=_examples(
             "ckptd inspect --job llama-7b --step 1200",
-            "ckptd inspect --job llama-7b --step 1200 --json --tier object",
+            "ckptd inspect --job llama-7b --json --tier object   # the latest step complete in the store",
         ),
     )
     s.add_argument("--json", action="store_true", help="print one JSON document instead of a table")
     s.add_argument("--job", required=True, help="the job")
-    s.add_argument("--step", type=int, required=True, help="the step (a complete one)")
+    s.add_argument("--step", default="latest", help="a complete step's number, or latest (default)")
     s.add_argument(
         "--tier", help="read this tier: memory, nvme, peer, object or an object-store URL (default: the fastest)"
     )
@@ -198,22 +198,28 @@ def _parser() -> argparse.ArgumentParser:
     s = command(
         "rm",
         parents=[common, daemon],
-        help="remove one step from every tier of this node",
+        help="remove one step from this node's tiers (--tier object: the shared object store too)",
         description=(
-            "Remove one step from every tier of this node: NVMe, the replicas other nodes sent here, the object "
-            "store if one is configured, and its settled staging slots. Refused for the job's head (the newest "
-            "step of its line) unless --force, for a pinned step unless --force, and for a step being written, "
-            "replicated, uploaded or read (try again later). Other nodes' copies stay.\n\n"
+            "Remove one step from every tier of this node: NVMe, the replicas other nodes sent here, and its "
+            "settled staging slots; with --tier object, from the object store too, which every node shares "
+            "(without it the store is left alone, as by gc). It prints one line per tier it removes the step "
+            "from. Refused for the job's head (the newest step of its line) unless --force, for a pinned step "
+            "unless --force, and for a step being written, replicated, uploaded or read (try again later). "
+            "Other nodes' copies stay.\n\n"
             "exit codes: 0 removed, 1 not found or refused, 2 usage"
         ),
         epilog=_examples(
             "ckptd rm --job llama-7b --step 1100 --dry-run",
             "ckptd rm --job llama-7b --step 1200 --force   # the job's head: its latest step goes back to 1100",
+            "ckptd rm --job llama-7b --step 900 --tier object   # the shared object store's copy too",
         ),
     )
     s.add_argument("--job", required=True, help="the job")
     s.add_argument("--step", type=int, required=True, help="the step to remove")
     s.add_argument("--force", action="store_true", help="remove it even if it is the job's head or pinned")
+    s.add_argument(
+        "--tier", choices=("object",), help="the shared object store's copy too (every node's, not this one's)"
+    )
     s.add_argument("--dry-run", action="store_true", help="show what would be removed, remove nothing")
     s.add_argument("--json", action="store_true", help="print one JSON list of removals")
     export.add_parser(command, common)
@@ -346,10 +352,10 @@ def cmd_serve(args: argparse.Namespace, config: Config) -> int:
     logging.captureWarnings(True)  # Python's warnings go through the same formatter
     try:
         asyncio.run(serve(config))
-    except (AlreadyServing, RootGone) as e:
+    except RootGone as e:
         print(f"ckptd: {e}", file=sys.stderr)
         return 1
-    except (ListenFailed, RootInUse, UnsafePath) as e:
+    except (AlreadyServing, ListenFailed, RootInUse, UnsafePath) as e:  # the config names what another holds
         print(f"ckptd: {e}", file=sys.stderr)
         return 2
     return 0
@@ -438,16 +444,18 @@ def cmd_restore(args: argparse.Namespace, config: Config) -> int:
 
 def cmd_inspect(args: argparse.Namespace, config: Config) -> int:
     from ckptd.offline.inspect import inspect_step
-    from ckptd.offline.restore import readable_tiers, tool_threads
+    from ckptd.offline.restore import latest_step, readable_tiers, tool_threads
 
+    job = validate_job(args.job)
+    step = None if args.step == "latest" else _parse_step(args.step)
     with tool_threads() as threads:
         tiers = readable_tiers(config, args.tier or "auto", threads)
-        found = inspect_step(tiers, validate_job(args.job), validate_step(args.step))
+        found = inspect_step(tiers, job, latest_step(tiers, job) if step is None else step)
     if args.json:
         print(json.dumps(found.to_json()))
         return 0
-    print(f"{found.job} step {found.step}: {found.world_size} ranks, {human_size(found.size_bytes)}, read from tier "
-          f"{found.tier}")  # fmt: skip
+    ranks = counted(found.world_size, "rank")
+    print(f"{found.job} step {found.step}: {ranks}, {human_size(found.size_bytes)}, read from tier {found.tier}")
     width = max((len(row.key) for row in found.tensors), default=3)
     print(f"{'key':<{width}}  {'dtype':<9}  {'shape':<18}  {'bytes':>10}  ranks")
     for row in found.tensors:
@@ -523,8 +531,11 @@ def cmd_pin(args: argparse.Namespace, config: Config) -> int:
 
 def cmd_rm(args: argparse.Namespace, config: Config) -> int:
     job, step = validate_job(args.job), validate_step(args.step)
-    request = pb.RemoveStepRequest(job=job, step=step, force=args.force, dry_run=args.dry_run)
+    object_too = args.tier == "object"
+    request = pb.RemoveStepRequest(job=job, step=step, force=args.force, dry_run=args.dry_run, object=object_too)
     _print_removals(_client(args, config).call("RemoveStep", request).removals, args.dry_run, args.json)
+    if config.object.url and not object_too and not args.json:
+        print(f"the object store ({config.object.url}) was left alone: --tier object removes the step there too")
     return 0
 
 

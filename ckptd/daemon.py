@@ -110,10 +110,23 @@ async def _serve_holding_root(config: Config, executors: Executors) -> None:
     if config.commit_keys.signing:
         ids = config.commit_keys.key_ids
         log.info("commit records signed with key %s, checked with keys %s ([security])", ids[0], ", ".join(ids))
-    data_listener = await _listen_for_data(config, node) if config.node.listen else None
-    node.serving(data_listener.port if data_listener is not None else 0, guard.counters)
-    peer_server = await _serve_peers(config, node, guard, data_listener) if config.node.listen else None
-    metrics_server = await _serve_metrics(config, node.report) if config.metrics.listen else None
+    data_listener: DataListener | None = None
+    peer_server: grpc.aio.Server | None = None
+    try:
+        data_listener = await _listen_for_data(config, node) if config.node.listen else None
+        node.serving(data_listener.port if data_listener is not None else 0, guard.counters)
+        peer_server = await _serve_peers(config, node, guard, data_listener) if config.node.listen else None
+        metrics_server = await _serve_metrics(config, node.report) if config.metrics.listen else None
+    except ListenFailed:
+        # Stopped here, on the running loop: a grpc.aio server left to its finaliser schedules its
+        # shutdown on a loop already closed, and Python prints that traceback after the exit message.
+        await server.stop(None)
+        if data_listener is not None:
+            await data_listener.stop()
+        if peer_server is not None:
+            await peer_server.stop(None)
+        config.socket_path.unlink(missing_ok=True)
+        raise
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -190,6 +203,7 @@ async def _serve_peers(
         else:
             server.add_secure_port(config.node.listen, credentials)
     except RuntimeError as e:  # grpc says only "Failed to bind"
+        await server.stop(None)  # never started, but stopped on this loop (see _serve_holding_root)
         raise ListenFailed(f"cannot listen for peers on {config.node.listen} (node.listen): {e}") from None
     await server.start()
     log.info(

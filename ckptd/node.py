@@ -30,7 +30,7 @@ from ckpt_core.shard_key import ShardKey
 from ckptd.cluster.backends import open_view
 from ckptd.cluster.peer_inventory import INVENTORY_THREADS, PeerInventory
 from ckptd.cluster.peer_link import STREAMS_PER_SHARD
-from ckptd.config import Config
+from ckptd.config import Config, ConfigError
 from ckptd.load.cluster_steps import ClusterSteps
 from ckptd.load.locate import Locator
 from ckptd.load.sharded_reads import ShardedReads
@@ -49,7 +49,7 @@ from ckptd.save.progress import ShardProgress
 from ckptd.save.save_path import SavePath
 from ckptd.save.staging import SlotPool, default_budget_bytes
 from ckptd.save.uploading import UPLOAD_THREADS, Uploader
-from ckptd.storage.object_store import open_store
+from ckptd.storage.object_store import open_store, shown_url
 from ckptd.storage.owned_dir import DIR_MODE, claim_dir
 from ckptd.tiers.base import DurableTier, StepCatalog, Tier
 from ckptd.tiers.memory import MemoryTier
@@ -168,7 +168,7 @@ class Node:
         self.durable_tiers: list[DurableTier] = [self.nvme, replica_store]
         object_tier = None
         if config.object.url:
-            store = open_store(config.object.url, config.object.storage_options)
+            store = self.object_store = open_store(config.object.url, config.object.storage_options)
             object_tier = ObjectTier(
                 store, x.object_reads, x.object_requests, config.object.compression, config.commit_keys
             )
@@ -283,6 +283,13 @@ class Node:
             await self.retention.retain("started", job)
         await loop.run_in_executor(peer_threads, self.report.seed)
         if self.uploader is not None:
+            bucket = await loop.run_in_executor(peer_threads, self.object_store.bucket_missing)
+            if bucket is not None:
+                raise ConfigError(
+                    f"object.url: the bucket {bucket} does not exist ({shown_url(self.config.object.url)}): "
+                    f"create it first (ckptd never creates buckets), e.g. `aws s3 mb s3://{bucket}` with the "
+                    "same endpoint"
+                )
             self.uploader.start()
         self._background.append(loop.create_task(self.report.probe_loop()))
         self._background.append(loop.create_task(self.idle_release.run_forever()))

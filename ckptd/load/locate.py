@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from ckpt_core.errors import CheckpointError, CorruptCheckpoint, NotFound
-from ckpt_core.format import CommitRecord, ShardMeta, digest, validate_tier
+from ckpt_core.format import CommitRecord, ShardMeta, counted, digest, validate_tier
 from ckpt_core.history import History, Line, generation
 from ckpt_core.shard_io import ShardSource
 
@@ -155,8 +155,9 @@ class Locator:
         self.lease_for_reading(job, step)
         record = await self.on_locate_threads(self.commit_record_here, job, step)
         if record is not None and rank >= record.world_size:
+            saved_by = counted(record.world_size, "rank")
             raise NotFound(
-                f"{job} step {step} has no rank {rank}: it was saved by {record.world_size} ranks (world_size "
+                f"{job} step {step} has no rank {rank}: it was saved by {saved_by} (world_size "
                 f"{record.world_size}). To reshard it onto more ranks, load it with load(step={step}, into=state), "
                 "where state holds this rank's tensors (DTensors for the sharded ones) to fill in place"
             )
@@ -191,7 +192,7 @@ class Locator:
         record = await self.on_locate_threads(self.commit_record_here, job, step)
         if record is None or not sources:
             world_size = record.world_size if record else 0
-            raise NotFound(f"{job} step {step} has no rank {rank} on tier {tier or 'auto'} (world_size {world_size})")
+            raise NotFound(f"{job} step {step} has no rank {rank} {_on_tier(tier)} (world_size {world_size})")
         self.lease_for_reading(job, step)  # again: the lease runs from the answer
         return Located(step, record.world_size, sources, self.next_line(job, record, known))
 
@@ -202,7 +203,7 @@ class Locator:
         was asked for the one step (its history is never listed for a load): on this
         error path alone it is listed, bounded in time like every query of it.
         """
-        where = f"on tier {tier or 'auto'}"
+        where = _on_tier(tier)
         if step is None:
             return NotFound(f"job {job} has no complete step {where}")
         unlisted = ""
@@ -424,3 +425,8 @@ def _complete_records(tiers: list[Tier], job: str) -> dict[int, CommitRecord]:
         for step, record in t.complete_records(job).items():
             records.setdefault(step, record)
     return records
+
+
+def _on_tier(tier: str) -> str:
+    """Return where a load looked, for its NotFound: "on tier nvme", or "on any tier" for "auto"."""
+    return "on any tier" if tier in ("", "auto") else f"on tier {tier}"

@@ -135,6 +135,12 @@ def read_torch_file(path: Path, trusted: bool) -> Any:
         ) from None
     except (RuntimeError, EOFError) as e:  # not a torch file, truncated
         raise CheckpointError(f"--torch {path} is not a torch.save file torch can read: {e}") from None
+    except (AttributeError, ImportError) as e:  # --trusted: a class pickle cannot find here
+        raise CheckpointError(
+            f"--torch {path} holds an object of a class this process cannot import ({e}): a class defined in the "
+            "script that saved it (__main__) or in a module not on this PYTHONPATH. Re-save plain values "
+            "(model.state_dict(), not the model), or run ckptd with the defining module importable"
+        ) from None
 
 
 def read_dcp_dir(path: Path) -> dict[str, Any]:

@@ -82,7 +82,12 @@ def readable_tiers(config: Config, source: str, threads: Executors) -> list[Tier
         return tiers
     chosen = [t for t in tiers if t.name == source]
     if not chosen:
-        raise NotFound(f"tier {source} cannot be read from this node without a daemon")
+        off = {"peer": "no [peer] addresses", "object": "no [object] url"}.get(source, "")
+        raise NotFound(
+            f"tier {source} is off in the config this command read ({off}): give it the daemon's config "
+            "(--config PATH or CKPTD_CONFIG)"
+            + (", or the store's URL (--tier s3://bucket/prefix)" if source == "object" else "")
+        )
     return chosen
 
 

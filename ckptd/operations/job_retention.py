@@ -1,8 +1,9 @@
 """Each job's retention on this node: what its client asked for, its pins, and what applies (client, config, default).
 
 A job's settings come from three places, the first that sets a value winning: its
-client (`Checkpointer(keep=, keep_every=)`, sent on every Reserve), its config table
-(`[retention.jobs.<job>]`), then `[retention]`. `keep` applies to NVMe and the replica
+client (`Checkpointer(keep=, keep_every=)`, sent on every Reserve: one that sends neither takes
+the job back to the config's; a Reserve with no retention at all, from an older client, changes
+nothing), its config table (`[retention.jobs.<job>]`), then `[retention]`. `keep` applies to NVMe and the replica
 store; the object store keeps `[retention] object`. A pinned step (`ckptd pin`) is never
 removed by retention, on any tier of this node.
 

@@ -317,9 +317,11 @@ class RetentionRunner:
             log.info("removed job %s from %s: %d steps", job, ", ".join(tiers), len(removals))
         return removals
 
-    async def remove_one(self, job: str, step: int, force: bool, dry_run: bool) -> list[Removal]:
+    async def remove_one(
+        self, job: str, step: int, force: bool, dry_run: bool, object_too: bool = False
+    ) -> list[Removal]:
         """Remove one step from every tier of this node that has any of it (`ckptd rm`): its durable copies, then its
-        settled staging slots.
+        settled staging slots; from the object store, which every node shares, only with object_too (`--tier object`).
 
         Refused (RemovalRefused) while a role is busy with the step, for the job's head (the
         newest step of its line on this node) and for a pinned step, unless force (never a
@@ -327,10 +329,11 @@ class RetentionRunner:
         removed step goes too. One pass at a time: under the lock of every pass.
         """
         async with self._every_pass_held_off():
-            held = await self._holding(job)
+            held = await self._holding(job, in_store=object_too)
             steps = {s for on_tier, _ in held.values() for s in on_tier}
             if step not in steps:
-                raise _not_here(job, step, steps, "on no tier of this node")
+                store = "" if object_too or self.object_tier is None else " (the object store not asked: --tier object)"
+                raise _not_here(job, step, steps, f"on no tier of this node{store}")
             if (job, step) in self.busy_steps():
                 raise RemovalRefused(
                     f"{job} step {step} is in use on this node (being written, replicated or uploaded, or "
@@ -352,7 +355,7 @@ class RetentionRunner:
             reason = "removed by ckptd rm" + (" --force (the job's head)" if step == head else "")
             removals: list[Removal] = []
             tiers: list[WrittenTier] = [*self.durable_tiers]
-            if self.object_tier is not None:
+            if object_too and self.object_tier is not None:
                 tiers.append(self.object_tier)
             for tier in [t for t in tiers if step in held[t.name][0]]:
                 removals.append(Removal(tier.name, job, step, reason))

@@ -12,12 +12,15 @@ from __future__ import annotations
 
 import fcntl
 import json
+import logging
 import os
 from pathlib import Path
 
 from ckpt_core.errors import InvalidArgument
 
 from ckptd.storage.owned_dir import DIR_MODE, FILE_MODE, UnsafePath, claim_dir
+
+log = logging.getLogger(__name__)
 
 LOCK_NAME = ".ckptd-lock"
 HOLDER_MAX_BYTES = 4096
@@ -50,6 +53,7 @@ def hold(root: Path, socket_path: Path) -> RootLock:
     RootInUse naming the holder's pid and socket when another daemon holds it.
     """
     path = root / LOCK_NAME
+    missing = not os.path.lexists(root)
     try:
         # The group may write: roots made under the unit's former UMask=0007 are 0770.
         claim_dir(root.resolve(), DIR_MODE, "the NVMe root", "node.root", group_may_write=True)
@@ -71,6 +75,12 @@ def hold(root: Path, socket_path: Path) -> RootLock:
     except BaseException:
         os.close(fd)
         raise
+    if missing:  # created, not refused: a first start on the embedded defaults or on a fresh disk needs it
+        log.warning(
+            "node.root %s did not exist: created it. If it is meant to be on a disk that should be mounted, "
+            "that disk is not mounted and checkpoints land on the filesystem below it",
+            root,
+        )
     os.ftruncate(fd, 0)
     os.pwrite(fd, json.dumps({"pid": os.getpid(), "socket": str(socket_path)}).encode() + b"\n", 0)
     return RootLock(path, fd)

@@ -266,7 +266,7 @@ class CkptdServicer(ckptd_pb2_grpc.CkptdServicer):
     async def RemoveStep(self, request: pb.RemoveStepRequest, context: Any) -> pb.CollectReply:
         async def work() -> pb.CollectReply:
             job, step = validate_job(request.job), validate_step(request.step)
-            removals = await self.retention.remove_one(job, step, request.force, request.dry_run)
+            removals = await self.retention.remove_one(job, step, request.force, request.dry_run, request.object)
             return _collect_reply(removals)
 
         return await answer(context, work)

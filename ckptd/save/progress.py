@@ -260,7 +260,8 @@ class ShardProgress:
         """
         validate_tier(tier)
         if (tier == "object" and self.uploader is None) or (tier == "peer" and self.replication is None):
-            return ShardWait(False, f"tier {tier} is not configured on node {self.node}")
+            # A poll (SaveHandle.done) asks whether, and the answer is no; a wait would never end, so it is refused.
+            return ShardWait(False, "" if timeout_s == 0 else f"tier {tier} is not configured on node {self.node}")
         if tier == "object":
             verdict = await self._upload_verdict(key, object_step)
         elif tier == "peer":

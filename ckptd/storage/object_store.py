@@ -79,6 +79,10 @@ class ObjectStore:
         self.fs: Any = fs
         self.root = root.rstrip("/")
 
+    def bucket_missing(self) -> str | None:
+        """Return the bucket's name if the store says it does not exist, else None (stores with no buckets: None)."""
+        return None
+
     def path(self, *names: str) -> str:
         """Return the store path of names under the URL."""
         return "/".join([self.root, *names])
@@ -194,6 +198,20 @@ class LocalStore(ObjectStore):
 
 class S3Store(ObjectStore):
     """An S3 bucket and prefix through s3fs: multipart uploads with parts in flight at once."""
+
+    def bucket_missing(self) -> str | None:
+        """Return the bucket's name if the store answers that it does not exist, else None (also if it does not answer).
+
+        Called once at the daemon's start, on a worker thread: ckptd never creates a bucket.
+        """
+        bucket = self.fs.split_path(self.path())[0]
+        try:
+            self._call("head_bucket", Bucket=bucket)
+        except FileNotFoundError:
+            return bucket
+        except Exception:  # an outage at start is not a config error: uploads retry it and say so
+            return None
+        return None
 
     @_store_errors
     def names(self, *directory: str) -> dict[str, int]:

@@ -84,7 +84,7 @@ class SaveHandle:
         return self._staged.device if self._staged is not None else None
 
     def done(self, tier: str = "nvme") -> bool:
-        """Return whether this rank's shard has reached tier."""
+        """Return whether this rank's shard has reached tier (False for a tier this node does not configure)."""
         validate_tier(tier)
         if self.skipped or not self._staged_within(0):
             return False
@@ -137,7 +137,9 @@ class Checkpointer:
         address: str | None = None,
         **options: Any,
     ) -> None:
-        self.job = validate_job(job if job is not None else os.environ.get("CKPT_JOB", ""))
+        if job is None and not os.environ.get("CKPT_JOB"):
+            raise InvalidArgument("a Checkpointer needs a job name: pass Checkpointer(job=...) or set CKPT_JOB")
+        self.job = validate_job(job if job is not None else os.environ["CKPT_JOB"])
         self.rank, self.world_size = validate_rank(*rank_and_world_size(rank, world_size))
         copy_threads = options.pop("copy_threads", 2)
         self.run_id = str(options.pop("run_id", None) or _default_run_id())
@@ -308,12 +310,13 @@ class Checkpointer:
             raise CheckpointError("this Checkpointer is closed")
 
 
-def _job_retention(keep: Any, keep_every: Any) -> JobRetention | None:
-    """Return the job's own retention for Reserve (only what was given), None if neither; check both first.
+def _job_retention(keep: Any, keep_every: Any) -> JobRetention:
+    """Return the job's own retention for Reserve (only what was given); check both first.
 
     keep: the newest complete steps of the job's line the daemon keeps on NVMe and the replica store
     (0: all); keep_every: it also keeps the steps that are multiples of it (0: none). Each overrides
-    the daemon's [retention.jobs.<job>] and [retention] for this job.
+    the daemon's [retention.jobs.<job>] and [retention] for this job; None (not given) is the config's,
+    sent as such, so that a later Checkpointer of the job without them takes back what an earlier one set.
     """
     given = {}
     for name, value in (("keep", keep), ("keep_every", keep_every)):
@@ -322,7 +325,7 @@ def _job_retention(keep: Any, keep_every: Any) -> JobRetention | None:
         if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**31:
             raise InvalidArgument(f"{name} must be None (the daemon's config) or an integer >= 0, not {value!r}")
         given[name] = value
-    return JobRetention(**given) if given else None
+    return JobRetention(**given)
 
 
 def _default_run_id() -> str:

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 from ckpt_core.errors import InvalidArgument
-from ckpt_core.format import TENSOR_ALIGN_BYTES, round_up
+from ckpt_core.format import TENSOR_ALIGN_BYTES, keyed_leaves, round_up
 
 from ckpt.key_filter import KeyFilter
 from ckpt.sharding import (
@@ -161,10 +161,26 @@ def flatten(state: Any, replicated: KeyFilter | None = None, rank: int = 0) -> F
     except InvalidArgument:
         raise
     except Exception as e:  # pickle raises many types for unpicklable objects
+        at_key = _at_unpicklable_key(state)
         raise InvalidArgument(
-            f"the state holds an object that cannot be checkpointed: {type(e).__name__}: {e}"
+            f"the state holds an object that cannot be checkpointed{at_key}: {type(e).__name__}: {e}"
         ) from None
     return Flattened(arrays, entries, buf.getvalue(), offset, dtensors)
+
+
+def _at_unpicklable_key(state: Any) -> str:
+    """Return " at key K" for the first value of state that pickle refuses (its dotted key), else "".
+
+    Called by flatten only once the state failed to pickle: each value is pickled again alone.
+    """
+    for value, key in keyed_leaves(state, lambda obj: not isinstance(obj, dict | list | tuple)):
+        if not key or isinstance(value, torch.Tensor | np.ndarray):
+            continue
+        try:
+            pickle.dumps(value, protocol=PICKLE_PROTOCOL)
+        except Exception:  # pickle raises many types for unpicklable objects
+            return f" at key {key!r}"
+    return ""
 
 
 def unflatten(

@@ -14,7 +14,7 @@ from typing import Any
 
 from ckpt_core.byte_range import ByteRange
 from ckpt_core.errors import CheckpointError, CorruptCheckpoint, InvalidArgument, NotFound
-from ckpt_core.format import CommitRecord
+from ckpt_core.format import CommitRecord, counted
 from ckpt_core.step_index import StepIndex
 
 from ckpt.key_filter import KeyFilter, LoadReport
@@ -45,7 +45,7 @@ class LoadPath:
         found = self._daemon.locate(job, step, rank, tier)
         if found.world_size != world_size:
             raise InvalidArgument(
-                f"{job} step {found.step} was saved by {found.world_size} ranks, and this Checkpointer has "
+                f"{job} step {found.step} was saved by {counted(found.world_size, 'rank')}, and this Checkpointer has "
                 f"world_size {world_size}: rank {rank}'s shard of it belongs to another sharding. "
                 f"To reshard it onto {world_size} ranks, load it with load(step={found.step}, into=state), "
                 "where state holds this rank's tensors (DTensors for the sharded ones) to fill in place"

@@ -19,8 +19,8 @@ from typing import Any
 
 import numpy as np
 import torch
-from ckpt_core.errors import CheckpointError
-from ckpt_core.format import layout_offset, validate_step
+from ckpt_core.errors import CheckpointError, InvalidArgument
+from ckpt_core.format import MAX_STEP, layout_offset, validate_step
 from ckpt_core.history import line_from_text
 
 from ckpt import lazy as lazy_copies
@@ -33,6 +33,8 @@ log = logging.getLogger("ckpt")
 
 # prepare() sizes the slots a little above the state it is given: a layout that grows by a few bytes still fits.
 PREPARE_SLACK_BYTES = 1 << 20
+# The highest step a save may name: the 2**61 steps above it are left to step=None (SavePath._next_step).
+MAX_NAMED_STEP = 2**61 - 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,7 +82,7 @@ class SavePath:
         shard: ShardId,  # step 0: this rank's place in the job; each save names its step
         run_id: str,
         replicated: KeyFilter | None,
-        retention: JobRetention | None,
+        retention: JobRetention,
         copy_threads: int,
         spill_bytes: int | None,
     ) -> None:
@@ -88,7 +90,7 @@ class SavePath:
         self._shard = shard
         self._run_id = run_id
         self._replicated = replicated  # keys whose plain tensors every rank holds alike: written by rank 0
-        self._retention = retention  # sent on every Reserve; None: the daemon's config
+        self._retention = retention  # sent on every Reserve, even empty: what it leaves out is the daemon's config
         self._spill_bytes = spill_bytes
         self._slots = SlotMappings()
         self._copy_threads = copy_threads
@@ -368,11 +370,29 @@ class SavePath:
         self._line, self._last_step = line, step
 
     def _next_step(self, step: int | None) -> int:
-        """Return the step to save: step itself, checked, or one past the step loaded or saved last, else the latest."""
+        """Return the step to save: step itself, checked, or one past the step loaded or saved last, else the latest.
+
+        A step a caller names is at most MAX_NAMED_STEP, so that step=None, which counts on
+        up to the format's 2**62-1, always has room: no single save can leave a job whose
+        every next save is refused (a step below the head is refused as a rewind).
+        """
+        job = self._shard.job
         if step is None:
-            latest = self._last_step if self._last_step is not None else self._daemon.newest_step(self._shard.job)
+            latest = self._last_step if self._last_step is not None else self._daemon.newest_step(job)
             step = 0 if latest is None else latest + 1
-        return validate_step(step)
+            if step > MAX_STEP:
+                raise InvalidArgument(
+                    f"{job} has no step after {latest}, the highest a step can be: save under a new job name, "
+                    f"or remove that step (ckptd rm --job {job} --step {latest}), or load an older one and "
+                    "save after it (Checkpointer.load(step=N), a rollback)"
+                )
+            return step
+        if validate_step(step) > MAX_NAMED_STEP:
+            raise InvalidArgument(
+                f"{job} step {step} is above 2**61-1, the highest step a save may name: after it the steps that "
+                "step=None numbers would soon run out, and every later save of the job would be refused"
+            )
+        return step
 
     def _staging_policy(self) -> str:
         """Return the daemon's [staging] policy, asked once (only saves that outrun their host copy need it)."""

@@ -12,7 +12,7 @@ strided placements that must not be re-derived at load time).
 
 from __future__ import annotations
 
-import functools
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,14 +22,13 @@ from ckpt_core.format import keyed_leaves
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 
-@functools.cache  # asked for every tensor of every save: the import statement alone costs more than the check
 def dtensor_type() -> type | None:
-    """Return the DTensor class, or None where this torch has no distributed support."""
-    if not torch.distributed.is_available():
-        return None
-    from torch.distributed.tensor import DTensor
+    """Return the DTensor class if torch.distributed.tensor is loaded, else None: no DTensor exists before it is.
 
-    return DTensor
+    Asked for every tensor of every save. Never imports it: the import takes about half a second,
+    which a process that has no DTensor would spend in its first prepare() or save_async.
+    """
+    return getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
 
 
 def is_dtensor(obj: Any) -> bool:

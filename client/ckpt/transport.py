@@ -44,7 +44,7 @@ class ShardId:
 
 @dataclass(frozen=True)
 class JobRetention:
-    """Carry a job's own retention to Reserve: only what the Checkpointer was given (None: the daemon's config)."""
+    """Carry a job's own retention to every Reserve: what the Checkpointer was given (None: the daemon's config)."""
 
     keep: int | None = None
     keep_every: int | None = None
@@ -109,6 +109,11 @@ class DaemonClient:
     def __init__(self, address: str | None = None) -> None:
         if not (address or os.environ.get("CKPTD_ADDRESS")):
             check_default_socket(default_socket_path())
+            self._way_out = "start it with `ckptd serve`, or set CKPTD_ADDRESS to the address of a running one"
+        elif address:
+            self._way_out = "start it with `ckptd serve`, or check the address given"
+        else:
+            self._way_out = "start it with `ckptd serve`, or check CKPTD_ADDRESS, which named this address"
         self.target = resolve_address(address)
         self._channel = grpc.insecure_channel(
             self.target,
@@ -120,16 +125,15 @@ class DaemonClient:
         self._stub = ckptd_pb2_grpc.CkptdStub(self._channel)
 
     def reserve(
-        self, shard: ShardId, size_bytes: int, retention: JobRetention | None, after: tuple[str, int] | None
+        self, shard: ShardId, size_bytes: int, retention: JobRetention, after: tuple[str, int] | None
     ) -> Reservation:
         """Reserve a slot for shard's snapshot of size_bytes, waiting as long as the daemon's policy says.
 
         after: the line this rank continues and the step it loaded or saved last (None: the job's head).
         """
         request = pb.ReserveRequest(shard=_shard_message(shard), size_bytes=size_bytes)
-        if retention is not None:
-            given = {k: v for k, v in (("keep", retention.keep), ("keep_every", retention.keep_every)) if v is not None}
-            request.retention.CopyFrom(pb.JobRetention(**given))  # proto3 optional: an unset field is not a 0
+        given = {k: v for k, v in (("keep", retention.keep), ("keep_every", retention.keep_every)) if v is not None}
+        request.retention.CopyFrom(pb.JobRetention(**given))  # proto3 optional: an unset field is not a 0
         if after is not None:
             request.has_line, request.line, request.after = True, after[0], after[1]
         return _reservation(self.call("Reserve", request, timeout_s=None))
@@ -232,9 +236,7 @@ class DaemonClient:
         code = e.code()
         detail = e.details() or str(code)
         if code == grpc.StatusCode.UNAVAILABLE:
-            return DaemonUnavailable(
-                f"ckptd is not reachable at {self.target} ({detail}); start it with `ckptd serve` or set CKPTD_ADDRESS"
-            )
+            return DaemonUnavailable(f"ckptd is not reachable at {self.target} ({detail}); {self._way_out}")
         errors: dict[Any, type[Exception]] = {
             grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument,
             grpc.StatusCode.NOT_FOUND: NotFound,

@@ -39,7 +39,7 @@ PARTIAL_SUFFIX = ".partial"
 TIERS = ("memory", "nvme", "peer", "object")
 
 JOB_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
-_MAX_STEP = 2**62
+MAX_STEP = 2**62 - 1  # the highest step the format holds
 _SHOWN = reprlib.Repr()
 _SHOWN.maxstring = _SHOWN.maxother = 80
 
@@ -47,6 +47,11 @@ _SHOWN.maxstring = _SHOWN.maxother = 80
 def shown(value: object) -> str:
     """Return a repr of value short enough to quote in an error: what a caller sent may be megabytes long."""
     return _SHOWN.repr(value)
+
+
+def counted(count: int, noun: str) -> str:
+    """Return count and noun, the noun plural unless count is 1 ("1 rank", "2 ranks")."""
+    return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
 
 
 def validate_job(job: object) -> str:
@@ -61,7 +66,7 @@ def validate_job(job: object) -> str:
 
 def validate_step(step: object) -> int:
     """Return step if it is a non-negative integer, else raise InvalidArgument."""
-    if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step < _MAX_STEP:
+    if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= MAX_STEP:
         raise InvalidArgument(f"invalid step {shown(step)}: a step is an integer from 0 to 2**62-1")
     return step
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
@@ -115,3 +117,20 @@ def test_replicated_keys_become_one_chunk_that_only_rank_0_writes():
     assert [e["kind"] for e in owner.entries] == ["chunk", "torch"]  # the tensor once, under its first key
     assert [e["kind"] for e in other.entries] == ["torch"] and "model.w" in other.dtensors  # listed, not written
     assert other.data_size_bytes < owner.data_size_bytes
+
+
+def test_a_value_that_cannot_be_pickled_is_named_by_its_key():
+    with pytest.raises(InvalidArgument, match=r"at key 'a\.b\.1\.c': .*pickle"):
+        flatten({"a": {"b": [1, {"c": lambda: 0}]}, "w": torch.zeros(2)})
+
+
+def test_flattening_a_state_without_dtensors_never_imports_torch_distributed_tensor():
+    # That import takes about half a second: a first prepare() or save_async would block on it.
+    code = (
+        "import sys, torch\nfrom ckpt.flatten import flatten\n"
+        "flatten({'model': torch.nn.Linear(4, 4).state_dict(), 'step': 3})\n"
+        "print('torch.distributed.tensor' in sys.modules)"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "False"

@@ -18,21 +18,21 @@ def test_a_step_that_is_not_complete_names_the_newest_complete_ones(make_daemon)
         for step in range(1, 13):
             c.save_async({"x": torch.full((4,), float(step))}, step=step).wait("nvme", timeout=60)
         newest = r"\(the newest 10 of 12\): 12, 11, 10, 9, 8, 7, 6, 5, 4, 3$"
-        with pytest.raises(NotFound, match=rf"twelve step 12345 is not complete on tier auto; .*newest first {newest}"):
+        with pytest.raises(NotFound, match=rf"twelve step 12345 is not complete on any tier; .*newest first {newest}"):
             c.load(step=12345)
         with pytest.raises(NotFound, match=rf"is not complete on tier nvme; .*{newest}"):
             c.load(step=12345, tier="nvme")
-        with pytest.raises(NotFound, match=rf"twelve step 12345 is not complete on tier auto; .*{newest}"):
+        with pytest.raises(NotFound, match=rf"twelve step 12345 is not complete on any tier; .*{newest}"):
             c.load(step=12345, into={"x": torch.zeros(4)})  # the sharded path asks LocateStep: the same answer
     with ckpt.Checkpointer(job="two", address=daemon.address) as c:
         for step in (1, 5):
             c.save_async({"x": torch.zeros(2)}, step=step).wait("nvme", timeout=60)
-        with pytest.raises(NotFound, match=r"two step 3 is not complete on tier auto; .*\(all 2\): 5, 1$"):
+        with pytest.raises(NotFound, match=r"two step 3 is not complete on any tier; .*\(all 2\): 5, 1$"):
             c.load(step=3)
     with ckpt.Checkpointer(job="none-yet", address=daemon.address) as c:
-        with pytest.raises(NotFound, match="step 7 is not complete on tier auto: job none-yet has no complete step"):
+        with pytest.raises(NotFound, match="step 7 is not complete on any tier: job none-yet has no complete step"):
             c.load(step=7)
-        with pytest.raises(NotFound, match="job none-yet has no complete step on tier auto"):
+        with pytest.raises(NotFound, match="job none-yet has no complete step on any tier"):
             c.load()
 
 
@@ -45,9 +45,9 @@ def test_the_steps_named_include_those_only_the_object_store_holds(make_daemon, 
     node.lose()  # the store alone holds them: a load asks it for the one step, the error lists it
     node.start()
     with ckpt.Checkpointer(job="stored", address=node.address) as c:
-        with pytest.raises(NotFound, match=r"stored step 99 is not complete on tier auto; .*\(all 2\): 2, 1$"):
+        with pytest.raises(NotFound, match=r"stored step 99 is not complete on any tier; .*\(all 2\): 2, 1$"):
             c.load(step=99)
-        with pytest.raises(NotFound, match=r"stored step 99 is not complete on tier auto; .*\(all 2\): 2, 1$"):
+        with pytest.raises(NotFound, match=r"stored step 99 is not complete on any tier; .*\(all 2\): 2, 1$"):
             c.load(step=99, into={"x": torch.zeros(2)})
 
 

@@ -403,7 +403,7 @@ def test_second_daemon_on_the_same_socket_refuses(daemon):
         text=True,
         timeout=60,
     )
-    assert r.returncode == 1 and "already serving" in r.stderr
+    assert r.returncode == 2 and "already serving" in r.stderr  # README: one daemon per root or address, exit 2
 
 
 def _serve(daemon) -> subprocess.CompletedProcess[str]:

@@ -56,6 +56,23 @@ def test_the_clients_keep_wins_over_the_config(make_daemon):
     assert r["keep"]["nvme"] == 3 and r["from"] == {"keep": "client", "keep_every": "default"}
 
 
+def test_a_later_checkpointer_without_keep_takes_the_config_back(make_daemon):
+    node = make_daemon("[retention]\nnvme = 1\n").start()
+    save(node, "back", range(1, 8), keep=2, keep_every=5)
+    node.cli("gc")
+    assert on_nvme(node, "back") == [5, 6, 7]
+    assert retention(node, "back")["from"] == {"keep": "client", "keep_every": "client"}
+    node.stop()  # remembered across a restart, until the job's next save says otherwise
+    node.start()
+    assert retention(node, "back")["from"] == {"keep": "client", "keep_every": "client"}
+    save(node, "back", [8])  # keep=None, keep_every=None: the config's
+    r = retention(node, "back")
+    assert r["keep"]["nvme"] == 1 and r["keep_every"] == 0
+    assert r["from"] == {"keep": "default", "keep_every": "default"}
+    node.cli("gc")
+    assert on_nvme(node, "back") == [8]
+
+
 def test_a_pinned_step_survives_retention_and_restarts_and_goes_after_unpin(make_daemon):
     node = make_daemon("[retention]\nnvme = 1\n").start()
     save(node, "p", [1])
@@ -129,9 +146,28 @@ def test_rm_removes_the_step_from_the_object_store_too_and_pins_count_there(make
 
     out = node.cli("rm", "--job", "o", "--step", "1")
     assert out.returncode == 1 and "o step 1 is pinned" in out.stderr and "--force" in out.stderr
-    out = node.cli("rm", "--job", "o", "--step", "1", "--force", "--json")
+    out = node.cli("rm", "--job", "o", "--step", "1", "--force", "--json", "--tier", "object")
     assert out.returncode == 0, out.stderr
     assert {r["tier"] for r in json.loads(out.stdout)} >= {"nvme", "object"}
     assert sorted(p.name for p in (store / "o").iterdir()) == ["3"]
     assert on_nvme(node, "o") == [2, 3]
     assert retention(node, "o")["pinned"] == []  # the removed step's pin went with it
+
+
+def test_rm_leaves_the_shared_object_store_alone_unless_asked(make_daemon, short_tmp):
+    store = short_tmp / "store"
+    node = make_daemon(f'[object]\nurl = "file://{store}"\n[retention]\nnvme = 0\n').start()
+    with ckpt.Checkpointer(job="s", address=node.address) as c:
+        for step in (1, 2):
+            c.save_async({"w": torch.ones(4) * step}, step=step).wait("object", timeout=60)
+    out = node.cli("rm", "--job", "s", "--step", "1")
+    assert out.returncode == 0, out.stderr
+    assert "removed nvme s step 1: removed by ckptd rm" in out.stdout
+    assert "removed object" not in out.stdout
+    assert f"the object store (file://{store}) was left alone: --tier object removes the step there too" in out.stdout
+    assert on_nvme(node, "s") == [2] and sorted(p.name for p in (store / "s").iterdir()) == ["1", "2"]
+    out = node.cli("rm", "--job", "s", "--step", "1")  # only the store has it now
+    assert out.returncode == 1 and "on no tier of this node (the object store not asked: --tier object)" in out.stderr
+    out = node.cli("rm", "--job", "s", "--step", "1", "--tier", "object")
+    assert out.returncode == 0 and "removed object s step 1: removed by ckptd rm" in out.stdout, out.stderr
+    assert sorted(p.name for p in (store / "s").iterdir()) == ["2"]

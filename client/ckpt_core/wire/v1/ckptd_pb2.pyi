@@ -294,16 +294,18 @@ class PinReply(_message.Message):
     def __init__(self, pinned: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class RemoveStepRequest(_message.Message):
-    __slots__ = ("job", "step", "force", "dry_run")
+    __slots__ = ("job", "step", "force", "dry_run", "object")
     JOB_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     FORCE_FIELD_NUMBER: _ClassVar[int]
     DRY_RUN_FIELD_NUMBER: _ClassVar[int]
+    OBJECT_FIELD_NUMBER: _ClassVar[int]
     job: str
     step: int
     force: bool
     dry_run: bool
-    def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., force: bool = ..., dry_run: bool = ...) -> None: ...
+    object: bool
+    def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., force: bool = ..., dry_run: bool = ..., object: bool = ...) -> None: ...
 
 class CollectReply(_message.Message):
     __slots__ = ("removals",)
