@@ -103,9 +103,13 @@ def test_flush_every_keeps_its_multiples_whatever_the_save_rate(make_daemon):
     assert status["tiers"]["nvme"]["flush_every"] == 4
 
 
-def _save_ranks_in_step(daemon, job: str, world_size: int, size_mib: int, steps, wait: bool):
-    """Save steps on world_size ranks (threads) that move from step to step together, as after a collective."""
+def _save_ranks_in_step(daemon, job: str, world_size: int, size_mib: int, steps, wait: bool, after_last=None):
+    """Save steps on world_size ranks (threads) that move from step to step together, as after a collective.
+
+    after_last: called once, as soon as every rank's last save_async returned (before any rank waits or closes).
+    """
     barrier = threading.Barrier(world_size)
+    last_returned = threading.Barrier(world_size, action=after_last)
     outcomes: dict[int, tuple[set[int], dict[int, str]]] = {}
     errors: list[BaseException] = []
 
@@ -117,11 +121,13 @@ def _save_ranks_in_step(daemon, job: str, world_size: int, size_mib: int, steps,
                 for step, state in states.items():
                     barrier.wait(timeout=120)
                     handles[step] = c.save_async(state, step=step)
+                last_returned.wait(timeout=120)
                 if wait:
                     outcomes[r] = _outcomes(handles)
         except BaseException as e:  # reported by the test's thread
             errors.append(e)
             barrier.abort()
+            last_returned.abort()
 
     threads = [threading.Thread(target=rank, args=(r,)) for r in range(world_size)]
     for t in threads:
@@ -149,8 +155,8 @@ def test_kill_9_while_saves_outrun_the_disk_loses_nothing_complete_and_recovery_
     daemon = make_daemon("[retention]\nnvme = 0\n")
     daemon.env["CKPTD_NVME__FLUSH_EVERY"] = "0"
     daemon.start()
-    _save_ranks_in_step(daemon, "crash", 2, 32, range(1, STEPS + 1), wait=False)
-    daemon.kill()  # right after the last save_async returned: rounds under way, snapshots waiting
+    # Killed as soon as both ranks' last save_async returned: rounds under way, snapshots waiting.
+    _save_ranks_in_step(daemon, "crash", 2, 32, range(1, STEPS + 1), wait=False, after_last=daemon.kill)
     complete_before = {int(p.parent.name) for p in (daemon.root / "crash").glob(f"*/{COMMIT_NAME}")}
     # A kill between a step's last shard in place and its commit record: the restart commits that step.
     whole_before = {
