@@ -3,9 +3,10 @@
 The flusher serialises a rank's flushes, fetches and uploads serialise per shard, and
 several roles count the steps they are working on (retention keeps off them). Each
 used a dict of locks or counts that grew with every key ever seen; these two do the
-same and drop a key once its last user is gone. Event loop only, but for
-ThreadKeyedLocks: the object tier lists a job's steps in the store on worker threads,
-one listing of a job at a time.
+same and drop a key once its last user is gone. A load's locate and retention's
+removal of the same step exclude each other through SharedLocks (many locates at
+once, a removal alone). Event loop only, but for ThreadKeyedLocks: the object tier
+lists a job's steps in the store on worker threads, one listing of a job at a time.
 """
 
 from __future__ import annotations
@@ -61,6 +62,50 @@ class ThreadKeyedLocks(Generic[K]):
 
     def __len__(self) -> int:
         return len(self._locks)
+
+
+class SharedLocks(Generic[K]):
+    """Per key, any number of shared holders at once or one holder alone; kept only while a key is held.
+
+    A waiter for alone never holds up a new shared holder: a shared holder may take the same
+    key again inside its body (a locate whose fetch reads the step) without waiting on itself.
+    """
+
+    def __init__(self) -> None:
+        self._shared: dict[K, int] = {}
+        self._alone: set[K] = set()
+        self._changed = asyncio.Condition()
+
+    @contextlib.asynccontextmanager
+    async def shared(self, key: K) -> AsyncIterator[None]:
+        """Hold key shared for the body, once no one holds it alone."""
+        async with self._changed:
+            await self._changed.wait_for(lambda: key not in self._alone)
+            self._shared[key] = self._shared.get(key, 0) + 1
+        try:
+            yield
+        finally:
+            async with self._changed:
+                self._shared[key] -= 1
+                if not self._shared[key]:
+                    del self._shared[key]
+                self._changed.notify_all()
+
+    @contextlib.asynccontextmanager
+    async def alone(self, key: K) -> AsyncIterator[None]:
+        """Hold key alone for the body, once no one holds it, shared or alone."""
+        async with self._changed:
+            await self._changed.wait_for(lambda: key not in self._alone and key not in self._shared)
+            self._alone.add(key)
+        try:
+            yield
+        finally:
+            async with self._changed:
+                self._alone.discard(key)
+                self._changed.notify_all()
+
+    def __len__(self) -> int:
+        return len(self._shared) + len(self._alone)
 
 
 class _LocksInUse(Generic[K, L]):

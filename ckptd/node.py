@@ -31,6 +31,7 @@ from ckptd.cluster.backends import open_view
 from ckptd.cluster.peer_inventory import INVENTORY_THREADS, PeerInventory
 from ckptd.cluster.peer_link import STREAMS_PER_SHARD
 from ckptd.config import Config, ConfigError
+from ckptd.keyed import SharedLocks
 from ckptd.load.cluster_steps import ClusterSteps
 from ckptd.load.locate import Locator
 from ckptd.load.sharded_reads import ShardedReads
@@ -221,10 +222,11 @@ class Node:
         # -- the save path, the load path, operations
         self.progress = ShardProgress(self.pool, self.nvme, replication, uploader, config.node.name, x.locate)
         flusher = Flusher(self.pool, self.nvme, x.flush)
+        steps_in_use: SharedLocks[tuple[str, int]] = SharedLocks()  # a load's locate, shared; a removal, alone
         self.locator = Locator(
             *(config, tiers, self.nvme, replica_store, cluster, peer_tier is not None, object_tier),
             self.verification_failed,
-            *(x.locate, x.object, x.object_listings, self.job_retention.pinned),
+            *(x.locate, x.object, x.object_listings, self.job_retention.pinned, steps_in_use),
         )
         self.sharded_reads = ShardedReads(
             self.locator, self.view, [t for t in (peer_tier, object_tier) if t is not None]
@@ -234,7 +236,7 @@ class Node:
             holders.append(uploader)
         self.retention = RetentionRunner(
             config, self.durable_tiers, object_tier, adopt_missed_commits, release, release_slots, holders,
-            x.object, x.cleanup, self.job_retention, uploader,
+            x.object, x.cleanup, self.job_retention, steps_in_use, uploader,
         )  # fmt: skip
         save_path = SavePath(
             self.pool, flusher, self.nvme, replica_store, self.durable_tiers, self.peering, uploader,

@@ -10,6 +10,7 @@ import mmap
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from ckpt_core.errors import CheckpointError
 from ckpt_core.format import DIRECT_IO_ALIGN_BYTES, ShardMeta, round_up
 
 from ckptd.tiers.base import DurableTier, Tier
@@ -27,7 +28,11 @@ def fetch_shard(source: Tier, target: DurableTier, job: str, step: int, rank: in
         source.read_into(meta, buffer)
         if replace or not target.holds(meta):
             target.write_shard(meta, buffer)
-    target.adopt_commit(record)
+    if not target.adopt_commit(record):
+        raise CheckpointError(
+            f"{job} step {step} rank {rank}: fetched from {source} and written to {target}, which did not seal it "
+            "(the step was removed there meanwhile, or holds another commit record): try again"
+        )
     return meta
 
 

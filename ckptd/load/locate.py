@@ -34,7 +34,7 @@ from ckpt_core.history import History, Line, generation
 from ckpt_core.shard_io import ShardSource
 
 from ckptd.config import Config
-from ckptd.keyed import KeyCounts, KeyedLocks
+from ckptd.keyed import KeyCounts, KeyedLocks, SharedLocks
 from ckptd.load.cluster_steps import ClusterSteps
 from ckptd.load.fetch import fetch_shard
 from ckptd.storage.object_store import shown_url
@@ -68,6 +68,7 @@ class Locator:
         object_threads: ThreadPoolExecutor,
         listing_threads: ThreadPoolExecutor,
         pinned: Callable[[str], Collection[int]],
+        steps_in_use: SharedLocks[tuple[str, int]],
     ) -> None:
         """with_peers: a peer tier is on (wherever a cluster view is), read through cluster; object_tier: the store's
         (None: off; str() of it names the store in messages).
@@ -76,6 +77,8 @@ class Locator:
         listing_threads: listings of a job's steps in the store, which take long with a long history (and go
         on after a caller stopped waiting): on threads of their own, a load's one question is never behind them.
         pinned(job): the job's pinned steps (JobRetention.pinned, on the event loop), marked in listings.
+        steps_in_use: held shared on a step from the moment locate knows it until it answers, so that no
+        removal planned before runs meanwhile (RetentionRunner holds a step alone to remove it).
         """
         self.config = config
         self.tiers = tiers
@@ -89,6 +92,7 @@ class Locator:
         self.object_threads = object_threads
         self.listing_threads = listing_threads
         self._pinned = pinned
+        self._steps_in_use = steps_in_use
         self._fetch_locks: KeyedLocks[tuple[str, int, int]] = KeyedLocks()  # one fetch of a shard at a time
         self._fetching_from_object: KeyCounts[tuple[str, int]] = KeyCounts()  # ranks of a step may be fetched at once
         self._being_read: dict[tuple[str, int], float] = {}  # steps a client was pointed at, until when
@@ -135,11 +139,9 @@ class Locator:
 
     async def locate(self, job: str, step: int | None, rank: int, tier: str = "auto", refetch: bool = False) -> Located:
         """Return where a rank's shard of a complete step (None: the job's head) lies, fastest first."""
-        tiers = self.tiers_for(tier)
-        from_peers = tier in ("", "auto", "peer") and self.with_peers
         from_object = tier in ("", "auto", "object") and self.object_tier is not None
         known = await self.known_steps(job, step, tier, refetch)
-        steps, object_steps, store_silent = known.steps, known.object_steps, known.store_silent
+        steps, store_silent = known.steps, known.store_silent
         if step is None and known.lines:
             step = History.of(known.lines).head
         if step is None or step not in steps:
@@ -150,8 +152,22 @@ class Locator:
                     "did not answer: it may hold it; try again"
                 )
             raise await self.not_complete(job, step, tier, steps, from_object)
-        # From here on retention keeps off the step: a copy fetched below is older than the newest
-        # steps, and would otherwise go between its fetch and the client's read.
+        async with self._steps_in_use.shared((job, step)):
+            return await self._locate_step(job, step, rank, tier, refetch, known)
+
+    async def _locate_step(
+        self, job: str, step: int, rank: int, tier: str, refetch: bool, known: KnownSteps
+    ) -> Located:
+        """locate()'s second half, once the step is known complete somewhere: find or fetch the shard here.
+
+        From here on retention keeps off the step (the lease, then the client's reads): a copy
+        fetched below is older than the newest steps, and would otherwise go between its fetch and
+        the client's read. A removal planned before waits for this to end (steps_in_use).
+        """
+        tiers = self.tiers_for(tier)
+        from_peers = tier in ("", "auto", "peer") and self.with_peers
+        from_object = tier in ("", "auto", "object") and self.object_tier is not None
+        object_steps = known.object_steps
         self.lease_for_reading(job, step)
         record = await self.on_locate_threads(self.commit_record_here, job, step)
         if record is not None and rank >= record.world_size:

@@ -23,6 +23,7 @@ from ckpt_core.history import History, Line
 
 from ckptd.config import Config
 from ckptd.errors import RemovalRefused
+from ckptd.keyed import SharedLocks
 from ckptd.operations.job_retention import JobRetention
 from ckptd.save.save_path import LOCAL_TIERS
 from ckptd.save.uploading import Uploader
@@ -144,11 +145,13 @@ class RetentionRunner:
         object_threads: ThreadPoolExecutor,
         cleanup_thread: ThreadPoolExecutor,
         job_retention: JobRetention,
+        steps_in_use: SharedLocks[tuple[str, int]],
         uploader: Uploader | None = None,
     ) -> None:
         """object_threads: queries in the object store; cleanup_thread: one thread, started with lowest_priority
         as its initializer, for local listings and the removals that failed before (retry_removals, of steps
-        unlisted already); job_retention: each job's settings and pins.
+        unlisted already); job_retention: each job's settings and pins; steps_in_use: held shared by a load's
+        locate (Locator) and alone here around each removal, so that a step a load just took up stays.
 
         The save path's, which alone seals, adopts and removes (awaited on the event loop):
         adopt_missed_commits(tier, job) before each job's pass on a local tier; release(tier, job, step)
@@ -168,6 +171,7 @@ class RetentionRunner:
         self._object_lock = asyncio.Lock()
         self.cleanup_thread = cleanup_thread
         self._tasks: set[asyncio.Task[list[Removal]]] = set()
+        self._steps_in_use = steps_in_use
 
     def busy_steps(self) -> set[tuple[str, int]]:
         """Return every step some holder keeps (asked now, after any await)."""
@@ -233,13 +237,26 @@ class RetentionRunner:
                     policy.pinned,
                 )
                 for step, reason in plan:
-                    if not dry_run and (j, step) in self.busy_steps():
-                        continue  # taken meanwhile, while an earlier step was being removed (a load pointed at it)
-                    removals.append(Removal(tier.name, j, step, reason))
-                    if not dry_run:
-                        await self._release(tier, j, step)
+                    if dry_run:
+                        removals.append(Removal(tier.name, j, step, reason))
+                    elif await self._release_unused(tier, j, step):
+                        removals.append(Removal(tier.name, j, step, reason))
                         log.info("removed %s step %d from %s: %s", j, step, tier.name, reason)
         return removals
+
+    async def _release_unused(self, tier: StepCatalog, job: str, step: int) -> bool:
+        """Remove a planned step from a tier unless a role took it up since the plan; say whether it went.
+
+        Alone on the step against loads' locates (steps_in_use): a locate that began before holds
+        it busy by now, and one that begins after waits, then finds the step gone and fetches it
+        afresh. Without that, a load could fetch a copy onto NVMe and be pointed at it just before
+        the removal planned earlier took it away.
+        """
+        async with self._steps_in_use.alone((job, step)):
+            if (job, step) in self.busy_steps():
+                return False  # taken meanwhile (a load pointed at it, a fetch, a write)
+            await self._release(tier, job, step)
+            return True
 
     async def _collect_object(
         self, dry_run: bool, job: str, keep_newest: bool, busy: set[tuple[str, int]], unfinished_uploads: bool
@@ -253,9 +270,10 @@ class RetentionRunner:
                 self._plan_object, tier, j, keep_newest, busy, unfinished_uploads
             )
             for step, reason in plan:
-                removals.append(Removal(tier.name, j, step, reason))
-                if not dry_run:
-                    await self._release(tier, j, step)
+                if dry_run:
+                    removals.append(Removal(tier.name, j, step, reason))
+                elif await self._release_unused(tier, j, step):
+                    removals.append(Removal(tier.name, j, step, reason))
                     log.info("removed %s step %d from object: %s", j, step, reason)
             for step in crashed:
                 removals.append(Removal(tier.name, j, step, "unfinished multipart uploads of a crashed upload"))
@@ -358,11 +376,11 @@ class RetentionRunner:
             if object_too and self.object_tier is not None:
                 tiers.append(self.object_tier)
             for tier in [t for t in tiers if step in held[t.name][0]]:
+                if not dry_run and not await self._release_unused(tier, job, step):
+                    raise RemovalRefused(f"{job} step {step} was taken up by a load meanwhile: try again later")
                 removals.append(Removal(tier.name, job, step, reason))
-                if dry_run:
-                    continue
-                await self._release(tier, job, step)
-                log.info("removed %s step %d from %s: %s", job, step, tier.name, reason)
+                if not dry_run:
+                    log.info("removed %s step %d from %s: %s", job, step, tier.name, reason)
             if pinned and not dry_run:
                 await self.job_retention.set_pin(job, step, False)
             slots = await self._release_slots(job, step, dry_run)

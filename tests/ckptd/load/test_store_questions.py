@@ -10,6 +10,7 @@ from types import SimpleNamespace
 
 from ckpt_core.errors import CheckpointError
 
+from ckptd.keyed import SharedLocks
 from ckptd.load.locate import Locator
 
 
@@ -27,7 +28,9 @@ def test_a_steps_question_is_answered_while_listings_that_timed_out_still_run() 
 
     store = SimpleNamespace(is_complete=lambda job, step: step == 7)
     pools = [ThreadPoolExecutor(4), ThreadPoolExecutor(4), ThreadPoolExecutor(2)]
-    locator = Locator(SimpleNamespace(), [], None, None, None, False, store, lambda tier: None, *pools, no_pins)  # type: ignore[arg-type]
+    locator = Locator(
+        SimpleNamespace(), [], None, None, None, False, store, *(lambda tier: None, *pools, no_pins, SharedLocks())
+    )  # type: ignore[arg-type]
 
     async def ask() -> tuple[list, list[int] | None]:
         given_up = [await locator.ask_object_store(long_listing, timeout_s=0.05, listing=True) for _ in range(6)]
@@ -49,7 +52,9 @@ def test_a_store_that_fails_answers_none_and_a_warning(caplog) -> None:
 
     store = SimpleNamespace(is_complete=down, complete_steps=down)
     pools = [ThreadPoolExecutor(1) for _ in range(3)]
-    locator = Locator(SimpleNamespace(), [], None, None, None, False, store, lambda tier: None, *pools, no_pins)  # type: ignore[arg-type]
+    locator = Locator(
+        SimpleNamespace(), [], None, None, None, False, store, *(lambda tier: None, *pools, no_pins, SharedLocks())
+    )  # type: ignore[arg-type]
 
     async def ask() -> tuple[list[int] | None, list[int] | None]:
         return await locator.object_step("j", 7), await locator.object_steps("j")
@@ -75,7 +80,16 @@ def test_a_refetch_with_peers_to_fetch_from_does_not_wait_on_the_store_first() -
     pools = [ThreadPoolExecutor(1) for _ in range(3)]
 
     def known(peers: bool) -> set[int]:
-        locator = Locator(SimpleNamespace(), [here], None, None, None, peers, store, lambda tier: None, *pools, no_pins)  # type: ignore[arg-type]
+        locator = Locator(
+            SimpleNamespace(),
+            [here],
+            None,
+            None,
+            None,
+            peers,
+            store,
+            *(lambda tier: None, *pools, no_pins, SharedLocks()),
+        )  # type: ignore[arg-type]
         return asyncio.run(locator.known_steps("j", 5, refetch=True)).object_steps
 
     try:

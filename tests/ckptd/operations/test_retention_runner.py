@@ -14,6 +14,7 @@ from ckpt_core.format import CHUNK_SIZE_BYTES, ShardMeta
 
 from ckptd.config import Config, NodeConfig, RetentionConfig
 from ckptd.errors import RemovalRefused
+from ckptd.keyed import SharedLocks
 from ckptd.operations.job_retention import JobRetention
 from ckptd.operations.retention import RetentionRunner
 from ckptd.tiers.nvme import LocalDirTier
@@ -63,9 +64,13 @@ def node(tmp_path):
     with ThreadPoolExecutor(2) as threads:
         jobs = JobRetention(config, threads)
         runner = RetentionRunner(
-            config, [nvme, replicas], None, no_missed_commits, release, no_slots, [holder], threads, threads, jobs
+            *(config, [nvme, replicas], None, no_missed_commits, release, no_slots, [holder], threads, threads, jobs),
+            steps_in_use,
         )
         yield runner, nvme, holder
+
+
+steps_in_use: SharedLocks[tuple[str, int]] = SharedLocks()  # the fixture's runner's, held by "loads" below
 
 
 def steps_on(tier):
@@ -82,6 +87,50 @@ def test_a_pass_removes_the_superseded_steps_first_and_keeps_the_lines_newest_an
         (2, "older than the newest 2 complete steps"),
     ]
     assert steps_on(nvme) == [3, 5, 6]  # the line's newest 2, and the pinned superseded step
+
+
+def test_a_step_planned_for_removal_stays_when_a_load_takes_it_up_before_the_removal_runs(node):
+    # A load's locate holds its step shared (Locator) from the moment it knows the step until it answers,
+    # and leases it for reading: a removal planned before must wait for it, then see the lease and keep the
+    # step. Before, retention checked busy, then waited for the seal lock and removed the step a load had
+    # meanwhile fetched onto NVMe ("has no rank 0 ... (world_size 0)" in the chaos campaign).
+    runner, nvme, holder = node
+
+    async def body() -> list[int]:
+        async with steps_in_use.shared(("j", 1)):  # a locate of step 1 under way, its lease not yet taken
+            retaining = asyncio.ensure_future(runner.retain("sealed", "j"))
+            while 4 in steps_on(nvme):  # the pass removes superseded steps 3 and 4, then comes to step 1 and waits
+                await asyncio.sleep(0.01)
+            assert not retaining.done() and 1 in steps_on(nvme)
+            holder.held = {("j", 1)}  # the locate leases step 1 for the client's reads, then answers
+        return [r.step for r in await retaining]
+
+    assert asyncio.run(body()) == [3, 4, 2]
+    assert steps_on(nvme) == [1, 5, 6]
+
+
+def test_shared_holders_of_a_step_go_together_and_a_holder_alone_waits_for_them_all():
+    locks: SharedLocks[str] = SharedLocks()
+    order: list[str] = []
+
+    async def alone() -> None:
+        async with locks.alone("s"):
+            order.append("removed")
+
+    async def body() -> None:
+        async with locks.shared("s"):
+            removal = asyncio.ensure_future(alone())
+            async with locks.shared("s"):  # a second locate, and a nested hold, never wait on a removal waiting
+                await asyncio.sleep(0)
+                order.append("fetched")
+            async with locks.shared("t"):
+                order.append("other step")
+            assert not removal.done()
+        await removal
+        assert len(locks) == 0
+
+    asyncio.run(body())
+    assert order == ["fetched", "other step", "removed"]
 
 
 def test_rm_refuses_the_head_a_busy_step_and_a_pinned_one_and_names_the_steps_for_a_missing_one(node):
@@ -149,6 +198,7 @@ def test_a_pass_on_nvme_is_not_held_up_by_a_pass_on_the_store_still_listing(tmp_
             object_threads,
             threads,
             jobs,  # type: ignore[arg-type]
+            SharedLocks(),
         )
         try:
             removed = asyncio.run(body())
