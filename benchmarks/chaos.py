@@ -314,7 +314,9 @@ def main() -> int:
     _stop_gracefully_on(signal.SIGTERM, stop)
     _stop_gracefully_on(signal.SIGINT, stop)
     if args.time_limit_s is not None:
-        threading.Timer(args.time_limit_s, stop.set).start()
+        limit = threading.Timer(args.time_limit_s, stop.set)
+        limit.daemon = True  # a campaign done before its limit exits at once
+        limit.start()
     network, no_network = None, "--no-network" if args.no_network else ""
     if not args.no_network:
         try:

@@ -93,3 +93,19 @@ def test_the_checker_reports_a_shard_removed_behind_the_daemons_back_after_wait_
         cluster.stop()
         shutil.rmtree(staging, ignore_errors=True)
     assert found["partial visible"] + found["lost"] >= 1, found
+
+
+@pytest.mark.timeout(240)
+def test_a_campaign_stopped_by_its_time_limit_still_checks_and_prints_its_table(tmp_path):
+    out = tmp_path / "chaos.json"
+    args = ["--faults", "1000", "--seed", "4", "--time-limit-s", "10", "--no-network", "--json", str(out)]
+    run = subprocess.run([sys.executable, str(CHAOS), *args], capture_output=True, text=True, timeout=200)
+    assert run.returncode == 0, run.stdout + run.stderr[-3000:]
+    assert "stopped early:" in run.stdout and "faults injected" in run.stdout
+    assert "network faults skipped" in run.stdout  # --no-network: the table says the network kinds did not run
+    result = json.loads(out.read_text())
+    assert result["stopped_early"] and 1 <= result["injected"] < 1000
+    assert result["table"]["final"]["checked"] >= 1  # the final check ran before the table
+    header = next(line for line in run.stdout.splitlines() if line.startswith("fault "))
+    for column in ("injected", "checked", "lost", "wrong bytes", "partial visible", "stuck"):
+        assert column in header
