@@ -34,14 +34,16 @@ NETWORK_KINDS = ("isolate", "one-way", "partition-1|2", "partition-2|1", "store-
 def test_a_short_campaign_loses_nothing_returns_no_wrong_byte_and_lists_nothing_partial(tmp_path):
     out = tmp_path / "chaos.json"
     args = ["--faults", str(FAULTS), "--seed", "3", "--peer-down-s", str(PEER_DOWN_S), "--cut-s", str(CUT_S)]
-    args += ["--json", str(out)]
+    logs = tmp_path / "logs"
+    args += ["--json", str(out), "--logs", str(logs)]
     run = subprocess.run(
         [sys.executable, str(CHAOS), *args],
         capture_output=True,
         text=True,
         timeout=480,
     )
-    assert run.returncode == 0, run.stdout + run.stderr[-3000:]
+    kept = "".join(f"\n--- {p.name}, its end:\n{p.read_text(errors='replace')[-4000:]}" for p in logs.glob("*.log"))
+    assert run.returncode == 0, run.stdout + run.stderr[-3000:] + kept
     print(run.stdout)
     result = json.loads(out.read_text())
     table = result["table"]
