@@ -13,7 +13,11 @@ answering; a full disk; a store that answers 5xx, resets or stalls; a bit flippe
 file cut short in a slot, an NVMe copy, a replica or an object; a peer down for long
 (--peer-down-s: every step saved meanwhile must have a replica on a live node within
 failover_s + 10 s); a flood of idle connections on a peer's data port; a peer out of
-file descriptors.
+file descriptors. Where network namespaces can be made (root, iproute2), the nodes and the
+store's proxy are hosts of their own behind a router (tests/netns.py), and the network faults
+of chaos_network.py join them: a node cut off both ways while it saves and serves loads, a
+one-way cut, partitions 1|2 and 2|1, the store cut off, a flapping link, a slow link; each
+heals after --cut-s. Elsewhere those kinds are skipped, and the table says so.
 
 After each fault it waits until a new step reaches the tier the fault hit (the time to
 serve again), pauses the rank and checks, then lets it go on:
@@ -22,10 +26,13 @@ serve again), pauses the rank and checks, then lets it go on:
   keeps it on: every step in the store, the newest ones on NVMe and on the peer;
 - no load returns other bytes than saved (else: wrong bytes); any step may be loaded,
   and an error is the right answer for one whose copies were damaged or retired;
-- every listed step has its commit record on each tier it is listed on (else: partial
-  visible).
-It prints a table per kind of fault and writes JSON. It is not a test;
-tests/e2e/test_chaos.py runs a short campaign.
+- every listed step is whole on each tier it is listed on: its commit record and its shard's
+  files (else: partial visible);
+- after a heal, every shard is on its placed peer again within HEALED_WITHIN_S (timed: median
+  and max per kind), and after every fault a new step reaches the tier it hit (else: stuck).
+It prints a table per kind of fault and writes JSON, also when stopped early (SIGINT, SIGTERM,
+--time-limit-s, or an error of its own). It is not a test; tests/e2e/test_chaos.py runs a
+short campaign.
 """
 
 from __future__ import annotations
@@ -48,9 +55,11 @@ import ckpt
 import torch
 from chaos_cluster import JOB, RETENTION, TIERS, Cluster
 from chaos_faults import KINDS, PEER_DOWN_S, inject
+from chaos_network import CUT_S, HEALED_WITHIN_S, NETWORK_KINDS, inject_network
 from chaos_rank import state_for
 from ckpt_core.format import COMMIT_NAME, data_name, meta_name
 from ckpt_core.wire.v1 import ckptd_pb2 as pb
+from netns import NamespacesRefused, Network
 
 NEWEST = 3  # after each fault: the newest steps reported on each tier ...
 SAMPLE = 3  # ... and a sample of older ones
@@ -59,6 +68,8 @@ FINAL_SAMPLE = 300
 RECOVER_TIMEOUT_S = 120.0  # a store's retries back off up to 30 s
 BAD = ("lost", "wrong bytes", "partial visible", "not serving again")
 FAILOVER_BAD = ("not replicated within the bound", "not fully replicated after the return")  # peer-down's own
+NETWORK_BAD = ("saves stopped during the cut", "replicated after the heal, past the bound")  # chaos_network's
+STUCK = ("not serving again", "not fully replicated after the return", "not fully replicated after the heal")
 
 
 def must_load(cluster: Cluster, damaged: dict[int, set[str]]) -> set[int]:
@@ -135,26 +146,39 @@ def _is_whole(cluster: Cluster, step: int, tier: str) -> bool:
     commit record may be only on the node that saved it (docs/FORMAT.md, steps spread over nodes).
     """
     if tier == "nvme":
-        return (cluster.nvme_dir(step) / COMMIT_NAME).exists()
+        return all((cluster.nvme_dir(step) / name).exists() for name in (COMMIT_NAME, data_name(0), meta_name(0)))
     if tier == "peer":  # on b or on c: the placed peer, or its stand-in
         names = (data_name(0), meta_name(0))
         return any(all((where / name).exists() for name in names) for where in cluster.replica_dirs(step))
-    if tier == "object":
+    if tier == "object":  # the shards lie elsewhere (hashed keys, docs/FORMAT.md): loading checks their bytes
         return any(k.endswith("/" + COMMIT_NAME) for k in cluster.object_keys(step))
     return True  # memory: a slot holds one rank's shard, and is listed only once its copy committed
 
 
+def kinds_here(cluster: Cluster) -> tuple[str, ...]:
+    """Return the kinds of fault a campaign on cluster injects: the network's only where its nodes are hosts."""
+    return KINDS + NETWORK_KINDS if cluster.network is not None else KINDS
+
+
 def campaign(
-    faults: int, seed: int, cluster: Cluster, peer_down_s: float = PEER_DOWN_S, stop: threading.Event | None = None
+    faults: int,
+    seed: int,
+    cluster: Cluster,
+    peer_down_s: float = PEER_DOWN_S,
+    stop: threading.Event | None = None,
+    cut_s: float = CUT_S,
+    table: dict[str, Counter[str]] | None = None,
 ) -> dict[str, Counter[str]]:
     """Run the campaign; return, per kind of fault, its counts (times in the keys ending in _s).
 
-    Once `stop` is set (main's SIGTERM handler) no further fault is injected: the campaign goes
-    straight to its final check, so that a stopped campaign still has a table."""
+    Once `stop` is set (main's SIGTERM handler, its time limit) no further fault is injected: the
+    campaign goes straight to its final check, so that a stopped campaign still has a table. The
+    counts go into `table` as they come (main's: printed even if the campaign raises)."""
     stop = stop or threading.Event()
     started = time.monotonic()
     rng = random.Random(seed)
-    table: dict[str, Counter[str]] = defaultdict(Counter)
+    table = table if table is not None else defaultdict(Counter)
+    kinds = kinds_here(cluster)
     ready: dict[str, list[float]] = defaultdict(list)
     recovered: dict[str, list[float]] = defaultdict(list)
     measured: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))  # kind -> key -> times
@@ -164,10 +188,13 @@ def campaign(
     while injected < faults and attempts < 3 * faults and not stop.is_set():  # a fault not possible yet: again
         attempts += 1
         time.sleep(rng.uniform(0.05, 0.5))  # a random moment of the rank's saves: the point of a campaign
-        kind = KINDS[(attempts - 1) % len(KINDS)] if attempts <= len(KINDS) else rng.choice(KINDS)
+        kind = kinds[(attempts - 1) % len(kinds)] if attempts <= len(kinds) else rng.choice(kinds)
         failed_saves = cluster.rank.failed_saves
         restorable = sorted(s for s in cluster.rank.steps("object") if "object" not in damaged.get(s, set()))
-        fault = inject(kind, rng, cluster, restorable, peer_down_s)
+        if kind in NETWORK_KINDS:
+            fault = inject_network(kind, rng, cluster, cut_s)
+        else:
+            fault = inject(kind, rng, cluster, restorable, peer_down_s)
         if fault is None:
             table[kind]["not possible yet"] += 1
             continue
@@ -198,7 +225,18 @@ def campaign(
     must = must_load(cluster, damaged)
     final = sorted(must | set(_sample(rng, cluster, set(), FINAL_NEWEST, FINAL_SAMPLE)))
     table["final"] += check(cluster, final, must, "the campaign")
-    for kind in table:
+    _times_into(table, ready, recovered, measured)
+    return table
+
+
+def _times_into(
+    table: dict[str, Counter[str]],
+    ready: dict[str, list[float]],
+    recovered: dict[str, list[float]],
+    measured: dict[str, dict[str, list[float]]],
+) -> None:
+    """Put each kind's times into its counts: max, median (keys ending in _s_max, _s_median)."""
+    for kind in list(table):
         if ready[kind]:
             table[kind]["ready_s_max"] = round(max(ready[kind]), 3)
         if recovered[kind]:
@@ -207,7 +245,6 @@ def campaign(
         for key, times in measured[kind].items():  # the fault's own: e.g. fully_replicated_s, after a peer-down
             table[kind][key.removesuffix("_s") + "_s_median"] = round(statistics.median(times), 3)
             table[kind][key.removesuffix("_s") + "_s_max"] = round(max(times), 3)
-    return table
 
 
 def _sample(rng: random.Random, cluster: Cluster, touched: set[int], newest: int, sample: int) -> list[int]:
@@ -222,13 +259,32 @@ def _sample(rng: random.Random, cluster: Cluster, touched: set[int], newest: int
     return sorted(steps | set(rng.sample(rest, min(sample, len(rest)))))
 
 
-COLUMNS = ("injected", "checked", *BAD, "refused (damaged or retired)", "ready_s_max", "next_durable_s_median")
+COLUMNS = (
+    "injected",
+    "checked",
+    "lost",
+    "wrong bytes",
+    "partial visible",
+    "stuck",
+    "refused (damaged or retired)",
+    "ready_s_max",
+    "next_durable_s_median",
+    "replicated_after_heal_s_median",
+    "replicated_after_heal_s_max",
+)
 
 
 def print_table(table: dict[str, Counter[str]]) -> None:
+    """Print a row per kind (stuck: not serving again, or replicas never back), then each kind's other counts."""
+    rows = {kind: counts + Counter({"stuck": sum(counts.get(c, 0) for c in STUCK)}) for kind, counts in table.items()}
     print(f"{'fault':<14}" + "".join(f"{c:>{max(9, len(c) + 2)}}" for c in COLUMNS))
-    for kind, counts in table.items():
-        print(f"{kind:<14}" + "".join(f"{counts.get(c, 0):>{max(9, len(c) + 2)}}" for c in COLUMNS))
+    for kind, counts in rows.items():
+        cells = (counts.get(c, "" if "_s_" in c else 0) for c in COLUMNS)  # a time not measured: blank
+        print(f"{kind:<14}" + "".join(f"{cell:>{max(9, len(c) + 2)}}" for c, cell in zip(COLUMNS, cells, strict=True)))
+    totals = sum(rows.values(), Counter())
+    print(
+        f"{'all':<14}" + "".join(f"{totals.get(c, 0) if '_s_' not in c else '':>{max(9, len(c) + 2)}}" for c in COLUMNS)
+    )
     for kind, counts in table.items():
         more = {k: v for k, v in counts.items() if k not in COLUMNS}
         if more:
@@ -237,7 +293,8 @@ def print_table(table: dict[str, Counter[str]]) -> None:
 
 def main() -> int:
     """Run a campaign, print its table, write JSON; exit 1 if anything was lost, wrong, partial or stuck,
-    or a peer-down found a step without a replica on a live node in time, or replicas never back in place."""
+    or a peer-down found a step without a replica on a live node in time, or replicas never back in place,
+    or a network fault stopped the saves or left replicas short past HEALED_WITHIN_S."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--faults", type=int, default=30, help="how many faults to inject (default 30)")
     p.add_argument("--seed", type=int, default=1, help="the campaign's seed (default 1)")
@@ -247,20 +304,36 @@ def main() -> int:
         default=PEER_DOWN_S,
         help=f"how long a peer-down fault keeps its peer down (default {PEER_DOWN_S:.0f})",
     )
+    p.add_argument("--cut-s", type=float, default=CUT_S, help=f"how long a network cut lasts (default {CUT_S:.0f})")
+    p.add_argument("--time-limit-s", type=float, help="stop injecting after this long: final check, then the table")
+    p.add_argument("--no-network", action="store_true", help="every process on loopback: no network faults")
     p.add_argument("--json", type=Path, help="where to write the table as JSON")
     p.add_argument("--logs", type=Path, help="a directory to keep the logs of the daemons, the rank and moto in")
     args = p.parse_args()
     stop = threading.Event()
     _stop_gracefully_on(signal.SIGTERM, stop)
     _stop_gracefully_on(signal.SIGINT, stop)
+    if args.time_limit_s is not None:
+        limit = threading.Timer(args.time_limit_s, stop.set)
+        limit.daemon = True  # a campaign done before its limit exits at once
+        limit.start()
+    network, no_network = None, "--no-network" if args.no_network else ""
+    if not args.no_network:
+        try:
+            network = Network()
+        except NamespacesRefused as e:
+            no_network = str(e)
     work = Path(tempfile.mkdtemp(prefix="ckptd-chaos-"))
     staging = Path(tempfile.mkdtemp(prefix="ckptd-chaos-", dir="/dev/shm"))
     started = time.monotonic()
-    cluster = Cluster(work, staging)
+    table: dict[str, Counter[str]] = defaultdict(Counter)
+    cluster = Cluster(work, staging, network)
     try:
-        table = campaign(args.faults, args.seed, cluster, args.peer_down_s, stop)
+        campaign(args.faults, args.seed, cluster, args.peer_down_s, stop, args.cut_s, table)
     finally:
         cluster.stop()
+        if network is not None:
+            network.close()
         if args.logs:
             args.logs.mkdir(parents=True, exist_ok=True)
             logs = {f"{n.name}.log": n.log_path for n in (cluster.a, *cluster.peers)} | {"rank.log": work / "rank.log"}
@@ -269,21 +342,44 @@ def main() -> int:
                     shutil.copy(log, args.logs / name)
         shutil.rmtree(staging, ignore_errors=True)
         shutil.rmtree(work, ignore_errors=True)
+        _report(args, table, cluster, stop, no_network, time.monotonic() - started)
+    return 1 if any(counts.get(c, 0) for counts in table.values() for c in (*BAD, *FAILOVER_BAD, *NETWORK_BAD)) else 0
+
+
+def _report(
+    args: argparse.Namespace,
+    table: dict[str, Counter[str]],
+    cluster: Cluster,
+    stop: threading.Event,
+    no_network: str,
+    took_s: float,
+) -> None:
+    """Print the table and what the run was (also after an error), and write it as JSON if asked."""
     print_table(table)
     injected = sum(counts["injected"] for counts in table.values())
-    if stop.is_set():
+    if "final" not in table:
+        print(f"ended by an error: {injected} of {args.faults} faults injected, no final check", flush=True)
+    elif stop.is_set():
         print(f"stopped early: {injected} of {args.faults} faults injected", flush=True)
     elif injected < args.faults:
         print(f"{injected} of {args.faults} faults injected: the others were not possible in {3 * args.faults} tries")
+    heals = [
+        counts["replicated_after_heal_s_max"] for counts in table.values() if "replicated_after_heal_s_max" in counts
+    ]
+    if heals:
+        print(f"time to full replication after a heal: max {max(heals):.1f} s over {len(heals)} network kinds", end="")
+        print(f" (bound {HEALED_WITHIN_S:.0f} s; each kind's median and max in the table)")
     disk = "a tmpfs of its own" if cluster.disk.mounted else "a plain directory (no disk-full faults: mount refused)"
-    print(f"seed {args.seed}, {args.faults} faults, {time.monotonic() - started:.0f} s; node a's root on {disk}")
+    print(f"seed {args.seed}, {args.faults} faults, {took_s:.0f} s; node a's root on {disk}")
+    if no_network:
+        print(f"network faults skipped ({', '.join(NETWORK_KINDS)}): {no_network}")
     if args.json:
-        not_here = [] if cluster.disk.mounted else ["disk-full"]
+        not_here = ([] if cluster.disk.mounted else ["disk-full"]) + (list(NETWORK_KINDS) if no_network else [])
         result = {"seed": args.seed, "faults": args.faults, "injected": injected, "peer_down_s": args.peer_down_s}
-        result["kinds"] = KINDS
+        result |= {"cut_s": args.cut_s, "stopped_early": stop.is_set(), "network_skipped": no_network}
+        result["kinds"] = KINDS + NETWORK_KINDS
         result["kinds_not_possible_here"] = not_here
         args.json.write_text(json.dumps({**result, "table": table}, indent=1))
-    return 1 if any(counts.get(c, 0) for counts in table.values() for c in (*BAD, *FAILOVER_BAD)) else 0
 
 
 def _stop_gracefully_on(signum: signal.Signals, stop: threading.Event) -> None:

@@ -11,6 +11,11 @@ its parts (chaos_faults.py) and stop()s it on the way out, also when it fails:
     store   moto's S3 server, reached by a through a FaultProxy only
     rank    chaos_rank.py: saves a state known from its step, prints the tiers each step reached
 
+Given a Network (tests/netns.py), a, b and c run as hosts, each in a network namespace of its
+own, and the FaultProxy listens on a fourth host, "store": the network faults (chaos_network.py)
+cut the links between them. Without one, everything shares loopback. The rank, the checks and
+the CLI reach a node by its unix socket, which no cut touches.
+
 Rank reads those lines on a thread and keeps, per tier, the steps reported durable.
 """
 
@@ -19,15 +24,21 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 from daemon import BenchDaemon, free_port
 from fault_proxy import FaultProxy
 from s3_server import S3_KEY, S3Server
+
+sys.path.append(str(Path(__file__).resolve().parents[1] / "tests"))  # netns: the tests' harness, one copy
+from netns import Host, Network, run_in
 
 from ckptd.cluster.placement import reseat, seated_placement
 
@@ -38,6 +49,8 @@ DISK_BYTES = 512 << 20
 BALLAST_BLOCK = 1 << 20
 TIERS = ("nvme", "peer", "object")
 FAILOVER_S = 2.0  # [peer] failover_s of every node: short, so that a campaign sees stand-ins come and go
+T = TypeVar("T")
+HOST_PEER_PORT = 7070  # a node's peer port on a host of its own, where nothing else can hold it
 
 
 class SmallDisk:
@@ -140,18 +153,28 @@ class Rank:
 class Cluster:
     """Start, restart and stop the campaign's processes; say where each tier keeps a step."""
 
-    def __init__(self, work: Path, staging: Path) -> None:
+    def __init__(self, work: Path, staging: Path, network: Network | None = None) -> None:
+        """Lay the cluster out (on network's hosts, if given: see the module docstring); start() starts it."""
         self.work = work
+        self.network = network
         self.disk = SmallDisk(work / "disk-a", DISK_BYTES)
         self.s3: S3Server | None = None
         self.proxy: FaultProxy | None = None
         self.bucket = ""
-        a_listen, b_listen, c_listen = (f"127.0.0.1:{free_port()}" for _ in range(3))
+        self.hosts: dict[str, Host] = {}  # "a", "b", "c", "store" -> its host, on a network
+        if network is not None:
+            self.hosts = {name: network.host(name) for name in ("a", "b", "c", "store")}
+            a_listen, b_listen, c_listen = (f"{self.hosts[n].address}:{HOST_PEER_PORT}" for n in "abc")
+        else:
+            a_listen, b_listen, c_listen = (f"127.0.0.1:{free_port()}" for _ in range(3))
         retention = "[retention]\n" + "".join(f"{tier} = {keep}\n" for tier, keep in RETENTION.items())
+        wrappers = {name: tuple(host.command()) for name, host in self.hosts.items()}
         self.a = BenchDaemon("a", work / "a", staging / "a", a_listen, root_parent=self.disk.path)
         self.b = BenchDaemon("b", work / "b", staging / "b", b_listen, toml=_peer_toml(a_listen, c_listen) + retention)
         self.c = BenchDaemon("c", work / "c", staging / "c", c_listen, toml=_peer_toml(a_listen, b_listen) + retention)
         self.peers = (self.b, self.c)
+        for node in (self.a, *self.peers):
+            node.wrapper = wrappers.get(node.name, ())
         self._a_toml = _peer_toml(b_listen, c_listen) + retention
         self.rank = Rank(str(self.a.socket_path), work / "rank.log")
         self.peer_downs = 0  # peer-down faults so far (chaos_faults: the first takes the placed peer down)
@@ -160,7 +183,9 @@ class Cluster:
         """Start the store, the proxy, the three nodes and the rank."""
         self.s3 = S3Server(self.work / "moto.log")
         self.bucket = self.s3.new_bucket("chaos")
-        self.proxy = FaultProxy(int(self.s3.endpoint.rsplit(":", 1)[1]))
+        store = self.hosts.get("store")
+        listener = run_in(store, lambda: socket.create_server((store.address, 0))) if store else None
+        self.proxy = FaultProxy(int(self.s3.endpoint.rsplit(":", 1)[1]), listener)
         options = {"key": S3_KEY, "secret": S3_KEY, "client_kwargs": {"endpoint_url": self.proxy.endpoint}}
         self.a.toml = (
             self._a_toml
@@ -193,6 +218,14 @@ class Cluster:
         if self.s3 is not None:
             self.s3.stop()
         self.disk.close()
+
+    def host(self, node: BenchDaemon) -> Host:
+        """Return the host a node runs on (a network's only)."""
+        return self.hosts[node.name]
+
+    def from_a(self, work: Callable[[], T]) -> T:
+        """Run work where node a is on the network (its host's namespace, or here on loopback)."""
+        return run_in(self.hosts["a"], work) if self.hosts else work()
 
     # -- where each tier keeps a step ------------------------------------------------------
 

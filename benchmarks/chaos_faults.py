@@ -205,7 +205,7 @@ def _holds_replica(node: BenchDaemon, step: int) -> bool:
     )
 
 
-def _under_replicated(cluster: Cluster) -> dict[str, float] | None:
+def under_replicated(cluster: Cluster) -> dict[str, float] | None:
     """Return node a's tiers.peer.under_replicated (shards, oldest_s, on_stand_in), or None if it did not answer."""
     try:
         return cluster.a.status()["tiers"]["peer"]["under_replicated"]
@@ -237,7 +237,7 @@ def _peer_down(rng: random.Random, cluster: Cluster, outage_s: float) -> Fault:
     while time.monotonic() < down_at + outage_s:
         watch.poll(live)
         if time.monotonic() >= next_status:
-            short = _under_replicated(cluster)
+            short = under_replicated(cluster)
             if short is not None:
                 oldest_s = max(oldest_s, short["oldest_s"])
                 if short["shards"] == 0 and short["on_stand_in"] > 0 and "replicated_by_stand_in_s" not in fault.times:
@@ -255,7 +255,7 @@ def _peer_down(rng: random.Random, cluster: Cluster, outage_s: float) -> Fault:
     if watch.latencies:
         fault.times["replica_on_live_node_s"] = round(max(watch.latencies), 3)
     while time.monotonic() < back_at + FULLY_REPLICATED_TIMEOUT_S:
-        short = _under_replicated(cluster)
+        short = under_replicated(cluster)
         if short is not None and short["shards"] == 0 and short["on_stand_in"] == 0:
             fault.times["fully_replicated_s"] = round(time.monotonic() - back_at, 3)
             break
@@ -316,12 +316,16 @@ def _data_flood(rng: random.Random, cluster: Cluster) -> Fault | None:
     connections: list[socket.socket] = []
     ranges = _way_in_use(cluster, target, fault)
     started = time.monotonic()
-    try:
+
+    def connect() -> None:  # from where a is: on a network, its host
         for _ in range(FLOOD_CONNECTIONS):
             try:
                 connections.append(socket.create_connection((host, port), timeout=2.0))
             except OSError:
                 fault.found["flood connections refused"] += 1
+
+    try:
+        cluster.from_a(connect)
         fault.found["flood connections"] += len(connections)
         end = time.monotonic() + rng.uniform(*OUTAGE_S)
         while time.monotonic() < end:
@@ -373,7 +377,15 @@ def _restore(rng: random.Random, cluster: Cluster, must_load: list[int]) -> Faul
     fault = Fault("restore")
     step = rng.choice(must_load)
     step_dir = cluster.work / "restored" / JOB / str(step)
-    command = [sys.executable, "-m", "ckptd", "restore", "--config", str(cluster.a.work / "ckptd.toml")]
+    command = [
+        *cluster.a.wrapper,
+        sys.executable,
+        "-m",
+        "ckptd",
+        "restore",
+        "--config",
+        str(cluster.a.work / "ckptd.toml"),
+    ]
     command += ["--job", JOB, "--step", str(step), "--to", str(cluster.work / "restored")]
     log_path = cluster.work / "restore.log"
     with open(log_path, "wb") as log:

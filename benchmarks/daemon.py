@@ -53,6 +53,7 @@ class BenchDaemon:
     cpus: set[int] = field(default_factory=set)  # the CPUs it may run on; empty: any
     program: tuple[str, ...] = ("-m", "ckptd")  # what the interpreter runs, then `serve --config ...`
     env: dict[str, str] = field(default_factory=dict)  # more of its environment
+    wrapper: tuple[str, ...] = ()  # a command that runs the rest of its line, e.g. `ip netns exec NS` (a host's)
     proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -82,7 +83,7 @@ class BenchDaemon:
         cpus = self.cpus
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, *self.program, "serve", "--config", str(config)],
+                [*self.wrapper, sys.executable, *self.program, "serve", "--config", str(config)],
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 env={**daemon_env(), **self.env, "NOTIFY_SOCKET": str(notify_path)},

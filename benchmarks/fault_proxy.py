@@ -7,8 +7,11 @@ benchmarks/chaos.py starts one in front of moto's server, points the daemon's
     5xx     every request gets `503 SlowDown` (S3's answer when it sheds load) and its connection is closed
     reset   every connection is reset (TCP RST), open ones at once and new ones on arrival
     stall   nothing is relayed and nothing answered; when the mode changes, the stalled connections are reset
+    slow    bytes go both ways, SLOW_BLOCK_S late per block read: a slow link (no `tc netem` here)
 
-Entering 5xx, reset or stall closes the connections already open, as a load balancer
+Its listener is on loopback, or one the caller made (chaos_cluster.py makes it on a host of
+its own in a network namespace, so that a cut between node a and that host cuts the store off).
+Entering 5xx, reset, stall or slow closes the connections already open, as a load balancer
 that restarts would. One thread accepts; one thread per connection relays.
 """
 
@@ -28,7 +31,8 @@ SLOW_DOWN = (
     + f"Content-Length: {len(SLOW_DOWN_BODY)}\r\n\r\n".encode()
     + SLOW_DOWN_BODY
 )
-MODES = ("pass", "5xx", "reset", "stall")
+SLOW_BLOCK_S = 0.2  # slow: at most BLOCK_BYTES per this, each way (about 320 KiB/s)
+MODES = ("pass", "5xx", "reset", "stall", "slow")
 
 
 def _reset(sock: socket.socket) -> None:
@@ -39,12 +43,12 @@ def _reset(sock: socket.socket) -> None:
 
 
 class FaultProxy:
-    """Listen on a loopback port and relay to upstream_port, failing as mode says."""
+    """Listen on a loopback port (or on listener) and relay to upstream_port on loopback, failing as mode says."""
 
-    def __init__(self, upstream_port: int) -> None:
+    def __init__(self, upstream_port: int, listener: socket.socket | None = None) -> None:
         self.upstream = ("127.0.0.1", upstream_port)
-        self._listener = socket.create_server(("127.0.0.1", 0))
-        self.port = self._listener.getsockname()[1]
+        self._listener = listener or socket.create_server(("127.0.0.1", 0))
+        self.host, self.port = self._listener.getsockname()[:2]
         self._mode = "pass"
         self._epoch = 0  # bumped on every change of mode: connections opened before it close
         self._lock = threading.Lock()
@@ -55,7 +59,7 @@ class FaultProxy:
 
     @property
     def endpoint(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
     def set_mode(self, mode: str) -> None:
         """Switch to mode; connections open under another mode are closed or reset by their threads."""
@@ -96,7 +100,7 @@ class FaultProxy:
         elif mode == "stall":
             self._stall(client, epoch)
         else:
-            self._relay(client, epoch)
+            self._relay(client, epoch, SLOW_BLOCK_S if mode == "slow" else 0.0)
 
     def _answer_slow_down(self, client: socket.socket) -> None:
         with client:
@@ -115,7 +119,7 @@ class FaultProxy:
         self._count_reset()
         _reset(client)
 
-    def _relay(self, client: socket.socket, epoch: int) -> None:
+    def _relay(self, client: socket.socket, epoch: int, delay_s: float) -> None:
         try:
             upstream = socket.create_connection(self.upstream, timeout=5)
         except OSError:
@@ -136,6 +140,8 @@ class FaultProxy:
                         data = key.fileobj.recv(BLOCK_BYTES)  # type: ignore[union-attr]
                         if not data:
                             return
+                        if delay_s:
+                            threading.Event().wait(delay_s)
                         key.data.sendall(data)
             except OSError:
                 pass

@@ -14,20 +14,31 @@ the way, silently, as a switch port, a firewall or a one-way route drops it. A b
 the sender's own namespace would not do: the kernel answers the sender's connect with EINVAL at
 once, which is a refusal, not the silence of a peer that hangs. Delay and loss (no `tc netem`
 here) are for a TCP proxy of the harness's, as benchmarks/fault_proxy.py does for the store.
+
+run_in() lets the harness's own process act on a host: a socket made on its thread stays in
+that host's namespace (benchmarks/chaos_cluster.py puts the store's fault proxy on a host of
+its own this way, and opens a flood's connections from node a's). The fault campaign
+(benchmarks/chaos.py) imports this module from here: one copy for the tests and the campaign.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import re
 import shutil
 import subprocess
+import threading
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 PREFIX = "ckn"  # every namespace of this harness: ckn<pid>x<tag>-router, ckn<pid>x<tag>-h-<role>
 SUBNET = "10.213"  # 10.213.<i>.0/24 per host; only inside the test's own namespaces
 _NAME = re.compile(rf"^{PREFIX}(\d+)x[0-9a-f]+-")
+_CLONE_NEWNET = 0x40000000  # setns(2): enter a network namespace (this thread only)
+T = TypeVar("T")
 
 
 class NamespacesRefused(RuntimeError):
@@ -74,6 +85,32 @@ class Host:
     def command(self) -> list[str]:
         """Return the prefix that runs a command on this host (Daemon.wrapper, subprocess argv)."""
         return ["ip", "netns", "exec", self.namespace]
+
+
+def run_in(host: Host, work: Callable[[], T]) -> T:
+    """Run work on a thread of its own inside host's network namespace; return its result, or raise its error.
+
+    Called from any thread of the harness; only the new thread enters the namespace (setns(2)
+    moves the calling thread alone), and the sockets work makes there stay on the host.
+    """
+    outcome: dict[str, object] = {}
+
+    def entered() -> None:
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            with open(f"/run/netns/{host.namespace}") as namespace:
+                if libc.setns(namespace.fileno(), _CLONE_NEWNET) != 0:
+                    raise OSError(ctypes.get_errno(), f"setns into {host.namespace}")
+            outcome["value"] = work()
+        except BaseException as e:  # handed to the caller's thread
+            outcome["error"] = e
+
+    thread = threading.Thread(target=entered, name=f"in-{host.name}")
+    thread.start()
+    thread.join()
+    if "error" in outcome:
+        raise outcome["error"]  # type: ignore[misc]
+    return outcome["value"]  # type: ignore[return-value]
 
 
 class Network:

@@ -1,12 +1,14 @@
-"""The harness of nodes as hosts (tests/netns.py): a cut silences a link both ways, or one way; heal ends it."""
+"""The harness of nodes as hosts (tests/netns.py): a cut silences a link both ways, or one way; heal ends it;
+a socket the harness makes on a host (run_in) lives there and is cut with it."""
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 
 import pytest
-from netns import PREFIX, Host, _namespaces
+from netns import PREFIX, Host, _namespaces, run_in
 
 pytestmark = pytest.mark.e2e
 
@@ -107,3 +109,15 @@ def test_a_network_leaves_no_namespace_behind(network):
     assert len(mine) == 2 and all(n.startswith(PREFIX) for n in mine)  # the router and the host
     network.close()
     assert not [n for n in _namespaces() if n.startswith(network.tag)]
+
+
+def test_a_listener_made_on_a_host_is_on_that_host_and_is_cut_with_it(network):
+    a, store = network.host("a"), network.host("store")
+    listener = run_in(store, lambda: socket.create_server((store.address, PORT)))
+    with listener:
+        listener.settimeout(SILENCE_S)
+        assert _connect(a, store) == "connected", "another host reaches it at the host's address"
+        network.cut(a, store)
+        assert _connect(a, store) == "silence"
+        with pytest.raises(ZeroDivisionError):  # what work raises, the caller gets
+            run_in(a, lambda: 1 // 0)
