@@ -85,11 +85,11 @@ class Executors:
     serve: ThreadPoolExecutor  # whole shards read for peers' fetches: never in the way of seals
     receive: ThreadPoolExecutor  # one per replica range arriving: fills its buffers from the socket or PutShard
     data_connections: ThreadPoolExecutor  # the data channel's TLS handshakes, tickets, statuses and drains
-    fetch: ThreadPoolExecutor  # whole shards fetched from peers for a load
+    fetch: ThreadPoolExecutor  # whole shards fetched for a load, from the peers or the object store
     replicate: ThreadPoolExecutor  # one per shard being sent to a peer (blocks on the peer)
     replicate_streams: ThreadPoolExecutor  # the byte ranges of those shards, several per shard
     locate: ThreadPoolExecutor  # loads' lookups on this node's tiers
-    object: ThreadPoolExecutor  # object-store queries of one step, fetches and retention there (uploads have their own)
+    object: ThreadPoolExecutor  # object-store queries of one step, reshards' reads and retention there (not fetches)
     object_listings: ThreadPoolExecutor  # a job's whole history in the store (ls, latest): long, never in the way
     upload: ThreadPoolExecutor  # uploads to the object store, and the reads of their NVMe copies
     cleanup: ThreadPoolExecutor  # retention's removals, at the lowest CPU priority
@@ -226,7 +226,7 @@ class Node:
         self.locator = Locator(
             *(config, tiers, self.nvme, replica_store, cluster, peer_tier is not None, object_tier),
             self.verification_failed,
-            *(x.locate, x.object, x.object_listings, self.job_retention.pinned, steps_in_use),
+            *(x.locate, x.object, x.object_listings, x.fetch, self.job_retention.pinned, steps_in_use),
         )
         self.sharded_reads = ShardedReads(
             self.locator, self.view, [t for t in (peer_tier, object_tier) if t is not None]

@@ -45,8 +45,10 @@ log = logging.getLogger(__name__)
 Answer = TypeVar("Answer")
 
 OBJECT_QUERY_TIMEOUT_S = 5.0
-# A store asked for a step no other tier has (or has good) is the load's last resort: waiting longer beats failing.
-OBJECT_LAST_RESORT_S = 30.0
+# A store asked for a step no other tier has (or has good), or for a job's steps where no other tier knows any,
+# is the load's last resort: waiting longer beats failing (DESIGN, guarantee 7; OPERATIONS runbook h).
+OBJECT_LAST_RESORT_S = 120.0
+STILL_WAITING_EVERY_S = 10.0  # a wait on the store that long or longer says so in the log at this pace
 LOAD_LEASE_S = 600.0  # how long retention keeps off a step a load was pointed at
 STEPS_NAMED = 10  # a load of a step that is not complete names at most this many of the job's complete steps
 
@@ -67,13 +69,15 @@ class Locator:
         threads: ThreadPoolExecutor,
         object_threads: ThreadPoolExecutor,
         listing_threads: ThreadPoolExecutor,
+        fetch_threads: ThreadPoolExecutor,
         pinned: Callable[[str], Collection[int]],
         steps_in_use: SharedLocks[tuple[str, int]],
     ) -> None:
         """with_peers: a peer tier is on (wherever a cluster view is), read through cluster; object_tier: the store's
         (None: off; str() of it names the store in messages).
 
-        threads: lookups on this node's tiers; object_threads: object-store queries of one step, and fetches;
+        threads: lookups on this node's tiers; object_threads: object-store queries of one step (never behind a
+        fetch); fetch_threads: whole shards fetched from the store (ClusterSteps fetches the peers' there too);
         listing_threads: listings of a job's steps in the store, which take long with a long history (and go
         on after a caller stopped waiting): on threads of their own, a load's one question is never behind them.
         pinned(job): the job's pinned steps (JobRetention.pinned, on the event loop), marked in listings.
@@ -91,6 +95,7 @@ class Locator:
         self.threads = threads
         self.object_threads = object_threads
         self.listing_threads = listing_threads
+        self.fetch_threads = fetch_threads
         self._pinned = pinned
         self._steps_in_use = steps_in_use
         self._fetch_locks: KeyedLocks[tuple[str, int, int]] = KeyedLocks()  # one fetch of a shard at a time
@@ -119,8 +124,11 @@ class Locator:
                 lines.setdefault(r.step, r.line)
         known = KnownSteps(lines, set(), False)
         if store is not None and (step is None or step not in lines or (refetch and not from_peers)):
-            if step is None:
-                listed = await self.ask_object_store(store.complete_records, job, listing=True)
+            if step is None:  # the job's newest step: a last resort where no other tier knows any
+                wait_s = OBJECT_LAST_RESORT_S if not lines else OBJECT_QUERY_TIMEOUT_S
+                listed = await self.ask_object_store(
+                    store.complete_records, job, listing=True, timeout_s=wait_s, about=f"{job}'s steps"
+                )
                 for in_store, record in (listed or {}).items():
                     lines.setdefault(in_store, record.line)
                 known = KnownSteps(lines, set(listed or {}), listed is None)
@@ -314,22 +322,34 @@ class Locator:
         *args: Any,
         timeout_s: float = OBJECT_QUERY_TIMEOUT_S,
         listing: bool = False,
+        about: str = "",
     ) -> Answer | None:
         """Return fn(*args) from an object-store thread, or None if the store fails (logged) or does not answer
         within timeout_s: a store that is down must not hide the other tiers.
 
-        listing: fn lists a job's steps (on the listing threads).
+        listing: fn lists a job's steps (on the listing threads). A wait of STILL_WAITING_EVERY_S or more
+        (a last resort) logs how long it has waited, every STILL_WAITING_EVERY_S, naming what it asked about.
         """
         threads = self.listing_threads if listing else self.object_threads
+        answer = asyncio.get_running_loop().run_in_executor(threads, fn, *args)
+        started = time.monotonic()
         try:
-            answer = await asyncio.wait_for(asyncio.get_running_loop().run_in_executor(threads, fn, *args), timeout_s)
-        except TimeoutError:
-            log.warning("the object store did not answer within %.0f s: going on without it", timeout_s)
-            return None
+            while True:
+                left_s = timeout_s - (time.monotonic() - started)
+                if left_s <= 0:
+                    answer.cancel()  # not yet started: it never will; under way: it ends unheard
+                    log.warning("the object store did not answer within %.0f s: going on without it", timeout_s)
+                    return None
+                done, _ = await asyncio.wait({answer}, timeout=min(left_s, STILL_WAITING_EVERY_S))
+                if done:
+                    return answer.result()
+                log.info(
+                    "still waiting for the object store's answer about %s: %.0f s of at most %.0f s",
+                    *(about or "a job's steps", time.monotonic() - started, timeout_s),
+                )
         except CheckpointError as e:
             log.warning("%s", e)
             return None
-        return answer
 
     async def object_steps(self, job: str) -> list[int] | None:
         """Return the job's steps complete in the store, or None if it is off or did not say in time."""
@@ -346,7 +366,9 @@ class Locator:
         tier = self.object_tier
         if tier is None:
             return None
-        return await self.ask_object_store(lambda: [step] if tier.is_complete(job, step) else [], timeout_s=timeout_s)
+        return await self.ask_object_store(
+            lambda: [step] if tier.is_complete(job, step) else [], timeout_s=timeout_s, about=f"{job} step {step}"
+        )
 
     async def _fetch_from_object(self, job: str, step: int, rank: int, again: bool, replace: bool = False) -> None:
         """Copy a rank's shard of a step complete in the object store onto this node's NVMe, verified.
@@ -358,13 +380,16 @@ class Locator:
                 return  # another load fetched it meanwhile
             with self._fetching_from_object.counting((job, step)):
                 try:
-                    await self.on_object_threads(self._copy_from_object, job, step, rank, replace)
+                    await asyncio.get_running_loop().run_in_executor(
+                        self.fetch_threads, self._copy_from_object, job, step, rank, replace
+                    )
                 except CorruptCheckpoint:
                     self.verification_failed("object")
                     raise
 
     def _copy_from_object(self, job: str, step: int, rank: int, replace: bool) -> None:
         assert self.object_tier is not None
+        log.info("fetching rank %d shard of %s step %d from %s", rank, job, step, self.object_tier)
         started = time.monotonic()
         meta = fetch_shard(self.object_tier, self.nvme, job, step, rank, replace)
         where = f"{self.object_tier}/{job}/{step}"

@@ -27,10 +27,9 @@ def test_a_steps_question_is_answered_while_listings_that_timed_out_still_run() 
         return []
 
     store = SimpleNamespace(is_complete=lambda job, step: step == 7)
-    pools = [ThreadPoolExecutor(4), ThreadPoolExecutor(4), ThreadPoolExecutor(2)]
-    locator = Locator(
-        SimpleNamespace(), [], None, None, None, False, store, *(lambda tier: None, *pools, no_pins, SharedLocks())
-    )  # type: ignore[arg-type]
+    pools = [ThreadPoolExecutor(4), ThreadPoolExecutor(4), ThreadPoolExecutor(2), ThreadPoolExecutor(1)]
+    rest = (lambda tier: None, *pools, no_pins, SharedLocks())
+    locator = Locator(SimpleNamespace(), [], None, None, None, False, store, *rest)  # type: ignore[arg-type]
 
     async def ask() -> tuple[list, list[int] | None]:
         given_up = [await locator.ask_object_store(long_listing, timeout_s=0.05, listing=True) for _ in range(6)]
@@ -51,10 +50,9 @@ def test_a_store_that_fails_answers_none_and_a_warning(caplog) -> None:
         raise CheckpointError("s3://bucket: connection refused")
 
     store = SimpleNamespace(is_complete=down, complete_steps=down)
-    pools = [ThreadPoolExecutor(1) for _ in range(3)]
-    locator = Locator(
-        SimpleNamespace(), [], None, None, None, False, store, *(lambda tier: None, *pools, no_pins, SharedLocks())
-    )  # type: ignore[arg-type]
+    pools = [ThreadPoolExecutor(1) for _ in range(4)]
+    rest = (lambda tier: None, *pools, no_pins, SharedLocks())
+    locator = Locator(SimpleNamespace(), [], None, None, None, False, store, *rest)  # type: ignore[arg-type]
 
     async def ask() -> tuple[list[int] | None, list[int] | None]:
         return await locator.object_step("j", 7), await locator.object_steps("j")
@@ -77,7 +75,7 @@ def test_a_refetch_with_peers_to_fetch_from_does_not_wait_on_the_store_first() -
 
     here = SimpleNamespace(complete_records=lambda job: {5: SimpleNamespace(line=())})  # a bad copy of step 5
     store = SimpleNamespace(is_complete=is_complete)
-    pools = [ThreadPoolExecutor(1) for _ in range(3)]
+    pools = [ThreadPoolExecutor(1) for _ in range(4)]
 
     def known(peers: bool) -> set[int]:
         locator = Locator(
