@@ -9,7 +9,9 @@ save path, the load path, SaveHandle and the lazy copy's threads call them, each
 from __future__ import annotations
 
 import json
+import logging
 import os
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -30,6 +32,12 @@ from ckpt_core.errors import (
 from ckpt_core.shard_io import ShardSource
 from ckpt_core.wire.v1 import ckptd_pb2 as pb
 from ckpt_core.wire.v1 import ckptd_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+# A load's Locate waits as long as the daemon works on it (a fetch, a slow store's answer: bounded there),
+# saying so at this pace; no deadline here would fail a load the daemon is still bringing in.
+STILL_WAITING_EVERY_S = 15.0
 
 
 @dataclass(frozen=True)
@@ -179,13 +187,14 @@ class DaemonClient:
         refetch: this node's copies failed their checks; the daemon fetches a good one over them first.
         """
         request = pb.LocateRequest(job=job, step=-1 if step is None else step, rank=rank, tier=tier, refetch=refetch)
-        reply = self.call("Locate", request)
+        reply = self.call_waiting("Locate", request, f"rank {rank}'s shard of {job} {_step_named(step)}")
         sources = [ShardSource(s.tier, s.kind, s.path, job, reply.step) for s in reply.sources]
         return LocatedShard(int(reply.step), int(reply.world_size), sources, reply.next_line)
 
     def locate_step(self, job: str, step: int | None, tier: str) -> LocatedStep:
         """Return a complete step (None: the latest): its sealed records, and the ranks this node holds."""
-        reply = self.call("LocateStep", pb.LocateStepRequest(job=job, step=-1 if step is None else step, tier=tier))
+        request = pb.LocateStepRequest(job=job, step=-1 if step is None else step, tier=tier)
+        reply = self.call_waiting("LocateStep", request, f"{job} {_step_named(step)}")
         ranks = [[ShardSource(s.tier, s.kind, s.path, job, reply.step) for s in held.sources] for held in reply.ranks]
         return LocatedStep(int(reply.step), bytes(reply.commit_json), bytes(reply.index_json), ranks, reply.next_line)
 
@@ -224,6 +233,26 @@ class DaemonClient:
             return getattr(self._stub, method)(request, timeout=timeout_s)
         except grpc.RpcError as e:
             raise self._error(method, e) from None
+
+    def call_waiting(self, method: str, request: Any, what: str) -> Any:
+        """Call one RPC that may take long on the daemon's side (a load brought in from the object store) and
+        return its reply: no deadline, and a warning every STILL_WAITING_EVERY_S naming what it waits for."""
+        future = getattr(self._stub, method).future(request)
+        started = time.monotonic()
+        try:
+            while True:
+                try:
+                    return future.result(timeout=STILL_WAITING_EVERY_S)
+                except grpc.FutureTimeoutError:
+                    log.warning(
+                        "still waiting for ckptd to find %s (%.0f s): it may be fetching it from a peer or the object "
+                        "store; the daemon's log says more",
+                        *(what, time.monotonic() - started),
+                    )
+        except grpc.RpcError as e:
+            raise self._error(method, e) from None
+        finally:
+            future.cancel()  # a no-op once answered; else (interrupted) the daemon stops working for nobody
 
     def stream(self, method: str, request: Any, timeout_s: float | None = None) -> Iterator[Any]:
         """Call one server-streaming RPC by name and yield its replies."""
@@ -270,3 +299,7 @@ def _reservation(reply: pb.ReserveReply) -> Reservation:
         reservation=int(reply.reservation),
         line=reply.line,
     )
+
+
+def _step_named(step: int | None) -> str:
+    return "its newest step" if step is None else f"step {step}"

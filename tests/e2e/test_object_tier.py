@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import shutil
 import signal
+import threading
 
 import ckpt
 import pytest
@@ -286,3 +287,37 @@ def test_a_bad_nvme_copy_is_replaced_by_the_stores_good_one_on_load(make_daemon,
     assert f"fetched rank 0 shard of {JOB} step 5 from file://" in node.log()
     out = node.cli("verify", "--job", JOB, "--tier", "nvme")
     assert out.returncode == 0, out.stdout  # the bad copy was written over
+
+
+def test_a_load_whose_only_copy_is_in_a_store_slow_to_answer_waits_for_it_and_says_so(make_daemon, own_s3_server):
+    # A node that lost its disk, no peers: the store is the load's last resort. Before, the daemon gave the
+    # store 5 s to say which steps it holds (the newest step) and 30 s for one step, behind whole-shard
+    # fetches, and the client's Locate had a 60 s deadline: a load that could succeed failed with "did not
+    # answer: it may hold it; try again". Now it waits up to 120 s for the answer, saying so every 10 s.
+    server = own_s3_server
+    bucket = server.new_bucket()
+    node = make_daemon(server.toml(f"s3://{bucket}")).start()
+    save(node, 5)
+    node.lose()
+    node.start()
+    loaded: list = []
+
+    def load() -> None:
+        with ckpt.Checkpointer(job=JOB, address=node.address) as c:
+            loaded.append(c.load())
+
+    server.proc.send_signal(signal.SIGSTOP)  # the store takes every request and answers none, until SIGCONT
+    loader = threading.Thread(target=load)
+    try:
+        loader.start()
+        eventually(
+            lambda: "still waiting for the object store's answer about train's steps: 10 s" in node.log(),
+            timeout_s=60,
+            what="the daemon saying it still waits for the store",
+        )
+    finally:
+        server.proc.send_signal(signal.SIGCONT)
+    loader.join(timeout=120)
+    assert not loader.is_alive() and len(loaded) == 1, node.log()[-3000:]
+    assert_same(loaded[0], rank_state(0, 5))
+    assert "fetching rank 0 shard of train step 5 from s3://" in node.log()
