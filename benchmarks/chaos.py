@@ -129,7 +129,14 @@ def _partial(cluster: Cluster) -> set[tuple[int, str]]:
             continue
         partial.add((step, tier))
         print(f"partial visible: step {step} listed on {tier}, which does not hold it whole", flush=True)
+        print(f"  what each node holds of step {step} now: {_files_of(cluster, step)}", flush=True)
     return partial
+
+
+def _files_of(cluster: Cluster, step: int) -> str:
+    """Say which files of a step each place holds now (a's NVMe and replica store, b's and c's replica stores)."""
+    places = [cluster.nvme_dir(step), cluster.a.root / ".peer" / JOB / str(step), *cluster.replica_dirs(step)]
+    return "; ".join(f"{p}: {sorted(q.name for q in p.iterdir()) if p.is_dir() else 'none'}" for p in places)
 
 
 def _whole_steps(cluster: Cluster, tier: str) -> set[int]:

@@ -131,6 +131,7 @@ class StatusReport:
         failures = self.verification_failures
         newest = _newest_complete(self.progress.newest_by_job(), {s.job for s in slots}, time.time())
         passed_over = self.progress.passed_over_by_job()
+        peer = self.peering.status()
         return {
             "version": __version__,
             "node": self.config.node.name,
@@ -143,11 +144,11 @@ class StatusReport:
                 "peer": {
                     "replica_root": str(self.config.replica_root),
                     "data_port": self.data_port,
-                    **self.peering.status(),
+                    **peer,
                 },
                 "object": self.uploader.status() if self.uploader is not None else {"enabled": False},
             },
-            "cluster": self.view.status() if self.view is not None else {"backend": "none"},
+            "cluster": _cluster_status(self.view.status(), peer) if self.view is not None else {"backend": "none"},
             "staging": {
                 "policy": self.config.staging.policy,
                 "budget_bytes": self.pool.budget_bytes,
@@ -209,3 +210,13 @@ def _bytes_by_job(slots: list[Any]) -> dict[str, int]:
     for s in slots:
         held[s.job] = held.get(s.job, 0) + max(s.size_bytes, s.allocating_bytes)
     return held
+
+
+def _cluster_status(view: dict[str, Any], peer: dict[str, Any]) -> dict[str, Any]:
+    """Return the view's status; the built-in view ("peers") is the peers themselves: not connected while every
+    peer is unreachable from here (this node cut off), as an etcd view whose endpoints went quiet."""
+    addresses = set(peer.get("peers", {})) | set(peer.get("unreachable", {}))
+    if view.get("backend") == "peers" and addresses and addresses <= set(peer.get("unreachable", {})):
+        silent = ", ".join(sorted(addresses))
+        return {**view, "connected": False, "last_error": f"every peer is unreachable from here: {silent}"}
+    return view

@@ -84,6 +84,8 @@ def cluster_line(cluster: Mapping[str, Any]) -> str:
     if backend == "none":
         return "cluster     none (no peers: every step is sealed on this node)"
     state = "connected" if cluster.get("connected") else f"NOT CONNECTED ({cluster.get('last_error', '')})"
+    if backend == "peers" and not cluster.get("connected"):
+        state = f"NOT CONNECTED: no peer answers, this node is cut off ({cluster.get('last_error', '')})"
     where = f" at {', '.join(cluster['endpoints'])}" if cluster.get("endpoints") else ""
     return (
         f"cluster     {backend}{where}: {state}, {cluster.get('members', 0)} nodes, "

@@ -110,7 +110,17 @@ def test_an_isolated_nodes_wait_for_peer_raises_naming_the_peers_it_cannot_reach
             assert took < ISOLATED_WAIT_BOUND_S, f"wait('peer') took {took:.1f} s to say the peers cannot be reached"
         for h in handles:
             h.wait("nvme", timeout=10)  # the node itself keeps saving
+        # status says so on the cut-off side (it said "connected" before), and not on the side that still meets
+        eventually(
+            lambda: "NOT CONNECTED: no peer answers" in a.cli("status").stdout,
+            timeout_s=30,
+            what="the isolated node's status saying it is cut off",
+        )
+        on_a, on_b = a.cli("status").stdout, b.cli("status").stdout
+        assert f"{b.listen}: unreachable" in on_a and f"{c.listen}: unreachable" in on_a, on_a
+        assert "NOT CONNECTED" not in on_b, on_b
     print(failed.value)
+    print(on_a)
 
 
 def test_sigterm_drains_promptly_and_cleanly_with_every_peer_cut_off(make_host_cluster, network):
