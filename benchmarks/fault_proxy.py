@@ -8,10 +8,12 @@ benchmarks/chaos.py starts one in front of moto's server, points the daemon's
     reset   every connection is reset (TCP RST), open ones at once and new ones on arrival
     stall   nothing is relayed and nothing answered; when the mode changes, the stalled connections are reset
     slow    bytes go both ways, SLOW_BLOCK_S late per block read: a slow link (no `tc netem` here)
+    blackhole  a cut link: open connections stay open and carry nothing either way, new ones get nothing;
+            when the mode changes they carry on (a healed link), or close as that mode says
 
 Its listener is on loopback, or one the caller made (chaos_cluster.py makes it on a host of
 its own in a network namespace, so that a cut between node a and that host cuts the store off).
-Entering 5xx, reset, stall or slow closes the connections already open, as a load balancer
+Entering 5xx, reset, stall or slow closes the connections already open (blackhole keeps them), as a load balancer
 that restarts would. One thread accepts; one thread per connection relays.
 """
 
@@ -32,7 +34,7 @@ SLOW_DOWN = (
     + SLOW_DOWN_BODY
 )
 SLOW_BLOCK_S = 0.2  # slow: at most BLOCK_BYTES per this, each way (about 320 KiB/s)
-MODES = ("pass", "5xx", "reset", "stall", "slow")
+MODES = ("pass", "5xx", "reset", "stall", "slow", "blackhole")
 
 
 def _reset(sock: socket.socket) -> None:
@@ -97,7 +99,7 @@ class FaultProxy:
             _reset(client)
         elif mode == "5xx":
             self._answer_slow_down(client)
-        elif mode == "stall":
+        elif mode in ("stall", "blackhole"):
             self._stall(client, epoch)
         else:
             self._relay(client, epoch, SLOW_BLOCK_S if mode == "slow" else 0.0)
@@ -131,6 +133,14 @@ class FaultProxy:
             try:
                 while not self._closed:
                     mode, now = self._now()
+                    if mode == "blackhole":  # nothing read, nothing sent, nothing closed: until the link heals
+                        while mode == "blackhole" and not self._closed:
+                            threading.Event().wait(POLL_S)
+                            mode, now = self._now()
+                        if mode in ("pass", "slow"):
+                            epoch = now
+                            delay_s = SLOW_BLOCK_S if mode == "slow" else 0.0
+                            continue
                     if now != epoch:  # the mode changed under this connection
                         if mode in ("reset", "stall"):
                             self._count_reset()

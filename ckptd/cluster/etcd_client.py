@@ -33,6 +33,8 @@ STUBS = {"KV": kv_pb2_grpc.KVStub, "Lease": lease_pb2_grpc.LeaseStub}  # the ser
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 RECONNECT_FIRST_MS = 100
 RECONNECT_MAX_MS = 1000
+KEEPALIVE_TIME_MS = 6000  # etcd's --grpc-keepalive-min-time is 5 s by default
+KEEPALIVE_TIMEOUT_MS = 2000
 
 
 class EtcdError(CheckpointError):
@@ -117,6 +119,12 @@ class EtcdClient:
                 # (not min_reconnect_backoff_ms: gRPC takes it for the connect timeout, 20 s by default)
                 ("grpc.initial_reconnect_backoff_ms", RECONNECT_FIRST_MS),
                 ("grpc.max_reconnect_backoff_ms", RECONNECT_MAX_MS),
+                # An endpoint cut off (no answer, no reset) is noticed within KEEPALIVE_TIME_MS + KEEPALIVE_TIMEOUT_MS
+                # and the next one tried, rather than the watch waiting on a dead connection for the kernel's
+                # retransmissions. Not more often: etcd answers pings under 5 s apart with GOAWAY (too_many_pings).
+                ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
+                ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+                ("grpc.http2.max_pings_without_data", 0),  # the watch may carry nothing for long
             ]
             self._channels[endpoint] = (
                 grpc.aio.insecure_channel(endpoint, options=options)
