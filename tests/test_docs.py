@@ -41,6 +41,21 @@ def test_readme_is_short_and_links_the_guide():
     assert "](CHANGELOG.md)" in text
 
 
+def _anchors(markdown: str) -> set[str]:
+    """Return the anchors GitHub gives the headings of a markdown text."""
+    headings = re.findall(r"^#+ (.+)$", markdown, flags=re.MULTILINE)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in headings}
+
+
+def test_links_into_the_guide_name_its_sections():
+    guide = GUIDE.read_text()
+    anchors = _anchors(guide)
+    links = re.findall(r"\]\(docs/GUIDE\.md#([^)]+)\)", README.read_text())
+    links += re.findall(r"\]\(#([^)]+)\)", guide)
+    assert links
+    assert not [a for a in links if a not in anchors], [a for a in links if a not in anchors]
+
+
 def test_every_command_and_option_the_guide_names_exists():
     commands = _subcommands()
     shown = _command_lines(GUIDE.read_text())
