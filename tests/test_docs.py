@@ -1,10 +1,13 @@
-"""The README stays short and points to the user guide; the guide names only commands and options the CLI has."""
+"""Keep the README short and linked to the guide, and the guide true to the CLI and the config keys."""
 
 import argparse
+import dataclasses
 import re
+import tomllib
 from pathlib import Path
 
 from ckptd.cli import _parser
+from ckptd.config import _SECTION_TYPES, JobRetentionConfig
 
 REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
@@ -69,3 +72,32 @@ def test_every_command_and_option_the_guide_names_exists():
         for option in re.findall(r"(?<![\w-])--[a-z][a-z-]*", rest):
             assert option in options, f"docs/GUIDE.md gives `ckptd {name}` {option}, which it lacks ({invocation!r})"
     assert named == set(commands), f"commands the guide never shows: {set(commands) - named}"
+
+
+def _toml_keys(markdown: str) -> list[tuple[str, str]]:
+    """Return (section, key) of every setting the text's TOML blocks give; a job's table is retention.jobs."""
+    keys = []
+    for block in re.findall(r"^```toml\n(.*?)^```", markdown, flags=re.MULTILINE | re.DOTALL):
+        for section, values in tomllib.loads(block).items():
+            for key, value in values.items():
+                if section == "retention" and key == "jobs":
+                    keys += [("retention.jobs", k) for job in value.values() for k in job]
+                else:
+                    keys.append((section, key))
+    return keys
+
+
+def test_the_guides_config_keys_are_the_daemons_and_its_reference_names_them_all():
+    guide = GUIDE.read_text()
+    fields = {s: {f.name for f in dataclasses.fields(c)} for s, c in _SECTION_TYPES.items()}
+    fields["retention.jobs"] = {f.name for f in dataclasses.fields(JobRetentionConfig)}
+    fields["retention"].discard("jobs")
+    given = _toml_keys(guide)
+    assert given
+    assert not [k for k in given if k[1] not in fields.get(k[0], ())], [
+        k for k in given if k[1] not in fields.get(k[0], ())
+    ]
+    reference = guide[guide.index("## Configuration\n") :]
+    listed = set(_toml_keys(reference[: reference.index("\n```\n") + 5]))
+    missing = {(s, k) for s, keys in fields.items() for k in keys} - listed
+    assert not missing, f"docs/GUIDE.md, Configuration, lacks {sorted(missing)}"
