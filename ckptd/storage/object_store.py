@@ -5,7 +5,7 @@ S3Store (s3fs: multipart uploads with parts in flight at once, If-None-Match
 create-only writes, abandoned multipart uploads aborted), LocalStore (file://:
 temporary name, fsync, rename, and create-only through link()), and the base
 ObjectStore for any other fsspec URL (create-only is check-then-write there:
-documented in the README). Every object is written through one ObjectParts that
+documented in docs/GUIDE.md). Every object is written through one ObjectParts that
 open_parts returns (put() writes a small one through it too). Calls block: make
 them from worker threads. Paths are relative to the URL.
 """

@@ -1,4 +1,4 @@
-"""Run PyTorch's DCP tests and Lightning's checkpoint tests on ckptd storage (README, "Upstream suites").
+"""Run PyTorch's DCP tests and Lightning's checkpoint tests on ckptd storage (docs/GUIDE.md, "Upstream suites").
 
 The test files are upstream's and are not in this repository: scripts/upstream_sources.sh copies them
 in from checkouts of PyTorch and Lightning (git ignores them), and tests/upstream/README.md lists them,
