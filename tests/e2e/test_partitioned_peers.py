@@ -6,6 +6,7 @@ peer's process alive. Each test measures the time it bounds and prints it (pytes
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
@@ -14,7 +15,7 @@ import ckpt
 import pytest
 import torch
 from ckpt_core.errors import SaveFailed
-from ckpt_core.format import data_name
+from ckpt_core.format import ShardMeta, data_name, meta_name
 from conftest import eventually
 from states import assert_same
 
@@ -187,3 +188,48 @@ def test_a_data_connection_waiting_on_a_cut_peer_fails_within_seconds_and_on_a_s
         for process in (sender, sink):
             process.kill()
             process.wait()
+
+
+def _rank_state(rank: int, step: int, run: int) -> dict:
+    return {"w": torch.full((1 << 14,), float(1000 * run + 10 * step + rank)), "rank": rank, "run": run}
+
+
+def test_a_step_saved_again_across_a_partition_is_sealed_from_one_run_only(make_host_cluster, network):
+    # Two ranks on two nodes split by a partition (a | b c): each rank's shard of step 2 is durable on its own
+    # node, but the step cannot be committed across the cut. The job restarts (a new run) and saves step 2
+    # again while the cut lasts, then the link heals: the step must be sealed from the new run's shards on
+    # both nodes, never from one run's rank 0 and the other's rank 1, and each rank loads what it saved last.
+    a, b, c = make_host_cluster(3, extra_toml=f"failover_s = {FAILOVER_S}\n")
+    for node in (a, b, c):
+        node.start()
+    saving_nodes = (a, b)
+
+    def save(step: int, run: int) -> None:
+        savers = [
+            ckpt.Checkpointer(job="split", rank=rank, world_size=2, address=node.address, run_id=f"run-{run}")
+            for rank, node in enumerate(saving_nodes)
+        ]
+        handles = [s.save_async(_rank_state(rank, step, run), step=step) for rank, s in enumerate(savers)]
+        for h in handles:
+            h.wait("nvme", timeout=60)  # durable on its own node: the cut plays no part
+        for s in savers:
+            s.close()
+
+    def complete_on(node) -> set[int]:
+        out = node.cli("ls", "--job", "split", "--json")
+        return {item["step"] for item in json.loads(out.stdout)} if out.returncode == 0 else set()
+
+    save(1, run=1)
+    eventually(lambda: all(1 in complete_on(n) for n in saving_nodes), 30, "step 1 committed on both nodes")
+    network.partition([a.host], [b.host, c.host])
+    save(2, run=1)
+    save(2, run=2)  # the job restarted, the cut still there
+    assert not any(2 in complete_on(n) for n in saving_nodes), "step 2 committed across a cut"
+    network.heal()
+    eventually(lambda: all(2 in complete_on(n) for n in saving_nodes), 60, "step 2 committed after the heal")
+    for rank, node in enumerate(saving_nodes):
+        with ckpt.Checkpointer(job="split", rank=rank, world_size=2, address=node.address) as loader:
+            assert_same(loader.load(step=2), _rank_state(rank, 2, run=2))
+    for rank, node in enumerate(saving_nodes):  # the sealed shard records name the run that wrote them
+        path = node.root / "split" / "2" / meta_name(rank)
+        assert ShardMeta.from_bytes(path.read_bytes(), str(path)).run_id == "run-2"
