@@ -25,7 +25,7 @@ from pathlib import Path
 
 import ckpt
 import torch
-from chaos_cluster import FAILOVER_S, JOB, Cluster
+from chaos_cluster import FAILOVER_S, JOB, RETENTION, Cluster
 from chaos_rank import state_for
 from ckpt_core.format import COMMIT_NAME, data_name, meta_name
 from daemon import BenchDaemon, daemon_env
@@ -161,8 +161,9 @@ class _ReplicaWatch:
 
     A step's verdict: `replicated on live nodes` within REPLICATED_WITHIN_S of its report (the
     replica's data and shard record on a node that is up: the placed peer, or its stand-in),
-    `replicated late`, `retired before replicated` (a's [retention] dropped it first: newer
-    steps took its place, so no replica of it is due), or `not replicated within the bound`.
+    `replicated late`, `retired past the peer keep` (a's [retention] dropped it once RETENTION["peer"]
+    newer steps were on NVMe: no replica of it is due), `retired before replicated` (dropped within
+    that keep with no replica: what DESIGN guarantee 8 rules out), or `not replicated within the bound`.
     """
 
     def __init__(self, cluster: Cluster, since: float) -> None:
@@ -186,7 +187,11 @@ class _ReplicaWatch:
                 self.verdicts[step] = "replicated on live nodes" if in_time else "replicated late"
                 self.latencies.append(now - at)
             elif not (self.cluster.nvme_dir(step) / COMMIT_NAME).exists():
-                self.verdicts[step] = "retired before replicated"
+                newer = sum(1 for s in self.cluster.rank.steps("nvme") if s > step)
+                within_keep = newer < RETENTION["peer"]
+                self.verdicts[step] = "retired before replicated" if within_keep else "retired past the peer keep"
+                if within_keep:
+                    print(f"peer-down: step {step} left NVMe with no replica, {newer} newer steps", flush=True)
             elif now - at > REPLICATED_WITHIN_S:
                 self.verdicts[step] = "not replicated within the bound"
                 print(f"peer-down: step {step} has no replica on a live node {now - at:.1f} s after it", flush=True)
