@@ -178,7 +178,7 @@ class CkptdTrainer(Trainer):
         output_dir = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
         c = self._checkpointer
         if c is None:  # a run that loaded none of its job's steps
-            job, used = new_run_job(self._base_job, self.address)
+            job, used = new_run_job(self._base_job, self.address, every_rank=True)
             if used is not None:
                 log.warning(
                     "ckpt: job %s holds steps up to %d of another run, and this run resumed from none of them: it "
