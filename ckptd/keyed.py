@@ -65,10 +65,11 @@ class ThreadKeyedLocks(Generic[K]):
 
 
 class SharedLocks(Generic[K]):
-    """Per key, any number of shared holders at once or one holder alone; kept only while a key is held.
+    """Per key, any number of shared holders at once, or one holder alone that never waits; kept only while held.
 
-    A waiter for alone never holds up a new shared holder: a shared holder may take the same
-    key again inside its body (a locate whose fetch reads the step) without waiting on itself.
+    A shared holder waits while the key is held alone; one that would hold it alone takes it only if
+    no one holds it now (else it is told so at once: the key is in use). So a shared holder may take
+    the same key again inside its body (a locate whose fetch reads the step) without waiting on itself.
     """
 
     def __init__(self) -> None:
@@ -85,20 +86,19 @@ class SharedLocks(Generic[K]):
         try:
             yield
         finally:
-            async with self._changed:
-                self._shared[key] -= 1
-                if not self._shared[key]:
-                    del self._shared[key]
-                self._changed.notify_all()
+            self._shared[key] -= 1
+            if not self._shared[key]:
+                del self._shared[key]
 
     @contextlib.asynccontextmanager
-    async def alone(self, key: K) -> AsyncIterator[None]:
-        """Hold key alone for the body, once no one holds it, shared or alone."""
-        async with self._changed:
-            await self._changed.wait_for(lambda: key not in self._alone and key not in self._shared)
-            self._alone.add(key)
+    async def alone_if_free(self, key: K) -> AsyncIterator[bool]:
+        """Hold key alone for the body and yield True if no one holds it now; else yield False, holding nothing."""
+        if key in self._alone or key in self._shared:
+            yield False
+            return
+        self._alone.add(key)  # no await since the check: no one took it meanwhile
         try:
-            yield
+            yield True
         finally:
             async with self._changed:
                 self._alone.discard(key)

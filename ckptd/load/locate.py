@@ -82,7 +82,7 @@ class Locator:
         on after a caller stopped waiting): on threads of their own, a load's one question is never behind them.
         pinned(job): the job's pinned steps (JobRetention.pinned, on the event loop), marked in listings.
         steps_in_use: held shared on a step from the moment locate knows it until it answers, so that no
-        removal planned before runs meanwhile (RetentionRunner holds a step alone to remove it).
+        removal planned before runs meanwhile (RetentionRunner removes a step only while no one holds it).
         """
         self.config = config
         self.tiers = tiers
@@ -170,7 +170,7 @@ class Locator:
 
         From here on retention keeps off the step (the lease, then the client's reads): a copy
         fetched below is older than the newest steps, and would otherwise go between its fetch and
-        the client's read. A removal planned before waits for this to end (steps_in_use).
+        the client's read. A removal planned before passes the step over (steps_in_use).
         """
         tiers = self.tiers_for(tier)
         from_peers = tier in ("", "auto", "peer") and self.with_peers

@@ -151,7 +151,7 @@ class RetentionRunner:
         """object_threads: queries in the object store; cleanup_thread: one thread, started with lowest_priority
         as its initializer, for local listings and the removals that failed before (retry_removals, of steps
         unlisted already); job_retention: each job's settings and pins; steps_in_use: held shared by a load's
-        locate (Locator) and alone here around each removal, so that a step a load just took up stays.
+        locate (Locator) and alone here around each removal, so that a step a load is taking up stays.
 
         The save path's, which alone seals, adopts and removes (awaited on the event loop):
         adopt_missed_commits(tier, job) before each job's pass on a local tier; release(tier, job, step)
@@ -247,14 +247,15 @@ class RetentionRunner:
     async def _release_unused(self, tier: StepCatalog, job: str, step: int) -> bool:
         """Remove a planned step from a tier unless a role took it up since the plan; say whether it went.
 
-        Alone on the step against loads' locates (steps_in_use): a locate that began before holds
-        it busy by now, and one that begins after waits, then finds the step gone and fetches it
-        afresh. Without that, a load could fetch a copy onto NVMe and be pointed at it just before
-        the removal planned earlier took it away.
+        Alone on the step against loads' locates (steps_in_use): one under way keeps the step (it
+        may be fetching a copy onto NVMe, its lease not taken yet), and one that begins meanwhile
+        waits for the removal, then finds the step gone and fetches it afresh. Never waits on a
+        load: a retention pass is not held up by a slow fetch. Without that, a load could be
+        pointed at a copy just before the removal planned earlier took it away.
         """
-        async with self._steps_in_use.alone((job, step)):
-            if (job, step) in self.busy_steps():
-                return False  # taken meanwhile (a load pointed at it, a fetch, a write)
+        async with self._steps_in_use.alone_if_free((job, step)) as free:
+            if not free or (job, step) in self.busy_steps():
+                return False  # taken meanwhile (a load locating it, a lease, a fetch, a write)
             await self._release(tier, job, step)
             return True
 
