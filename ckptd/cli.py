@@ -514,7 +514,10 @@ def _print_removals(removals: Any, dry_run: bool, as_json: bool) -> None:
     for r in removals:
         print(f"{verb} {r.tier} {r.job} step {r.step}: {r.reason}")
     if not removals:
-        print("nothing to remove")
+        print(
+            "nothing to remove: every job's steps are within its retention here (`ckptd status` says what each "
+            "job keeps); steps in use, pinned, or still owed a replica stay too"
+        )
 
 
 def cmd_pin(args: argparse.Namespace, config: Config) -> int:
