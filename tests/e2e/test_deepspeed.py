@@ -1,0 +1,105 @@
+"""CkptdCheckpointEngine with a real daemon and a real DeepSpeed engine (ZeRO 1, gloo on CPU): kill -9, resume."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+deepspeed = pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (pip install deepspeed)")
+
+import torch  # noqa: E402
+from ckpt.deepspeed import CkptdCheckpointEngine, Pointer, read_pointer  # noqa: E402
+from ckpt_core.errors import InvalidArgument  # noqa: E402
+from deepspeed.runtime.checkpoint_engine import CheckpointCommitInfo  # noqa: E402
+
+pytestmark = pytest.mark.e2e
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "deepspeed_train.py"
+WORKER_TIMEOUT_S = 180  # DeepSpeed builds its CPU shared-memory op once per machine (about a minute), then caches it
+
+
+def run(*args: str, killed: bool = False) -> None:
+    """Run the example to its end (or to its SIGKILL, when killed), as one rank of its own."""
+    env = {k: v for k, v in os.environ.items() if k not in ("CKPTD_ADDRESS", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env |= {"OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
+    done = subprocess.run(
+        [sys.executable, str(EXAMPLE), *args], env=env, capture_output=True, text=True, timeout=WORKER_TIMEOUT_S
+    )
+    expected = -signal.SIGKILL if killed else 0
+    assert done.returncode == expected, done.stdout[-3000:] + done.stderr[-6000:]
+
+
+def losses(out: Path) -> dict[int, float]:
+    """Return every step's loss over the runs, the later run's for a step run twice."""
+    merged: dict[int, float] = {}
+    for path in sorted(out.glob("losses-*.json"), key=lambda p: p.stat().st_mtime_ns):
+        merged |= {int(k): v for k, v in json.loads(path.read_text()).items()}
+    return merged
+
+
+def ls(daemon, job: str) -> list[int]:
+    out = daemon.cli("ls", "--job", job, "--json", "--address", daemon.address)
+    assert out.returncode == 0, out.stderr
+    return sorted(item["step"] for item in json.loads(out.stdout))
+
+
+@pytest.mark.timeout(420)
+def test_a_deepspeed_run_killed_mid_run_resumes_from_ckptd_with_the_losses_of_an_uninterrupted_run(daemon, short_tmp):
+    common = ["--address", daemon.address, "--steps", "24", "--save-every", "8"]
+    whole, broken = short_tmp / "whole", short_tmp / "broken"
+    run("--job", "ds-whole", "--save-dir", str(short_tmp / "w"), "--losses", str(whole), *common)
+    save_dir = short_tmp / "b"
+    args = ["--job", "ds", "--save-dir", str(save_dir), "--losses", str(broken), *common]
+    run(*args, "--die-at", "12", killed=True)
+    assert (save_dir / "latest").read_text() == "global_step8"
+    pointer = read_pointer(str(save_dir / "global_step8" / "mp_rank_00_model_states.pt"))
+    assert pointer == Pointer("ds", 8, 0, 1, "mp_rank_00_model_states.pt")  # a pointer, not DeepSpeed's torch file
+    run(*args)
+
+    assert len(losses(whole)) == 24
+    assert losses(broken) == losses(whole)  # steps 9..24 recomputed after the resume, bit for bit
+    assert ls(daemon, "ds") == [8, 16, 24] and ls(daemon, "ds-whole") == [8, 16, 24]
+    assert sorted(p.name for p in (save_dir / "global_step24").iterdir()) == [
+        "mp_rank_00_model_states.pt",
+        "zero_pp_rank_0_mp_rank_00_optim_states.pt",  # ZeRO's per-rank optimizer file: the same step's shard
+    ]
+
+
+def test_a_tag_that_ends_in_no_number_is_refused_before_anything_is_saved(daemon, short_tmp):
+    engine = CkptdCheckpointEngine(job="ds-tag", address=daemon.address)
+    with pytest.raises(InvalidArgument, match=r"tag 'best' ends in no number.*tag=None"):
+        engine.create(CheckpointCommitInfo(tag="best", save_dir=str(short_tmp), save_latest=True))
+    engine.close()
+
+
+def test_save_commit_load_round_trips_bit_for_bit_and_a_kill_before_commit_leaves_no_step(daemon, short_tmp):
+    tag_dir = short_tmp / "global_step3"
+    tag_dir.mkdir()
+    info = CheckpointCommitInfo(tag="global_step3", save_dir=str(short_tmp), save_latest=True)
+    weights = {"module": {"w": torch.randn(5, 3)[:, 1], "b": torch.arange(4, dtype=torch.bfloat16)}, "n": 3}
+    optim = {"optimizer_state_dict": {"state": {0: {"exp_avg": torch.randn(7)}}}, "ds_version": "x"}
+    engine = CkptdCheckpointEngine(job="ds-rt", address=daemon.address)
+    engine.create(info)
+    engine.save(weights, str(tag_dir / "mp_rank_00_model_states.pt"))
+    engine.save(optim, str(tag_dir / "zero_pp_rank_0_mp_rank_00_optim_states.pt"))
+    assert ls(daemon, "ds-rt") == [] and not list(tag_dir.iterdir())  # nothing before commit: no half step
+    engine.commit(info)
+    engine.last_handle.wait("nvme")
+    engine.close()
+
+    again = CkptdCheckpointEngine(job="ds-rt", address=daemon.address)
+    model_file = again.load(str(tag_dir / "mp_rank_00_model_states.pt"), map_location="cpu")
+    optim_file = again.load(str(tag_dir / "zero_pp_rank_0_mp_rank_00_optim_states.pt"), map_location="cpu")
+    assert torch.equal(model_file["module"]["w"], weights["module"]["w"]) and model_file["n"] == 3
+    assert torch.equal(model_file["module"]["b"], weights["module"]["b"])
+    exp_avg = optim_file["optimizer_state_dict"]["state"][0]["exp_avg"]
+    assert torch.equal(exp_avg, optim["optimizer_state_dict"]["state"][0]["exp_avg"])
+    torch.save({"plain": 1}, tag_dir / "plain.pt")  # a file DeepSpeed's own engine wrote is read as such
+    assert again.load(str(tag_dir / "plain.pt")) == {"plain": 1}
+    again.close()
