@@ -1,4 +1,4 @@
-"""Train a tiny model with DeepSpeed (ZeRO stage 1), its checkpoints saved through ckptd; run it again to resume.
+"""Train a tiny model with DeepSpeed (ZeRO 1 by default), its checkpoints saved through ckptd; run again to resume.
 
     ckptd serve &    # or the node's daemon
     python examples/deepspeed_train.py --job deepspeed-demo --save-dir /tmp/ds-demo --steps 24
@@ -51,6 +51,7 @@ def main(argv: Any = None) -> None:
     parser.add_argument("--save-dir", required=True, help="where DeepSpeed's tags (pointer files) and latest go")
     parser.add_argument("--steps", type=int, default=24)
     parser.add_argument("--save-every", type=int, default=8)
+    parser.add_argument("--zero-stage", type=int, default=1, choices=(0, 1, 2))
     parser.add_argument("--address")
     parser.add_argument("--losses", type=Path, help="write each step's loss into DIR/losses-<pid>.json")
     parser.add_argument("--die-at", type=int, help="SIGKILL this process after step N (a crash, for tests)")
@@ -65,7 +66,7 @@ def main(argv: Any = None) -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     config = {
         "train_micro_batch_size_per_gpu": 8,
-        "zero_optimization": {"stage": 1},
+        "zero_optimization": {"stage": args.zero_stage},
         "zero_allow_untested_optimizer": True,
     }
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)

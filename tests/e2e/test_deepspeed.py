@@ -103,3 +103,31 @@ def test_save_commit_load_round_trips_bit_for_bit_and_a_kill_before_commit_leave
     torch.save({"plain": 1}, tag_dir / "plain.pt")  # a file DeepSpeed's own engine wrote is read as such
     assert again.load(str(tag_dir / "plain.pt")) == {"plain": 1}
     again.close()
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("zero_stage", [0, 1])
+def test_two_ranks_resumed_from_an_older_tag_recompute_its_steps_bit_for_bit_and_save_a_new_line(
+    daemon, short_tmp, zero_stage
+):
+    """ZeRO 0: rank 1 saves no file and loads rank 0's; ZeRO 1: each rank also its own optimizer file."""
+    from torchrun import torchrun
+
+    first, again, save_dir = short_tmp / "first", short_tmp / "again", short_tmp / "s"
+    common = ["--job", "ds2", "--save-dir", str(save_dir), "--address", daemon.address, "--steps", "16"]
+    common += ["--zero-stage", str(zero_stage)]
+    torchrun(2, EXAMPLE, *common, "--losses", str(first), env={"DS_ACCELERATOR": "cpu"})
+    (save_dir / "latest").write_text("global_step8")  # as if step 16 had never been saved: resume from step 8
+    torchrun(2, EXAMPLE, *common, "--losses", str(again), env={"DS_ACCELERATOR": "cpu"})
+
+    recomputed = losses(again)
+    assert sorted(recomputed) == list(range(9, 17))
+    assert recomputed == {step: loss for step, loss in losses(first).items() if step > 8}
+    assert ls(daemon, "ds2") == [8, 16]  # step 16 saved again by both ranks, on the line that continues from step 8
+    if zero_stage == 0:
+        assert sorted(p.name for p in (save_dir / "global_step16").iterdir()) == ["mp_rank_00_model_states.pt"]
+        return
+    optim = [
+        read_pointer(str(save_dir / "global_step16" / f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt")) for r in (0, 1)
+    ]
+    assert [(p.rank, p.world_size) for p in optim if p is not None] == [(0, 2), (1, 2)]
