@@ -151,19 +151,36 @@ class CkptdCheckpointEngine(CheckpointEngine):
         self._pending[os.path.basename(path)] = state_dict
 
     def commit(self, info: CheckpointCommitInfo) -> bool:
-        """Save the tag's files as one step (returns after the copy), then write their pointers."""
+        """Save the tag's files as one step (returns after the copy), then write their pointers; True if saved.
+
+        A save skipped (the daemon's policy "skip", or the step already complete) writes no pointer and
+        says so in a warning.
+        """
         created = self._require_created("commit")
         if info.tag != created.tag or info.save_dir != created.save_dir:
             raise InvalidArgument(f"commit of tag {info.tag!r} after create of tag {created.tag!r}")
         checkpointer = self._open(self._job or self._new_run_job())
         step = step_of_tag(info.tag)
-        self.last_handle = checkpointer.save_async({"tag": info.tag, "files": self._pending}, step=step)
+        handle = checkpointer.save_async({"tag": info.tag, "files": self._pending}, step=step)
+        self.last_handle = handle
+        files, self._pending, self._info = self._pending, {}, None
+        if handle.skipped:
+            # DeepSpeed writes `latest` after this whatever commit says; without pointers its load then fails
+            # on this tag by name, never on another step's bytes.
+            log.warning(
+                "ckpt: DeepSpeed tag %s (%s step %d) was not saved on rank %d: %s; no pointers written",
+                info.tag,
+                checkpointer.job,
+                step,
+                checkpointer.rank,
+                handle.reason,
+            )
+            return False
         tag_dir = os.path.join(info.save_dir, info.tag)
-        for file in self._pending:
+        for file in files:
             Pointer(checkpointer.job, step, checkpointer.rank, checkpointer.world_size, file).write(
                 os.path.join(tag_dir, file)
             )
-        self._pending, self._info = {}, None
         return True
 
     def load(self, path: str, map_location: Any = None) -> Any:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -131,3 +132,20 @@ def test_two_ranks_resumed_from_an_older_tag_recompute_its_steps_bit_for_bit_and
         read_pointer(str(save_dir / "global_step16" / f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt")) for r in (0, 1)
     ]
     assert [(p.rank, p.world_size) for p in optim if p is not None] == [(0, 2), (1, 2)]
+
+
+def test_a_commit_the_daemon_skips_writes_no_pointer_and_says_why(daemon, short_tmp, caplog):
+    engine = CkptdCheckpointEngine(job="ds-skip", address=daemon.address)
+    for save_dir in (short_tmp / "first", short_tmp / "second"):
+        (save_dir / "global_step5").mkdir(parents=True)
+        info = CheckpointCommitInfo(tag="global_step5", save_dir=str(save_dir), save_latest=True)
+        engine.create(info)
+        engine.save({"w": torch.ones(3)}, str(save_dir / "global_step5" / "mp_rank_00_model_states.pt"))
+        with caplog.at_level(logging.WARNING, logger="ckpt.deepspeed"):
+            saved = engine.commit(info)
+        if saved:
+            engine.last_handle.wait("nvme")
+    engine.close()
+    assert not saved  # step 5 is complete: a save of it again is skipped
+    assert "tag global_step5 (ds-skip step 5) was not saved on rank 0" in caplog.text
+    assert not list((short_tmp / "second" / "global_step5").iterdir())
