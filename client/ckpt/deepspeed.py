@@ -225,6 +225,12 @@ class CkptdCheckpointEngine(CheckpointEngine):
                 c.close()
         self._checkpointer, self._readers, self._loaded, self._line_step = None, {}, {}, None
 
+    def __enter__(self) -> CkptdCheckpointEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def _require_created(self, call: str) -> CheckpointCommitInfo:
         if self._info is None:
             raise InvalidArgument(f"CkptdCheckpointEngine.{call} without create(): DeepSpeed calls create first")

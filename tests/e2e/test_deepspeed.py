@@ -149,3 +149,30 @@ def test_a_commit_the_daemon_skips_writes_no_pointer_and_says_why(daemon, short_
     assert not saved  # step 5 is complete: a save of it again is skipped
     assert "tag global_step5 (ds-skip step 5) was not saved on rank 0" in caplog.text
     assert not list((short_tmp / "second" / "global_step5").iterdir())
+
+
+def test_a_run_that_loaded_nothing_saves_to_a_version_of_a_used_job_and_a_load_continues_the_loaded_one(
+    daemon, short_tmp, caplog
+):
+    def save(engine: CkptdCheckpointEngine, save_dir: Path, tag: str) -> Pointer | None:
+        (save_dir / tag).mkdir(parents=True)
+        info = CheckpointCommitInfo(tag=tag, save_dir=str(save_dir), save_latest=True)
+        engine.create(info)
+        engine.save({"w": torch.ones(2)}, str(save_dir / tag / "mp_rank_00_model_states.pt"))
+        assert engine.commit(info)
+        engine.last_handle.wait("nvme")
+        return read_pointer(str(save_dir / tag / "mp_rank_00_model_states.pt"))
+
+    model_file = "mp_rank_00_model_states.pt"
+    with CkptdCheckpointEngine(job="dsv", address=daemon.address) as first:
+        assert save(first, short_tmp / "a", "global_step1") == Pointer("dsv", 1, 0, 1, model_file)
+    with (
+        caplog.at_level(logging.WARNING, logger="ckpt.deepspeed"),
+        CkptdCheckpointEngine(job="dsv", address=daemon.address) as rerun,
+    ):  # the same script run again in the same directory, without load_checkpoint
+        assert save(rerun, short_tmp / "b", "global_step1") == Pointer("dsv-v1", 1, 0, 1, model_file)
+    assert "job dsv holds steps (newest 1) of a run this one did not load: saving to dsv-v1" in caplog.text
+    with CkptdCheckpointEngine(job="dsv", address=daemon.address) as resumed:
+        resumed.load(str(short_tmp / "b" / "global_step1" / model_file))
+        assert save(resumed, short_tmp / "b", "global_step2") == Pointer("dsv-v1", 2, 0, 1, model_file)
+    assert ls(daemon, "dsv") == [1] and ls(daemon, "dsv-v1") == [1, 2]
