@@ -79,7 +79,7 @@ def test_a_tag_that_ends_in_no_number_is_refused_before_anything_is_saved(daemon
     engine.close()
 
 
-def test_save_commit_load_round_trips_bit_for_bit_and_a_kill_before_commit_leaves_no_step(daemon, short_tmp):
+def test_save_commit_load_round_trips_bit_for_bit_and_nothing_is_saved_before_commit(daemon, short_tmp):
     tag_dir = short_tmp / "global_step3"
     tag_dir.mkdir()
     info = CheckpointCommitInfo(tag="global_step3", save_dir=str(short_tmp), save_latest=True)
@@ -176,3 +176,38 @@ def test_a_run_that_loaded_nothing_saves_to_a_version_of_a_used_job_and_a_load_c
         resumed.load(str(short_tmp / "b" / "global_step1" / model_file))
         assert save(resumed, short_tmp / "b", "global_step2") == Pointer("dsv-v1", 2, 0, 1, model_file)
     assert ls(daemon, "dsv") == [1] and ls(daemon, "dsv-v1") == [1, 2]
+
+
+KILLED_BEFORE_COMMIT = """
+import os, signal, sys, torch
+from ckpt.deepspeed import CkptdCheckpointEngine
+from deepspeed.runtime.checkpoint_engine import CheckpointCommitInfo
+save_dir, address = sys.argv[1], sys.argv[2]
+engine = CkptdCheckpointEngine(job="ds-kill", address=address)
+os.makedirs(os.path.join(save_dir, "global_step4"))
+info = CheckpointCommitInfo(tag="global_step4", save_dir=save_dir, save_latest=True)
+engine.create(info)
+engine.save({"w": torch.ones(1000)}, os.path.join(save_dir, "global_step4", "mp_rank_00_model_states.pt"))
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_a_kill_between_save_and_commit_leaves_no_step_and_no_pointer(daemon, short_tmp):
+    env = {k: v for k, v in os.environ.items() if k != "CKPTD_ADDRESS"} | {"DS_ACCELERATOR": "cpu"}
+    done = subprocess.run(
+        [sys.executable, "-c", KILLED_BEFORE_COMMIT, str(short_tmp), daemon.address],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=WORKER_TIMEOUT_S,
+    )
+    assert done.returncode == -signal.SIGKILL, done.stderr[-3000:]
+    assert not list((short_tmp / "global_step4").iterdir())
+    assert ls(daemon, "ds-kill") == []
+    with CkptdCheckpointEngine(job="ds-kill", address=daemon.address) as engine:  # the job saves on as new
+        info = CheckpointCommitInfo(tag="global_step4", save_dir=str(short_tmp), save_latest=True)
+        engine.create(info)
+        engine.save({"w": torch.zeros(3)}, str(short_tmp / "global_step4" / "mp_rank_00_model_states.pt"))
+        assert engine.commit(info)
+        engine.last_handle.wait("nvme")
+    assert ls(daemon, "ds-kill") == [4]
