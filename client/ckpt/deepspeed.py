@@ -268,21 +268,13 @@ class CkptdCheckpointEngine(CheckpointEngine):
         return held
 
     def _new_run_job(self) -> str:
-        """Return the job of a run that loaded nothing: rank 0 picks it (ckpt.job_versions), every rank takes it."""
-        dist = torch.distributed
-        spread = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-        chosen: list[str | None] = [None]
-        if not spread or dist.get_rank() == 0:
-            job, used = new_run_job(self._base_job, self.address)
-            if used is not None:
-                log.warning(
-                    "ckpt: job %s holds steps (newest %d) of a run this one did not load: saving to %s",
-                    self._base_job,
-                    used,
-                    job,
-                )
-            chosen[0] = job
-        if spread:
-            dist.broadcast_object_list(chosen, src=0)
-        assert chosen[0] is not None
-        return chosen[0]
+        """Return the job of a run that loaded nothing: rank 0 picks it, every rank takes it (ckpt.job_versions)."""
+        job, used = new_run_job(self._base_job, self.address, every_rank=True)
+        if used is not None:
+            log.warning(
+                "ckpt: job %s holds steps (newest %d) of a run this one did not load: saving to %s",
+                self._base_job,
+                used,
+                job,
+            )
+        return job
