@@ -8,7 +8,9 @@ The model, its optimizer (OptimizersContainer, AdamW) and LR schedule (LRSchedul
 torchtitan's, built as its Trainer builds them; CkptdCheckpointManager is torchtitan's
 CheckpointManager with its DCP saves and loads on ckptd (ckpt.torchtitan). Each step's loss goes to
 OUT/losses-<pid>.json as it is computed, the model's final state_dict to OUT/final.pt.
---die-at N: SIGKILL itself right after step N's save returned (the tests' crash).
+--die-at N: SIGKILL itself right after step N's save returned (the tests' crash). --stock: torchtitan's own
+CheckpointManager instead, with step-N directories under OUT/checkpoint; a later run without --stock
+resumes from the newest of them while its job holds no step, and saves on to ckptd.
 
 With torchtitan's own trainer (`torchrun ... -m torchtitan.train --module M --config C`), the same
 manager comes in through the config a config_registry function returns:
@@ -35,6 +37,7 @@ import torch
 import torch.distributed as dist
 from ckpt.torchtitan import CkptdCheckpointManager
 from torch.distributed.checkpoint.stateful import Stateful
+from torchtitan.components.checkpoint import CheckpointManager
 from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersContainer, ParamGroupConfig
 
 
@@ -61,13 +64,14 @@ def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out", type=Path)
-    parser.add_argument("--job", required=True)
+    parser.add_argument("--job", default="", help="the ckptd job; empty: env CKPT_JOB")
     parser.add_argument("--address", default="")
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--interval", type=int, default=4)
     parser.add_argument("--keep-latest-k", type=int, default=2)
     parser.add_argument("--async-mode", default="async", choices=["disabled", "async", "async_with_pinned_mem"])
     parser.add_argument("--die-at", type=int)
+    parser.add_argument("--stock", action="store_true", help="torchtitan's own CheckpointManager, files in OUT")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
 
@@ -90,10 +94,11 @@ def main() -> None:
     )
     lr_schedulers = LRSchedulersContainer.Config(warmup_steps=2).build(optimizers=optimizers, training_steps=args.steps)
     train_state = TrainState()
-    checkpointer = CkptdCheckpointManager.Config(
+    on_ckptd = {} if args.stock else {"job": args.job, "address": args.address}
+    manager = CheckpointManager if args.stock else CkptdCheckpointManager
+    checkpointer = manager.Config(
         enable=True,
-        job=args.job,
-        address=args.address,
+        **on_ckptd,
         folder="checkpoint",
         interval=args.interval,
         keep_latest_k=args.keep_latest_k,

@@ -87,6 +87,9 @@ class CkptdCheckpointManager(CheckpointManager):
         keep = self.keep_latest_k if self.keep_latest_k > 0 else None
         self.checkpointer = Checkpointer(job=job, rank=rank, world_size=world_size, address=address, keep=keep)
         self.writer = Writer(job=self.checkpointer.job, rank=rank, world_size=world_size, address=address, keep=keep)
+        # The Writer is the pinned mode's stager: torchtitan then makes no DefaultStager of its own (a second copy,
+        # into pinned buffers, which on a host without an accelerator it refuses to make), and close() closes it.
+        self.stager = self.writer
         self.address = address
         logger.info(
             f"Checkpoints go to ckptd job {self.checkpointer.job!r} (step-N is its step N; keep "
@@ -94,10 +97,9 @@ class CkptdCheckpointManager(CheckpointManager):
         )
 
     def _close(self) -> None:
-        """Stop torchtitan's threads, then release the connections (saves already handed over go on)."""
+        """Stop torchtitan's threads and close its stager (the Writer), then the connection that finds steps."""
         super()._close()
-        if hasattr(self, "writer"):
-            self.writer.close()
+        if hasattr(self, "checkpointer"):
             self.checkpointer.close()
 
     @torch.no_grad()
@@ -123,6 +125,7 @@ class CkptdCheckpointManager(CheckpointManager):
                 checkpoint_id=step,
                 process_group=self.pg,
                 async_checkpointer_type=AsyncCheckpointerType.PROCESS,
+                async_stager=self.writer,
             )
             assert isinstance(upload, Future)  # the Writer stages: async_save returned after its copy
             staged: Future[None] = Future()
