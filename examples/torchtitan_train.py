@@ -2,12 +2,14 @@
 
     ckptd serve &
     python examples/torchtitan_train.py OUT --job titan-demo --steps 16
+    torchrun --standalone --nproc-per-node 2 examples/torchtitan_train.py OUT --job titan-fsdp   # FSDP2, gloo
     # kill -9 it mid-run and start it again: it resumes from the job's latest step, as torchtitan would
 
-The model, its optimizer (OptimizersContainer, AdamW) and LR schedule (LRSchedulersContainer) are
-torchtitan's, built as its Trainer builds them; CkptdCheckpointManager is torchtitan's
-CheckpointManager with its DCP saves and loads on ckptd (ckpt.torchtitan). Each step's loss goes to
-OUT/losses-<pid>.json as it is computed, the model's final state_dict to OUT/final.pt.
+The model (on several ranks sharded by FSDP2's fully_shard, as torchtitan shards it), its optimizer
+(OptimizersContainer, AdamW) and LR schedule (LRSchedulersContainer) are torchtitan's, built as its
+Trainer builds them; CkptdCheckpointManager is torchtitan's CheckpointManager with its DCP saves and
+loads on ckptd (ckpt.torchtitan). Each rank's losses go to OUT/losses-rank<R>-<pid>.json as they are
+computed, the model's final state_dict (gathered) to OUT/final.pt.
 --die-at N: SIGKILL itself right after step N's save returned (the tests' crash). --stock: torchtitan's own
 CheckpointManager instead, with step-N directories under OUT/checkpoint; a later run without --stock
 resumes from the newest of them while its job holds no step, and saves on to ckptd.
@@ -37,6 +39,9 @@ import torch
 import torch.distributed as dist
 from ckpt.torchtitan import CkptdCheckpointManager
 from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
 from torchtitan.components.checkpoint import CheckpointManager
 from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersContainer, ParamGroupConfig
 
@@ -54,9 +59,9 @@ class TrainState(Stateful):
         self.step = int(state_dict["step"])
 
 
-def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Return step's batch, the same in every run."""
-    g = torch.Generator().manual_seed(step)
+def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Return this rank's batch of step, the same in every run."""
+    g = torch.Generator().manual_seed(step * 1000 + rank)
     x = torch.randn(32, 16, generator=g)
     return x, x.sum(dim=1, keepdim=True).sin()
 
@@ -85,6 +90,12 @@ def main() -> None:
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+    rank = dist.get_rank()
+    if dist.get_world_size() > 1:  # sharded as torchtitan shards (FSDP2): parameters and optimizer states DTensors
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        for layer in (model[0], model[2]):
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
     optimizers = OptimizersContainer(
         OptimizersContainer.Config(
             param_groups=[ParamGroupConfig(pattern=".*", optimizer_name="AdamW", optimizer_kwargs={"lr": 1e-2})],
@@ -116,11 +127,11 @@ def main() -> None:
 
     checkpointer.load()  # the job's latest step, if it has one
     losses: dict[int, float] = {}
-    losses_file = args.out / f"losses-{os.getpid()}.json"
+    losses_file = args.out / f"losses-rank{rank}-{os.getpid()}.json"
     while train_state.step < args.steps:
         train_state.step += 1
         checkpointer.maybe_wait_for_staging()
-        x, y = batch(train_state.step)
+        x, y = batch(train_state.step, rank)
         loss = torch.nn.functional.mse_loss(model(x), y)
         loss.backward()
         optimizers.step()
@@ -133,7 +144,9 @@ def main() -> None:
             os.kill(os.getpid(), signal.SIGKILL)
     checkpointer.maybe_wait_for_saving()
     checkpointer.close()
-    torch.save(model.state_dict(), args.out / "final.pt")
+    final = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in model.state_dict().items()}
+    if rank == 0:
+        torch.save(final, args.out / "final.pt")
     dist.destroy_process_group()
     store.unlink(missing_ok=True)
 

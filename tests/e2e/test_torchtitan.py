@@ -1,7 +1,8 @@
 """torchtitan's CheckpointManager on ckptd (CkptdCheckpointManager) with a real daemon: kill -9, resume, same losses.
 
 The processes run examples/torchtitan_train.py: a tiny model with torchtitan's OptimizersContainer and
-LRSchedulersContainer, checkpointed by the manager torchtitan's Trainer builds from its config. Skipped
+LRSchedulersContainer (on two ranks sharded by FSDP2, as torchtitan shards), checkpointed by the manager
+torchtitan's Trainer builds from its config. Skipped
 where torchtitan is not installed (it is not in the test extra: its dependencies are a training stack).
 """
 
@@ -17,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import eventually
+from torchrun import torchrun
 
 pytest.importorskip("torchtitan", reason="torchtitan is not installed")
 
@@ -36,9 +38,9 @@ def run(out: Path, *args: str, killed: bool = False) -> None:
     assert done.returncode == expected, done.stdout + done.stderr[-6000:]
 
 
-def losses_by_process(out: Path) -> list[dict[int, float]]:
-    """Return each process's losses by step, in the order the processes ran."""
-    files = sorted(out.glob("losses-*.json"), key=lambda p: p.stat().st_mtime_ns)
+def losses_by_process(out: Path, rank: int = 0) -> list[dict[int, float]]:
+    """Return each of rank's processes' losses by step, in the order the processes ran."""
+    files = sorted(out.glob(f"losses-rank{rank}-*.json"), key=lambda p: p.stat().st_mtime_ns)
     return [{int(k): v for k, v in json.loads(p.read_text()).items()} for p in files]
 
 
@@ -91,3 +93,30 @@ def test_a_run_moved_onto_ckptd_resumes_from_torchtitans_own_step_directory_then
     assert first | resumed == reference
     eventually(lambda: ls(daemon, "titan-moved") == [12, 16], what="titan-moved's saves on ckptd")
     assert sorted(p.name for p in (moved / "checkpoint").iterdir()) == ["step-4", "step-8"]  # left as they were
+
+
+@pytest.mark.timeout(300)
+def test_two_fsdp2_ranks_under_torchrun_killed_mid_run_resume_with_the_losses_of_an_uninterrupted_run(
+    daemon, short_tmp
+):
+    common = ["--steps", str(STEPS), "--interval", str(INTERVAL), "--address", daemon.address, "--async-mode", "async"]
+    whole, broken = short_tmp / "whole", short_tmp / "broken"
+    torchrun(2, EXAMPLE, str(whole), "--job", "titan2-whole", *common, env={})
+    with pytest.raises(AssertionError, match="torchrun failed"):  # both ranks SIGKILL themselves after step 10
+        torchrun(2, EXAMPLE, str(broken), "--job", "titan2", *common, "--die-at", str(DIE_AT), env={})
+    torchrun(2, EXAMPLE, str(broken), "--job", "titan2", *common, env={})
+
+    for rank in (0, 1):  # each rank trains on batches of its own: its losses are its shard's
+        [reference] = losses_by_process(whole, rank)
+        first, resumed = losses_by_process(broken, rank)
+        assert sorted(first) == list(range(1, DIE_AT + 1))
+        assert sorted(resumed) == list(range(9, STEPS + 1))
+        assert first | resumed == reference
+    final, final_resumed = torch.load(whole / "final.pt"), torch.load(broken / "final.pt")
+    assert all(torch.equal(final[k], final_resumed[k]) for k in final)
+    [step] = [
+        item
+        for item in json.loads(daemon.cli("ls", "--job", "titan2", "--json", "--address", daemon.address).stdout)
+        if item["step"] == 16
+    ]
+    assert step["world_size"] == 2
