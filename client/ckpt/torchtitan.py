@@ -81,6 +81,10 @@ class CkptdCheckpointManager(CheckpointManager):
         super().__init__(config, **components)
         if not self.enable:
             return
+        if not config.job and not os.environ.get("CKPT_JOB"):
+            raise InvalidArgument(
+                "CkptdCheckpointManager needs a ckptd job: set checkpoint.job (--checkpoint.job J) or env CKPT_JOB"
+            )
         job = config.job or None
         address = config.address or None
         rank, world_size = process_rank(None, None)
