@@ -298,6 +298,8 @@ CLIENT_PRIVATE_READS = {
     "ckpt/huggingface.py": "the Accelerator's _models, _optimizers, _schedulers and _custom_objects: what its own "
     "save_state saves, which it offers no public name for",
     "ckpt/lightning.py": "torch's Tensor._version, the in-place counter it has no public name for",
+    "ckpt/torchtitan.py": "torchtitan's CheckpointManager hooks (_load, _close): BaseCheckpointManager names them for "
+    "subclasses to override, and the override calls torchtitan's own through super()",
     "ckpt/skeleton_unpickler.py": "torch.load(weights_only=True)'s allow-list, which torch offers no public name for",
 }
 

@@ -198,12 +198,14 @@ class Writer(StorageWriter, AsyncStager):
         world_size: int | None = None,
         address: str | None = None,
         step: int | None = None,
+        keep: int | None = None,
     ) -> None:
         super().__init__()
         rank, world_size = process_rank(rank, world_size)
         self._step = None if step is None else validate_step(step)
         self._address = address
-        self._checkpointer = Checkpointer(job=job, rank=rank, world_size=world_size, address=address)
+        self._keep = keep  # the job's retention (Checkpointer's keep=), sent with every save
+        self._checkpointer = Checkpointer(job=job, rank=rank, world_size=world_size, address=address, keep=keep)
         # A Writer made inline for one save is never closed: release its connection when it goes, or at exit at
         # the latest (a gRPC channel left open at interpreter exit can abort the process).
         weakref.finalize(self, self._checkpointer.close)
@@ -239,6 +241,7 @@ class Writer(StorageWriter, AsyncStager):
             "world_size": c.world_size,
             "address": self._address,
             "step": self._step,
+            "keep": self._keep,
             "last_step": self._last_step,
             "copied": None,
         }
@@ -253,7 +256,9 @@ class Writer(StorageWriter, AsyncStager):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         """Become the Writer DCP's background process calls, with a connection of its own to the daemon."""
-        Writer.__init__(self, state["job"], state["rank"], state["world_size"], state["address"], state["step"])
+        Writer.__init__(
+            self, state["job"], state["rank"], state["world_size"], state["address"], state["step"], state["keep"]
+        )
         self._last_step = state["last_step"]
         self._report = CopyReport(state["copied"]) if state["copied"] is not None else None
 
