@@ -37,10 +37,12 @@ from daemon import BenchDaemon, free_port
 from fault_proxy import FaultProxy
 from s3_server import S3_KEY, S3Server
 
-sys.path.append(str(Path(__file__).resolve().parents[1] / "tests"))  # netns: the tests' harness, one copy
-from netns import Host, Network, run_in
-
 from ckptd.cluster.placement import reseat, seated_placement
+
+# netns: the tests' harness, one copy. Appended only after ckptd is imported: tests/ holds a ckptd folder of
+# unit tests, which an editable install's finder (after the path's) would otherwise lose to as a namespace package.
+sys.path.append(str(Path(__file__).resolve().parents[1] / "tests"))
+from netns import Host, Network, run_in
 
 JOB = "chaos"
 EVERY = 4  # [object] every: a step in four goes to the store
