@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -36,9 +37,25 @@ RETAIN_ALL = "[retention]\nnvme = 0\n"
 WORKER_TIMEOUT_S = 120
 
 
-def run_worker(daemon, out: Path, dirpath: Path, max_epochs: int, ranks: int = 1) -> Path:
-    """Fit the example under the worker's probes, in new processes (torchrun for ranks > 1); return out."""
-    args = ["--job", JOB, "--address", daemon.address, "--dirpath", str(dirpath), "--max-epochs", str(max_epochs)]
+def run_worker(
+    daemon,
+    out: Path,
+    dirpath: Path,
+    max_epochs: int,
+    ranks: int = 1,
+    job: str = JOB,
+    die_at: int | None = None,
+    stateful_data: bool = False,
+) -> Path:
+    """Fit the example under the worker's probes, in new processes (torchrun for ranks > 1); return out.
+
+    With die_at, the one process must end by its own SIGKILL once that step has trained.
+    """
+    args = ["--job", job, "--address", daemon.address, "--dirpath", str(dirpath), "--max-epochs", str(max_epochs)]
+    if die_at is not None:
+        args += ["--die-at", str(die_at)]
+    if stateful_data:
+        args.append("--stateful-data")
     if ranks > 1:
         torchrun(ranks, WORKER, str(out), *args, "--devices", str(ranks), env={}, timeout_s=WORKER_TIMEOUT_S)
         return out
@@ -50,8 +67,16 @@ def run_worker(daemon, out: Path, dirpath: Path, max_epochs: int, ranks: int = 1
         text=True,
         timeout=WORKER_TIMEOUT_S,
     )
-    assert run.returncode == 0, run.stdout + run.stderr[-6000:]
+    assert run.returncode == (0 if die_at is None else -signal.SIGKILL), run.stdout + run.stderr[-6000:]
     return out
+
+
+def losses(out: Path) -> dict[int, float]:
+    """Return every step's loss over the worker's processes, the later process's for a step trained twice."""
+    merged: dict[int, float] = {}
+    for path in sorted(out.glob("losses-*.json"), key=lambda p: p.stat().st_mtime_ns):
+        merged |= {int(k): v for k, v in json.loads(path.read_text()).items()}
+    return merged
 
 
 def pointers(dirpath: Path) -> dict[str, Pointer]:
@@ -118,6 +143,43 @@ def test_a_lightning_run_checkpoints_into_ckptd_and_resumes_bit_for_bit(make_dae
     assert sorted(ls(daemon)) == [4, 8, 12, 16, 20, 24, 28, 32]
     files = pointers(dirpath)
     assert len(files) == 3 and files["last.ckpt"].step == 32  # the resumed run went on with the same files
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(
+    ("stateful_data", "die_at", "resumed_from"),
+    [
+        pytest.param(False, 10, 8, id="plain-DataLoader-killed-after-an-epoch"),
+        pytest.param(True, 14, 12, id="StatefulDataLoader-killed-mid-epoch"),
+    ],
+)
+def test_a_lightning_run_killed_mid_run_resumes_from_ckptd_with_the_losses_of_an_uninterrupted_run(
+    make_daemon, short_tmp, stateful_data, die_at, resumed_from
+):
+    """8 batches an epoch, a save every 4; the kill comes 2 steps after a save.
+
+    A plain DataLoader has no position to save, so Lightning starts an epoch over on a resume
+    (stock torch files too): its kill falls just after an epoch. A StatefulDataLoader's position
+    is in the checkpoint dict, and ckptd must carry it for a resume mid-epoch to see the same batches.
+    """
+    daemon = make_daemon(RETAIN_ALL).start()
+    options = {"max_epochs": 3, "stateful_data": stateful_data}
+    whole = run_worker(daemon, short_tmp / "whole", short_tmp / "w", job="whole", **options)
+    dirpath = short_tmp / "b"
+    broken = run_worker(daemon, short_tmp / "broken", dirpath, die_at=die_at, **options)
+    assert max(losses(broken)) == die_at  # it trained up to the kill and no further
+    assert read_pointer(str(dirpath / "last.ckpt")).step == resumed_from  # the save of die_at never began
+    run_worker(daemon, short_tmp / "broken", dirpath, **options)  # fit(ckpt_path="last")
+
+    restored = torch.load(broken / "restored-rank0.pt", weights_only=False)
+    assert restored["global_step"] == resumed_from
+    assert len(losses(whole)) == 24
+    assert losses(broken) == losses(whole)  # steps after the resume recomputed, bit for bit
+    final_whole = torch.load(short_tmp / "w" / "last.ckpt", weights_only=True)
+    final_broken = torch.load(dirpath / "last.ckpt", weights_only=True)
+    assert final_whole["global_step"] == final_broken["global_step"] == 24
+    assert_same(final_broken["state_dict"], final_whole["state_dict"], "final state_dict")
+    assert_same(final_broken["optimizer_states"], final_whole["optimizer_states"], "final optimizer_states")
 
 
 @pytest.mark.timeout(240)
