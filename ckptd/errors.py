@@ -17,6 +17,11 @@ class StepAlreadyComplete(ShardWriteError):
     """The step is complete on the tier with other shards: a complete step is never rewritten."""
 
 
+class StepChanged(CheckpointError):
+    """A step is no longer as retention listed it when its removal comes (a rollback's line saved the step number
+    again, a write into it began): it stays, and the next pass looks at it afresh."""
+
+
 class CommitConflict(CheckpointError):
     """A commit record other than ours is already in the object store: it stays, and the step is not ours to commit."""
 

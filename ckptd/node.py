@@ -52,7 +52,7 @@ from ckptd.save.staging import SlotPool, default_budget_bytes
 from ckptd.save.uploading import UPLOAD_THREADS, Uploader
 from ckptd.storage.object_store import open_store, shown_url
 from ckptd.storage.owned_dir import DIR_MODE, claim_dir
-from ckptd.tiers.base import DurableTier, StepCatalog, Tier
+from ckptd.tiers.base import DurableTier, Listed, StepCatalog, Tier
 from ckptd.tiers.memory import MemoryTier
 from ckptd.tiers.nvme import LocalDirTier
 from ckptd.tiers.object.layout import READ_THREADS
@@ -185,8 +185,8 @@ class Node:
         async def adopt_missed_commits(tier: DurableTier, job: str) -> None:
             await save_path.adopt_missed_commits(tier, job)
 
-        async def release(tier: StepCatalog, job: str, step: int) -> None:
-            await save_path.release(tier, job, step)
+        async def release(tier: StepCatalog, job: str, step: int, listed: Listed | None = None) -> None:
+            await save_path.release(tier, job, step, listed)
 
         async def release_slots(job: str, step: int, dry_run: bool) -> list[Slot]:
             return await save_path.release_slots(job, step, dry_run)

@@ -22,12 +22,12 @@ from ckpt_core.errors import CheckpointError, NotFound
 from ckpt_core.history import History, Line
 
 from ckptd.config import Config
-from ckptd.errors import RemovalRefused
+from ckptd.errors import RemovalRefused, StepChanged
 from ckptd.keyed import SharedLocks
 from ckptd.operations.job_retention import JobRetention
 from ckptd.save.save_path import LOCAL_TIERS
 from ckptd.save.uploading import Uploader
-from ckptd.tiers.base import DurableTier, StepCatalog, WrittenTier
+from ckptd.tiers.base import DurableTier, Listed, StepCatalog, WrittenTier
 from ckptd.tiers.slot_files import Slot
 
 log = logging.getLogger(__name__)
@@ -139,7 +139,7 @@ class RetentionRunner:
         durable_tiers: list[DurableTier],
         object_tier: WrittenTier | None,
         adopt_missed_commits: Callable[[DurableTier, str], Awaitable[None]],
-        release: Callable[[StepCatalog, str, int], Awaitable[None]],
+        release: Callable[[StepCatalog, str, int, Listed | None], Awaitable[None]],
         release_slots: Callable[[str, int, bool], Awaitable[list[Slot]]],
         holders: list[BusySteps],
         object_threads: ThreadPoolExecutor,
@@ -154,8 +154,9 @@ class RetentionRunner:
         locate (Locator) and alone here around each removal, so that a step a load is taking up stays.
 
         The save path's, which alone seals, adopts and removes (awaited on the event loop):
-        adopt_missed_commits(tier, job) before each job's pass on a local tier; release(tier, job, step)
-        removes a step from a tier; release_slots(job, step, dry_run) drops a step's staging slots (`ckptd rm`)."""
+        adopt_missed_commits(tier, job) before each job's pass on a local tier; release(tier, job, step, listed)
+        removes a step from a tier (SavePath.release); release_slots(job, step, dry_run) drops a step's staging
+        slots (`ckptd rm`)."""
         self.config = config
         self.job_retention = job_retention
         self.durable_tiers = durable_tiers
@@ -239,24 +240,31 @@ class RetentionRunner:
                 for step, reason in plan:
                     if dry_run:
                         removals.append(Removal(tier.name, j, step, reason))
-                    elif await self._release_unused(tier, j, step):
+                    elif await self._release_unused(tier, j, step, Listed(lines.get(step))):
                         removals.append(Removal(tier.name, j, step, reason))
                         log.info("removed %s step %d from %s: %s", j, step, tier.name, reason)
         return removals
 
-    async def _release_unused(self, tier: StepCatalog, job: str, step: int) -> bool:
+    async def _release_unused(self, tier: StepCatalog, job: str, step: int, listed: Listed | None) -> bool:
         """Remove a planned step from a tier unless a role took it up since the plan; say whether it went.
 
         Alone on the step against loads' locates (steps_in_use): one under way keeps the step (it
         may be fetching a copy onto NVMe, its lease not taken yet), and one that begins meanwhile
         waits for the removal, then finds the step gone and fetches it afresh. Never waits on a
         load: a retention pass is not held up by a slow fetch. Without that, a load could be
-        pointed at a copy just before the removal planned earlier took it away.
+        pointed at a copy just before the removal planned earlier took it away. listed: what the
+        pass's listing showed of the step; the tier removes it only if it is still so (a rollback's
+        line may have begun saving the same step number again: its new shard must not go with it);
+        None (`ckptd rm`): whatever the step holds.
         """
         async with self._steps_in_use.alone_if_free((job, step)) as free:
             if not free or (job, step) in self.busy_steps():
                 return False  # taken meanwhile (a load locating it, a lease, a fetch, a write)
-            await self._release(tier, job, step)
+            try:
+                await self._release(tier, job, step, listed)
+            except StepChanged as e:
+                log.info("%s", e)
+                return False
             return True
 
     async def _collect_object(
@@ -270,10 +278,10 @@ class RetentionRunner:
             plan, crashed = await self._on_object_threads(
                 self._plan_object, tier, j, keep_newest, busy, unfinished_uploads
             )
-            for step, reason in plan:
+            for step, reason, listed in plan:
                 if dry_run:
                     removals.append(Removal(tier.name, j, step, reason))
-                elif await self._release_unused(tier, j, step):
+                elif await self._release_unused(tier, j, step, listed):
                     removals.append(Removal(tier.name, j, step, reason))
                     log.info("removed %s step %d from object: %s", j, step, reason)
             for step in crashed:
@@ -285,8 +293,9 @@ class RetentionRunner:
 
     def _plan_object(
         self, tier: WrittenTier, job: str, keep_newest: bool, busy: set[tuple[str, int]], unfinished_uploads: bool
-    ) -> tuple[list[tuple[int, str]], list[int]]:
-        """Return (the steps to remove from the store with why, the steps whose crashed uploads to abort) of a job.
+    ) -> tuple[list[tuple[int, str, Listed]], list[int]]:
+        """Return (the steps to remove from the store with why and as listed, the steps whose crashed uploads to
+        abort) of a job.
 
         On an object thread: every call is a request.
         """
@@ -300,9 +309,11 @@ class RetentionRunner:
             keep_every=policy.keep_every,
             pinned=policy.pinned,
         )
-        plan = [(step, reason) for step, reason in plan if unfinished_uploads or step in lines]
+        listed = [
+            (step, reason, Listed(lines.get(step))) for step, reason in plan if unfinished_uploads or step in lines
+        ]
         if not unfinished_uploads:
-            return plan, []
+            return listed, []
         # Uploads a crash left unfinished, of steps no upload of this node will resume:
         # their parts cost storage and no listing shows them.
         newest = max(tier.complete_steps(job), default=-1)
@@ -312,7 +323,7 @@ class RetentionRunner:
             for step in tier.unfinished_steps(job)
             if step <= newest and (job, step) not in busy and step not in planned
         ]
-        return plan, crashed
+        return listed, crashed
 
     async def remove_job(self, job: str, dry_run: bool, tiers: tuple[str, ...]) -> list[Removal]:
         """Remove every step of a finished job from the named tiers of this node (`ckptd gc --job J --all`)."""
@@ -324,14 +335,14 @@ class RetentionRunner:
                 for step in await loop.run_in_executor(self.cleanup_thread, tier.all_steps, job):
                     removals.append(Removal(tier.name, job, step, reason))
                     if not dry_run:
-                        await self._release(tier, job, step)
+                        await self._release(tier, job, step, None)
             if "object" in tiers and self.object_tier is not None:
                 store = self.object_tier
                 steps = await self._on_object_threads(store.all_steps, job, True)  # the hash prefixes listed now
                 for step in steps:
                     removals.append(Removal(store.name, job, step, reason))
                     if not dry_run:
-                        await self._release(store, job, step)
+                        await self._release(store, job, step, None)
         if removals and not dry_run:
             log.info("removed job %s from %s: %d steps", job, ", ".join(tiers), len(removals))
         return removals
@@ -377,7 +388,7 @@ class RetentionRunner:
             if object_too and self.object_tier is not None:
                 tiers.append(self.object_tier)
             for tier in [t for t in tiers if step in held[t.name][0]]:
-                if not dry_run and not await self._release_unused(tier, job, step):
+                if not dry_run and not await self._release_unused(tier, job, step, None):
                     raise RemovalRefused(f"{job} step {step} was taken up by a load meanwhile: try again later")
                 removals.append(Removal(tier.name, job, step, reason))
                 if not dry_run:

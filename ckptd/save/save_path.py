@@ -60,7 +60,7 @@ from ckptd.save.job_heads import JobHeads, newer
 from ckptd.save.progress import REMEMBERED_SHARDS, ShardProgress, ShardWait
 from ckptd.save.staging import SlotPool, Snapshot
 from ckptd.save.uploading import Uploader
-from ckptd.tiers.base import DurableTier, StepCatalog
+from ckptd.tiers.base import DurableTier, Listed, StepCatalog
 from ckptd.tiers.slot_files import Slot
 
 log = logging.getLogger(__name__)
@@ -547,21 +547,21 @@ class SavePath:
 
     # -- 9. release: what retention, `ckptd rm` and `gc --all` decided goes ----------------------
 
-    async def release(self, tier: StepCatalog, job: str, step: int) -> None:
+    async def release(self, tier: StepCatalog, job: str, step: int, listed: Listed | None = None) -> None:
         """Remove a step from a tier: the one way a step leaves a tier's catalog (RetentionRunner decides which).
 
         From this node's disks under the seal lock, on the cleanup thread (lowest CPU priority): a step
         is never removed while it is being sealed or adopted. From the object store on the object
         threads, outside the seal lock: no seal writes there (the Uploader commits its steps, and
-        holds them busy until it has).
+        holds them busy until it has). listed: as StepCatalog.remove_step (StepChanged: it stays).
         """
         loop = asyncio.get_running_loop()
         if not isinstance(tier, DurableTier):  # the object store: its catalog is not this node's disk
-            await loop.run_in_executor(self._object_threads, tier.remove_step, job, step)
+            await loop.run_in_executor(self._object_threads, tier.remove_step, job, step, listed)
             return
         async with self._seal_lock:
             try:
-                await loop.run_in_executor(self._removal_threads, tier.remove_step, job, step)
+                await loop.run_in_executor(self._removal_threads, tier.remove_step, job, step, listed)
             finally:
                 self.heads.released(job, step)
 

@@ -30,7 +30,7 @@ from ckpt_core.history import Line
 from ckpt_core.shard_io import ShardSource
 
 from ckptd.cluster.placement import Holding
-from ckptd.errors import ShardWriteError
+from ckptd.errors import ShardWriteError, StepChanged
 
 WRITE_BLOCK_BYTES = 32 << 20  # what write_shard hashes, then hands to a writer thread, at a time
 
@@ -264,6 +264,27 @@ class ShardSink(ABC):
             raise
 
 
+@dataclasses.dataclass(frozen=True)
+class Listed:
+    """What retention's listing showed of a step it chose to remove: the line it was complete on, or None.
+
+    The tier checks it when the removal comes (remove_step), under the step's lock where it has
+    one: between the listing and the removal a rollback's new line may save the same step
+    number again, and what it writes must not go with the old step.
+    """
+
+    line: Line | None  # None: the step was incomplete
+
+    def check(self, tier: str, job: str, step: int, record: CommitRecord | None, writing: bool) -> None:
+        """Raise StepChanged unless the step is as listed: record is its commit record now (None: incomplete),
+        writing whether a copy into it is under way."""
+        if (record.line if record is not None else None) != self.line:
+            was = "incomplete" if self.line is None else "complete"
+            raise StepChanged(f"{job} step {step} on tier {tier} changed since it was listed ({was} then): it stays")
+        if writing:
+            raise StepChanged(f"{job} step {step} on tier {tier} is being written since it was listed: it stays")
+
+
 class StepCatalog(StepListing):
     """The catalog of a written tier: which steps are complete there, changed by the save path alone.
 
@@ -298,8 +319,12 @@ class StepCatalog(StepListing):
         """
 
     @abstractmethod
-    def remove_step(self, job: str, step: int) -> None:
-        """Remove a step: it stops being listed first, then its shards go."""
+    def remove_step(self, job: str, step: int, listed: Listed | None = None) -> None:
+        """Remove a step: it stops being listed first, then its shards go.
+
+        listed: what retention's listing showed of the step when it chose to remove it; the step
+        goes only if it is still so (else StepChanged). None (`ckptd rm`, `gc --all`): whatever it holds.
+        """
 
     def unfinished_steps(self, job: str) -> list[int]:
         """Return the steps of the job with writes an interrupted run left unfinished that only gc clears."""

@@ -48,7 +48,7 @@ from ckptd.cluster.placement import Holding, seal_record
 from ckptd.errors import ShardWriteError, StepAlreadyComplete
 from ckptd.storage.commit_protocol import StepDirCommit
 from ckptd.storage.durable_write import RangeWriter, fsync_dir
-from ckptd.tiers.base import DurableTier, ShardWrite, shard_on_tier
+from ckptd.tiers.base import DurableTier, Listed, ShardWrite, shard_on_tier
 from ckptd.tiers.step_records import StepRecords, entry_names
 
 log = logging.getLogger(__name__)
@@ -229,13 +229,7 @@ class LocalDirTier(DurableTier):
                 "step %d again",
                 *(meta.job, meta.step, self.name, record.committed_at or "an unknown time", meta.step),
             )
-            step_dir = self._step_dir(meta.job, meta.step)
-            doomed = step_dir.parent / f"{DELETING_PREFIX}{meta.step}-{uuid.uuid4().hex[:8]}"
-            (step_dir / COMMIT_NAME).unlink(missing_ok=True)
-            self._records.forget(step_dir)
-            os.replace(step_dir, doomed)
-            fsync_dir(step_dir.parent)
-            self._delete(doomed)
+            self._unlist_and_delete(meta.job, meta.step)
             return
         listed = meta.rank < record.world_size and record.shard_meta_xxh3_128[meta.rank] == digest(meta.to_bytes())
         if not (meta.chunk_xxh3_128 and listed):
@@ -326,16 +320,31 @@ class LocalDirTier(DurableTier):
                 (step_dir / data_name(rank)).unlink(missing_ok=True)
         fsync_dir(step_dir)
 
-    def remove_step(self, job: str, step: int) -> None:
-        """Unlist the step (commit record first), then delete its directory."""
+    def remove_step(self, job: str, step: int, listed: Listed | None = None) -> None:
+        """Unlist the step (commit record first), then delete its directory; under the step's lock.
+
+        Under the lock, no shard is opened or installed in the directory meanwhile (open_shard,
+        _writable). With listed (retention's plan), a step that is no longer as listed stays
+        (StepChanged): a rollback's line that saved the step number again since (open_shard
+        retired the old step) writes into a new directory, which must not go with the old step.
+        """
+        with self._step_lock(job, step):
+            step_dir = self._step_dir(job, step)
+            if not step_dir.exists():
+                raise NotFound(f"{job} step {step} is not on tier {self.name}")
+            if listed is not None:
+                writing = any(name.endswith(PARTIAL_SUFFIX) for name in entry_names(step_dir))
+                listed.check(self.name, job, step, self.checked_commit(job, step), writing)
+            self._unlist_and_delete(job, step)
+            with self._step_locks_lock:
+                self._step_locks.pop((job, step), None)
+
+    def _unlist_and_delete(self, job: str, step: int) -> None:
+        """Unlist a step (its commit record first), move its directory aside, then delete it; under the step's lock."""
         step_dir = self._step_dir(job, step)
-        if not step_dir.exists():
-            raise NotFound(f"{job} step {step} is not on tier {self.name}")
         doomed = step_dir.parent / f"{DELETING_PREFIX}{step}-{uuid.uuid4().hex[:8]}"  # never an older leftover's name
         (step_dir / COMMIT_NAME).unlink(missing_ok=True)
         self._records.forget(step_dir)
-        with self._step_locks_lock:
-            self._step_locks.pop((job, step), None)
         os.replace(step_dir, doomed)
         fsync_dir(step_dir.parent)
         self._delete(doomed)

@@ -34,7 +34,7 @@ from ckptd.keyed import ThreadKeyedLocks
 from ckptd.pool_map import pool_map
 from ckptd.storage.commit_protocol import ObjectStepCommit
 from ckptd.storage.object_store import ObjectStore
-from ckptd.tiers.base import WrittenTier
+from ckptd.tiers.base import Listed, WrittenTier
 from ckptd.tiers.object.keys import FLAT_KEYS, HASHED_KEYS, KNOWN_KEYS, Directory, shard_dir, step_dir, step_number
 from ckptd.tiers.object.layout import (
     READ_THREADS,
@@ -437,8 +437,18 @@ class ObjectTier(WrittenTier):
         with self._asking(job, str(step)):
             return self.shards.abort_uploads(job, step, world_size=None)
 
-    def remove_step(self, job: str, step: int) -> None:
-        """Remove a step: its commit record goes first, then its other objects (StepShards.remove)."""
+    def remove_step(self, job: str, step: int, listed: Listed | None = None) -> None:
+        """Remove a step: its commit record goes first, then its other objects (StepShards.remove).
+
+        With listed (retention's plan), its commit record is read afresh and a step no longer as
+        listed stays (StepChanged). The store has no lock to hold: this narrows the window, the
+        Uploader's busy steps (which retention spares) close the rest.
+        """
+        if listed is not None:
+            with self._lock:
+                self._records.pop((job, step), None)  # read afresh, not as cached at the listing
+            state = self._committed(job, step)
+            listed.check(self.name, job, step, state[0] if isinstance(state, tuple) else None, writing=False)
         state = self._committed(job, step)  # which ranks it has, and where: read before the record goes
         with self._lock:
             self._records.pop((job, step), None)

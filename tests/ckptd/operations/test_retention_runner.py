@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import mmap
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
 import pytest
+from ckpt_core.byte_range import ByteRange
+from ckpt_core.chunks import chunk_digests
 from ckpt_core.errors import NotFound
 from ckpt_core.format import CHUNK_SIZE_BYTES, ShardMeta
 
@@ -25,9 +28,9 @@ async def no_missed_commits(tier, job):
     """The save path's adopt_missed_commits where no cluster view is: nothing to adopt."""
 
 
-async def release(tier, job, step):
+async def release(tier, job, step, listed=None):
     """The save path's release, played here: the step leaves the tier."""
-    tier.remove_step(job, step)
+    tier.remove_step(job, step, listed)
 
 
 async def no_slots(job, step, dry_run):
@@ -103,6 +106,43 @@ def test_a_step_a_load_is_locating_stays_though_the_pass_planned_its_removal(nod
     assert asyncio.run(body()) == [3, 4, 2]
     assert steps_on(nvme) == [1, 5, 6]
     assert [r.step for r in asyncio.run(runner.retain("sealed", "j"))] == [1]  # once the load is gone
+
+
+def test_a_superseded_step_that_a_rollbacks_line_began_saving_again_since_the_listing_stays_with_its_new_shard(
+    tmp_path,
+):
+    # Lightning's own test_restarting_mid_epoch_raises_warning, one run in three: a rollback's line saved step
+    # 8 again, whose seal started a pass that listed the old line's step 16 as superseded; the new line's
+    # step 16 began its flush before the removal (its slot was still being filled when the pass asked who was
+    # busy), and the removal took the new shard's directory with the old step: "rank 0 shard of ... step 16
+    # on tier nvme: No such file or directory". The removal must be of the step as the pass listed it.
+    config = Config(node=NodeConfig(root=str(tmp_path / "nvme")), retention=RetentionConfig(nvme=3))
+    nvme = LocalDirTier(config.root)
+    for step in (4, 8, 16):
+        seal_step(nvme, step)
+    seal_step(nvme, 8, line=((4, 1),))  # the rollback to step 4 saved step 8 again: the old 16 is superseded
+    new_line = ((4, 1),)
+    meta = ShardMeta("j", 16, 0, 1, 4096, CHUNK_SIZE_BYTES, (), "{}", line=new_line)
+    flushes = []
+
+    async def release_as_a_flush_begins(tier, job, step, listed=None):
+        if step == 16 and not flushes:
+            flushes.append(nvme.open_shard(meta))  # the new line's step 16: the old one retired, its copy begun
+        tier.remove_step(job, step, listed)
+
+    with ThreadPoolExecutor(2) as threads:
+        runner = RetentionRunner(
+            *(config, [nvme], None, no_missed_commits, release_as_a_flush_begins, no_slots, [], threads, threads),
+            JobRetention(config, threads),
+            SharedLocks(),
+        )
+        assert [r.step for r in asyncio.run(runner.retain("sealed", "j"))] == []  # 16 was the pass's one removal
+    data = memoryview(mmap.mmap(-1, 4096))
+    digests = chunk_digests(data, CHUNK_SIZE_BYTES)
+    flushes[0].write(ByteRange(0, 4096), data, digests)
+    flushes[0].seal(dataclasses.replace(meta, chunk_xxh3_128=tuple(digests)))  # the flush goes on, undisturbed
+    assert nvme.try_commit("j", 16, 1).line == new_line
+    assert nvme.complete_lines("j") == {4: (), 8: new_line, 16: new_line}
 
 
 def test_a_step_held_alone_is_not_taken_alone_again_and_a_shared_holder_waits_for_it():

@@ -16,6 +16,7 @@ from ckptd.save.flush import Flusher
 from ckptd.save.progress import ShardProgress
 from ckptd.save.save_path import SavePath
 from ckptd.save.staging import SlotPool
+from ckptd.tiers.base import Listed
 from ckptd.tiers.nvme import LocalDirTier
 
 HELD_S = 1.5  # how long the first catalog write waits for a second one to overlap it (none may)
@@ -50,8 +51,8 @@ class WatchedTier(LocalDirTier):
     def adopt_commit(self, record: CommitRecord) -> bool:
         return self._write(f"adopt {record.step}", lambda: super(WatchedTier, self).adopt_commit(record))
 
-    def remove_step(self, job: str, step: int) -> None:
-        self._write(f"remove {step}", lambda: super(WatchedTier, self).remove_step(job, step))
+    def remove_step(self, job: str, step: int, listed: Listed | None = None) -> None:
+        self._write(f"remove {step}", lambda: super(WatchedTier, self).remove_step(job, step, listed))
 
 
 def shard(step: int) -> tuple[ShardMeta, memoryview]:

@@ -29,11 +29,11 @@ from ckpt_core.format import (
 )
 from ckpt_core.shard_key import ShardKey
 
-from ckptd.errors import ShardWriteError
+from ckptd.errors import ShardWriteError, StepChanged
 from ckptd.save.staging import SlotPool, Snapshot
 from ckptd.save.uploading import upload_file
 from ckptd.storage.object_store import open_store
-from ckptd.tiers.base import Tier
+from ckptd.tiers.base import Listed, Tier
 from ckptd.tiers.memory import MemoryTier
 from ckptd.tiers.nvme import LocalDirTier
 from ckptd.tiers.object.keys import shard_dir
@@ -209,6 +209,23 @@ def test_removing_a_step_leaves_nothing_of_it(harness):
     assert harness.tier.complete_steps("job") == [3] and harness.tier.all_steps("job") == [3, 4]
     harness.tier.remove_step("job", 3)
     harness.tier.remove_step("job", 4)
+    assert harness.stored() == []
+
+
+def test_a_step_retention_listed_goes_only_while_it_is_as_listed(harness):
+    if not hasattr(harness, "stored"):
+        pytest.skip("the memory tier removes no steps: its slots are reused")
+    harness.put(ShardKey("job", 3, 0, 1), b"complete on the first line")
+    harness.put(ShardKey("job", 4, 0, 2), b"a step never complete")
+    with pytest.raises(StepChanged, match=rf"job step 3 on tier {harness.tier.name} changed .*incomplete then"):
+        harness.tier.remove_step("job", 3, Listed(None))
+    with pytest.raises(StepChanged, match=r"job step 4 .* changed since it was listed \(complete then\)"):
+        harness.tier.remove_step("job", 4, Listed(()))
+    with pytest.raises(StepChanged, match=r"job step 3 .* changed"):
+        harness.tier.remove_step("job", 3, Listed(((2, 1),)))  # listed complete on a line it is not on
+    assert harness.tier.complete_steps("job") == [3] and harness.tier.all_steps("job") == [3, 4]
+    harness.tier.remove_step("job", 3, Listed(()))
+    harness.tier.remove_step("job", 4, Listed(None))
     assert harness.stored() == []
 
 
