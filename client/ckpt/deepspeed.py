@@ -33,7 +33,6 @@ from ckpt.torch_version import require_torch
 
 require_torch()
 
-import json  # noqa: E402 (torch checked first)
 import logging  # noqa: E402
 import os  # noqa: E402
 import re  # noqa: E402
@@ -50,6 +49,7 @@ from deepspeed.runtime.checkpoint_engine.checkpoint_engine import (  # noqa: E40
 
 from ckpt.checkpointer import Checkpointer, SaveHandle  # noqa: E402
 from ckpt.job_versions import new_run_job  # noqa: E402
+from ckpt.pointer_file import broken_pointer, pointer_bytes, pointer_fields, write_local_pointer  # noqa: E402
 
 log = logging.getLogger(__name__)
 
@@ -70,10 +70,7 @@ class Pointer:
 
     def write(self, path: str) -> None:
         """Write the pointer at path, atomically."""
-        with open(path + ".partial", "w") as f:
-            json.dump({"format": POINTER_FORMAT, "version": POINTER_VERSION, **asdict(self)}, f)
-            f.write("\n")
-        os.replace(path + ".partial", path)
+        write_local_pointer(path, pointer_bytes(POINTER_FORMAT, POINTER_VERSION, asdict(self)))
 
 
 def read_pointer(path: str) -> Pointer | None:
@@ -83,19 +80,10 @@ def read_pointer(path: str) -> Pointer | None:
         if head != b"{":
             return None
         text = head + f.read()
-    try:
-        fields = json.loads(text)
-    except ValueError as e:
-        raise InvalidArgument(f"{path} is neither a torch file nor a ckptd pointer: {e}") from None
-    if not isinstance(fields, dict) or fields.get("format") != POINTER_FORMAT:
-        raise InvalidArgument(f'{path} is not a ckptd pointer (no "format": "{POINTER_FORMAT}")')
-    if fields.get("version") != POINTER_VERSION:
-        raise InvalidArgument(f"{path} is a ckptd pointer of version {fields.get('version')!r}; this ckpt reads 1")
-    try:
+    fields = pointer_fields(text, path, POINTER_FORMAT, POINTER_VERSION)
+    with broken_pointer(path):
         job, step, file = validate_job(fields["job"]), validate_step(fields["step"]), str(fields["file"])
         return Pointer(job, step, *validate_rank(fields["rank"], fields["world_size"]), file)
-    except (KeyError, InvalidArgument) as e:
-        raise InvalidArgument(f"{path} is a broken ckptd pointer: {type(e).__name__}: {e}") from None
 
 
 def step_of_tag(tag: str) -> int:

@@ -42,7 +42,6 @@ from ckpt.torch_version import require_torch
 
 require_torch()
 
-import json  # noqa: E402 (torch checked first)
 import logging  # noqa: E402
 import os  # noqa: E402
 import random  # noqa: E402
@@ -62,6 +61,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
 from ckpt.checkpointer import Checkpointer, SaveHandle  # noqa: E402
 from ckpt.job_versions import new_run_job  # noqa: E402
+from ckpt.pointer_file import broken_pointer, pointer_bytes, pointer_fields, write_local_pointer  # noqa: E402
 
 log = logging.getLogger(__name__)
 
@@ -82,30 +82,20 @@ class Pointer:
         """Write the pointer into checkpoint_dir (made if need be), atomically."""
         os.makedirs(checkpoint_dir, exist_ok=True)
         path = os.path.join(checkpoint_dir, POINTER_NAME)
-        with open(path + ".partial", "w") as f:
-            json.dump({"format": POINTER_FORMAT, "version": POINTER_VERSION, **asdict(self)}, f)
-            f.write("\n")
-        os.replace(path + ".partial", path)
+        write_local_pointer(path, pointer_bytes(POINTER_FORMAT, POINTER_VERSION, asdict(self)))
 
 
 def read_pointer(checkpoint_dir: str) -> Pointer | None:
     """Return the pointer of a checkpoint-N directory; None for a directory Trainer wrote itself."""
     path = os.path.join(checkpoint_dir, POINTER_NAME)
     try:
-        with open(path) as f:
-            fields = json.load(f)
+        with open(path, "rb") as f:
+            data = f.read()
     except FileNotFoundError:
         return None
-    except ValueError as e:
-        raise InvalidArgument(f"{path} is not a ckptd pointer: {e}") from None
-    if not isinstance(fields, dict) or fields.get("format") != POINTER_FORMAT:
-        raise InvalidArgument(f'{path} is not a ckptd pointer (no "format": "{POINTER_FORMAT}")')
-    if fields.get("version") != POINTER_VERSION:
-        raise InvalidArgument(f"{path} is a ckptd pointer of version {fields.get('version')!r}; this ckpt reads 1")
-    try:
+    fields = pointer_fields(data, path, POINTER_FORMAT, POINTER_VERSION)
+    with broken_pointer(path):
         return Pointer(validate_job(fields["job"]), validate_step(fields["step"]), str(fields["address"]))
-    except (KeyError, InvalidArgument) as e:
-        raise InvalidArgument(f"{path} is a broken ckptd pointer: {type(e).__name__}: {e}") from None
 
 
 def rng_states() -> dict[str, Any]:

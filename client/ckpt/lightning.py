@@ -71,7 +71,6 @@ from ckpt.torch_version import require_torch
 require_torch()
 
 import contextlib  # noqa: E402 (torch checked first)
-import json  # noqa: E402
 import logging  # noqa: E402
 import os  # noqa: E402
 import re  # noqa: E402
@@ -88,7 +87,7 @@ try:
     from lightning.fabric.utilities.cloud_io import get_filesystem
     from lightning.fabric.utilities.types import _PATH
 except ImportError as e:  # ckptd-client does not depend on Lightning: say what to install
-    raise ImportError(f"ckpt.lightning needs PyTorch Lightning (pip install 'lightning>=2.4'): {e}") from e
+    raise ImportError(f"ckpt.lightning needs PyTorch Lightning (pip install 'lightning>=2.6'): {e}") from e
 
 from ckpt_core.daemon_socket import resolve_address  # noqa: E402
 from ckpt_core.errors import CheckpointError, InvalidArgument, NotFound, SaveFailed  # noqa: E402
@@ -98,6 +97,7 @@ from ckpt.checkpointer import Checkpointer, SaveHandle  # noqa: E402
 from ckpt.flatten import flatten  # noqa: E402
 from ckpt.job_versions import new_run_job  # noqa: E402
 from ckpt.lightning_files import POINTER_KEY, TorchFileWriter, pointer_text  # noqa: E402
+from ckpt.pointer_file import broken_pointer, pointer_bytes, pointer_fields  # noqa: E402
 
 log = logging.getLogger(__name__)
 
@@ -124,23 +124,13 @@ class Pointer:
 
     def to_json(self) -> bytes:
         """Return the pointer as the bytes of its file."""
-        return (json.dumps({"format": POINTER_FORMAT, "version": POINTER_VERSION, **asdict(self)}) + "\n").encode()
+        return pointer_bytes(POINTER_FORMAT, POINTER_VERSION, asdict(self))
 
     @classmethod
     def from_json(cls, data: bytes, path: str) -> Pointer:
         """Parse a pointer file's bytes, or raise InvalidArgument naming path."""
-        try:
-            fields = json.loads(data)
-        except ValueError as e:
-            raise InvalidArgument(f"{path} is not a ckptd pointer: {e}") from None
-        if not isinstance(fields, dict) or fields.get("format") != POINTER_FORMAT:
-            raise InvalidArgument(f'{path} holds JSON that is not a ckptd pointer (no "format": "{POINTER_FORMAT}")')
-        if fields.get("version") != POINTER_VERSION:
-            raise InvalidArgument(
-                f"{path} is a ckptd pointer of version {fields.get('version')!r}; this ckpt reads version "
-                f"{POINTER_VERSION}"
-            )
-        try:
+        fields = pointer_fields(data, path, POINTER_FORMAT, POINTER_VERSION)
+        with broken_pointer(path):
             if not isinstance(fields["address"], str):
                 raise InvalidArgument(f"address {fields['address']!r} is not a string")
             return cls(
@@ -149,8 +139,6 @@ class Pointer:
                 validate_step(fields["global_step"]),
                 fields["address"],
             )
-        except (KeyError, InvalidArgument) as e:
-            raise InvalidArgument(f"{path} is a broken ckptd pointer: {type(e).__name__}: {e}") from None
 
 
 def read_pointer(path: str) -> Pointer | None:
@@ -356,9 +344,7 @@ class CkptdCheckpointIO(CheckpointIO):
         """
         pointer, torch_file = _read_path(str(path))
         if pointer is None or (torch_file and weights_only):
-            checkpoint = self._files.load_checkpoint(path, map_location=map_location, weights_only=weights_only)
-            checkpoint.pop(POINTER_KEY, None)
-            return checkpoint
+            return self._load_file(path, map_location, weights_only)
         if self._base_job is None:
             self._base_job = pointer.job  # a plugin given no job resumes the pointer's, and its saves continue it
         if pointer.job != self.job and self._is_version(pointer.job):
@@ -376,10 +362,17 @@ class CkptdCheckpointIO(CheckpointIO):
                 if not torch_file:
                     raise
                 log.warning("ckpt: ckptd holds step %d of %s no more: reading %s", pointer.step, pointer.job, path)
-                checkpoint = self._files.load_checkpoint(path, map_location=map_location, weights_only=weights_only)
-                checkpoint.pop(POINTER_KEY, None)
+                checkpoint = self._load_file(path, map_location, weights_only)
         if own:
             self._last = None  # the saves after a load follow its step, not the plugin's earlier saves
+        return checkpoint
+
+    def _load_file(self, path: _PATH, map_location: Any, weights_only: bool | None) -> dict[str, Any]:
+        """Read the file at path as TorchCheckpointIO reads it, less the pointer a torch file of ours carries."""
+        checkpoint: dict[str, Any] = self._files.load_checkpoint(
+            path, map_location=map_location, weights_only=weights_only
+        )
+        checkpoint.pop(POINTER_KEY, None)
         return checkpoint
 
     @staticmethod

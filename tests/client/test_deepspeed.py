@@ -49,9 +49,9 @@ def test_a_pointer_reads_back_and_a_torch_file_is_not_one(tmp_path):
 @pytest.mark.parametrize(
     ("text", "says"),
     [
-        ("{not json", "neither a torch file nor a ckptd pointer"),
+        ("{not json", "is not a ckptd pointer"),
         ('{"format": "other"}', f'no "format": "{POINTER_FORMAT}"'),
-        (f'{{"format": "{POINTER_FORMAT}", "version": 9}}', "of version 9; this ckpt reads 1"),
+        (f'{{"format": "{POINTER_FORMAT}", "version": 9}}', "of version 9; this ckpt reads version 1"),
         (f'{{"format": "{POINTER_FORMAT}", "version": 1, "job": "j"}}', "broken ckptd pointer: KeyError"),
     ],
 )

@@ -2,8 +2,7 @@
 
 The processes run examples/torchtitan_train.py: a tiny model with torchtitan's OptimizersContainer and
 LRSchedulersContainer (on two ranks sharded by FSDP2, as torchtitan shards), checkpointed by the manager
-torchtitan's Trainer builds from its config. Skipped
-where torchtitan is not installed (it is not in the test extra: its dependencies are a training stack).
+torchtitan's Trainer builds from its config. Skipped where torchtitan is not installed (the test extra has it).
 """
 
 from __future__ import annotations
