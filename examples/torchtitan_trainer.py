@@ -20,6 +20,10 @@ first step, torch 2.13's distributed_c10d._set_pg_timeout; (3) uses SDPA attenti
 graph_trainer tests do (FlexAttention has no backward on CPU); (4) starts the gloo process group itself
 (torchtitan's init_distributed would pick nccl for "cuda"; it keeps a group that is up). torchtitan's models
 import triton (distributed/minimal_async_ep/kernels.py:10), which torchtitan does not require: pip install triton.
+One process only: on two gloo ranks, torch 2.13's FSDP2 reduces gradients with ReduceOp.PREMUL_SUM, which gloo
+does not have, as torchtitan sets a gradient divide factor of 1 (distributed/fsdp.py:41), and before that,
+with torchtitan's default spmd_backend, its fully_shard refuses the plain parameters torchtitan hands it
+(models/llama3/parallelize.py:72). examples/torchtitan_train.py runs two FSDP2 ranks with torchtitan's manager.
 On a GPU with the torch torchtitan pins, none of this is needed: `torchrun ... -m torchtitan.train --module M
 --config C`, whose config C sets `checkpoint = CkptdCheckpointManager.Config(...)` (docs/GUIDE.md), is the way.
 """
@@ -155,13 +159,10 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     init_logger()
 
-    store = args.out / f"pg-{os.getpid()}"
-    if "RANK" in os.environ:
-        dist.init_process_group("gloo")
-    else:
-        os.environ.setdefault("LOCAL_RANK", "0")
-        dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-    assets, data = write_assets(args.out / f"inputs-rank{dist.get_rank()}")
+    store = args.out / f"pg-{os.getpid()}"  # one process: a file store of this run's own, no port
+    os.environ["LOCAL_RANK"] = "0"
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    assets, data = write_assets(args.out / "inputs")
 
     trainer = trainer_config(args, assets, data).build()
     if args.die_at is not None:

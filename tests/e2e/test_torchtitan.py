@@ -132,12 +132,16 @@ def trainer_losses_by_process(out: Path) -> list[dict[int, float]]:
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.parametrize("async_mode", ["async", "disabled", "async_with_pinned_mem"])
 def test_torchtitans_own_trainer_killed_mid_run_resumes_from_ckptd_with_the_losses_of_an_uninterrupted_run(
-    daemon, short_tmp
+    daemon, short_tmp, async_mode, monkeypatch
 ):
     for module in ("triton", "datasets", "torchdata", "tokenizers"):
         pytest.importorskip(module, reason=f"torchtitan's Trainer needs {module}")
-    common = ["--address", daemon.address, "--async-mode", "async", "--keep-latest-k", "2"]
+    # the datasets library's cache of the generated dataset, and the killed run's multiprocessing directories
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(short_tmp / "datasets-cache"))
+    monkeypatch.setenv("TMPDIR", str(short_tmp))
+    common = ["--address", daemon.address, "--async-mode", async_mode, "--keep-latest-k", "2"]
     whole, broken = short_tmp / "whole", short_tmp / "broken"
     run(whole, "--job", "trainer-whole", *common, example=TRAINER)
     run(broken, "--job", "trainer", *common, "--die-at", str(DIE_AT), killed=True, example=TRAINER)
