@@ -75,7 +75,7 @@ WORDS = SENTENCE.split()  # the vocabulary, and the words of the dataset's lines
 class LossRecorder(MetricsProcessor):
     """torchtitan's MetricsProcessor that also appends each step's loss to a JSON-lines file as it logs it.
 
-    The Trainer calls log(step, ...) on the training thread of the rank that logs (rank 0), every log_freq steps.
+    The Trainer calls log(step, ...) on its training thread after the step's optimizer step, every log_freq steps.
     """
 
     @dataclass(kw_only=True, slots=True)
