@@ -33,8 +33,12 @@ STEPS, INTERVAL, DIE_AT = 16, 4, 10  # saves at 4, 8, 12 and 16 (the last step's
 
 
 def run(out: Path, *args: str, killed: bool = False, example: Path = EXAMPLE) -> None:
-    """Run the example to its end (or to its SIGKILL, when killed)."""
-    env = {k: v for k, v in os.environ.items() if k != "CKPTD_ADDRESS"} | {"OMP_NUM_THREADS": "1"}
+    """Run the example to its end (or to its SIGKILL, when killed), its temporary files beside out."""
+    # TMPDIR: a killed process's multiprocessing directory (/tmp/pymp-*, DCP's process executor) goes with the test's
+    env = {k: v for k, v in os.environ.items() if k != "CKPTD_ADDRESS"} | {
+        "OMP_NUM_THREADS": "1",
+        "TMPDIR": str(out.parent),
+    }
     command = [sys.executable, str(example), str(out), "--steps", str(STEPS), "--interval", str(INTERVAL), *args]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=WORKER_TIMEOUT_S)
     expected = -signal.SIGKILL if killed else 0
@@ -138,9 +142,7 @@ def test_torchtitans_own_trainer_killed_mid_run_resumes_from_ckptd_with_the_loss
 ):
     for module in ("triton", "datasets", "torchdata", "tokenizers"):
         pytest.importorskip(module, reason=f"torchtitan's Trainer needs {module}")
-    # the datasets library's cache of the generated dataset, and the killed run's multiprocessing directories
-    monkeypatch.setenv("HF_DATASETS_CACHE", str(short_tmp / "datasets-cache"))
-    monkeypatch.setenv("TMPDIR", str(short_tmp))
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(short_tmp / "datasets-cache"))  # the dataset's cache, not ~/.cache
     common = ["--address", daemon.address, "--async-mode", async_mode, "--keep-latest-k", "2"]
     whole, broken = short_tmp / "whole", short_tmp / "broken"
     run(whole, "--job", "trainer-whole", *common, example=TRAINER)
