@@ -1,8 +1,11 @@
 """torchtitan's CheckpointManager on ckptd (CkptdCheckpointManager) with a real daemon: kill -9, resume, same losses.
 
-The processes run examples/torchtitan_train.py: a tiny model with torchtitan's OptimizersContainer and
+Most processes run examples/torchtitan_train.py: a tiny model with torchtitan's OptimizersContainer and
 LRSchedulersContainer (on two ranks sharded by FSDP2, as torchtitan shards), checkpointed by the manager
-torchtitan's Trainer builds from its config. Skipped where torchtitan is not installed (the test extra has it).
+torchtitan's Trainer builds from its config. One test runs examples/torchtitan_trainer.py: torchtitan's own
+Trainer, its llama3 debug model, tokenizer and dataloader, on CPU. Skipped where torchtitan is not installed
+(the test extra has it, and triton, which torchtitan's models import), that test also where its dataset stack or
+triton is missing.
 """
 
 from __future__ import annotations
@@ -24,14 +27,19 @@ pytest.importorskip("torchtitan", reason="torchtitan is not installed")
 pytestmark = pytest.mark.e2e
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "torchtitan_train.py"
+TRAINER = EXAMPLE.with_name("torchtitan_trainer.py")
 WORKER_TIMEOUT_S = 120
 STEPS, INTERVAL, DIE_AT = 16, 4, 10  # saves at 4, 8, 12 and 16 (the last step's); killed after 10's
 
 
-def run(out: Path, *args: str, killed: bool = False) -> None:
-    """Run the example to its end (or to its SIGKILL, when killed)."""
-    env = {k: v for k, v in os.environ.items() if k != "CKPTD_ADDRESS"} | {"OMP_NUM_THREADS": "1"}
-    command = [sys.executable, str(EXAMPLE), str(out), "--steps", str(STEPS), "--interval", str(INTERVAL), *args]
+def run(out: Path, *args: str, killed: bool = False, example: Path = EXAMPLE) -> None:
+    """Run the example to its end (or to its SIGKILL, when killed), its temporary files beside out."""
+    # TMPDIR: a killed process's multiprocessing directory (/tmp/pymp-*, DCP's process executor) goes with the test's
+    env = {k: v for k, v in os.environ.items() if k != "CKPTD_ADDRESS"} | {
+        "OMP_NUM_THREADS": "1",
+        "TMPDIR": str(out.parent),
+    }
+    command = [sys.executable, str(example), str(out), "--steps", str(STEPS), "--interval", str(INTERVAL), *args]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=WORKER_TIMEOUT_S)
     expected = -signal.SIGKILL if killed else 0
     assert done.returncode == expected, done.stdout + done.stderr[-6000:]
@@ -119,3 +127,35 @@ def test_two_fsdp2_ranks_under_torchrun_killed_mid_run_resume_with_the_losses_of
         if item["step"] == 16
     ]
     assert step["world_size"] == 2
+
+
+def trainer_losses_by_process(out: Path) -> list[dict[int, float]]:
+    """Return the losses torchtitan's Trainer logged, by step, for each process in the order they ran."""
+    files = sorted(out.glob("losses-*.jsonl"), key=lambda p: p.stat().st_mtime_ns)
+    return [{row["step"]: row["loss"] for row in map(json.loads, p.read_text().splitlines())} for p in files]
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("async_mode", ["async", "disabled", "async_with_pinned_mem"])
+def test_torchtitans_own_trainer_killed_mid_run_resumes_from_ckptd_with_the_losses_of_an_uninterrupted_run(
+    daemon, short_tmp, async_mode, monkeypatch
+):
+    for module in ("triton", "datasets", "torchdata", "tokenizers"):
+        pytest.importorskip(module, reason=f"torchtitan's Trainer needs {module}")
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(short_tmp / "datasets-cache"))  # the dataset's cache, not ~/.cache
+    common = ["--address", daemon.address, "--async-mode", async_mode, "--keep-latest-k", "2"]
+    whole, broken = short_tmp / "whole", short_tmp / "broken"
+    run(whole, "--job", "trainer-whole", *common, example=TRAINER)
+    run(broken, "--job", "trainer", *common, "--die-at", str(DIE_AT), killed=True, example=TRAINER)
+    run(broken, "--job", "trainer", *common, example=TRAINER)
+
+    [reference] = trainer_losses_by_process(whole)
+    first, resumed = trainer_losses_by_process(broken)
+    assert sorted(reference) == list(range(1, STEPS + 1))
+    assert sorted(first) == list(range(1, DIE_AT + 1))
+    assert sorted(resumed) == list(range(9, STEPS + 1))  # from step 8 (model, optimizer, schedule, data position)
+    assert first | resumed == reference  # bit for bit: the resumed steps saw the same weights and the same batches
+    assert not (broken / "checkpoint").exists()
+    eventually(lambda: ls(daemon, "trainer-whole") == [12, 16], what="trainer-whole keeping its 2 newest steps")
+    # step 8, loaded by the resume, may be held a while longer
+    eventually(lambda: 4 not in ls(daemon, "trainer") and {12, 16} <= set(ls(daemon, "trainer")), what="trainer's")
