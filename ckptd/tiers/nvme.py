@@ -229,7 +229,7 @@ class LocalDirTier(DurableTier):
                 "step %d again",
                 *(meta.job, meta.step, self.name, record.committed_at or "an unknown time", meta.step),
             )
-            self._unlist_and_delete(meta.job, meta.step)
+            self._delete(self._unlist(meta.job, meta.step))
             return
         listed = meta.rank < record.world_size and record.shard_meta_xxh3_128[meta.rank] == digest(meta.to_bytes())
         if not (meta.chunk_xxh3_128 and listed):
@@ -321,12 +321,13 @@ class LocalDirTier(DurableTier):
         fsync_dir(step_dir)
 
     def remove_step(self, job: str, step: int, listed: Listed | None = None) -> None:
-        """Unlist the step (commit record first), then delete its directory; under the step's lock.
+        """Unlist the step (commit record first) and move its directory aside under the step's lock; then delete it.
 
         Under the lock, no shard is opened or installed in the directory meanwhile (open_shard,
         _writable). With listed (retention's plan), a step that is no longer as listed stays
         (StepChanged): a rollback's line that saved the step number again since (open_shard
         retired the old step) writes into a new directory, which must not go with the old step.
+        The deletion (gigabytes, maybe) runs after the lock: a new copy of the step need not wait for it.
         """
         with self._step_lock(job, step):
             step_dir = self._step_dir(job, step)
@@ -335,19 +336,23 @@ class LocalDirTier(DurableTier):
             if listed is not None:
                 writing = any(name.endswith(PARTIAL_SUFFIX) for name in entry_names(step_dir))
                 listed.check(self.name, job, step, self.checked_commit(job, step), writing)
-            self._unlist_and_delete(job, step)
+            doomed = self._unlist(job, step)
             with self._step_locks_lock:
                 self._step_locks.pop((job, step), None)
+        self._delete(doomed)
 
-    def _unlist_and_delete(self, job: str, step: int) -> None:
-        """Unlist a step (its commit record first), move its directory aside, then delete it; under the step's lock."""
+    def _unlist(self, job: str, step: int) -> Path:
+        """Unlist a step (its commit record first) and move its directory aside; return where (under the step's lock).
+
+        The caller deletes what is returned (_delete); a crash before that leaves it to remove_leftovers.
+        """
         step_dir = self._step_dir(job, step)
         doomed = step_dir.parent / f"{DELETING_PREFIX}{step}-{uuid.uuid4().hex[:8]}"  # never an older leftover's name
         (step_dir / COMMIT_NAME).unlink(missing_ok=True)
         self._records.forget(step_dir)
         os.replace(step_dir, doomed)
         fsync_dir(step_dir.parent)
-        self._delete(doomed)
+        return doomed
 
     def _delete(self, doomed: Path) -> bool:
         """Delete an unlisted step's directory; a failure is logged and counted, and retry_removals() tries again."""
