@@ -185,7 +185,7 @@ class Node:
         async def adopt_missed_commits(tier: DurableTier, job: str) -> None:
             await save_path.adopt_missed_commits(tier, job)
 
-        async def release(tier: StepCatalog, job: str, step: int, listed: Listed | None = None) -> None:
+        async def release(tier: StepCatalog, job: str, step: int, listed: Listed | None) -> None:
             await save_path.release(tier, job, step, listed)
 
         async def release_slots(job: str, step: int, dry_run: bool) -> list[Slot]:

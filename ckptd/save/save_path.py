@@ -547,7 +547,7 @@ class SavePath:
 
     # -- 9. release: what retention, `ckptd rm` and `gc --all` decided goes ----------------------
 
-    async def release(self, tier: StepCatalog, job: str, step: int, listed: Listed | None = None) -> None:
+    async def release(self, tier: StepCatalog, job: str, step: int, listed: Listed | None) -> None:
         """Remove a step from a tier: the one way a step leaves a tier's catalog (RetentionRunner decides which).
 
         From this node's disks under the seal lock, on the cleanup thread (lowest CPU priority): a step

@@ -28,7 +28,7 @@ async def no_missed_commits(tier, job):
     """The save path's adopt_missed_commits where no cluster view is: nothing to adopt."""
 
 
-async def release(tier, job, step, listed=None):
+async def release(tier, job, step, listed):
     """The save path's release, played here: the step leaves the tier."""
     tier.remove_step(job, step, listed)
 

@@ -88,6 +88,6 @@ def test_the_kept_head_follows_an_adoption_and_the_heads_removal(saves):
     asyncio.run(path.adopt_missed_commits(nvme, "j"))  # STEPS + 1 sealed here with the cluster's record
     assert nvme.checked_commit("j", STEPS + 1) == record
     assert not placed(path, STEPS) and placed(path, STEPS + 1)
-    asyncio.run(path.release(nvme, "j", STEPS + 1))
-    asyncio.run(path.release(nvme, "j", STEPS))
+    asyncio.run(path.release(nvme, "j", STEPS + 1, None))
+    asyncio.run(path.release(nvme, "j", STEPS, None))
     assert placed(path, STEPS - 1)  # the head is STEPS - 1 again

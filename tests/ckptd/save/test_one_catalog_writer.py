@@ -89,11 +89,11 @@ def roles(tmp_path):
 
 
 FIRST = {
-    "removal": lambda saves, store, record: saves.release(store, "j", 1),
+    "removal": lambda saves, store, record: saves.release(store, "j", 1, None),
     "missed commit": lambda saves, store, record: saves.adopt_missed_commits(store, "j"),
 }
 SECOND = {
-    "removal": lambda saves, store, record: saves.release(store, "j", 1),
+    "removal": lambda saves, store, record: saves.release(store, "j", 1, None),
     "missed commit": lambda saves, store, record: saves.adopt_missed_commits(store, "j"),
     "sender's record": lambda saves, store, record: saves.replica_arrived(shard(2)[0], record),
 }

@@ -304,6 +304,17 @@ def test_a_seal_with_a_chunk_missing_is_refused_and_nothing_counts(durable):
     assert _temporaries(durable) == []
 
 
+def test_a_step_listed_incomplete_is_not_removed_while_a_copy_into_it_is_under_way(durable):
+    # A shard of it opened since the listing (a flush, a replica arriving): the removal would take its directory.
+    meta, data = _shard(2 * SMALL_CHUNK)
+    shard = durable.open_shard(meta)
+    with pytest.raises(StepChanged, match=r"job step 1 on tier .* is being written since it was listed"):
+        durable.remove_step("job", 1, Listed(None))
+    shard.write(ByteRange(0, len(data)), memoryview(data))
+    shard.seal()
+    assert durable.try_commit("job", 1, 1) is not None and _read(durable, "job", 1, 0) == data
+
+
 def test_an_abandoned_write_leaves_no_temporary_file(durable):
     meta, data = _shard(2 * SMALL_CHUNK)
     shard = durable.open_shard(meta, "cd" * 8)
