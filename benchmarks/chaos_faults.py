@@ -27,7 +27,7 @@ import ckpt
 import torch
 from chaos_cluster import FAILOVER_S, JOB, RETENTION, Cluster
 from chaos_rank import state_for
-from ckpt_core.format import COMMIT_NAME, data_name, meta_name
+from ckpt_core.format import COMMIT_NAME, ShardMeta, data_name, meta_name
 from daemon import BenchDaemon, daemon_env
 
 KINDS = (
@@ -443,11 +443,7 @@ def _check_restored(step_dir: Path, step: int, complete: bool) -> Counter[str]:
 def _damage(kind: str, rng: random.Random, cluster: Cluster) -> Fault | None:
     """Flip a bit in, or cut short, one file of a durable copy; None if no copy is there to damage."""
     if kind == "flip-slot":
-        slots = [p for p in (cluster.a.staging / JOB).glob("rank-*.slot-*") if p.suffix.startswith(".slot-")]
-        if not slots:
-            return None
-        _flip(rng, rng.choice(slots))
-        return Fault(kind)  # which step the slot holds is the daemon's to say: the checks load from memory first
+        return _flip_slot(rng, cluster)
     if kind == "flip-object":
         steps = sorted(cluster.rank.steps("object"))
         keys = cluster.object_keys(rng.choice(steps)) if steps else []
@@ -482,9 +478,35 @@ def _damage(kind: str, rng: random.Random, cluster: Cluster) -> Fault | None:
     return Fault(kind, damaged={step: {tier}})
 
 
-def _flip(rng: random.Random, path: Path) -> None:
+def _flip_slot(rng: random.Random, cluster: Cluster) -> Fault | None:
+    """Flip a bit in the data of a slot the daemon has checksummed; None if no slot is checksummed yet.
+
+    Only a snapshot already checksummed (its .meta.json marker written) can be caught: a bit flipped
+    in RAM before the daemon hashes the slot is in every copy, with checksums that match it, as one
+    flipped in the trainer's own tensors would be (docs/DESIGN.md, guarantee 3). The rank is stopped
+    meanwhile, so no save reuses the slot (which removes the marker) between the choice and the flip.
+    Which step the slot holds is the daemon's to say: the checks load from memory first.
+    """
+    cluster.rank.pause()
+    try:
+        hashed = []
+        for meta_path in sorted((cluster.a.staging / JOB).glob("rank-*.slot-*.meta.json")):
+            slot = meta_path.with_name(meta_path.name.removesuffix(".meta.json"))
+            with contextlib.suppress(OSError, ckpt.CheckpointError):  # the daemon may drop the snapshot meanwhile
+                hashed.append((slot, ShardMeta.from_bytes(meta_path.read_bytes(), str(meta_path)).data_size_bytes))
+        if not hashed:
+            return None
+        slot, data_size = rng.choice(hashed)
+        _flip(rng, slot, data_size)
+    finally:
+        cluster.rank.resume()
+    return Fault(kind="flip-slot")
+
+
+def _flip(rng: random.Random, path: Path, within: int | None = None) -> None:
+    """Flip one bit of the file at random (within: in its first bytes only)."""
     with open(path, "r+b") as f:
-        size = f.seek(0, 2)
+        size = f.seek(0, 2) if within is None else within
         if not size:
             return
         at = rng.randrange(size)
