@@ -10,7 +10,7 @@ step and printing the tiers each step reached. Between faults the rank runs a ra
 while; then one fault of those in chaos_faults.py: kill -9 of the daemon, the rank,
 both, the daemon again in its start-up recovery, the peer, a restore; a peer that stops
 answering; a full disk; a store that answers 5xx, resets or stalls; a bit flipped or a
-file cut short in a slot, an NVMe copy, a replica or an object; a peer down for long
+file cut short in a checksummed slot, an NVMe copy, a replica or an object; a peer down for long
 (--peer-down-s: every step saved meanwhile must have a replica on a live node within
 failover_s + 10 s); a flood of idle connections on a peer's data port; a peer out of
 file descriptors. Where network namespaces can be made (root, iproute2), the nodes and the
