@@ -446,10 +446,10 @@ class ObjectTier(WrittenTier):
         """
         if listed is not None:
             with self._lock:
-                self._records.pop((job, step), None)  # read afresh, not as cached at the listing
-            state = self._committed(job, step)
-            listed.check(self.name, job, step, state[0] if isinstance(state, tuple) else None, writing=False)
+                self._records.pop((job, step), None)  # read afresh below, not as cached at the listing
         state = self._committed(job, step)  # which ranks it has, and where: read before the record goes
+        if listed is not None:
+            listed.check(self.name, job, step, state[0] if isinstance(state, tuple) else None, writing=False)
         with self._lock:
             self._records.pop((job, step), None)
         self.shards.forget_listings((job,))
