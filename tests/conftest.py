@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import os
 import shutil
 import signal
@@ -25,12 +26,13 @@ CKPTD = [sys.executable, "-m", "ckptd"]
 DAEMON_STAGING_PREFIX = "ckptd-test-"
 daemon_staging_made: set[str] = set()  # this run's: another run on the machine makes names of this prefix too
 # Importing torch's inductor config (torchtitan does, where triton is installed) makes its cache directory,
-# /tmp/torchinductor_<user> unless told: this run's goes into a directory of its own, removed at its end
-# (temporary_root_removed), and the processes the tests start inherit it. Made once: this module is imported
-# again as `conftest` by the tests that take helpers from it, and a cache directory set by the user is theirs.
+# /tmp/torchinductor_<user> unless told: this run's goes into a directory of its own, removed when pytest
+# exits (also when it stops before any test, on a path not found), and the processes the tests start inherit
+# it. Made once: this module is imported again as `conftest` by the tests that take helpers from it, and a
+# cache directory set by the user is theirs.
 if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="ckt-inductor-")
-    os.environ["CKPT_TESTS_INDUCTOR_CACHE"] = os.environ["TORCHINDUCTOR_CACHE_DIR"]
+    atexit.register(shutil.rmtree, os.environ["TORCHINDUCTOR_CACHE_DIR"], ignore_errors=True)
 
 
 def _our_shared_memory() -> set[str]:
@@ -43,8 +45,7 @@ def _our_shared_memory() -> set[str]:
 
 @pytest.fixture(scope="session", autouse=True)
 def temporary_root_removed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    """Remove this run's temporary root (pytest's basetemp) at its end, failed tests' directories too, and the
-    inductor cache it made (above).
+    """Remove this run's temporary root (pytest's basetemp) at its end, failed tests' directories too.
 
     Only this run's: pytest's own "none" policy leaves the run's directory unlocked, and the
     first run to end would remove the directories of another run still going.
@@ -52,8 +53,6 @@ def temporary_root_removed(tmp_path_factory: pytest.TempPathFactory) -> Iterator
     root = tmp_path_factory.getbasetemp()
     yield
     shutil.rmtree(root, ignore_errors=True)
-    if os.environ.get("CKPT_TESTS_INDUCTOR_CACHE"):
-        shutil.rmtree(os.environ["CKPT_TESTS_INDUCTOR_CACHE"], ignore_errors=True)
 
 
 @pytest.fixture(scope="session", autouse=True)
